@@ -1,0 +1,982 @@
+"""Attention with one schedule for every caller: training, prefill, chunked prefill and paged decode.
+
+Contract (docs/numerics.md): a query at sequence position ``t`` attends over KV tiles of
+``tile_n`` positions anchored at position 0 of its sequence, visited in ascending order, inside a
+``[block_m, head]`` query tile, with one formula. The training kernel over contiguous KV and the
+paged kernel over a block table are the same Triton source (``PAGED`` only changes how a KV row's
+address is found), so a token's output row is bit-identical however it is batched, chunked,
+paged or decoded.
+
+Public functions:
+
+* :func:`varlen_attention` — training; packed sequences, autograd, deterministic backward.
+* :func:`paged_attention` — inference; vLLM-style metadata, any mix of prefill and decode.
+* :func:`write_kv_cache` — stores new keys and values into the paged cache by ``slot_mapping``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from samepath.kernels.config import (
+    AttentionConfig,
+    attention_config,
+    check_head_size,
+    dtype_name,
+    padded_head_size,
+)
+from samepath.kernels.dispatch import device_kind, jit
+
+LOG2E = 1.4426950408889634
+#: fp32 inputs are multiplied in full fp32 (no TF32) so results stay close to the fp64 reference.
+DOT_PRECISION = "ieee"
+#: No compiler contraction of a*b+c into FMA: the bits must not depend on a compiler default.
+FP_FUSION = False
+
+
+# ----------------------------------------------------------------------------------------------
+# Kernels
+# ----------------------------------------------------------------------------------------------
+
+
+@jit
+def _visible(pos_q, pos_k, kv_len, sliding_window, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr):
+    """[rows, cols] mask of the keys a query may see; everything else becomes -inf by select."""
+    visible = pos_k[None, :] < kv_len
+    if CAUSAL:
+        visible = visible & (pos_k[None, :] <= pos_q[:, None])
+    if HAS_WINDOW:
+        visible = visible & (pos_q[:, None] - pos_k[None, :] < sliding_window)
+    return visible
+
+
+@jit
+def _kv_row_offsets(
+    offs_n,
+    kv_len,
+    seq,
+    kv_start,
+    block_table,
+    stride_table_seq,
+    stride_page,
+    stride_pos,
+    PAGE_SIZE: tl.constexpr,
+    PAGED: tl.constexpr,
+):
+    """Element offsets of KV positions ``offs_n``: through the block table, or contiguous."""
+    if PAGED:
+        page = tl.load(block_table + seq * stride_table_seq + offs_n // PAGE_SIZE, mask=offs_n < kv_len, other=0)
+        return page.to(tl.int64) * stride_page + (offs_n % PAGE_SIZE).to(tl.int64) * stride_pos
+    else:
+        return (kv_start + offs_n).to(tl.int64) * stride_pos
+
+
+@jit
+def _attention_fwd_kernel(
+    Q,
+    K,
+    V,
+    Out,
+    Lse,
+    query_start_loc,
+    kv_start_loc,
+    seq_lens,
+    block_table,
+    program_seq,
+    program_block,
+    num_seqs,
+    qk_scale,
+    sliding_window,
+    stride_q_tok,
+    stride_q_head,
+    stride_k_page,
+    stride_k_pos,
+    stride_k_head,
+    stride_v_page,
+    stride_v_pos,
+    stride_v_head,
+    stride_o_tok,
+    stride_o_head,
+    stride_lse_tok,
+    stride_table_seq,
+    HEAD_SIZE: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    TILE_N: tl.constexpr,
+    GROUP: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    PAGED: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+    STORE_LSE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    head = tl.program_id(1)
+    seq = tl.load(program_seq + pid)
+    if seq >= num_seqs:
+        return
+    block = tl.load(program_block + pid)
+    kv_head = head // GROUP
+
+    q_start = tl.load(query_start_loc + seq)
+    q_len = tl.load(query_start_loc + seq + 1) - q_start
+    kv_len = tl.load(seq_lens + seq)
+    kv_start = tl.load(kv_start_loc + seq)
+    context = kv_len - q_len
+
+    offs_m = block * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    row_valid = offs_m < q_len
+    d_valid = offs_d < HEAD_SIZE
+    pos_q = context + offs_m
+    q_rows = (q_start + offs_m).to(tl.int64)
+    q = tl.load(
+        Q + q_rows[:, None] * stride_q_tok + head * stride_q_head + offs_d[None, :],
+        mask=row_valid[:, None] & d_valid[None, :],
+        other=0.0,
+    )
+
+    # The KV range that any row of this block can see; tiles outside it are fully masked for
+    # every row, and a fully masked tile leaves the softmax state bitwise unchanged.
+    kv_end = kv_len
+    if CAUSAL:
+        kv_end = tl.minimum(kv_len, context + tl.minimum(q_len, (block + 1) * BLOCK_M))
+    kv_begin = 0
+    if HAS_WINDOW:
+        kv_begin = tl.maximum(0, context + block * BLOCK_M - sliding_window + 1)
+    first_tile_start = (kv_begin // TILE_N) * TILE_N
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    for tile_start in range(first_tile_start, kv_end, TILE_N):
+        offs_n = tile_start + tl.arange(0, TILE_N)
+        kv_valid = offs_n < kv_len
+        kv_rows = _kv_row_offsets(
+            offs_n,
+            kv_len,
+            seq,
+            kv_start,
+            block_table,
+            stride_table_seq,
+            stride_k_page,
+            stride_k_pos,
+            PAGE_SIZE,
+            PAGED,
+        )
+        k = tl.load(
+            K + kv_rows[None, :] + kv_head * stride_k_head + offs_d[:, None],
+            mask=kv_valid[None, :] & d_valid[:, None],
+            other=0.0,
+        )
+        scores = tl.dot(q, k, input_precision=DOT_PRECISION)
+        visible = _visible(pos_q, offs_n, kv_len, sliding_window, CAUSAL, HAS_WINDOW)
+        scores = tl.where(visible, scores * qk_scale, float("-inf"))
+
+        m_new = tl.maximum(m_i, tl.max(scores, 1))
+        m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_shift)
+        p = tl.exp2(scores - m_shift[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+
+        v_rows = _kv_row_offsets(
+            offs_n,
+            kv_len,
+            seq,
+            kv_start,
+            block_table,
+            stride_table_seq,
+            stride_v_page,
+            stride_v_pos,
+            PAGE_SIZE,
+            PAGED,
+        )
+        v = tl.load(
+            V + v_rows[:, None] + kv_head * stride_v_head + offs_d[None, :],
+            mask=kv_valid[:, None] & d_valid[None, :],
+            other=0.0,
+        )
+        acc = acc * alpha[:, None]
+        acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
+        m_i = m_new
+
+    l_safe = tl.where(l_i == 0.0, 1.0, l_i)
+    out = acc / l_safe[:, None]
+    tl.store(
+        Out + q_rows[:, None] * stride_o_tok + head * stride_o_head + offs_d[None, :],
+        out.to(Out.dtype.element_ty),
+        mask=row_valid[:, None] & d_valid[None, :],
+    )
+    if STORE_LSE:
+        lse = tl.where(l_i == 0.0, float("inf"), m_i + tl.log2(l_safe))
+        tl.store(Lse + q_rows * stride_lse_tok + head, lse, mask=row_valid)
+
+
+@jit
+def _attention_bwd_dq_kernel(
+    Q,
+    K,
+    V,
+    dOut,
+    Lse,
+    Delta,
+    dQ,
+    cu_seqlens,
+    program_seq,
+    program_block,
+    num_seqs,
+    qk_scale,
+    sm_scale,
+    sliding_window,
+    stride_q_tok,
+    stride_q_head,
+    stride_k_tok,
+    stride_k_head,
+    stride_v_tok,
+    stride_v_head,
+    stride_do_tok,
+    stride_do_head,
+    stride_dq_tok,
+    stride_dq_head,
+    stride_lse_tok,
+    HEAD_SIZE: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    GROUP: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """dQ for one block of queries of one head: a serial loop over its KV tiles, no atomics."""
+    pid = tl.program_id(0)
+    head = tl.program_id(1)
+    seq = tl.load(program_seq + pid)
+    if seq >= num_seqs:
+        return
+    block = tl.load(program_block + pid)
+    kv_head = head // GROUP
+    start = tl.load(cu_seqlens + seq)
+    seq_len = tl.load(cu_seqlens + seq + 1) - start
+
+    offs_m = block * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    row_valid = offs_m < seq_len
+    d_valid = offs_d < HEAD_SIZE
+    rows = (start + offs_m).to(tl.int64)
+    qd_mask = row_valid[:, None] & d_valid[None, :]
+    q = tl.load(Q + rows[:, None] * stride_q_tok + head * stride_q_head + offs_d[None, :], mask=qd_mask, other=0.0)
+    do = tl.load(
+        dOut + rows[:, None] * stride_do_tok + head * stride_do_head + offs_d[None, :], mask=qd_mask, other=0.0
+    )
+    lse = tl.load(Lse + rows * stride_lse_tok + head, mask=row_valid, other=0.0)
+    delta = tl.load(Delta + rows * stride_lse_tok + head, mask=row_valid, other=0.0)
+
+    kv_end = seq_len
+    if CAUSAL:
+        kv_end = tl.minimum(seq_len, (block + 1) * BLOCK_M)
+    kv_begin = 0
+    if HAS_WINDOW:
+        kv_begin = tl.maximum(0, block * BLOCK_M - sliding_window + 1)
+
+    dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    for tile_start in range((kv_begin // BLOCK_N) * BLOCK_N, kv_end, BLOCK_N):
+        offs_n = tile_start + tl.arange(0, BLOCK_N)
+        kv_rows = (start + offs_n).to(tl.int64)
+        kd_mask = (offs_n < seq_len)[None, :] & d_valid[:, None]
+        k_t = tl.load(
+            K + kv_rows[None, :] * stride_k_tok + kv_head * stride_k_head + offs_d[:, None], mask=kd_mask, other=0.0
+        )
+        v_t = tl.load(
+            V + kv_rows[None, :] * stride_v_tok + kv_head * stride_v_head + offs_d[:, None], mask=kd_mask, other=0.0
+        )
+        scores = tl.dot(q, k_t, input_precision=DOT_PRECISION)
+        visible = _visible(offs_m, offs_n, seq_len, sliding_window, CAUSAL, HAS_WINDOW)
+        p = tl.where(visible, tl.exp2(scores * qk_scale - lse[:, None]), 0.0)
+        dp = tl.dot(do, v_t, input_precision=DOT_PRECISION)
+        ds = p * (dp - delta[:, None])
+        dq = tl.dot(ds.to(k_t.dtype), tl.trans(k_t), dq, input_precision=DOT_PRECISION)
+
+    dq = dq * sm_scale
+    tl.store(
+        dQ + rows[:, None] * stride_dq_tok + head * stride_dq_head + offs_d[None, :],
+        dq.to(dQ.dtype.element_ty),
+        mask=qd_mask,
+    )
+
+
+@jit
+def _attention_bwd_dkdv_kernel(
+    Q,
+    K,
+    V,
+    dOut,
+    Lse,
+    Delta,
+    dK,
+    dV,
+    cu_seqlens,
+    program_seq,
+    program_block,
+    num_seqs,
+    qk_scale,
+    sm_scale,
+    sliding_window,
+    stride_q_tok,
+    stride_q_head,
+    stride_k_tok,
+    stride_k_head,
+    stride_v_tok,
+    stride_v_head,
+    stride_do_tok,
+    stride_do_head,
+    stride_dk_tok,
+    stride_dk_head,
+    stride_dv_tok,
+    stride_dv_head,
+    stride_lse_tok,
+    HEAD_SIZE: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    GROUP: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """dK, dV for one block of keys of one KV head: serial loops over its query heads, then its
+    query blocks, so every sum has one order and no atomics are needed."""
+    pid = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    seq = tl.load(program_seq + pid)
+    if seq >= num_seqs:
+        return
+    block = tl.load(program_block + pid)
+    start = tl.load(cu_seqlens + seq)
+    seq_len = tl.load(cu_seqlens + seq + 1) - start
+
+    offs_n = block * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_valid = offs_d < HEAD_SIZE
+    kv_rows = (start + offs_n).to(tl.int64)
+    kd_mask = (offs_n < seq_len)[:, None] & d_valid[None, :]
+    k = tl.load(
+        K + kv_rows[:, None] * stride_k_tok + kv_head * stride_k_head + offs_d[None, :], mask=kd_mask, other=0.0
+    )
+    v = tl.load(
+        V + kv_rows[:, None] * stride_v_tok + kv_head * stride_v_head + offs_d[None, :], mask=kd_mask, other=0.0
+    )
+
+    q_begin = 0
+    if CAUSAL:
+        q_begin = block * BLOCK_N
+    q_end = seq_len
+    if HAS_WINDOW:
+        q_end = tl.minimum(seq_len, (block + 1) * BLOCK_N + sliding_window - 1)
+
+    dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    for g in range(GROUP):
+        head = kv_head * GROUP + g
+        for q_tile in range((q_begin // BLOCK_M) * BLOCK_M, q_end, BLOCK_M):
+            offs_m = q_tile + tl.arange(0, BLOCK_M)
+            row_valid = offs_m < seq_len
+            rows = (start + offs_m).to(tl.int64)
+            qd_mask = d_valid[:, None] & row_valid[None, :]
+            q_t = tl.load(
+                Q + rows[None, :] * stride_q_tok + head * stride_q_head + offs_d[:, None], mask=qd_mask, other=0.0
+            )
+            do = tl.load(
+                dOut + rows[:, None] * stride_do_tok + head * stride_do_head + offs_d[None, :],
+                mask=row_valid[:, None] & d_valid[None, :],
+                other=0.0,
+            )
+            lse = tl.load(Lse + rows * stride_lse_tok + head, mask=row_valid, other=0.0)
+            delta = tl.load(Delta + rows * stride_lse_tok + head, mask=row_valid, other=0.0)
+
+            scores_t = tl.dot(k, q_t, input_precision=DOT_PRECISION)
+            visible_t = tl.trans(_visible(offs_m, offs_n, seq_len, sliding_window, CAUSAL, HAS_WINDOW))
+            visible_t = visible_t & row_valid[None, :]
+            p_t = tl.where(visible_t, tl.exp2(scores_t * qk_scale - lse[None, :]), 0.0)
+            dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=DOT_PRECISION)
+            dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
+            ds_t = p_t * (dp_t - delta[None, :])
+            dk = tl.dot(ds_t.to(q_t.dtype), tl.trans(q_t), dk, input_precision=DOT_PRECISION)
+
+    dk = dk * sm_scale
+    tl.store(
+        dK + kv_rows[:, None] * stride_dk_tok + kv_head * stride_dk_head + offs_d[None, :],
+        dk.to(dK.dtype.element_ty),
+        mask=kd_mask,
+    )
+    tl.store(
+        dV + kv_rows[:, None] * stride_dv_tok + kv_head * stride_dv_head + offs_d[None, :],
+        dv.to(dV.dtype.element_ty),
+        mask=kd_mask,
+    )
+
+
+@jit
+def _write_kv_cache_kernel(
+    Key,
+    Value,
+    KeyCache,
+    ValueCache,
+    slot_mapping,
+    stride_key_tok,
+    stride_key_head,
+    stride_value_tok,
+    stride_value_head,
+    stride_kc_page,
+    stride_kc_pos,
+    stride_kc_head,
+    stride_vc_page,
+    stride_vc_pos,
+    stride_vc_head,
+    num_kv_heads,
+    HEAD_SIZE: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+):
+    token = tl.program_id(0)
+    slot = tl.load(slot_mapping + token).to(tl.int64)
+    if slot < 0:
+        return
+    page = slot // PAGE_SIZE
+    pos = slot % PAGE_SIZE
+    offs_d = tl.arange(0, BLOCK_D)
+    d_valid = offs_d < HEAD_SIZE
+    for head in range(num_kv_heads):
+        key = tl.load(Key + token * stride_key_tok + head * stride_key_head + offs_d, mask=d_valid)
+        value = tl.load(Value + token * stride_value_tok + head * stride_value_head + offs_d, mask=d_valid)
+        tl.store(
+            KeyCache + page * stride_kc_page + pos * stride_kc_pos + head * stride_kc_head + offs_d, key, mask=d_valid
+        )
+        tl.store(
+            ValueCache + page * stride_vc_page + pos * stride_vc_pos + head * stride_vc_head + offs_d,
+            value,
+            mask=d_valid,
+        )
+
+
+# ----------------------------------------------------------------------------------------------
+# Launchers
+# ----------------------------------------------------------------------------------------------
+
+
+def _program_map(cu_seqlens: torch.Tensor, block: int, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Assign program ids to (sequence, block of ``block`` rows) without a host sync.
+
+    The grid has an upper bound of programs (``num_tokens // block + num_seqs``); programs past the
+    last real block get sequence index ``num_seqs`` and return at once.
+    """
+    num_seqs = cu_seqlens.numel() - 1
+    lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).to(torch.int64)
+    cu_blocks = torch.cumsum((lengths + block - 1) // block, 0)
+    program_ids = torch.arange(num_tokens // block + num_seqs, device=cu_seqlens.device)
+    program_seq = torch.searchsorted(cu_blocks, program_ids, right=True)
+    first_block = torch.cat([cu_blocks.new_zeros(1), cu_blocks[:-1]])
+    program_block = program_ids - first_block[program_seq.clamp(max=num_seqs - 1)]
+    return program_seq.to(torch.int32), program_block.to(torch.int32)
+
+
+def _check_same_device(device: torch.device, **tensors: torch.Tensor) -> None:
+    for name, tensor in tensors.items():
+        if tensor.device != device:
+            raise ValueError(f"{name} is on {tensor.device}, expected {device} (the query's device)")
+
+
+def _check_int_vector(name: str, tensor: torch.Tensor, length: int | None = None) -> None:
+    if tensor.dtype not in (torch.int32, torch.int64) or tensor.dim() != 1:
+        raise ValueError(f"{name} must be a 1-D int32/int64 tensor, got {tensor.dtype} of shape {tuple(tensor.shape)}")
+    if length is not None and tensor.numel() != length:
+        raise ValueError(f"{name} must have {length} entries, got {tensor.numel()}")
+
+
+def _check_qkv_heads(query: torch.Tensor, key: torch.Tensor, key_name: str) -> int:
+    num_heads, head_size = query.shape[-2:]
+    num_kv_heads, kv_head_size = key.shape[-2:]
+    if kv_head_size != head_size:
+        raise ValueError(f"{key_name} head size {kv_head_size} differs from the query's {head_size}")
+    if num_kv_heads == 0 or num_heads % num_kv_heads:
+        raise ValueError(
+            f"query has {num_heads} heads, which is not a multiple of the {num_kv_heads} KV heads of {key_name}"
+        )
+    check_head_size(head_size, "head_size (query.shape[-1])")
+    return num_heads // num_kv_heads
+
+
+def _check_cu_seqlens(name: str, cu: torch.Tensor, num_tokens: int) -> torch.Tensor:
+    """Value checks on a cumulative-length vector; returns its lengths on the host."""
+    values = cu.detach().cpu().to(torch.int64)
+    if values.numel() < 1 or values[0] != 0:
+        raise ValueError(f"{name} must start with 0")
+    lengths = values[1:] - values[:-1]
+    if (lengths < 0).any():
+        raise ValueError(f"{name} must be non-decreasing")
+    if values[-1] != num_tokens:
+        raise ValueError(f"{name}[-1] = {int(values[-1])} must equal the number of tokens, {num_tokens}")
+    return lengths
+
+
+def _check_sliding_window(sliding_window: int | None, causal: bool) -> None:
+    if sliding_window is None:
+        return
+    if not isinstance(sliding_window, int) or sliding_window < 1:
+        raise ValueError(f"sliding_window must be a positive int or None, got {sliding_window!r}")
+    if not causal:
+        raise ValueError("sliding_window is only defined for causal attention (causal=True)")
+
+
+def _check_scale(scale: float) -> float:
+    if not isinstance(scale, (int, float)) or not math.isfinite(scale) or scale <= 0:
+        raise ValueError(f"scale must be a positive finite float, got {scale!r}")
+    return float(scale)
+
+
+def _last_dim_contiguous(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor if tensor.stride(-1) == 1 else tensor.contiguous()
+
+
+def _launch_forward(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    kv_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_table: torch.Tensor | None,
+    scale: float,
+    causal: bool,
+    sliding_window: int | None,
+    config: AttentionConfig,
+    store_lse: bool,
+    out: torch.Tensor,
+) -> torch.Tensor | None:
+    num_tokens, num_heads, head_size = query.shape
+    paged = block_table is not None
+    group = num_heads // key.shape[-2]
+    lse = torch.empty((num_tokens, num_heads), dtype=torch.float32, device=query.device) if store_lse else None
+    num_seqs = query_start_loc.numel() - 1
+    if num_tokens == 0 or num_seqs == 0:
+        return lse
+    program_seq, program_block = _program_map(query_start_loc, config.block_m, num_tokens)
+    if paged:
+        k_strides = key.stride()[:3]
+        v_strides = value.stride()[:3]
+        page_size = key.shape[1]
+        table, stride_table = block_table, block_table.stride(0)
+    else:
+        k_strides = (0, *key.stride()[:2])
+        v_strides = (0, *value.stride()[:2])
+        page_size = 1
+        table, stride_table = query_start_loc, 0
+    grid = (program_seq.numel(), num_heads)
+    _attention_fwd_kernel[grid](
+        query,
+        key,
+        value,
+        out,
+        lse if store_lse else out,
+        query_start_loc,
+        kv_start_loc,
+        seq_lens,
+        table,
+        program_seq,
+        program_block,
+        num_seqs,
+        scale * LOG2E,
+        sliding_window or 0,
+        query.stride(0),
+        query.stride(1),
+        *k_strides,
+        *v_strides,
+        out.stride(0),
+        out.stride(1),
+        lse.stride(0) if store_lse else 0,
+        stride_table,
+        HEAD_SIZE=head_size,
+        BLOCK_D=padded_head_size(head_size),
+        BLOCK_M=config.block_m,
+        TILE_N=config.tile_n,
+        GROUP=group,
+        PAGE_SIZE=page_size,
+        PAGED=paged,
+        CAUSAL=causal,
+        HAS_WINDOW=sliding_window is not None,
+        STORE_LSE=store_lse,
+        DOT_PRECISION=DOT_PRECISION,
+        num_warps=config.num_warps,
+        num_stages=config.num_stages,
+        enable_fp_fusion=FP_FUSION,
+    )
+    return lse
+
+
+# ----------------------------------------------------------------------------------------------
+# Paged attention (inference)
+# ----------------------------------------------------------------------------------------------
+
+
+def paged_attention(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    *,
+    causal: bool = True,
+    sliding_window: int | None = None,
+    out: torch.Tensor | None = None,
+    config: AttentionConfig | None = None,
+    validate: bool = True,
+) -> torch.Tensor:
+    """Attention of new queries over a paged KV cache: prefill, chunked prefill and decode at once.
+
+    Args:
+        query: ``[num_tokens, num_heads, head_size]``, the queries of all sequences, packed.
+        key_cache, value_cache: ``[num_blocks, block_size, num_kv_heads, head_size]``, already
+            holding every key/value of the sequences (write new ones with :func:`write_kv_cache`).
+        block_table: ``[num_seqs(+), max_blocks_per_seq]`` int; page ids of each sequence in order.
+        query_start_loc: ``[num_seqs + 1]`` int, cumulative query counts (vLLM's metadata).
+        seq_lens: ``[num_seqs]`` int, total KV length of each sequence (cached + new). The queries
+            of sequence ``i`` sit at positions ``seq_lens[i] - q_len_i ... seq_lens[i] - 1``.
+        scale: softmax scale, usually ``head_size ** -0.5``.
+        causal: mask keys after each query's position.
+        sliding_window: if set, a query at position ``t`` sees keys at ``t - sliding_window + 1 .. t``.
+        out: optional output tensor shaped like ``query``.
+        config: tiles to use instead of the frozen table (tuning and tests only: a different
+            ``tile_n`` gives different bits).
+        validate: check metadata values (costs a device-to-host copy; integrations may turn it
+            off after the first call).
+
+    Returns:
+        ``[num_tokens, num_heads, head_size]`` in ``query.dtype``. Each row is bit-identical to the
+        row :func:`varlen_attention` computes for the same token of the same sequence, and does not
+        depend on the page size, the block table's layout, the chunking or the batch.
+    """
+    if query.dim() != 3:
+        raise ValueError(f"query must be [num_tokens, num_heads, head_size], got shape {tuple(query.shape)}")
+    for name, cache in (("key_cache", key_cache), ("value_cache", value_cache)):
+        if cache.dim() != 4:
+            raise ValueError(
+                f"{name} must be [num_blocks, block_size, num_kv_heads, head_size], got shape {tuple(cache.shape)}"
+            )
+        if cache.dtype != query.dtype:
+            raise ValueError(f"{name} dtype {cache.dtype} differs from the query's {query.dtype}")
+        if cache.stride(-1) != 1:
+            raise ValueError(f"{name} must be contiguous in its last (head_size) dimension")
+    if key_cache.shape != value_cache.shape:
+        raise ValueError(
+            f"key_cache {tuple(key_cache.shape)} and value_cache {tuple(value_cache.shape)} differ in shape"
+        )
+    dtype_name(query.dtype, "query.dtype")
+    device_kind(query.device)
+    _check_same_device(
+        query.device,
+        key_cache=key_cache,
+        value_cache=value_cache,
+        block_table=block_table,
+        query_start_loc=query_start_loc,
+        seq_lens=seq_lens,
+    )
+    _check_qkv_heads(query, key_cache, "key_cache")
+    _check_int_vector("query_start_loc", query_start_loc)
+    num_seqs = query_start_loc.numel() - 1
+    _check_int_vector("seq_lens", seq_lens, num_seqs)
+    if block_table.dim() != 2 or block_table.dtype not in (torch.int32, torch.int64):
+        raise ValueError(
+            f"block_table must be a 2-D int32/int64 tensor, got {block_table.dtype} {tuple(block_table.shape)}"
+        )
+    if block_table.shape[0] < num_seqs:
+        raise ValueError(f"block_table has {block_table.shape[0]} rows for {num_seqs} sequences")
+    _check_sliding_window(sliding_window, causal)
+    scale = _check_scale(scale)
+    if validate:
+        q_lens = _check_cu_seqlens("query_start_loc", query_start_loc, query.shape[0])
+        kv_lens = seq_lens.detach().cpu().to(torch.int64)
+        if (kv_lens < q_lens).any():
+            raise ValueError("seq_lens must be at least each sequence's query count (query_start_loc)")
+        block_size = key_cache.shape[1]
+        needed = (kv_lens + block_size - 1) // block_size
+        if num_seqs and int(needed.max()) > block_table.shape[1]:
+            raise ValueError(
+                f"block_table is too short: a sequence of {int(kv_lens.max())} tokens needs "
+                f"{int(needed.max())} blocks of {block_size}, the table has {block_table.shape[1]} columns"
+            )
+        pages = block_table.detach().cpu()[:num_seqs]
+        used = torch.arange(block_table.shape[1])[None, :] < needed[:, None]
+        if used.any() and (pages[used].min() < 0 or pages[used].max() >= key_cache.shape[0]):
+            raise ValueError(f"block_table holds page ids outside [0, {key_cache.shape[0]})")
+
+    query = _last_dim_contiguous(query)
+    if out is None:
+        out = torch.empty_like(query)
+    elif out.shape != query.shape or out.dtype != query.dtype or out.device != query.device:
+        raise ValueError(f"out must match the query's shape, dtype and device, got {tuple(out.shape)} {out.dtype}")
+    cfg = config or attention_config(query.shape[-1], query.dtype, query.device)
+    _launch_forward(
+        query,
+        key_cache,
+        value_cache,
+        query_start_loc,
+        query_start_loc,
+        seq_lens,
+        block_table,
+        scale,
+        causal,
+        sliding_window,
+        cfg,
+        store_lse=False,
+        out=out,
+    )
+    return out
+
+
+def write_kv_cache(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Copy ``key``/``value`` ``[num_tokens, num_kv_heads, head_size]`` into the paged caches.
+
+    Token ``i`` goes to page ``slot_mapping[i] // block_size``, row ``slot_mapping[i] % block_size``;
+    a negative slot (vLLM's padding) is skipped. The copy is exact.
+    """
+    for name, tensor in (("key", key), ("value", value)):
+        if tensor.dim() != 3:
+            raise ValueError(f"{name} must be [num_tokens, num_kv_heads, head_size], got {tuple(tensor.shape)}")
+    for name, cache in (("key_cache", key_cache), ("value_cache", value_cache)):
+        if cache.dim() != 4 or cache.shape[2:] != key.shape[1:]:
+            raise ValueError(
+                f"{name} must be [num_blocks, block_size, {key.shape[1]}, {key.shape[2]}], got {tuple(cache.shape)}"
+            )
+        if cache.dtype != key.dtype:
+            raise ValueError(f"{name} dtype {cache.dtype} differs from the key's {key.dtype}")
+        if cache.stride(-1) != 1:
+            raise ValueError(f"{name} must be contiguous in its last (head_size) dimension")
+    if value.shape != key.shape or value.dtype != key.dtype:
+        raise ValueError(f"value {tuple(value.shape)} {value.dtype} must match key {tuple(key.shape)} {key.dtype}")
+    _check_int_vector("slot_mapping", slot_mapping, key.shape[0])
+    _check_same_device(key.device, value=value, key_cache=key_cache, value_cache=value_cache, slot_mapping=slot_mapping)
+    device_kind(key.device)
+    if key.shape[0] == 0:
+        return
+    key, value = _last_dim_contiguous(key), _last_dim_contiguous(value)
+    head_size = key.shape[-1]
+    _write_kv_cache_kernel[(key.shape[0],)](
+        key,
+        value,
+        key_cache,
+        value_cache,
+        slot_mapping,
+        key.stride(0),
+        key.stride(1),
+        value.stride(0),
+        value.stride(1),
+        *key_cache.stride()[:3],
+        *value_cache.stride()[:3],
+        key.shape[1],
+        HEAD_SIZE=head_size,
+        BLOCK_D=max(16, triton.next_power_of_2(head_size)),
+        PAGE_SIZE=key_cache.shape[1],
+    )
+
+
+# ----------------------------------------------------------------------------------------------
+# Varlen attention (training)
+# ----------------------------------------------------------------------------------------------
+
+
+class VarlenAttentionFunction(torch.autograd.Function):
+    """Autograd for :func:`varlen_attention`; the backward is deterministic (no atomics)."""
+
+    @staticmethod
+    def forward(ctx, query, key, value, cu_seqlens, scale, causal, sliding_window, config):  # type: ignore[override]
+        out = torch.empty_like(query)
+        lse = _launch_forward(
+            query,
+            key,
+            value,
+            cu_seqlens,
+            cu_seqlens,
+            cu_seqlens[1:] - cu_seqlens[:-1],
+            None,
+            scale,
+            causal,
+            sliding_window,
+            config,
+            store_lse=True,
+            out=out,
+        )
+        ctx.save_for_backward(query, key, value, out, lse, cu_seqlens)
+        ctx.scale, ctx.causal, ctx.sliding_window, ctx.config = scale, causal, sliding_window, config
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):  # type: ignore[override]
+        query, key, value, out, lse, cu_seqlens = ctx.saved_tensors
+        grad_out = _last_dim_contiguous(grad_out)
+        dq, dk, dv = _attention_backward(
+            query,
+            key,
+            value,
+            out,
+            lse,
+            grad_out,
+            cu_seqlens,
+            ctx.scale,
+            ctx.causal,
+            ctx.sliding_window,
+            ctx.config,
+        )
+        return dq, dk, dv, None, None, None, None, None
+
+
+def _attention_backward(query, key, value, out, lse, grad_out, cu_seqlens, scale, causal, sliding_window, config):
+    num_tokens, num_heads, head_size = query.shape
+    num_kv_heads = key.shape[1]
+    delta = (grad_out.float() * out.float()).sum(-1)
+    dq = torch.empty_like(query)
+    dk = torch.empty_like(key)
+    dv = torch.empty_like(value)
+    num_seqs = cu_seqlens.numel() - 1
+    if num_tokens == 0 or num_seqs == 0:
+        return dq.zero_(), dk.zero_(), dv.zero_()
+    common = dict(
+        HEAD_SIZE=head_size,
+        BLOCK_D=padded_head_size(head_size),
+        BLOCK_M=config.bwd_block_m,
+        BLOCK_N=config.bwd_block_n,
+        GROUP=num_heads // num_kv_heads,
+        CAUSAL=causal,
+        HAS_WINDOW=sliding_window is not None,
+        DOT_PRECISION=DOT_PRECISION,
+        num_warps=config.num_warps,
+        num_stages=config.num_stages,
+        enable_fp_fusion=FP_FUSION,
+    )
+    window = sliding_window or 0
+    program_seq, program_block = _program_map(cu_seqlens, config.bwd_block_m, num_tokens)
+    _attention_bwd_dq_kernel[(program_seq.numel(), num_heads)](
+        query,
+        key,
+        value,
+        grad_out,
+        lse,
+        delta,
+        dq,
+        cu_seqlens,
+        program_seq,
+        program_block,
+        num_seqs,
+        scale * LOG2E,
+        scale,
+        window,
+        query.stride(0),
+        query.stride(1),
+        key.stride(0),
+        key.stride(1),
+        value.stride(0),
+        value.stride(1),
+        grad_out.stride(0),
+        grad_out.stride(1),
+        dq.stride(0),
+        dq.stride(1),
+        lse.stride(0),
+        **common,
+    )
+    program_seq, program_block = _program_map(cu_seqlens, config.bwd_block_n, num_tokens)
+    _attention_bwd_dkdv_kernel[(program_seq.numel(), num_kv_heads)](
+        query,
+        key,
+        value,
+        grad_out,
+        lse,
+        delta,
+        dk,
+        dv,
+        cu_seqlens,
+        program_seq,
+        program_block,
+        num_seqs,
+        scale * LOG2E,
+        scale,
+        window,
+        query.stride(0),
+        query.stride(1),
+        key.stride(0),
+        key.stride(1),
+        value.stride(0),
+        value.stride(1),
+        grad_out.stride(0),
+        grad_out.stride(1),
+        dk.stride(0),
+        dk.stride(1),
+        dv.stride(0),
+        dv.stride(1),
+        lse.stride(0),
+        **common,
+    )
+    return dq, dk, dv
+
+
+def varlen_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    scale: float | None = None,
+    causal: bool = True,
+    *,
+    sliding_window: int | None = None,
+    config: AttentionConfig | None = None,
+    validate: bool = True,
+) -> torch.Tensor:
+    """Self-attention over packed sequences, differentiable, for the trainer.
+
+    Args:
+        query: ``[total_tokens, num_heads, head_size]``.
+        key, value: ``[total_tokens, num_kv_heads, head_size]``; ``num_heads`` a multiple of
+            ``num_kv_heads`` (GQA/MQA).
+        cu_seqlens: ``[num_seqs + 1]`` int, cumulative sequence lengths starting at 0. Each
+            sequence's positions start at 0 at its first token.
+        scale: softmax scale, default ``head_size ** -0.5``.
+        causal, sliding_window, config, validate: as in :func:`paged_attention`.
+
+    Returns:
+        ``[total_tokens, num_heads, head_size]`` in the input dtype. Each row equals (bitwise) what
+        :func:`paged_attention` returns for that token, however the rollout batched, chunked or
+        paged it. Gradients (fp32 accumulation, cast to the input dtype) are deterministic.
+    """
+    for name, tensor in (("query", query), ("key", key), ("value", value)):
+        if tensor.dim() != 3:
+            raise ValueError(f"{name} must be [total_tokens, heads, head_size], got shape {tuple(tensor.shape)}")
+    if key.shape != value.shape:
+        raise ValueError(f"key {tuple(key.shape)} and value {tuple(value.shape)} must have the same shape")
+    if key.shape[0] != query.shape[0]:
+        raise ValueError(f"key has {key.shape[0]} tokens, query {query.shape[0]}: self-attention needs equal counts")
+    dtype_name(query.dtype, "query.dtype")
+    for name, tensor in (("key", key), ("value", value)):
+        if tensor.dtype != query.dtype:
+            raise ValueError(f"{name} dtype {tensor.dtype} differs from the query's {query.dtype}")
+    device_kind(query.device)
+    _check_same_device(query.device, key=key, value=value, cu_seqlens=cu_seqlens)
+    _check_qkv_heads(query, key, "key")
+    _check_int_vector("cu_seqlens", cu_seqlens)
+    _check_sliding_window(sliding_window, causal)
+    scale = _check_scale(query.shape[-1] ** -0.5 if scale is None else scale)
+    if validate:
+        _check_cu_seqlens("cu_seqlens", cu_seqlens, query.shape[0])
+    cfg = config or attention_config(query.shape[-1], query.dtype, query.device)
+    query, key, value = (_last_dim_contiguous(t) for t in (query, key, value))
+    return VarlenAttentionFunction.apply(query, key, value, cu_seqlens, scale, causal, sliding_window, cfg)

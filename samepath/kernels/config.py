@@ -1,0 +1,160 @@
+"""The frozen numerics table: every constant that changes the bits of a result lives here.
+
+Each entry is keyed by (op, device kind, dtype, padded head size). Trainer and rollout must run with
+the same table; :func:`fingerprint` hashes it (and the formula flags) so that the two sides can
+compare a short string and refuse to mix numerics. Changing any value below changes the
+fingerprint; bump :data:`NUMERICS_VERSION` when a kernel's formula changes without a table change.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from dataclasses import dataclass
+
+import torch
+
+from samepath.kernels.dispatch import device_kind
+
+#: Bumped whenever a kernel's arithmetic changes in a way the table does not show.
+NUMERICS_VERSION = 1
+
+#: dtypes the kernels accept, by the name used in the table.
+SUPPORTED_DTYPES: dict[torch.dtype, str] = {
+    torch.float32: "float32",
+    torch.bfloat16: "bfloat16",
+    torch.float16: "float16",
+}
+
+#: Attention head sizes: multiples of 8 from 16 to 256 (padded to the next power of two in-kernel).
+MIN_HEAD_SIZE = 16
+MAX_HEAD_SIZE = 256
+HEAD_SIZE_MULTIPLE = 8
+
+#: How the attention kernels compute softmax(QK^T * scale) V. Documented in docs/numerics.md.
+ATTENTION_FORMULA = {
+    "score": "fp32 dot(Q, K^T), then * (scale * log2(e)) in fp32",
+    "mask": "select -inf before the row max",
+    "exp": "exp2",
+    "row_sum": "fp32 P before the cast",
+    "p_cast": "P cast to the input dtype before dot(P, V)",
+    "accumulator": "fp32, rescaled by exp2(m_old - m_new) each tile",
+    "fp32_dot_precision": "ieee",
+    "fp_fusion": "disabled",
+    "finish": "acc / l, then one cast to the output dtype",
+    "kv_tiles": "anchored at position 0 of each sequence, visited in ascending order, no split-KV",
+}
+
+
+@dataclass(frozen=True)
+class AttentionConfig:
+    """Tile sizes of the attention kernels for one (device kind, dtype, padded head size).
+
+    ``block_m`` query rows share a program; ``tile_n`` KV positions form one tile, anchored at
+    sequence position 0. Every caller — training, prefill, chunked prefill, decode — uses the same
+    pair, which is what makes their rows bit-identical. ``bwd_block_m`` / ``bwd_block_n`` size the
+    backward kernels (determinism only: the backward has no second caller to match).
+    """
+
+    block_m: int
+    tile_n: int
+    num_warps: int = 4
+    num_stages: int = 2
+    bwd_block_m: int = 16
+    bwd_block_n: int = 16
+
+    def __post_init__(self) -> None:
+        for field in dataclasses.fields(self):
+            value = getattr(self, field.name)
+            if not isinstance(value, int) or value <= 0:
+                raise ValueError(f"AttentionConfig.{field.name} must be a positive int, got {value!r}")
+        for name in ("block_m", "tile_n", "bwd_block_m", "bwd_block_n"):
+            value = getattr(self, name)
+            if value < 16 or value & (value - 1):
+                raise ValueError(f"AttentionConfig.{name} must be a power of two >= 16, got {value}")
+
+
+def _attention_rows() -> dict[tuple[str, str, int], AttentionConfig]:
+    rows: dict[tuple[str, str, int], AttentionConfig] = {}
+    for dtype in SUPPORTED_DTYPES.values():
+        for block_d in (16, 32, 64, 128, 256):
+            # CPU (interpreter): small tiles keep numpy's work per program low.
+            rows["cpu", dtype, block_d] = AttentionConfig(block_m=16, tile_n=32)
+            # CUDA: fp32 tiles are halved to fit shared memory at the same num_stages.
+            small = dtype == "float32" or block_d == 256
+            rows["cuda", dtype, block_d] = AttentionConfig(
+                block_m=16 if small else 32,
+                tile_n=32 if small else 64,
+                num_warps=4,
+                num_stages=2,
+                bwd_block_m=16 if small else 32,
+                bwd_block_n=16 if small else 32,
+            )
+            # Ascend (Triton-Ascend): cube units work on 16x16 fractals; tiles sized for ~192 KB UB.
+            rows["npu", dtype, block_d] = AttentionConfig(
+                block_m=16,
+                tile_n=32 if block_d == 256 else 64,
+                num_warps=1,
+                num_stages=1,
+            )
+    return rows
+
+
+ATTENTION_TABLE: dict[tuple[str, str, int], AttentionConfig] = _attention_rows()
+
+
+def padded_head_size(head_size: int) -> int:
+    """The power-of-two block the kernels load a head of ``head_size`` into."""
+    return max(16, 1 << (head_size - 1).bit_length())
+
+
+def check_head_size(head_size: int, argument: str = "head_size") -> None:
+    if not MIN_HEAD_SIZE <= head_size <= MAX_HEAD_SIZE or head_size % HEAD_SIZE_MULTIPLE:
+        raise ValueError(
+            f"{argument}={head_size} is not supported: samepath attention takes head sizes that are "
+            f"multiples of {HEAD_SIZE_MULTIPLE} from {MIN_HEAD_SIZE} to {MAX_HEAD_SIZE}"
+        )
+
+
+def dtype_name(dtype: torch.dtype, argument: str = "dtype") -> str:
+    try:
+        return SUPPORTED_DTYPES[dtype]
+    except KeyError:
+        names = ", ".join(f"torch.{n}" for n in SUPPORTED_DTYPES.values())
+        raise ValueError(f"{argument} must be one of {names}, got {dtype}") from None
+
+
+def attention_config(head_size: int, dtype: torch.dtype, device: torch.device) -> AttentionConfig:
+    """The frozen attention tiles for tensors of this head size, dtype and device."""
+    check_head_size(head_size)
+    return ATTENTION_TABLE[device_kind(device), dtype_name(dtype), padded_head_size(head_size)]
+
+
+def _table_payload() -> dict:
+    return {
+        "numerics_version": NUMERICS_VERSION,
+        "attention_formula": ATTENTION_FORMULA,
+        "attention": {"/".join(map(str, key)): dataclasses.asdict(cfg) for key, cfg in sorted(ATTENTION_TABLE.items())},
+    }
+
+
+def fingerprint() -> str:
+    """A short hash of every numerics-relevant constant. Equal strings mean equal schedules."""
+    payload = json.dumps(_table_payload(), sort_keys=True, separators=(",", ":"))
+    return f"sp{NUMERICS_VERSION}-" + hashlib.sha256(payload.encode()).hexdigest()[:16]
+
+
+class NumericsMismatchError(RuntimeError):
+    """Raised when two processes would compute logprobs with different numerics tables."""
+
+
+def assert_same_numerics(other_fingerprint: str) -> None:
+    """Raise :class:`NumericsMismatchError` unless ``other_fingerprint`` equals this process's."""
+    mine = fingerprint()
+    if other_fingerprint != mine:
+        raise NumericsMismatchError(
+            f"numerics fingerprint mismatch: this process runs {mine}, the other side {other_fingerprint}. "
+            "Trainer and rollout must install the same samepath version and config table, or their "
+            "log-probabilities will not be bit-identical."
+        )

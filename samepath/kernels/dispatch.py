@@ -1,0 +1,136 @@
+"""One kernel source, two executors: compiled Triton for device tensors, Triton's interpreter for CPU.
+
+``@jit`` replaces ``@triton.jit`` throughout samepath. The decorated function is a real
+``JITFunction`` (so CUDA and Triton-Ascend compile it, and other ``@jit`` functions can call it from
+kernel code); when a launch receives CPU tensors it runs the same source under Triton's interpreter
+instead. Nothing has to be set by the user: the executor follows the tensors' device.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import numpy as np
+import torch
+import triton.language as tl
+from triton.runtime.interpreter import InterpretedFunction, InterpreterBuilder
+from triton.runtime.jit import JITFunction
+
+#: torch device types the kernels run on, and how.
+SUPPORTED_DEVICE_TYPES = ("cpu", "cuda", "npu")
+
+
+_interpreted_versions: dict[Any, InterpretedFunction] = {}
+_interpreting_lock = threading.RLock()
+
+
+def _call_interpreted(self: JITFunction, *args: Any, **kwargs: Any) -> Any:
+    interpreted = _interpreted_versions.get(self.fn)
+    if interpreted is None:
+        interpreted = _interpreted_versions[self.fn] = InterpretedFunction(self.fn)
+    return interpreted(*args, **kwargs)
+
+
+def _bf16_bits_to_fp32(bits: np.ndarray) -> np.ndarray:
+    return (bits.astype(np.uint32) << 16).view(np.float32)
+
+
+def _fp32_to_bf16_bits(values: np.ndarray) -> np.ndarray:
+    """Round to nearest even, as CUDA, Ascend and ``torch.Tensor.to(torch.bfloat16)`` do."""
+    values = np.ascontiguousarray(values, dtype=np.float32)
+    bits = values.view(np.uint32)
+    rounded = ((bits + np.uint32(0x7FFF) + ((bits >> 16) & np.uint32(1))) >> 16).astype(np.uint16)
+    return np.where(np.isnan(values), np.uint16(0x7FC0), rounded)
+
+
+_original_create_dot = InterpreterBuilder.create_dot
+_original_cast_impl = InterpreterBuilder.cast_impl
+
+
+def _create_dot(
+    self: InterpreterBuilder, a: Any, b: Any, d: Any, input_precision: Any, max_num_imprecise_acc: Any
+) -> Any:
+    # The interpreter keeps bfloat16 as raw uint16 bits and would multiply the bit patterns.
+    # bf16 x bf16 products are exact in fp32, so widening first is what a tensor core computes.
+    if a.dtype.scalar == tl.bfloat16 or b.dtype.scalar == tl.bfloat16:
+        a_data = _bf16_bits_to_fp32(a.data) if a.dtype.scalar == tl.bfloat16 else a.data
+        b_data = _bf16_bits_to_fp32(b.data) if b.dtype.scalar == tl.bfloat16 else b.data
+        return type(d)(np.matmul(a_data, b_data, dtype=d.data.dtype) + d.data, d.dtype.scalar)
+    return _original_create_dot(self, a, b, d, input_precision, max_num_imprecise_acc)
+
+
+def _cast_impl(self: InterpreterBuilder, src: Any, dst_type: Any) -> Any:
+    # The interpreter truncates fp32 -> bf16; devices and torch round to nearest even.
+    src_type, dst_scalar = src.dtype.scalar, dst_type.scalar
+    if src_type == tl.float32 and dst_scalar == tl.bfloat16:
+        return type(src)(_fp32_to_bf16_bits(src.data), dst_scalar)
+    if src_type == tl.bfloat16 and dst_scalar == tl.float32:
+        return type(src)(_bf16_bits_to_fp32(src.data), dst_scalar)
+    return _original_cast_impl(self, src, dst_type)
+
+
+@contextmanager
+def _interpreting() -> Iterator[None]:
+    """Make Triton's interpreter run samepath kernels as the devices do.
+
+    * Interpreted kernels may call ``@triton.jit`` device functions, ours and
+      ``triton.language``'s. The interpreter expects them to have been decorated while
+      ``TRITON_INTERPRET=1``; here they are compiled-mode ``JITFunction`` objects, whose
+      ``__call__`` (never used by compiled kernels, which inline callees) refuses to run. During an
+      interpreted launch it runs the function's source under the interpreter instead.
+    * bfloat16 ``tl.dot`` operands are widened to fp32 (exact) instead of multiplied as bits, and
+      fp32 -> bfloat16 casts round to nearest even instead of truncating.
+
+    Kernels must still never do arithmetic directly on bf16 values (the interpreter computes on
+    the bits): widen with ``.to(tl.float32)`` first, as samepath's kernels do.
+    """
+    with _interpreting_lock:
+        patches = [
+            (JITFunction, "__call__", _call_interpreted),
+            (InterpreterBuilder, "create_dot", _create_dot),
+            (InterpreterBuilder, "cast_impl", _cast_impl),
+        ]
+        originals = [(owner, name, owner.__dict__[name]) for owner, name, _ in patches]
+        for owner, name, replacement in patches:
+            setattr(owner, name, replacement)
+        try:
+            yield
+        finally:
+            for owner, name, original in originals:
+                setattr(owner, name, original)
+
+
+class DualJITFunction(JITFunction):
+    """A ``JITFunction`` that runs under the interpreter when launched with CPU tensors."""
+
+    def __init__(self, fn: Any, **kwargs: Any) -> None:
+        super().__init__(fn, **kwargs)
+        self._interpreted = InterpretedFunction(fn, **kwargs)
+
+    def run(self, *args: Any, grid: Any, warmup: bool, **kwargs: Any) -> Any:
+        if _first_tensor_device_type(args, kwargs) == "cpu":
+            with _interpreting():
+                return self._interpreted.run(*args, grid=grid, warmup=warmup, **kwargs)
+        return super().run(*args, grid=grid, warmup=warmup, **kwargs)
+
+
+def _first_tensor_device_type(args: tuple, kwargs: dict) -> str | None:
+    for value in (*args, *kwargs.values()):
+        if isinstance(value, torch.Tensor):
+            return value.device.type
+    return None
+
+
+def jit(fn: Any) -> DualJITFunction:
+    """Decorate a Triton kernel or device function (drop-in for ``triton.jit``)."""
+    return DualJITFunction(fn)
+
+
+def device_kind(device: torch.device) -> str:
+    """The config-table key for a torch device: ``"cpu"`` (interpreter), ``"cuda"`` or ``"npu"``."""
+    if device.type not in SUPPORTED_DEVICE_TYPES:
+        raise ValueError(f"samepath kernels run on {', '.join(SUPPORTED_DEVICE_TYPES)} tensors, got device {device}")
+    return device.type
