@@ -507,7 +507,7 @@ def _check_qkv_heads(query: torch.Tensor, key: torch.Tensor, key_name: str) -> i
         raise ValueError(
             f"query has {num_heads} heads, which is not a multiple of the {num_kv_heads} KV heads of {key_name}"
         )
-    check_head_size(head_size, "head_size (query.shape[-1])")
+    check_head_size(head_size, "query.shape[-1]")
     return num_heads // num_kv_heads
 
 

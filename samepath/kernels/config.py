@@ -112,7 +112,7 @@ def padded_head_size(head_size: int) -> int:
 def check_head_size(head_size: int, argument: str = "head_size") -> None:
     if not MIN_HEAD_SIZE <= head_size <= MAX_HEAD_SIZE or head_size % HEAD_SIZE_MULTIPLE:
         raise ValueError(
-            f"{argument}={head_size} is not supported: samepath attention takes head sizes that are "
+            f"{argument} = {head_size} is not a supported head size: samepath attention takes "
             f"multiples of {HEAD_SIZE_MULTIPLE} from {MIN_HEAD_SIZE} to {MAX_HEAD_SIZE}"
         )
 

@@ -1,0 +1,110 @@
+"""Bad input gets a ValueError that names the argument, never a silent wrong answer."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from samepath.kernels.attention import paged_attention, varlen_attention, write_kv_cache
+
+
+def _qkv(tokens=8, heads=4, kv_heads=2, head_size=64, dtype=torch.float32):
+    return (
+        torch.randn(tokens, heads, head_size, dtype=dtype),
+        torch.randn(tokens, kv_heads, head_size, dtype=dtype),
+        torch.randn(tokens, kv_heads, head_size, dtype=dtype),
+    )
+
+
+CU = torch.tensor([0, 8], dtype=torch.int32)
+
+
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        (dict(heads=3, kv_heads=2), "not a multiple of the 2 KV heads"),
+        (dict(head_size=72 + 1), r"query.shape\[-1\] = 73 is not a supported head size"),
+        (dict(head_size=512), r"query.shape\[-1\] = 512 is not a supported"),
+        (dict(dtype=torch.float64), "query.dtype must be one of"),
+    ],
+)
+def test_varlen_rejects_bad_shapes_and_dtypes(kwargs, match) -> None:
+    q, k, v = _qkv(**kwargs)
+    with pytest.raises(ValueError, match=match):
+        varlen_attention(q, k, v, CU)
+
+
+def test_varlen_rejects_mixed_dtypes_devices_and_metadata() -> None:
+    q, k, v = _qkv()
+    with pytest.raises(ValueError, match="key dtype"):
+        varlen_attention(q, k.half(), v, CU)
+    with pytest.raises(ValueError, match="cu_seqlens is on meta"):
+        varlen_attention(q, k, v, CU.to("meta"))
+    with pytest.raises(ValueError, match=r"cu_seqlens\[-1\] = 7"):
+        varlen_attention(q, k, v, torch.tensor([0, 7], dtype=torch.int32))
+    with pytest.raises(ValueError, match="non-decreasing"):
+        varlen_attention(q, k, v, torch.tensor([0, 5, 3, 8], dtype=torch.int32))
+    with pytest.raises(ValueError, match="cu_seqlens must be a 1-D int32/int64"):
+        varlen_attention(q, k, v, CU.float())
+    with pytest.raises(ValueError, match="query must be"):
+        varlen_attention(q[None], k, v, CU)
+    with pytest.raises(ValueError, match="sliding_window is only defined for causal"):
+        varlen_attention(q, k, v, CU, causal=False, sliding_window=4)
+    with pytest.raises(ValueError, match="sliding_window must be a positive int"):
+        varlen_attention(q, k, v, CU, sliding_window=0)
+    with pytest.raises(ValueError, match="scale must be"):
+        varlen_attention(q, k, v, CU, scale=float("nan"))
+    with pytest.raises(ValueError, match="samepath kernels run on"):
+        varlen_attention(*(t.to("meta") for t in (q, k, v)), CU.to("meta"))
+
+
+def _paged_inputs(page_size=16, pages=4):
+    q = torch.randn(3, 4, 64)
+    cache = torch.randn(pages, page_size, 2, 64)
+    table = torch.tensor([[0, 1], [2, 3]], dtype=torch.int32)
+    qsl = torch.tensor([0, 2, 3], dtype=torch.int32)
+    seq_lens = torch.tensor([20, 30], dtype=torch.int32)
+    return q, cache, cache.clone(), table, qsl, seq_lens
+
+
+def test_paged_rejects_bad_metadata() -> None:
+    q, kc, vc, table, qsl, seq_lens = _paged_inputs()
+    out = paged_attention(q, kc, vc, table, qsl, seq_lens, 0.125)
+    assert out.shape == q.shape and torch.isfinite(out).all()
+
+    with pytest.raises(ValueError, match="block_table is too short"):
+        paged_attention(q, kc, vc, table[:, :1], qsl, seq_lens, 0.125)
+    with pytest.raises(ValueError, match="block_table has 1 rows for 2 sequences"):
+        paged_attention(q, kc, vc, table[:1], qsl, seq_lens, 0.125)
+    with pytest.raises(ValueError, match="page ids outside"):
+        paged_attention(q, kc, vc, table + 2, qsl, seq_lens, 0.125)
+    with pytest.raises(ValueError, match="seq_lens must be at least"):
+        paged_attention(q, kc, vc, table, qsl, torch.tensor([1, 30], dtype=torch.int32), 0.125)
+    with pytest.raises(ValueError, match="seq_lens must have 2 entries"):
+        paged_attention(q, kc, vc, table, qsl, seq_lens[:1], 0.125)
+    with pytest.raises(ValueError, match="key_cache must be"):
+        paged_attention(q, kc[0], vc, table, qsl, seq_lens, 0.125)
+    with pytest.raises(ValueError, match="value_cache dtype"):
+        paged_attention(q, kc, vc.half(), table, qsl, seq_lens, 0.125)
+    with pytest.raises(ValueError, match="not a multiple of the 3 KV heads"):
+        big = torch.randn(4, 16, 3, 64)
+        paged_attention(q, big, big, table, qsl, seq_lens, 0.125)
+    with pytest.raises(ValueError, match="key_cache head size 32"):
+        small = torch.randn(4, 16, 2, 32)
+        paged_attention(q, small, small, table, qsl, seq_lens, 0.125)
+    with pytest.raises(ValueError, match="out must match"):
+        paged_attention(q, kc, vc, table, qsl, seq_lens, 0.125, out=torch.empty(3, 4, 32))
+
+
+def test_write_kv_cache_rejects_bad_input_and_skips_padding() -> None:
+    key, value = torch.randn(3, 2, 64), torch.randn(3, 2, 64)
+    kc, vc = torch.zeros(2, 4, 2, 64), torch.zeros(2, 4, 2, 64)
+    write_kv_cache(key, value, kc, vc, torch.tensor([5, -1, 0]))
+    assert torch.equal(kc[1, 1], key[0]) and torch.equal(vc[0, 0], value[2])
+    assert torch.count_nonzero(kc.flatten(0, 1).abs().sum((-1, -2))) == 2
+    with pytest.raises(ValueError, match="slot_mapping must have 3 entries"):
+        write_kv_cache(key, value, kc, vc, torch.tensor([0, 1]))
+    with pytest.raises(ValueError, match="key_cache dtype"):
+        write_kv_cache(key, value, kc.half(), vc, torch.tensor([0, 1, 2]))
+    with pytest.raises(ValueError, match=r"value_cache must be \[num_blocks, block_size, 2, 64\]"):
+        write_kv_cache(key, value, kc, vc[..., :32], torch.tensor([0, 1, 2]))
