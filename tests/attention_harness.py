@@ -128,9 +128,7 @@ def run_schedule(
             done[seq] += n
             kv_lens.append(done[seq])
         index = torch.tensor(token_index)
-        write_kv_cache(
-            batch.key[index], batch.value[index], cache.key_cache, cache.value_cache, torch.tensor(slots)
-        )
+        write_kv_cache(batch.key[index], batch.value[index], cache.key_cache, cache.value_cache, torch.tensor(slots))
         out[index] = paged_attention(
             batch.query[index],
             cache.key_cache,

@@ -63,9 +63,7 @@ def test_mha_and_mqa(num_heads: int, num_kv_heads: int) -> None:
 @pytest.mark.parametrize("sliding_window", [1, 20, 40])
 def test_sliding_window(sliding_window: int) -> None:
     batch = make_batch([75, 30], num_heads=4, num_kv_heads=2, head_size=64, dtype=torch.float16, seed=3)
-    trained = varlen_attention(
-        batch.query, batch.key, batch.value, batch.cu_seqlens, sliding_window=sliding_window
-    )
+    trained = varlen_attention(batch.query, batch.key, batch.value, batch.cu_seqlens, sliding_window=sliding_window)
     chunks = [[33, 17, 20, 1, 1, 1, 1, 1], [30]]
     served = run_schedule(batch, chunks, page_size=16, seed=6, scale=64**-0.5, sliding_window=sliding_window)
     assert mismatched_rows(trained, served) == []

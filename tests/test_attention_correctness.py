@@ -46,9 +46,7 @@ def test_forward_and_gradients_match_fp64(dtype: torch.dtype, head_size: int) ->
         _assert_close(a, e, dtype, name)
 
 
-@pytest.mark.parametrize(
-    "causal,sliding_window", [(False, None), (True, 17)], ids=["non-causal", "window17"]
-)
+@pytest.mark.parametrize("causal,sliding_window", [(False, None), (True, 17)], ids=["non-causal", "window17"])
 def test_masks_match_fp64(causal: bool, sliding_window: int | None) -> None:
     batch = make_batch([40, 21], num_heads=2, num_kv_heads=1, head_size=64, dtype=torch.float32, seed=2)
     grad_out = torch.randn(batch.query.shape, generator=torch.Generator().manual_seed(6))

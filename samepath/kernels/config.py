@@ -125,8 +125,8 @@ def dtype_name(dtype: torch.dtype, argument: str = "dtype") -> str:
         raise ValueError(f"{argument} must be one of {names}, got {dtype}") from None
 
 
-def attention_config(head_size: int, dtype: torch.dtype, device: torch.device) -> AttentionConfig:
-    """The frozen attention tiles for tensors of this head size, dtype and device."""
+def attention_config(head_size: int, dtype: torch.dtype, device: torch.device | str) -> AttentionConfig:
+    """The frozen attention tiles for tensors of this head size, dtype and device (or device type)."""
     check_head_size(head_size)
     return ATTENTION_TABLE[device_kind(device), dtype_name(dtype), padded_head_size(head_size)]
 

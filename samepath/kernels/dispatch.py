@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 import torch
 import triton.language as tl
-from triton.runtime.interpreter import InterpretedFunction, InterpreterBuilder
+from triton.runtime.interpreter import InterpretedFunction, InterpreterBuilder, _patch_lang
 from triton.runtime.jit import JITFunction
 
 #: torch device types the kernels run on, and how.
@@ -31,7 +31,13 @@ def _call_interpreted(self: JITFunction, *args: Any, **kwargs: Any) -> Any:
     interpreted = _interpreted_versions.get(self.fn)
     if interpreted is None:
         interpreted = _interpreted_versions[self.fn] = InterpretedFunction(self.fn)
-    return interpreted(*args, **kwargs)
+    # As InterpretedFunction.__call__, but undoing its patches of triton.language afterwards: left
+    # in place they break compiling kernels later in the same process.
+    scope = _patch_lang(self.fn)
+    try:
+        return interpreted.rewrite()(*args, **kwargs)
+    finally:
+        scope.restore()
 
 
 def _bf16_bits_to_fp32(bits: np.ndarray) -> np.ndarray:
@@ -129,8 +135,13 @@ def jit(fn: Any) -> DualJITFunction:
     return DualJITFunction(fn)
 
 
-def device_kind(device: torch.device) -> str:
-    """The config-table key for a torch device: ``"cpu"`` (interpreter), ``"cuda"`` or ``"npu"``."""
-    if device.type not in SUPPORTED_DEVICE_TYPES:
+def device_kind(device: torch.device | str) -> str:
+    """The config-table key for a device: ``"cpu"`` (interpreter), ``"cuda"`` or ``"npu"``.
+
+    Takes a ``torch.device`` or a device type string (``"npu"`` exists as a ``torch.device`` only
+    once torch_npu is imported).
+    """
+    device_type = device if isinstance(device, str) else device.type
+    if device_type not in SUPPORTED_DEVICE_TYPES:
         raise ValueError(f"samepath kernels run on {', '.join(SUPPORTED_DEVICE_TYPES)} tensors, got device {device}")
-    return device.type
+    return device_type
