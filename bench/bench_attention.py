@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import csv
 import datetime
+import itertools
 import statistics
 import time
 from collections.abc import Callable
@@ -55,7 +56,7 @@ def _varlen_case(lens: list[int], heads: int, kv_heads: int, head_size: int, dty
         return varlen_attention(q, k, v, cu, validate=False)
 
     def baseline():
-        for s, e in zip(starts[:-1], starts[1:], strict=True):
+        for s, e in itertools.pairwise(starts):
             F.scaled_dot_product_attention(
                 q[s:e].transpose(0, 1),
                 k[s:e].transpose(0, 1),
