@@ -104,6 +104,67 @@ def _attention_rows() -> dict[tuple[str, str, int], AttentionConfig]:
 ATTENTION_TABLE: dict[tuple[str, str, int], AttentionConfig] = _attention_rows()
 
 
+@dataclass(frozen=True)
+class MatmulConfig:
+    """Tiles of the batch-invariant matmul for one (device kind, dtype).
+
+    ``block_k`` and the serial, ascending K loop fix every output element's reduction order, so a
+    row of ``x @ w`` does not depend on the other rows (M). ``block_m`` / ``block_n`` are frozen
+    until a test proves them numerics-neutral.
+    """
+
+    block_m: int
+    block_n: int
+    block_k: int
+    num_warps: int = 4
+    num_stages: int = 2
+
+
+@dataclass(frozen=True)
+class RowReduceConfig:
+    """Row-wise reductions (token logprobs / log-softmax / entropy over the vocabulary, RMSNorm).
+
+    ``vocab_chunk`` columns of a logits row are folded into an fp32 online log-sum-exp at a time,
+    in ascending order; ``norm_block_max`` bounds the hidden size one RMSNorm program loads at once
+    (the row is loaded whole, padded to the next power of two).
+    """
+
+    vocab_chunk: int
+    norm_block_max: int = 16384
+    num_warps: int = 4
+
+
+def _matmul_rows() -> dict[tuple[str, str], MatmulConfig]:
+    rows: dict[tuple[str, str], MatmulConfig] = {}
+    for dtype in SUPPORTED_DTYPES.values():
+        rows["cpu", dtype] = MatmulConfig(block_m=16, block_n=32, block_k=32)
+        wide = dtype != "float32"
+        rows["cuda", dtype] = MatmulConfig(
+            block_m=64, block_n=64 if wide else 32, block_k=64 if wide else 32, num_warps=4, num_stages=3
+        )
+        rows["npu", dtype] = MatmulConfig(block_m=64, block_n=64, block_k=64, num_warps=1, num_stages=1)
+    return rows
+
+
+MATMUL_TABLE: dict[tuple[str, str], MatmulConfig] = _matmul_rows()
+
+ROW_REDUCE_TABLE: dict[str, RowReduceConfig] = {
+    "cpu": RowReduceConfig(vocab_chunk=4096),
+    "cuda": RowReduceConfig(vocab_chunk=4096, num_warps=8),
+    "npu": RowReduceConfig(vocab_chunk=4096, num_warps=1),
+}
+
+
+def matmul_config(dtype: torch.dtype, device: torch.device | str) -> MatmulConfig:
+    """The frozen matmul tiles for inputs of this dtype on this device (or device type)."""
+    return MATMUL_TABLE[device_kind(device), dtype_name(dtype)]
+
+
+def row_reduce_config(device: torch.device | str) -> RowReduceConfig:
+    """The frozen vocabulary chunk and norm block for this device (or device type)."""
+    return ROW_REDUCE_TABLE[device_kind(device)]
+
+
 def padded_head_size(head_size: int) -> int:
     """The power-of-two block the kernels load a head of ``head_size`` into."""
     return max(16, 1 << (head_size - 1).bit_length())
