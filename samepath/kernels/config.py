@@ -192,11 +192,27 @@ def attention_config(head_size: int, dtype: torch.dtype, device: torch.device | 
     return ATTENTION_TABLE[device_kind(device), dtype_name(dtype), padded_head_size(head_size)]
 
 
+#: Formula flags of the ops other than attention, registered by each op's module at import.
+OP_FORMULAS: dict[str, dict[str, str]] = {}
+
+
+def register_formula(op: str, flags: dict[str, str]) -> None:
+    """Declare how ``op`` computes (cast points, accumulation dtype, ...); part of the fingerprint."""
+    if op in OP_FORMULAS and OP_FORMULAS[op] != flags:
+        raise ValueError(f"formula of {op!r} registered twice with different flags")
+    OP_FORMULAS[op] = dict(flags)
+
+
 def _table_payload() -> dict:
+    import samepath.kernels  # noqa: F401  (every op module registers its formula on import)
+
     return {
         "numerics_version": NUMERICS_VERSION,
         "attention_formula": ATTENTION_FORMULA,
+        "op_formulas": OP_FORMULAS,
         "attention": {"/".join(map(str, key)): dataclasses.asdict(cfg) for key, cfg in sorted(ATTENTION_TABLE.items())},
+        "matmul": {"/".join(key): dataclasses.asdict(cfg) for key, cfg in sorted(MATMUL_TABLE.items())},
+        "row_reduce": {key: dataclasses.asdict(cfg) for key, cfg in sorted(ROW_REDUCE_TABLE.items())},
     }
 
 
