@@ -789,6 +789,7 @@ def write_kv_cache(
         HEAD_SIZE=head_size,
         BLOCK_D=max(16, triton.next_power_of_2(head_size)),
         PAGE_SIZE=key_cache.shape[1],
+        enable_fp_fusion=FP_FUSION,
     )
 
 
