@@ -1,0 +1,329 @@
+"""RMSNorm with Hugging Face's rounding points, one row per program, and a deterministic backward.
+
+Forward, per row of ``x`` (``N = hidden size``), matching ``LlamaRMSNorm`` / ``Qwen3RMSNorm``::
+
+    h = x.float()                                   # (with residual: s = (x + residual) in the
+                                                    #  input dtype, as the decoder layer adds it)
+    rstd = rsqrt(sum(h * h) / N + eps)              # fp32; the row is loaded whole, tl.sum
+    y = (weight.float() * (h * rstd).to(dtype).float()).to(dtype)
+
+``(h * rstd)`` is cast to the input dtype *before* the multiplication by the weight, as HF's
+``weight * hidden_states.to(input_dtype)`` does. That product is computed as an fp32 multiply of
+the two widened dtype values followed by one rounding: a bf16 x bf16 or fp16 x fp16 product is
+exact in fp32, so this is exactly torch's bf16/fp16 multiply. The residual add is likewise an fp32
+add of the widened values rounded once to the input dtype, which is what torch's bf16/fp16 ``add``
+computes; it is *not* fused into the fp32 statistics (``docs/numerics.md``: no fused add+norm on
+one side only).
+
+A row's result depends only on that row: one program per row, the block is the hidden size padded
+to the next power of two, and no reduction crosses rows. Bits equal to stock HF torch code
+everywhere except where HF's ``pow(2).mean(-1)`` sums the row in another order than ``tl.sum``
+(the fp32 ``rstd`` then differs in its last bit, which reaches the output only through a rounding
+boundary — rare for bf16/fp16 outputs, common for fp32 outputs).
+
+Backward (fp32, one cast per gradient): ``dn = g * w``,
+``dx = rstd * (dn - n * sum(dn * n) / N)`` with ``n = h * rstd``, and
+``dweight = sum over rows of g * n.to(dtype)``. ``dweight`` is reduced without atomics: each
+program adds the rows of one fixed block of :data:`BWD_ROWS_PER_PROGRAM` rows in ascending order
+into an fp32 partial, and a second kernel sums the partials in ascending block order.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from samepath.kernels.config import dtype_name, register_formula, row_reduce_config
+from samepath.kernels.dispatch import device_kind, jit
+
+#: No compiler contraction of a*b+c into FMA: the bits must not depend on a compiler default.
+FP_FUSION = False
+#: Rows one backward program folds into its fp32 dweight partial, in ascending order.
+BWD_ROWS_PER_PROGRAM = 16
+#: Columns of the dweight partials one reduction program sums.
+DW_REDUCE_BLOCK = 256
+
+RMS_NORM_FORMULA = {
+    "residual_add": "fp32 add of the widened inputs, rounded once to the input dtype (HF's residual + x)",
+    "statistics": "fp32: sum(h*h) over the whole row (one program, tl.sum), / N, + eps, rsqrt",
+    "normalize": "h * rstd in fp32, rounded to the input dtype before the weight multiply",
+    "weight_multiply": "fp32 product of the widened dtype values, rounded once to the input dtype",
+    "fp_fusion": "disabled",
+    "backward": "fp32 with one cast per gradient; dweight from g * n.to(dtype)",
+    "dweight_reduction": (
+        f"fp32 partials over fixed blocks of {BWD_ROWS_PER_PROGRAM} rows in ascending order, "
+        "then partials summed serially in ascending order; no atomics"
+    ),
+}
+register_formula("rms_norm", RMS_NORM_FORMULA)
+
+
+# ----------------------------------------------------------------------------------------------
+# Kernels
+# ----------------------------------------------------------------------------------------------
+
+
+@jit
+def _rms_norm_fwd_kernel(
+    X,
+    Residual,
+    W,
+    Y,
+    S,
+    Rstd,
+    stride_x,
+    stride_r,
+    stride_y,
+    stride_s,
+    eps,
+    N: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK_N)
+    valid = cols < N
+    h = tl.load(X + row * stride_x + cols, mask=valid, other=0.0).to(tl.float32)
+    if HAS_RESIDUAL:
+        r = tl.load(Residual + row * stride_r + cols, mask=valid, other=0.0).to(tl.float32)
+        s = (h + r).to(S.dtype.element_ty)
+        tl.store(S + row * stride_s + cols, s, mask=valid)
+        h = s.to(tl.float32)
+    var = tl.sum(h * h, axis=0) / N
+    rstd = tl.rsqrt(var + eps)
+    n = (h * rstd).to(Y.dtype.element_ty).to(tl.float32)
+    w = tl.load(W + cols, mask=valid, other=0.0).to(tl.float32)
+    tl.store(Y + row * stride_y + cols, (w * n).to(Y.dtype.element_ty), mask=valid)
+    tl.store(Rstd + row, rstd)
+
+
+@jit
+def _rms_norm_bwd_kernel(
+    X,
+    W,
+    Rstd,
+    dY,
+    dS,
+    dX,
+    dW_partial,
+    M,
+    stride_x,
+    stride_dy,
+    stride_ds,
+    stride_dx,
+    N: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    ROWS: tl.constexpr,
+    HAS_DS: tl.constexpr,
+):
+    """dx for rows [pid * ROWS, (pid + 1) * ROWS) and their dweight partial, in ascending order."""
+    pid = tl.program_id(0)
+    cols = tl.arange(0, BLOCK_N)
+    valid = cols < N
+    w = tl.load(W + cols, mask=valid, other=0.0).to(tl.float32)
+    dw = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for i in range(ROWS):
+        row = pid * ROWS + i
+        if row < M:
+            row64 = row.to(tl.int64)
+            h = tl.load(X + row64 * stride_x + cols, mask=valid, other=0.0).to(tl.float32)
+            g = tl.load(dY + row64 * stride_dy + cols, mask=valid, other=0.0).to(tl.float32)
+            rstd = tl.load(Rstd + row64)
+            n = h * rstd
+            dn = g * w
+            dot = tl.sum(dn * n, axis=0) / N
+            dx = (dn - n * dot) * rstd
+            if HAS_DS:
+                dx = dx + tl.load(dS + row64 * stride_ds + cols, mask=valid, other=0.0).to(tl.float32)
+            tl.store(dX + row64 * stride_dx + cols, dx.to(dX.dtype.element_ty), mask=valid)
+            dw = dw + g * n.to(X.dtype.element_ty).to(tl.float32)
+    tl.store(dW_partial + pid.to(tl.int64) * N + cols, dw, mask=valid)
+
+
+@jit
+def _rms_norm_dw_reduce_kernel(dW_partial, dW, num_partials, N: tl.constexpr, BLOCK: tl.constexpr):
+    """dweight[cols] = sum of the partials in ascending order (one serial fp32 chain per column)."""
+    cols = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    valid = cols < N
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for p in range(num_partials):
+        acc = acc + tl.load(dW_partial + p * N + cols, mask=valid, other=0.0)
+    tl.store(dW + cols, acc.to(dW.dtype.element_ty), mask=valid)
+
+
+# ----------------------------------------------------------------------------------------------
+# Launchers
+# ----------------------------------------------------------------------------------------------
+
+
+def _block_n(hidden: int) -> int:
+    return triton.next_power_of_2(hidden)
+
+
+def _rows(tensor: torch.Tensor, hidden: int) -> torch.Tensor:
+    """A 2-D ``[rows, hidden]`` view (or copy) with a contiguous last dimension."""
+    flat = tensor.reshape(-1, hidden)
+    return flat if flat.stride(-1) == 1 else flat.contiguous()
+
+
+def _forward(x2, weight, eps, residual2):
+    M, N = x2.shape
+    y = torch.empty((M, N), dtype=x2.dtype, device=x2.device)
+    s = torch.empty((M, N), dtype=x2.dtype, device=x2.device) if residual2 is not None else None
+    rstd = torch.empty((M,), dtype=torch.float32, device=x2.device)
+    if M == 0:
+        return y, s, rstd
+    cfg = row_reduce_config(x2.device)
+    _rms_norm_fwd_kernel[(M,)](
+        x2,
+        residual2 if residual2 is not None else x2,
+        weight,
+        y,
+        s if s is not None else y,
+        rstd,
+        x2.stride(0),
+        residual2.stride(0) if residual2 is not None else 0,
+        y.stride(0),
+        s.stride(0) if s is not None else 0,
+        float(eps),
+        N=N,
+        BLOCK_N=_block_n(N),
+        HAS_RESIDUAL=residual2 is not None,
+        num_warps=cfg.num_warps,
+        enable_fp_fusion=FP_FUSION,
+    )
+    return y, s, rstd
+
+
+def _backward(x2, weight, rstd, grad_y, grad_s):
+    M, N = x2.shape
+    dx = torch.empty((M, N), dtype=x2.dtype, device=x2.device)
+    if M == 0:
+        return dx, torch.zeros_like(weight)
+    cfg = row_reduce_config(x2.device)
+    num_partials = triton.cdiv(M, BWD_ROWS_PER_PROGRAM)
+    partial = torch.empty((num_partials, N), dtype=torch.float32, device=x2.device)
+    _rms_norm_bwd_kernel[(num_partials,)](
+        x2,
+        weight,
+        rstd,
+        grad_y,
+        grad_s if grad_s is not None else grad_y,
+        dx,
+        partial,
+        M,
+        x2.stride(0),
+        grad_y.stride(0),
+        grad_s.stride(0) if grad_s is not None else 0,
+        dx.stride(0),
+        N=N,
+        BLOCK_N=_block_n(N),
+        ROWS=BWD_ROWS_PER_PROGRAM,
+        HAS_DS=grad_s is not None,
+        num_warps=cfg.num_warps,
+        enable_fp_fusion=FP_FUSION,
+    )
+    dw = torch.empty_like(weight)
+    _rms_norm_dw_reduce_kernel[(triton.cdiv(N, DW_REDUCE_BLOCK),)](
+        partial,
+        dw,
+        num_partials,
+        N=N,
+        BLOCK=DW_REDUCE_BLOCK,
+        enable_fp_fusion=FP_FUSION,
+    )
+    return dx, dw
+
+
+class RMSNormFunction(torch.autograd.Function):
+    """Autograd for :func:`rms_norm` without a residual."""
+
+    @staticmethod
+    def forward(ctx, x2, weight, eps):  # type: ignore[override]
+        y, _, rstd = _forward(x2, weight, eps, None)
+        ctx.save_for_backward(x2, weight, rstd)
+        return y
+
+    @staticmethod
+    def backward(ctx, grad_y):  # type: ignore[override]
+        x2, weight, rstd = ctx.saved_tensors
+        dx, dw = _backward(x2, weight, rstd, _rows(grad_y, x2.shape[1]), None)
+        return dx, dw, None
+
+
+class AddRMSNormFunction(torch.autograd.Function):
+    """Autograd for :func:`rms_norm` with a residual: returns ``(norm(s), s)``, ``s = x + residual``."""
+
+    @staticmethod
+    def forward(ctx, x2, residual2, weight, eps):  # type: ignore[override]
+        y, s, rstd = _forward(x2, weight, eps, residual2)
+        ctx.save_for_backward(s, weight, rstd)
+        return y, s
+
+    @staticmethod
+    def backward(ctx, grad_y, grad_s):  # type: ignore[override]
+        s, weight, rstd = ctx.saved_tensors
+        N = s.shape[1]
+        grad_y = _rows(grad_y, N) if grad_y is not None else torch.zeros_like(s)
+        grad_s = _rows(grad_s, N) if grad_s is not None else None
+        ds, dw = _backward(s, weight, rstd, grad_y, grad_s)
+        return ds, ds.clone(), dw, None
+
+
+def _check_inputs(x, weight, eps, residual):
+    if not isinstance(x, torch.Tensor) or x.dim() < 1:
+        raise ValueError("x must be a tensor with at least one dimension [..., hidden]")
+    dtype_name(x.dtype, "x.dtype")
+    device_kind(x.device)
+    hidden = x.shape[-1]
+    if weight.dim() != 1 or weight.shape[0] != hidden:
+        raise ValueError(f"weight must have shape ({hidden},) to match x's hidden size, got {tuple(weight.shape)}")
+    if weight.dtype != x.dtype:
+        raise ValueError(f"weight dtype {weight.dtype} differs from x's {x.dtype}")
+    if weight.device != x.device:
+        raise ValueError(f"weight is on {weight.device}, expected {x.device} (x's device)")
+    if residual is not None:
+        if residual.shape != x.shape:
+            raise ValueError(f"residual shape {tuple(residual.shape)} differs from x's {tuple(x.shape)}")
+        if residual.dtype != x.dtype:
+            raise ValueError(f"residual dtype {residual.dtype} differs from x's {x.dtype}")
+        if residual.device != x.device:
+            raise ValueError(f"residual is on {residual.device}, expected {x.device} (x's device)")
+    limit = row_reduce_config(x.device).norm_block_max
+    if not 1 <= hidden <= limit:
+        raise ValueError(f"x.shape[-1] = {hidden} is not a supported hidden size: rms_norm takes 1 to {limit}")
+    if not isinstance(eps, (int, float)) or not eps >= 0 or eps == float("inf"):
+        raise ValueError(f"eps must be a finite non-negative float, got {eps!r}")
+
+
+def rms_norm(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float = 1e-6,
+    residual: torch.Tensor | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """RMSNorm over the last dimension, rounded as Hugging Face's ``LlamaRMSNorm`` rounds.
+
+    Args:
+        x: ``[..., hidden]`` float32 / bfloat16 / float16; ``hidden`` at most
+            ``row_reduce_config(device).norm_block_max``.
+        weight: ``[hidden]``, same dtype and device as ``x``.
+        eps: added to the mean square before the ``rsqrt``.
+        residual: optional, shaped like ``x``. Then ``s = x + residual`` is computed in the input
+            dtype (one rounding, as HF's decoder layer adds it) and ``(rms_norm(s), s)`` is
+            returned.
+
+    Returns:
+        ``[..., hidden]`` in ``x.dtype`` (and ``s`` when ``residual`` is given). Each row depends
+        only on its own input row. Differentiable in ``x``, ``weight`` and ``residual``; the
+        backward is deterministic (no atomics; ``dweight`` summed in a fixed order).
+    """
+    _check_inputs(x, weight, eps, residual)
+    shape, hidden = x.shape, x.shape[-1]
+    x2 = _rows(x, hidden)
+    weight = weight if weight.stride(0) == 1 else weight.contiguous()
+    if residual is None:
+        return RMSNormFunction.apply(x2, weight, float(eps)).reshape(shape)
+    y, s = AddRMSNormFunction.apply(x2, _rows(residual, hidden), weight, float(eps))
+    return y.reshape(shape), s.reshape(shape)

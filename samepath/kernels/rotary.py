@@ -1,0 +1,324 @@
+"""Rotary position embedding: one cos/sin function for every caller, and HF's rotation as a kernel.
+
+:func:`rotary_cos_sin` is *the* function that turns positions into ``cos``/``sin``; trainer and
+rollout must both call it, so a position gets the same bits in a training batch and in a decode
+step. It follows Hugging Face's ``LlamaRotaryEmbedding`` step by step::
+
+    inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))  # CPU, fp32
+    freqs = positions.float()[..., None] * inv_freq        # fp32; HF's K=1 matmul gives the same bits
+    emb = torch.cat((freqs, freqs), dim=-1)
+    cos, sin = (emb.cos() * scaling).to(dtype), (emb.sin() * scaling).to(dtype)
+
+These are torch's own elementwise ops, so the result equals HF's bit for bit on the same device,
+and each element depends only on its own position. ``inv_freq`` is always computed on the CPU (as
+HF computes its buffer at construction) and then moved, so it does not depend on the device's
+``pow``.
+
+:func:`apply_rotary` computes HF's ``q * cos + rotate_half(q) * sin`` (``rotate_half`` on the
+first half / second half split of the rotary dimensions) with HF's rounding points: each product
+is an fp32 product of the widened dtype values rounded to the dtype (exactly torch's bf16/fp16
+multiply), the sum an fp32 add of the two rounded products rounded to the dtype (exactly torch's
+bf16/fp16 add). For float32 all of it is plain fp32 arithmetic. The result is bit-identical to the
+stock HF expression. Head dimensions past ``cos.shape[-1]`` (partial rotary) are copied unchanged.
+
+Backward (the rotation's transpose, fp32, one cast): with ``g = [g1, g2]``,
+``dx1 = g1 * c1 + g2 * s2`` and ``dx2 = g2 * c2 - g1 * s1``. ``cos``/``sin`` are constants
+(HF computes them without gradient); passing ones that require grad is an error.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from samepath.kernels.config import dtype_name, register_formula
+from samepath.kernels.dispatch import device_kind, jit
+
+#: No compiler contraction of a*b+c into FMA: the bits must not depend on a compiler default.
+FP_FUSION = False
+#: Elements (rows x half rotary dim) one program handles; elementwise, so numerics-neutral.
+ELEMENTS_PER_PROGRAM = 4096
+
+ROTARY_FORMULA = {
+    "inv_freq": "1.0 / (base ** (arange(0, dim, 2, int64).float() / dim)) in fp32 on the CPU (HF default init)",
+    "freqs": "positions.float()[..., None] * inv_freq in fp32, cat((freqs, freqs), -1)",
+    "cos_sin": "torch cos()/sin() in fp32, * attention scaling, cast to the dtype",
+    "rotate_half": "cat((-x[..., half:], x[..., :half]), -1)",
+    "apply": "x*cos and rotate_half(x)*sin each rounded to the dtype, then their fp32 sum rounded once",
+    "fp_fusion": "disabled",
+    "backward": "transpose of the rotation, fp32, one cast",
+}
+register_formula("rotary", ROTARY_FORMULA)
+
+
+# ----------------------------------------------------------------------------------------------
+# cos / sin
+# ----------------------------------------------------------------------------------------------
+
+
+def rotary_inv_freq(rotary_dim: int, base: float, scaling: dict | None = None) -> tuple[torch.Tensor, float]:
+    """HF's ``inv_freq`` (fp32, CPU, ``[rotary_dim // 2]``) and attention scaling for a rope type.
+
+    ``scaling`` is HF's ``config.rope_scaling``: ``None`` / ``{"rope_type": "default"}``,
+    ``{"rope_type": "linear", "factor": f}`` or Llama 3's ``{"rope_type": "llama3", "factor",
+    "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"}``.
+    """
+    if not isinstance(rotary_dim, int) or rotary_dim < 2 or rotary_dim % 2:
+        raise ValueError(f"rotary_dim must be a positive even int, got {rotary_dim!r}")
+    if not isinstance(base, (int, float)) or not math.isfinite(base) or base <= 0:
+        raise ValueError(f"base must be a positive finite float, got {base!r}")
+    inv_freq = 1.0 / (base ** (torch.arange(0, rotary_dim, 2, dtype=torch.int64).to(dtype=torch.float) / rotary_dim))
+    rope_type = "default" if scaling is None else scaling.get("rope_type", scaling.get("type", "default"))
+    try:
+        if rope_type == "default":
+            return inv_freq, 1.0
+        if rope_type == "linear":
+            return inv_freq / scaling["factor"], 1.0
+        if rope_type == "llama3":
+            # transformers.modeling_rope_utils._compute_llama3_parameters, line by line.
+            factor = scaling["factor"]
+            low_freq_factor = scaling["low_freq_factor"]
+            high_freq_factor = scaling["high_freq_factor"]
+            old_context_len = scaling["original_max_position_embeddings"]
+            low_freq_wavelen = old_context_len / low_freq_factor
+            high_freq_wavelen = old_context_len / high_freq_factor
+            wavelen = 2 * math.pi / inv_freq
+            inv_freq_llama = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+            smooth_factor = (old_context_len / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+            smoothed_inv_freq = (1 - smooth_factor) * inv_freq_llama / factor + smooth_factor * inv_freq_llama
+            is_medium_freq = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
+            return torch.where(is_medium_freq, smoothed_inv_freq, inv_freq_llama), 1.0
+    except KeyError as missing:
+        raise ValueError(f"scaling of rope_type {rope_type!r} needs the key {missing}") from None
+    raise ValueError(f"scaling rope_type {rope_type!r} is not supported (default, linear, llama3)")
+
+
+def rotary_cos_sin(
+    positions: torch.Tensor,
+    rotary_dim: int,
+    base: float,
+    dtype: torch.dtype,
+    scaling: dict | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``cos``, ``sin`` ``[*positions.shape, rotary_dim]`` in ``dtype``, exactly as HF computes them.
+
+    Args:
+        positions: integer positions of any shape (HF's ``position_ids`` ``[B, S]``, vLLM's
+            ``positions`` ``[T]``).
+        rotary_dim: the rotated part of the head (the head size unless partial rotary).
+        base: ``rope_theta``.
+        dtype: the model dtype (float32 / bfloat16 / float16).
+        scaling: HF's ``rope_scaling`` (see :func:`rotary_inv_freq`).
+
+    Every element depends only on its own position: the same position gives the same bits in any
+    batch, in any shape.
+    """
+    if not isinstance(positions, torch.Tensor) or positions.dtype not in (torch.int32, torch.int64):
+        got = positions.dtype if isinstance(positions, torch.Tensor) else type(positions).__name__
+        raise ValueError(f"positions must be an int32/int64 tensor, got {got}")
+    dtype_name(dtype, "dtype")
+    device_kind(positions.device)
+    inv_freq, attention_scaling = rotary_inv_freq(rotary_dim, base, scaling)
+    freqs = positions.to(torch.float32)[..., None] * inv_freq.to(positions.device)
+    emb = torch.cat((freqs, freqs), dim=-1)
+    cos = emb.cos() * attention_scaling
+    sin = emb.sin() * attention_scaling
+    return cos.to(dtype), sin.to(dtype)
+
+
+# ----------------------------------------------------------------------------------------------
+# Rotation kernel
+# ----------------------------------------------------------------------------------------------
+
+
+@jit
+def _rotary_kernel(
+    X,
+    Cos,
+    Sin,
+    Out,
+    num_rows,
+    size1,
+    size2,
+    stride_x0,
+    stride_x1,
+    stride_x2,
+    stride_c0,
+    stride_c1,
+    stride_c2,
+    stride_o0,
+    stride_o1,
+    stride_o2,
+    HALF: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    HEAD: tl.constexpr,
+    BLOCK_P: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BACKWARD: tl.constexpr,
+):
+    """Rows of a ``[n0, size1, size2, HEAD]`` tensor; cos/sin rows found through their own strides
+    (0 where broadcast). Forward: HF's ``x*cos + rotate_half(x)*sin``; backward: its transpose."""
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    row_valid = rows < num_rows
+    rows = rows.to(tl.int64)
+    i0 = rows // (size1 * size2)
+    i1 = (rows // size2) % size1
+    i2 = rows % size2
+    x_row = i0 * stride_x0 + i1 * stride_x1 + i2 * stride_x2
+    c_row = i0 * stride_c0 + i1 * stride_c1 + i2 * stride_c2
+    o_row = i0 * stride_o0 + i1 * stride_o1 + i2 * stride_o2
+
+    cols = tl.arange(0, BLOCK_H)
+    mask = row_valid[:, None] & (cols < HALF)[None, :]
+    first = x_row[:, None] + cols[None, :]
+    x1 = tl.load(X + first, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(X + first + HALF, mask=mask, other=0.0).to(tl.float32)
+    c_first = c_row[:, None] + cols[None, :]
+    c1 = tl.load(Cos + c_first, mask=mask, other=0.0).to(tl.float32)
+    c2 = tl.load(Cos + c_first + HALF, mask=mask, other=0.0).to(tl.float32)
+    s1 = tl.load(Sin + c_first, mask=mask, other=0.0).to(tl.float32)
+    s2 = tl.load(Sin + c_first + HALF, mask=mask, other=0.0).to(tl.float32)
+    dtype = Out.dtype.element_ty
+    if BACKWARD:
+        o1 = x1 * c1 + x2 * s2
+        o2 = x2 * c2 - x1 * s1
+    else:
+        # Each product rounded to the dtype, then the fp32 sum of the rounded products rounded.
+        o1 = (x1 * c1).to(dtype).to(tl.float32) + ((-x2) * s1).to(dtype).to(tl.float32)
+        o2 = (x2 * c2).to(dtype).to(tl.float32) + (x1 * s2).to(dtype).to(tl.float32)
+    out_first = o_row[:, None] + cols[None, :]
+    tl.store(Out + out_first, o1.to(dtype), mask=mask)
+    tl.store(Out + out_first + HALF, o2.to(dtype), mask=mask)
+
+    if HEAD > 2 * HALF:
+        pass_cols = 2 * HALF + tl.arange(0, BLOCK_P)
+        pass_mask = row_valid[:, None] & (pass_cols < HEAD)[None, :]
+        kept = tl.load(X + x_row[:, None] + pass_cols[None, :], mask=pass_mask, other=0.0)
+        tl.store(Out + o_row[:, None] + pass_cols[None, :], kept, mask=pass_mask)
+
+
+def _as_4d(tensor: torch.Tensor) -> torch.Tensor:
+    while tensor.dim() < 4:
+        tensor = tensor.unsqueeze(0)
+    return tensor
+
+
+def _rotate(x4: torch.Tensor, cos4: torch.Tensor, sin4: torch.Tensor, backward: bool) -> torch.Tensor:
+    out = torch.empty(x4.shape, dtype=x4.dtype, device=x4.device)
+    n0, size1, size2, head = x4.shape
+    num_rows = n0 * size1 * size2
+    if num_rows == 0:
+        return out
+    half = cos4.shape[-1] // 2
+    block_h = triton.next_power_of_2(half)
+    block_r = max(1, min(64, ELEMENTS_PER_PROGRAM // block_h))
+    _rotary_kernel[(triton.cdiv(num_rows, block_r),)](
+        x4,
+        cos4,
+        sin4,
+        out,
+        num_rows,
+        size1,
+        size2,
+        *x4.stride()[:3],
+        *cos4.stride()[:3],
+        *out.stride()[:3],
+        HALF=half,
+        BLOCK_H=block_h,
+        HEAD=head,
+        BLOCK_P=triton.next_power_of_2(max(1, head - 2 * half)),
+        BLOCK_R=block_r,
+        BACKWARD=backward,
+        enable_fp_fusion=FP_FUSION,
+    )
+    return out
+
+
+class RotaryFunction(torch.autograd.Function):
+    """Autograd for one tensor's rotation; ``cos4``/``sin4`` are broadcast 4-D views."""
+
+    @staticmethod
+    def forward(ctx, x4, cos4, sin4):  # type: ignore[override]
+        ctx.save_for_backward(cos4, sin4)
+        return _rotate(x4, cos4, sin4, backward=False)
+
+    @staticmethod
+    def backward(ctx, grad_out):  # type: ignore[override]
+        cos4, sin4 = ctx.saved_tensors
+        grad_out = grad_out if grad_out.stride(-1) == 1 else grad_out.contiguous()
+        return _rotate(grad_out, cos4, sin4, backward=True), None, None
+
+
+def _rotate_one(name: str, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, unsqueeze_dim: int):
+    if not isinstance(x, torch.Tensor) or not 2 <= x.dim() <= 4:
+        shape = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+        raise ValueError(f"{name} must be [B, H, S, D], [T, H, D] or [T, D], got shape {shape}")
+    dtype_name(x.dtype, f"{name}.dtype")
+    if cos.dtype != x.dtype:
+        raise ValueError(f"cos dtype {cos.dtype} differs from {name}'s {x.dtype} (HF casts cos/sin to it)")
+    if cos.device != x.device:
+        raise ValueError(f"cos is on {cos.device}, expected {x.device} ({name}'s device)")
+    rotary_dim = cos.shape[-1]
+    if rotary_dim > x.shape[-1]:
+        raise ValueError(f"cos.shape[-1] = {rotary_dim} exceeds {name}.shape[-1] = {x.shape[-1]}")
+    try:
+        cos_b = cos.unsqueeze(unsqueeze_dim) if unsqueeze_dim is not None else cos
+        sin_b = sin.unsqueeze(unsqueeze_dim) if unsqueeze_dim is not None else sin
+        target = (*x.shape[:-1], rotary_dim)
+        cos_b, sin_b = cos_b.expand(target), sin_b.expand(target)
+    except (RuntimeError, IndexError) as err:
+        raise ValueError(
+            f"cos/sin of shape {tuple(cos.shape)} (unsqueezed at {unsqueeze_dim}) do not broadcast to "
+            f"{name}'s {tuple(x.shape)}: {err}"
+        ) from None
+    if cos_b.stride(-1) != 1:
+        cos_b, sin_b = cos_b.contiguous(), sin_b.contiguous()
+    if sin_b.stride() != cos_b.stride():
+        sin_b = sin_b.contiguous()
+        cos_b = cos_b.contiguous()
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    out = RotaryFunction.apply(_as_4d(x), _as_4d(cos_b), _as_4d(sin_b))
+    return out.reshape(x.shape)
+
+
+def apply_rotary(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    unsqueeze_dim: int | None = 1,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """HF's ``apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1)`` as one kernel per tensor.
+
+    Args:
+        q, k: ``[B, H, S, D]`` (HF) or ``[T, H, D]`` (vLLM); ``k`` may have fewer heads.
+        cos, sin: from :func:`rotary_cos_sin`, ``[B, S, R]`` or ``[T, R]`` with ``R <= D`` even,
+            in q's dtype; unsqueezed at ``unsqueeze_dim`` (the head dimension; ``None`` if already
+            broadcastable) and broadcast to ``q``/``k``.
+
+    Returns:
+        ``(q_embed, k_embed)``, bit-identical to HF's ``q * cos + rotate_half(q) * sin``; the
+        last ``D - R`` dimensions pass through unchanged. Differentiable in ``q`` and ``k``.
+    """
+    for name, tensor in (("cos", cos), ("sin", sin)):
+        if not isinstance(tensor, torch.Tensor) or tensor.dim() < 1:
+            raise ValueError(f"{name} must be a tensor [..., rotary_dim]")
+        if tensor.requires_grad and torch.is_grad_enabled():
+            raise ValueError(f"{name} must not require grad: cos/sin are constants of the rotation")
+    if sin.shape != cos.shape or sin.dtype != cos.dtype or sin.device != cos.device:
+        raise ValueError(
+            f"sin {tuple(sin.shape)} {sin.dtype} {sin.device} must match cos {tuple(cos.shape)} {cos.dtype}"
+        )
+    if cos.shape[-1] % 2 or cos.shape[-1] == 0:
+        raise ValueError(f"cos.shape[-1] = {cos.shape[-1]} must be a positive even rotary dimension")
+    if not isinstance(q, torch.Tensor) or not isinstance(k, torch.Tensor):
+        raise ValueError("q and k must be tensors")
+    device_kind(q.device)
+    if k.dtype != q.dtype:
+        raise ValueError(f"k dtype {k.dtype} differs from q's {q.dtype}")
+    if k.device != q.device:
+        raise ValueError(f"k is on {k.device}, expected {q.device} (q's device)")
+    return _rotate_one("q", q, cos, sin, unsqueeze_dim), _rotate_one("k", k, cos, sin, unsqueeze_dim)

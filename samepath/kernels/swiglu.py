@@ -1,0 +1,198 @@
+"""SiLU(gate) * up with Hugging Face's rounding points, and its backward.
+
+HF's ``LlamaMLP`` computes ``act_fn(gate_proj(x)) * up_proj(x)`` in the model dtype: ``F.silu``
+widens the gate to fp32, computes ``g / (1 + exp(-g))`` and rounds to the dtype; the product with
+``up`` is a dtype multiply (fp32 product of the widened values, one rounding). The kernel does the
+same, element by element::
+
+    a = (g / (1 + exp(-g))).to(dtype)                 # g = gate.float(), fp32
+    y = (a.float() * up.float()).to(dtype)
+
+``g / (1 + exp(-g))`` is the formula of torch's ``F.silu`` on CPU and CUDA (not ``g * sigmoid(g)``).
+Bits equal stock torch wherever the ``exp`` implementations agree: ``tl.exp`` is numpy's ``exp``
+under the interpreter and the device's ``exp`` when compiled, while torch uses its own vectorized
+``exp``; the two differ in the last fp32 bit for some inputs, which reaches a bf16/fp16 result
+only through a rounding boundary (rare). Each element depends only on its own inputs, so a row
+is the same in any batch.
+
+:func:`swiglu` takes vLLM's fused ``[..., 2 * I]`` layout (gate first, then up).
+
+Backward (fp32, one cast per gradient): ``dup = dy * a``,
+``dgate = dy * up * s * (1 + g * (1 - s))`` with ``s = 1 / (1 + exp(-g))``.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from samepath.kernels.config import dtype_name, register_formula
+from samepath.kernels.dispatch import device_kind, jit
+
+#: No compiler contraction of a*b+c into FMA: the bits must not depend on a compiler default.
+FP_FUSION = False
+#: Columns one program handles (elementwise: numerics-neutral).
+MAX_BLOCK_N = 2048
+
+SILU_MUL_FORMULA = {
+    "silu": "fp32 g / (1 + exp(-g)) from the widened gate, rounded to the input dtype",
+    "multiply": "fp32 product of the widened silu and up, rounded once to the input dtype",
+    "fused_layout": "gate = x[..., :I], up = x[..., I:]",
+    "fp_fusion": "disabled",
+    "backward": "fp32, one cast per gradient",
+}
+register_formula("silu_mul", SILU_MUL_FORMULA)
+
+
+@jit
+def _silu_mul_fwd_kernel(
+    Gate,
+    Up,
+    Out,
+    stride_g,
+    stride_u,
+    stride_o,
+    N,
+    BLOCK_N: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    valid = cols < N
+    g = tl.load(Gate + row * stride_g + cols, mask=valid, other=0.0).to(tl.float32)
+    u = tl.load(Up + row * stride_u + cols, mask=valid, other=0.0).to(tl.float32)
+    a = (g / (1.0 + tl.exp(-g))).to(Out.dtype.element_ty).to(tl.float32)
+    tl.store(Out + row * stride_o + cols, (a * u).to(Out.dtype.element_ty), mask=valid)
+
+
+@jit
+def _silu_mul_bwd_kernel(
+    Gate,
+    Up,
+    dOut,
+    dGate,
+    dUp,
+    stride_g,
+    stride_u,
+    stride_do,
+    stride_dg,
+    stride_du,
+    N,
+    BLOCK_N: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    valid = cols < N
+    g = tl.load(Gate + row * stride_g + cols, mask=valid, other=0.0).to(tl.float32)
+    u = tl.load(Up + row * stride_u + cols, mask=valid, other=0.0).to(tl.float32)
+    dy = tl.load(dOut + row * stride_do + cols, mask=valid, other=0.0).to(tl.float32)
+    e = 1.0 + tl.exp(-g)
+    a = (g / e).to(dUp.dtype.element_ty).to(tl.float32)
+    sig = 1.0 / e
+    dsilu = sig * (1.0 + g * (1.0 - sig))
+    tl.store(dUp + row * stride_du + cols, (dy * a).to(dUp.dtype.element_ty), mask=valid)
+    tl.store(dGate + row * stride_dg + cols, (dy * u * dsilu).to(dGate.dtype.element_ty), mask=valid)
+
+
+def _rows(tensor: torch.Tensor) -> torch.Tensor:
+    flat = tensor.reshape(-1, tensor.shape[-1])
+    return flat if flat.stride(-1) == 1 else flat.contiguous()
+
+
+def _grid(M: int, N: int) -> tuple[tuple[int, int], int]:
+    block = min(MAX_BLOCK_N, triton.next_power_of_2(N))
+    return (M, triton.cdiv(N, block)), block
+
+
+class SiluMulFunction(torch.autograd.Function):
+    """Autograd for :func:`silu_mul` on ``[M, I]`` views."""
+
+    @staticmethod
+    def forward(ctx, gate2, up2):  # type: ignore[override]
+        M, N = gate2.shape
+        out = torch.empty((M, N), dtype=gate2.dtype, device=gate2.device)
+        if M and N:
+            grid, block = _grid(M, N)
+            _silu_mul_fwd_kernel[grid](
+                gate2,
+                up2,
+                out,
+                gate2.stride(0),
+                up2.stride(0),
+                out.stride(0),
+                N,
+                BLOCK_N=block,
+                enable_fp_fusion=FP_FUSION,
+            )
+        ctx.save_for_backward(gate2, up2)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):  # type: ignore[override]
+        gate2, up2 = ctx.saved_tensors
+        M, N = gate2.shape
+        grad_out = _rows(grad_out)
+        dgate = torch.empty((M, N), dtype=gate2.dtype, device=gate2.device)
+        dup = torch.empty((M, N), dtype=gate2.dtype, device=gate2.device)
+        if M and N:
+            grid, block = _grid(M, N)
+            _silu_mul_bwd_kernel[grid](
+                gate2,
+                up2,
+                grad_out,
+                dgate,
+                dup,
+                gate2.stride(0),
+                up2.stride(0),
+                grad_out.stride(0),
+                dgate.stride(0),
+                dup.stride(0),
+                N,
+                BLOCK_N=block,
+                enable_fp_fusion=FP_FUSION,
+            )
+        return dgate, dup
+
+
+def _check(name: str, tensor: torch.Tensor) -> None:
+    if not isinstance(tensor, torch.Tensor) or tensor.dim() < 1:
+        raise ValueError(f"{name} must be a tensor with at least one dimension")
+    dtype_name(tensor.dtype, f"{name}.dtype")
+    device_kind(tensor.device)
+
+
+def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up`` rounded as HF's ``act_fn(gate_proj(x)) * up_proj(x)``.
+
+    Args:
+        gate, up: ``[..., I]``, same shape, dtype (float32 / bfloat16 / float16) and device.
+
+    Returns:
+        ``[..., I]`` in the input dtype; differentiable in both inputs.
+    """
+    _check("gate", gate)
+    if not isinstance(up, torch.Tensor):
+        raise ValueError("up must be a tensor shaped like gate")
+    if up.shape != gate.shape:
+        raise ValueError(f"up shape {tuple(up.shape)} differs from gate's {tuple(gate.shape)}")
+    if up.dtype != gate.dtype:
+        raise ValueError(f"up dtype {up.dtype} differs from gate's {gate.dtype}")
+    if up.device != gate.device:
+        raise ValueError(f"up is on {up.device}, expected {gate.device} (gate's device)")
+    return SiluMulFunction.apply(_rows(gate), _rows(up)).reshape(gate.shape)
+
+
+def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
+    """:func:`silu_mul` on vLLM's fused layout: ``gate_up[..., :I]`` is the gate, ``[..., I:]`` up.
+
+    Args:
+        gate_up: ``[..., 2 * I]``.
+
+    Returns:
+        ``[..., I]``, the same bits as ``silu_mul(gate_up[..., :I], gate_up[..., I:])``.
+    """
+    _check("gate_up", gate_up)
+    if gate_up.shape[-1] % 2:
+        raise ValueError(f"gate_up.shape[-1] = {gate_up.shape[-1]} must be even (gate and up halves)")
+    half = gate_up.shape[-1] // 2
+    return silu_mul(gate_up[..., :half], gate_up[..., half:])

@@ -1,0 +1,233 @@
+"""RMSNorm: HF's rounding points, batch invariance, fp64 closeness, deterministic backward, errors."""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import numpy as np
+import pytest
+import torch
+import triton
+
+from samepath.kernels.compile_check import compile_launch, record_launches
+from samepath.kernels.config import OP_FORMULAS
+from samepath.kernels.rms_norm import BWD_ROWS_PER_PROGRAM, rms_norm
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+MANTISSA = {torch.float32: 23, torch.bfloat16: 7, torch.float16: 10}
+MIN_EXPONENT = {torch.float32: -126, torch.bfloat16: -126, torch.float16: -14}
+EPS = 1e-6
+
+
+def _gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def _inputs(rows: int, hidden: int, dtype: torch.dtype, seed: int):
+    g = _gen(seed)
+    x = (torch.randn(rows, hidden, generator=g) * 3 + 0.5).to(dtype)
+    w = (1 + 0.5 * torch.randn(hidden, generator=g)).to(dtype)
+    r = (torch.randn(rows, hidden, generator=g) * 2).to(dtype)
+    dy = torch.randn(rows, hidden, generator=g).to(dtype)
+    return x, w, r, dy
+
+
+def _hf_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, variance: torch.Tensor | None = None):
+    """transformers' LlamaRMSNorm.forward (optionally with a given fp32 mean square)."""
+    input_dtype = x.dtype
+    h = x.to(torch.float32)
+    if variance is None:
+        variance = h.pow(2).mean(-1, keepdim=True)
+    h = h * torch.rsqrt(variance + eps)
+    return weight * h.to(input_dtype)
+
+
+def _interpreter_mean_square(x: torch.Tensor) -> torch.Tensor:
+    """The fp32 mean square as the kernel's tl.sum computes it under the interpreter (numpy's sum
+    over the row padded to the power-of-two block)."""
+    h = x.float().numpy()
+    block = triton.next_power_of_2(h.shape[-1])
+    padded = np.zeros((h.shape[0], block), dtype=np.float32)
+    padded[:, : h.shape[1]] = h
+    sums = np.stack([np.sum(row * row) for row in padded]).astype(np.float32)
+    return torch.from_numpy(sums / np.float32(h.shape[1]))[:, None]
+
+
+def _ulps(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """|a - b| in units of the spacing of b's dtype at b (subnormals included)."""
+    exponent = torch.floor(torch.log2(b.double().abs().clamp_min(1e-45))).clamp_min(MIN_EXPONENT[b.dtype])
+    spacing = torch.exp2(exponent - MANTISSA[b.dtype])
+    return (a.double() - b.double()).abs() / spacing
+
+
+def test_formula_is_registered() -> None:
+    assert "dweight_reduction" in OP_FORMULAS["rms_norm"]
+
+
+@pytest.mark.parametrize("hidden", [80, 1000])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_rounding_points_match_hf(dtype: torch.dtype, hidden: int) -> None:
+    x, w, r, _ = _inputs(7, hidden, dtype, seed=hidden)
+    ours = rms_norm(x, w, EPS)
+    # Every rounding point is HF's: given the same fp32 statistics, the bits are HF's exactly.
+    assert torch.equal(ours, _hf_rms_norm(x, w, EPS, _interpreter_mean_square(x)))
+    # Against stock HF (torch's own row sum order): the fp32 statistics differ in their last bits,
+    # which moves fp32 outputs by a few ulps and bf16/fp16 outputs by <= 1 ulp, rarely.
+    stock = _hf_rms_norm(x, w, EPS)
+    assert _ulps(ours, stock).max() <= (8 if dtype == torch.float32 else 1)
+    if dtype != torch.float32:
+        assert (ours != stock).float().mean() <= 0.01
+
+    ours_y, ours_s = rms_norm(x, w, EPS, residual=r)
+    hf_s = r + x  # the decoder layer's `hidden_states = residual + hidden_states`
+    assert torch.equal(ours_s, hf_s)
+    assert torch.equal(ours_y, _hf_rms_norm(hf_s, w, EPS, _interpreter_mean_square(hf_s)))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_negative_control_fused_residual_add_differs(dtype: torch.dtype) -> None:
+    """An add fused into the fp32 statistics (no rounding of s) gives other bits: the exactness
+    check above can fail."""
+    x, w, r, _ = _inputs(16, 1000, dtype, seed=3)
+    ours_y, _ = rms_norm(x, w, EPS, residual=r)
+    h = x.float() + r.float()
+    fused = w * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + EPS)).to(dtype)
+    assert not torch.equal(ours_y, fused)
+
+
+@pytest.mark.parametrize("hidden", [80, 1000])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_row_alone_equals_row_in_batch(dtype: torch.dtype, hidden: int) -> None:
+    x, w, r, dy = _inputs(33, hidden, dtype, seed=10 + hidden)
+
+    def run(rows: slice):
+        xs, rs = x[rows].clone().requires_grad_(), r[rows].clone().requires_grad_()
+        y, s = rms_norm(xs, w, EPS, residual=rs)
+        (y.float() * dy[rows].float()).sum().backward()
+        return y.detach(), s.detach(), xs.grad, rs.grad
+
+    full = run(slice(0, 33))
+    for m in (1, 2, 3, 7, 16):
+        part = run(slice(0, m))
+        for a, b in zip(part, full, strict=True):
+            assert torch.equal(a, b[:m])
+    for i in (0, 5, 32):
+        alone = run(slice(i, i + 1))
+        for a, b in zip(alone, full, strict=True):
+            assert torch.equal(a, b[i : i + 1])
+    # without a residual, too
+    y_full = rms_norm(x, w, EPS)
+    assert torch.equal(rms_norm(x[17:18], w, EPS), y_full[17:18])
+
+
+TOLERANCE = {torch.float32: 2e-6, torch.bfloat16: 1.6e-2, torch.float16: 2e-3}
+
+
+def _rel_err(a: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((a.double() - ref).abs().max() / ref.abs().max()).item()
+
+
+@pytest.mark.parametrize("rows,hidden", [(3, 80), (33, 1000)])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_forward_and_gradients_match_fp64(dtype: torch.dtype, rows: int, hidden: int) -> None:
+    x, w, r, dy = _inputs(rows, hidden, dtype, seed=20 + rows)
+    xs, rs, ws = (t.clone().requires_grad_() for t in (x, r, w))
+    y, _ = rms_norm(xs, ws, EPS, residual=rs)
+    (y.float() * dy.float()).sum().backward()
+
+    x64, r64, w64 = (t.double().requires_grad_() for t in (x, r, w))
+    exact = x64 + r64
+    s64 = exact + (exact.to(dtype).double() - exact).detach()  # value rounded like ours, gradient of x + r
+    y64 = w64 * s64 * torch.rsqrt(s64.pow(2).mean(-1, keepdim=True) + EPS)
+    (y64 * dy.double()).sum().backward()
+
+    tol = TOLERANCE[dtype]
+    assert _rel_err(y, y64) <= tol
+    assert _rel_err(xs.grad, x64.grad) <= 2 * tol
+    assert torch.equal(xs.grad, rs.grad)
+    assert _rel_err(ws.grad, w64.grad) <= 2 * tol
+
+
+def test_backward_is_deterministic_and_dweight_order_is_fixed() -> None:
+    rows = 3 * BWD_ROWS_PER_PROGRAM + 5
+    x, w, r, dy = _inputs(rows, 1000, torch.float32, seed=7)
+
+    def grads():
+        xs, rs, ws = (t.clone().requires_grad_() for t in (x, r, w))
+        y, _ = rms_norm(xs, ws, EPS, residual=rs)
+        (y * dy).sum().backward()
+        return xs.grad, rs.grad, ws.grad
+
+    first, second = grads(), grads()
+    for a, b in zip(first, second, strict=True):
+        assert torch.equal(a, b)
+    # dweight is exactly: fp32 partials over blocks of BWD_ROWS_PER_PROGRAM rows, each summed in
+    # ascending row order, then the partials summed in ascending order.
+    s = x + r
+    n = s * torch.rsqrt(_interpreter_mean_square(s) + EPS)
+    terms = dy * n
+
+    def serial(rows_in_order):
+        acc = torch.zeros(x.shape[1])
+        for i in rows_in_order:
+            acc = acc + terms[i]
+        return acc
+
+    blocks = [range(b, min(b + BWD_ROWS_PER_PROGRAM, rows)) for b in range(0, rows, BWD_ROWS_PER_PROGRAM)]
+    partials = [serial(block) for block in blocks]
+    expected = torch.zeros(x.shape[1])
+    for partial in partials:
+        expected = expected + partial
+    assert torch.equal(first[2], expected)
+    # Negative control: the same terms summed in another order give other bits.
+    assert not torch.equal(first[2], serial(range(rows - 1, -1, -1)))
+    assert _rel_err(first[2], terms.double().sum(0)) < 1e-5
+
+
+def test_bad_input_names_the_argument() -> None:
+    x, w, r, _ = _inputs(2, 80, torch.float32, seed=0)
+    with pytest.raises(ValueError, match=r"weight must have shape \(80,\)"):
+        rms_norm(x, w[:40])
+    with pytest.raises(ValueError, match=r"x\.dtype must be one of"):
+        rms_norm(x.double(), w.double())
+    with pytest.raises(ValueError, match="weight dtype"):
+        rms_norm(x, w.half())
+    with pytest.raises(ValueError, match="weight is on meta"):
+        rms_norm(x, w.to("meta"))
+    with pytest.raises(ValueError, match="residual shape"):
+        rms_norm(x, w, residual=r[:1])
+    with pytest.raises(ValueError, match="residual dtype"):
+        rms_norm(x, w, residual=r.bfloat16())
+    with pytest.raises(ValueError, match="residual is on meta"):
+        rms_norm(x, w, residual=r.to("meta"))
+    with pytest.raises(ValueError, match=r"x.shape\[-1\] = 16385 is not a supported hidden size"):
+        rms_norm(torch.randn(1, 16385), torch.randn(16385))
+    with pytest.raises(ValueError, match="eps must be"):
+        rms_norm(x, w, eps=float("nan"))
+    with pytest.raises(ValueError, match="samepath kernels run on"):
+        rms_norm(x.to("meta"), w.to("meta"))
+
+
+@pytest.mark.skipif(
+    not shutil.which("ptxas", path=os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")),
+    reason="Triton wheel without the bundled ptxas: cannot compile for CUDA on this machine",
+)
+def test_kernels_compile_for_hopper() -> None:
+    x, w, r, dy = _inputs(18, 1000, torch.bfloat16, seed=1)
+    with record_launches() as launches:
+        xs = x.clone().requires_grad_()
+        y, _ = rms_norm(xs, w.clone().requires_grad_(), EPS, residual=r)
+        (y.float() * dy.float()).sum().backward()
+        rms_norm(x, w, EPS)
+    seen = set()
+    for launch in launches:
+        key = (launch.name, launch.kwargs.get("HAS_RESIDUAL"), launch.kwargs.get("HAS_DS"))
+        if key not in seen:
+            seen.add(key)
+            assert compile_launch(launch).asm["cubin"], launch.name
+    assert {name for name, _, _ in seen} == {
+        "_rms_norm_fwd_kernel",
+        "_rms_norm_bwd_kernel",
+        "_rms_norm_dw_reduce_kernel",
+    }
