@@ -1,20 +1,37 @@
 """samepath: bit-identical log-probabilities between the RL rollout engine and the trainer.
 
-The public surface is small: the kernels, and :func:`fingerprint` to compare numerics between
-processes. See docs/numerics.md for the contract.
+The public surface is small: the kernels (one schedule for every caller), the
+:func:`batch_invariant` context that routes torch's own matmuls and log-softmax to them, and
+:func:`fingerprint` / :func:`assert_same_numerics` to compare numerics between processes.
+See docs/numerics.md for the contract.
 """
 
 from samepath.kernels.attention import paged_attention, varlen_attention, write_kv_cache
 from samepath.kernels.config import NumericsMismatchError, assert_same_numerics, fingerprint
+from samepath.kernels.logprobs import log_softmax, token_logprobs
+from samepath.kernels.matmul import batch_invariant, linear, matmul
+from samepath.kernels.rms_norm import rms_norm
+from samepath.kernels.rotary import apply_rotary, rotary_cos_sin
+from samepath.kernels.swiglu import silu_mul, swiglu
 
 __version__ = "0.1.0"
 
 __all__ = [
     "NumericsMismatchError",
     "__version__",
+    "apply_rotary",
     "assert_same_numerics",
+    "batch_invariant",
     "fingerprint",
+    "linear",
+    "log_softmax",
+    "matmul",
     "paged_attention",
+    "rms_norm",
+    "rotary_cos_sin",
+    "silu_mul",
+    "swiglu",
+    "token_logprobs",
     "varlen_attention",
     "write_kv_cache",
 ]

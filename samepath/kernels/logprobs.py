@@ -1,0 +1,616 @@
+"""Token log-probabilities, entropy and log-softmax over the vocabulary with one fixed schedule.
+
+Contract (docs/numerics.md, "the rest of the model"): a row of logits is reduced by one program,
+``vocab_chunk`` columns at a time (``row_reduce_config(device).vocab_chunk``), serially in
+ascending column order, into an fp32 online log-sum-exp. Per chunk, with ``T`` the temperature::
+
+    z = x.to(fp32) / fp32(T)                  # IEEE division (tl.math.div_rn), first of all,
+                                              # exactly torch's ``logits.float() / T`` on the CPU
+    z = where(col < V, z, -inf)               # the tail of the last chunk; exp gives exactly 0
+    m' = max(m, max(z))
+    e = exp(z - m')                           # natural exp, no log2(e) folding
+    s' = s * exp(m - m') + sum(e)
+    w' = exp(m - m') * (w + (m' - m) * s) + sum(e * (m' - z))     # entropy only (-inf terms: 0)
+    lse = m + log(s);  entropy = log(s) + w / s;  logprob = z[label] - lse
+
+``w`` is the running ``sum(exp(z - m) * (m - z))``: every term is non-negative, so the entropy
+``log(s) + w / s`` (= ``lse - sum(p * z)``) is a sum of two non-negative numbers and does not
+cancel for peaked distributions the way ``lse - sum(p * z)`` would.
+
+The lse is computed by one ``@jit`` device function shared by :func:`token_logprobs` and
+:func:`log_softmax`, so ``log_softmax(x, T).gather(-1, label) == token_logprobs(x, label, T)``
+bitwise; a row's result never depends on the other rows of the batch.
+
+Public functions:
+
+* :func:`token_logprobs` — ``log p(label)`` per row (optionally the entropy), differentiable.
+* :func:`log_softmax` — the full fp32 ``[..., V]`` log-softmax (samplers' top-k logprobs),
+  differentiable.
+* :func:`_log_softmax` — an ``aten::_log_softmax``-compatible implementation ``(input, dim,
+  half_to_float)`` for a batch-invariant dispatcher override (temperature 1, last dim only).
+
+Backward (deterministic, one program per row, no atomics), with ``p = exp(z - lse)``,
+``log p = z - lse`` and ``H`` the saved entropy:
+``dx = ((onehot(label) - p) * g_logprob - g_entropy * p * (log p + H)) / T``, and for the
+log-softmax ``dx = (g - p * sum(g)) / T`` with ``sum(g)`` folded in the same fixed chunks.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton.language as tl
+
+from samepath.kernels.config import (
+    SUPPORTED_DTYPES,
+    RowReduceConfig,
+    dtype_name,
+    register_formula,
+    row_reduce_config,
+)
+from samepath.kernels.dispatch import SUPPORTED_DEVICE_TYPES, device_kind, jit
+from samepath.kernels.matmul import register_override
+
+#: No compiler contraction of a*b+c into FMA: the bits must not depend on a compiler default.
+FP_FUSION = False
+#: The label value whose rows return 0 and get no gradient (PyTorch's and HF's convention).
+IGNORE_INDEX = -100
+
+LOGPROBS_FORMULA = {
+    "schedule": "one program per row; vocab_chunk columns per step, serially in ascending column order",
+    "temperature": "logits widened to fp32, then IEEE-rounded division by fp32(temperature) before anything else",
+    "mask": "columns past the vocabulary select -inf before the chunk max; their exp is exactly 0",
+    "exp": "exp (natural), no log2(e) folding; lse = m + log(s)",
+    "lse": "fp32 online: m' = max(m, max(z)); s' = s * exp(m - m') + sum(exp(z - m'))",
+    "logprob": "z[label] - lse, z[label] divided exactly as in the chunk",
+    "entropy": (
+        "fp32 online w = sum(exp(z - m) * (m - z)), w' = exp(m - m') * (w + (m' - m) * s) + chunk sum; "
+        "entropy = log(s) + w / s"
+    ),
+    "log_softmax": "the same lse device function, then z - lse per column, fp32",
+    "ignore_index": "rows labelled ignore_index return 0 (logprob and entropy) and get zero gradient",
+    "backward": "fp32: ((onehot - p) * g_logprob - g_entropy * p * (log p + H)) / T, one cast to the logits dtype",
+    "fp_fusion": "disabled",
+}
+register_formula("logprobs", LOGPROBS_FORMULA)
+
+
+# ----------------------------------------------------------------------------------------------
+# Kernels
+# ----------------------------------------------------------------------------------------------
+
+
+@jit
+def _scaled_chunk(row_ptr, cols, stride_v, V, temperature):
+    """fp32 ``x / T`` of columns ``cols`` of a row; -inf past the vocabulary (by select)."""
+    valid = cols < V
+    x = tl.load(row_ptr + cols.to(tl.int64) * stride_v, mask=valid, other=0.0).to(tl.float32)
+    return tl.where(valid, tl.math.div_rn(x, temperature), float("-inf"))
+
+
+@jit
+def _row_lse(row_ptr, stride_v, V, temperature, CHUNK: tl.constexpr, ENTROPY: tl.constexpr):
+    """The fp32 online log-sum-exp of one row of ``x / T`` (and its entropy when ``ENTROPY``).
+
+    Shared by every kernel of this module, so all of them see the same lse bits.
+    """
+    offs = tl.arange(0, CHUNK)
+    m = tl.full([], float("-inf"), tl.float32)
+    s = tl.full([], 0.0, tl.float32)
+    w = tl.full([], 0.0, tl.float32)
+    for start in range(0, V, CHUNK):
+        z = _scaled_chunk(row_ptr, start + offs, stride_v, V, temperature)
+        m_new = tl.maximum(m, tl.max(z, 0))
+        # While the row has seen only -inf, keep the state at exactly (-inf, 0, 0).
+        m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp(m - m_shift)
+        e = tl.exp(z - m_shift)
+        s_new = s * alpha + tl.sum(e, 0)
+        if ENTROPY:
+            # -inf entries (e = 0) and an empty state (alpha = s = w = 0) contribute exactly 0;
+            # the selects keep inf * 0 (NaN) out of the arithmetic.
+            z_safe = tl.where(z == float("-inf"), m_shift, z)
+            m_safe = tl.where(m == float("-inf"), m_shift, m)
+            w = alpha * (w + (m_shift - m_safe) * s) + tl.sum(e * (m_shift - z_safe), 0)
+        s = s_new
+        m = m_new
+    lse = m + tl.log(s)
+    entropy = tl.log(s) + tl.math.div_rn(w, s)
+    return lse, entropy
+
+
+@jit
+def _token_logprobs_fwd_kernel(
+    X,
+    row_offsets,
+    Labels,
+    LogProb,
+    Entropy,
+    Lse,
+    stride_v,
+    V,
+    temperature,
+    ignore_index,
+    CHUNK: tl.constexpr,
+    ENTROPY: tl.constexpr,
+    HAS_IGNORE: tl.constexpr,
+):
+    row = tl.program_id(0)
+    label = tl.load(Labels + row).to(tl.int64)
+    ignored = False
+    if HAS_IGNORE:
+        ignored = label == ignore_index
+    if ignored:
+        tl.store(LogProb + row, 0.0)
+        tl.store(Lse + row, 0.0)
+        if ENTROPY:
+            tl.store(Entropy + row, 0.0)
+    else:
+        row_ptr = X + tl.load(row_offsets + row)
+        lse, entropy = _row_lse(row_ptr, stride_v, V, temperature, CHUNK, ENTROPY)
+        # An out-of-range label (only possible with validate=False) gives NaN, never a wild read.
+        in_range = (label >= 0) & (label < V)
+        x_label = tl.load(row_ptr + label * stride_v, mask=in_range, other=0.0).to(tl.float32)
+        z_label = tl.math.div_rn(x_label, temperature)
+        tl.store(LogProb + row, tl.where(in_range, z_label - lse, float("nan")))
+        tl.store(Lse + row, lse)
+        if ENTROPY:
+            tl.store(Entropy + row, entropy)
+
+
+@jit
+def _token_logprobs_bwd_kernel(
+    X,
+    row_offsets,
+    Labels,
+    Lse,
+    Entropy,
+    dLogProb,
+    dEntropy,
+    dX,
+    stride_v,
+    stride_dlp,
+    stride_dh,
+    V,
+    temperature,
+    ignore_index,
+    CHUNK: tl.constexpr,
+    HAS_GRAD_LP: tl.constexpr,
+    HAS_GRAD_H: tl.constexpr,
+    HAS_IGNORE: tl.constexpr,
+):
+    row = tl.program_id(0)
+    offs = tl.arange(0, CHUNK)
+    dx_row = dX + row.to(tl.int64) * V
+    label = tl.load(Labels + row).to(tl.int64)
+    ignored = False
+    if HAS_IGNORE:
+        ignored = label == ignore_index
+    if ignored:
+        for start in range(0, V, CHUNK):
+            cols = start + offs
+            tl.store(dx_row + cols, tl.zeros([CHUNK], tl.float32).to(dX.dtype.element_ty), mask=cols < V)
+    else:
+        row_ptr = X + tl.load(row_offsets + row)
+        lse = tl.load(Lse + row)
+        g_lp = 0.0
+        if HAS_GRAD_LP:
+            g_lp = tl.load(dLogProb + row * stride_dlp).to(tl.float32)
+        g_h = 0.0
+        entropy = 0.0
+        if HAS_GRAD_H:
+            g_h = tl.load(dEntropy + row * stride_dh).to(tl.float32)
+            entropy = tl.load(Entropy + row)
+        for start in range(0, V, CHUNK):
+            cols = start + offs
+            z = _scaled_chunk(row_ptr, cols, stride_v, V, temperature)
+            logp = z - lse
+            p = tl.exp(logp)
+            g = tl.zeros([CHUNK], tl.float32)
+            if HAS_GRAD_LP:
+                g = (tl.where(cols == label, 1.0, 0.0) - p) * g_lp
+            if HAS_GRAD_H:
+                # p log p -> 0 where p == 0 (logits of -inf), without computing 0 * -inf.
+                g = g - g_h * (p * (tl.where(p == 0.0, 0.0, logp) + entropy))
+            dx = tl.math.div_rn(g, temperature)
+            tl.store(dx_row + cols, dx.to(dX.dtype.element_ty), mask=cols < V)
+
+
+@jit
+def _log_softmax_fwd_kernel(
+    X,
+    row_offsets,
+    Out,
+    Lse,
+    stride_v,
+    V,
+    temperature,
+    CHUNK: tl.constexpr,
+):
+    row = tl.program_id(0)
+    row_ptr = X + tl.load(row_offsets + row)
+    lse, _ = _row_lse(row_ptr, stride_v, V, temperature, CHUNK, False)
+    tl.store(Lse + row, lse)
+    out_row = Out + row.to(tl.int64) * V
+    offs = tl.arange(0, CHUNK)
+    for start in range(0, V, CHUNK):
+        cols = start + offs
+        z = _scaled_chunk(row_ptr, cols, stride_v, V, temperature)
+        tl.store(out_row + cols, z - lse, mask=cols < V)
+
+
+@jit
+def _log_softmax_bwd_kernel(
+    X,
+    row_offsets,
+    Lse,
+    dOut,
+    dX,
+    stride_v,
+    V,
+    temperature,
+    CHUNK: tl.constexpr,
+):
+    """dx = (g - p * sum(g)) / T; sum(g) folded in the same fixed chunks, ascending."""
+    row = tl.program_id(0)
+    row_ptr = X + tl.load(row_offsets + row)
+    lse = tl.load(Lse + row)
+    g_row = dOut + row.to(tl.int64) * V
+    dx_row = dX + row.to(tl.int64) * V
+    offs = tl.arange(0, CHUNK)
+    g_sum = tl.full([], 0.0, tl.float32)
+    for start in range(0, V, CHUNK):
+        cols = start + offs
+        g_sum = g_sum + tl.sum(tl.load(g_row + cols, mask=cols < V, other=0.0), 0)
+    for start in range(0, V, CHUNK):
+        cols = start + offs
+        z = _scaled_chunk(row_ptr, cols, stride_v, V, temperature)
+        p = tl.exp(z - lse)
+        g = tl.load(g_row + cols, mask=cols < V, other=0.0)
+        dx = tl.math.div_rn(g - p * g_sum, temperature)
+        tl.store(dx_row + cols, dx.to(dX.dtype.element_ty), mask=cols < V)
+
+
+# ----------------------------------------------------------------------------------------------
+# Launchers
+# ----------------------------------------------------------------------------------------------
+
+
+def _row_offsets(logits: torch.Tensor) -> torch.Tensor:
+    """int64 element offset of each row ``logits[i, j, ..., :]``, flattened: any leading strides
+    (e.g. ``logits[:, :-1]``) without copying the logits."""
+    lead = logits.shape[:-1]
+    offsets = torch.zeros(lead, dtype=torch.int64, device=logits.device)
+    for dim, (size, stride) in enumerate(zip(lead, logits.stride()[:-1], strict=True)):
+        view = [1] * len(lead)
+        view[dim] = size
+        offsets = offsets + torch.arange(size, dtype=torch.int64, device=logits.device).view(view) * stride
+    return offsets.reshape(-1)
+
+
+def _chunk(config: RowReduceConfig) -> int:
+    chunk = config.vocab_chunk
+    if not isinstance(chunk, int) or chunk < 16 or chunk & (chunk - 1):
+        raise ValueError(f"config.vocab_chunk must be a power of two >= 16, got {chunk!r}")
+    return chunk
+
+
+def _launch_options(config: RowReduceConfig) -> dict:
+    return dict(num_warps=config.num_warps, enable_fp_fusion=FP_FUSION)
+
+
+def _token_forward(logits, labels_flat, offsets, temperature, ignore_index, entropy, config):
+    rows, vocab = labels_flat.numel(), logits.shape[-1]
+    device = logits.device
+    logprob = torch.empty(rows, dtype=torch.float32, device=device)
+    lse = torch.empty(rows, dtype=torch.float32, device=device)
+    ent = torch.empty(rows, dtype=torch.float32, device=device) if entropy else None
+    if rows == 0:
+        return logprob, ent, lse
+    _token_logprobs_fwd_kernel[(rows,)](
+        logits,
+        offsets,
+        labels_flat,
+        logprob,
+        ent if entropy else logprob,
+        lse,
+        logits.stride(-1),
+        vocab,
+        temperature,
+        ignore_index if ignore_index is not None else 0,
+        CHUNK=_chunk(config),
+        ENTROPY=entropy,
+        HAS_IGNORE=ignore_index is not None,
+        **_launch_options(config),
+    )
+    return logprob, ent, lse
+
+
+def _token_backward(logits, labels_flat, offsets, lse, ent, grad_lp, grad_h, temperature, ignore_index, config):
+    rows, vocab = labels_flat.numel(), logits.shape[-1]
+    dx = torch.empty((*logits.shape[:-1], vocab), dtype=logits.dtype, device=logits.device)
+    if rows == 0:
+        return dx
+    grad_lp = grad_lp.reshape(-1) if grad_lp is not None else None
+    grad_h = grad_h.reshape(-1) if grad_h is not None else None
+    _token_logprobs_bwd_kernel[(rows,)](
+        logits,
+        offsets,
+        labels_flat,
+        lse,
+        ent if ent is not None else lse,
+        grad_lp if grad_lp is not None else lse,
+        grad_h if grad_h is not None else lse,
+        dx,
+        logits.stride(-1),
+        grad_lp.stride(0) if grad_lp is not None else 0,
+        grad_h.stride(0) if grad_h is not None else 0,
+        vocab,
+        temperature,
+        ignore_index if ignore_index is not None else 0,
+        CHUNK=_chunk(config),
+        HAS_GRAD_LP=grad_lp is not None,
+        HAS_GRAD_H=grad_h is not None,
+        HAS_IGNORE=ignore_index is not None,
+        **_launch_options(config),
+    )
+    return dx
+
+
+def _log_softmax_forward(logits, offsets, temperature, config):
+    vocab = logits.shape[-1]
+    rows = offsets.numel()
+    out = torch.empty((*logits.shape[:-1], vocab), dtype=torch.float32, device=logits.device)
+    lse = torch.empty(rows, dtype=torch.float32, device=logits.device)
+    if rows == 0:
+        return out, lse
+    _log_softmax_fwd_kernel[(rows,)](
+        logits,
+        offsets,
+        out,
+        lse,
+        logits.stride(-1),
+        vocab,
+        temperature,
+        CHUNK=_chunk(config),
+        **_launch_options(config),
+    )
+    return out, lse
+
+
+def _log_softmax_backward(logits, offsets, lse, grad_out, temperature, config):
+    vocab = logits.shape[-1]
+    rows = offsets.numel()
+    dx = torch.empty((*logits.shape[:-1], vocab), dtype=logits.dtype, device=logits.device)
+    if rows == 0:
+        return dx
+    grad_out = grad_out.to(torch.float32).contiguous()
+    _log_softmax_bwd_kernel[(rows,)](
+        logits,
+        offsets,
+        lse,
+        grad_out,
+        dx,
+        logits.stride(-1),
+        vocab,
+        temperature,
+        CHUNK=_chunk(config),
+        **_launch_options(config),
+    )
+    return dx
+
+
+# ----------------------------------------------------------------------------------------------
+# Autograd
+# ----------------------------------------------------------------------------------------------
+
+
+class TokenLogprobsFunction(torch.autograd.Function):
+    """Autograd for :func:`token_logprobs`; returns ``(logprob, entropy or None)``."""
+
+    @staticmethod
+    def forward(ctx, logits, labels_flat, temperature, ignore_index, entropy, config):  # type: ignore[override]
+        offsets = _row_offsets(logits)
+        logprob, ent, lse = _token_forward(logits, labels_flat, offsets, temperature, ignore_index, entropy, config)
+        ctx.set_materialize_grads(False)
+        ctx.save_for_backward(logits, labels_flat, offsets, lse, ent)
+        ctx.temperature, ctx.ignore_index, ctx.config = temperature, ignore_index, config
+        lead = logits.shape[:-1]
+        if ent is None:
+            return logprob.reshape(lead), None
+        return logprob.reshape(lead), ent.reshape(lead)
+
+    @staticmethod
+    def backward(ctx, grad_lp, grad_h):  # type: ignore[override]
+        logits, labels_flat, offsets, lse, ent = ctx.saved_tensors
+        if grad_lp is None and grad_h is None:
+            return None, None, None, None, None, None
+        dx = _token_backward(
+            logits,
+            labels_flat,
+            offsets,
+            lse,
+            ent,
+            grad_lp,
+            grad_h if ent is not None else None,
+            ctx.temperature,
+            ctx.ignore_index,
+            ctx.config,
+        )
+        return dx, None, None, None, None, None
+
+
+class LogSoftmaxFunction(torch.autograd.Function):
+    """Autograd for :func:`log_softmax`."""
+
+    @staticmethod
+    def forward(ctx, logits, temperature, config):  # type: ignore[override]
+        offsets = _row_offsets(logits)
+        out, lse = _log_softmax_forward(logits, offsets, temperature, config)
+        ctx.save_for_backward(logits, offsets, lse)
+        ctx.temperature, ctx.config = temperature, config
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):  # type: ignore[override]
+        logits, offsets, lse = ctx.saved_tensors
+        return _log_softmax_backward(logits, offsets, lse, grad_out, ctx.temperature, ctx.config), None, None
+
+
+# ----------------------------------------------------------------------------------------------
+# Public functions
+# ----------------------------------------------------------------------------------------------
+
+
+def _check_logits(logits: torch.Tensor, name: str = "logits") -> None:
+    if not isinstance(logits, torch.Tensor) or logits.dim() < 1:
+        raise ValueError(f"{name} must be a tensor [..., vocab] with at least one dimension")
+    dtype_name(logits.dtype, f"{name}.dtype")
+    device_kind(logits.device)
+    if logits.shape[-1] < 1:
+        raise ValueError(f"{name}.shape[-1] (the vocabulary) must be at least 1, got {logits.shape[-1]}")
+    if logits.shape[-1] >= 2**31:
+        raise ValueError(f"{name}.shape[-1] = {logits.shape[-1]} is too large (at most 2**31 - 1 columns)")
+
+
+def _check_temperature(temperature: float) -> float:
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)):
+        raise ValueError(f"temperature must be a positive finite float, got {temperature!r}")
+    value = float(temperature)
+    as_fp32 = float(torch.tensor(value, dtype=torch.float32))
+    if not math.isfinite(value) or value <= 0 or not math.isfinite(as_fp32) or as_fp32 <= 0:
+        raise ValueError(f"temperature must be a positive finite float (also in fp32), got {temperature!r}")
+    return value
+
+
+def _check_config(config: RowReduceConfig | None, device: torch.device) -> RowReduceConfig:
+    cfg = config if config is not None else row_reduce_config(device)
+    _chunk(cfg)
+    return cfg
+
+
+def token_logprobs(
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    temperature: float = 1.0,
+    *,
+    return_entropy: bool = False,
+    ignore_index: int | None = IGNORE_INDEX,
+    config: RowReduceConfig | None = None,
+    validate: bool = True,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """``log softmax(logits / temperature)[label]`` per row, in fp32, batch-invariant.
+
+    Args:
+        logits: ``[..., V]`` float32 / bfloat16 / float16, any strides (rows are addressed through
+            their strides, never copied).
+        labels: ``[...]`` int32/int64, ``logits.shape[:-1]``; each in ``[0, V)`` or ``ignore_index``.
+        temperature: divides the fp32-widened logits (IEEE division by the fp32 temperature,
+            bit-identical to ``logits.float() / temperature`` computed by torch on the CPU, and to
+            torch's division by a temperature *tensor* on CUDA; note that torch on CUDA divides by
+            a Python-number scalar as a multiplication by its reciprocal, which can differ).
+        return_entropy: also return the fp32 entropy of ``softmax(logits / temperature)``.
+        ignore_index: rows with this label return 0 (logprob and entropy) and get zero gradient;
+            ``None`` disables it.
+        config: row-reduction config instead of the frozen table (tests and tuning only: another
+            ``vocab_chunk`` gives other bits).
+        validate: check the labels' values on the host (a device-to-host copy); with
+            ``validate=False`` an out-of-range label yields NaN.
+
+    Returns:
+        ``[...]`` fp32 logprobs, or ``(logprobs, entropy)``. A row's values depend only on that
+        row and equal ``log_softmax(logits, temperature).gather(-1, label)`` bitwise.
+        Differentiable in ``logits`` (gradient in ``logits.dtype``, deterministic).
+    """
+    _check_logits(logits)
+    if not isinstance(labels, torch.Tensor) or labels.dtype not in (torch.int32, torch.int64):
+        got = labels.dtype if isinstance(labels, torch.Tensor) else type(labels).__name__
+        raise ValueError(f"labels must be an int32/int64 tensor, got {got}")
+    if labels.shape != logits.shape[:-1]:
+        raise ValueError(
+            f"labels shape {tuple(labels.shape)} must equal logits.shape[:-1] = {tuple(logits.shape[:-1])}"
+        )
+    if labels.device != logits.device:
+        raise ValueError(f"labels is on {labels.device}, expected {logits.device} (the logits' device)")
+    temperature = _check_temperature(temperature)
+    if ignore_index is not None and (isinstance(ignore_index, bool) or not isinstance(ignore_index, int)):
+        raise ValueError(f"ignore_index must be an int or None, got {ignore_index!r}")
+    cfg = _check_config(config, logits.device)
+    vocab = logits.shape[-1]
+    if validate and labels.numel():
+        values = labels.detach().cpu().to(torch.int64)
+        bad = (values < 0) | (values >= vocab)
+        if ignore_index is not None:
+            bad &= values != ignore_index
+        if bad.any():
+            first = int(values[bad][0])
+            raise ValueError(
+                f"labels hold values outside [0, {vocab}) (e.g. {first}) that are not ignore_index={ignore_index}"
+            )
+    labels_flat = labels.reshape(-1).contiguous()
+    logprob, entropy = TokenLogprobsFunction.apply(logits, labels_flat, temperature, ignore_index, return_entropy, cfg)
+    if return_entropy:
+        return logprob, entropy
+    return logprob
+
+
+def log_softmax(
+    logits: torch.Tensor,
+    temperature: float = 1.0,
+    *,
+    config: RowReduceConfig | None = None,
+) -> torch.Tensor:
+    """fp32 ``log_softmax(logits.float() / temperature, dim=-1)`` with the fixed chunked lse.
+
+    The lse is the one :func:`token_logprobs` computes, so ``log_softmax(x, T).gather(-1, l)``
+    equals ``token_logprobs(x, l, T)`` bitwise. Returns ``[..., V]`` fp32; differentiable in
+    ``logits`` (gradient in ``logits.dtype``, deterministic).
+    """
+    _check_logits(logits)
+    temperature = _check_temperature(temperature)
+    cfg = _check_config(config, logits.device)
+    return LogSoftmaxFunction.apply(logits, temperature, cfg)
+
+
+def _log_softmax(input: torch.Tensor, dim: int, half_to_float: bool) -> torch.Tensor:
+    """``aten::_log_softmax(input, dim, half_to_float)`` on samepath's schedule (temperature 1).
+
+    Only the last dimension is supported (``ValueError`` otherwise). The result is computed in
+    fp32 and returned in fp32 when ``half_to_float`` (or for fp32 input), else cast once to
+    ``input.dtype``. No autograd here: registered below the autograd key, aten's own derivative
+    (``_log_softmax_backward_data``) applies.
+    """
+    if not isinstance(input, torch.Tensor):
+        raise ValueError(f"input must be a tensor, got {type(input).__name__}")
+    ndim = max(input.dim(), 1)
+    if dim not in (-1, ndim - 1):
+        raise ValueError(f"dim must be the last dimension (-1 or {ndim - 1}) for samepath's log_softmax, got {dim}")
+    logits = input.reshape(1) if input.dim() == 0 else input
+    _check_logits(logits, "input")
+    cfg = row_reduce_config(logits.device)
+    with torch.no_grad():
+        out, _ = _log_softmax_forward(logits, _row_offsets(logits), 1.0, cfg)
+    if not half_to_float:
+        out = out.to(input.dtype)
+    return out.reshape(input.shape)
+
+
+def _log_softmax_override(input: torch.Tensor, dim: int, half_to_float: bool) -> torch.Tensor:
+    """``aten::_log_softmax`` inside :func:`samepath.batch_invariant`: samepath's schedule over the
+    last dimension of fp32/bf16/fp16 tensors, torch's own kernel (the ``.out`` overload, which is
+    not overridden) for everything else."""
+    if (
+        input.dim() > 0
+        and dim in (-1, input.dim() - 1)
+        and input.dtype in SUPPORTED_DTYPES
+        and input.device.type in SUPPORTED_DEVICE_TYPES
+    ):
+        return _log_softmax(input, dim, half_to_float)
+    out = torch.empty(0, dtype=torch.float32 if half_to_float else input.dtype, device=input.device)
+    return torch.ops.aten._log_softmax.out(input, dim, half_to_float, out=out)
+
+
+register_override("_log_softmax", _log_softmax_override)
+
+__all__ = ["IGNORE_INDEX", "LOGPROBS_FORMULA", "log_softmax", "token_logprobs"]

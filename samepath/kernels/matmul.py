@@ -1,0 +1,551 @@
+"""Batch-invariant matmul and linear: a row of ``x @ w`` does not depend on the other rows.
+
+Contract (docs/numerics.md, "the rest of the model"): every output element ``c[i, j]`` is the fp32
+sum of ``a[i, k] * b[k, j]`` folded in tiles of a fixed ``block_k``, in ascending K order, serially,
+by one program per ``[block_m, block_n]`` output tile::
+
+    acc = 0 (fp32)
+    for k0 in 0, block_k, 2 * block_k, ...:          # serial, ascending; no split-K
+        acc = tl.dot(a[tile, k0:k0 + block_k], b[k0:k0 + block_k, tile], acc)   # ieee fp32
+    acc = acc * alpha (fp32, only when alpha != 1)
+    acc = acc + beta * bias (fp32, after the loop)
+    c = acc.to(out dtype)                              # the one cast
+
+Out-of-range rows, columns and K positions are loaded as 0. A row is always multiplied inside a
+full ``[block_m, block_k]`` tile, whether it is alone (M = 1, decode) or one of thousands
+(training), so its bits don't depend on M, the batch, or where in the batch it sits.
+
+Public functions:
+
+* :func:`matmul` — ``a [M, K] @ b [K, N]`` (any strides), optionally with ``k_slices=S``: the
+  serial split-K a row-parallel tensor-parallel layer of S shards computes (K cut into S equal
+  contiguous slices, each reduced by the loop above into its own fp32 partial, partials summed in
+  ascending slice order in fp32, then one cast). An unsharded trainer calling
+  ``matmul(x, w, k_slices=S)`` gets the bits of a TP-S rollout whose shards each compute
+  ``matmul(x_s, w_s, out_dtype=torch.float32)`` and whose reduction adds the fp32 partials in rank
+  order before casting.
+* :func:`linear` — ``x [..., K] @ weight[N, K].T + bias``, differentiable; the backward
+  (``dX = dY @ W``, ``dW = dY^T @ X``, ``db = 1^T @ dY``) runs through the same kernel, so it is
+  deterministic and dX is batch-invariant too.
+* :func:`batch_invariant` — a scoped, reversible routing of torch's own ``aten::mm``,
+  ``aten::addmm`` and ``aten::bmm`` (CPU, CUDA and, when a backend such as torch_npu has claimed
+  it, PrivateUse1) to this kernel, so stock ``F.linear`` / ``torch.mm`` / ``x @ w`` become
+  batch-invariant inside a ``with`` block. Other ops' modules add their own overrides through
+  :func:`register_override`.
+"""
+
+from __future__ import annotations
+
+import threading
+import warnings
+from collections import Counter
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+
+import torch
+import triton
+import triton.language as tl
+
+from samepath.kernels.config import MatmulConfig, dtype_name, matmul_config, register_formula
+from samepath.kernels.dispatch import device_kind, jit
+
+#: fp32 inputs are multiplied in full fp32 (no TF32) so results stay close to the fp64 reference.
+DOT_PRECISION = "ieee"
+#: No compiler contraction of a*b+c into FMA: the bits must not depend on a compiler default.
+FP_FUSION = False
+
+MATMUL_FORMULA = {
+    "tiles": "one program per [block_m, block_n] output tile; block_k fixed by the frozen table",
+    "k_loop": "serial, ascending K tiles of block_k, no split-K; out-of-range K loaded as 0",
+    "accumulator": "fp32, tl.dot(a, b, acc), ieee fp32 dot for fp32 inputs",
+    "alpha_beta": "acc * alpha then + beta * bias, both in fp32, only where not 1 (torch.addmm)",
+    "bias": "widened to fp32 and added after the K loop",
+    "cast": "one cast of the fp32 result to the output dtype",
+    "split_k": "only on request (k_slices=S, K % S == 0): S equal contiguous K slices, each "
+    "reduced by the same block_k loop into its own fp32 partial, partials summed in ascending "
+    "slice order in fp32 (the first partial taken as is), then bias and one cast",
+    "linear_backward": "dX = dY @ W, dW = dY^T @ X, db = ones^T @ dY, all through the same kernel",
+    "fp_fusion": "disabled",
+}
+register_formula("matmul", MATMUL_FORMULA)
+
+
+# ----------------------------------------------------------------------------------------------
+# Kernel
+# ----------------------------------------------------------------------------------------------
+
+
+@jit
+def _matmul_kernel(
+    A,
+    B,
+    C,
+    Bias,
+    M,
+    N,
+    slice_k,
+    alpha,
+    beta,
+    stride_a_batch,
+    stride_am,
+    stride_ak,
+    stride_b_batch,
+    stride_bk,
+    stride_bn,
+    stride_c_batch,
+    stride_cm,
+    stride_cn,
+    stride_bias_batch,
+    stride_bias_m,
+    stride_bias_n,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    K_SLICES: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    SCALE_ACC: tl.constexpr,
+    SCALE_BIAS: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """C[b] = alpha * (A[b] @ B[b]) + beta * Bias[b] for one [BLOCK_M, BLOCK_N] tile of batch b.
+
+    K is ``K_SLICES * slice_k``; each slice is folded in ascending BLOCK_K tiles starting at the
+    slice's first column into its own fp32 partial, and the partials are added in slice order.
+    """
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    batch = tl.program_id(2).to(tl.int64)
+
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    m_valid = offs_m < M
+    n_valid = offs_n < N
+    rows = offs_m.to(tl.int64)
+    cols = offs_n.to(tl.int64)
+    a_rows = A + batch * stride_a_batch + rows[:, None] * stride_am
+    b_cols = B + batch * stride_b_batch + cols[None, :] * stride_bn
+
+    total = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for s in range(K_SLICES):
+        k_begin = s * slice_k
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for k0 in range(0, slice_k, BLOCK_K):
+            k_in_slice = k0 + offs_k
+            k_valid = k_in_slice < slice_k
+            k_index = (k_begin + k_in_slice).to(tl.int64)
+            a = tl.load(a_rows + k_index[None, :] * stride_ak, mask=m_valid[:, None] & k_valid[None, :], other=0.0)
+            b = tl.load(b_cols + k_index[:, None] * stride_bk, mask=k_valid[:, None] & n_valid[None, :], other=0.0)
+            acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
+        if s == 0:
+            total = acc
+        else:
+            total = total + acc
+
+    if SCALE_ACC:
+        total = total * alpha
+    out_mask = m_valid[:, None] & n_valid[None, :]
+    if HAS_BIAS:
+        bias = tl.load(
+            Bias + batch * stride_bias_batch + rows[:, None] * stride_bias_m + cols[None, :] * stride_bias_n,
+            mask=out_mask,
+            other=0.0,
+        ).to(tl.float32)
+        if SCALE_BIAS:
+            bias = bias * beta
+        total = total + bias
+    tl.store(
+        C + batch * stride_c_batch + rows[:, None] * stride_cm + cols[None, :] * stride_cn,
+        total.to(C.dtype.element_ty),
+        mask=out_mask,
+    )
+
+
+# ----------------------------------------------------------------------------------------------
+# Launcher
+# ----------------------------------------------------------------------------------------------
+
+
+def _check_config(config: MatmulConfig) -> None:
+    if not isinstance(config, MatmulConfig):
+        raise ValueError(f"config must be a MatmulConfig, got {type(config).__name__}")
+    for name in ("block_m", "block_n", "block_k"):
+        value = getattr(config, name)
+        if not isinstance(value, int) or value < 16 or value & (value - 1):
+            raise ValueError(f"config.{name} must be a power of two >= 16, got {value!r}")
+    for name in ("num_warps", "num_stages"):
+        value = getattr(config, name)
+        if not isinstance(value, int) or value <= 0:
+            raise ValueError(f"config.{name} must be a positive int, got {value!r}")
+
+
+def _launch(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    bias: torch.Tensor | None,
+    out: torch.Tensor,
+    *,
+    k_slices: int = 1,
+    alpha: float = 1.0,
+    beta: float = 1.0,
+    config: MatmulConfig | None = None,
+) -> torch.Tensor:
+    """Launch on 3-D operands: a [B, M, K], b [B, K, N], bias broadcast to [B, M, N], out [B, M, N].
+
+    Inputs are validated by the callers; strides may be anything (0 for broadcast dimensions).
+    """
+    batch, m, k = a.shape
+    n = b.shape[2]
+    if batch == 0 or m == 0 or n == 0:
+        return out
+    cfg = config or matmul_config(a.dtype, a.device)
+    has_bias = bias is not None and beta != 0
+    if has_bias:
+        bias = bias.expand(batch, m, n)
+    bias_arg = bias if has_bias else out
+    bias_strides = bias.stride() if has_bias else (0, 0, 0)
+    grid = (triton.cdiv(m, cfg.block_m), triton.cdiv(n, cfg.block_n), batch)
+    _matmul_kernel[grid](
+        a,
+        b,
+        out,
+        bias_arg,
+        m,
+        n,
+        k // k_slices,
+        float(alpha),
+        float(beta),
+        *a.stride(),
+        *b.stride(),
+        *out.stride(),
+        *bias_strides,
+        BLOCK_M=cfg.block_m,
+        BLOCK_N=cfg.block_n,
+        BLOCK_K=cfg.block_k,
+        K_SLICES=k_slices,
+        HAS_BIAS=has_bias,
+        SCALE_ACC=alpha != 1,
+        SCALE_BIAS=beta != 1,
+        DOT_PRECISION=DOT_PRECISION,
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+        enable_fp_fusion=FP_FUSION,
+    )
+    return out
+
+
+def _check_operands(**tensors: torch.Tensor) -> tuple[torch.dtype, torch.device]:
+    """Same supported dtype and same supported device for every operand; ValueError naming it."""
+    first_name, first = next(iter(tensors.items()))
+    for name, tensor in tensors.items():
+        if not isinstance(tensor, torch.Tensor):
+            raise ValueError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
+        dtype_name(tensor.dtype, f"{name}.dtype")
+        if tensor.dtype != first.dtype:
+            raise ValueError(f"{name} dtype {tensor.dtype} differs from {first_name}'s {first.dtype}")
+        if tensor.device != first.device:
+            raise ValueError(f"{name} is on {tensor.device}, expected {first.device} ({first_name}'s device)")
+    device_kind(first.device)
+    return first.dtype, first.device
+
+
+def _check_k_slices(k_slices: int, k: int) -> None:
+    if not isinstance(k_slices, int) or isinstance(k_slices, bool) or k_slices < 1:
+        raise ValueError(f"k_slices must be a positive int, got {k_slices!r}")
+    if k % k_slices:
+        raise ValueError(f"k_slices = {k_slices} must divide K = {k} into equal slices")
+
+
+def _check_out_dtype(out_dtype: torch.dtype | None, dtype: torch.dtype) -> torch.dtype:
+    if out_dtype is None:
+        return dtype
+    if out_dtype not in (dtype, torch.float32):
+        raise ValueError(f"out_dtype must be None, the input dtype ({dtype}) or torch.float32, got {out_dtype}")
+    return out_dtype
+
+
+def matmul(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    k_slices: int = 1,
+    out_dtype: torch.dtype | None = None,
+    config: MatmulConfig | None = None,
+) -> torch.Tensor:
+    """``a [M, K] @ b [K, N] (+ bias)`` with the batch-invariant schedule. Not differentiable
+    (use :func:`linear` for autograd).
+
+    Args:
+        a: ``[M, K]``, any strides.
+        b: ``[K, N]``, any strides (``w.T`` of a ``[N, K]`` weight is passed without a copy).
+        bias: optional, broadcastable to ``[M, N]`` (usually ``[N]``); added in fp32 after the K
+            loop (after summing the partials when ``k_slices > 1``).
+        k_slices: ``S > 1`` gives the serial split-K of an S-shard row-parallel layer (see the
+            module docstring); ``K % S == 0`` is required. ``1`` (default) is the plain schedule.
+        out_dtype: ``None`` (the input dtype) or ``torch.float32`` — the fp32 accumulator before
+            the cast, which is what a TP shard contributes to the reduction.
+        config: tiles instead of the frozen table (tuning and tests only: a different ``block_k``
+            gives different bits).
+
+    Returns:
+        ``[M, N]`` in ``out_dtype``. Row ``i`` depends only on ``a[i]``, ``b``, ``bias`` and the
+        config — not on M or the other rows.
+    """
+    for name, tensor in (("a", a), ("b", b)):
+        if not isinstance(tensor, torch.Tensor):
+            raise ValueError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
+        if tensor.dim() != 2:
+            raise ValueError(f"{name} must be 2-D, got shape {tuple(tensor.shape)}")
+    if a.shape[1] != b.shape[0]:
+        raise ValueError(f"a {tuple(a.shape)} and b {tuple(b.shape)} cannot be multiplied: a.shape[1] != b.shape[0]")
+    operands = {"a": a, "b": b} if bias is None else {"a": a, "b": b, "bias": bias}
+    dtype, device = _check_operands(**operands)
+    m, n = a.shape[0], b.shape[1]
+    if bias is not None:
+        _check_broadcast("bias", bias, (m, n))
+    _check_k_slices(k_slices, a.shape[1])
+    out_dtype = _check_out_dtype(out_dtype, dtype)
+    if config is not None:
+        _check_config(config)
+    out = torch.empty((m, n), dtype=out_dtype, device=device)
+    bias3 = None if bias is None else bias.expand(m, n).unsqueeze(0)
+    _launch(a.unsqueeze(0), b.unsqueeze(0), bias3, out.unsqueeze(0), k_slices=k_slices, config=config)
+    return out
+
+
+def _broadcasts_to(tensor: torch.Tensor, shape: tuple[int, ...]) -> bool:
+    try:
+        return torch.broadcast_shapes(tensor.shape, shape) == torch.Size(shape)
+    except RuntimeError:
+        return False
+
+
+def _check_broadcast(name: str, tensor: torch.Tensor, shape: tuple[int, ...]) -> None:
+    if not _broadcasts_to(tensor, shape):
+        raise ValueError(f"{name} of shape {tuple(tensor.shape)} does not broadcast to {shape}")
+
+
+# ----------------------------------------------------------------------------------------------
+# Linear (autograd)
+# ----------------------------------------------------------------------------------------------
+
+
+class LinearFunction(torch.autograd.Function):
+    """Autograd for :func:`linear`; every product, forward and backward, is the samepath kernel."""
+
+    @staticmethod
+    def forward(ctx, x2d, weight, bias, k_slices, config):  # type: ignore[override]
+        ctx.save_for_backward(x2d, weight)
+        ctx.has_bias, ctx.k_slices, ctx.config = bias is not None, k_slices, config
+        out = torch.empty((x2d.shape[0], weight.shape[0]), dtype=x2d.dtype, device=x2d.device)
+        bias3 = None if bias is None else bias.view(1, 1, -1)
+        _launch(x2d.unsqueeze(0), weight.t().unsqueeze(0), bias3, out.unsqueeze(0), k_slices=k_slices, config=config)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):  # type: ignore[override]
+        x2d, weight = ctx.saved_tensors
+        config = ctx.config
+        grad_x = grad_w = grad_b = None
+        if ctx.needs_input_grad[0]:
+            # dX = dY [M, N] @ W [N, K]: row i of dX depends only on row i of dY (batch-invariant).
+            grad_x = torch.empty_like(x2d, memory_format=torch.contiguous_format)
+            _launch(grad_out.unsqueeze(0), weight.unsqueeze(0), None, grad_x.unsqueeze(0), config=config)
+        if ctx.needs_input_grad[1]:
+            # dW = dY^T [N, M] @ X [M, K], reduced over rows in ascending block_k tiles: deterministic.
+            grad_w = torch.empty_like(weight, memory_format=torch.contiguous_format)
+            _launch(grad_out.t().unsqueeze(0), x2d.unsqueeze(0), None, grad_w.unsqueeze(0), config=config)
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            # db = 1^T [1, M] @ dY [M, N]: the same kernel and reduction order as dW.
+            ones = torch.ones((1, 1, grad_out.shape[0]), dtype=grad_out.dtype, device=grad_out.device)
+            grad_b = torch.empty((1, 1, grad_out.shape[1]), dtype=grad_out.dtype, device=grad_out.device)
+            _launch(ones, grad_out.unsqueeze(0), None, grad_b, config=config)
+            grad_b = grad_b.view(-1)
+        return grad_x, grad_w, grad_b, None, None
+
+
+def linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    k_slices: int = 1,
+    config: MatmulConfig | None = None,
+) -> torch.Tensor:
+    """``x @ weight.T + bias`` (``F.linear``), batch-invariant and differentiable.
+
+    Args:
+        x: ``[..., K]``, any leading dimensions.
+        weight: ``[N, K]``.
+        bias: optional ``[N]``, added in fp32 after the K loop.
+        k_slices: forward split-K of an S-shard row-parallel layer (see :func:`matmul`); the
+            backward always uses the plain schedule.
+        config: tiles instead of the frozen table (tests only).
+
+    Returns:
+        ``[..., N]`` in the input dtype. Gradients: ``dX = dY @ W`` (batch-invariant per row),
+        ``dW = dY^T @ X`` and ``db = 1^T @ dY`` (deterministic), each accumulated in fp32 and cast
+        once.
+    """
+    if not isinstance(x, torch.Tensor) or x.dim() < 1:
+        raise ValueError(f"x must be a tensor of shape [..., K], got {getattr(x, 'shape', type(x).__name__)}")
+    if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
+        raise ValueError(f"weight must be [N, K], got shape {tuple(getattr(weight, 'shape', ()))}")
+    if weight.shape[1] != x.shape[-1]:
+        raise ValueError(f"weight has K = {weight.shape[1]} columns, x has K = {x.shape[-1]} (its last dimension)")
+    operands = {"x": x, "weight": weight} if bias is None else {"x": x, "weight": weight, "bias": bias}
+    _check_operands(**operands)
+    if bias is not None and (bias.dim() != 1 or bias.shape[0] != weight.shape[0]):
+        raise ValueError(f"bias must be [N] = [{weight.shape[0]}], got shape {tuple(bias.shape)}")
+    _check_k_slices(k_slices, x.shape[-1])
+    if config is not None:
+        _check_config(config)
+    lead = x.shape[:-1]
+    x2d = x.reshape(-1, x.shape[-1])
+    out = LinearFunction.apply(x2d, weight, bias, k_slices, config)
+    return out.view(*lead, weight.shape[0])
+
+
+# ----------------------------------------------------------------------------------------------
+# Routing torch's own ops
+# ----------------------------------------------------------------------------------------------
+
+#: How many times each aten op was computed by the samepath kernel inside :func:`batch_invariant`
+#: (``"<op>"``) or handed back to torch's kernel because samepath does not cover the call
+#: (``"<op>:fallback"``: other dtypes, mixed dtypes or devices).
+ROUTED_CALLS: Counter[str] = Counter()
+
+_SUPPORTED = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _routable(*tensors: torch.Tensor | None) -> bool:
+    present = [t for t in tensors if t is not None]
+    first = present[0]
+    return (
+        first.dtype in _SUPPORTED
+        and first.device.type in ("cpu", "cuda", "npu")
+        and all(t.dtype == first.dtype and t.device == first.device for t in present)
+        and not any(t.is_complex() or t.layout != torch.strided for t in present)
+    )
+
+
+def _mm_override(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    if not _routable(a, b) or a.dim() != 2 or b.dim() != 2 or a.shape[1] != b.shape[0]:
+        ROUTED_CALLS["mm:fallback"] += 1
+        out = torch.empty((0,), dtype=a.dtype, device=a.device)
+        return torch.ops.aten.mm.out(a, b, out=out)
+    ROUTED_CALLS["mm"] += 1
+    out = torch.empty((a.shape[0], b.shape[1]), dtype=a.dtype, device=a.device)
+    return _launch(a.unsqueeze(0), b.unsqueeze(0), None, out.unsqueeze(0)).squeeze(0)
+
+
+def _addmm_override(bias: torch.Tensor, a: torch.Tensor, b: torch.Tensor, *, beta=1, alpha=1) -> torch.Tensor:
+    ok = _routable(bias, a, b) and a.dim() == 2 and b.dim() == 2 and a.shape[1] == b.shape[0]
+    ok = ok and _broadcasts_to(bias, (a.shape[0], b.shape[1]))
+    ok = ok and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in (alpha, beta))
+    if not ok:
+        ROUTED_CALLS["addmm:fallback"] += 1
+        out = torch.empty((0,), dtype=a.dtype, device=a.device)
+        return torch.ops.aten.addmm.out(bias, a, b, beta=beta, alpha=alpha, out=out)
+    ROUTED_CALLS["addmm"] += 1
+    m, n = a.shape[0], b.shape[1]
+    out = torch.empty((m, n), dtype=a.dtype, device=a.device)
+    bias3 = bias.expand(m, n).unsqueeze(0)
+    return _launch(a.unsqueeze(0), b.unsqueeze(0), bias3, out.unsqueeze(0), alpha=alpha, beta=beta).squeeze(0)
+
+
+def _bmm_override(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    if not _routable(a, b) or a.dim() != 3 or b.dim() != 3 or a.shape[0] != b.shape[0] or a.shape[2] != b.shape[1]:
+        ROUTED_CALLS["bmm:fallback"] += 1
+        out = torch.empty((0,), dtype=a.dtype, device=a.device)
+        return torch.ops.aten.bmm.out(a, b, out=out)
+    ROUTED_CALLS["bmm"] += 1
+    out = torch.empty((a.shape[0], a.shape[1], b.shape[2]), dtype=a.dtype, device=a.device)
+    return _launch(a, b, None, out)
+
+
+#: (aten op name, implementation) pairs registered by :func:`batch_invariant`, in order. The
+#: matmul family is samepath's; other ops' modules append theirs through
+#: :func:`register_override` (e.g. ``("_log_softmax", fn)``) at import.
+OVERRIDES: list[tuple[str, Callable[..., torch.Tensor]]] = [
+    ("mm", _mm_override),
+    ("addmm", _addmm_override),
+    ("bmm", _bmm_override),
+]
+
+
+def register_override(op_name: str, fn: Callable[..., torch.Tensor]) -> None:
+    """Add an ``aten`` op override to :func:`batch_invariant` (takes effect at the next outermost
+    entry). ``fn`` receives the op's arguments below autograd, for CPU/CUDA/NPU tensors, and must
+    handle (or hand back to torch's ``.out`` overload) every dtype the op accepts."""
+    if not isinstance(op_name, str) or not callable(fn):
+        raise ValueError("register_override takes an aten op name (str) and a callable")
+    name = op_name.removeprefix("aten::")
+    for existing, existing_fn in OVERRIDES:
+        if existing == name:
+            if existing_fn is fn:
+                return
+            raise ValueError(f"aten::{name} already has a batch-invariant override")
+    OVERRIDES.append((name, fn))
+
+
+def dispatch_keys() -> list[str]:
+    """Dispatch keys the overrides are registered for: CPU, CUDA, and PrivateUse1 when a backend
+    (torch_npu renames it to ``npu``) has claimed it."""
+    keys = ["CPU", "CUDA"]
+    if torch._C._get_privateuse1_backend_name() != "privateuseone":
+        keys.append("PrivateUse1")
+    return keys
+
+
+_routing_lock = threading.RLock()
+_routing_depth = 0
+_routing_library: torch.library.Library | None = None
+
+
+def _register() -> torch.library.Library:
+    library = torch.library.Library("aten", "IMPL")
+    try:
+        with warnings.catch_warnings():
+            # torch warns that the stock kernel is overridden: that is the point, and it comes back on exit.
+            warnings.filterwarnings("ignore", message=".*[Oo]verrid.*")
+            for key in dispatch_keys():
+                for op_name, fn in OVERRIDES:
+                    library.impl(op_name, fn, key)
+    except BaseException:
+        library._destroy()
+        raise
+    return library
+
+
+def batch_invariant_enabled() -> bool:
+    """Whether torch's matmul ops are currently routed to the samepath kernel."""
+    return _routing_depth > 0
+
+
+@contextmanager
+def batch_invariant() -> Iterator[None]:
+    """Route ``aten::mm``, ``aten::addmm``, ``aten::bmm`` (and :data:`OVERRIDES`) to samepath.
+
+    Inside the block, stock ``torch.mm``, ``F.linear``, ``x @ w`` (2-D and batched) and their
+    autograd backward compute with the batch-invariant kernel for fp32/bf16/fp16 tensors on CPU,
+    CUDA and NPU; anything else (fp64, integers, mixed dtypes) goes to torch's own ``.out``
+    kernel unchanged. ``addmm``'s ``beta``/``alpha`` are honoured (applied in fp32 after the K
+    loop). On exit of the outermost block the registrations are destroyed and torch's kernels are
+    back exactly. Nesting is safe (reference counted). The registration is process-wide: other
+    threads see the routing while any block is open.
+    """
+    global _routing_depth, _routing_library
+    with _routing_lock:
+        if _routing_depth == 0:
+            _routing_library = _register()
+        _routing_depth += 1
+    try:
+        yield
+    finally:
+        with _routing_lock:
+            _routing_depth -= 1
+            if _routing_depth == 0 and _routing_library is not None:
+                _routing_library._destroy()
+                _routing_library = None

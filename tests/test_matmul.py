@@ -1,0 +1,359 @@
+"""Batch-invariant matmul / linear: bit equality across batch sizes, split-K, backward, routing."""
+
+from __future__ import annotations
+
+import importlib
+import os
+import shutil
+
+import pytest
+import torch
+import torch.nn.functional as F
+import triton
+
+from samepath.kernels import config as config_module
+from samepath.kernels.compile_check import compile_launch, record_launches
+from samepath.kernels.config import MatmulConfig, matmul_config
+from samepath.kernels.matmul import (
+    MATMUL_FORMULA,
+    ROUTED_CALLS,
+    batch_invariant,
+    batch_invariant_enabled,
+    linear,
+    matmul,
+)
+
+matmul_module = importlib.import_module("samepath.kernels.matmul")  # the package attribute is the function
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+BATCH_SIZES = (1, 2, 3, 7, 16, 33, 128, 257)
+#: max |ours - fp64| allowed, relative to the largest |reference| value.
+TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 2e-3}
+
+
+def _randn(*shape: int, dtype: torch.dtype, seed: int, scale: float = 1.0) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    return (torch.randn(*shape, generator=gen) * scale).to(dtype)
+
+
+def _close_to(ours: torch.Tensor, reference: torch.Tensor, dtype: torch.dtype) -> None:
+    err = (ours.double() - reference).abs().max().item()
+    bound = TOLERANCE[dtype] * reference.abs().max().item()
+    assert err <= bound, f"max error {err} > {bound}"
+
+
+# ----------------------------------------------------------------------------------------------
+# Batch invariance of the forward
+# ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_row_alone_equals_row_in_batch(dtype: torch.dtype) -> None:
+    k, n = 96, 48
+    x = _randn(max(BATCH_SIZES), k, dtype=dtype, seed=1)
+    w = _randn(n, k, dtype=dtype, seed=2, scale=0.1)
+    b = _randn(n, dtype=dtype, seed=3)
+    full = linear(x, w, b)
+    for m in BATCH_SIZES:
+        part = linear(x[:m], w, b)
+        assert torch.equal(part, full[:m]), f"M={m}: rows changed with the batch size"
+        # the last row of the batch, alone (it sits at another position of its [block_m] tile)
+        assert torch.equal(linear(x[m - 1 : m], w, b)[0], full[m - 1]), f"row {m - 1} alone differs"
+    # leading dimensions fold into rows; a 3-D batch gives the same rows
+    assert torch.equal(linear(x[:128].view(4, 32, k), w, b).view(128, n), full[:128])
+    # matmul on a strided (transposed) weight view equals linear, without a bias
+    assert torch.equal(matmul(x[:7], w.t()), linear(x[:7], w))
+
+
+def test_long_k_row_alone_equals_row_in_batch() -> None:
+    k, n = 4096, 32
+    x = _randn(20, k, dtype=torch.float32, seed=4)
+    w = _randn(n, k, dtype=torch.float32, seed=5, scale=0.02)
+    full = matmul(x, w.t())
+    for m in (1, 3, 17):
+        assert torch.equal(matmul(x[:m], w.t()), full[:m])
+    assert torch.equal(matmul(x[11:12], w.t())[0], full[11])
+    _close_to(full, x.double() @ w.double().t(), torch.float32)
+
+
+def test_strides_do_not_change_bits() -> None:
+    a = _randn(40, 70, dtype=torch.bfloat16, seed=6)
+    b = _randn(70, 50, dtype=torch.bfloat16, seed=7)
+    reference = matmul(a, b)
+    a_t = a.t().contiguous().t()  # column-major a
+    b_wide = torch.zeros(70, 150, dtype=torch.bfloat16)
+    b_wide[:, ::3] = b  # b with a column stride of 3
+    assert torch.equal(matmul(a_t, b_wide[:, ::3]), reference)
+    assert torch.equal(matmul(a[::2], b), reference[::2])  # row stride 2
+    _close_to(reference, a.double() @ b.double(), torch.bfloat16)
+
+
+# ----------------------------------------------------------------------------------------------
+# Correctness and backward
+# ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_forward_and_gradients_match_fp64(dtype: torch.dtype) -> None:
+    m, k, n = 37, 80, 40
+    x = _randn(m, k, dtype=dtype, seed=10).requires_grad_()
+    w = _randn(n, k, dtype=dtype, seed=11, scale=0.1).requires_grad_()
+    b = _randn(n, dtype=dtype, seed=12).requires_grad_()
+    dy = _randn(m, n, dtype=dtype, seed=13)
+    out = linear(x, w, b)
+    out.backward(dy)
+
+    x64, w64, b64 = (t.detach().double().requires_grad_() for t in (x, w, b))
+    ref = F.linear(x64, w64, b64)
+    ref.backward(dy.double())
+    assert out.dtype == dtype and x.grad.dtype == dtype and w.grad.dtype == dtype and b.grad.dtype == dtype
+    _close_to(out, ref, dtype)
+    _close_to(x.grad, x64.grad, dtype)
+    _close_to(w.grad, w64.grad, dtype)
+    _close_to(b.grad, b64.grad, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_input_gradient_row_is_batch_invariant(dtype: torch.dtype) -> None:
+    k, n = 96, 48
+    w = _randn(n, k, dtype=dtype, seed=21, scale=0.1)
+    x = _randn(128, k, dtype=dtype, seed=20)
+    dy = _randn(128, n, dtype=dtype, seed=22)
+
+    def grad_x(rows: slice) -> torch.Tensor:
+        xs = x[rows].clone().requires_grad_()
+        linear(xs, w).backward(dy[rows])
+        return xs.grad
+
+    full = grad_x(slice(0, 128))
+    for m in (1, 7, 33):
+        assert torch.equal(grad_x(slice(0, m)), full[:m])
+    assert torch.equal(grad_x(slice(90, 91))[0], full[90])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_weight_and_bias_gradients_are_deterministic(dtype: torch.dtype) -> None:
+    x = _randn(70, 64, dtype=dtype, seed=30)
+    dy = _randn(70, 48, dtype=dtype, seed=31)
+
+    def grads() -> tuple[torch.Tensor, torch.Tensor]:
+        w = _randn(48, 64, dtype=dtype, seed=32).requires_grad_()
+        b = _randn(48, dtype=dtype, seed=33).requires_grad_()
+        linear(x, w, b).backward(dy)
+        return w.grad, b.grad
+
+    (w1, b1), (w2, b2) = grads(), grads()
+    assert torch.equal(w1, w2) and torch.equal(b1, b2)
+
+
+# ----------------------------------------------------------------------------------------------
+# Split-K (tensor-parallel reproduction)
+# ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_split_k_equals_tensor_parallel_shards(dtype: torch.dtype) -> None:
+    m, k, n, shards = 33, 256, 48, 4
+    x = _randn(m, k, dtype=dtype, seed=40)
+    w = _randn(n, k, dtype=dtype, seed=41, scale=0.1)
+    b = _randn(n, dtype=dtype, seed=42)
+    trainer = linear(x, w, b, k_slices=shards)
+
+    # A row-parallel TP layer: rank r holds x[:, r-th K slice] and w[:, r-th K slice], computes
+    # its fp32 partial with the same kernel; the reduction adds the partials in rank order in fp32,
+    # then the bias, then one cast.
+    width = k // shards
+    partials = [
+        matmul(x[:, r * width : (r + 1) * width], w[:, r * width : (r + 1) * width].t(), out_dtype=torch.float32)
+        for r in range(shards)
+    ]
+    reduced = partials[0]
+    for partial in partials[1:]:
+        reduced = reduced + partial
+    rollout = (reduced + b.float()).to(dtype)
+    assert torch.equal(trainer, rollout)
+    assert torch.equal(matmul(x, w.t(), b, k_slices=shards), rollout)
+    # rows stay batch-invariant under split-K
+    assert torch.equal(linear(x[5:6], w, b, k_slices=shards)[0], trainer[5])
+    # negative control: the unsplit schedule adds in another order (seen in the fp32 accumulator;
+    # a bf16 cast can hide a one-ulp fp32 difference)
+    split = matmul(x, w.t(), k_slices=shards, out_dtype=torch.float32)
+    assert torch.equal(split, reduced)
+    assert not torch.equal(matmul(x, w.t(), out_dtype=torch.float32), split)
+    # one slice is the plain schedule
+    assert torch.equal(linear(x, w, b, k_slices=1), linear(x, w, b))
+
+
+# ----------------------------------------------------------------------------------------------
+# Negative controls
+# ----------------------------------------------------------------------------------------------
+
+
+def test_stock_cpu_linear_is_not_batch_invariant() -> None:
+    """The harness can fail: stock F.linear on CPU computes a lone row (gemv) differently."""
+    x = _randn(16, 256, dtype=torch.float32, seed=50)
+    w = _randn(48, 256, dtype=torch.float32, seed=51)
+    assert not torch.equal(F.linear(x[:1], w)[0], F.linear(x, w)[0])
+    assert torch.equal(linear(x[:1], w)[0], linear(x, w)[0])
+
+
+def test_a_different_block_k_changes_bits() -> None:
+    x = _randn(33, 96, dtype=torch.float32, seed=52)
+    w = _randn(48, 96, dtype=torch.float32, seed=53)
+    frozen = matmul_config(torch.float32, "cpu")
+    other = MatmulConfig(block_m=frozen.block_m, block_n=frozen.block_n, block_k=frozen.block_k // 2)
+    assert torch.equal(linear(x, w, config=frozen), linear(x, w))
+    assert not torch.equal(linear(x, w, config=other), linear(x, w))
+
+
+# ----------------------------------------------------------------------------------------------
+# Errors and formula
+# ----------------------------------------------------------------------------------------------
+
+_A = torch.ones(4, 8) * 0.5
+_B = torch.ones(8, 3) * 0.25
+_W = torch.ones(3, 8) * 0.25
+
+
+@pytest.mark.parametrize(
+    ("call", "match"),
+    [
+        (lambda: matmul(_A, _B[:7]), "a .* and b .* cannot be multiplied"),
+        (lambda: matmul(_A[0], _B), "a must be 2-D"),
+        (lambda: matmul(_A, _B[None]), "b must be 2-D"),
+        (lambda: matmul(_A, _B.double()), "b.dtype must be one of"),
+        (lambda: matmul(_A.double(), _B.double()), "a.dtype must be one of"),
+        (lambda: matmul(_A, _B.half()), "b dtype .* differs"),
+        (lambda: matmul(_A, _B, torch.ones(4, 3, dtype=torch.float16)), "bias dtype"),
+        (lambda: matmul(_A, _B, torch.ones(5)), "bias of shape"),
+        (lambda: matmul(_A, _B, k_slices=3), "k_slices = 3 must divide K = 8"),
+        (lambda: matmul(_A, _B, k_slices=0), "k_slices must be a positive int"),
+        (lambda: matmul(_A, _B, out_dtype=torch.float16), "out_dtype"),
+        (lambda: matmul(_A, _B, config=MatmulConfig(16, 32, 24)), "config.block_k"),
+        (lambda: matmul(_A, _B.to("meta")), "b is on meta"),
+        (lambda: linear(_A, _W[:, :7]), "weight has K = 7"),
+        (lambda: linear(_A, _W[0]), "weight must be"),
+        (lambda: linear(_A, _W, torch.ones(4)), "bias must be"),
+        (lambda: linear(_A.int(), _W), "x.dtype must be one of"),
+        (lambda: linear(_A, _W.bfloat16()), "weight dtype"),
+    ],
+)
+def test_bad_input_raises_value_error(call, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        call()
+
+
+def test_formula_is_registered_in_the_fingerprint() -> None:
+    assert config_module.OP_FORMULAS["matmul"] == MATMUL_FORMULA
+    assert "split_k" in MATMUL_FORMULA and "bias" in MATMUL_FORMULA
+
+
+# ----------------------------------------------------------------------------------------------
+# Routing torch's own ops
+# ----------------------------------------------------------------------------------------------
+
+
+def test_batch_invariant_routes_torch_ops_and_restores_them() -> None:
+    x = _randn(3, 20, 64, dtype=torch.float32, seed=60)
+    w = _randn(48, 64, dtype=torch.float32, seed=61)
+    b = _randn(48, dtype=torch.float32, seed=62)
+    rows = x.view(60, 64)
+    stock_before = (F.linear(rows[:1], w, b), F.linear(x, w), rows @ w.t(), torch.bmm(x, w.t().expand(3, 64, 48)))
+
+    ROUTED_CALLS.clear()
+    with batch_invariant():
+        assert batch_invariant_enabled()
+        linear_3d = F.linear(x, w, b)  # aten::addmm on the folded rows
+        linear_row = F.linear(rows[:1], w, b)  # aten::addmm, M = 1
+        with batch_invariant():  # nesting is safe
+            mm_3d = x @ w.t()  # aten::mm on the folded rows
+        mm_row = torch.mm(rows[7:8], w.t())
+        bmm = torch.bmm(x, w.t().expand(3, 64, 48))  # aten::bmm
+        scaled = torch.addmm(b, rows, w.t(), beta=0.5, alpha=2.0)
+        fp64 = torch.mm(rows.double(), w.t().double())  # not covered: torch's own kernel
+    assert not batch_invariant_enabled()
+    assert ROUTED_CALLS["addmm"] == 3 and ROUTED_CALLS["mm"] == 2 and ROUTED_CALLS["bmm"] == 1
+    assert ROUTED_CALLS["mm:fallback"] == 1
+
+    # inside: the samepath kernel, so rows alone equal rows in the batch
+    assert torch.equal(linear_3d, linear(x, w, b))
+    assert torch.equal(linear_row[0], linear_3d[0, 0])
+    assert torch.equal(mm_row[0], mm_3d.view(60, 48)[7])
+    assert torch.equal(bmm, mm_3d)
+    _close_to(scaled, 0.5 * b.double() + 2.0 * (rows.double() @ w.double().t()), torch.float32)
+    assert torch.equal(fp64, rows.double() @ w.t().double())
+
+    # outside: torch's kernels again, bit for bit, and nothing routed
+    ROUTED_CALLS.clear()
+    stock_after = (F.linear(rows[:1], w, b), F.linear(x, w), rows @ w.t(), torch.bmm(x, w.t().expand(3, 64, 48)))
+    assert not ROUTED_CALLS
+    for before, after in zip(stock_before, stock_after, strict=True):
+        assert torch.equal(before, after)
+    assert not torch.equal(stock_after[0][0], F.linear(x, w, b)[0, 0])  # stock is batch-variant again
+
+
+def test_batch_invariant_autograd_runs_the_kernel() -> None:
+    x = _randn(24, 64, dtype=torch.bfloat16, seed=70)
+    w = _randn(32, 64, dtype=torch.bfloat16, seed=71).requires_grad_()
+    dy = _randn(24, 32, dtype=torch.bfloat16, seed=72)
+    xs = x.clone().requires_grad_()
+    ours = linear(xs, w)
+    ours.backward(dy)
+    ours_grads = (xs.grad, w.grad)
+
+    w.grad = None
+    xt = x.clone().requires_grad_()
+    ROUTED_CALLS.clear()
+    with batch_invariant():
+        stock = F.linear(xt, w)
+        stock.backward(dy)
+    assert ROUTED_CALLS["mm"] == 3  # forward, dX, dW
+    assert torch.equal(stock, ours)
+    assert torch.equal(xt.grad, ours_grads[0]) and torch.equal(w.grad, ours_grads[1])
+
+
+def test_extra_overrides_and_private_use1_key(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Other ops' modules hook in through register_override; an NPU backend adds PrivateUse1."""
+    others = [(name, fn) for name, fn in matmul_module.OVERRIDES if name != "_log_softmax"]
+    monkeypatch.setattr(matmul_module, "OVERRIDES", others)
+    monkeypatch.setattr(torch._C, "_get_privateuse1_backend_name", lambda: "npu")
+    calls = []
+
+    def log_softmax(x, dim, half_to_float):
+        calls.append(x.shape)
+        return torch.ops.aten._log_softmax.out(x, dim, half_to_float, out=torch.empty(0, dtype=x.dtype))
+
+    matmul_module.register_override("aten::_log_softmax", log_softmax)
+    matmul_module.register_override("_log_softmax", log_softmax)  # idempotent
+    with pytest.raises(ValueError, match="already has"):
+        matmul_module.register_override("_log_softmax", lambda *args: None)
+    assert matmul_module.dispatch_keys() == ["CPU", "CUDA", "PrivateUse1"]
+    x = _randn(4, 10, dtype=torch.float32, seed=90)
+    stock = torch.log_softmax(x, -1)
+    with batch_invariant():
+        routed = torch.log_softmax(x, -1)
+    assert calls == [x.shape] and torch.equal(routed, stock)
+    torch.log_softmax(x, -1)
+    assert len(calls) == 1
+
+
+# ----------------------------------------------------------------------------------------------
+# Compiled mode
+# ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.skipif(
+    not shutil.which("ptxas", path=os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")),
+    reason="Triton wheel without the bundled ptxas: cannot compile for CUDA on this machine",
+)
+def test_matmul_kernel_compiles_for_hopper() -> None:
+    """The kernel as launched (bias, split-K, alpha/beta) compiles for sm_90 with the CUDA tiles."""
+    x = _randn(5, 64, dtype=torch.bfloat16, seed=80)
+    w = _randn(16, 64, dtype=torch.bfloat16, seed=81)
+    b = _randn(16, dtype=torch.bfloat16, seed=82)
+    cuda = matmul_config(torch.bfloat16, "cuda")
+    with record_launches() as launches:
+        linear(x, w, b, k_slices=2, config=cuda)
+        matmul(x, w.t(), config=cuda)
+    assert {launch.name for launch in launches} == {"_matmul_kernel"}
+    for launch in launches:
+        assert compile_launch(launch).asm["cubin"]
