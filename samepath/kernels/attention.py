@@ -34,8 +34,6 @@ from samepath.kernels.dispatch import device_kind, jit
 LOG2E = 1.4426950408889634
 #: fp32 inputs are multiplied in full fp32 (no TF32) so results stay close to the fp64 reference.
 DOT_PRECISION = "ieee"
-#: No compiler contraction of a*b+c into FMA: the bits must not depend on a compiler default.
-FP_FUSION = False
 
 
 # ----------------------------------------------------------------------------------------------
@@ -613,7 +611,6 @@ def _launch_forward(
         DOT_PRECISION=DOT_PRECISION,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
-        enable_fp_fusion=FP_FUSION,
     )
     return lse
 
@@ -789,7 +786,6 @@ def write_kv_cache(
         HEAD_SIZE=head_size,
         BLOCK_D=max(16, triton.next_power_of_2(head_size)),
         PAGE_SIZE=key_cache.shape[1],
-        enable_fp_fusion=FP_FUSION,
     )
 
 
@@ -864,7 +860,6 @@ def _attention_backward(query, key, value, out, lse, grad_out, cu_seqlens, scale
         DOT_PRECISION=DOT_PRECISION,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
-        enable_fp_fusion=FP_FUSION,
     )
     window = sliding_window or 0
     program_seq, program_block = _program_map(cu_seqlens, config.bwd_block_m, num_tokens)

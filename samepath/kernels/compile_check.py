@@ -19,7 +19,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from samepath.kernels.dispatch import DualJITFunction
+from samepath.kernels.dispatch import FP_FUSION, DualJITFunction
 
 _POINTER_TYPES = {
     torch.float32: "*fp32",
@@ -90,4 +90,5 @@ def compile_launch(launch: Launch, target: GPUTarget = HOPPER) -> Any:
         else:
             signature[param.name] = _scalar_type(value)
     options = {k: v for k, v in launch.kwargs.items() if k in _COMPILE_OPTIONS}
+    options.setdefault("enable_fp_fusion", FP_FUSION)
     return triton.compile(ASTSource(kernel, signature, constexprs), target=target, options=options)

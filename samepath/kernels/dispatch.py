@@ -21,6 +21,9 @@ from triton.runtime.jit import JITFunction
 
 #: torch device types the kernels run on, and how.
 SUPPORTED_DEVICE_TYPES = ("cpu", "cuda", "npu")
+#: Compiled launches never contract a*b+c into an FMA unless a kernel asks: the bits must not
+#: depend on a compiler default (which Triton 3.10 changes). The interpreter never fuses.
+FP_FUSION = False
 
 
 _interpreted_versions: dict[Any, InterpretedFunction] = {}
@@ -120,6 +123,7 @@ class DualJITFunction(JITFunction):
         if _first_tensor_device_type(args, kwargs) == "cpu":
             with _interpreting():
                 return self._interpreted.run(*args, grid=grid, warmup=warmup, **kwargs)
+        kwargs.setdefault("enable_fp_fusion", FP_FUSION)
         return super().run(*args, grid=grid, warmup=warmup, **kwargs)
 
 

@@ -52,8 +52,6 @@ from samepath.kernels.config import (
 from samepath.kernels.dispatch import SUPPORTED_DEVICE_TYPES, device_kind, jit
 from samepath.kernels.matmul import register_override
 
-#: No compiler contraction of a*b+c into FMA: the bits must not depend on a compiler default.
-FP_FUSION = False
 #: The label value whose rows return 0 and get no gradient (PyTorch's and HF's convention).
 IGNORE_INDEX = -100
 
@@ -297,7 +295,7 @@ def _chunk(config: RowReduceConfig) -> int:
 
 
 def _launch_options(config: RowReduceConfig) -> dict:
-    return dict(num_warps=config.num_warps, enable_fp_fusion=FP_FUSION)
+    return dict(num_warps=config.num_warps)
 
 
 def _token_forward(logits, labels_flat, offsets, temperature, ignore_index, entropy, config):

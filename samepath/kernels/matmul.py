@@ -46,13 +46,12 @@ import torch
 import triton
 import triton.language as tl
 
-from samepath.kernels.config import MatmulConfig, dtype_name, matmul_config, register_formula
-from samepath.kernels.dispatch import device_kind, jit
+from samepath.kernels.checks import check_operands
+from samepath.kernels.config import MatmulConfig, matmul_config, register_formula
+from samepath.kernels.dispatch import jit
 
 #: fp32 inputs are multiplied in full fp32 (no TF32) so results stay close to the fp64 reference.
 DOT_PRECISION = "ieee"
-#: No compiler contraction of a*b+c into FMA: the bits must not depend on a compiler default.
-FP_FUSION = False
 
 MATMUL_FORMULA = {
     "tiles": "one program per [block_m, block_n] output tile; block_k fixed by the frozen table",
@@ -229,24 +228,8 @@ def _launch(
         DOT_PRECISION=DOT_PRECISION,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
-        enable_fp_fusion=FP_FUSION,
     )
     return out
-
-
-def _check_operands(**tensors: torch.Tensor) -> tuple[torch.dtype, torch.device]:
-    """Same supported dtype and same supported device for every operand; ValueError naming it."""
-    first_name, first = next(iter(tensors.items()))
-    for name, tensor in tensors.items():
-        if not isinstance(tensor, torch.Tensor):
-            raise ValueError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
-        dtype_name(tensor.dtype, f"{name}.dtype")
-        if tensor.dtype != first.dtype:
-            raise ValueError(f"{name} dtype {tensor.dtype} differs from {first_name}'s {first.dtype}")
-        if tensor.device != first.device:
-            raise ValueError(f"{name} is on {tensor.device}, expected {first.device} ({first_name}'s device)")
-    device_kind(first.device)
-    return first.dtype, first.device
 
 
 def _check_k_slices(k_slices: int, k: int) -> None:
@@ -300,7 +283,7 @@ def matmul(
     if a.shape[1] != b.shape[0]:
         raise ValueError(f"a {tuple(a.shape)} and b {tuple(b.shape)} cannot be multiplied: a.shape[1] != b.shape[0]")
     operands = {"a": a, "b": b} if bias is None else {"a": a, "b": b, "bias": bias}
-    dtype, device = _check_operands(**operands)
+    dtype, device = check_operands(**operands)
     m, n = a.shape[0], b.shape[1]
     if bias is not None:
         _check_broadcast("bias", bias, (m, n))
@@ -395,7 +378,7 @@ def linear(
     if weight.shape[1] != x.shape[-1]:
         raise ValueError(f"weight has K = {weight.shape[1]} columns, x has K = {x.shape[-1]} (its last dimension)")
     operands = {"x": x, "weight": weight} if bias is None else {"x": x, "weight": weight, "bias": bias}
-    _check_operands(**operands)
+    check_operands(**operands)
     if bias is not None and (bias.dim() != 1 or bias.shape[0] != weight.shape[0]):
         raise ValueError(f"bias must be [N] = [{weight.shape[0]}], got shape {tuple(bias.shape)}")
     _check_k_slices(k_slices, x.shape[-1])

@@ -34,11 +34,10 @@ import torch
 import triton
 import triton.language as tl
 
+from samepath.kernels.checks import check_operands
 from samepath.kernels.config import dtype_name, register_formula, row_reduce_config
 from samepath.kernels.dispatch import device_kind, jit
 
-#: No compiler contraction of a*b+c into FMA: the bits must not depend on a compiler default.
-FP_FUSION = False
 #: Rows one backward program folds into its fp32 dweight partial, in ascending order.
 BWD_ROWS_PER_PROGRAM = 16
 #: Columns of the dweight partials one reduction program sums.
@@ -191,7 +190,6 @@ def _forward(x2, weight, eps, residual2):
         BLOCK_N=_block_n(N),
         HAS_RESIDUAL=residual2 is not None,
         num_warps=cfg.num_warps,
-        enable_fp_fusion=FP_FUSION,
     )
     return y, s, rstd
 
@@ -222,7 +220,6 @@ def _backward(x2, weight, rstd, grad_y, grad_s):
         ROWS=BWD_ROWS_PER_PROGRAM,
         HAS_DS=grad_s is not None,
         num_warps=cfg.num_warps,
-        enable_fp_fusion=FP_FUSION,
     )
     dw = torch.empty_like(weight)
     _rms_norm_dw_reduce_kernel[(triton.cdiv(N, DW_REDUCE_BLOCK),)](
@@ -231,7 +228,6 @@ def _backward(x2, weight, rstd, grad_y, grad_s):
         num_partials,
         N=N,
         BLOCK=DW_REDUCE_BLOCK,
-        enable_fp_fusion=FP_FUSION,
     )
     return dx, dw
 
@@ -279,17 +275,9 @@ def _check_inputs(x, weight, eps, residual):
     hidden = x.shape[-1]
     if weight.dim() != 1 or weight.shape[0] != hidden:
         raise ValueError(f"weight must have shape ({hidden},) to match x's hidden size, got {tuple(weight.shape)}")
-    if weight.dtype != x.dtype:
-        raise ValueError(f"weight dtype {weight.dtype} differs from x's {x.dtype}")
-    if weight.device != x.device:
-        raise ValueError(f"weight is on {weight.device}, expected {x.device} (x's device)")
-    if residual is not None:
-        if residual.shape != x.shape:
-            raise ValueError(f"residual shape {tuple(residual.shape)} differs from x's {tuple(x.shape)}")
-        if residual.dtype != x.dtype:
-            raise ValueError(f"residual dtype {residual.dtype} differs from x's {x.dtype}")
-        if residual.device != x.device:
-            raise ValueError(f"residual is on {residual.device}, expected {x.device} (x's device)")
+    check_operands(x=x, weight=weight, **({} if residual is None else {"residual": residual}))
+    if residual is not None and residual.shape != x.shape:
+        raise ValueError(f"residual shape {tuple(residual.shape)} differs from x's {tuple(x.shape)}")
     limit = row_reduce_config(x.device).norm_block_max
     if not 1 <= hidden <= limit:
         raise ValueError(f"x.shape[-1] = {hidden} is not a supported hidden size: rms_norm takes 1 to {limit}")

@@ -37,8 +37,6 @@ import triton.language as tl
 from samepath.kernels.config import dtype_name, register_formula
 from samepath.kernels.dispatch import device_kind, jit
 
-#: No compiler contraction of a*b+c into FMA: the bits must not depend on a compiler default.
-FP_FUSION = False
 #: Elements (rows x half rotary dim) one program handles; elementwise, so numerics-neutral.
 ELEMENTS_PER_PROGRAM = 4096
 
@@ -232,7 +230,6 @@ def _rotate(x4: torch.Tensor, cos4: torch.Tensor, sin4: torch.Tensor, backward: 
         BLOCK_P=triton.next_power_of_2(max(1, head - 2 * half)),
         BLOCK_R=block_r,
         BACKWARD=backward,
-        enable_fp_fusion=FP_FUSION,
     )
     return out
 

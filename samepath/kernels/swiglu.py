@@ -27,11 +27,10 @@ import torch
 import triton
 import triton.language as tl
 
+from samepath.kernels.checks import check_operands
 from samepath.kernels.config import dtype_name, register_formula
 from samepath.kernels.dispatch import device_kind, jit
 
-#: No compiler contraction of a*b+c into FMA: the bits must not depend on a compiler default.
-FP_FUSION = False
 #: Columns one program handles (elementwise: numerics-neutral).
 MAX_BLOCK_N = 2048
 
@@ -122,7 +121,6 @@ class SiluMulFunction(torch.autograd.Function):
                 out.stride(0),
                 N,
                 BLOCK_N=block,
-                enable_fp_fusion=FP_FUSION,
             )
         ctx.save_for_backward(gate2, up2)
         return out
@@ -149,7 +147,6 @@ class SiluMulFunction(torch.autograd.Function):
                 dup.stride(0),
                 N,
                 BLOCK_N=block,
-                enable_fp_fusion=FP_FUSION,
             )
         return dgate, dup
 
@@ -175,10 +172,7 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         raise ValueError("up must be a tensor shaped like gate")
     if up.shape != gate.shape:
         raise ValueError(f"up shape {tuple(up.shape)} differs from gate's {tuple(gate.shape)}")
-    if up.dtype != gate.dtype:
-        raise ValueError(f"up dtype {up.dtype} differs from gate's {gate.dtype}")
-    if up.device != gate.device:
-        raise ValueError(f"up is on {up.device}, expected {gate.device} (gate's device)")
+    check_operands(gate=gate, up=up)
     return SiluMulFunction.apply(_rows(gate), _rows(up)).reshape(gate.shape)
 
 
