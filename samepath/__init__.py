@@ -6,6 +6,8 @@ The public surface is small: the kernels (one schedule for every caller), the
 See docs/numerics.md for the contract.
 """
 
+import torch
+
 from samepath.kernels.attention import paged_attention, varlen_attention, write_kv_cache
 from samepath.kernels.config import NumericsMismatchError, assert_same_numerics, fingerprint
 from samepath.kernels.logprobs import log_softmax, token_logprobs
@@ -16,6 +18,17 @@ from samepath.kernels.swiglu import silu_mul, swiglu
 
 __version__ = "0.1.0"
 
+
+def logprobs(logits: torch.Tensor, labels: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """The one function both sides use for token log-probabilities: fp32 ``log p(label)``.
+
+    ``logits`` ``[..., vocab]`` are the raw model logits (the rollout's per-step logits from
+    ``generate(output_logits=True)`` or vLLM, the trainer's forward logits); the temperature is
+    divided in fp32 inside the kernel, never by the caller. Equal to :func:`token_logprobs`.
+    """
+    return token_logprobs(logits, labels, temperature)
+
+
 __all__ = [
     "NumericsMismatchError",
     "__version__",
@@ -25,6 +38,7 @@ __all__ = [
     "fingerprint",
     "linear",
     "log_softmax",
+    "logprobs",
     "matmul",
     "paged_attention",
     "rms_norm",

@@ -976,3 +976,80 @@ def varlen_attention(
     cfg = config or attention_config(query.shape[-1], query.dtype, query.device)
     query, key, value = (_last_dim_contiguous(t) for t in (query, key, value))
     return VarlenAttentionFunction.apply(query, key, value, cu_seqlens, scale, causal, sliding_window, cfg)
+
+
+# ----------------------------------------------------------------------------------------------
+# Packed attention over contiguous KV with a cached prefix (inference, no paging)
+# ----------------------------------------------------------------------------------------------
+
+
+def packed_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_kv: torch.Tensor,
+    scale: float,
+    *,
+    causal: bool = True,
+    sliding_window: int | None = None,
+    config: AttentionConfig | None = None,
+    validate: bool = True,
+) -> torch.Tensor:
+    """Attention of each sequence's newest queries over its whole KV, both packed (no grad).
+
+    The form a framework with a contiguous KV cache (Hugging Face ``generate``) has: sequence
+    ``i`` has ``cu_seqlens_kv[i+1] - cu_seqlens_kv[i]`` keys at positions 0.., and its queries are
+    the last ``cu_seqlens_q[i+1] - cu_seqlens_q[i]`` of those positions.
+
+    Args:
+        query: ``[total_q, num_heads, head_size]``.
+        key, value: ``[total_kv, num_kv_heads, head_size]``.
+        cu_seqlens_q, cu_seqlens_kv: ``[num_seqs + 1]`` int cumulative lengths from 0.
+        scale, causal, sliding_window, config, validate: as in :func:`paged_attention`.
+
+    Returns:
+        ``[total_q, num_heads, head_size]``: rows bit-identical to :func:`varlen_attention` and
+        :func:`paged_attention` for the same tokens (the same kernel over the same tiles).
+    """
+    for name, tensor in (("query", query), ("key", key), ("value", value)):
+        if tensor.dim() != 3:
+            raise ValueError(f"{name} must be [tokens, heads, head_size], got shape {tuple(tensor.shape)}")
+    if key.shape != value.shape:
+        raise ValueError(f"key {tuple(key.shape)} and value {tuple(value.shape)} must have the same shape")
+    dtype_name(query.dtype, "query.dtype")
+    for name, tensor in (("key", key), ("value", value)):
+        if tensor.dtype != query.dtype:
+            raise ValueError(f"{name} dtype {tensor.dtype} differs from the query's {query.dtype}")
+    device_kind(query.device)
+    _check_same_device(query.device, key=key, value=value, cu_seqlens_q=cu_seqlens_q, cu_seqlens_kv=cu_seqlens_kv)
+    _check_qkv_heads(query, key, "key")
+    _check_int_vector("cu_seqlens_q", cu_seqlens_q)
+    _check_int_vector("cu_seqlens_kv", cu_seqlens_kv, cu_seqlens_q.numel())
+    _check_sliding_window(sliding_window, causal)
+    scale = _check_scale(scale)
+    if validate:
+        q_lens = _check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, query.shape[0])
+        kv_lens = _check_cu_seqlens("cu_seqlens_kv", cu_seqlens_kv, key.shape[0])
+        if (kv_lens < q_lens).any():
+            raise ValueError("each sequence needs at least as many keys (cu_seqlens_kv) as queries (cu_seqlens_q)")
+    cfg = config or attention_config(query.shape[-1], query.dtype, query.device)
+    query, key, value = (_last_dim_contiguous(t) for t in (query, key, value))
+    out = torch.empty_like(query)
+    with torch.no_grad():
+        _launch_forward(
+            query,
+            key,
+            value,
+            cu_seqlens_q,
+            cu_seqlens_kv,
+            cu_seqlens_kv[1:] - cu_seqlens_kv[:-1],
+            None,
+            scale,
+            causal,
+            sliding_window,
+            cfg,
+            store_lse=False,
+            out=out,
+        )
+    return out

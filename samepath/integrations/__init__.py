@@ -1,0 +1,109 @@
+"""Patch the rollout engine and the trainer onto samepath's kernels: ``patch_all()``.
+
+    from samepath import integrations
+    integrations.patch_all()          # before or after building the model
+    ...
+    integrations.unpatch_all()        # stock behaviour, exactly
+
+``patch_all`` is idempotent and records every original it replaces. It routes torch's matmuls and
+log-softmax through :func:`samepath.batch_invariant` (process-wide until ``unpatch_all``) and,
+when transformers is installed, patches Hugging Face models (see
+:mod:`samepath.integrations.hf`).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import threading
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
+
+import torch
+
+from samepath.kernels.matmul import batch_invariant
+
+_lock = threading.RLock()
+_stack: ExitStack | None = None
+_patched_model_types: list[str] = []
+
+
+def enabled() -> bool:
+    """Whether :func:`patch_all` is in effect."""
+    return _stack is not None
+
+
+def patch_all(model: torch.nn.Module | None = None, *, model_types: list[str] | None = None) -> None:
+    """Put every supported framework on samepath's kernels.
+
+    Args:
+        model: optionally, an already-built Hugging Face model whose config is switched to
+            ``attn_implementation="samepath"`` (its model type is patched even if not listed).
+        model_types: the Hugging Face architectures to patch (``config.model_type``); default all
+            of :data:`samepath.integrations.hf.MODEL_TYPES`.
+    """
+    global _stack
+    with _lock:
+        if _stack is None:
+            stack = ExitStack()
+            try:
+                stack.enter_context(batch_invariant())
+                if importlib.util.find_spec("transformers") is not None:
+                    from samepath.integrations import hf
+
+                    patcher = hf.Patcher()
+                    stack.callback(patcher.restore)
+                    hf.register_interfaces(patcher, replace_defaults=True)
+                    for model_type in model_types or sorted(hf.MODEL_TYPES):
+                        hf.apply_to_model_type(model_type, patcher)
+                        _patched_model_types.append(model_type)
+                    stack.callback(_patched_model_types.clear)
+            except BaseException:
+                stack.close()
+                raise
+            _stack = stack
+        if model is not None:
+            from samepath.integrations import hf
+
+            model_type = model.config.model_type
+            if model_type not in _patched_model_types:
+                hf.apply_to_model_type(model_type, _current_patcher())
+                _patched_model_types.append(model_type)
+            hf.use_samepath(model)
+
+
+def _current_patcher():
+    from samepath.integrations import hf
+
+    patcher = hf.Patcher()
+    assert _stack is not None
+    _stack.callback(patcher.restore)
+    return patcher
+
+
+def unpatch_all() -> None:
+    """Undo :func:`patch_all`: every original back, torch's own kernels back. Idempotent.
+
+    Models switched by ``patch_all(model)`` keep ``attn_implementation="samepath"`` in their config;
+    after ``unpatch_all`` that name is no longer registered, so call ``model.set_attn_implementation``
+    with the implementation you want.
+    """
+    global _stack
+    with _lock:
+        if _stack is not None:
+            stack, _stack = _stack, None
+            stack.close()
+
+
+@contextmanager
+def patched(model: torch.nn.Module | None = None) -> Iterator[None]:
+    """``patch_all()`` for the duration of a block (restores the previous state on exit)."""
+    was_enabled = enabled()
+    patch_all(model)
+    try:
+        yield
+    finally:
+        if not was_enabled:
+            unpatch_all()
+
+
+__all__ = ["enabled", "patch_all", "patched", "unpatch_all"]

@@ -1,0 +1,255 @@
+"""Hugging Face transformers: attention, norms, MLP, rotary and MoE experts on samepath kernels.
+
+Attention goes through transformers' official extension points: ``AttentionInterface`` (the
+function below) with ``AttentionMaskInterface`` giving it the 2-D padding mask (transformers'
+``flash_attention_mask``: ``None`` or a bool ``[batch, kv]``), so the kernel applies causality
+itself. Each row's real tokens are cut out of the padded batch — left and right padding by the
+mask, packed sequences by restarts of ``position_ids`` — and attended as sequences that start at
+position 0, so the KV tiles are anchored exactly where the rollout's are. Training (no cache)
+runs :func:`samepath.varlen_attention` (differentiable); ``generate`` with a KV cache runs
+:func:`samepath.kernels.attention.packed_attention`.
+
+Per model type (``config.model_type``), Liger-style: ``{Prefix}RMSNorm.forward`` →
+:func:`samepath.rms_norm`, ``{Prefix}MLP.forward`` → :func:`samepath.silu_mul`, the module's
+``apply_rotary_pos_emb`` → :func:`samepath.apply_rotary`; MoE experts through ``ExpertsInterface``.
+Linear layers and the lm_head go through :func:`samepath.batch_invariant` (entered by
+``patch_all``). Every replacement is recorded by :class:`Patcher` and undone by ``unpatch_all``.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+import torch
+
+from samepath.kernels.attention import packed_attention, varlen_attention
+from samepath.kernels.rms_norm import rms_norm
+from samepath.kernels.rotary import apply_rotary
+from samepath.kernels.swiglu import silu_mul
+
+#: The name models use in ``attn_implementation=`` / ``experts_implementation=``.
+IMPLEMENTATION = "samepath"
+
+#: model_type -> (modeling module, class-name prefix) of the architectures patched per type.
+MODEL_TYPES: dict[str, tuple[str, str]] = {
+    "llama": ("transformers.models.llama.modeling_llama", "Llama"),
+    "qwen2": ("transformers.models.qwen2.modeling_qwen2", "Qwen2"),
+    "qwen3": ("transformers.models.qwen3.modeling_qwen3", "Qwen3"),
+    "qwen3_moe": ("transformers.models.qwen3_moe.modeling_qwen3_moe", "Qwen3Moe"),
+}
+
+
+class Patcher:
+    """Records every attribute it replaces so that :meth:`restore` puts the originals back."""
+
+    def __init__(self) -> None:
+        self._originals: list[tuple[Any, str, bool, Any]] = []
+
+    def set(self, owner: Any, name: str, value: Any) -> None:
+        present = name in vars(owner) if isinstance(owner, type) else hasattr(owner, name)
+        self._originals.append((owner, name, present, getattr(owner, name, None)))
+        setattr(owner, name, value)
+
+    def set_item(self, mapping: dict, key: str, value: Any) -> None:
+        self._originals.append((mapping, key, key in mapping, mapping.get(key)))
+        mapping[key] = value
+
+    def restore(self) -> None:
+        while self._originals:
+            owner, name, present, original = self._originals.pop()
+            if isinstance(owner, dict):
+                if present:
+                    owner[name] = original
+                else:
+                    owner.pop(name, None)
+            elif present:
+                setattr(owner, name, original)
+            else:
+                delattr(owner, name)
+
+
+# ----------------------------------------------------------------------------------------------
+# Attention
+# ----------------------------------------------------------------------------------------------
+
+
+def _segments(
+    attention_mask: torch.Tensor | None, position_ids: torch.Tensor | None, batch: int, q_len: int, kv_len: int
+) -> tuple[list[int], list[int], list[int], list[int]]:
+    """Cut a padded batch into sequences: flat query indices, flat KV indices, and their cu lengths.
+
+    Row ``b``'s real tokens are the one contiguous run of ``attention_mask[b]`` (all of it when
+    there is no mask). Without a cache (``q_len == kv_len``) the run is split further wherever
+    ``position_ids`` does not continue by +1 (packed sequences). The queries are the last
+    ``q_len`` KV slots; those inside a run attend over the run up to themselves.
+    """
+    mask = None if attention_mask is None else attention_mask[:, -kv_len:].to(torch.bool).cpu()
+    positions = None if position_ids is None or q_len != kv_len else position_ids.cpu()
+    q_index: list[int] = []
+    kv_index: list[int] = []
+    cu_q, cu_kv = [0], [0]
+    first_query_slot = kv_len - q_len
+    for b in range(batch):
+        if mask is None:
+            first, end = 0, kv_len
+        else:
+            real = mask[b].nonzero().flatten()
+            if real.numel() == 0:
+                continue
+            first, end = int(real[0]), int(real[-1]) + 1
+            if real.numel() != end - first:
+                raise ValueError(
+                    "attention_mask must mark one contiguous run of real tokens per row (left and/or right "
+                    f"padding); row {b} has holes"
+                )
+        starts = [first]
+        if positions is not None:
+            row = positions[b if positions.shape[0] > 1 else 0]
+            starts += [i for i in range(first + 1, end) if row[i] != row[i - 1] + 1]
+        for start, stop in zip(starts, [*starts[1:], end], strict=True):
+            query_slots = range(max(start, first_query_slot), stop)
+            if not query_slots:
+                continue
+            kv_index.extend(range(b * kv_len + start, b * kv_len + stop))
+            q_index.extend(b * q_len + slot - first_query_slot for slot in query_slots)
+            cu_kv.append(len(kv_index))
+            cu_q.append(len(q_index))
+    return q_index, kv_index, cu_q, cu_kv
+
+
+def attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    sliding_window: int | None = None,
+    is_causal: bool | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """transformers ``AttentionInterface`` function: query ``[B, Hq, q, D]``, key/value
+    ``[B, Hkv, kv, D]`` (cache included), 2-D padding mask or ``None``; returns ``[B, q, Hq, D]``.
+
+    Padding query rows come back as zeros. Bit-identical, row by row, to what samepath's paged
+    kernel gives the rollout for the same tokens.
+    """
+    if dropout:
+        raise ValueError(f"samepath attention has no dropout (got dropout={dropout}); set attention_dropout=0")
+    if attention_mask is not None and attention_mask.dim() != 2:
+        raise ValueError(
+            "samepath attention takes the 2-D padding mask its AttentionMaskInterface entry provides, got a "
+            f"{attention_mask.dim()}-D mask; build the model with attn_implementation='samepath'"
+        )
+    batch, num_heads, q_len, head_size = query.shape
+    kv_len, num_kv_heads = key.shape[2], key.shape[1]
+    causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+    if sliding_window is not None and q_len != kv_len:
+        raise ValueError(
+            "samepath's Hugging Face attention does not support sliding-window layers with a KV cache yet "
+            "(the cache may have dropped the sequence's first positions)"
+        )
+    scale = scaling if scaling is not None else head_size**-0.5
+    q_index, kv_index, cu_q, cu_kv = _segments(attention_mask, kwargs.get("position_ids"), batch, q_len, kv_len)
+    device = query.device
+    q_rows = torch.tensor(q_index, dtype=torch.int64, device=device)
+    kv_rows = torch.tensor(kv_index, dtype=torch.int64, device=device)
+    q = query.transpose(1, 2).reshape(batch * q_len, num_heads, head_size).index_select(0, q_rows)
+    k = key.transpose(1, 2).reshape(batch * kv_len, num_kv_heads, head_size).index_select(0, kv_rows)
+    v = value.transpose(1, 2).reshape(batch * kv_len, num_kv_heads, head_size).index_select(0, kv_rows)
+    cu_q_t = torch.tensor(cu_q, dtype=torch.int32, device=device)
+    if cu_q == cu_kv:
+        out = varlen_attention(q, k, v, cu_q_t, scale, causal, sliding_window=sliding_window)
+    else:
+        cu_kv_t = torch.tensor(cu_kv, dtype=torch.int32, device=device)
+        out = packed_attention(q, k, v, cu_q_t, cu_kv_t, scale, causal=causal, sliding_window=sliding_window)
+    full = query.new_zeros(batch * q_len, num_heads, head_size).index_copy(0, q_rows, out)
+    return full.view(batch, q_len, num_heads, head_size), None
+
+
+def samepath_experts_forward(
+    self: torch.nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+) -> torch.Tensor:
+    """``ExpertsInterface`` function: each expert's tokens through one batch-invariant linear per
+    projection, SiLU·mul with Hugging Face's rounding, and the weighted outputs added into each
+    token's row in ascending expert order (the order of transformers' eager experts loop)."""
+    out = torch.zeros_like(hidden_states)
+    num_experts = self.gate_up_proj.shape[0]
+    for expert in range(num_experts):
+        top_k_pos, token_idx = torch.where(top_k_index.T == expert)
+        if token_idx.numel() == 0:
+            continue
+        gate_up = torch.nn.functional.linear(hidden_states[token_idx], self.gate_up_proj[expert])
+        gate, up = gate_up.chunk(2, dim=-1)
+        expert_out = torch.nn.functional.linear(silu_mul(gate, up), self.down_proj[expert])
+        expert_out = expert_out * top_k_weights[token_idx, top_k_pos, None]
+        out.index_add_(0, token_idx, expert_out.to(out.dtype))
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# Per-model-type patches
+# ----------------------------------------------------------------------------------------------
+
+
+def _rms_norm_forward(self: torch.nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
+    return rms_norm(hidden_states, self.weight, self.variance_epsilon)
+
+
+def _mlp_forward(self: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    if self.config.hidden_act not in ("silu", "swish"):
+        raise ValueError(f"samepath's MLP patch implements SiLU·mul, not hidden_act={self.config.hidden_act!r}")
+    return self.down_proj(silu_mul(self.gate_proj(x), self.up_proj(x)))
+
+
+def _apply_rotary_pos_emb(
+    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, unsqueeze_dim: int = 1
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return apply_rotary(q, k, cos, sin, unsqueeze_dim=unsqueeze_dim)
+
+
+def apply_to_model_type(model_type: str, patcher: Patcher) -> None:
+    """Patch one architecture's modeling module (works before or after its models are built)."""
+    if model_type not in MODEL_TYPES:
+        raise ValueError(
+            f"samepath has no Hugging Face patches for model_type={model_type!r}; "
+            f"supported: {', '.join(sorted(MODEL_TYPES))}"
+        )
+    module_name, prefix = MODEL_TYPES[model_type]
+    modeling = importlib.import_module(module_name)
+    patcher.set(getattr(modeling, f"{prefix}RMSNorm"), "forward", _rms_norm_forward)
+    mlp = getattr(modeling, f"{prefix}MLP", None)
+    if mlp is not None:
+        patcher.set(mlp, "forward", _mlp_forward)
+    patcher.set(modeling, "apply_rotary_pos_emb", _apply_rotary_pos_emb)
+
+
+def register_interfaces(patcher: Patcher, replace_defaults: bool) -> None:
+    """Register ``"samepath"`` in transformers' attention, mask and experts interfaces.
+
+    With ``replace_defaults`` the stock implementations a model may already be using (``sdpa``,
+    ``eager`` attention; ``grouped_mm``, ``batched_mm`` experts) are routed to samepath too, so
+    models built before :func:`samepath.integrations.patch_all` follow it.
+    """
+    from transformers.integrations.moe import ExpertsInterface
+    from transformers.masking_utils import AttentionMaskInterface, flash_attention_mask
+    from transformers.modeling_utils import AttentionInterface
+
+    attention = AttentionInterface._global_mapping
+    masks = AttentionMaskInterface._global_mapping
+    experts = ExpertsInterface._global_mapping
+    names = [IMPLEMENTATION, *(("sdpa", "eager") if replace_defaults else ())]
+    for name in names:
+        patcher.set_item(attention, name, attention_forward)
+        patcher.set_item(masks, name, flash_attention_mask)
+    for name in [IMPLEMENTATION, *(("grouped_mm", "batched_mm") if replace_defaults else ())]:
+        patcher.set_item(experts, name, samepath_experts_forward)
+
+
+def use_samepath(model: torch.nn.Module) -> None:
+    """Point an already-built model's config at the samepath attention and experts."""
+    model.set_attn_implementation(IMPLEMENTATION)
+    if hasattr(model, "set_experts_implementation") and getattr(model.config, "_experts_implementation", None):
+        model.set_experts_implementation(IMPLEMENTATION)
