@@ -1,0 +1,241 @@
+"""End to end on Hugging Face transformers: generate's log-probs equal the trainer's, bit for bit.
+
+The rollout is transformers' own ``generate`` (KV cache, left padding, greedy or sampled); the
+trainer is a plain forward of the finished sequences — right-padded, packed into one row with
+restarting ``position_ids`` (as verl sends them), and each sequence alone. Tiny random-weight
+models are built from configs (no hub).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers", reason="transformers is not installed (pip install -e .[hf])")
+
+import samepath  # noqa: E402
+from samepath import integrations  # noqa: E402
+from samepath.kernels.matmul import batch_invariant_enabled  # noqa: E402
+
+
+def tiny_model(arch: str, dtype: torch.dtype, seed: int = 0) -> torch.nn.Module:
+    common = dict(
+        vocab_size=320,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        tie_word_embeddings=False,
+        bos_token_id=None,
+        eos_token_id=None,
+        pad_token_id=0,
+    )
+    if arch == "qwen3":
+        config = transformers.Qwen3Config(head_dim=32, **common)
+        cls = transformers.Qwen3ForCausalLM
+    elif arch == "qwen3_moe":
+        config = transformers.Qwen3MoeConfig(
+            head_dim=32, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48, norm_topk_prob=True, **common
+        )
+        cls = transformers.Qwen3MoeForCausalLM
+    elif arch == "llama":
+        config = transformers.LlamaConfig(head_dim=16, **common)
+        cls = transformers.LlamaForCausalLM
+    else:
+        raise AssertionError(arch)
+    torch.manual_seed(seed)
+    model = cls(config).to(dtype).eval()
+    with torch.no_grad():  # random init of this size gives near-uniform logits; spread them out
+        for param in model.parameters():
+            param.mul_(4.0 if param.dim() == 1 else 2.0)
+    return model
+
+
+def random_prompts(lengths: list[int], seed: int) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(1, 320, (n,), generator=gen).tolist() for n in lengths]
+
+
+def rollout(model, prompts, new_tokens: int, temperature: float | None, seed: int = 0):
+    """Left-padded ``generate``; returns the generated tokens and their log-probs [B, new_tokens]."""
+    width = max(map(len, prompts))
+    ids = torch.zeros(len(prompts), width, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for row, prompt in enumerate(prompts):
+        ids[row, width - len(prompt) :] = torch.tensor(prompt)
+        mask[row, width - len(prompt) :] = 1
+    sampling = dict(do_sample=True, temperature=temperature, top_k=0, top_p=1.0) if temperature else {}
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        out = model.generate(
+            input_ids=ids,
+            attention_mask=mask,
+            max_new_tokens=new_tokens,
+            min_new_tokens=new_tokens,
+            output_logits=True,
+            return_dict_in_generate=True,
+            pad_token_id=0,
+            **({"do_sample": False} | sampling),
+        )
+    generated = out.sequences[:, width:]
+    step_logits = torch.stack(out.logits, 1)
+    return generated, samepath.logprobs(step_logits, generated, temperature or 1.0)
+
+
+def _completions(prompts, generated):
+    return [torch.tensor(p + g.tolist()) for p, g in zip(prompts, generated, strict=True)]
+
+
+def trainer_padded(model, prompts, generated, temperature: float, grad: bool = False) -> torch.Tensor:
+    """Right-padded batch forward (the rollout used left padding)."""
+    seqs = _completions(prompts, generated)
+    width = max(map(len, seqs))
+    ids = torch.zeros(len(seqs), width, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for row, seq in enumerate(seqs):
+        ids[row, : len(seq)] = seq
+        mask[row, : len(seq)] = 1
+    with torch.set_grad_enabled(grad):
+        logits = model(input_ids=ids, attention_mask=mask, use_cache=False).logits
+    n = generated.shape[1]
+    rows = []
+    for row, (prompt, seq) in enumerate(zip(prompts, seqs, strict=True)):
+        start = len(prompt) - 1
+        rows.append(samepath.logprobs(logits[row, start : start + n], seq[len(prompt) :], temperature))
+    return torch.stack(rows)
+
+
+def trainer_packed(model, prompts, generated, temperature: float, grad: bool = False) -> torch.Tensor:
+    """All sequences in one row, position_ids restarting at each, no mask, no cache."""
+    seqs = _completions(prompts, generated)
+    ids = torch.cat(seqs)[None]
+    positions = torch.cat([torch.arange(len(s)) for s in seqs])[None]
+    with torch.set_grad_enabled(grad):
+        logits = model(input_ids=ids, position_ids=positions, use_cache=False).logits[0]
+    n, rows, offset = generated.shape[1], [], 0
+    for prompt, seq in zip(prompts, seqs, strict=True):
+        start = offset + len(prompt) - 1
+        rows.append(samepath.logprobs(logits[start : start + n], seq[len(prompt) :], temperature))
+        offset += len(seq)
+    return torch.stack(rows)
+
+
+def trainer_alone(model, prompts, generated, temperature: float) -> torch.Tensor:
+    rows = []
+    for prompt, seq in zip(prompts, _completions(prompts, generated), strict=True):
+        with torch.no_grad():
+            logits = model(input_ids=seq[None], use_cache=False).logits[0]
+        rows.append(samepath.logprobs(logits[len(prompt) - 1 : -1], seq[len(prompt) :], temperature))
+    return torch.stack(rows)
+
+
+@pytest.fixture
+def patched():
+    integrations.patch_all()
+    yield
+    integrations.unpatch_all()
+
+
+CASES = [
+    # arch, dtype, prompt lengths, new tokens, temperature (None = greedy)
+    ("qwen3", torch.float32, [5, 11, 3, 8], 6, None),
+    ("qwen3", torch.bfloat16, [7, 2, 9, 4], 6, 0.7),
+    ("qwen3", torch.bfloat16, [6], 8, None),
+    ("qwen3_moe", torch.bfloat16, [4, 9, 6, 2], 5, 1.3),
+    ("llama", torch.float32, [3, 10, 5, 7], 5, 0.7),
+]
+
+
+@pytest.mark.parametrize("arch,dtype,lengths,new_tokens,temperature", CASES, ids=lambda v: str(v).replace(" ", ""))
+def test_generate_logprobs_equal_trainer_logprobs(patched, arch, dtype, lengths, new_tokens, temperature) -> None:
+    model = tiny_model(arch, dtype)
+    prompts = random_prompts(lengths, seed=len(lengths) + new_tokens)
+    generated, rollout_lp = rollout(model, prompts, new_tokens, temperature)
+    t = temperature or 1.0
+    assert torch.equal(trainer_padded(model, prompts, generated, t), rollout_lp)
+    assert torch.equal(trainer_packed(model, prompts, generated, t), rollout_lp)
+    assert torch.equal(trainer_alone(model, prompts, generated, t), rollout_lp)
+
+
+@pytest.mark.slow
+def test_long_generation_crosses_kv_tiles(patched) -> None:
+    """70 tokens of context: the rollout's decode steps cross two KV-tile boundaries (tile_n = 32)."""
+    model = tiny_model("qwen3", torch.bfloat16, seed=3)
+    prompts = random_prompts([12, 5], seed=4)
+    generated, rollout_lp = rollout(model, prompts, 58, temperature=0.9)
+    assert torch.equal(trainer_packed(model, prompts, generated, 0.9), rollout_lp)
+    assert torch.equal(trainer_padded(model, prompts, generated, 0.9), rollout_lp)
+
+
+def test_medium_generation_crosses_a_kv_tile(patched) -> None:
+    model = tiny_model("qwen3", torch.float32, seed=5)
+    prompts = random_prompts([30], seed=6)
+    generated, rollout_lp = rollout(model, prompts, 6, temperature=None)
+    assert torch.equal(trainer_packed(model, prompts, generated, 1.0), rollout_lp)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_negative_control_stock_model_differs(dtype) -> None:
+    """The same harness without patch_all(): stock kernels give a nonzero logdiff."""
+    assert not integrations.enabled()
+    model = tiny_model("qwen3", dtype)
+    prompts = random_prompts([5, 11, 3, 8], seed=10)
+    generated, rollout_lp = rollout(model, prompts, 6, temperature=None)
+    trained = trainer_padded(model, prompts, generated, 1.0)
+    assert not torch.equal(trained, rollout_lp)
+    assert (trained - rollout_lp).abs().max() < (1e-3 if dtype == torch.float32 else 0.5)
+
+
+def test_training_step_matches_stock_within_tolerance() -> None:
+    model = tiny_model("qwen3", torch.float32, seed=7)
+    stock = copy.deepcopy(model)
+    prompts = random_prompts([6, 9], seed=8)
+    generated = torch.randint(1, 320, (2, 5), generator=torch.Generator().manual_seed(9))
+
+    def step(m):
+        m.zero_grad()
+        loss = -trainer_packed(m, prompts, generated, 0.8, grad=True).mean()
+        loss.backward()
+        return loss.detach(), {name: p.grad.clone() for name, p in m.named_parameters()}
+
+    stock_loss, stock_grads = step(stock)
+    with integrations.patched():
+        loss, grads = step(model)
+    torch.testing.assert_close(loss, stock_loss, rtol=1e-5, atol=1e-5)
+    for name, grad in grads.items():
+        torch.testing.assert_close(grad, stock_grads[name], rtol=1e-3, atol=1e-4, msg=name)
+
+
+def test_unpatch_all_restores_stock_exactly() -> None:
+    model = tiny_model("qwen3", torch.bfloat16, seed=11)
+    ids = torch.randint(1, 320, (3, 12), generator=torch.Generator().manual_seed(12))
+    with torch.no_grad():
+        before = model(input_ids=ids).logits
+        integrations.patch_all()
+        integrations.patch_all()  # idempotent
+        assert integrations.enabled() and batch_invariant_enabled()
+        during = model(input_ids=ids).logits
+        integrations.unpatch_all()
+        integrations.unpatch_all()
+        after = model(input_ids=ids).logits
+    assert not integrations.enabled()
+    assert not torch.equal(before, during)
+    assert torch.equal(before, after)
+
+
+def test_patch_all_with_a_built_model_and_bad_inputs(patched) -> None:
+    model = tiny_model("llama", torch.float32)
+    integrations.patch_all(model)
+    assert model.config._attn_implementation == "samepath"
+    ids = torch.randint(1, 320, (2, 6), generator=torch.Generator().manual_seed(1))
+    holes = torch.tensor([[1, 1, 0, 1, 1, 1], [1, 1, 1, 1, 1, 1]])
+    with pytest.raises(ValueError, match="one contiguous run of real tokens"), torch.no_grad():
+        model(input_ids=ids, attention_mask=holes)
+    with pytest.raises(ValueError, match="no Hugging Face patches for model_type='gpt2'"):
+        from samepath.integrations import hf
+
+        hf.apply_to_model_type("gpt2", hf.Patcher())
