@@ -4,7 +4,8 @@ A CPU machine runs samepath's kernels under Triton's interpreter, which accepts 
 compilers reject. :func:`record_launches` captures the (kernel, arguments) of interpreted
 launches; :func:`compile_launch` compiles the same specialization ahead of time for a target such
 as Hopper (``GPUTarget("cuda", 90, 32)``, with the ``ptxas`` bundled in the Triton wheel), so
-compiled-mode errors show up in CI without a GPU.
+compiled-mode errors show up in CI without a GPU. :func:`lower_for_ascend` does the same with
+Triton-Ascend up to its linalg MLIR (the last step needs CANN).
 """
 
 from __future__ import annotations
@@ -34,6 +35,11 @@ _POINTER_TYPES = {
 _COMPILE_OPTIONS = ("num_warps", "num_stages", "enable_fp_fusion")
 
 HOPPER = GPUTarget("cuda", 90, 32)
+#: An Atlas A2 training chip, for Triton-Ascend (which replaces the ``triton`` package).
+ASCEND_910B = GPUTarget("npu", "Ascend910B3", 0)
+#: What Triton-Ascend says once the kernel is lowered to its linalg MLIR and only the CANN
+#: toolchain (absent here) is left to turn it into a binary.
+_NEEDS_CANN = "ASCEND_HOME_PATH is not set"
 
 
 @dataclass
@@ -92,3 +98,19 @@ def compile_launch(launch: Launch, target: GPUTarget = HOPPER) -> Any:
     options = {k: v for k, v in launch.kwargs.items() if k in _COMPILE_OPTIONS}
     options.setdefault("enable_fp_fusion", FP_FUSION)
     return triton.compile(ASTSource(kernel, signature, constexprs), target=target, options=options)
+
+
+def lower_for_ascend(launch: Launch, target: GPUTarget = ASCEND_910B) -> str:
+    """Lower ``launch``'s specialization with Triton-Ascend as far as this machine allows.
+
+    Returns ``"binary"`` when CANN is installed and the kernel compiled, ``"mlir"`` when it was
+    lowered through TTIR to Triton-Ascend's linalg MLIR and stopped only for want of CANN
+    (``ASCEND_HOME_PATH``). Any other failure — a real lowering error — is raised.
+    """
+    try:
+        compile_launch(launch, target)
+    except Exception as error:  # Triton-Ascend raises its own MLIRCompilationError
+        if _NEEDS_CANN in str(error):
+            return "mlir"
+        raise
+    return "binary"

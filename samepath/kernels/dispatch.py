@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 import torch
 import triton.language as tl
-from triton.runtime.interpreter import InterpretedFunction, InterpreterBuilder, _patch_lang
+from triton.runtime.interpreter import InterpretedFunction, InterpreterBuilder
 from triton.runtime.jit import JITFunction
 
 #: torch device types the kernels run on, and how.
@@ -34,13 +34,26 @@ def _call_interpreted(self: JITFunction, *args: Any, **kwargs: Any) -> Any:
     interpreted = _interpreted_versions.get(self.fn)
     if interpreted is None:
         interpreted = _interpreted_versions[self.fn] = InterpretedFunction(self.fn)
-    # As InterpretedFunction.__call__, but undoing its patches of triton.language afterwards: left
-    # in place they break compiling kernels later in the same process.
-    scope = _patch_lang(self.fn)
-    try:
-        return interpreted.rewrite()(*args, **kwargs)
-    finally:
-        scope.restore()
+    return interpreted(*args, **kwargs)
+
+
+#: The namespaces Triton's interpreter patches while it runs (Triton-Ascend 3.2's never undoes it).
+_LANGUAGE_NAMESPACES = (tl, tl.core, tl.math, tl.core.tensor)
+
+
+def _snapshot_language() -> list[tuple[Any, dict[str, Any]]]:
+    return [(namespace, dict(vars(namespace))) for namespace in _LANGUAGE_NAMESPACES]
+
+
+def _restore_language(snapshot: list[tuple[Any, dict[str, Any]]]) -> None:
+    """Undo whatever the interpreter patched, so compiled kernels later in the process still build."""
+    for namespace, saved in snapshot:
+        current = dict(vars(namespace))
+        for name in current.keys() - saved.keys():
+            delattr(namespace, name)
+        for name, value in saved.items():
+            if current.get(name) is not value:
+                setattr(namespace, name, value)
 
 
 def _bf16_bits_to_fp32(bits: np.ndarray) -> np.ndarray:
@@ -90,6 +103,8 @@ def _interpreting() -> Iterator[None]:
       ``TRITON_INTERPRET=1``; here they are compiled-mode ``JITFunction`` objects, whose
       ``__call__`` (never used by compiled kernels, which inline callees) refuses to run. During an
       interpreted launch it runs the function's source under the interpreter instead.
+    * Whatever the interpreter patches in ``triton.language`` is undone afterwards, so compiled
+      kernels can still be built later in the same process.
     * bfloat16 ``tl.dot`` operands are widened to fp32 (exact) instead of multiplied as bits, and
       fp32 -> bfloat16 casts round to nearest even instead of truncating.
 
@@ -103,6 +118,7 @@ def _interpreting() -> Iterator[None]:
             (InterpreterBuilder, "cast_impl", _cast_impl),
         ]
         originals = [(owner, name, owner.__dict__[name]) for owner, name, _ in patches]
+        language = _snapshot_language()
         for owner, name, replacement in patches:
             setattr(owner, name, replacement)
         try:
@@ -110,6 +126,7 @@ def _interpreting() -> Iterator[None]:
         finally:
             for owner, name, original in originals:
                 setattr(owner, name, original)
+            _restore_language(language)
 
 
 class DualJITFunction(JITFunction):

@@ -88,6 +88,14 @@ def _scaled_chunk(row_ptr, cols, stride_v, V, temperature):
 
 
 @jit
+def _div_rn_scalar(a, b):
+    """IEEE ``a / b`` of two scalars, computed in lane 0 of a 16-lane vector (the other lanes are
+    0 / 1, so the sum is exactly the quotient): Triton-Ascend cannot lower a scalar ``div_rn``."""
+    lanes = tl.arange(0, 16)
+    return tl.sum(tl.math.div_rn(tl.where(lanes == 0, a, 0.0), tl.where(lanes == 0, b, 1.0)), 0)
+
+
+@jit
 def _row_lse(row_ptr, stride_v, V, temperature, CHUNK: tl.constexpr, ENTROPY: tl.constexpr):
     """The fp32 online log-sum-exp of one row of ``x / T`` (and its entropy when ``ENTROPY``).
 
@@ -114,7 +122,7 @@ def _row_lse(row_ptr, stride_v, V, temperature, CHUNK: tl.constexpr, ENTROPY: tl
         s = s_new
         m = m_new
     lse = m + tl.log(s)
-    entropy = tl.log(s) + tl.math.div_rn(w, s)
+    entropy = tl.log(s) + _div_rn_scalar(w, s)
     return lse, entropy
 
 
@@ -136,25 +144,27 @@ def _token_logprobs_fwd_kernel(
 ):
     row = tl.program_id(0)
     label = tl.load(Labels + row).to(tl.int64)
-    ignored = False
+    row_ptr = X + tl.load(row_offsets + row)
+    lse, entropy = _row_lse(row_ptr, stride_v, V, temperature, CHUNK, ENTROPY)
+    # An out-of-range label (only possible with validate=False) gives NaN, never a wild read.
+    in_range = (label >= 0) & (label < V)
+    # The label's x / T as the one live lane of a 16-lane vector (x + 0 + ... is exactly x):
+    # Triton-Ascend cannot lower a scalar div_rn.
+    lanes = tl.arange(0, 16)
+    label_ptrs = row_ptr + (tl.where(in_range, label, 0) + lanes) * stride_v
+    x_lanes = tl.load(label_ptrs, mask=lanes == 0, other=0.0).to(tl.float32)
+    z_label = tl.sum(tl.math.div_rn(x_lanes, temperature), 0)
+    logprob = tl.where(in_range, z_label - lse, float("nan"))
     if HAS_IGNORE:
+        # Selects, not a branch around the loop: Triton-Ascend cannot lower the latter.
         ignored = label == ignore_index
-    if ignored:
-        tl.store(LogProb + row, 0.0)
-        tl.store(Lse + row, 0.0)
-        if ENTROPY:
-            tl.store(Entropy + row, 0.0)
-    else:
-        row_ptr = X + tl.load(row_offsets + row)
-        lse, entropy = _row_lse(row_ptr, stride_v, V, temperature, CHUNK, ENTROPY)
-        # An out-of-range label (only possible with validate=False) gives NaN, never a wild read.
-        in_range = (label >= 0) & (label < V)
-        x_label = tl.load(row_ptr + label * stride_v, mask=in_range, other=0.0).to(tl.float32)
-        z_label = tl.math.div_rn(x_label, temperature)
-        tl.store(LogProb + row, tl.where(in_range, z_label - lse, float("nan")))
-        tl.store(Lse + row, lse)
-        if ENTROPY:
-            tl.store(Entropy + row, entropy)
+        logprob = tl.where(ignored, 0.0, logprob)
+        lse = tl.where(ignored, 0.0, lse)
+        entropy = tl.where(ignored, 0.0, entropy)
+    tl.store(LogProb + row, logprob)
+    tl.store(Lse + row, lse)
+    if ENTROPY:
+        tl.store(Entropy + row, entropy)
 
 
 @jit
