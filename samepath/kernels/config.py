@@ -12,6 +12,7 @@ import dataclasses
 import hashlib
 import json
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 
@@ -157,12 +158,45 @@ ROW_REDUCE_TABLE: dict[str, RowReduceConfig] = {
 
 def matmul_config(dtype: torch.dtype, device: torch.device | str) -> MatmulConfig:
     """The frozen matmul tiles for inputs of this dtype on this device (or device type)."""
-    return MATMUL_TABLE[device_kind(device), dtype_name(dtype)]
+    key = (device_kind(device), dtype_name(dtype))
+    return _with_tuned("matmul", key, MATMUL_TABLE[key])
 
 
 def row_reduce_config(device: torch.device | str) -> RowReduceConfig:
     """The frozen vocabulary chunk and norm block for this device (or device type)."""
-    return ROW_REDUCE_TABLE[device_kind(device)]
+    key = (device_kind(device),)
+    return _with_tuned("row_reduce", key, ROW_REDUCE_TABLE[key[0]])
+
+
+#: Launch parameters a tuning sweep may change: proven bitwise neutral per candidate by
+#: samepath.kernels.tuning before they are accepted, and never part of the fingerprint.
+NEUTRAL_PARAMS: dict[str, tuple[str, ...]] = {
+    "attention": ("num_warps", "num_stages"),
+    "matmul": ("num_warps", "num_stages"),
+    "row_reduce": ("num_warps",),
+}
+_tuned: dict[tuple, dict[str, int]] = {}
+_Config = TypeVar("_Config")
+
+
+def set_tuned_overrides(overrides: dict[tuple, dict[str, int]]) -> None:
+    """Install verified tuning results: ``{(op, *table key): {neutral param: value}}``.
+
+    Only :data:`NEUTRAL_PARAMS` may be set; the frozen tables and the fingerprint stay as they are.
+    Pass ``{}`` to go back to the frozen values.
+    """
+    for (op, *_), params in overrides.items():
+        if op not in NEUTRAL_PARAMS or set(params) - set(NEUTRAL_PARAMS[op]):
+            raise ValueError(
+                f"tuned overrides for {op!r} may only set {NEUTRAL_PARAMS.get(op, ())}, got {sorted(params)}"
+            )
+    _tuned.clear()
+    _tuned.update(overrides)
+
+
+def _with_tuned(op: str, key: tuple, cfg: _Config) -> _Config:
+    tuned = _tuned.get((op, *key))
+    return dataclasses.replace(cfg, **tuned) if tuned else cfg
 
 
 def padded_head_size(head_size: int) -> int:
@@ -189,7 +223,8 @@ def dtype_name(dtype: torch.dtype, argument: str = "dtype") -> str:
 def attention_config(head_size: int, dtype: torch.dtype, device: torch.device | str) -> AttentionConfig:
     """The frozen attention tiles for tensors of this head size, dtype and device (or device type)."""
     check_head_size(head_size)
-    return ATTENTION_TABLE[device_kind(device), dtype_name(dtype), padded_head_size(head_size)]
+    key = (device_kind(device), dtype_name(dtype), padded_head_size(head_size))
+    return _with_tuned("attention", key, ATTENTION_TABLE[key])
 
 
 #: Formula flags of the ops other than attention, registered by each op's module at import.
