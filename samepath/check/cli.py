@@ -1,0 +1,281 @@
+"""The ``samepath`` command line: ``samepath check`` and ``samepath doctor`` (also ``python -m samepath``).
+
+Exit status: 0 when the samepath-patched rollout and trainer are bit-identical (``check``: every
+log-prob equal; ``doctor``: no module differs), 1 when they are not, 2 for bad input (one line on
+stderr, no traceback), 3 for an unexpected error (set ``SAMEPATH_DEBUG=1`` for the traceback).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+
+EXIT_OK, EXIT_DIFFERS, EXIT_BAD_INPUT, EXIT_ERROR = 0, 1, 2, 3
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, but a usage error is one line on stderr and exit status 2."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        self.exit(EXIT_BAD_INPUT, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def _common(parser: argparse.ArgumentParser, new_tokens: int) -> None:
+    parser.add_argument(
+        "--model",
+        metavar="DIR",
+        help="a Hugging Face model directory (AutoModelForCausalLM.from_pretrained); default: an embedded "
+        "tiny random-weight Qwen3, built from a config and saved to a temporary directory",
+    )
+    parser.add_argument(
+        "--dtype", default="bfloat16", help="float32, bfloat16 or float16 (default: %(default)s)", metavar="DTYPE"
+    )
+    parser.add_argument("--device", default=None, help="torch device (default: cuda when available, else cpu)")
+    parser.add_argument("--batch", type=int, default=2, help="sequences per batch (default: %(default)s)")
+    parser.add_argument(
+        "--new-tokens", type=int, default=new_tokens, help="tokens generated per sequence (default: %(default)s)"
+    )
+    parser.add_argument("--seed", type=int, default=0, help="seed of the prompts and sampling (default: %(default)s)")
+    parser.add_argument("--json", metavar="OUT", help="also write the report as JSON to OUT ('-' for stdout)")
+    parser.add_argument(
+        "--progress",
+        choices=("auto", "on", "off"),
+        default="auto",
+        help="progress bar on stderr (auto: when stderr is a terminal)",
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(
+        prog="samepath",
+        description="Bit-identical log-probabilities between the RL rollout engine and the trainer.",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="{check,doctor}", parser_class=_Parser)
+    check = sub.add_parser(
+        "check",
+        help="rollout vs trainer log-prob report, stock and with samepath",
+        description="Run the rollout (Hugging Face generate) and the trainer forward on the same tokens, with "
+        "stock kernels and with samepath.integrations.patch_all(), and compare their log-probs. "
+        "Exit status 0 only when samepath's logdiff is exactly 0.",
+    )
+    _common(check, new_tokens=8)
+    check.add_argument("--rollout", default="hf", help="rollout engine: hf (default) or vllm")
+    check.add_argument(
+        "--temperature", type=float, default=1.0, help="sampling temperature; 0 = greedy (default: %(default)s)"
+    )
+    check.add_argument("--plot", metavar="OUT.png", help="write a PNG of |Δlogp| per position (needs matplotlib)")
+    doctor = sub.add_parser(
+        "doctor",
+        help="find the first module where the rollout and trainer paths part",
+        description="Run a KV-cache decode (the rollout path) and one full forward (the trainer path) over the "
+        "same tokens with hooks on every module, and report the first module (layer, submodule, op) whose "
+        "output differs, then the first difference in each later layer.",
+    )
+    _common(doctor, new_tokens=6)
+    doctor.add_argument(
+        "--prompt-len", type=int, default=6, help="tokens prefilled before the decode steps (default: %(default)s)"
+    )
+    doctor.add_argument(
+        "--numerics",
+        choices=("stock", "samepath", "both"),
+        default="both",
+        help="diagnose stock kernels, samepath's, or both (default: %(default)s)",
+    )
+    return parser
+
+
+def _validate(args: argparse.Namespace):
+    from samepath.check.harness import CheckInputError, parse_dtype
+
+    dtype = parse_dtype(args.dtype)
+    if args.batch < 1:
+        raise CheckInputError(f"--batch must be at least 1, got {args.batch}")
+    if args.new_tokens < 1:
+        raise CheckInputError(f"--new-tokens must be at least 1, got {args.new_tokens}")
+    if getattr(args, "temperature", 0.0) < 0:
+        raise CheckInputError(f"--temperature must be >= 0 (0 = greedy), got {args.temperature}")
+    if getattr(args, "prompt_len", 2) < 2:
+        raise CheckInputError(f"--prompt-len must be at least 2, got {args.prompt_len}")
+    if getattr(args, "rollout", "hf") not in ("hf", "vllm"):
+        raise CheckInputError(f"unknown rollout engine {args.rollout!r}; choose hf or vllm")
+    if getattr(args, "rollout", "hf") == "vllm":
+        raise CheckInputError(_vllm_message())
+    import torch
+
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(device)
+        torch.empty(0, device=device)
+    except (RuntimeError, ValueError) as exc:
+        raise CheckInputError(f"device {args.device!r} is not usable: {str(exc).splitlines()[0]}") from None
+    return dtype, device
+
+
+def _vllm_message() -> str:
+    import importlib.util
+
+    if importlib.util.find_spec("vllm") is None:
+        return "--rollout vllm is not available yet: vllm is not installed, and samepath has no vLLM integration yet"
+    return "--rollout vllm is not available yet: samepath check cannot drive a vLLM rollout yet (use --rollout hf)"
+
+
+@contextmanager
+def _quiet_transformers() -> Iterator[None]:
+    """transformers' weight-loading bars and warnings off for the duration of the command."""
+    try:
+        from transformers.utils import logging as hf_logging
+    except ImportError:
+        yield
+        return
+    verbosity = hf_logging.get_verbosity()
+    bars = hf_logging.is_progress_bar_enabled()
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        hf_logging.set_verbosity(verbosity)
+        if bars:
+            hf_logging.enable_progress_bar()
+
+
+def _load(args, dtype, device, seed: int):
+    from samepath.check.harness import load_default_model, load_model
+
+    loaded = load_model(args.model, dtype) if args.model else load_default_model(dtype, seed=seed)
+    loaded.model.to(device)
+    return loaded
+
+
+def _show_progress(args) -> bool:
+    return args.progress == "on" or (args.progress == "auto" and sys.stderr.isatty())
+
+
+def _write_json(path: str, document: dict) -> None:
+    from samepath.check.harness import CheckInputError
+
+    text = json.dumps(document, indent=2) + "\n"
+    if path == "-":
+        sys.stdout.write(text)
+        return
+    try:
+        with open(path, "w", encoding="utf-8") as f:
+            f.write(text)
+    except OSError as exc:
+        raise CheckInputError(f"cannot write the JSON report to {path!r}: {exc.strerror or exc}") from None
+
+
+def run_check(args: argparse.Namespace) -> int:
+    from samepath.check.harness import random_prompts, run_stock_and_patched
+    from samepath.check.report import CheckReport
+
+    dtype, device = _validate(args)
+    if args.plot:  # fail before the run, not after it
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            from samepath.check.harness import CheckInputError
+
+            raise CheckInputError("--plot needs matplotlib (pip install matplotlib)") from None
+    loaded = _load(args, dtype, device, seed=0)
+    prompts = random_prompts(args.batch, int(loaded.model.config.vocab_size), args.seed)
+    stock, patched = run_stock_and_patched(
+        loaded.model, prompts, args.new_tokens, args.temperature, args.seed, show_progress=_show_progress(args)
+    )
+    report = CheckReport(loaded, args.rollout, args.batch, args.new_tokens, args.temperature, args.seed, stock, patched)
+    if args.json != "-":
+        print(report.format_table())
+    if args.json:
+        _write_json(args.json, report.to_json())
+    if args.plot:
+        report.plot(args.plot)
+        if args.json != "-":
+            print(f"plot written to {args.plot}")
+    return report.exit_status
+
+
+def run_doctor(args: argparse.Namespace) -> int:
+    import torch
+
+    from samepath import integrations
+    from samepath.check.doctor import diagnose
+
+    dtype, device = _validate(args)
+    loaded = _load(args, dtype, device, seed=0)
+    vocab = int(loaded.model.config.vocab_size)
+    gen = torch.Generator().manual_seed(args.seed)
+    ids = torch.randint(1, vocab, (args.batch, args.prompt_len + args.new_tokens), generator=gen).to(device)
+    modes = ["stock", "samepath"] if args.numerics == "both" else [args.numerics]
+    reports = []
+    was_enabled = integrations.enabled()
+    try:
+        for mode in modes:
+            if mode == "samepath":
+                integrations.patch_all()
+            else:
+                integrations.unpatch_all()
+            report = diagnose(loaded.model, ids, args.prompt_len, numerics=mode)
+            report.model_description = loaded.describe()
+            reports.append(report)
+    finally:
+        if was_enabled:
+            integrations.patch_all()
+        else:
+            integrations.unpatch_all()
+    if args.json != "-":
+        print("\n\n".join(r.format() for r in reports))
+    if args.json:
+        from samepath.check.report import SCHEMA_VERSION
+
+        _write_json(
+            args.json,
+            {
+                "schema_version": SCHEMA_VERSION,
+                "tool": "samepath doctor",
+                "model": {"source": loaded.source, "model_type": loaded.model_type, "dtype": args.dtype},
+                "runs": {r.numerics: r.to_json() for r in reports},
+            },
+        )
+    decisive = reports[-1]  # samepath's run when there is one
+    return EXIT_OK if decisive.identical else EXIT_DIFFERS
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run ``samepath`` with ``argv`` (default ``sys.argv[1:]``); returns the exit status."""
+    parser = build_parser()
+    try:
+        args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
+    except SystemExit as exc:  # --help, or a usage error already printed
+        return int(exc.code or 0)
+    if args.command is None:
+        parser.print_help(sys.stderr)
+        return EXIT_BAD_INPUT
+    from samepath.check.harness import CheckInputError
+
+    try:
+        with _quiet_transformers():
+            return run_check(args) if args.command == "check" else run_doctor(args)
+    except CheckInputError as exc:
+        print(f"samepath {args.command}: error: {exc}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    except KeyboardInterrupt:
+        print(f"samepath {args.command}: interrupted", file=sys.stderr)
+        return 130
+    except Exception as exc:
+        if os.environ.get("SAMEPATH_DEBUG"):
+            raise
+        first = str(exc).strip().splitlines()
+        print(
+            f"samepath {args.command}: error: {type(exc).__name__}: {first[0] if first else ''} "
+            "(set SAMEPATH_DEBUG=1 for the traceback)",
+            file=sys.stderr,
+        )
+        return EXIT_ERROR
+
+
+if __name__ == "__main__":
+    sys.exit(main())

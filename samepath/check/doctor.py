@@ -1,0 +1,650 @@
+"""``samepath doctor``: the first operator where the rollout and trainer paths part.
+
+The rollout path is what ``generate`` does: a prefill of the prompt, then one token at a time
+with a KV cache. The trainer path is one forward of all positions, no cache. Both see the same
+tokens at the same positions. Forward hooks on every module (plus wrappers around the attention
+function and ``apply_rotary_pos_emb``, which are functions, not modules) record each module's
+input and output; the rollout's per-step records are concatenated along the sequence dimension
+and compared, position by position, with the trainer's, in execution order.
+
+A difference is attributed to the earliest record that differs:
+
+* a module's **output** differs while its input and its submodules' records match: that module's
+  own computation (an RMSNorm, a linear, the attention kernel, rotary, SiLU·mul, or a decoder
+  layer's residual adds);
+* a module's **input** differs while everything recorded before it matches: the code between
+  modules (a residual add or cast in the parent's forward);
+* a module runs on one path only: a fused op on the other path (e.g. add+RMSNorm).
+
+Then, for each later layer, the first record that differs there (``inherited`` when its input
+already differed).
+"""
+
+from __future__ import annotations
+
+import difflib
+import inspect
+import re
+from collections import Counter
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+import samepath
+
+_LAYER_RE = re.compile(r"(?:^|\.)(?:layers|layer|h|blocks)\.(\d+)(?:\.|$)")
+
+#: Pseudo-module names for the functions the doctor wraps.
+ATTENTION_OP = "<attention>"
+ROTARY_OP = "<apply_rotary_pos_emb>"
+LOGPROBS_OP = "<token_logprobs>"
+
+_INT_VIEW = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16}
+
+
+# ----------------------------------------------------------------------------------------------
+# Classification
+# ----------------------------------------------------------------------------------------------
+
+
+def op_kind(module: torch.nn.Module) -> str:
+    """A short operator class for a module: norm, linear, attention block, rotary, mlp, ..."""
+    name = type(module).__name__.lower()
+    if "rotary" in name:
+        return "rotary"
+    if isinstance(module, torch.nn.Embedding) or "embedding" in name:
+        return "embedding"
+    if "norm" in name:
+        return "norm"
+    if isinstance(module, torch.nn.Linear) or "linear" in name:
+        return "linear"
+    if "experts" in name:
+        return "moe experts"
+    if "router" in name or "gate" in name:
+        return "moe router"
+    if "mlp" in name or "moe" in name:
+        return "mlp"
+    if "attention" in name or name.endswith("attn"):
+        return "attention block"
+    if "decoderlayer" in name or "block" in name or name.endswith("layer"):
+        return "decoder layer"
+    if "act" in name or "silu" in name or "gelu" in name:
+        return "activation"
+    return "module"
+
+
+#: What a module's own code (not its submodules) computes, by op kind.
+_OWN_CODE = {
+    "decoder layer": "residual add (the layer's own code between its submodules)",
+    "attention block": "attention block's own code (reshape, cache update, or an unwrapped attention function)",
+    "mlp": "SiLU·mul (the MLP's own code between its projections)",
+    "attention": "attention kernel: softmax(QK^T)V (KV tiles, mask, exp, accumulation order)",
+    "rotary": "rotary embedding",
+    "norm": "RMSNorm / LayerNorm",
+    "linear": "matmul (reduction order over K)",
+    "logprobs": "log-softmax / token log-prob over the vocabulary",
+}
+
+
+def layer_of(name: str) -> tuple[int | None, str]:
+    """``("model.layers.3.self_attn.q_proj")`` -> ``(3, "self_attn.q_proj")``."""
+    match = _LAYER_RE.search(name)
+    if match is None:
+        return None, name
+    return int(match.group(1)), name[match.end() :]
+
+
+# ----------------------------------------------------------------------------------------------
+# Recording
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclass
+class _Record:
+    name: str
+    phase: str  # "input" | "output"
+    op: str
+    cls: str
+    tensors: list[torch.Tensor]
+
+
+def _floating(tensors: Iterator) -> list[torch.Tensor]:
+    return [t.detach().clone() for t in tensors if isinstance(t, torch.Tensor) and t.is_floating_point()]
+
+
+def _flatten(value) -> Iterator:
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, dict):  # includes ModelOutput
+        for item in value.values():
+            yield from _flatten(item)
+    elif isinstance(value, (tuple, list)):
+        for item in value:
+            yield from _flatten(item)
+
+
+def _input_tensors(args: tuple, kwargs: dict) -> list[torch.Tensor]:
+    for value in args:
+        if isinstance(value, torch.Tensor) and value.is_floating_point():
+            return _floating([value])
+    for key in ("hidden_states", "x", "input", "query"):
+        value = kwargs.get(key)
+        if isinstance(value, torch.Tensor) and value.is_floating_point():
+            return _floating([value])
+    return []
+
+
+class Recorder:
+    """Forward hooks on every module of ``model`` (and wrappers on the attention and rotary
+    functions); each forward call of the root model adds one list of records to :attr:`calls`."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.model = model
+        self.calls: list[list[_Record]] = []
+        self._names = {id(m): name for name, m in model.named_modules()}
+        self._stack: list[str] = []
+        self._active = False
+
+    def _skip(self, name: str) -> bool:
+        # containers of several decoder layers (the inner model): their output repeats a child's
+        if name == "":
+            return True
+        if layer_of(name)[0] is not None:
+            return False
+        return any(layer_of(other)[0] is not None and other.startswith(name + ".") for other in self._names.values())
+
+    def add(self, name: str, phase: str, op: str, cls: str, tensors: list[torch.Tensor]) -> None:
+        if self._active and tensors:
+            self.calls[-1].append(_Record(name, phase, op, cls, tensors))
+
+    @contextmanager
+    def attached(self) -> Iterator[Recorder]:
+        handles = []
+        root = self.model
+
+        def root_pre(module, args, kwargs):
+            self.calls.append([])
+            self._active = True
+
+        def root_post(module, args, kwargs, output):
+            self._active = False
+
+        handles.append(root.register_forward_pre_hook(root_pre, with_kwargs=True))
+        for name, module in root.named_modules():
+            if self._skip(name):
+                continue
+            op, cls = op_kind(module), type(module).__name__
+
+            def pre(module, args, kwargs, name=name, op=op, cls=cls):
+                self._stack.append(name)
+                self.add(name, "input", op, cls, _input_tensors(args, kwargs))
+
+            def post(module, args, kwargs, output, name=name, op=op, cls=cls):
+                self.add(name, "output", op, cls, _floating(_flatten(output)))
+                if self._stack and self._stack[-1] == name:
+                    self._stack.pop()
+
+            handles.append(module.register_forward_pre_hook(pre, with_kwargs=True))
+            handles.append(module.register_forward_hook(post, with_kwargs=True))
+        handles.append(root.register_forward_hook(root_post, with_kwargs=True))
+        restore = self._wrap_functions()
+        try:
+            yield self
+        finally:
+            restore()
+            for handle in reversed(handles):
+                handle.remove()
+
+    def _parent(self) -> str:
+        return self._stack[-1] if self._stack else ""
+
+    def _wrap_functions(self) -> Callable[[], None]:
+        """Wrap transformers' attention dispatch and each modeling module's apply_rotary_pos_emb."""
+        undo: list[Callable[[], None]] = []
+        try:
+            from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+        except ImportError:
+            ALL_ATTENTION_FUNCTIONS = None
+        if ALL_ATTENTION_FUNCTIONS is not None:
+            interface = ALL_ATTENTION_FUNCTIONS
+            original_get = type(interface).get_interface
+            had_own = "get_interface" in vars(interface)
+            own = vars(interface).get("get_interface")
+
+            def get_interface(attn_implementation, default):
+                getter = own if had_own else (lambda i, d: original_get(interface, i, d))
+                return self._wrap_attention(getter(attn_implementation, default))
+
+            interface.get_interface = get_interface
+
+            def undo_attention():
+                if had_own:
+                    interface.get_interface = own
+                else:
+                    del interface.get_interface
+
+            undo.append(undo_attention)
+        modules = {type(m).__module__ for m in self.model.modules()}
+        for module_name in sorted(modules):
+            modeling = inspect.getmodule(next(m for m in self.model.modules() if type(m).__module__ == module_name))
+            original = getattr(modeling, "apply_rotary_pos_emb", None)
+            if modeling is None or not callable(original):
+                continue
+
+            def rotary(*args, _original=original, **kwargs):
+                name = f"{self._parent()}.{ROTARY_OP}".lstrip(".")
+                self.add(name, "input", "rotary", "function", _floating(args[:1]))
+                out = _original(*args, **kwargs)
+                self.add(name, "output", "rotary", "function", _floating(_flatten(out)))
+                return out
+
+            modeling.apply_rotary_pos_emb = rotary
+            undo.append(
+                lambda modeling=modeling, original=original: setattr(modeling, "apply_rotary_pos_emb", original)
+            )
+
+        def restore() -> None:
+            for fn in reversed(undo):
+                fn()
+
+        return restore
+
+    def _wrap_attention(self, fn: Callable) -> Callable:
+        def attention(module, query, *args, **kwargs):
+            parent = self._names.get(id(module), self._parent())
+            name = f"{parent}.{ATTENTION_OP}".lstrip(".")
+            self.add(name, "input", "attention", getattr(fn, "__name__", "function"), _floating([query]))
+            out = fn(module, query, *args, **kwargs)
+            first = out[0] if isinstance(out, tuple) else out
+            self.add(name, "output", "attention", getattr(fn, "__name__", "function"), _floating([first]))
+            return out
+
+        return attention
+
+
+# ----------------------------------------------------------------------------------------------
+# The two paths
+# ----------------------------------------------------------------------------------------------
+
+
+def _cache_kwarg(model: torch.nn.Module) -> str:
+    params = inspect.signature(model.forward).parameters
+    return "cache" if "cache" in params else "past_key_values"
+
+
+def _add_logprobs(recorder: Recorder, logits: torch.Tensor, labels: torch.Tensor) -> None:
+    recorder._active = True
+    recorder.add(LOGPROBS_OP, "output", "logprobs", "samepath.logprobs", [samepath.logprobs(logits, labels)])
+    recorder._active = False
+
+
+def record_rollout(model: torch.nn.Module, input_ids: torch.Tensor, prompt_len: int) -> tuple[Recorder, list[int]]:
+    """Prefill ``input_ids[:, :prompt_len]``, then one token at a time with the KV cache."""
+    recorder = Recorder(model)
+    labels = _labels(input_ids)
+    cache_kw = _cache_kwarg(model)
+    lengths = [prompt_len] + [1] * (input_ids.shape[1] - prompt_len)
+    with recorder.attached(), torch.no_grad():
+        out = model(input_ids=input_ids[:, :prompt_len], use_cache=True)
+        _add_logprobs(recorder, out.logits, labels[:, :prompt_len])
+        cache = _cache_of(out)
+        for t in range(prompt_len, input_ids.shape[1]):
+            out = model(input_ids=input_ids[:, t : t + 1], use_cache=True, **{cache_kw: cache})
+            _add_logprobs(recorder, out.logits, labels[:, t : t + 1])
+            cache = _cache_of(out)
+    return recorder, lengths
+
+
+def _cache_of(output) -> object:
+    cache = getattr(output, "cache", None)
+    return cache if cache is not None else getattr(output, "past_key_values", None)
+
+
+def record_trainer(model: torch.nn.Module, input_ids: torch.Tensor) -> Recorder:
+    """One forward of every position, no cache."""
+    recorder = Recorder(model)
+    with recorder.attached(), torch.no_grad():
+        out = model(input_ids=input_ids, use_cache=False)
+        _add_logprobs(recorder, out.logits, _labels(input_ids))
+    return recorder
+
+
+def _labels(input_ids: torch.Tensor) -> torch.Tensor:
+    """Each position's next token (the last position scores the first token: any fixed label)."""
+    return torch.cat([input_ids[:, 1:], input_ids[:, :1]], dim=1)
+
+
+# ----------------------------------------------------------------------------------------------
+# Comparison
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Divergence:
+    """One record that differs between the rollout and trainer paths."""
+
+    module: str  #: full module name, e.g. "model.layers.1.input_layernorm"
+    layer: int | None  #: decoder layer index, None outside the layers
+    submodule: str  #: name inside the layer ("" for the layer itself)
+    op: str  #: norm, linear, attention, rotary, mlp, decoder layer, ...
+    module_class: str
+    phase: str  #: "output", "input" (the code before the module) or "structure"
+    cause: str  #: what computes this record, in words
+    max_ulp: int | None  #: max distance in units in the last place (None: dtypes differ / no values)
+    max_abs_diff: float | None
+    first_position: int | None  #: first token position (0-based) where it differs
+    first_batch_row: int | None
+    differing_positions: int
+    inherited: bool  #: the module's input (or an earlier record) already differed
+
+
+@dataclass
+class DoctorReport:
+    numerics: str
+    batch: int
+    prompt_len: int
+    positions: int
+    records_compared: int
+    divergences: list[Divergence] = field(default_factory=list)
+    unaligned: list[str] = field(default_factory=list)
+    model_description: str = ""
+
+    @property
+    def first(self) -> Divergence | None:
+        return self.divergences[0] if self.divergences else None
+
+    @property
+    def identical(self) -> bool:
+        return not self.divergences
+
+    def to_json(self) -> dict:
+        return {
+            "numerics": self.numerics,
+            "batch": self.batch,
+            "prompt_len": self.prompt_len,
+            "positions": self.positions,
+            "records_compared": self.records_compared,
+            "identical": self.identical,
+            "first": asdict(self.first) if self.first else None,
+            "later": [asdict(d) for d in self.divergences[1:]],
+            "unaligned": self.unaligned,
+        }
+
+    def format(self) -> str:
+        decode = self.positions - self.prompt_len
+        title = f"samepath doctor ({self.numerics} numerics)"
+        lines = [
+            f"{title}: {self.model_description}" if self.model_description else title,
+            f"rollout path: prefill {self.prompt_len} tokens, then {decode} one-token decode steps with a KV cache; "
+            f"trainer path: one forward of all {self.positions} positions. Batch {self.batch}; "
+            f"{self.records_compared} module inputs/outputs compared at every position.",
+        ]
+        if self.identical:
+            lines.append("No divergence: every module's input and output is bit-identical between the two paths.")
+        else:
+            lines.append("First divergence:")
+            lines.append("  " + _describe(self.first, self.prompt_len))
+            if len(self.divergences) > 1:
+                lines.append("Then, in each later layer (and after the layers), the first module output that differs:")
+                lines += ["  " + _describe(d, self.prompt_len) for d in self.divergences[1:]]
+        if self.unaligned:
+            lines.append(f"Not compared (no per-position alignment): {', '.join(self.unaligned)}")
+        return "\n".join(lines)
+
+
+def _describe(d: Divergence, prompt_len: int) -> str:
+    layer = f"layer {d.layer}" if d.layer is not None else "-"
+    sub = (d.submodule or "(decoder layer)") if d.layer is not None else d.module
+    head = f"{layer:<9} {sub:<40} [{d.op}: {d.module_class}] {d.phase}"
+    if d.phase == "structure":
+        return f"{head}: {d.cause}"
+    ulp = f"max {d.max_ulp} ulp" if d.max_ulp is not None else "dtype differs"
+    diff = f", |Δ| max {d.max_abs_diff:.3e}" if d.max_abs_diff is not None else ""
+    pos = d.first_position
+    step = "prefill" if pos is not None and pos < prompt_len else f"decode step {pos - prompt_len + 1}"
+    where = f"first at position {pos} ({step}), batch row {d.first_batch_row}; {d.differing_positions} positions differ"
+    tail = " (inherited: its input already differed)" if d.inherited else f" <- {d.cause}"
+    return f"{head}: {ulp}{diff}; {where}{tail}"
+
+
+def ulp_distance(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Elementwise distance in units in the last place (int64), via the dtype's integer view."""
+    int_dtype = _INT_VIEW.get(a.dtype)
+    if int_dtype is None:  # fp64 and others: compare in fp32 ulps
+        a, b, int_dtype = a.float(), b.float(), torch.int32
+    bits = torch.iinfo(int_dtype).bits
+
+    def ordered(x: torch.Tensor) -> torch.Tensor:
+        i = x.contiguous().view(int_dtype).to(torch.int64)
+        mag = i & ((1 << (bits - 1)) - 1)
+        return torch.where(i < 0, -mag, mag)
+
+    return (ordered(a) - ordered(b)).abs()
+
+
+def _bits_differ(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    int_dtype = _INT_VIEW.get(a.dtype, torch.int64 if a.dtype == torch.float64 else None)
+    if int_dtype is None:
+        return a != b
+    return a.contiguous().view(int_dtype) != b.contiguous().view(int_dtype)
+
+
+def _seq_dim(trainer: torch.Tensor, pieces: list[torch.Tensor], total: int, lengths: list[int]) -> int | None:
+    if len(pieces) != len(lengths):
+        return None
+    for d in range(trainer.dim()):
+        if trainer.shape[d] != total:
+            continue
+        ok = True
+        for piece, n in zip(pieces, lengths, strict=True):
+            if piece.dim() != trainer.dim() or piece.shape[d] != n:
+                ok = False
+                break
+            if any(piece.shape[e] != trainer.shape[e] for e in range(trainer.dim()) if e != d):
+                ok = False
+                break
+        if ok:
+            return d
+    return None
+
+
+@dataclass
+class _Compared:
+    key: tuple[str, str, int]
+    record: _Record
+    differs: bool
+    divergence: Divergence | None
+
+
+def _keyed(records: list[_Record]) -> list[tuple[tuple[str, str, int], _Record]]:
+    seen: Counter = Counter()
+    out = []
+    for record in records:
+        seen[record.name, record.phase] += 1
+        out.append(((record.name, record.phase, seen[record.name, record.phase]), record))
+    return out
+
+
+def compare_paths(rollout: Recorder, lengths: list[int], trainer: Recorder, numerics: str, batch: int) -> DoctorReport:
+    total = sum(lengths)
+    if len(trainer.calls) != 1:
+        raise RuntimeError(f"the trainer path made {len(trainer.calls)} forward calls, expected 1")
+    trainer_keyed = _keyed(trainer.calls[0])
+    rollout_calls = [dict(_keyed(call)) for call in rollout.calls]
+    rollout_order = [key for key, _ in _keyed(rollout.calls[0])] if rollout.calls else []
+    trainer_map = dict(trainer_keyed)
+    trainer_order = [key for key, _ in trainer_keyed]
+
+    merged: list[tuple[tuple[str, str, int], str]] = []  # (key, "both" | "trainer" | "rollout")
+    matcher = difflib.SequenceMatcher(None, trainer_order, rollout_order, autojunk=False)
+    for tag, i1, i2, j1, j2 in matcher.get_opcodes():
+        if tag == "equal":
+            merged += [(k, "both") for k in trainer_order[i1:i2]]
+        else:
+            merged += [(k, "trainer") for k in trainer_order[i1:i2]]
+            merged += [(k, "rollout") for k in rollout_order[j1:j2]]
+
+    report = DoctorReport(numerics, batch, lengths[0], total, 0)
+    differed: set[tuple[str, str, int]] = set()
+    any_differed = False
+    compared: list[_Compared] = []
+    for key, where in merged:
+        name, phase, _ = key
+        if where != "both":
+            record = trainer_map[key] if where == "trainer" else rollout_calls[0][key]
+            side = "trainer" if where == "trainer" else "rollout"
+            other = "rollout" if side == "trainer" else "trainer"
+            cause = (
+                f"runs on the {side} path only (fused into other code, or skipped, on the {other} path)"
+                if phase == "output"
+                else f"called on the {side} path only"
+            )
+            div = _divergence(record, "structure", cause, None, None, None, None, 0, any_differed)
+            compared.append(_Compared(key, record, True, div))
+            differed.add(key)
+            any_differed = True
+            continue
+        record = trainer_map[key]
+        pieces_lists = [call.get(key) for call in rollout_calls]
+        if any(p is None for p in pieces_lists):
+            report.unaligned.append(f"{name} ({phase}, not recorded in every rollout step)")
+            continue
+        for index, t in enumerate(record.tensors):
+            pieces = [p.tensors[index] for p in pieces_lists if index < len(p.tensors)]
+            d = _seq_dim(t, pieces, total, lengths)
+            if d is None:
+                report.unaligned.append(f"{name} ({phase} #{index})")
+                continue
+            r = torch.cat(pieces, dim=d)
+            report.records_compared += 1
+            div = _compare_tensor(record, phase, r, t, d, key, differed, any_differed, trainer_map)
+            if div is not None:
+                compared.append(_Compared(key, record, True, div))
+                differed.add(key)
+                any_differed = True
+                break
+
+    # the first divergence, then the first one in each later layer / top-level module
+    groups_seen: set = set()
+    for item in compared:
+        div = item.divergence
+        group = div.layer if div.layer is not None else div.module
+        if not report.divergences:
+            report.divergences.append(div)
+            groups_seen.add(group)
+        elif group not in groups_seen and div.phase != "input":
+            report.divergences.append(div)
+            groups_seen.add(group)
+    return report
+
+
+def _compare_tensor(
+    record, phase, rollout_t, trainer_t, seq_dim, key, differed, any_differed, recorded
+) -> Divergence | None:
+    name = record.name
+    if rollout_t.dtype != trainer_t.dtype:
+        inherited = _inherited(key, differed, any_differed, recorded)
+        cause = f"dtype {rollout_t.dtype} on the rollout path, {trainer_t.dtype} on the trainer path"
+        return _divergence(record, phase, cause, None, None, 0, 0, trainer_t.shape[seq_dim], inherited)
+    mask = _bits_differ(rollout_t, trainer_t)
+    if not bool(mask.any()):
+        return None
+    ulps = ulp_distance(rollout_t, trainer_t)
+    abs_diff = (rollout_t.double() - trainer_t.double()).abs()
+    abs_diff = torch.where(mask, abs_diff, torch.zeros_like(abs_diff))
+    per_pos = mask.movedim(seq_dim, 0).reshape(mask.shape[seq_dim], -1).any(1)
+    positions = per_pos.nonzero().flatten()
+    first = int(positions[0])
+    row = None
+    if seq_dim != 0:
+        at_first = mask.select(seq_dim, first)
+        row = int(at_first.reshape(at_first.shape[0], -1).any(1).nonzero().flatten()[0])
+    inherited = _inherited(key, differed, any_differed, recorded)
+    if phase == "input":
+        parent = name.rsplit(".", 1)[0] if "." in name else "the model"
+        cause = f"code between modules before it (a residual add or cast in {parent}'s forward)"
+    else:
+        cause = _OWN_CODE.get(record.op, f"{record.cls}'s own code")
+    max_abs = float(abs_diff.max())
+    return _divergence(record, phase, cause, int(ulps.max()), max_abs, first, row, int(positions.numel()), inherited)
+
+
+def _inherited(key, differed, any_differed, recorded) -> bool:
+    """Whether a differing record can be explained by an earlier difference feeding it."""
+    name, phase, occurrence = key
+    if phase == "output" and (name, "input", occurrence) in recorded:
+        return (name, "input", occurrence) in differed or (any_differed and _children_differed(name, differed))
+    return any_differed  # an input, or an output whose input was not recorded (e.g. token ids, logits)
+
+
+def _children_differed(name: str, differed) -> bool:
+    prefix = name + "."
+    return any(other.startswith(prefix) for other, _, _ in differed)
+
+
+def _divergence(record, phase, cause, max_ulp, max_abs, first, row, count, inherited) -> Divergence:
+    layer, sub = layer_of(record.name)
+    return Divergence(
+        module=record.name,
+        layer=layer,
+        submodule=sub,
+        op=record.op,
+        module_class=record.cls,
+        phase=phase,
+        cause=cause,
+        max_ulp=max_ulp,
+        max_abs_diff=max_abs,
+        first_position=first,
+        first_batch_row=row,
+        differing_positions=count,
+        inherited=inherited,
+    )
+
+
+# ----------------------------------------------------------------------------------------------
+# Entry point
+# ----------------------------------------------------------------------------------------------
+
+
+def diagnose(
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    prompt_len: int,
+    *,
+    rollout_model: torch.nn.Module | None = None,
+    numerics: str = "current",
+) -> DoctorReport:
+    """Run the rollout path (on ``rollout_model``, default ``model``) and the trainer path (on
+    ``model``) over ``input_ids`` ``[batch, positions]`` with whatever numerics are in effect, and
+    compare every module's records position by position.
+
+    ``rollout_model`` lets a test (or a user) give the rollout side a different copy of the model:
+    a fault injected there shows up as the first divergence.
+    """
+    if input_ids.dim() != 2:
+        raise ValueError(f"input_ids must be [batch, positions], got shape {tuple(input_ids.shape)}")
+    if not 2 <= prompt_len < input_ids.shape[1]:
+        raise ValueError(
+            f"prompt_len must be at least 2 and leave at least one decode step; got {prompt_len} "
+            f"of {input_ids.shape[1]} positions"
+        )
+    rollout, lengths = record_rollout(rollout_model if rollout_model is not None else model, input_ids, prompt_len)
+    trainer = record_trainer(model, input_ids)
+    return compare_paths(rollout, lengths, trainer, numerics, input_ids.shape[0])
+
+
+__all__ = [
+    "ATTENTION_OP",
+    "LOGPROBS_OP",
+    "ROTARY_OP",
+    "Divergence",
+    "DoctorReport",
+    "Recorder",
+    "compare_paths",
+    "diagnose",
+    "layer_of",
+    "op_kind",
+    "ulp_distance",
+]

@@ -1,0 +1,364 @@
+"""The two sides of an RL step on one machine: the rollout (Hugging Face ``generate``) and the
+trainer (a right-padded forward of the finished sequences), for ``samepath check`` and
+``samepath doctor``.
+
+Everything here works on any Hugging Face causal LM of the model types samepath patches; with no
+model directory the embedded default (a tiny random-weight Qwen3 built from a config, saved with
+``save_pretrained`` and loaded back, so the load path is exercised) runs on a fresh machine with
+nothing downloaded.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+import samepath
+
+#: ``--dtype`` names and the torch dtypes they select.
+DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+#: The embedded default model's shape: small enough for Triton's interpreter on a CPU.
+DEFAULT_MODEL_CONFIG = dict(
+    vocab_size=320,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=32,
+    max_position_embeddings=512,
+    tie_word_embeddings=False,
+    bos_token_id=None,
+    eos_token_id=None,
+    pad_token_id=0,
+)
+
+
+class CheckInputError(ValueError):
+    """Bad input to ``samepath check`` / ``doctor``: reported as one line, exit status 2."""
+
+
+def _transformers():
+    try:
+        import transformers
+    except ImportError:
+        raise CheckInputError("samepath check needs Hugging Face transformers: pip install 'samepath[hf]'") from None
+    return transformers
+
+
+def parse_dtype(name: str) -> torch.dtype:
+    try:
+        return DTYPES[name]
+    except KeyError:
+        raise CheckInputError(f"unsupported dtype {name!r}; choose one of {', '.join(DTYPES)}") from None
+
+
+# ----------------------------------------------------------------------------------------------
+# Models
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclass
+class LoadedModel:
+    model: torch.nn.Module
+    source: str  #: the directory, or "embedded-default"
+    model_type: str
+    dtype: torch.dtype
+
+    def describe(self) -> str:
+        cfg = self.model.config
+        shape = f"{cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}"
+        where = "embedded default, random weights" if self.source == "embedded-default" else self.source
+        return f"{self.model_type} ({where}; {shape}), {DTYPES_BY_TORCH[self.dtype]}"
+
+
+DTYPES_BY_TORCH = {v: k for k, v in DTYPES.items()}
+
+
+def build_default_model(directory: str, seed: int = 0) -> None:
+    """Write the embedded default model (random-weight Qwen3, fp32) to ``directory``."""
+    transformers = _transformers()
+    config = transformers.Qwen3Config(**DEFAULT_MODEL_CONFIG)
+    torch.manual_seed(seed)
+    model = transformers.Qwen3ForCausalLM(config).eval()
+    with torch.no_grad():  # random init of this size gives near-uniform logits; spread them out
+        for param in model.parameters():
+            param.mul_(4.0 if param.dim() == 1 else 2.0)
+    model.save_pretrained(directory)
+
+
+def load_model(directory: str, dtype: torch.dtype) -> LoadedModel:
+    """``AutoModelForCausalLM.from_pretrained(directory)`` in ``dtype``, after checking that the
+    directory holds a decoder-only causal LM of a model type samepath patches."""
+    transformers = _transformers()
+    from samepath.integrations import hf
+
+    if not os.path.isdir(directory):
+        raise CheckInputError(f"model directory {directory!r} does not exist")
+    if not os.path.isfile(os.path.join(directory, "config.json")):
+        raise CheckInputError(f"{directory!r} has no config.json: not a Hugging Face model directory")
+    try:
+        config = transformers.AutoConfig.from_pretrained(directory, local_files_only=True)
+    except Exception as exc:  # malformed or unknown config
+        raise CheckInputError(f"cannot read the model config in {directory!r}: {_one_line(exc)}") from None
+    model_type = getattr(config, "model_type", None)
+    if model_type not in hf.MODEL_TYPES or getattr(config, "is_encoder_decoder", False):
+        raise CheckInputError(
+            f"{directory!r} holds a {model_type!r} model, not a decoder-only causal LM that samepath patches "
+            f"(supported model types: {', '.join(sorted(hf.MODEL_TYPES))})"
+        )
+    try:
+        model = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=dtype, local_files_only=True)
+    except Exception as exc:
+        raise CheckInputError(f"cannot load the model in {directory!r}: {_one_line(exc)}") from None
+    return LoadedModel(model.eval(), directory, model_type, dtype)
+
+
+def load_default_model(dtype: torch.dtype, seed: int = 0) -> LoadedModel:
+    """Build the embedded default into a temporary directory and load it from there."""
+    with tempfile.TemporaryDirectory(prefix="samepath-check-") as directory:
+        build_default_model(directory, seed)
+        loaded = load_model(directory, dtype)
+    loaded.source = "embedded-default"
+    return loaded
+
+
+def _one_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return text[0] if text else type(exc).__name__
+
+
+# ----------------------------------------------------------------------------------------------
+# Progress
+# ----------------------------------------------------------------------------------------------
+
+
+class Progress:
+    """A progress bar over ``total`` steps: tqdm when installed, else a counter on stderr."""
+
+    def __init__(self, total: int, description: str, enabled: bool) -> None:
+        self.enabled = enabled
+        self._bar = None
+        self._done = 0
+        self._total = total
+        self._description = description
+        if not enabled:
+            return
+        try:
+            from tqdm.auto import tqdm
+        except ImportError:
+            tqdm = None
+        if tqdm is not None:
+            self._bar = tqdm(total=total, desc=description, unit="step", file=sys.stderr, leave=False)
+
+    def update(self, n: int = 1, status: str | None = None) -> None:
+        if not self.enabled:
+            return
+        self._done += n
+        if self._bar is not None:
+            if status:
+                self._bar.set_postfix_str(status, refresh=False)
+            self._bar.update(n)
+        else:
+            suffix = f" ({status})" if status else ""
+            sys.stderr.write(f"\r{self._description}: {self._done}/{self._total}{suffix}   ")
+            sys.stderr.flush()
+
+    def close(self) -> None:
+        if not self.enabled:
+            return
+        if self._bar is not None:
+            self._bar.close()
+        else:
+            sys.stderr.write("\n")
+            sys.stderr.flush()
+
+
+# ----------------------------------------------------------------------------------------------
+# Rollout and trainer
+# ----------------------------------------------------------------------------------------------
+
+
+def random_prompts(batch: int, vocab_size: int, seed: int, min_len: int = 3, max_len: int = 12) -> list[list[int]]:
+    """``batch`` prompts of different lengths (so the rollout batch is left-padded), tokens >= 1."""
+    gen = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(min_len, max_len + 1, (batch,), generator=gen).tolist()
+    return [torch.randint(1, vocab_size, (n,), generator=gen).tolist() for n in lengths]
+
+
+def _pad_token_id(model: torch.nn.Module) -> int:
+    for source in (model.config, getattr(model, "generation_config", None)):
+        for name in ("pad_token_id", "eos_token_id"):
+            value = getattr(source, name, None)
+            if isinstance(value, list):
+                value = value[0] if value else None
+            if value is not None:
+                return int(value)
+    return 0
+
+
+def rollout_hf(
+    model: torch.nn.Module,
+    prompts: list[list[int]],
+    new_tokens: int,
+    temperature: float,
+    seed: int,
+    on_step: Callable[[], None] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Left-padded Hugging Face ``generate`` (KV cache; sampled, or greedy when ``temperature``
+    is 0): the generated tokens ``[B, new_tokens]`` and their log-probs from the raw step logits."""
+    transformers = _transformers()
+    pad = _pad_token_id(model)
+    device = next(model.parameters()).device
+    width = max(map(len, prompts))
+    ids = torch.full((len(prompts), width), pad, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for row, prompt in enumerate(prompts):
+        ids[row, width - len(prompt) :] = torch.tensor(prompt)
+        mask[row, width - len(prompt) :] = 1
+    sampling = (
+        dict(do_sample=True, temperature=temperature, top_k=0, top_p=1.0) if temperature > 0 else dict(do_sample=False)
+    )
+    criteria = transformers.StoppingCriteriaList()
+    if on_step is not None:
+        criteria.append(_StepCallback(on_step))
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        out = model.generate(
+            input_ids=ids.to(device),
+            attention_mask=mask.to(device),
+            max_new_tokens=new_tokens,
+            min_new_tokens=new_tokens,
+            output_logits=True,
+            return_dict_in_generate=True,
+            pad_token_id=pad,
+            repetition_penalty=1.0,
+            stopping_criteria=criteria,
+            **sampling,
+        )
+    generated = out.sequences[:, width:]
+    step_logits = torch.stack(out.logits, 1)
+    return generated.cpu(), samepath.logprobs(step_logits, generated, temperature or 1.0).cpu()
+
+
+class _StepCallback:
+    """A stopping criterion that never stops: generate calls it once per new token."""
+
+    def __init__(self, callback: Callable[[], None]) -> None:
+        self.callback = callback
+
+    def __call__(self, input_ids: torch.Tensor, scores, **kwargs) -> torch.Tensor:
+        self.callback()
+        return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+
+
+def trainer_forward(
+    model: torch.nn.Module, prompts: list[list[int]], generated: torch.Tensor, temperature: float
+) -> torch.Tensor:
+    """The trainer's log-probs of the generated tokens: one right-padded forward of prompt +
+    completion (positions from 0 in every row), no cache. ``[B, new_tokens]``."""
+    pad = _pad_token_id(model)
+    device = next(model.parameters()).device
+    seqs = [torch.tensor(p + g.tolist()) for p, g in zip(prompts, generated, strict=True)]
+    width = max(map(len, seqs))
+    ids = torch.full((len(seqs), width), pad, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for row, seq in enumerate(seqs):
+        ids[row, : len(seq)] = seq
+        mask[row, : len(seq)] = 1
+    with torch.no_grad():
+        logits = model(input_ids=ids.to(device), attention_mask=mask.to(device), use_cache=False).logits
+    n = generated.shape[1]
+    rows = []
+    for row, (prompt, seq) in enumerate(zip(prompts, seqs, strict=True)):
+        start = len(prompt) - 1
+        rows.append(samepath.logprobs(logits[row, start : start + n], seq[len(prompt) :].to(device), temperature))
+    return torch.stack(rows).cpu()
+
+
+@dataclass
+class SideBySide:
+    """One rollout and the trainer's recomputation of the same tokens."""
+
+    numerics: str  #: "stock" or "samepath"
+    prompts: list[list[int]]
+    generated: torch.Tensor
+    rollout_logprobs: torch.Tensor
+    trainer_logprobs: torch.Tensor
+    rollout_fingerprint: str
+    trainer_fingerprint: str
+
+
+def run_side_by_side(
+    model: torch.nn.Module,
+    prompts: list[list[int]],
+    new_tokens: int,
+    temperature: float,
+    seed: int,
+    numerics: str,
+    progress: Progress | None = None,
+) -> SideBySide:
+    """Rollout, then the trainer forward, with whatever numerics are in effect now."""
+    on_step = None if progress is None else (lambda: progress.update(1, f"{numerics} rollout"))
+    generated, rollout_lp = rollout_hf(model, prompts, new_tokens, temperature, seed, on_step)
+    rollout_fp = samepath.fingerprint()
+    trainer_lp = trainer_forward(model, prompts, generated, temperature or 1.0)
+    if progress is not None:
+        progress.update(1, f"{numerics} trainer")
+    return SideBySide(numerics, prompts, generated, rollout_lp, trainer_lp, rollout_fp, samepath.fingerprint())
+
+
+def run_stock_and_patched(
+    model: torch.nn.Module,
+    prompts: list[list[int]],
+    new_tokens: int,
+    temperature: float,
+    seed: int,
+    show_progress: bool = False,
+) -> tuple[SideBySide, SideBySide]:
+    """The same check twice: stock kernels, then under ``integrations.patch_all()``.
+
+    Leaves the patch state as it found it.
+    """
+    from samepath import integrations
+
+    was_enabled = integrations.enabled()
+    progress = Progress(2 * (new_tokens + 1), "samepath check", show_progress)
+    try:
+        integrations.unpatch_all()
+        stock = run_side_by_side(model, prompts, new_tokens, temperature, seed, "stock", progress)
+        integrations.patch_all()
+        try:
+            patched = run_side_by_side(model, prompts, new_tokens, temperature, seed, "samepath", progress)
+        finally:
+            integrations.unpatch_all()
+    finally:
+        progress.close()
+        if was_enabled:
+            integrations.patch_all()
+    return stock, patched
+
+
+__all__ = [
+    "DEFAULT_MODEL_CONFIG",
+    "DTYPES",
+    "CheckInputError",
+    "LoadedModel",
+    "Progress",
+    "SideBySide",
+    "build_default_model",
+    "load_default_model",
+    "load_model",
+    "parse_dtype",
+    "random_prompts",
+    "rollout_hf",
+    "run_side_by_side",
+    "run_stock_and_patched",
+    "trainer_forward",
+]

@@ -1,0 +1,201 @@
+"""``samepath check``: on the embedded default model, stock logdiff > 0 and samepath's == 0; the
+JSON schema is stable; exit statuses are right; bad input gives one line on stderr."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+pytest.importorskip("transformers", reason="transformers is not installed (pip install -e .[hf])")
+
+import samepath
+from samepath import integrations
+from samepath.check import harness
+from samepath.check.cli import main
+from samepath.check.report import SCHEMA_VERSION, compare
+
+TOP_KEYS = {"schema_version", "tool", "samepath_version", "model", "settings", "runs", "logdiff_zero", "exit_status"}
+RUN_KEYS = {
+    "tokens",
+    "equal_tokens",
+    "equal_fraction",
+    "max_abs_logp_diff",
+    "mean_abs_logp_diff",
+    "k3_kl",
+    "probs_diff_max",
+    "probs_diff_mean",
+    "bit_identical",
+    "per_position_max_abs_logp_diff",
+    "fingerprints",
+}
+FAST = ["--batch", "2", "--new-tokens", "4", "--seed", "0"]
+
+
+@pytest.fixture(scope="module")
+def check_run(tmp_path_factory):
+    """One in-process ``samepath check`` on the embedded default (bf16), with --json and --plot."""
+    out = tmp_path_factory.mktemp("check")
+    argv = ["check", *FAST, "--json", str(out / "report.json")]
+    try:
+        import matplotlib  # noqa: F401
+
+        argv += ["--plot", str(out / "logdiff.png")]
+    except ImportError:
+        pass
+    import contextlib
+    import io
+
+    stdout = io.StringIO()
+    with contextlib.redirect_stdout(stdout):
+        status = main(argv)
+    return status, stdout.getvalue(), out
+
+
+def test_check_stock_differs_samepath_is_bit_identical(check_run) -> None:
+    status, text, out = check_run
+    assert status == 0, text
+    doc = json.loads((out / "report.json").read_text())
+    stock, patched = doc["runs"]["stock"], doc["runs"]["samepath"]
+    assert stock["tokens"] == patched["tokens"] == 8
+    assert not stock["bit_identical"] and stock["max_abs_logp_diff"] > 0 and stock["equal_tokens"] < 8
+    assert patched["bit_identical"] and patched["equal_fraction"] == 1.0
+    for name in ("max_abs_logp_diff", "mean_abs_logp_diff", "k3_kl", "probs_diff_max", "probs_diff_mean"):
+        assert patched[name] == 0.0, name
+    assert doc["logdiff_zero"] is True and doc["exit_status"] == 0
+    assert patched["fingerprints"] == {"rollout": samepath.fingerprint(), "trainer": samepath.fingerprint()}
+    assert "logdiff = 0 with samepath" in text and "bitwise equal" in text and "k3 KL" in text
+    assert not integrations.enabled()  # check leaves the patch state as it found it
+
+
+def test_check_json_schema_is_stable(check_run) -> None:
+    _, _, out = check_run
+    doc = json.loads((out / "report.json").read_text())
+    assert doc["schema_version"] == SCHEMA_VERSION == 1
+    assert set(doc) == TOP_KEYS
+    assert set(doc["model"]) == {"source", "model_type", "dtype", "num_layers", "hidden_size"}
+    assert doc["model"] == {
+        "source": "embedded-default",
+        "model_type": "qwen3",
+        "dtype": "bfloat16",
+        "num_layers": 2,
+        "hidden_size": 64,
+    }
+    assert set(doc["settings"]) == {"rollout", "batch", "new_tokens", "temperature", "seed", "prompt_lengths"}
+    assert set(doc["runs"]) == {"stock", "samepath"}
+    for run in doc["runs"].values():
+        assert set(run) == RUN_KEYS
+        assert len(run["per_position_max_abs_logp_diff"]) == 4
+    # the schema is documented where it is defined
+    from samepath.check import report
+
+    for key in TOP_KEYS | RUN_KEYS:
+        assert f'"{key}"' in report.__doc__, key
+
+
+def test_check_plot(check_run) -> None:
+    pytest.importorskip("matplotlib", reason="matplotlib is not installed")
+    _, text, out = check_run
+    plot = out / "logdiff.png"
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "plot written to" in text
+
+
+def test_compare_metrics() -> None:
+    rollout = torch.tensor([[-1.0, -2.0], [-0.5, -3.0]])
+    trainer = torch.tensor([[-1.0, -2.5], [-0.5, -3.0]])
+    m = compare(rollout, trainer)
+    assert (m.tokens, m.equal_tokens, m.bit_identical) == (4, 3, False)
+    assert m.max_abs_logp_diff == 0.5 and m.mean_abs_logp_diff == 0.125
+    r = -0.5
+    assert math.isclose(m.k3_kl, (math.exp(r) - 1 - r) / 4)
+    assert math.isclose(m.probs_diff_max, math.exp(-2.0) - math.exp(-2.5))
+    assert m.per_position_max_abs_logp_diff == [0.0, 0.5]
+    same = compare(rollout, rollout.clone())
+    assert same.bit_identical and same.max_abs_logp_diff == 0 and same.k3_kl == 0
+
+
+def test_check_exits_1_when_samepath_logdiff_is_not_zero(monkeypatch, capsys) -> None:
+    def fake(model, prompts, new_tokens, temperature, seed, show_progress=False):
+        lp = torch.full((len(prompts), new_tokens), -1.0)
+        generated = torch.ones(len(prompts), new_tokens, dtype=torch.long)
+        fp = samepath.fingerprint()
+        stock = harness.SideBySide("stock", prompts, generated, lp, lp - 1e-3, fp, fp)
+        off = lp.clone()
+        off[0, -1] = torch.nextafter(off[0, -1], torch.tensor(0.0))
+        patched = harness.SideBySide("samepath", prompts, generated, lp, off, fp, fp)
+        return stock, patched
+
+    monkeypatch.setattr(harness, "run_stock_and_patched", fake)
+    assert main(["check", *FAST, "--json", "-"]) == 1
+    doc = json.loads(capsys.readouterr().out)  # --json - : the document alone on stdout
+    assert doc["exit_status"] == 1 and doc["logdiff_zero"] is False
+    assert doc["runs"]["samepath"]["equal_tokens"] == 7
+    assert main(["check", *FAST]) == 1
+    assert "logdiff != 0 with samepath: 1 of 8" in capsys.readouterr().out
+
+
+def _bad(argv: list[str], capsys) -> str:
+    status = main(argv)
+    captured = capsys.readouterr()
+    assert status == 2, (argv, captured)
+    lines = captured.err.strip().splitlines()
+    assert len(lines) == 1, captured.err
+    assert "Traceback" not in captured.err and captured.out == ""
+    return lines[0]
+
+
+def test_bad_input_is_one_line_exit_2(tmp_path, capsys) -> None:
+    import transformers
+
+    assert "does not exist" in _bad(["check", "--model", str(tmp_path / "nowhere")], capsys)
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert "no config.json" in _bad(["check", "--model", str(empty)], capsys)
+    bert = tmp_path / "bert"
+    transformers.BertConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2).save_pretrained(bert)
+    message = _bad(["check", "--model", str(bert)], capsys)
+    assert "'bert'" in message and "not a decoder-only causal LM" in message
+    assert "unsupported dtype 'int8'" in _bad(["check", "--dtype", "int8"], capsys)
+    assert "unsupported dtype" in _bad(["doctor", "--dtype", "float64"], capsys)
+    assert "--batch must be at least 1" in _bad(["check", "--batch", "0"], capsys)
+    assert "not available yet" in _bad(["check", "--rollout", "vllm"], capsys)
+    assert "invalid int value" in _bad(["check", "--new-tokens", "many"], capsys)
+    assert "unrecognized arguments" in _bad(["check", "--frobnicate"], capsys)
+    assert main(["check", "--help"]) == 0 and "--plot" in capsys.readouterr().out
+
+
+def test_python_m_samepath_check(tmp_path) -> None:
+    """The module entry point, in a fresh process: JSON on stdout, exit status 0."""
+    env = dict(
+        os.environ,
+        PYTHONPATH=os.pathsep.join(
+            [os.path.dirname(os.path.dirname(os.path.abspath(__file__))), os.environ.get("PYTHONPATH", "")]
+        ),
+    )
+    argv = ["check", "--dtype", "float32", "--batch", "1", "--new-tokens", "2", "--temperature", "0", "--json", "-"]
+    proc = subprocess.run(
+        [sys.executable, "-m", "samepath", *argv], capture_output=True, text=True, timeout=300, env=env
+    )
+    assert proc.returncode == 0, proc.stderr
+    doc = json.loads(proc.stdout)
+    assert doc["runs"]["samepath"]["bit_identical"] and doc["settings"]["temperature"] == 0.0
+    assert "Traceback" not in proc.stderr
+
+
+def test_progress_falls_back_to_a_stderr_counter(monkeypatch, capsys) -> None:
+    monkeypatch.setitem(sys.modules, "tqdm.auto", None)  # import fails: no tqdm
+    bar = harness.Progress(3, "samepath check", enabled=True)
+    for _ in range(3):
+        bar.update(1, "stock rollout")
+    bar.close()
+    assert "samepath check: 3/3 (stock rollout)" in capsys.readouterr().err
+    silent = harness.Progress(3, "x", enabled=False)
+    silent.update()
+    silent.close()
+    assert capsys.readouterr().err == ""

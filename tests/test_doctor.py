@@ -1,0 +1,228 @@
+"""``samepath doctor`` localises a difference between the rollout path (KV-cache decode) and the
+trainer path (one full forward) to the module where it starts.
+
+Faults are injected on the rollout side only, on a copy of the model: one layer's RMSNorm eps,
+one layer's attention with half the KV tile, a fused add+RMSNorm, an fp32 residual stream. With
+samepath's numerics on both sides and no fault, nothing is reported; with stock kernels,
+something is (the negative control).
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+
+import pytest
+import torch
+
+pytest.importorskip("transformers", reason="transformers is not installed (pip install -e .[hf])")
+
+from samepath import integrations
+from samepath.check.cli import main
+from samepath.check.doctor import (
+    ATTENTION_OP,
+    compare_paths,
+    diagnose,
+    layer_of,
+    record_rollout,
+    record_trainer,
+    ulp_distance,
+)
+from samepath.check.harness import load_default_model
+
+PROMPT_LEN = 16  # decode steps at positions 16, 17: past the halved KV tile (16) but not the real one (32)
+POSITIONS = 18
+DTYPE = torch.bfloat16
+_trainer_cache: dict = {}
+
+
+def _model(dtype: torch.dtype) -> torch.nn.Module:
+    key = ("model", dtype)
+    if key not in _trainer_cache:
+        _trainer_cache[key] = load_default_model(dtype).model
+    return _trainer_cache[key]
+
+
+def _ids() -> torch.Tensor:
+    return torch.randint(1, 320, (1, POSITIONS), generator=torch.Generator().manual_seed(3))
+
+
+def _diagnose_patched(rollout_model: torch.nn.Module, dtype: torch.dtype):
+    """Both paths under patch_all(); the trainer side's records are computed once per dtype."""
+    model, ids = _model(dtype), _ids()
+    with integrations.patched():
+        key = ("trainer", dtype)
+        if key not in _trainer_cache:
+            _trainer_cache[key] = record_trainer(model, ids)
+        rollout, lengths = record_rollout(rollout_model, ids, PROMPT_LEN)
+    return compare_paths(rollout, lengths, _trainer_cache[key], "samepath", ids.shape[0])
+
+
+def test_identical_paths_report_nothing() -> None:
+    model = _model(DTYPE)
+    report = _diagnose_patched(model, DTYPE)
+    assert report.identical, report.format()
+    assert report.first is None
+    assert report.records_compared > 50  # every module of 2 layers, inputs and outputs
+    assert not report.unaligned
+    assert "No divergence" in report.format()
+
+
+def test_negative_control_stock_paths_differ() -> None:
+    assert not integrations.enabled()
+    report = diagnose(load_default_model(torch.float32).model, _ids()[:, :8], 5, numerics="stock")
+    assert not report.identical
+    first = report.first
+    assert first.op in ("linear", "attention") and not first.inherited
+    assert first.first_position >= 5  # the prefill runs the trainer's shapes; decode steps differ
+    assert first.max_ulp > 0
+
+
+def test_rms_norm_eps_fault_is_located() -> None:
+    rollout = copy.deepcopy(_model(DTYPE))
+    rollout.model.layers[1].input_layernorm.variance_epsilon = 0.1  # stock 1e-6
+    report = _diagnose_patched(rollout, DTYPE)
+    first = report.first
+    assert (first.layer, first.submodule, first.op, first.phase) == (1, "input_layernorm", "norm", "output")
+    assert not first.inherited and first.max_ulp > 0 and first.first_position == 0
+    assert "RMSNorm" in first.cause
+    # then the later modules, each flagged as inherited
+    later = report.divergences[1:]
+    assert later and all(d.inherited for d in later)
+    assert [d.module for d in later][-1] == "<token_logprobs>"
+    assert "layer 1" in report.format() and "input_layernorm" in report.format()
+
+
+def test_attention_tile_fault_is_located(monkeypatch) -> None:
+    """Layer 1's attention with half the KV tile on the rollout side: an attention-path difference,
+    from the first position whose keys span two half tiles."""
+    from transformers.modeling_utils import AttentionInterface
+
+    from samepath.integrations import hf
+    from samepath.kernels.attention import packed_attention, varlen_attention
+    from samepath.kernels.config import attention_config
+
+    dtype = torch.float32  # in bf16 the output cast hides a one-ulp fp32 difference in most rows
+    model = _model(dtype)
+    rollout = copy.deepcopy(model)
+    target = rollout.model.layers[1].self_attn
+    tiles = attention_config(32, dtype, "cpu")
+    half = dataclasses.replace(tiles, tile_n=tiles.tile_n // 2)
+    assert half.tile_n == 16 and half.tile_n < POSITIONS <= tiles.tile_n
+    mapping = AttentionInterface._global_mapping
+    impl = model.config._attn_implementation
+
+    with integrations.patched():
+        original = mapping[impl]
+        assert original is hf.attention_forward
+
+        def faulty(module, *args, **kwargs):
+            if module is not target:
+                return original(module, *args, **kwargs)
+            with monkeypatch.context() as m:
+                m.setattr(hf, "varlen_attention", lambda *a, **k: varlen_attention(*a, **k, config=half))
+                m.setattr(hf, "packed_attention", lambda *a, **k: packed_attention(*a, **k, config=half))
+                return original(module, *args, **kwargs)
+
+        monkeypatch.setitem(mapping, impl, faulty)
+        report = _diagnose_patched(rollout, dtype)
+        monkeypatch.setitem(mapping, impl, original)
+    first = report.first
+    assert (first.layer, first.submodule, first.op) == (1, f"self_attn.{ATTENTION_OP}", "attention"), report.format()
+    assert first.phase == "output" and not first.inherited
+    assert first.first_position >= half.tile_n
+    assert "attention kernel" in first.cause
+
+
+def _fused_add_norm_forward(layer):
+    """Layer forward with the post-attention residual add fused into the RMSNorm (fp32 statistics
+    of the unrounded sum, as a fused add+RMSNorm kernel does); the norm module is not called."""
+
+    def forward(hidden_states, attention_mask=None, position_ids=None, position_embeddings=None, **kwargs):
+        residual = hidden_states
+        hidden_states = layer.input_layernorm(hidden_states)
+        hidden_states, _ = layer.self_attn(
+            hidden_states=hidden_states,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            position_embeddings=position_embeddings,
+            **kwargs,
+        )
+        norm = layer.post_attention_layernorm
+        total = residual.float() + hidden_states.float()
+        normed = total * torch.rsqrt(total.pow(2).mean(-1, keepdim=True) + norm.variance_epsilon)
+        residual = total.to(residual.dtype)
+        hidden_states = norm.weight * normed.to(residual.dtype)
+        return residual + layer.mlp(hidden_states)
+
+    return forward
+
+
+def _fp32_residual_forward(layer):
+    """Layer forward that keeps the residual stream in fp32 between its two adds (one rounding
+    instead of two); every submodule is called with the same inputs as the stock layer's."""
+
+    def forward(hidden_states, attention_mask=None, position_ids=None, position_embeddings=None, **kwargs):
+        residual = hidden_states
+        attn, _ = layer.self_attn(
+            hidden_states=layer.input_layernorm(hidden_states),
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            position_embeddings=position_embeddings,
+            **kwargs,
+        )
+        total = residual.float() + attn.float()
+        mlp = layer.mlp(layer.post_attention_layernorm(total.to(residual.dtype)))
+        return (total + mlp.float()).to(residual.dtype)
+
+    return forward
+
+
+def test_fused_add_norm_fault_is_located() -> None:
+    rollout = copy.deepcopy(_model(DTYPE))
+    layer = rollout.model.layers[1]
+    layer.forward = _fused_add_norm_forward(layer)
+    report = _diagnose_patched(rollout, DTYPE)
+    first = report.first
+    assert (first.layer, first.submodule, first.op, first.phase) == (1, "post_attention_layernorm", "norm", "structure")
+    assert "trainer path only" in first.cause
+    assert not first.inherited
+
+
+def test_fp32_residual_add_fault_is_located() -> None:
+    rollout = copy.deepcopy(_model(DTYPE))
+    layer = rollout.model.layers[1]
+    layer.forward = _fp32_residual_forward(layer)
+    report = _diagnose_patched(rollout, DTYPE)
+    first = report.first
+    assert (first.layer, first.submodule, first.op, first.phase) == (1, "", "decoder layer", "output"), report.format()
+    assert "residual add" in first.cause and not first.inherited and first.max_ulp > 0
+
+
+def test_ulp_distance_and_names() -> None:
+    one = torch.tensor([1.0])
+    assert int(ulp_distance(one, torch.nextafter(one, torch.tensor([2.0])))) == 1
+    tiny = torch.tensor([1e-45])  # the smallest fp32 subnormal, on both sides of zero
+    assert int(ulp_distance(tiny, -tiny)) == 2
+    a = torch.tensor([1.0, -2.0], dtype=torch.bfloat16)
+    b = torch.tensor([1.0078125, -2.0], dtype=torch.bfloat16)  # one bf16 ulp above 1
+    assert ulp_distance(a, b).tolist() == [1, 0]
+    assert layer_of("model.layers.12.self_attn.q_proj") == (12, "self_attn.q_proj")
+    assert layer_of("lm_head") == (None, "lm_head")
+
+
+def test_doctor_cli_json(tmp_path, capsys) -> None:
+    out = tmp_path / "doctor.json"
+    status = main(
+        ["doctor", "--dtype", "float32", "--batch", "1", "--prompt-len", "4", "--new-tokens", "1", "--json", str(out)]
+    )
+    text = capsys.readouterr().out
+    assert status == 0, text
+    doc = json.loads(out.read_text())
+    assert doc["schema_version"] == 1 and doc["tool"] == "samepath doctor"
+    assert doc["runs"]["samepath"]["identical"] is True and doc["runs"]["samepath"]["first"] is None
+    assert doc["runs"]["stock"]["identical"] is False
+    assert {"module", "layer", "submodule", "op", "max_ulp", "first_position"} <= set(doc["runs"]["stock"]["first"])
+    assert "First divergence" in text and "No divergence" in text
+    assert not integrations.enabled()
