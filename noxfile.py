@@ -32,3 +32,25 @@ def tune(session: nox.Session) -> None:
     """Sweep numerics-neutral launch parameters; keep only candidates bitwise equal to the reference."""
     session.install(TORCH, "-e", ".")
     session.run("python", "bench/tune.py", *session.posargs)
+
+
+#: Tests that run under Triton-Ascend: its interpreter for the consistency tests, and the lowering
+#: of every kernel to Triton-Ascend's MLIR (tests/test_ascend.py). HF/vLLM tests need upstream Triton.
+ASCEND_TESTS = [
+    "tests/test_ascend.py",
+    "tests/test_attention_consistency.py",
+    "tests/test_attention_errors.py",
+    "tests/test_matmul.py",
+    "tests/test_logprobs.py",
+    "tests/test_rms_norm.py",
+    "tests/test_swiglu.py",
+    "tests/test_rotary.py",
+]
+
+
+@nox.session
+def ascend(session: nox.Session) -> None:
+    """Triton-Ascend (replaces the `triton` package, so it gets its own environment)."""
+    session.install(TORCH, "triton-ascend>=3.2", "pybind11", "numpy<2", "pytest")
+    session.install("--no-deps", "-e", ".")
+    session.run("python", "-m", "pytest", *(session.posargs or ASCEND_TESTS))
