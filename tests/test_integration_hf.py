@@ -17,23 +17,12 @@ transformers = pytest.importorskip("transformers", reason="transformers is not i
 
 import samepath  # noqa: E402
 from samepath import integrations  # noqa: E402
+from samepath.check.harness import DEFAULT_MODEL_CONFIG  # noqa: E402
 from samepath.kernels.matmul import batch_invariant_enabled  # noqa: E402
 
 
 def tiny_model(arch: str, dtype: torch.dtype, seed: int = 0) -> torch.nn.Module:
-    common = dict(
-        vocab_size=320,
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-        tie_word_embeddings=False,
-        bos_token_id=None,
-        eos_token_id=None,
-        pad_token_id=0,
-    )
+    common = {key: value for key, value in DEFAULT_MODEL_CONFIG.items() if key != "head_dim"}
     if arch == "qwen3":
         config = transformers.Qwen3Config(head_dim=32, **common)
         cls = transformers.Qwen3ForCausalLM
