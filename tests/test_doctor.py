@@ -125,9 +125,13 @@ def test_attention_tile_fault_is_located(monkeypatch) -> None:
                 m.setattr(hf, "packed_attention", lambda *a, **k: packed_attention(*a, **k, config=half))
                 return original(module, *args, **kwargs)
 
-        monkeypatch.setitem(mapping, impl, faulty)
-        report = _diagnose_patched(rollout, dtype)
-        monkeypatch.setitem(mapping, impl, original)
+        # Not monkeypatch.setitem: its teardown would run after unpatch_all and leave samepath's
+        # attention registered as the stock implementation for the tests that follow.
+        mapping[impl] = faulty
+        try:
+            report = _diagnose_patched(rollout, dtype)
+        finally:
+            mapping[impl] = original
     first = report.first
     assert (first.layer, first.submodule, first.op) == (1, f"self_attn.{ATTENTION_OP}", "attention"), report.format()
     assert first.phase == "output" and not first.inherited

