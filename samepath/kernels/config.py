@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import importlib
 import json
 from dataclasses import dataclass
 from typing import TypeVar
@@ -239,7 +240,8 @@ def register_formula(op: str, flags: dict[str, str]) -> None:
 
 
 def _table_payload() -> dict:
-    import samepath.kernels  # noqa: F401  (every op module registers its formula on import)
+    for module in ("samepath.kernels", "samepath.distributed"):  # each op registers its formula on import
+        importlib.import_module(module)
 
     return {
         "numerics_version": NUMERICS_VERSION,
