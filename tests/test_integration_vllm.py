@@ -43,8 +43,9 @@ transformers = pytest.importorskip("transformers", reason="transformers is not i
 
 import samepath  # noqa: E402
 from samepath import integrations  # noqa: E402
+from samepath.check.harness import DEFAULT_MODEL_CONFIG  # noqa: E402
 
-VOCAB = 320
+VOCAB = DEFAULT_MODEL_CONFIG["vocab_size"]
 NEW_TOKENS = 12
 SHARED_PREFIX = 64  # two full KV blocks of 32
 
@@ -85,20 +86,7 @@ def model_dirs(tmp_path_factory):
     tests/test_integration_hf.py so the logits are far from uniform)."""
     dirs = {}
     for name in ("bfloat16", "float32"):
-        config = transformers.Qwen3Config(
-            vocab_size=VOCAB,
-            hidden_size=64,
-            intermediate_size=96,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            head_dim=32,
-            max_position_embeddings=512,
-            tie_word_embeddings=False,
-            bos_token_id=None,
-            eos_token_id=None,
-            pad_token_id=0,
-        )
+        config = transformers.Qwen3Config(**DEFAULT_MODEL_CONFIG)
         torch.manual_seed(0)
         model = transformers.Qwen3ForCausalLM(config).to(getattr(torch, name)).eval()
         with torch.no_grad():

@@ -509,6 +509,22 @@ def _check_qkv_heads(query: torch.Tensor, key: torch.Tensor, key_name: str) -> i
     return num_heads // num_kv_heads
 
 
+def _check_packed_qkv(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
+    """Packed ``[tokens, heads, head_size]`` query/key/value of one dtype and device, GQA heads."""
+    for name, tensor in (("query", query), ("key", key), ("value", value)):
+        if tensor.dim() != 3:
+            raise ValueError(f"{name} must be [tokens, heads, head_size], got shape {tuple(tensor.shape)}")
+    if key.shape != value.shape:
+        raise ValueError(f"key {tuple(key.shape)} and value {tuple(value.shape)} must have the same shape")
+    dtype_name(query.dtype, "query.dtype")
+    for name, tensor in (("key", key), ("value", value)):
+        if tensor.dtype != query.dtype:
+            raise ValueError(f"{name} dtype {tensor.dtype} differs from the query's {query.dtype}")
+    device_kind(query.device)
+    _check_same_device(query.device, key=key, value=value)
+    _check_qkv_heads(query, key, "key")
+
+
 def _check_cu_seqlens(name: str, cu: torch.Tensor, num_tokens: int) -> torch.Tensor:
     """Value checks on a cumulative-length vector; returns its lengths on the host."""
     values = cu.detach().cpu().to(torch.int64)
@@ -954,20 +970,10 @@ def varlen_attention(
         :func:`paged_attention` returns for that token, however the rollout batched, chunked or
         paged it. Gradients (fp32 accumulation, cast to the input dtype) are deterministic.
     """
-    for name, tensor in (("query", query), ("key", key), ("value", value)):
-        if tensor.dim() != 3:
-            raise ValueError(f"{name} must be [total_tokens, heads, head_size], got shape {tuple(tensor.shape)}")
-    if key.shape != value.shape:
-        raise ValueError(f"key {tuple(key.shape)} and value {tuple(value.shape)} must have the same shape")
+    _check_packed_qkv(query, key, value)
     if key.shape[0] != query.shape[0]:
         raise ValueError(f"key has {key.shape[0]} tokens, query {query.shape[0]}: self-attention needs equal counts")
-    dtype_name(query.dtype, "query.dtype")
-    for name, tensor in (("key", key), ("value", value)):
-        if tensor.dtype != query.dtype:
-            raise ValueError(f"{name} dtype {tensor.dtype} differs from the query's {query.dtype}")
-    device_kind(query.device)
-    _check_same_device(query.device, key=key, value=value, cu_seqlens=cu_seqlens)
-    _check_qkv_heads(query, key, "key")
+    _check_same_device(query.device, cu_seqlens=cu_seqlens)
     _check_int_vector("cu_seqlens", cu_seqlens)
     _check_sliding_window(sliding_window, causal)
     scale = _check_scale(query.shape[-1] ** -0.5 if scale is None else scale)
@@ -1012,18 +1018,8 @@ def packed_attention(
         ``[total_q, num_heads, head_size]``: rows bit-identical to :func:`varlen_attention` and
         :func:`paged_attention` for the same tokens (the same kernel over the same tiles).
     """
-    for name, tensor in (("query", query), ("key", key), ("value", value)):
-        if tensor.dim() != 3:
-            raise ValueError(f"{name} must be [tokens, heads, head_size], got shape {tuple(tensor.shape)}")
-    if key.shape != value.shape:
-        raise ValueError(f"key {tuple(key.shape)} and value {tuple(value.shape)} must have the same shape")
-    dtype_name(query.dtype, "query.dtype")
-    for name, tensor in (("key", key), ("value", value)):
-        if tensor.dtype != query.dtype:
-            raise ValueError(f"{name} dtype {tensor.dtype} differs from the query's {query.dtype}")
-    device_kind(query.device)
-    _check_same_device(query.device, key=key, value=value, cu_seqlens_q=cu_seqlens_q, cu_seqlens_kv=cu_seqlens_kv)
-    _check_qkv_heads(query, key, "key")
+    _check_packed_qkv(query, key, value)
+    _check_same_device(query.device, cu_seqlens_q=cu_seqlens_q, cu_seqlens_kv=cu_seqlens_kv)
     _check_int_vector("cu_seqlens_q", cu_seqlens_q)
     _check_int_vector("cu_seqlens_kv", cu_seqlens_kv, cu_seqlens_q.numel())
     _check_sliding_window(sliding_window, causal)
