@@ -80,22 +80,34 @@ def _entry_point_installed() -> bool:
     return any(ep.value == "samepath.integrations.vllm:register" for ep in entry_points(group="vllm.general_plugins"))
 
 
+MOE_CONFIG = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64, norm_topk_prob=True)
+
+
 @pytest.fixture(scope="module")
 def model_dirs(tmp_path_factory):
-    """dtype name -> directory of a tiny random Qwen3 saved in that dtype (weights spread out as in
-    tests/test_integration_hf.py so the logits are far from uniform)."""
+    """(architecture, dtype name) -> directory of a tiny random model saved in that dtype, built on
+    first use (weights spread out as in tests/test_integration_hf.py so the logits are far from
+    uniform)."""
     dirs = {}
-    for name in ("bfloat16", "float32"):
-        config = transformers.Qwen3Config(**DEFAULT_MODEL_CONFIG)
-        torch.manual_seed(0)
-        model = transformers.Qwen3ForCausalLM(config).to(getattr(torch, name)).eval()
-        with torch.no_grad():
-            for param in model.parameters():
-                param.mul_(4.0 if param.dim() == 1 else 2.0)
-        path = tmp_path_factory.mktemp(f"qwen3_{name}")
-        model.save_pretrained(path)
-        dirs[name] = str(path)
-    return dirs
+
+    def get(arch: str, dtype: str) -> str:
+        if (arch, dtype) not in dirs:
+            if arch == "qwen3_moe":
+                config = transformers.Qwen3MoeConfig(**DEFAULT_MODEL_CONFIG, **MOE_CONFIG)
+                cls = transformers.Qwen3MoeForCausalLM
+            else:
+                config, cls = transformers.Qwen3Config(**DEFAULT_MODEL_CONFIG), transformers.Qwen3ForCausalLM
+            torch.manual_seed(0)
+            model = cls(config).to(getattr(torch, dtype)).eval()
+            with torch.no_grad():
+                for param in model.parameters():
+                    param.mul_(4.0 if param.dim() == 1 else 2.0)
+            path = tmp_path_factory.mktemp(f"{arch}_{dtype}")
+            model.save_pretrained(path)
+            dirs[arch, dtype] = str(path)
+        return dirs[arch, dtype]
+
+    return get
 
 
 def prompts() -> tuple[list[list[int]], list[int]]:
@@ -185,36 +197,45 @@ def hf_patched():
 
 
 CASES = [
-    # dtype, temperature (0 = greedy), marks
-    pytest.param("bfloat16", 0.0, id="bf16-greedy"),
-    pytest.param("float32", 1.0, id="fp32-sampled", marks=pytest.mark.slow),
-    pytest.param("bfloat16", 1.0, id="bf16-sampled", marks=pytest.mark.slow),
-    pytest.param("float32", 0.0, id="fp32-greedy", marks=pytest.mark.slow),
+    # architecture, dtype, temperature (0 = greedy), marks
+    pytest.param("qwen3", "bfloat16", 0.0, id="qwen3-bf16-greedy"),
+    pytest.param("qwen3", "float32", 1.0, id="qwen3-fp32-sampled", marks=pytest.mark.slow),
+    pytest.param("qwen3", "bfloat16", 1.0, id="qwen3-bf16-sampled", marks=pytest.mark.slow),
+    pytest.param("qwen3", "float32", 0.0, id="qwen3-fp32-greedy", marks=pytest.mark.slow),
+    pytest.param("qwen3_moe", "bfloat16", 1.0, id="moe-bf16-sampled", marks=pytest.mark.slow),
+    pytest.param("qwen3_moe", "float32", 0.0, id="moe-fp32-greedy", marks=pytest.mark.slow),
 ]
 
 
-@pytest.mark.parametrize(("dtype", "temperature"), CASES)
-def test_vllm_logprobs_equal_trainer(model_dirs, hf_patched, dtype, temperature):
-    all_prompts, results = vllm_rollout(model_dirs[dtype], dtype, temperature, plugin=True)
+@pytest.mark.parametrize(("arch", "dtype", "temperature"), CASES)
+def test_vllm_logprobs_equal_trainer(model_dirs, hf_patched, arch, dtype, temperature):
+    model_dir = model_dirs(arch, dtype)
+    all_prompts, results = vllm_rollout(model_dir, dtype, temperature, plugin=True)
     assert all(len(r["tokens"]) == NEW_TOKENS for r in results)
     assert results[-1]["cached"] >= 32, f"the shared-prefix prompt got no prefix-cache hit: {results[-1]['cached']}"
     rollout = rollout_logprobs(results)
-    alone, padded = trainer_logprobs(model_dirs[dtype], dtype, all_prompts, results)
-    print(f"\n[{dtype} T={temperature}] samepath vLLM vs HF alone: {fraction_equal(rollout, alone)}")
+    alone, padded = trainer_logprobs(model_dir, dtype, all_prompts, results)
+    print(f"\n[{arch} {dtype} T={temperature}] samepath vLLM vs HF alone: {fraction_equal(rollout, alone)}")
     for r, a, p in zip(rollout, alone, padded, strict=True):
         assert torch.equal(r, a), (r, a)
         assert torch.equal(r, p), (r, p)
 
 
 @pytest.mark.parametrize(
-    "dtype", [pytest.param("bfloat16", id="bf16"), pytest.param("float32", id="fp32", marks=pytest.mark.slow)]
+    ("arch", "dtype"),
+    [
+        pytest.param("qwen3", "bfloat16", id="qwen3-bf16"),
+        pytest.param("qwen3", "float32", id="qwen3-fp32", marks=pytest.mark.slow),
+        pytest.param("qwen3_moe", "bfloat16", id="moe-bf16", marks=pytest.mark.slow),
+    ],
 )
-def test_stock_vllm_differs(model_dirs, hf_patched, dtype):
+def test_stock_vllm_differs(model_dirs, hf_patched, arch, dtype):
     """Negative control: the same harness with the plugin off reports a difference."""
-    all_prompts, results = vllm_rollout(model_dirs[dtype], dtype, 0.0, plugin=False)
-    alone, _ = trainer_logprobs(model_dirs[dtype], dtype, all_prompts, results)
+    model_dir = model_dirs(arch, dtype)
+    all_prompts, results = vllm_rollout(model_dir, dtype, 0.0, plugin=False)
+    alone, _ = trainer_logprobs(model_dir, dtype, all_prompts, results)
     equal, total, worst = fraction_equal(rollout_logprobs(results), alone)
-    print(f"\n[{dtype}] stock vLLM vs samepath HF: {equal}/{total} equal, max |diff| {worst:.3g}")
+    print(f"\n[{arch} {dtype}] stock vLLM vs samepath HF: {equal}/{total} equal, max |diff| {worst:.3g}")
     assert equal < total
 
 
@@ -222,9 +243,10 @@ def test_stock_vllm_differs(model_dirs, hf_patched, dtype):
 @pytest.mark.skipif(not _entry_point_installed(), reason="samepath's vllm.general_plugins entry point is not installed")
 def test_entry_point_reaches_engine_core_process(model_dirs, hf_patched):
     """Multiprocessing on: only the entry point can install samepath in vLLM's engine-core process."""
-    all_prompts, results = vllm_rollout(model_dirs["bfloat16"], "bfloat16", 1.0, plugin=True, entry_point=True)
+    model_dir = model_dirs("qwen3", "bfloat16")
+    all_prompts, results = vllm_rollout(model_dir, "bfloat16", 1.0, plugin=True, entry_point=True)
     rollout = rollout_logprobs(results)
-    alone, _ = trainer_logprobs(model_dirs["bfloat16"], "bfloat16", all_prompts, results)
+    alone, _ = trainer_logprobs(model_dir, "bfloat16", all_prompts, results)
     for r, a in zip(rollout, alone, strict=True):
         assert torch.equal(r, a), (r, a)
 

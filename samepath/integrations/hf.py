@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from samepath.integrations.moe import experts_forward
 from samepath.kernels.attention import packed_attention, varlen_attention
 from samepath.kernels.rms_norm import rms_norm
 from samepath.kernels.rotary import apply_rotary
@@ -172,21 +173,9 @@ def attention_forward(
 def samepath_experts_forward(
     self: torch.nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
 ) -> torch.Tensor:
-    """``ExpertsInterface`` function: each expert's tokens through one batch-invariant linear per
-    projection, SiLU·mul with Hugging Face's rounding, and the weighted outputs added into each
-    token's row in ascending expert order (the order of transformers' eager experts loop)."""
-    out = torch.zeros_like(hidden_states)
-    num_experts = self.gate_up_proj.shape[0]
-    for expert in range(num_experts):
-        top_k_pos, token_idx = torch.where(top_k_index.T == expert)
-        if token_idx.numel() == 0:
-            continue
-        gate_up = torch.nn.functional.linear(hidden_states[token_idx], self.gate_up_proj[expert])
-        gate, up = gate_up.chunk(2, dim=-1)
-        expert_out = torch.nn.functional.linear(silu_mul(gate, up), self.down_proj[expert])
-        expert_out = expert_out * top_k_weights[token_idx, top_k_pos, None]
-        out.index_add_(0, token_idx, expert_out.to(out.dtype))
-    return out
+    """``ExpertsInterface`` function: :func:`samepath.integrations.moe.experts_forward` on the
+    module's ``gate_up_proj`` / ``down_proj`` (the loop vLLM's MoE layers run under the plugin)."""
+    return experts_forward(hidden_states, self.gate_up_proj, self.down_proj, top_k_index, top_k_weights)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -36,6 +36,11 @@ What :func:`install` replaces (every original recorded; :func:`uninstall` restor
   repacks (or drops) the weight for oneDNN / sgl kernels. :func:`samepath.batch_invariant` is
   entered for the whole process, so other ``torch.mm`` / ``addmm`` / ``bmm`` / ``log_softmax``
   calls use samepath's schedule too.
+* **Mixture of experts** — ``UnquantizedFusedMoEMethod`` / ``MoERunner`` (unquantized SwiGLU
+  experts, softmax top-k routing, no shared experts or expert parallelism): Hugging Face's router
+  and expert loop from :mod:`samepath.integrations.moe`, the same functions the patched Hugging
+  Face model runs; the expert weights are kept as loaded rather than repacked for a fused kernel.
+  Other MoE variants are refused with a clear error.
 * **Sampler log-probs** — ``Sampler.compute_logprobs`` (the ``raw_logprobs`` mode, vLLM's default):
   :func:`samepath.log_softmax` of the raw logits in fp32 — temperature 1, before any logits
   processor. The trainer's equal is ``samepath.logprobs(logits, tokens)`` (temperature 1). The
@@ -401,6 +406,87 @@ def _patch_linear(patcher: _Patcher) -> bool:
 
 
 # ----------------------------------------------------------------------------------------------
+# Mixture of experts
+# ----------------------------------------------------------------------------------------------
+
+
+def _plain_experts(layer: Any) -> bool:
+    """Unquantized SwiGLU experts without bias, expert parallelism or router weights on the input."""
+    from vllm.model_executor.layers.fused_moe.activation import MoEActivation
+
+    return (
+        layer.activation == MoEActivation.SILU
+        and layer.moe_config.is_act_and_mul
+        and not layer.moe_config.has_bias
+        and layer.expert_map is None
+        and not layer.apply_router_weight_on_input
+        and layer.w13_weight.dtype in (torch.float32, torch.bfloat16, torch.float16)
+    )
+
+
+def _check_plain_routing(runner: Any) -> None:
+    router = runner.router
+    problems = []
+    if getattr(router, "scoring_func", "softmax") != "softmax":
+        problems.append(f"scoring_func={router.scoring_func!r}")
+    if getattr(router, "use_grouped_topk", False):
+        problems.append("grouped top-k")
+    if getattr(router, "e_score_correction_bias", None) is not None:
+        problems.append("a score-correction bias")
+    if getattr(router, "custom_routing_function", None) is not None:
+        problems.append("a custom routing function")
+    if getattr(router, "routed_scaling_factor", 1.0) != 1.0:
+        problems.append(f"routed_scaling_factor={router.routed_scaling_factor}")
+    if runner._shared_experts is not None:
+        problems.append("shared experts")
+    if problems:
+        raise NotImplementedError(
+            f"samepath's vLLM MoE does not implement {', '.join(problems)}; unset {ENV_VAR} to run vLLM's own kernel"
+        )
+
+
+def _patch_moe(patcher: _Patcher) -> bool:
+    """vLLM's fused MoE → :mod:`samepath.integrations.moe` (Hugging Face's router and expert loop).
+
+    ``UnquantizedFusedMoEMethod.process_weights_after_loading`` keeps plain experts' ``w13_weight``
+    ``[E, 2I, H]`` / ``w2_weight`` ``[E, H, I]`` as loaded (no repacking for a fused kernel) and
+    marks the layer; ``MoERunner._apply_quant_method`` then routes and runs those layers with
+    samepath. Written against vLLM 0.32's modular MoE (``fused_moe/runner/moe_runner.py``)."""
+    runner_module = _optional_module("vllm.model_executor.layers.fused_moe.runner.moe_runner")
+    method_module = _optional_module("vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method")
+    if runner_module is None or method_module is None:
+        return False
+    from samepath.integrations.moe import experts_forward, topk_softmax_routing
+
+    method_cls = method_module.UnquantizedFusedMoEMethod
+    runner_cls = runner_module.MoERunner
+    original_process = method_cls.process_weights_after_loading
+    original_apply = runner_cls._apply_quant_method
+
+    def process_weights_after_loading(self, layer):
+        if type(self) is not method_cls or not _plain_experts(layer):
+            return original_process(self, layer)
+        super(method_cls, self).process_weights_after_loading(layer)
+        layer.samepath_experts = True
+        return None
+
+    def apply_quant_method(self, hidden_states, router_logits, shared_experts_input, input_ids=None, **kwargs):
+        experts = self.routed_experts
+        if not getattr(experts, "samepath_experts", False):
+            return original_apply(self, hidden_states, router_logits, shared_experts_input, input_ids, **kwargs)
+        _check_plain_routing(self)
+        top_k_index, top_k_weights = topk_softmax_routing(
+            router_logits, self.router.top_k, bool(self.router.renormalize), hidden_states.dtype
+        )
+        out = experts_forward(hidden_states, experts.w13_weight, experts.w2_weight, top_k_index, top_k_weights)
+        return None, out
+
+    patcher.set(method_cls, "process_weights_after_loading", process_weights_after_loading)
+    patcher.set(runner_cls, "_apply_quant_method", apply_quant_method)
+    return True
+
+
+# ----------------------------------------------------------------------------------------------
 # Sampler log-probs
 # ----------------------------------------------------------------------------------------------
 
@@ -425,6 +511,7 @@ _PATCH_GROUPS = [
     ("rotary", _patch_rotary),
     ("silu_mul", _patch_silu_mul),
     ("linear", _patch_linear),
+    ("moe", _patch_moe),
     ("sampler_logprobs", _patch_sampler),
 ]
 

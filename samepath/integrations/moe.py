@@ -1,0 +1,86 @@
+"""Mixture-of-experts pieces shared by the Hugging Face and vLLM integrations.
+
+Both sides route and run the experts with the functions below, so a token's MoE output has the
+same bits whichever engine computes it and however many other tokens share the batch:
+
+* :func:`topk_softmax_routing` is Hugging Face's top-k softmax router (Qwen2-MoE / Qwen3-MoE /
+  Mixtral ``TopKRouter``): softmax of the router logits in fp32, top-k, optional renormalisation
+  by the sum of the k weights, cast to the activation dtype. Each step is a per-row torch op.
+* :func:`experts_forward` is transformers' eager experts loop on samepath kernels: experts in
+  ascending order, each expert's tokens through one batch-invariant linear per projection,
+  :func:`samepath.silu_mul` with Hugging Face's rounding, the weighted output added into each
+  token's row with ``index_add_`` (per token, in expert order).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from samepath.kernels.swiglu import silu_mul
+
+
+def topk_softmax_routing(
+    router_logits: torch.Tensor, top_k: int, renormalize: bool, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Hugging Face's top-k softmax router.
+
+    Args:
+        router_logits: ``[tokens, num_experts]``, any float dtype (the fp32 softmax input is the
+            same whether the logits arrive in the model dtype or already widened to fp32).
+        top_k: experts per token.
+        renormalize: divide the k weights by their sum (``norm_topk_prob``).
+        dtype: the activations' dtype; the weights are cast to it, as Hugging Face does.
+
+    Returns:
+        ``(top_k_index [tokens, top_k] int64, top_k_weights [tokens, top_k] in dtype)``.
+    """
+    if router_logits.dim() != 2:
+        raise ValueError(f"router_logits must be [tokens, num_experts], got shape {tuple(router_logits.shape)}")
+    if not 1 <= top_k <= router_logits.shape[-1]:
+        raise ValueError(f"top_k = {top_k} must be between 1 and the number of experts, {router_logits.shape[-1]}")
+    probs = torch.nn.functional.softmax(router_logits, dtype=torch.float, dim=-1)
+    weights, index = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        weights /= weights.sum(dim=-1, keepdim=True)
+    return index, weights.to(dtype)
+
+
+def experts_forward(
+    hidden_states: torch.Tensor,
+    gate_up_proj: torch.Tensor,
+    down_proj: torch.Tensor,
+    top_k_index: torch.Tensor,
+    top_k_weights: torch.Tensor,
+) -> torch.Tensor:
+    """Routed SwiGLU experts, bit-identical for a token alone or in any batch.
+
+    Args:
+        hidden_states: ``[tokens, hidden]``.
+        gate_up_proj: ``[num_experts, 2 * intermediate, hidden]``, gate rows first (Hugging Face's
+            ``gate_up_proj``, vLLM's ``w13_weight``).
+        down_proj: ``[num_experts, hidden, intermediate]`` (``down_proj`` / ``w2_weight``).
+        top_k_index, top_k_weights: ``[tokens, top_k]`` from the router.
+
+    Returns:
+        ``[tokens, hidden]`` in the dtype of ``hidden_states``. Callers must be inside
+        :func:`samepath.batch_invariant` (``patch_all`` / the vLLM plugin are) so that the
+        projections run on samepath's matmul.
+    """
+    if hidden_states.dim() != 2:
+        raise ValueError(f"hidden_states must be [tokens, hidden], got shape {tuple(hidden_states.shape)}")
+    if top_k_index.shape != top_k_weights.shape or top_k_index.shape[0] != hidden_states.shape[0]:
+        raise ValueError(
+            f"top_k_index {tuple(top_k_index.shape)} and top_k_weights {tuple(top_k_weights.shape)} must both be "
+            f"[tokens={hidden_states.shape[0]}, top_k]"
+        )
+    out = torch.zeros_like(hidden_states)
+    for expert in range(gate_up_proj.shape[0]):
+        top_k_pos, token_idx = torch.where(top_k_index.T == expert)
+        if token_idx.numel() == 0:
+            continue
+        gate_up = torch.nn.functional.linear(hidden_states[token_idx], gate_up_proj[expert])
+        gate, up = gate_up.chunk(2, dim=-1)
+        expert_out = torch.nn.functional.linear(silu_mul(gate, up), down_proj[expert])
+        expert_out = expert_out * top_k_weights[token_idx, top_k_pos, None]
+        out.index_add_(0, token_idx, expert_out.to(out.dtype))
+    return out
