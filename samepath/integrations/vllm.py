@@ -59,8 +59,10 @@ patch is written against vLLM 0.32's ``triton_attn.py`` but has not run on a GPU
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import logging
 import os
+import sys
 import threading
 from contextlib import ExitStack
 from typing import Any
@@ -114,9 +116,24 @@ def enabled_by_env() -> bool:
     return os.environ.get(ENV_VAR, "").strip().lower() in ("1", "true", "yes", "on")
 
 
+def _vllm_ascend_platform() -> bool:
+    if importlib.util.find_spec("vllm_ascend") is None:
+        return False
+    from vllm.platforms import current_platform
+
+    return type(current_platform).__module__.startswith("vllm_ascend")
+
+
 def register() -> None:
-    """The ``vllm.general_plugins`` entry point: :func:`install` when ``SAMEPATH_VLLM=1``."""
-    if enabled_by_env():
+    """The ``vllm.general_plugins`` entry point: when ``SAMEPATH_VLLM=1``, :func:`install` — or,
+    on vllm-ascend's platform, :func:`samepath.integrations.vllm_ascend.install`."""
+    if not enabled_by_env():
+        return
+    if _vllm_ascend_platform():
+        from samepath.integrations import vllm_ascend
+
+        vllm_ascend.install()
+    else:
         install()
 
 
@@ -134,6 +151,9 @@ def install() -> None:
     with _lock:
         if _stack is not None:
             return
+        ascend = sys.modules.get("samepath.integrations.vllm_ascend")
+        if ascend is not None and ascend.installed():
+            raise RuntimeError("samepath's vllm_ascend integration is installed; install one vLLM integration only")
         expected = os.environ.get(FINGERPRINT_ENV_VAR)
         if expected:
             assert_same_numerics(expected)
@@ -312,6 +332,7 @@ def _patch_rms_norm(patcher: _Patcher) -> bool:
             type(self).forward_native is RMSNorm.forward_native
             and self.variance_size_override is None
             and self.has_weight
+            and getattr(self, "bias", None) is None
             and x.dtype in (torch.float32, torch.bfloat16, torch.float16)
             and self.weight.dtype == x.dtype
         )

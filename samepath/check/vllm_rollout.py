@@ -1,0 +1,153 @@
+"""A vLLM rollout in a child process, for ``samepath check --rollout vllm`` and the vLLM tests.
+
+vLLM keeps process-global state (its platform, compiled ops, the attention backend it selected,
+the patches the plugin installed), so each rollout — stock or with samepath — runs in a fresh
+Python process: ``python -m samepath.check.vllm_rollout SPEC_JSON``. The child builds
+``vllm.LLM`` on the model directory (token ids in, no tokenizer), generates, and prints one line
+``SAMEPATH_RESULT {json}`` with, per request, the sampled tokens, their log-probs and the number
+of prompt tokens served from the prefix cache, plus the child's ``samepath.fingerprint()``.
+
+Log-probs are vLLM's ``processed_logprobs``: the log-softmax of the fp32 logits after the
+temperature division — the same quantity as ``samepath.logprobs(logits, tokens, temperature)``
+on the trainer side (at temperature 1 and for greedy requests, the raw logits' log-softmax).
+With ``samepath=True`` the child sets ``SAMEPATH_VLLM=1`` and calls the plugin's ``register()``
+itself, so the entry point need not be installed (``entry_point=True`` leaves that to vLLM's
+plugin loader instead, with the engine core in its own process).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from dataclasses import dataclass, field
+
+RESULT_PREFIX = "SAMEPATH_RESULT "
+
+
+@dataclass
+class VLLMRolloutSpec:
+    """What the child process runs. ``batches`` are submitted one ``generate`` call after another
+    (a later batch can hit the prefix cache filled by an earlier one)."""
+
+    model: str
+    dtype: str
+    batches: list[list[list[int]]]
+    new_tokens: int
+    temperature: float = 0.0
+    seed: int = 0
+    samepath: bool = True
+    entry_point: bool = False
+    block_size: int = 32
+    max_num_batched_tokens: int = 64
+    max_num_seqs: int = 8
+    max_model_len: int = 256
+    #: The trainer's ``samepath.fingerprint()``: the child's plugin refuses to run with another.
+    expect_fingerprint: str | None = None
+    engine_args: dict = field(default_factory=dict)
+
+
+@dataclass
+class VLLMRequestResult:
+    tokens: list[int]
+    logprobs: list[float]
+    cached_tokens: int
+
+
+@dataclass
+class VLLMRolloutResult:
+    requests: list[VLLMRequestResult]
+    fingerprint: str | None  #: the child's samepath.fingerprint() when samepath was installed
+
+
+def run_vllm_rollout(spec: VLLMRolloutSpec, timeout: float = 1800.0) -> VLLMRolloutResult:
+    """Run ``spec`` in a fresh Python process; raise ``RuntimeError`` with vLLM's stderr tail on failure."""
+    env = dict(os.environ)
+    env.update(
+        SAMEPATH_VLLM="1" if spec.samepath else "0",
+        VLLM_ENABLE_V1_MULTIPROCESSING="1" if spec.entry_point else "0",
+        TOKENIZERS_PARALLELISM="false",
+    )
+    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    env.pop("SAMEPATH_EXPECT_FINGERPRINT", None)
+    if spec.samepath and spec.expect_fingerprint:
+        env["SAMEPATH_EXPECT_FINGERPRINT"] = spec.expect_fingerprint
+    proc = subprocess.run(
+        [sys.executable, "-m", "samepath.check.vllm_rollout", json.dumps(spec.__dict__)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    lines = [line for line in proc.stdout.splitlines() if line.startswith(RESULT_PREFIX)]
+    if proc.returncode != 0 or not lines:
+        raise RuntimeError(f"the vLLM rollout failed (exit status {proc.returncode}):\n{proc.stderr[-6000:]}")
+    document = json.loads(lines[-1].removeprefix(RESULT_PREFIX))
+    requests = [VLLMRequestResult(**r) for r in document["requests"]]
+    return VLLMRolloutResult(requests, document["fingerprint"])
+
+
+def _child(spec: VLLMRolloutSpec) -> dict:
+    if spec.samepath and not spec.entry_point:
+        from samepath.integrations import vllm as samepath_vllm
+
+        samepath_vllm.register()
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    llm = LLM(
+        model=spec.model,
+        skip_tokenizer_init=True,
+        dtype=spec.dtype,
+        enforce_eager=True,
+        max_model_len=spec.max_model_len,
+        block_size=spec.block_size,
+        max_num_batched_tokens=spec.max_num_batched_tokens,
+        max_num_seqs=spec.max_num_seqs,
+        enable_chunked_prefill=True,
+        enable_prefix_caching=True,
+        logprobs_mode="processed_logprobs",
+        # The draw is seeded here, not per request: vllm-cpu 0.32 fails a seeded request under
+        # chunked prefill ("CPU Generator does not use offset").
+        seed=spec.seed,
+        **spec.engine_args,
+    )
+    params = SamplingParams(
+        logprobs=0,
+        detokenize=False,
+        ignore_eos=True,
+        max_tokens=spec.new_tokens,
+        min_tokens=spec.new_tokens,
+        temperature=spec.temperature,
+        top_k=0,
+        top_p=1.0,
+    )
+    requests = []
+    for batch in spec.batches:
+        for out in llm.generate([TokensPrompt(prompt_token_ids=p) for p in batch], params, use_tqdm=False):
+            completion = out.outputs[0]
+            tokens = list(completion.token_ids)
+            requests.append(
+                {
+                    "tokens": tokens,
+                    "logprobs": [step[token].logprob for token, step in zip(tokens, completion.logprobs, strict=True)],
+                    "cached_tokens": out.num_cached_tokens or 0,
+                }
+            )
+    fingerprint = None
+    if spec.samepath:
+        import samepath
+
+        fingerprint = samepath.fingerprint()
+    return {"requests": requests, "fingerprint": fingerprint}
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    spec = VLLMRolloutSpec(**json.loads(argv[0]))
+    print(RESULT_PREFIX + json.dumps(_child(spec)), flush=True)
+
+
+if __name__ == "__main__":
+    main()
