@@ -47,8 +47,37 @@ The merge runs in one Triton kernel (:func:`merge_shard_lse`), so the TP side (a
 (:func:`sharded_token_logprobs`, which cuts the full logits into the same S shards) compute the
 same bits. With ``S = 1`` the result equals :func:`samepath.token_logprobs` bitwise.
 
-S (the rollout's TP degree) is part of the numerics: trainer and rollout must agree on it.
-Transport is torch.distributed (gloo on CPU, NCCL/HCCL on devices); only ``all_gather`` is used.
+**Backward** (a TP trainer; deterministic, no atomics, every sum in one order). The outputs of the
+row-parallel layers and the merged logprobs are replicated, so their upstream gradient ``dY`` is
+the same on every rank:
+
+* row-parallel: no collective. ``dX_r = dY @ W_r``, ``dW_r = dY^T @ X_r``, ``db = 1^T @ dY``
+  with the plain kernel — the K columns of rank ``r`` of what the one-process
+  ``linear(x, w, bias, k_slices=S)`` backward computes (its backward uses the plain schedule and
+  every output column is its own reduction).
+* column-parallel: ``dX`` is a sum over the ranks' output columns. Each rank's fp32 partial
+  ``matmul(dY_r, W_r, out_dtype=fp32)`` is exchanged by ``all_gather`` and the partials are summed
+  in rank order in fp32, then cast once — ``matmul(dY, W, k_slices=S)``, which the one-process
+  :func:`column_sharded_linear` runs. ``dW_r`` and ``db_r`` need no collective and equal the rows
+  of the unsharded gradients.
+* vocab-parallel logprobs: no collective. Each shard's ``dlogits`` is samepath's
+  ``token_logprobs`` backward kernel run on the shard with the *merged* lse:
+  ``((onehot(label) - exp(z - lse)) * g) / T`` (0 for ``ignore_index`` rows), which the
+  one-process :func:`sharded_token_logprobs` runs shard by shard.
+
+So a TP-S trainer's gradients are bit-identical to a one-process trainer that uses
+``linear(k_slices=S)`` for the row-parallel layers, :func:`column_sharded_linear` for the
+column-parallel ones and :func:`sharded_token_logprobs`: every rank's weight-shard gradient is
+the matching slice of the unsharded one and the input gradient is the same tensor. (Weights
+applied inside the TP region to a rank's heads only, like Qwen3's per-head q/k norms, get a
+partial gradient per rank; summing those is the trainer's business and is not covered here.)
+
+**S is part of the numerics.** Trainer and rollout must agree on it:
+:func:`tensor_parallel_numerics` is the TP-dependent entry of the fingerprint, and
+:func:`assert_same_numerics_across_group` exchanges every rank's fingerprint and S with
+``all_gather_object`` and raises :class:`samepath.NumericsMismatchError` when they differ.
+Transport is torch.distributed (gloo on CPU, NCCL/HCCL on devices); only ``all_gather`` (and
+``all_gather_object`` for the check) is used.
 """
 
 from __future__ import annotations
@@ -58,7 +87,8 @@ import torch.distributed as dist
 import triton
 import triton.language as tl
 
-from samepath.kernels.config import RowReduceConfig, register_formula
+from samepath.kernels import grid
+from samepath.kernels.config import NumericsMismatchError, RowReduceConfig, fingerprint, register_formula
 from samepath.kernels.dispatch import jit
 from samepath.kernels.logprobs import (
     IGNORE_INDEX,
@@ -67,6 +97,7 @@ from samepath.kernels.logprobs import (
     _check_temperature,
     _row_lse,
     _row_offsets,
+    _token_backward,
 )
 from samepath.kernels.matmul import linear, matmul
 
@@ -79,10 +110,17 @@ DISTRIBUTED_FORMULA = {
     "c = m == -inf ? 0 : m with m = max(lse, lse_s); lse = c + log(exp(lse - c) + exp(lse_s - c)); "
     "logprob = zlab - lse",
     "collective": "all_gather only; no all_reduce",
+    "row_parallel_backward": "no collective; dX_r = dY @ W_r, dW_r = dY^T @ X_r, db = 1^T @ dY, plain kernel",
+    "column_parallel_backward": "dX: fp32 partials dY_r @ W_r, all_gather, summed in ascending rank order in fp32, "
+    "one cast == matmul(dY, W, k_slices=S); dW_r = dY_r^T @ X, db_r = 1^T @ dY_r, plain kernel",
+    "vocab_parallel_backward": "no collective; per shard token_logprobs' backward kernel with the merged lse: "
+    "((onehot - exp(z - lse)) * g) / T, 0 for ignore_index rows",
 }
 register_formula("distributed", DISTRIBUTED_FORMULA)
 
 _MERGE_BLOCK = 16
+#: Local labels of the vocab-parallel backward: a row whose label is another shard's, an ignored row.
+_NOT_IN_SHARD, _IGNORED = -1, -2
 
 
 # ----------------------------------------------------------------------------------------------
@@ -97,25 +135,26 @@ def _shard_lse_kernel(
     Labels,
     Lse,
     ZLabel,
+    rows,
     stride_v,
     V_shard,
     col_begin,
     temperature,
     CHUNK: tl.constexpr,
 ):
-    """One row of one vocab shard: the shard's lse and the label's x / T (-inf if not in the shard)."""
-    row = tl.program_id(0)
-    row_ptr = X + tl.load(row_offsets + row)
-    lse, _ = _row_lse(row_ptr, stride_v, V_shard, temperature, CHUNK, False)
-    local = tl.load(Labels + row).to(tl.int64) - col_begin
-    in_shard = (local >= 0) & (local < V_shard)
-    # The label's x / T as the one live lane of a 16-lane vector, as token_logprobs computes it.
-    lanes = tl.arange(0, 16)
-    ptrs = row_ptr + (tl.where(in_shard, local, 0) + lanes) * stride_v
-    x_lanes = tl.load(ptrs, mask=lanes == 0, other=0.0).to(tl.float32)
-    z_label = tl.sum(tl.math.div_rn(x_lanes, temperature), 0)
-    tl.store(Lse + row, lse)
-    tl.store(ZLabel + row, tl.where(in_shard, z_label, float("-inf")))
+    """Per row of one vocab shard: the shard's lse and the label's x / T (-inf if not in the shard)."""
+    for row in range(tl.program_id(0), rows, tl.num_programs(0)):
+        row_ptr = X + tl.load(row_offsets + row)
+        lse, _ = _row_lse(row_ptr, stride_v, V_shard, temperature, CHUNK, False)
+        local = tl.load(Labels + row).to(tl.int64) - col_begin
+        in_shard = (local >= 0) & (local < V_shard)
+        # The label's x / T as the one live lane of a 16-lane vector, as token_logprobs computes it.
+        lanes = tl.arange(0, 16)
+        ptrs = row_ptr + (tl.where(in_shard, local, 0) + lanes) * stride_v
+        x_lanes = tl.load(ptrs, mask=lanes == 0, other=0.0).to(tl.float32)
+        z_label = tl.sum(tl.math.div_rn(x_lanes, temperature), 0)
+        tl.store(Lse + row, lse)
+        tl.store(ZLabel + row, tl.where(in_shard, z_label, float("-inf")))
 
 
 @jit
@@ -124,6 +163,7 @@ def _merge_kernel(
     ZLabel,
     Labels,
     LogProb,
+    MergedLse,
     rows,
     V_shard,
     ignore_index,
@@ -132,23 +172,25 @@ def _merge_kernel(
     HAS_IGNORE: tl.constexpr,
 ):
     """Merge ``[S, rows]`` shard states in ascending shard order (the formula in the module doc)."""
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    valid = offs < rows
-    label = tl.load(Labels + offs, mask=valid, other=0).to(tl.int64)
-    owner = label // V_shard
-    lse = tl.load(Lse + offs, mask=valid, other=0.0)
-    z = tl.where(owner == 0, tl.load(ZLabel + offs, mask=valid, other=0.0), float("-inf"))
-    for s in tl.static_range(1, NUM_SHARDS):
-        lse_s = tl.load(Lse + s * rows + offs, mask=valid, other=0.0)
-        m = tl.maximum(lse, lse_s)
-        c = tl.where(m == float("-inf"), 0.0, m)
-        lse = c + tl.log(tl.exp(lse - c) + tl.exp(lse_s - c))
-        z = tl.where(owner == s, tl.load(ZLabel + s * rows + offs, mask=valid, other=0.0), z)
-    in_range = (label >= 0) & (owner < NUM_SHARDS)
-    logprob = tl.where(in_range, z - lse, float("nan"))
-    if HAS_IGNORE:
-        logprob = tl.where(label == ignore_index, 0.0, logprob)
-    tl.store(LogProb + offs, logprob, mask=valid)
+    for block in range(tl.program_id(0), tl.cdiv(rows, BLOCK), tl.num_programs(0)):
+        offs = block * BLOCK + tl.arange(0, BLOCK)
+        valid = offs < rows
+        label = tl.load(Labels + offs, mask=valid, other=0).to(tl.int64)
+        owner = label // V_shard
+        lse = tl.load(Lse + offs, mask=valid, other=0.0)
+        z = tl.where(owner == 0, tl.load(ZLabel + offs, mask=valid, other=0.0), float("-inf"))
+        for s in tl.static_range(1, NUM_SHARDS):
+            lse_s = tl.load(Lse + s * rows + offs, mask=valid, other=0.0)
+            m = tl.maximum(lse, lse_s)
+            c = tl.where(m == float("-inf"), 0.0, m)
+            lse = c + tl.log(tl.exp(lse - c) + tl.exp(lse_s - c))
+            z = tl.where(owner == s, tl.load(ZLabel + s * rows + offs, mask=valid, other=0.0), z)
+        in_range = (label >= 0) & (owner < NUM_SHARDS)
+        logprob = tl.where(in_range, z - lse, float("nan"))
+        if HAS_IGNORE:
+            logprob = tl.where(label == ignore_index, 0.0, logprob)
+        tl.store(LogProb + offs, logprob, mask=valid)
+        tl.store(MergedLse + offs, lse, mask=valid)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -177,12 +219,13 @@ def shard_lse(
     lse = torch.empty(rows, dtype=torch.float32, device=logits_shard.device)
     zlab = torch.empty(rows, dtype=torch.float32, device=logits_shard.device)
     if rows:
-        _shard_lse_kernel[(rows,)](
+        _shard_lse_kernel[(grid.num_programs(rows, logits_shard.device),)](
             logits_shard,
             _row_offsets(logits_shard),
             labels_flat,
             lse,
             zlab,
+            rows,
             logits_shard.stride(-1),
             logits_shard.shape[-1],
             int(col_begin),
@@ -191,6 +234,30 @@ def shard_lse(
             num_warps=cfg.num_warps,
         )
     return lse, zlab
+
+
+def _merge_states(
+    lse: torch.Tensor, zlab: torch.Tensor, labels_flat: torch.Tensor, shard_size: int, ignore_index: int | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 ``(logprob, merged lse)``, ``[rows]`` each, of ``[S, rows]`` shard states."""
+    num_shards, rows = lse.shape
+    out = torch.empty(rows, dtype=torch.float32, device=lse.device)
+    merged = torch.empty(rows, dtype=torch.float32, device=lse.device)
+    if rows:
+        _merge_kernel[(grid.num_programs(triton.cdiv(rows, _MERGE_BLOCK), lse.device),)](
+            lse.contiguous(),
+            zlab.contiguous(),
+            labels_flat,
+            out,
+            merged,
+            rows,
+            int(shard_size),
+            ignore_index if ignore_index is not None else 0,
+            NUM_SHARDS=num_shards,
+            BLOCK=_MERGE_BLOCK,
+            HAS_IGNORE=ignore_index is not None,
+        )
+    return out, merged
 
 
 def merge_shard_lse(
@@ -202,28 +269,87 @@ def merge_shard_lse(
     ignore_index: int | None = IGNORE_INDEX,
 ) -> torch.Tensor:
     """Merge ``[S, rows]`` shard states (``lse``, ``zlab``, in shard order) into fp32 logprobs
-    ``labels.shape``; the formula is in the module docstring."""
+    ``labels.shape``; the formula is in the module docstring. Not differentiable."""
     if lse.dim() != 2 or lse.shape != zlab.shape or lse.dtype != torch.float32 or zlab.dtype != torch.float32:
         raise ValueError("lse and zlab must be fp32 tensors of the same shape [num_shards, rows]")
-    num_shards, rows = lse.shape
     labels_flat = labels.reshape(-1).contiguous()
-    if labels_flat.numel() != rows:
-        raise ValueError(f"labels hold {labels_flat.numel()} rows, the shard states {rows}")
-    out = torch.empty(rows, dtype=torch.float32, device=lse.device)
-    if rows:
-        _merge_kernel[(triton.cdiv(rows, _MERGE_BLOCK),)](
-            lse.contiguous(),
-            zlab.contiguous(),
-            labels_flat,
-            out,
-            rows,
-            int(shard_size),
-            ignore_index if ignore_index is not None else 0,
-            NUM_SHARDS=num_shards,
-            BLOCK=_MERGE_BLOCK,
-            HAS_IGNORE=ignore_index is not None,
-        )
+    if labels_flat.numel() != lse.shape[1]:
+        raise ValueError(f"labels hold {labels_flat.numel()} rows, the shard states {lse.shape[1]}")
+    out, _ = _merge_states(lse, zlab, labels_flat, shard_size, ignore_index)
     return out.reshape(labels.shape)
+
+
+def _shard_grad(
+    logits_shard: torch.Tensor,
+    labels_flat: torch.Tensor,
+    col_begin: int,
+    merged_lse: torch.Tensor,
+    grad: torch.Tensor,
+    temperature: float,
+    ignore_index: int | None,
+    config: RowReduceConfig,
+) -> torch.Tensor:
+    """``d logprob / d logits_shard`` (in ``logits_shard.dtype``) by ``token_logprobs``' backward
+    kernel: the shard's columns with the merged lse, its local label (or none), ignored rows 0."""
+    labels64 = labels_flat.to(torch.int64)
+    local = labels64 - col_begin
+    local = torch.where((local >= 0) & (local < logits_shard.shape[-1]), local, _NOT_IN_SHARD)
+    kernel_ignore = None
+    if ignore_index is not None:
+        local = torch.where(labels64 == ignore_index, _IGNORED, local)
+        kernel_ignore = _IGNORED
+    return _token_backward(
+        logits_shard,
+        local,
+        _row_offsets(logits_shard),
+        merged_lse,
+        None,
+        grad.reshape(-1),
+        None,
+        temperature,
+        kernel_ignore,
+        config,
+    )
+
+
+class _ShardedLogprobsFunction(torch.autograd.Function):
+    """Autograd for :func:`sharded_token_logprobs` (one process, ``num_shards`` shards)."""
+
+    @staticmethod
+    def forward(ctx, logits, labels_flat, num_shards, temperature, ignore_index, config):  # type: ignore[override]
+        size = logits.shape[-1] // num_shards
+        states = [
+            shard_lse(logits[..., s * size : (s + 1) * size], labels_flat, s * size, temperature, config=config)
+            for s in range(num_shards)
+        ]
+        lse = torch.stack([state[0] for state in states])
+        zlab = torch.stack([state[1] for state in states])
+        logprob, merged = _merge_states(lse, zlab, labels_flat, size, ignore_index)
+        ctx.set_materialize_grads(False)
+        ctx.save_for_backward(logits, labels_flat, merged)
+        ctx.num_shards, ctx.temperature, ctx.ignore_index, ctx.config = num_shards, temperature, ignore_index, config
+        return logprob.reshape(logits.shape[:-1])
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        if grad is None:
+            return None, None, None, None, None, None
+        logits, labels_flat, merged = ctx.saved_tensors
+        size = logits.shape[-1] // ctx.num_shards
+        parts = [
+            _shard_grad(
+                logits[..., s * size : (s + 1) * size],
+                labels_flat,
+                s * size,
+                merged,
+                grad,
+                ctx.temperature,
+                ctx.ignore_index,
+                ctx.config,
+            )
+            for s in range(ctx.num_shards)
+        ]
+        return torch.cat(parts, dim=-1), None, None, None, None, None
 
 
 def _check_labels(labels: torch.Tensor, lead: torch.Size, vocab: int, ignore_index: int | None) -> None:
@@ -252,21 +378,75 @@ def sharded_token_logprobs(
     with the shard boundaries of a TP-``num_shards`` rollout (``V % num_shards == 0``).
 
     Bit-identical to :func:`vocab_parallel_token_logprobs` on ``num_shards`` ranks, and to
-    :func:`samepath.token_logprobs` for ``num_shards == 1``. Not differentiable.
+    :func:`samepath.token_logprobs` for ``num_shards == 1``. Differentiable in ``logits``: the
+    gradient (``logits.dtype``, deterministic) is, shard by shard, what the TP ranks' backward
+    computes (module docstring).
     """
     _check_logits(logits)
     vocab = logits.shape[-1]
-    if not isinstance(num_shards, int) or num_shards < 1 or vocab % num_shards:
+    if not isinstance(num_shards, int) or isinstance(num_shards, bool) or num_shards < 1 or vocab % num_shards:
         raise ValueError(f"num_shards = {num_shards!r} must be a positive int dividing the vocabulary {vocab}")
     _check_labels(labels, logits.shape[:-1], vocab, ignore_index)
-    size = vocab // num_shards
-    states = [
-        shard_lse(logits[..., s * size : (s + 1) * size], labels, s * size, temperature, config=config)
-        for s in range(num_shards)
-    ]
-    lse = torch.stack([state[0] for state in states])
-    zlab = torch.stack([state[1] for state in states])
-    return merge_shard_lse(lse, zlab, labels, size, ignore_index=ignore_index)
+    temperature = _check_temperature(temperature)
+    cfg = _check_config(config, logits.device)
+    labels_flat = labels.reshape(-1).contiguous()
+    return _ShardedLogprobsFunction.apply(logits, labels_flat, num_shards, temperature, ignore_index, cfg)
+
+
+def _linear_grads(
+    x2d: torch.Tensor, weight: torch.Tensor, grad_out: torch.Tensor, needs: tuple[bool, bool, bool]
+) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+    """``(dX = dY @ W, dW = dY^T @ X, db = 1^T @ dY)`` by the plain kernel, as ``linear``'s backward."""
+    grad_x = matmul(grad_out, weight) if needs[0] else None
+    grad_w = matmul(grad_out.t(), x2d) if needs[1] else None
+    grad_b = None
+    if needs[2]:
+        ones = torch.ones((1, grad_out.shape[0]), dtype=grad_out.dtype, device=grad_out.device)
+        grad_b = matmul(ones, grad_out).view(-1)
+    return grad_x, grad_w, grad_b
+
+
+class _ColumnShardedLinearFunction(torch.autograd.Function):
+    """Autograd for :func:`column_sharded_linear`."""
+
+    @staticmethod
+    def forward(ctx, x2d, weight, bias, num_shards):  # type: ignore[override]
+        ctx.save_for_backward(x2d, weight)
+        ctx.has_bias, ctx.num_shards = bias is not None, num_shards
+        return linear(x2d, weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad_out):  # type: ignore[override]
+        x2d, weight = ctx.saved_tensors
+        needs = (False, ctx.needs_input_grad[1], ctx.has_bias and ctx.needs_input_grad[2])
+        _, grad_w, grad_b = _linear_grads(x2d, weight, grad_out, needs)
+        grad_x = matmul(grad_out, weight, k_slices=ctx.num_shards) if ctx.needs_input_grad[0] else None
+        return grad_x, grad_w, grad_b, None
+
+
+def _check_linear_operands(x: torch.Tensor, weight: torch.Tensor, x_name: str, w_name: str) -> None:
+    if not isinstance(x, torch.Tensor) or x.dim() < 1:
+        raise ValueError(f"{x_name} must be a tensor of shape [..., K], got {getattr(x, 'shape', type(x).__name__)}")
+    if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
+        raise ValueError(f"{w_name} must be 2-D [N, K], got shape {tuple(getattr(weight, 'shape', ()))}")
+    if weight.shape[1] != x.shape[-1]:
+        raise ValueError(f"{w_name} has K = {weight.shape[1]} columns, {x_name} has K = {x.shape[-1]}")
+
+
+def column_sharded_linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, num_shards: int
+) -> torch.Tensor:
+    """The one-process trainer's column-parallel layer: ``linear(x, weight, bias)`` forward, and
+    a backward whose ``dX`` is ``matmul(dY, weight, k_slices=num_shards)`` — the rank-order sum of
+    ``num_shards`` column shards' fp32 partials that :func:`column_parallel_linear` computes on a
+    TP group. ``dW`` and ``db`` are ``linear``'s. ``N % num_shards == 0`` is required."""
+    _check_linear_operands(x, weight, "x", "weight")
+    n = weight.shape[0]
+    if not isinstance(num_shards, int) or isinstance(num_shards, bool) or num_shards < 1 or n % num_shards:
+        raise ValueError(f"num_shards = {num_shards!r} must be a positive int dividing N = {n} (weight.shape[0])")
+    lead = x.shape[:-1]
+    out = _ColumnShardedLinearFunction.apply(x.reshape(-1, x.shape[-1]), weight, bias, num_shards)
+    return out.view(*lead, n)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -281,6 +461,33 @@ def _gather(tensor: torch.Tensor, group: dist.ProcessGroup | None) -> list[torch
     return parts
 
 
+class _VocabParallelLogprobsFunction(torch.autograd.Function):
+    """Autograd for :func:`vocab_parallel_token_logprobs`."""
+
+    @staticmethod
+    def forward(ctx, logits_shard, labels_flat, temperature, ignore_index, config, group):  # type: ignore[override]
+        rank = dist.get_rank(group)
+        size = logits_shard.shape[-1]
+        lse, zlab = shard_lse(logits_shard, labels_flat, rank * size, temperature, config=config)
+        lse_all = torch.stack(_gather(lse, group))
+        zlab_all = torch.stack(_gather(zlab, group))
+        logprob, merged = _merge_states(lse_all, zlab_all, labels_flat, size, ignore_index)
+        ctx.set_materialize_grads(False)
+        ctx.save_for_backward(logits_shard, labels_flat, merged)
+        ctx.col_begin, ctx.temperature, ctx.ignore_index, ctx.config = rank * size, temperature, ignore_index, config
+        return logprob.reshape(logits_shard.shape[:-1])
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        if grad is None:
+            return None, None, None, None, None, None
+        logits_shard, labels_flat, merged = ctx.saved_tensors
+        grad_shard = _shard_grad(
+            logits_shard, labels_flat, ctx.col_begin, merged, grad, ctx.temperature, ctx.ignore_index, ctx.config
+        )
+        return grad_shard, None, None, None, None, None
+
+
 def vocab_parallel_token_logprobs(
     logits_shard: torch.Tensor,
     labels: torch.Tensor,
@@ -293,15 +500,16 @@ def vocab_parallel_token_logprobs(
     """The rollout's side: this rank's ``[..., Vs]`` shard (rank r holds columns ``[r*Vs,
     (r+1)*Vs)``, equal shards) and the global labels (the same on every rank) give fp32 logprobs
     ``labels.shape``, identical on every rank and to :func:`sharded_token_logprobs` with S = the
-    group's size."""
+    group's size. Differentiable in ``logits_shard`` (no collective in the backward; the upstream
+    gradient must be the same on every rank): the gradient is this shard's slice of
+    :func:`sharded_token_logprobs`' gradient."""
     _check_logits(logits_shard, "logits_shard")
-    rank, world = dist.get_rank(group), dist.get_world_size(group)
-    size = logits_shard.shape[-1]
-    _check_labels(labels, logits_shard.shape[:-1], size * world, ignore_index)
-    lse, zlab = shard_lse(logits_shard, labels, rank * size, temperature, config=config)
-    lse_all = torch.stack(_gather(lse, group))
-    zlab_all = torch.stack(_gather(zlab, group))
-    return merge_shard_lse(lse_all, zlab_all, labels, size, ignore_index=ignore_index)
+    world = dist.get_world_size(group)
+    _check_labels(labels, logits_shard.shape[:-1], logits_shard.shape[-1] * world, ignore_index)
+    temperature = _check_temperature(temperature)
+    cfg = _check_config(config, logits_shard.device)
+    labels_flat = labels.reshape(-1).contiguous()
+    return _VocabParallelLogprobsFunction.apply(logits_shard, labels_flat, temperature, ignore_index, cfg, group)
 
 
 def sum_partials(partials: list[torch.Tensor], bias: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
@@ -315,6 +523,23 @@ def sum_partials(partials: list[torch.Tensor], bias: torch.Tensor | None, dtype:
     return total.to(dtype)
 
 
+class _RowParallelLinearFunction(torch.autograd.Function):
+    """Autograd for :func:`row_parallel_linear`."""
+
+    @staticmethod
+    def forward(ctx, x2d, w_shard, bias, group):  # type: ignore[override]
+        ctx.save_for_backward(x2d, w_shard)
+        ctx.has_bias = bias is not None
+        partial = matmul(x2d, w_shard.t(), out_dtype=torch.float32)
+        return sum_partials(_gather(partial, group), bias, x2d.dtype)
+
+    @staticmethod
+    def backward(ctx, grad_out):  # type: ignore[override]
+        x2d, w_shard = ctx.saved_tensors
+        needs = (ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.has_bias and ctx.needs_input_grad[2])
+        return (*_linear_grads(x2d, w_shard, grad_out, needs), None)
+
+
 def row_parallel_linear(
     x_shard: torch.Tensor,
     w_shard: torch.Tensor,
@@ -324,12 +549,51 @@ def row_parallel_linear(
     """``x @ w.T + bias`` for a weight sharded along K: this rank's ``x_shard [..., K/S]`` and
     ``w_shard [N, K/S]`` (rank order = K order). Returns the full ``[..., N]`` on every rank,
     bit-identical to ``linear(x, w, bias, k_slices=S)`` on one process. ``bias`` (full, ``[N]``)
-    is added once, after the partials. Not differentiable."""
+    is added once, after the partials.
+
+    Differentiable (no collective in the backward; the upstream gradient must be the same on every
+    rank, as it is for a replicated output): ``x_shard``'s and ``w_shard``'s gradients are this
+    rank's K columns of the gradients of ``linear(x, w, bias, k_slices=S)``, the bias gradient is
+    that one's, bit for bit."""
+    _check_linear_operands(x_shard, w_shard, "x_shard", "w_shard")
     lead = x_shard.shape[:-1]
-    x2d = x_shard.reshape(-1, x_shard.shape[-1])
-    partial = matmul(x2d, w_shard.t(), out_dtype=torch.float32)
-    out = sum_partials(_gather(partial, group), bias, x_shard.dtype)
-    return out.reshape(*lead, w_shard.shape[0])
+    out = _RowParallelLinearFunction.apply(x_shard.reshape(-1, x_shard.shape[-1]), w_shard, bias, group)
+    return out.view(*lead, w_shard.shape[0])
+
+
+class _ColumnParallelLinearFunction(torch.autograd.Function):
+    """Autograd for :func:`column_parallel_linear` (this rank's columns)."""
+
+    @staticmethod
+    def forward(ctx, x2d, w_shard, bias_shard, group):  # type: ignore[override]
+        ctx.save_for_backward(x2d, w_shard)
+        ctx.has_bias, ctx.group = bias_shard is not None, group
+        return linear(x2d, w_shard, bias_shard)
+
+    @staticmethod
+    def backward(ctx, grad_out):  # type: ignore[override]
+        x2d, w_shard = ctx.saved_tensors
+        needs = (False, ctx.needs_input_grad[1], ctx.has_bias and ctx.needs_input_grad[2])
+        _, grad_w, grad_b = _linear_grads(x2d, w_shard, grad_out, needs)
+        grad_x = None
+        if ctx.needs_input_grad[0]:
+            partial = matmul(grad_out, w_shard, out_dtype=torch.float32)
+            grad_x = sum_partials(_gather(partial, ctx.group), None, x2d.dtype)
+        return grad_x, grad_w, grad_b, None
+
+
+class _GatherColumnsFunction(torch.autograd.Function):
+    """``all_gather`` of the ranks' ``[..., n]`` columns, concatenated in rank order; backward:
+    this rank's slice of the (replicated) upstream gradient."""
+
+    @staticmethod
+    def forward(ctx, out, group):  # type: ignore[override]
+        ctx.rank, ctx.width = dist.get_rank(group), out.shape[-1]
+        return torch.cat(_gather(out, group), dim=-1)
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        return grad[..., ctx.rank * ctx.width : (ctx.rank + 1) * ctx.width].contiguous(), None
 
 
 def column_parallel_linear(
@@ -342,20 +606,73 @@ def column_parallel_linear(
 ) -> torch.Tensor:
     """``x @ w_shard.T + bias_shard`` — this rank's ``[..., N/S]`` columns, equal to those columns
     of the unsharded ``linear``; with ``gather_output`` the ranks' columns are concatenated in rank
-    order (``all_gather``) into the full ``[..., N]``."""
-    out = linear(x, w_shard, bias_shard)
+    order (``all_gather``) into the full ``[..., N]``.
+
+    Differentiable: ``x``'s gradient (``x`` replicated) is the rank-order fp32 sum of the ranks'
+    partials ``dY_r @ W_r`` (``all_gather``), bit-identical on every rank to the one-process
+    :func:`column_sharded_linear`'s; ``w_shard``'s and ``bias_shard``'s are this rank's rows of
+    the unsharded gradients."""
+    _check_linear_operands(x, w_shard, "x", "w_shard")
+    lead = x.shape[:-1]
+    out = _ColumnParallelLinearFunction.apply(x.reshape(-1, x.shape[-1]), w_shard, bias_shard, group)
+    out = out.view(*lead, w_shard.shape[0])
     if not gather_output:
         return out
-    return torch.cat(_gather(out, group), dim=-1)
+    return _GatherColumnsFunction.apply(out, group)
+
+
+# ----------------------------------------------------------------------------------------------
+# S in the fingerprint
+# ----------------------------------------------------------------------------------------------
+
+
+def tensor_parallel_numerics(tensor_parallel_size: int) -> dict[str, int]:
+    """The TP-dependent numerics constants for a rollout of TP degree ``S`` (the fingerprint's
+    ``tensor_parallel`` entry): the row-parallel ``k_slices``, the vocabulary shards of the
+    logprobs and the slices of the column-parallel input gradient, all ``S``. ``S = 1`` is the
+    unsharded schedule. A one-process trainer passes the ``S`` it runs ``k_slices`` with."""
+    if not isinstance(tensor_parallel_size, int) or isinstance(tensor_parallel_size, bool) or tensor_parallel_size < 1:
+        raise ValueError(f"tensor_parallel_size must be a positive int, got {tensor_parallel_size!r}")
+    size = tensor_parallel_size
+    return {"tensor_parallel_size": size, "k_slices": size, "vocab_shards": size, "grad_input_slices": size}
+
+
+def assert_same_numerics_across_group(tensor_parallel_size: int, group: dist.ProcessGroup | None = None) -> None:
+    """Exchange every rank's ``samepath.fingerprint()`` and :func:`tensor_parallel_numerics` over
+    ``group`` (``all_gather_object``; a collective: every rank of the group must call it) and
+    raise :class:`samepath.NumericsMismatchError` on every rank, naming the ranks and what they
+    run, unless all agree. Rollout ranks pass their TP degree, trainer ranks the ``k_slices``
+    they compute with."""
+    mine = {
+        "fingerprint": fingerprint(tensor_parallel_size),
+        "tensor_parallel": tensor_parallel_numerics(tensor_parallel_size),
+    }
+    entries: list[dict | None] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(entries, mine, group=group)
+    if all(entry == entries[0] for entry in entries):
+        return
+    runs = "; ".join(
+        f"rank {rank}: fingerprint {entry['fingerprint']}, "
+        f"tensor_parallel_size {entry['tensor_parallel']['tensor_parallel_size']}"
+        for rank, entry in enumerate(entries)
+    )
+    raise NumericsMismatchError(
+        f"numerics differ across the process group ({runs}). Every rank must run the same samepath "
+        "version and config table, and trainer and rollout the same tensor-parallel degree S "
+        "(the trainer with k_slices=S), or their log-probabilities will not be bit-identical."
+    )
 
 
 __all__ = [
     "DISTRIBUTED_FORMULA",
+    "assert_same_numerics_across_group",
     "column_parallel_linear",
+    "column_sharded_linear",
     "merge_shard_lse",
     "row_parallel_linear",
     "shard_lse",
     "sharded_token_logprobs",
     "sum_partials",
+    "tensor_parallel_numerics",
     "vocab_parallel_token_logprobs",
 ]

@@ -22,6 +22,9 @@ import torch
 import triton
 import triton.language as tl
 
+from samepath.ascendc_fallback.loader import attention_backend
+from samepath.ascendc_fallback.loader import launch_forward as ascendc_launch_forward
+from samepath.kernels import grid
 from samepath.kernels.config import (
     AttentionConfig,
     attention_config,
@@ -86,7 +89,8 @@ def _attention_fwd_kernel(
     block_table,
     program_seq,
     program_block,
-    num_seqs,
+    num_blocks,
+    num_heads,
     qk_scale,
     sliding_window,
     stride_q_tok,
@@ -113,106 +117,107 @@ def _attention_fwd_kernel(
     STORE_LSE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
-    pid = tl.program_id(0)
-    head = tl.program_id(1)
-    seq = tl.load(program_seq + pid)
-    if seq >= num_seqs:
-        return
-    block = tl.load(program_block + pid)
-    kv_head = head // GROUP
+    """Each (query block, head) work item, flattened head-fastest: the block's queries against
+    their KV tiles in ascending order."""
+    num_work = tl.load(num_blocks) * num_heads
+    for work in range(tl.program_id(0), num_work, tl.num_programs(0)):
+        head = work % num_heads
+        seq = tl.load(program_seq + work // num_heads)
+        block = tl.load(program_block + work // num_heads)
+        kv_head = head // GROUP
 
-    q_start = tl.load(query_start_loc + seq)
-    q_len = tl.load(query_start_loc + seq + 1) - q_start
-    kv_len = tl.load(seq_lens + seq)
-    kv_start = tl.load(kv_start_loc + seq)
-    context = kv_len - q_len
+        q_start = tl.load(query_start_loc + seq)
+        q_len = tl.load(query_start_loc + seq + 1) - q_start
+        kv_len = tl.load(seq_lens + seq)
+        kv_start = tl.load(kv_start_loc + seq)
+        context = kv_len - q_len
 
-    offs_m = block * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, BLOCK_D)
-    row_valid = offs_m < q_len
-    d_valid = offs_d < HEAD_SIZE
-    pos_q = context + offs_m
-    q_rows = (q_start + offs_m).to(tl.int64)
-    q = tl.load(
-        Q + q_rows[:, None] * stride_q_tok + head * stride_q_head + offs_d[None, :],
-        mask=row_valid[:, None] & d_valid[None, :],
-        other=0.0,
-    )
-
-    # The KV range that any row of this block can see; tiles outside it are fully masked for
-    # every row, and a fully masked tile leaves the softmax state bitwise unchanged.
-    kv_end = kv_len
-    if CAUSAL:
-        kv_end = tl.minimum(kv_len, context + tl.minimum(q_len, (block + 1) * BLOCK_M))
-    kv_begin = 0
-    if HAS_WINDOW:
-        kv_begin = tl.maximum(0, context + block * BLOCK_M - sliding_window + 1)
-    first_tile_start = (kv_begin // TILE_N) * TILE_N
-
-    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    for tile_start in range(first_tile_start, kv_end, TILE_N):
-        offs_n = tile_start + tl.arange(0, TILE_N)
-        kv_valid = offs_n < kv_len
-        kv_rows = _kv_row_offsets(
-            offs_n,
-            kv_len,
-            seq,
-            kv_start,
-            block_table,
-            stride_table_seq,
-            stride_k_page,
-            stride_k_pos,
-            PAGE_SIZE,
-            PAGED,
-        )
-        k = tl.load(
-            K + kv_rows[None, :] + kv_head * stride_k_head + offs_d[:, None],
-            mask=kv_valid[None, :] & d_valid[:, None],
+        offs_m = block * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_d = tl.arange(0, BLOCK_D)
+        row_valid = offs_m < q_len
+        d_valid = offs_d < HEAD_SIZE
+        pos_q = context + offs_m
+        q_rows = (q_start + offs_m).to(tl.int64)
+        q = tl.load(
+            Q + q_rows[:, None] * stride_q_tok + head * stride_q_head + offs_d[None, :],
+            mask=row_valid[:, None] & d_valid[None, :],
             other=0.0,
         )
-        scores = tl.dot(q, k, input_precision=DOT_PRECISION)
-        visible = _visible(pos_q, offs_n, kv_len, sliding_window, CAUSAL, HAS_WINDOW)
-        scores = tl.where(visible, scores * qk_scale, float("-inf"))
 
-        m_new = tl.maximum(m_i, tl.max(scores, 1))
-        m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_i - m_shift)
-        p = tl.exp2(scores - m_shift[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
+        # The KV range that any row of this block can see; tiles outside it are fully masked for
+        # every row, and a fully masked tile leaves the softmax state bitwise unchanged.
+        kv_end = kv_len
+        if CAUSAL:
+            kv_end = tl.minimum(kv_len, context + tl.minimum(q_len, (block + 1) * BLOCK_M))
+        kv_begin = 0
+        if HAS_WINDOW:
+            kv_begin = tl.maximum(0, context + block * BLOCK_M - sliding_window + 1)
+        first_tile_start = (kv_begin // TILE_N) * TILE_N
 
-        v_rows = _kv_row_offsets(
-            offs_n,
-            kv_len,
-            seq,
-            kv_start,
-            block_table,
-            stride_table_seq,
-            stride_v_page,
-            stride_v_pos,
-            PAGE_SIZE,
-            PAGED,
+        m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+        for tile_start in range(first_tile_start, kv_end, TILE_N):
+            offs_n = tile_start + tl.arange(0, TILE_N)
+            kv_valid = offs_n < kv_len
+            kv_rows = _kv_row_offsets(
+                offs_n,
+                kv_len,
+                seq,
+                kv_start,
+                block_table,
+                stride_table_seq,
+                stride_k_page,
+                stride_k_pos,
+                PAGE_SIZE,
+                PAGED,
+            )
+            k = tl.load(
+                K + kv_rows[None, :] + kv_head * stride_k_head + offs_d[:, None],
+                mask=kv_valid[None, :] & d_valid[:, None],
+                other=0.0,
+            )
+            scores = tl.dot(q, k, input_precision=DOT_PRECISION)
+            visible = _visible(pos_q, offs_n, kv_len, sliding_window, CAUSAL, HAS_WINDOW)
+            scores = tl.where(visible, scores * qk_scale, float("-inf"))
+
+            m_new = tl.maximum(m_i, tl.max(scores, 1))
+            m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.exp2(m_i - m_shift)
+            p = tl.exp2(scores - m_shift[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+
+            v_rows = _kv_row_offsets(
+                offs_n,
+                kv_len,
+                seq,
+                kv_start,
+                block_table,
+                stride_table_seq,
+                stride_v_page,
+                stride_v_pos,
+                PAGE_SIZE,
+                PAGED,
+            )
+            v = tl.load(
+                V + v_rows[:, None] + kv_head * stride_v_head + offs_d[None, :],
+                mask=kv_valid[:, None] & d_valid[None, :],
+                other=0.0,
+            )
+            acc = acc * alpha[:, None]
+            acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
+            m_i = m_new
+
+        l_safe = tl.where(l_i == 0.0, 1.0, l_i)
+        out = acc / l_safe[:, None]
+        tl.store(
+            Out + q_rows[:, None] * stride_o_tok + head * stride_o_head + offs_d[None, :],
+            out.to(Out.dtype.element_ty),
+            mask=row_valid[:, None] & d_valid[None, :],
         )
-        v = tl.load(
-            V + v_rows[:, None] + kv_head * stride_v_head + offs_d[None, :],
-            mask=kv_valid[:, None] & d_valid[None, :],
-            other=0.0,
-        )
-        acc = acc * alpha[:, None]
-        acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
-        m_i = m_new
-
-    l_safe = tl.where(l_i == 0.0, 1.0, l_i)
-    out = acc / l_safe[:, None]
-    tl.store(
-        Out + q_rows[:, None] * stride_o_tok + head * stride_o_head + offs_d[None, :],
-        out.to(Out.dtype.element_ty),
-        mask=row_valid[:, None] & d_valid[None, :],
-    )
-    if STORE_LSE:
-        lse = tl.where(l_i == 0.0, float("inf"), m_i + tl.log2(l_safe))
-        tl.store(Lse + q_rows * stride_lse_tok + head, lse, mask=row_valid)
+        if STORE_LSE:
+            lse = tl.where(l_i == 0.0, float("inf"), m_i + tl.log2(l_safe))
+            tl.store(Lse + q_rows * stride_lse_tok + head, lse, mask=row_valid)
 
 
 @jit
@@ -227,7 +232,8 @@ def _attention_bwd_dq_kernel(
     cu_seqlens,
     program_seq,
     program_block,
-    num_seqs,
+    num_blocks,
+    num_heads,
     qk_scale,
     sm_scale,
     sliding_window,
@@ -252,60 +258,59 @@ def _attention_bwd_dq_kernel(
     DOT_PRECISION: tl.constexpr,
 ):
     """dQ for one block of queries of one head: a serial loop over its KV tiles, no atomics."""
-    pid = tl.program_id(0)
-    head = tl.program_id(1)
-    seq = tl.load(program_seq + pid)
-    if seq >= num_seqs:
-        return
-    block = tl.load(program_block + pid)
-    kv_head = head // GROUP
-    start = tl.load(cu_seqlens + seq)
-    seq_len = tl.load(cu_seqlens + seq + 1) - start
+    num_work = tl.load(num_blocks) * num_heads
+    for work in range(tl.program_id(0), num_work, tl.num_programs(0)):
+        head = work % num_heads
+        seq = tl.load(program_seq + work // num_heads)
+        block = tl.load(program_block + work // num_heads)
+        kv_head = head // GROUP
+        start = tl.load(cu_seqlens + seq)
+        seq_len = tl.load(cu_seqlens + seq + 1) - start
 
-    offs_m = block * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, BLOCK_D)
-    row_valid = offs_m < seq_len
-    d_valid = offs_d < HEAD_SIZE
-    rows = (start + offs_m).to(tl.int64)
-    qd_mask = row_valid[:, None] & d_valid[None, :]
-    q = tl.load(Q + rows[:, None] * stride_q_tok + head * stride_q_head + offs_d[None, :], mask=qd_mask, other=0.0)
-    do = tl.load(
-        dOut + rows[:, None] * stride_do_tok + head * stride_do_head + offs_d[None, :], mask=qd_mask, other=0.0
-    )
-    lse = tl.load(Lse + rows * stride_lse_tok + head, mask=row_valid, other=0.0)
-    delta = tl.load(Delta + rows * stride_lse_tok + head, mask=row_valid, other=0.0)
-
-    kv_end = seq_len
-    if CAUSAL:
-        kv_end = tl.minimum(seq_len, (block + 1) * BLOCK_M)
-    kv_begin = 0
-    if HAS_WINDOW:
-        kv_begin = tl.maximum(0, block * BLOCK_M - sliding_window + 1)
-
-    dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    for tile_start in range((kv_begin // BLOCK_N) * BLOCK_N, kv_end, BLOCK_N):
-        offs_n = tile_start + tl.arange(0, BLOCK_N)
-        kv_rows = (start + offs_n).to(tl.int64)
-        kd_mask = (offs_n < seq_len)[None, :] & d_valid[:, None]
-        k_t = tl.load(
-            K + kv_rows[None, :] * stride_k_tok + kv_head * stride_k_head + offs_d[:, None], mask=kd_mask, other=0.0
+        offs_m = block * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_d = tl.arange(0, BLOCK_D)
+        row_valid = offs_m < seq_len
+        d_valid = offs_d < HEAD_SIZE
+        rows = (start + offs_m).to(tl.int64)
+        qd_mask = row_valid[:, None] & d_valid[None, :]
+        q = tl.load(Q + rows[:, None] * stride_q_tok + head * stride_q_head + offs_d[None, :], mask=qd_mask, other=0.0)
+        do = tl.load(
+            dOut + rows[:, None] * stride_do_tok + head * stride_do_head + offs_d[None, :], mask=qd_mask, other=0.0
         )
-        v_t = tl.load(
-            V + kv_rows[None, :] * stride_v_tok + kv_head * stride_v_head + offs_d[:, None], mask=kd_mask, other=0.0
-        )
-        scores = tl.dot(q, k_t, input_precision=DOT_PRECISION)
-        visible = _visible(offs_m, offs_n, seq_len, sliding_window, CAUSAL, HAS_WINDOW)
-        p = tl.where(visible, tl.exp2(scores * qk_scale - lse[:, None]), 0.0)
-        dp = tl.dot(do, v_t, input_precision=DOT_PRECISION)
-        ds = p * (dp - delta[:, None])
-        dq = tl.dot(ds.to(k_t.dtype), tl.trans(k_t), dq, input_precision=DOT_PRECISION)
+        lse = tl.load(Lse + rows * stride_lse_tok + head, mask=row_valid, other=0.0)
+        delta = tl.load(Delta + rows * stride_lse_tok + head, mask=row_valid, other=0.0)
 
-    dq = dq * sm_scale
-    tl.store(
-        dQ + rows[:, None] * stride_dq_tok + head * stride_dq_head + offs_d[None, :],
-        dq.to(dQ.dtype.element_ty),
-        mask=qd_mask,
-    )
+        kv_end = seq_len
+        if CAUSAL:
+            kv_end = tl.minimum(seq_len, (block + 1) * BLOCK_M)
+        kv_begin = 0
+        if HAS_WINDOW:
+            kv_begin = tl.maximum(0, block * BLOCK_M - sliding_window + 1)
+
+        dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+        for tile_start in range((kv_begin // BLOCK_N) * BLOCK_N, kv_end, BLOCK_N):
+            offs_n = tile_start + tl.arange(0, BLOCK_N)
+            kv_rows = (start + offs_n).to(tl.int64)
+            kd_mask = (offs_n < seq_len)[None, :] & d_valid[:, None]
+            k_t = tl.load(
+                K + kv_rows[None, :] * stride_k_tok + kv_head * stride_k_head + offs_d[:, None], mask=kd_mask, other=0.0
+            )
+            v_t = tl.load(
+                V + kv_rows[None, :] * stride_v_tok + kv_head * stride_v_head + offs_d[:, None], mask=kd_mask, other=0.0
+            )
+            scores = tl.dot(q, k_t, input_precision=DOT_PRECISION)
+            visible = _visible(offs_m, offs_n, seq_len, sliding_window, CAUSAL, HAS_WINDOW)
+            p = tl.where(visible, tl.exp2(scores * qk_scale - lse[:, None]), 0.0)
+            dp = tl.dot(do, v_t, input_precision=DOT_PRECISION)
+            ds = p * (dp - delta[:, None])
+            dq = tl.dot(ds.to(k_t.dtype), tl.trans(k_t), dq, input_precision=DOT_PRECISION)
+
+        dq = dq * sm_scale
+        tl.store(
+            dQ + rows[:, None] * stride_dq_tok + head * stride_dq_head + offs_d[None, :],
+            dq.to(dQ.dtype.element_ty),
+            mask=qd_mask,
+        )
 
 
 @jit
@@ -321,7 +326,8 @@ def _attention_bwd_dkdv_kernel(
     cu_seqlens,
     program_seq,
     program_block,
-    num_seqs,
+    num_blocks,
+    num_kv_heads,
     qk_scale,
     sm_scale,
     sliding_window,
@@ -349,74 +355,73 @@ def _attention_bwd_dkdv_kernel(
 ):
     """dK, dV for one block of keys of one KV head: serial loops over its query heads, then its
     query blocks, so every sum has one order and no atomics are needed."""
-    pid = tl.program_id(0)
-    kv_head = tl.program_id(1)
-    seq = tl.load(program_seq + pid)
-    if seq >= num_seqs:
-        return
-    block = tl.load(program_block + pid)
-    start = tl.load(cu_seqlens + seq)
-    seq_len = tl.load(cu_seqlens + seq + 1) - start
+    num_work = tl.load(num_blocks) * num_kv_heads
+    for work in range(tl.program_id(0), num_work, tl.num_programs(0)):
+        kv_head = work % num_kv_heads
+        seq = tl.load(program_seq + work // num_kv_heads)
+        block = tl.load(program_block + work // num_kv_heads)
+        start = tl.load(cu_seqlens + seq)
+        seq_len = tl.load(cu_seqlens + seq + 1) - start
 
-    offs_n = block * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, BLOCK_D)
-    d_valid = offs_d < HEAD_SIZE
-    kv_rows = (start + offs_n).to(tl.int64)
-    kd_mask = (offs_n < seq_len)[:, None] & d_valid[None, :]
-    k = tl.load(
-        K + kv_rows[:, None] * stride_k_tok + kv_head * stride_k_head + offs_d[None, :], mask=kd_mask, other=0.0
-    )
-    v = tl.load(
-        V + kv_rows[:, None] * stride_v_tok + kv_head * stride_v_head + offs_d[None, :], mask=kd_mask, other=0.0
-    )
+        offs_n = block * BLOCK_N + tl.arange(0, BLOCK_N)
+        offs_d = tl.arange(0, BLOCK_D)
+        d_valid = offs_d < HEAD_SIZE
+        kv_rows = (start + offs_n).to(tl.int64)
+        kd_mask = (offs_n < seq_len)[:, None] & d_valid[None, :]
+        k = tl.load(
+            K + kv_rows[:, None] * stride_k_tok + kv_head * stride_k_head + offs_d[None, :], mask=kd_mask, other=0.0
+        )
+        v = tl.load(
+            V + kv_rows[:, None] * stride_v_tok + kv_head * stride_v_head + offs_d[None, :], mask=kd_mask, other=0.0
+        )
 
-    q_begin = 0
-    if CAUSAL:
-        q_begin = block * BLOCK_N
-    q_end = seq_len
-    if HAS_WINDOW:
-        q_end = tl.minimum(seq_len, (block + 1) * BLOCK_N + sliding_window - 1)
+        q_begin = 0
+        if CAUSAL:
+            q_begin = block * BLOCK_N
+        q_end = seq_len
+        if HAS_WINDOW:
+            q_end = tl.minimum(seq_len, (block + 1) * BLOCK_N + sliding_window - 1)
 
-    dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
-    dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
-    for g in range(GROUP):
-        head = kv_head * GROUP + g
-        for q_tile in range((q_begin // BLOCK_M) * BLOCK_M, q_end, BLOCK_M):
-            offs_m = q_tile + tl.arange(0, BLOCK_M)
-            row_valid = offs_m < seq_len
-            rows = (start + offs_m).to(tl.int64)
-            qd_mask = d_valid[:, None] & row_valid[None, :]
-            q_t = tl.load(
-                Q + rows[None, :] * stride_q_tok + head * stride_q_head + offs_d[:, None], mask=qd_mask, other=0.0
-            )
-            do = tl.load(
-                dOut + rows[:, None] * stride_do_tok + head * stride_do_head + offs_d[None, :],
-                mask=row_valid[:, None] & d_valid[None, :],
-                other=0.0,
-            )
-            lse = tl.load(Lse + rows * stride_lse_tok + head, mask=row_valid, other=0.0)
-            delta = tl.load(Delta + rows * stride_lse_tok + head, mask=row_valid, other=0.0)
+        dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+        dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+        for g in range(GROUP):
+            head = kv_head * GROUP + g
+            for q_tile in range((q_begin // BLOCK_M) * BLOCK_M, q_end, BLOCK_M):
+                offs_m = q_tile + tl.arange(0, BLOCK_M)
+                row_valid = offs_m < seq_len
+                rows = (start + offs_m).to(tl.int64)
+                qd_mask = d_valid[:, None] & row_valid[None, :]
+                q_t = tl.load(
+                    Q + rows[None, :] * stride_q_tok + head * stride_q_head + offs_d[:, None], mask=qd_mask, other=0.0
+                )
+                do = tl.load(
+                    dOut + rows[:, None] * stride_do_tok + head * stride_do_head + offs_d[None, :],
+                    mask=row_valid[:, None] & d_valid[None, :],
+                    other=0.0,
+                )
+                lse = tl.load(Lse + rows * stride_lse_tok + head, mask=row_valid, other=0.0)
+                delta = tl.load(Delta + rows * stride_lse_tok + head, mask=row_valid, other=0.0)
 
-            scores_t = tl.dot(k, q_t, input_precision=DOT_PRECISION)
-            visible_t = tl.trans(_visible(offs_m, offs_n, seq_len, sliding_window, CAUSAL, HAS_WINDOW))
-            visible_t = visible_t & row_valid[None, :]
-            p_t = tl.where(visible_t, tl.exp2(scores_t * qk_scale - lse[None, :]), 0.0)
-            dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=DOT_PRECISION)
-            dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
-            ds_t = p_t * (dp_t - delta[None, :])
-            dk = tl.dot(ds_t.to(q_t.dtype), tl.trans(q_t), dk, input_precision=DOT_PRECISION)
+                scores_t = tl.dot(k, q_t, input_precision=DOT_PRECISION)
+                visible_t = tl.trans(_visible(offs_m, offs_n, seq_len, sliding_window, CAUSAL, HAS_WINDOW))
+                visible_t = visible_t & row_valid[None, :]
+                p_t = tl.where(visible_t, tl.exp2(scores_t * qk_scale - lse[None, :]), 0.0)
+                dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=DOT_PRECISION)
+                dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
+                ds_t = p_t * (dp_t - delta[None, :])
+                dk = tl.dot(ds_t.to(q_t.dtype), tl.trans(q_t), dk, input_precision=DOT_PRECISION)
 
-    dk = dk * sm_scale
-    tl.store(
-        dK + kv_rows[:, None] * stride_dk_tok + kv_head * stride_dk_head + offs_d[None, :],
-        dk.to(dK.dtype.element_ty),
-        mask=kd_mask,
-    )
-    tl.store(
-        dV + kv_rows[:, None] * stride_dv_tok + kv_head * stride_dv_head + offs_d[None, :],
-        dv.to(dV.dtype.element_ty),
-        mask=kd_mask,
-    )
+        dk = dk * sm_scale
+        tl.store(
+            dK + kv_rows[:, None] * stride_dk_tok + kv_head * stride_dk_head + offs_d[None, :],
+            dk.to(dK.dtype.element_ty),
+            mask=kd_mask,
+        )
+        tl.store(
+            dV + kv_rows[:, None] * stride_dv_tok + kv_head * stride_dv_head + offs_d[None, :],
+            dv.to(dV.dtype.element_ty),
+            mask=kd_mask,
+        )
 
 
 @jit
@@ -436,30 +441,32 @@ def _write_kv_cache_kernel(
     stride_vc_page,
     stride_vc_pos,
     stride_vc_head,
+    num_tokens,
     num_kv_heads,
     HEAD_SIZE: tl.constexpr,
     BLOCK_D: tl.constexpr,
     PAGE_SIZE: tl.constexpr,
 ):
-    token = tl.program_id(0)
-    slot = tl.load(slot_mapping + token).to(tl.int64)
-    if slot < 0:
-        return
-    page = slot // PAGE_SIZE
-    pos = slot % PAGE_SIZE
     offs_d = tl.arange(0, BLOCK_D)
     d_valid = offs_d < HEAD_SIZE
-    for head in range(num_kv_heads):
-        key = tl.load(Key + token * stride_key_tok + head * stride_key_head + offs_d, mask=d_valid)
-        value = tl.load(Value + token * stride_value_tok + head * stride_value_head + offs_d, mask=d_valid)
-        tl.store(
-            KeyCache + page * stride_kc_page + pos * stride_kc_pos + head * stride_kc_head + offs_d, key, mask=d_valid
-        )
-        tl.store(
-            ValueCache + page * stride_vc_page + pos * stride_vc_pos + head * stride_vc_head + offs_d,
-            value,
-            mask=d_valid,
-        )
+    for token in range(tl.program_id(0), num_tokens, tl.num_programs(0)):
+        slot = tl.load(slot_mapping + token).to(tl.int64)
+        if slot >= 0:  # a negative slot is padding: nothing to store
+            page = slot // PAGE_SIZE
+            pos = slot % PAGE_SIZE
+            for head in range(num_kv_heads):
+                key = tl.load(Key + token * stride_key_tok + head * stride_key_head + offs_d, mask=d_valid)
+                value = tl.load(Value + token * stride_value_tok + head * stride_value_head + offs_d, mask=d_valid)
+                tl.store(
+                    KeyCache + page * stride_kc_page + pos * stride_kc_pos + head * stride_kc_head + offs_d,
+                    key,
+                    mask=d_valid,
+                )
+                tl.store(
+                    ValueCache + page * stride_vc_page + pos * stride_vc_pos + head * stride_vc_head + offs_d,
+                    value,
+                    mask=d_valid,
+                )
 
 
 # ----------------------------------------------------------------------------------------------
@@ -467,11 +474,15 @@ def _write_kv_cache_kernel(
 # ----------------------------------------------------------------------------------------------
 
 
-def _program_map(cu_seqlens: torch.Tensor, block: int, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Assign program ids to (sequence, block of ``block`` rows) without a host sync.
+def _program_map(
+    cu_seqlens: torch.Tensor, block: int, num_tokens: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Number the (sequence, block of ``block`` rows) tasks without a host sync.
 
-    The grid has an upper bound of programs (``num_tokens // block + num_seqs``); programs past the
-    last real block get sequence index ``num_seqs`` and return at once.
+    Returns ``program_seq`` and ``program_block`` (the sequence and block of task ``i``), sized
+    for an upper bound of tasks (``num_tokens // block + num_seqs``; the entries past the last real
+    block are never read), and ``num_blocks``, a one-element tensor with the real count, which
+    the kernels read to bound their work loop.
     """
     num_seqs = cu_seqlens.numel() - 1
     lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).to(torch.int64)
@@ -480,7 +491,7 @@ def _program_map(cu_seqlens: torch.Tensor, block: int, num_tokens: int) -> tuple
     program_seq = torch.searchsorted(cu_blocks, program_ids, right=True)
     first_block = torch.cat([cu_blocks.new_zeros(1), cu_blocks[:-1]])
     program_block = program_ids - first_block[program_seq.clamp(max=num_seqs - 1)]
-    return program_seq.to(torch.int32), program_block.to(torch.int32)
+    return program_seq.to(torch.int32), program_block.to(torch.int32), cu_blocks[-1:].to(torch.int32)
 
 
 def _check_same_device(device: torch.device, **tensors: torch.Tensor) -> None:
@@ -572,6 +583,11 @@ def _launch_forward(
     store_lse: bool,
     out: torch.Tensor,
 ) -> torch.Tensor | None:
+    if attention_backend() == "ascendc":  # SAMEPATH_ATTENTION_BACKEND: never a silent fallback
+        return ascendc_launch_forward(
+            query, key, value, query_start_loc, kv_start_loc, seq_lens, block_table,
+            scale, causal, sliding_window, config, store_lse, out,
+        )  # fmt: skip
     num_tokens, num_heads, head_size = query.shape
     paged = block_table is not None
     group = num_heads // key.shape[-2]
@@ -579,7 +595,7 @@ def _launch_forward(
     num_seqs = query_start_loc.numel() - 1
     if num_tokens == 0 or num_seqs == 0:
         return lse
-    program_seq, program_block = _program_map(query_start_loc, config.block_m, num_tokens)
+    program_seq, program_block, num_blocks = _program_map(query_start_loc, config.block_m, num_tokens)
     if paged:
         k_strides = key.stride()[:3]
         v_strides = value.stride()[:3]
@@ -590,8 +606,8 @@ def _launch_forward(
         v_strides = (0, *value.stride()[:2])
         page_size = 1
         table, stride_table = query_start_loc, 0
-    grid = (program_seq.numel(), num_heads)
-    _attention_fwd_kernel[grid](
+    programs = grid.num_programs(program_seq.numel() * num_heads, query.device, uses_dot=True)
+    _attention_fwd_kernel[(programs,)](
         query,
         key,
         value,
@@ -603,7 +619,8 @@ def _launch_forward(
         table,
         program_seq,
         program_block,
-        num_seqs,
+        num_blocks,
+        num_heads,
         scale * LOG2E,
         sliding_window or 0,
         query.stride(0),
@@ -786,7 +803,7 @@ def write_kv_cache(
         return
     key, value = _last_dim_contiguous(key), _last_dim_contiguous(value)
     head_size = key.shape[-1]
-    _write_kv_cache_kernel[(key.shape[0],)](
+    _write_kv_cache_kernel[(grid.num_programs(key.shape[0], key.device),)](
         key,
         value,
         key_cache,
@@ -798,6 +815,7 @@ def write_kv_cache(
         value.stride(1),
         *key_cache.stride()[:3],
         *value_cache.stride()[:3],
+        key.shape[0],
         key.shape[1],
         HEAD_SIZE=head_size,
         BLOCK_D=max(16, triton.next_power_of_2(head_size)),
@@ -878,8 +896,9 @@ def _attention_backward(query, key, value, out, lse, grad_out, cu_seqlens, scale
         num_stages=config.num_stages,
     )
     window = sliding_window or 0
-    program_seq, program_block = _program_map(cu_seqlens, config.bwd_block_m, num_tokens)
-    _attention_bwd_dq_kernel[(program_seq.numel(), num_heads)](
+    program_seq, program_block, num_blocks = _program_map(cu_seqlens, config.bwd_block_m, num_tokens)
+    programs = grid.num_programs(program_seq.numel() * num_heads, query.device, uses_dot=True)
+    _attention_bwd_dq_kernel[(programs,)](
         query,
         key,
         value,
@@ -890,7 +909,8 @@ def _attention_backward(query, key, value, out, lse, grad_out, cu_seqlens, scale
         cu_seqlens,
         program_seq,
         program_block,
-        num_seqs,
+        num_blocks,
+        num_heads,
         scale * LOG2E,
         scale,
         window,
@@ -907,8 +927,9 @@ def _attention_backward(query, key, value, out, lse, grad_out, cu_seqlens, scale
         lse.stride(0),
         **common,
     )
-    program_seq, program_block = _program_map(cu_seqlens, config.bwd_block_n, num_tokens)
-    _attention_bwd_dkdv_kernel[(program_seq.numel(), num_kv_heads)](
+    program_seq, program_block, num_blocks = _program_map(cu_seqlens, config.bwd_block_n, num_tokens)
+    programs = grid.num_programs(program_seq.numel() * num_kv_heads, query.device, uses_dot=True)
+    _attention_bwd_dkdv_kernel[(programs,)](
         query,
         key,
         value,
@@ -920,7 +941,8 @@ def _attention_backward(query, key, value, out, lse, grad_out, cu_seqlens, scale
         cu_seqlens,
         program_seq,
         program_block,
-        num_seqs,
+        num_blocks,
+        num_kv_heads,
         scale * LOG2E,
         scale,
         window,

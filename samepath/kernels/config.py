@@ -242,9 +242,11 @@ def register_formula(op: str, flags: dict[str, str]) -> None:
 def _table_payload() -> dict:
     for module in ("samepath.kernels", "samepath.distributed"):  # each op registers its formula on import
         importlib.import_module(module)
+    from samepath.ascendc_fallback.loader import backend_fingerprint
 
     return {
         "numerics_version": NUMERICS_VERSION,
+        "attention_backend": backend_fingerprint(),
         "attention_formula": ATTENTION_FORMULA,
         "op_formulas": OP_FORMULAS,
         "attention": {"/".join(map(str, key)): dataclasses.asdict(cfg) for key, cfg in sorted(ATTENTION_TABLE.items())},
@@ -253,9 +255,15 @@ def _table_payload() -> dict:
     }
 
 
-def fingerprint() -> str:
-    """A short hash of every numerics-relevant constant. Equal strings mean equal schedules."""
-    payload = json.dumps(_table_payload(), sort_keys=True, separators=(",", ":"))
+def fingerprint(tensor_parallel_size: int = 1) -> str:
+    """A short hash of every numerics-relevant constant. Equal strings mean equal schedules.
+
+    ``tensor_parallel_size`` is the rollout's TP degree S: the matmul's K slices and the vocabulary
+    shards of the logprobs (``samepath.distributed.tensor_parallel_numerics``) are part of the
+    numerics, so a trainer that runs the S-slice kernels and a TP-S rollout compare equal."""
+    tensor_parallel = importlib.import_module("samepath.distributed").tensor_parallel_numerics(tensor_parallel_size)
+    payload = {**_table_payload(), "tensor_parallel": tensor_parallel}
+    payload = json.dumps(payload, sort_keys=True, separators=(",", ":"))
     return f"sp{NUMERICS_VERSION}-" + hashlib.sha256(payload.encode()).hexdigest()[:16]
 
 
@@ -263,9 +271,10 @@ class NumericsMismatchError(RuntimeError):
     """Raised when two processes would compute logprobs with different numerics tables."""
 
 
-def assert_same_numerics(other_fingerprint: str) -> None:
-    """Raise :class:`NumericsMismatchError` unless ``other_fingerprint`` equals this process's."""
-    mine = fingerprint()
+def assert_same_numerics(other_fingerprint: str, tensor_parallel_size: int = 1) -> None:
+    """Raise :class:`NumericsMismatchError` unless ``other_fingerprint`` equals this process's
+    ``fingerprint(tensor_parallel_size)``."""
+    mine = fingerprint(tensor_parallel_size)
     if other_fingerprint != mine:
         raise NumericsMismatchError(
             f"numerics fingerprint mismatch: this process runs {mine}, the other side {other_fingerprint}. "

@@ -42,6 +42,7 @@ import math
 import torch
 import triton.language as tl
 
+from samepath.kernels import grid
 from samepath.kernels.config import (
     SUPPORTED_DTYPES,
     RowReduceConfig,
@@ -134,6 +135,7 @@ def _token_logprobs_fwd_kernel(
     LogProb,
     Entropy,
     Lse,
+    num_rows,
     stride_v,
     V,
     temperature,
@@ -142,29 +144,29 @@ def _token_logprobs_fwd_kernel(
     ENTROPY: tl.constexpr,
     HAS_IGNORE: tl.constexpr,
 ):
-    row = tl.program_id(0)
-    label = tl.load(Labels + row).to(tl.int64)
-    row_ptr = X + tl.load(row_offsets + row)
-    lse, entropy = _row_lse(row_ptr, stride_v, V, temperature, CHUNK, ENTROPY)
-    # An out-of-range label (only possible with validate=False) gives NaN, never a wild read.
-    in_range = (label >= 0) & (label < V)
-    # The label's x / T as the one live lane of a 16-lane vector (x + 0 + ... is exactly x):
-    # Triton-Ascend cannot lower a scalar div_rn.
-    lanes = tl.arange(0, 16)
-    label_ptrs = row_ptr + (tl.where(in_range, label, 0) + lanes) * stride_v
-    x_lanes = tl.load(label_ptrs, mask=lanes == 0, other=0.0).to(tl.float32)
-    z_label = tl.sum(tl.math.div_rn(x_lanes, temperature), 0)
-    logprob = tl.where(in_range, z_label - lse, float("nan"))
-    if HAS_IGNORE:
-        # Selects, not a branch around the loop: Triton-Ascend cannot lower the latter.
-        ignored = label == ignore_index
-        logprob = tl.where(ignored, 0.0, logprob)
-        lse = tl.where(ignored, 0.0, lse)
-        entropy = tl.where(ignored, 0.0, entropy)
-    tl.store(LogProb + row, logprob)
-    tl.store(Lse + row, lse)
-    if ENTROPY:
-        tl.store(Entropy + row, entropy)
+    for row in range(tl.program_id(0), num_rows, tl.num_programs(0)):
+        label = tl.load(Labels + row).to(tl.int64)
+        row_ptr = X + tl.load(row_offsets + row)
+        lse, entropy = _row_lse(row_ptr, stride_v, V, temperature, CHUNK, ENTROPY)
+        # An out-of-range label (only possible with validate=False) gives NaN, never a wild read.
+        in_range = (label >= 0) & (label < V)
+        # The label's x / T as the one live lane of a 16-lane vector (x + 0 + ... is exactly x):
+        # Triton-Ascend cannot lower a scalar div_rn.
+        lanes = tl.arange(0, 16)
+        label_ptrs = row_ptr + (tl.where(in_range, label, 0) + lanes) * stride_v
+        x_lanes = tl.load(label_ptrs, mask=lanes == 0, other=0.0).to(tl.float32)
+        z_label = tl.sum(tl.math.div_rn(x_lanes, temperature), 0)
+        logprob = tl.where(in_range, z_label - lse, float("nan"))
+        if HAS_IGNORE:
+            # Selects, not a branch around the loop: Triton-Ascend cannot lower the latter.
+            ignored = label == ignore_index
+            logprob = tl.where(ignored, 0.0, logprob)
+            lse = tl.where(ignored, 0.0, lse)
+            entropy = tl.where(ignored, 0.0, entropy)
+        tl.store(LogProb + row, logprob)
+        tl.store(Lse + row, lse)
+        if ENTROPY:
+            tl.store(Entropy + row, entropy)
 
 
 @jit
@@ -177,6 +179,7 @@ def _token_logprobs_bwd_kernel(
     dLogProb,
     dEntropy,
     dX,
+    num_rows,
     stride_v,
     stride_dlp,
     stride_dh,
@@ -188,41 +191,41 @@ def _token_logprobs_bwd_kernel(
     HAS_GRAD_H: tl.constexpr,
     HAS_IGNORE: tl.constexpr,
 ):
-    row = tl.program_id(0)
     offs = tl.arange(0, CHUNK)
-    dx_row = dX + row.to(tl.int64) * V
-    label = tl.load(Labels + row).to(tl.int64)
-    ignored = False
-    if HAS_IGNORE:
-        ignored = label == ignore_index
-    if ignored:
-        for start in range(0, V, CHUNK):
-            cols = start + offs
-            tl.store(dx_row + cols, tl.zeros([CHUNK], tl.float32).to(dX.dtype.element_ty), mask=cols < V)
-    else:
-        row_ptr = X + tl.load(row_offsets + row)
-        lse = tl.load(Lse + row)
-        g_lp = 0.0
-        if HAS_GRAD_LP:
-            g_lp = tl.load(dLogProb + row * stride_dlp).to(tl.float32)
-        g_h = 0.0
-        entropy = 0.0
-        if HAS_GRAD_H:
-            g_h = tl.load(dEntropy + row * stride_dh).to(tl.float32)
-            entropy = tl.load(Entropy + row)
-        for start in range(0, V, CHUNK):
-            cols = start + offs
-            z = _scaled_chunk(row_ptr, cols, stride_v, V, temperature)
-            logp = z - lse
-            p = tl.exp(logp)
-            g = tl.zeros([CHUNK], tl.float32)
+    for row in range(tl.program_id(0), num_rows, tl.num_programs(0)):
+        dx_row = dX + tl.cast(row, tl.int64) * V
+        label = tl.load(Labels + row).to(tl.int64)
+        ignored = False
+        if HAS_IGNORE:
+            ignored = label == ignore_index
+        if ignored:
+            for start in range(0, V, CHUNK):
+                cols = start + offs
+                tl.store(dx_row + cols, tl.zeros([CHUNK], tl.float32).to(dX.dtype.element_ty), mask=cols < V)
+        else:
+            row_ptr = X + tl.load(row_offsets + row)
+            lse = tl.load(Lse + row)
+            g_lp = 0.0
             if HAS_GRAD_LP:
-                g = (tl.where(cols == label, 1.0, 0.0) - p) * g_lp
+                g_lp = tl.load(dLogProb + row * stride_dlp).to(tl.float32)
+            g_h = 0.0
+            entropy = 0.0
             if HAS_GRAD_H:
-                # p log p -> 0 where p == 0 (logits of -inf), without computing 0 * -inf.
-                g = g - g_h * (p * (tl.where(p == 0.0, 0.0, logp) + entropy))
-            dx = tl.math.div_rn(g, temperature)
-            tl.store(dx_row + cols, dx.to(dX.dtype.element_ty), mask=cols < V)
+                g_h = tl.load(dEntropy + row * stride_dh).to(tl.float32)
+                entropy = tl.load(Entropy + row)
+            for start in range(0, V, CHUNK):
+                cols = start + offs
+                z = _scaled_chunk(row_ptr, cols, stride_v, V, temperature)
+                logp = z - lse
+                p = tl.exp(logp)
+                g = tl.zeros([CHUNK], tl.float32)
+                if HAS_GRAD_LP:
+                    g = (tl.where(cols == label, 1.0, 0.0) - p) * g_lp
+                if HAS_GRAD_H:
+                    # p log p -> 0 where p == 0 (logits of -inf), without computing 0 * -inf.
+                    g = g - g_h * (p * (tl.where(p == 0.0, 0.0, logp) + entropy))
+                dx = tl.math.div_rn(g, temperature)
+                tl.store(dx_row + cols, dx.to(dX.dtype.element_ty), mask=cols < V)
 
 
 @jit
@@ -231,21 +234,22 @@ def _log_softmax_fwd_kernel(
     row_offsets,
     Out,
     Lse,
+    num_rows,
     stride_v,
     V,
     temperature,
     CHUNK: tl.constexpr,
 ):
-    row = tl.program_id(0)
-    row_ptr = X + tl.load(row_offsets + row)
-    lse, _ = _row_lse(row_ptr, stride_v, V, temperature, CHUNK, False)
-    tl.store(Lse + row, lse)
-    out_row = Out + row.to(tl.int64) * V
-    offs = tl.arange(0, CHUNK)
-    for start in range(0, V, CHUNK):
-        cols = start + offs
-        z = _scaled_chunk(row_ptr, cols, stride_v, V, temperature)
-        tl.store(out_row + cols, z - lse, mask=cols < V)
+    for row in range(tl.program_id(0), num_rows, tl.num_programs(0)):
+        row_ptr = X + tl.load(row_offsets + row)
+        lse, _ = _row_lse(row_ptr, stride_v, V, temperature, CHUNK, False)
+        tl.store(Lse + row, lse)
+        out_row = Out + tl.cast(row, tl.int64) * V
+        offs = tl.arange(0, CHUNK)
+        for start in range(0, V, CHUNK):
+            cols = start + offs
+            z = _scaled_chunk(row_ptr, cols, stride_v, V, temperature)
+            tl.store(out_row + cols, z - lse, mask=cols < V)
 
 
 @jit
@@ -255,29 +259,30 @@ def _log_softmax_bwd_kernel(
     Lse,
     dOut,
     dX,
+    num_rows,
     stride_v,
     V,
     temperature,
     CHUNK: tl.constexpr,
 ):
     """dx = (g - p * sum(g)) / T; sum(g) folded in the same fixed chunks, ascending."""
-    row = tl.program_id(0)
-    row_ptr = X + tl.load(row_offsets + row)
-    lse = tl.load(Lse + row)
-    g_row = dOut + row.to(tl.int64) * V
-    dx_row = dX + row.to(tl.int64) * V
-    offs = tl.arange(0, CHUNK)
-    g_sum = tl.full([], 0.0, tl.float32)
-    for start in range(0, V, CHUNK):
-        cols = start + offs
-        g_sum = g_sum + tl.sum(tl.load(g_row + cols, mask=cols < V, other=0.0), 0)
-    for start in range(0, V, CHUNK):
-        cols = start + offs
-        z = _scaled_chunk(row_ptr, cols, stride_v, V, temperature)
-        p = tl.exp(z - lse)
-        g = tl.load(g_row + cols, mask=cols < V, other=0.0)
-        dx = tl.math.div_rn(g - p * g_sum, temperature)
-        tl.store(dx_row + cols, dx.to(dX.dtype.element_ty), mask=cols < V)
+    for row in range(tl.program_id(0), num_rows, tl.num_programs(0)):
+        row_ptr = X + tl.load(row_offsets + row)
+        lse = tl.load(Lse + row)
+        g_row = dOut + tl.cast(row, tl.int64) * V
+        dx_row = dX + tl.cast(row, tl.int64) * V
+        offs = tl.arange(0, CHUNK)
+        g_sum = tl.full([], 0.0, tl.float32)
+        for start in range(0, V, CHUNK):
+            cols = start + offs
+            g_sum = g_sum + tl.sum(tl.load(g_row + cols, mask=cols < V, other=0.0), 0)
+        for start in range(0, V, CHUNK):
+            cols = start + offs
+            z = _scaled_chunk(row_ptr, cols, stride_v, V, temperature)
+            p = tl.exp(z - lse)
+            g = tl.load(g_row + cols, mask=cols < V, other=0.0)
+            dx = tl.math.div_rn(g - p * g_sum, temperature)
+            tl.store(dx_row + cols, dx.to(dX.dtype.element_ty), mask=cols < V)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -316,13 +321,14 @@ def _token_forward(logits, labels_flat, offsets, temperature, ignore_index, entr
     ent = torch.empty(rows, dtype=torch.float32, device=device) if entropy else None
     if rows == 0:
         return logprob, ent, lse
-    _token_logprobs_fwd_kernel[(rows,)](
+    _token_logprobs_fwd_kernel[(grid.num_programs(rows, logits.device),)](
         logits,
         offsets,
         labels_flat,
         logprob,
         ent if entropy else logprob,
         lse,
+        rows,
         logits.stride(-1),
         vocab,
         temperature,
@@ -342,7 +348,7 @@ def _token_backward(logits, labels_flat, offsets, lse, ent, grad_lp, grad_h, tem
         return dx
     grad_lp = grad_lp.reshape(-1) if grad_lp is not None else None
     grad_h = grad_h.reshape(-1) if grad_h is not None else None
-    _token_logprobs_bwd_kernel[(rows,)](
+    _token_logprobs_bwd_kernel[(grid.num_programs(rows, logits.device),)](
         logits,
         offsets,
         labels_flat,
@@ -351,6 +357,7 @@ def _token_backward(logits, labels_flat, offsets, lse, ent, grad_lp, grad_h, tem
         grad_lp if grad_lp is not None else lse,
         grad_h if grad_h is not None else lse,
         dx,
+        rows,
         logits.stride(-1),
         grad_lp.stride(0) if grad_lp is not None else 0,
         grad_h.stride(0) if grad_h is not None else 0,
@@ -373,11 +380,12 @@ def _log_softmax_forward(logits, offsets, temperature, config):
     lse = torch.empty(rows, dtype=torch.float32, device=logits.device)
     if rows == 0:
         return out, lse
-    _log_softmax_fwd_kernel[(rows,)](
+    _log_softmax_fwd_kernel[(grid.num_programs(rows, logits.device),)](
         logits,
         offsets,
         out,
         lse,
+        rows,
         logits.stride(-1),
         vocab,
         temperature,
@@ -394,12 +402,13 @@ def _log_softmax_backward(logits, offsets, lse, grad_out, temperature, config):
     if rows == 0:
         return dx
     grad_out = grad_out.to(torch.float32).contiguous()
-    _log_softmax_bwd_kernel[(rows,)](
+    _log_softmax_bwd_kernel[(grid.num_programs(rows, logits.device),)](
         logits,
         offsets,
         lse,
         grad_out,
         dx,
+        rows,
         logits.stride(-1),
         vocab,
         temperature,

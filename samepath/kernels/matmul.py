@@ -46,6 +46,7 @@ import torch
 import triton
 import triton.language as tl
 
+from samepath.kernels import grid
 from samepath.kernels.checks import check_operands
 from samepath.kernels.config import MatmulConfig, matmul_config, register_formula
 from samepath.kernels.dispatch import jit
@@ -80,6 +81,7 @@ def _matmul_kernel(
     B,
     C,
     Bias,
+    batch_count,
     M,
     N,
     slice_k,
@@ -106,58 +108,62 @@ def _matmul_kernel(
     SCALE_BIAS: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
-    """C[b] = alpha * (A[b] @ B[b]) + beta * Bias[b] for one [BLOCK_M, BLOCK_N] tile of batch b.
+    """C[b] = alpha * (A[b] @ B[b]) + beta * Bias[b], one [BLOCK_M, BLOCK_N] tile of one batch at a time.
 
     K is ``K_SLICES * slice_k``; each slice is folded in ascending BLOCK_K tiles starting at the
     slice's first column into its own fp32 partial, and the partials are added in slice order.
     """
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    batch = tl.program_id(2).to(tl.int64)
+    # Work item: one output tile, M tiles fastest, then N tiles, then the batch.
+    tiles_m = tl.cdiv(M, BLOCK_M)
+    tiles_n = tl.cdiv(N, BLOCK_N)
+    for work in range(tl.program_id(0), batch_count * tiles_m * tiles_n, tl.num_programs(0)):
+        pid_m = work % tiles_m
+        pid_n = (work // tiles_m) % tiles_n
+        batch = tl.cast(work // (tiles_m * tiles_n), tl.int64)
 
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_k = tl.arange(0, BLOCK_K)
-    m_valid = offs_m < M
-    n_valid = offs_n < N
-    rows = offs_m.to(tl.int64)
-    cols = offs_n.to(tl.int64)
-    a_rows = A + batch * stride_a_batch + rows[:, None] * stride_am
-    b_cols = B + batch * stride_b_batch + cols[None, :] * stride_bn
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        offs_k = tl.arange(0, BLOCK_K)
+        m_valid = offs_m < M
+        n_valid = offs_n < N
+        rows = offs_m.to(tl.int64)
+        cols = offs_n.to(tl.int64)
+        a_rows = A + batch * stride_a_batch + rows[:, None] * stride_am
+        b_cols = B + batch * stride_b_batch + cols[None, :] * stride_bn
 
-    total = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for s in range(K_SLICES):
-        k_begin = s * slice_k
-        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        for k0 in range(0, slice_k, BLOCK_K):
-            k_in_slice = k0 + offs_k
-            k_valid = k_in_slice < slice_k
-            k_index = (k_begin + k_in_slice).to(tl.int64)
-            a = tl.load(a_rows + k_index[None, :] * stride_ak, mask=m_valid[:, None] & k_valid[None, :], other=0.0)
-            b = tl.load(b_cols + k_index[:, None] * stride_bk, mask=k_valid[:, None] & n_valid[None, :], other=0.0)
-            acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
-        if s == 0:
-            total = acc
-        else:
-            total = total + acc
+        total = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for s in range(K_SLICES):
+            k_begin = s * slice_k
+            acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+            for k0 in range(0, slice_k, BLOCK_K):
+                k_in_slice = k0 + offs_k
+                k_valid = k_in_slice < slice_k
+                k_index = (k_begin + k_in_slice).to(tl.int64)
+                a = tl.load(a_rows + k_index[None, :] * stride_ak, mask=m_valid[:, None] & k_valid[None, :], other=0.0)
+                b = tl.load(b_cols + k_index[:, None] * stride_bk, mask=k_valid[:, None] & n_valid[None, :], other=0.0)
+                acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
+            if s == 0:
+                total = acc
+            else:
+                total = total + acc
 
-    if SCALE_ACC:
-        total = total * alpha
-    out_mask = m_valid[:, None] & n_valid[None, :]
-    if HAS_BIAS:
-        bias = tl.load(
-            Bias + batch * stride_bias_batch + rows[:, None] * stride_bias_m + cols[None, :] * stride_bias_n,
+        if SCALE_ACC:
+            total = total * alpha
+        out_mask = m_valid[:, None] & n_valid[None, :]
+        if HAS_BIAS:
+            bias = tl.load(
+                Bias + batch * stride_bias_batch + rows[:, None] * stride_bias_m + cols[None, :] * stride_bias_n,
+                mask=out_mask,
+                other=0.0,
+            ).to(tl.float32)
+            if SCALE_BIAS:
+                bias = bias * beta
+            total = total + bias
+        tl.store(
+            C + batch * stride_c_batch + rows[:, None] * stride_cm + cols[None, :] * stride_cn,
+            total.to(C.dtype.element_ty),
             mask=out_mask,
-            other=0.0,
-        ).to(tl.float32)
-        if SCALE_BIAS:
-            bias = bias * beta
-        total = total + bias
-    tl.store(
-        C + batch * stride_c_batch + rows[:, None] * stride_cm + cols[None, :] * stride_cn,
-        total.to(C.dtype.element_ty),
-        mask=out_mask,
-    )
+        )
 
 
 # ----------------------------------------------------------------------------------------------
@@ -203,12 +209,13 @@ def _launch(
         bias = bias.expand(batch, m, n)
     bias_arg = bias if has_bias else out
     bias_strides = bias.stride() if has_bias else (0, 0, 0)
-    grid = (triton.cdiv(m, cfg.block_m), triton.cdiv(n, cfg.block_n), batch)
-    _matmul_kernel[grid](
+    tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n) * batch
+    _matmul_kernel[(grid.num_programs(tiles, a.device, uses_dot=True),)](
         a,
         b,
         out,
         bias_arg,
+        batch,
         m,
         n,
         k // k_slices,

@@ -34,6 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
+from samepath.kernels import grid
 from samepath.kernels.checks import check_operands
 from samepath.kernels.config import dtype_name, register_formula, row_reduce_config
 from samepath.kernels.dispatch import device_kind, jit
@@ -71,6 +72,7 @@ def _rms_norm_fwd_kernel(
     Y,
     S,
     Rstd,
+    M,
     stride_x,
     stride_r,
     stride_y,
@@ -80,21 +82,22 @@ def _rms_norm_fwd_kernel(
     BLOCK_N: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr,
 ):
-    row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_N)
     valid = cols < N
-    h = tl.load(X + row * stride_x + cols, mask=valid, other=0.0).to(tl.float32)
-    if HAS_RESIDUAL:
-        r = tl.load(Residual + row * stride_r + cols, mask=valid, other=0.0).to(tl.float32)
-        s = (h + r).to(S.dtype.element_ty)
-        tl.store(S + row * stride_s + cols, s, mask=valid)
-        h = s.to(tl.float32)
-    var = tl.sum(h * h, axis=0) / N
-    rstd = tl.rsqrt(var + eps)
-    n = (h * rstd).to(Y.dtype.element_ty).to(tl.float32)
-    w = tl.load(W + cols, mask=valid, other=0.0).to(tl.float32)
-    tl.store(Y + row * stride_y + cols, (w * n).to(Y.dtype.element_ty), mask=valid)
-    tl.store(Rstd + row, rstd)
+    for work in range(tl.program_id(0), M, tl.num_programs(0)):
+        row = tl.cast(work, tl.int64)
+        h = tl.load(X + row * stride_x + cols, mask=valid, other=0.0).to(tl.float32)
+        if HAS_RESIDUAL:
+            r = tl.load(Residual + row * stride_r + cols, mask=valid, other=0.0).to(tl.float32)
+            s = (h + r).to(S.dtype.element_ty)
+            tl.store(S + row * stride_s + cols, s, mask=valid)
+            h = s.to(tl.float32)
+        var = tl.sum(h * h, axis=0) / N
+        rstd = tl.rsqrt(var + eps)
+        n = (h * rstd).to(Y.dtype.element_ty).to(tl.float32)
+        w = tl.load(W + cols, mask=valid, other=0.0).to(tl.float32)
+        tl.store(Y + row * stride_y + cols, (w * n).to(Y.dtype.element_ty), mask=valid)
+        tl.store(Rstd + row, rstd)
 
 
 @jit
@@ -116,39 +119,40 @@ def _rms_norm_bwd_kernel(
     ROWS: tl.constexpr,
     HAS_DS: tl.constexpr,
 ):
-    """dx for rows [pid * ROWS, (pid + 1) * ROWS) and their dweight partial, in ascending order."""
-    pid = tl.program_id(0)
+    """For each block of ROWS rows: dx for its rows and their dweight partial, in ascending order."""
     cols = tl.arange(0, BLOCK_N)
     valid = cols < N
     w = tl.load(W + cols, mask=valid, other=0.0).to(tl.float32)
-    dw = tl.zeros([BLOCK_N], dtype=tl.float32)
-    for i in range(ROWS):
-        row = pid * ROWS + i
-        if row < M:
-            row64 = row.to(tl.int64)
-            h = tl.load(X + row64 * stride_x + cols, mask=valid, other=0.0).to(tl.float32)
-            g = tl.load(dY + row64 * stride_dy + cols, mask=valid, other=0.0).to(tl.float32)
-            rstd = tl.load(Rstd + row64)
-            n = h * rstd
-            dn = g * w
-            dot = tl.sum(dn * n, axis=0) / N
-            dx = (dn - n * dot) * rstd
-            if HAS_DS:
-                dx = dx + tl.load(dS + row64 * stride_ds + cols, mask=valid, other=0.0).to(tl.float32)
-            tl.store(dX + row64 * stride_dx + cols, dx.to(dX.dtype.element_ty), mask=valid)
-            dw = dw + g * n.to(X.dtype.element_ty).to(tl.float32)
-    tl.store(dW_partial + pid.to(tl.int64) * N + cols, dw, mask=valid)
+    for block in range(tl.program_id(0), tl.cdiv(M, ROWS), tl.num_programs(0)):
+        dw = tl.zeros([BLOCK_N], dtype=tl.float32)
+        for i in range(ROWS):
+            row = block * ROWS + i
+            if row < M:
+                row64 = tl.cast(row, tl.int64)
+                h = tl.load(X + row64 * stride_x + cols, mask=valid, other=0.0).to(tl.float32)
+                g = tl.load(dY + row64 * stride_dy + cols, mask=valid, other=0.0).to(tl.float32)
+                rstd = tl.load(Rstd + row64)
+                n = h * rstd
+                dn = g * w
+                dot = tl.sum(dn * n, axis=0) / N
+                dx = (dn - n * dot) * rstd
+                if HAS_DS:
+                    dx = dx + tl.load(dS + row64 * stride_ds + cols, mask=valid, other=0.0).to(tl.float32)
+                tl.store(dX + row64 * stride_dx + cols, dx.to(dX.dtype.element_ty), mask=valid)
+                dw = dw + g * n.to(X.dtype.element_ty).to(tl.float32)
+        tl.store(dW_partial + tl.cast(block, tl.int64) * N + cols, dw, mask=valid)
 
 
 @jit
 def _rms_norm_dw_reduce_kernel(dW_partial, dW, num_partials, N: tl.constexpr, BLOCK: tl.constexpr):
     """dweight[cols] = sum of the partials in ascending order (one serial fp32 chain per column)."""
-    cols = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    valid = cols < N
-    acc = tl.zeros([BLOCK], dtype=tl.float32)
-    for p in range(num_partials):
-        acc = acc + tl.load(dW_partial + p * N + cols, mask=valid, other=0.0)
-    tl.store(dW + cols, acc.to(dW.dtype.element_ty), mask=valid)
+    for work in range(tl.program_id(0), tl.cdiv(N, BLOCK), tl.num_programs(0)):
+        cols = work * BLOCK + tl.arange(0, BLOCK)
+        valid = cols < N
+        acc = tl.zeros([BLOCK], dtype=tl.float32)
+        for p in range(num_partials):
+            acc = acc + tl.load(dW_partial + p * N + cols, mask=valid, other=0.0)
+        tl.store(dW + cols, acc.to(dW.dtype.element_ty), mask=valid)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -174,13 +178,14 @@ def _forward(x2, weight, eps, residual2):
     if M == 0:
         return y, s, rstd
     cfg = row_reduce_config(x2.device)
-    _rms_norm_fwd_kernel[(M,)](
+    _rms_norm_fwd_kernel[(grid.num_programs(M, x2.device),)](
         x2,
         residual2 if residual2 is not None else x2,
         weight,
         y,
         s if s is not None else y,
         rstd,
+        M,
         x2.stride(0),
         residual2.stride(0) if residual2 is not None else 0,
         y.stride(0),
@@ -202,7 +207,7 @@ def _backward(x2, weight, rstd, grad_y, grad_s):
     cfg = row_reduce_config(x2.device)
     num_partials = triton.cdiv(M, BWD_ROWS_PER_PROGRAM)
     partial = torch.empty((num_partials, N), dtype=torch.float32, device=x2.device)
-    _rms_norm_bwd_kernel[(num_partials,)](
+    _rms_norm_bwd_kernel[(grid.num_programs(num_partials, x2.device),)](
         x2,
         weight,
         rstd,
@@ -222,7 +227,7 @@ def _backward(x2, weight, rstd, grad_y, grad_s):
         num_warps=cfg.num_warps,
     )
     dw = torch.empty_like(weight)
-    _rms_norm_dw_reduce_kernel[(triton.cdiv(N, DW_REDUCE_BLOCK),)](
+    _rms_norm_dw_reduce_kernel[(grid.num_programs(triton.cdiv(N, DW_REDUCE_BLOCK), x2.device),)](
         partial,
         dw,
         num_partials,

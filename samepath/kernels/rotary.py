@@ -34,6 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
+from samepath.kernels import grid
 from samepath.kernels.config import dtype_name, register_formula
 from samepath.kernels.dispatch import device_kind, jit
 
@@ -157,45 +158,47 @@ def _rotary_kernel(
     BLOCK_R: tl.constexpr,
     BACKWARD: tl.constexpr,
 ):
-    """Rows of a ``[n0, size1, size2, HEAD]`` tensor; cos/sin rows found through their own strides
-    (0 where broadcast). Forward: HF's ``x*cos + rotate_half(x)*sin``; backward: its transpose."""
-    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
-    row_valid = rows < num_rows
-    rows = rows.to(tl.int64)
-    i0 = rows // (size1 * size2)
-    i1 = (rows // size2) % size1
-    i2 = rows % size2
-    x_row = i0 * stride_x0 + i1 * stride_x1 + i2 * stride_x2
-    c_row = i0 * stride_c0 + i1 * stride_c1 + i2 * stride_c2
-    o_row = i0 * stride_o0 + i1 * stride_o1 + i2 * stride_o2
+    """Blocks of BLOCK_R rows of a ``[n0, size1, size2, HEAD]`` tensor; cos/sin rows found through
+    their own strides (0 where broadcast). Forward: HF's ``x*cos + rotate_half(x)*sin``; backward:
+    its transpose."""
+    for work in range(tl.program_id(0), tl.cdiv(num_rows, BLOCK_R), tl.num_programs(0)):
+        rows = work * BLOCK_R + tl.arange(0, BLOCK_R)
+        row_valid = rows < num_rows
+        rows = rows.to(tl.int64)
+        i0 = rows // (size1 * size2)
+        i1 = (rows // size2) % size1
+        i2 = rows % size2
+        x_row = i0 * stride_x0 + i1 * stride_x1 + i2 * stride_x2
+        c_row = i0 * stride_c0 + i1 * stride_c1 + i2 * stride_c2
+        o_row = i0 * stride_o0 + i1 * stride_o1 + i2 * stride_o2
 
-    cols = tl.arange(0, BLOCK_H)
-    mask = row_valid[:, None] & (cols < HALF)[None, :]
-    first = x_row[:, None] + cols[None, :]
-    x1 = tl.load(X + first, mask=mask, other=0.0).to(tl.float32)
-    x2 = tl.load(X + first + HALF, mask=mask, other=0.0).to(tl.float32)
-    c_first = c_row[:, None] + cols[None, :]
-    c1 = tl.load(Cos + c_first, mask=mask, other=0.0).to(tl.float32)
-    c2 = tl.load(Cos + c_first + HALF, mask=mask, other=0.0).to(tl.float32)
-    s1 = tl.load(Sin + c_first, mask=mask, other=0.0).to(tl.float32)
-    s2 = tl.load(Sin + c_first + HALF, mask=mask, other=0.0).to(tl.float32)
-    dtype = Out.dtype.element_ty
-    if BACKWARD:
-        o1 = x1 * c1 + x2 * s2
-        o2 = x2 * c2 - x1 * s1
-    else:
-        # Each product rounded to the dtype, then the fp32 sum of the rounded products rounded.
-        o1 = (x1 * c1).to(dtype).to(tl.float32) + ((-x2) * s1).to(dtype).to(tl.float32)
-        o2 = (x2 * c2).to(dtype).to(tl.float32) + (x1 * s2).to(dtype).to(tl.float32)
-    out_first = o_row[:, None] + cols[None, :]
-    tl.store(Out + out_first, o1.to(dtype), mask=mask)
-    tl.store(Out + out_first + HALF, o2.to(dtype), mask=mask)
+        cols = tl.arange(0, BLOCK_H)
+        mask = row_valid[:, None] & (cols < HALF)[None, :]
+        first = x_row[:, None] + cols[None, :]
+        x1 = tl.load(X + first, mask=mask, other=0.0).to(tl.float32)
+        x2 = tl.load(X + first + HALF, mask=mask, other=0.0).to(tl.float32)
+        c_first = c_row[:, None] + cols[None, :]
+        c1 = tl.load(Cos + c_first, mask=mask, other=0.0).to(tl.float32)
+        c2 = tl.load(Cos + c_first + HALF, mask=mask, other=0.0).to(tl.float32)
+        s1 = tl.load(Sin + c_first, mask=mask, other=0.0).to(tl.float32)
+        s2 = tl.load(Sin + c_first + HALF, mask=mask, other=0.0).to(tl.float32)
+        dtype = Out.dtype.element_ty
+        if BACKWARD:
+            o1 = x1 * c1 + x2 * s2
+            o2 = x2 * c2 - x1 * s1
+        else:
+            # Each product rounded to the dtype, then the fp32 sum of the rounded products rounded.
+            o1 = (x1 * c1).to(dtype).to(tl.float32) + ((-x2) * s1).to(dtype).to(tl.float32)
+            o2 = (x2 * c2).to(dtype).to(tl.float32) + (x1 * s2).to(dtype).to(tl.float32)
+        out_first = o_row[:, None] + cols[None, :]
+        tl.store(Out + out_first, o1.to(dtype), mask=mask)
+        tl.store(Out + out_first + HALF, o2.to(dtype), mask=mask)
 
-    if HEAD > 2 * HALF:
-        pass_cols = 2 * HALF + tl.arange(0, BLOCK_P)
-        pass_mask = row_valid[:, None] & (pass_cols < HEAD)[None, :]
-        kept = tl.load(X + x_row[:, None] + pass_cols[None, :], mask=pass_mask, other=0.0)
-        tl.store(Out + o_row[:, None] + pass_cols[None, :], kept, mask=pass_mask)
+        if HEAD > 2 * HALF:
+            pass_cols = 2 * HALF + tl.arange(0, BLOCK_P)
+            pass_mask = row_valid[:, None] & (pass_cols < HEAD)[None, :]
+            kept = tl.load(X + x_row[:, None] + pass_cols[None, :], mask=pass_mask, other=0.0)
+            tl.store(Out + o_row[:, None] + pass_cols[None, :], kept, mask=pass_mask)
 
 
 def _as_4d(tensor: torch.Tensor) -> torch.Tensor:
@@ -213,7 +216,7 @@ def _rotate(x4: torch.Tensor, cos4: torch.Tensor, sin4: torch.Tensor, backward: 
     half = cos4.shape[-1] // 2
     block_h = triton.next_power_of_2(half)
     block_r = max(1, min(64, ELEMENTS_PER_PROGRAM // block_h))
-    _rotary_kernel[(triton.cdiv(num_rows, block_r),)](
+    _rotary_kernel[(grid.num_programs(triton.cdiv(num_rows, block_r), x4.device),)](
         x4,
         cos4,
         sin4,

@@ -27,6 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
+from samepath.kernels import grid
 from samepath.kernels.checks import check_operands
 from samepath.kernels.config import dtype_name, register_formula
 from samepath.kernels.dispatch import device_kind, jit
@@ -52,16 +53,20 @@ def _silu_mul_fwd_kernel(
     stride_g,
     stride_u,
     stride_o,
+    M,
     N,
     BLOCK_N: tl.constexpr,
 ):
-    row = tl.program_id(0).to(tl.int64)
-    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    valid = cols < N
-    g = tl.load(Gate + row * stride_g + cols, mask=valid, other=0.0).to(tl.float32)
-    u = tl.load(Up + row * stride_u + cols, mask=valid, other=0.0).to(tl.float32)
-    a = (g / (1.0 + tl.exp(-g))).to(Out.dtype.element_ty).to(tl.float32)
-    tl.store(Out + row * stride_o + cols, (a * u).to(Out.dtype.element_ty), mask=valid)
+    # Work item: one BLOCK_N-column block of one row, column blocks fastest.
+    col_blocks = tl.cdiv(N, BLOCK_N)
+    for work in range(tl.program_id(0), M * col_blocks, tl.num_programs(0)):
+        row = tl.cast(work // col_blocks, tl.int64)
+        cols = (work % col_blocks) * BLOCK_N + tl.arange(0, BLOCK_N)
+        valid = cols < N
+        g = tl.load(Gate + row * stride_g + cols, mask=valid, other=0.0).to(tl.float32)
+        u = tl.load(Up + row * stride_u + cols, mask=valid, other=0.0).to(tl.float32)
+        a = (g / (1.0 + tl.exp(-g))).to(Out.dtype.element_ty).to(tl.float32)
+        tl.store(Out + row * stride_o + cols, (a * u).to(Out.dtype.element_ty), mask=valid)
 
 
 @jit
@@ -76,21 +81,25 @@ def _silu_mul_bwd_kernel(
     stride_do,
     stride_dg,
     stride_du,
+    M,
     N,
     BLOCK_N: tl.constexpr,
 ):
-    row = tl.program_id(0).to(tl.int64)
-    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    valid = cols < N
-    g = tl.load(Gate + row * stride_g + cols, mask=valid, other=0.0).to(tl.float32)
-    u = tl.load(Up + row * stride_u + cols, mask=valid, other=0.0).to(tl.float32)
-    dy = tl.load(dOut + row * stride_do + cols, mask=valid, other=0.0).to(tl.float32)
-    e = 1.0 + tl.exp(-g)
-    a = (g / e).to(dUp.dtype.element_ty).to(tl.float32)
-    sig = 1.0 / e
-    dsilu = sig * (1.0 + g * (1.0 - sig))
-    tl.store(dUp + row * stride_du + cols, (dy * a).to(dUp.dtype.element_ty), mask=valid)
-    tl.store(dGate + row * stride_dg + cols, (dy * u * dsilu).to(dGate.dtype.element_ty), mask=valid)
+    # Work item: one BLOCK_N-column block of one row, column blocks fastest.
+    col_blocks = tl.cdiv(N, BLOCK_N)
+    for work in range(tl.program_id(0), M * col_blocks, tl.num_programs(0)):
+        row = tl.cast(work // col_blocks, tl.int64)
+        cols = (work % col_blocks) * BLOCK_N + tl.arange(0, BLOCK_N)
+        valid = cols < N
+        g = tl.load(Gate + row * stride_g + cols, mask=valid, other=0.0).to(tl.float32)
+        u = tl.load(Up + row * stride_u + cols, mask=valid, other=0.0).to(tl.float32)
+        dy = tl.load(dOut + row * stride_do + cols, mask=valid, other=0.0).to(tl.float32)
+        e = 1.0 + tl.exp(-g)
+        a = (g / e).to(dUp.dtype.element_ty).to(tl.float32)
+        sig = 1.0 / e
+        dsilu = sig * (1.0 + g * (1.0 - sig))
+        tl.store(dUp + row * stride_du + cols, (dy * a).to(dUp.dtype.element_ty), mask=valid)
+        tl.store(dGate + row * stride_dg + cols, (dy * u * dsilu).to(dGate.dtype.element_ty), mask=valid)
 
 
 def _rows(tensor: torch.Tensor) -> torch.Tensor:
@@ -98,9 +107,9 @@ def _rows(tensor: torch.Tensor) -> torch.Tensor:
     return flat if flat.stride(-1) == 1 else flat.contiguous()
 
 
-def _grid(M: int, N: int) -> tuple[tuple[int, int], int]:
+def _grid(M: int, N: int, device: torch.device) -> tuple[tuple[int], int]:
     block = min(MAX_BLOCK_N, triton.next_power_of_2(N))
-    return (M, triton.cdiv(N, block)), block
+    return (grid.num_programs(M * triton.cdiv(N, block), device),), block
 
 
 class SiluMulFunction(torch.autograd.Function):
@@ -111,14 +120,15 @@ class SiluMulFunction(torch.autograd.Function):
         M, N = gate2.shape
         out = torch.empty((M, N), dtype=gate2.dtype, device=gate2.device)
         if M and N:
-            grid, block = _grid(M, N)
-            _silu_mul_fwd_kernel[grid](
+            programs, block = _grid(M, N, gate2.device)
+            _silu_mul_fwd_kernel[programs](
                 gate2,
                 up2,
                 out,
                 gate2.stride(0),
                 up2.stride(0),
                 out.stride(0),
+                M,
                 N,
                 BLOCK_N=block,
             )
@@ -133,8 +143,8 @@ class SiluMulFunction(torch.autograd.Function):
         dgate = torch.empty((M, N), dtype=gate2.dtype, device=gate2.device)
         dup = torch.empty((M, N), dtype=gate2.dtype, device=gate2.device)
         if M and N:
-            grid, block = _grid(M, N)
-            _silu_mul_bwd_kernel[grid](
+            programs, block = _grid(M, N, gate2.device)
+            _silu_mul_bwd_kernel[programs](
                 gate2,
                 up2,
                 grad_out,
@@ -145,6 +155,7 @@ class SiluMulFunction(torch.autograd.Function):
                 grad_out.stride(0),
                 dgate.stride(0),
                 dup.stride(0),
+                M,
                 N,
                 BLOCK_N=block,
             )

@@ -1,0 +1,235 @@
+// Host side of samepath's Ascend C FlashAttention forward: the torch operator
+// samepath_ascendc::flash_attention_fwd (PrivateUse1 = NPU), its tiling, and the launch on the
+// current torch_npu stream. Arguments are those of the Triton launcher `_launch_forward`.
+#include <cstdint>
+#include <cstring>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include <torch/library.h>
+#include <ATen/ATen.h>
+
+#include "acl/acl.h"
+#include "kernel_tiling/kernel_tiling.h"
+#include "tiling/platform/platform_ascendc.h"
+#include "tiling/tiling_api.h"
+#include "torch_npu/csrc/core/npu/NPUStream.h"
+#include "torch_npu/csrc/framework/OpCommand.h"
+
+#include "aclrtlaunch_samepath_flash_attention_fwd_bf16.h"
+#include "aclrtlaunch_samepath_flash_attention_fwd_fp16.h"
+#include "aclrtlaunch_samepath_flash_attention_fwd_fp32.h"
+#include "flash_attention_tiling.h"
+
+namespace sp = samepath_ascendc;
+
+namespace {
+
+constexpr double kLog2e = 1.4426950408889634;
+
+const char* StatusArgument(int32_t status)
+{
+    switch (status) {
+        case sp::kBadHeadSize: return "head_size (query.shape[-1])";
+        case sp::kBadNumHeads: return "num_heads / num_kv_heads";
+        case sp::kBadBlockM: return "block_m";
+        case sp::kBadTileN: return "tile_n";
+        case sp::kBadDtype: return "query.dtype";
+        case sp::kBadPageSize: return "page_size (key.shape[1])";
+        case sp::kBadSlidingWindow: return "sliding_window";
+        case sp::kBadNumCores: return "num_cores";
+        case sp::kUbOverflow: return "tile_n / block_m / head_size (unified buffer)";
+        default: return "unknown";
+    }
+}
+
+uint32_t DataTypeCode(at::ScalarType type)
+{
+    switch (type) {
+        case at::kFloat: return sp::kFloat32;
+        case at::kBFloat16: return sp::kBFloat16;
+        case at::kHalf: return sp::kFloat16;
+        default: TORCH_CHECK(false, "query.dtype must be float32, bfloat16 or float16, got ", type);
+    }
+    return sp::kFloat32;
+}
+
+matmul_tiling::DataType MatmulDataType(uint32_t code)
+{
+    switch (code) {
+        case sp::kBFloat16: return matmul_tiling::DataType::DT_BF16;
+        case sp::kFloat16: return matmul_tiling::DataType::DT_FLOAT16;
+        default: return matmul_tiling::DataType::DT_FLOAT;
+    }
+}
+
+// Tiling of one fixed-shape cube matmul C[m, n] = A[m, k] @ B (B given as [n, k] when transB).
+void CubeTiling(platform_ascendc::PlatformAscendC* platform, uint32_t dtype, int32_t m, int32_t n, int32_t k,
+                bool transB, uint8_t* dst)
+{
+    using namespace matmul_tiling;
+    MatmulApiTiling api(*platform);
+    api.SetAType(TPosition::GM, CubeFormat::ND, MatmulDataType(dtype), false);
+    api.SetBType(TPosition::GM, CubeFormat::ND, MatmulDataType(dtype), transB);
+    api.SetCType(TPosition::GM, CubeFormat::ND, DataType::DT_FLOAT);
+    api.SetOrgShape(m, n, k);
+    api.SetShape(m, n, k);
+    api.SetBias(false);
+    api.SetBufferSpace(-1, -1, -1);
+    optiling::TCubeTiling tiling;
+    TORCH_CHECK(api.GetTiling(tiling) != -1, "no cube tiling for a [", m, ", ", k, "] x [", k, ", ", n, "] matmul");
+    TORCH_CHECK(tiling.GetDataSize() == sizeof(TCubeTiling), "host and kernel TCubeTiling sizes differ");
+    tiling.SaveToBuffer(dst, tiling.GetDataSize());
+}
+
+// `_program_map` with device ops (no host sync): (program_seq, program_block, num_blocks).
+std::tuple<at::Tensor, at::Tensor, at::Tensor> ProgramMap(const at::Tensor& cuSeqlens, int64_t blockM, int64_t numTokens)
+{
+    const int64_t numSeqs = cuSeqlens.numel() - 1;
+    at::Tensor cu = cuSeqlens.to(at::kLong);
+    at::Tensor lengths = cu.slice(0, 1) - cu.slice(0, 0, numSeqs);
+    at::Tensor cuBlocks = at::cumsum(at::floor_divide(lengths + (blockM - 1), blockM), 0);
+    at::Tensor pids = at::arange(numTokens / blockM + numSeqs, cu.options());
+    at::Tensor programSeq = at::searchsorted(cuBlocks, pids, /*out_int32=*/false, /*right=*/true);
+    at::Tensor firstBlock = at::cat({at::zeros({1}, cu.options()), cuBlocks.slice(0, 0, numSeqs - 1)});
+    at::Tensor programBlock = pids - firstBlock.index_select(0, programSeq.clamp_max(numSeqs - 1));
+    return {programSeq.to(at::kInt), programBlock.to(at::kInt), cuBlocks.slice(0, numSeqs - 1).to(at::kInt)};
+}
+
+std::tuple<at::Tensor, at::Tensor> FlashAttentionFwd(const at::Tensor& query, const at::Tensor& key,
+                                                     const at::Tensor& value, const at::Tensor& queryStartLoc,
+                                                     const at::Tensor& kvStartLoc, const at::Tensor& seqLens,
+                                                     const c10::optional<at::Tensor>& blockTable, double scale,
+                                                     bool causal, int64_t slidingWindow, int64_t blockM, int64_t tileN,
+                                                     bool storeLse)
+{
+    const bool paged = blockTable.has_value();
+    TORCH_CHECK(query.dim() == 3, "query must be [num_tokens, num_heads, head_size]");
+    TORCH_CHECK(key.dim() == (paged ? 4 : 3) && value.sizes() == key.sizes(),
+                paged ? "key/value caches must be [num_blocks, block_size, num_kv_heads, head_size]"
+                      : "key/value must be [num_tokens, num_kv_heads, head_size]");
+    TORCH_CHECK(key.scalar_type() == query.scalar_type() && value.scalar_type() == query.scalar_type(),
+                "key and value must have the query's dtype");
+    TORCH_CHECK(query.stride(-1) == 1 && key.stride(-1) == 1 && value.stride(-1) == 1,
+                "query, key and value must be contiguous in head_size");
+    TORCH_CHECK(key.size(-1) == query.size(-1), "key head_size differs from the query's");
+
+    const int64_t numTokens = query.size(0);
+    const int64_t numSeqs = queryStartLoc.numel() - 1;
+    at::Tensor out = at::empty_like(query);
+    at::Tensor lse = at::empty({storeLse ? numTokens : 0, query.size(1)}, query.options().dtype(at::kFloat));
+    if (numTokens == 0 || numSeqs <= 0) {
+        return {out, lse};
+    }
+
+    at::Tensor qsl = queryStartLoc.to(at::kInt).contiguous();
+    at::Tensor kvsl = kvStartLoc.to(at::kInt).contiguous();
+    at::Tensor lens = seqLens.to(at::kInt).contiguous();
+    at::Tensor table = paged ? blockTable->to(at::kInt).contiguous() : qsl;
+    at::Tensor programSeq, programBlock, numBlocks;
+    std::tie(programSeq, programBlock, numBlocks) = ProgramMap(qsl, blockM, numTokens);
+
+    sp::FlashAttentionParams params{};
+    params.strideQTok = query.stride(0);
+    params.strideQHead = query.stride(1);
+    if (paged) {
+        params.strideKPage = key.stride(0);
+        params.strideKPos = key.stride(1);
+        params.strideKHead = key.stride(2);
+        params.strideVPage = value.stride(0);
+        params.strideVPos = value.stride(1);
+        params.strideVHead = value.stride(2);
+        params.strideTableSeq = table.stride(0);
+        params.pageSize = static_cast<uint32_t>(key.size(1));
+    } else {
+        params.strideKPos = key.stride(0);
+        params.strideKHead = key.stride(1);
+        params.strideVPos = value.stride(0);
+        params.strideVHead = value.stride(1);
+    }
+    params.strideOTok = out.stride(0);
+    params.strideOHead = out.stride(1);
+    params.strideLseTok = storeLse ? lse.stride(0) : 0;
+    params.numTokens = static_cast<uint32_t>(numTokens);
+    params.numHeads = static_cast<uint32_t>(query.size(1));
+    params.numKvHeads = static_cast<uint32_t>(key.size(-2));
+    params.headSize = static_cast<uint32_t>(query.size(2));
+    params.numSeqs = static_cast<uint32_t>(numSeqs);
+    params.blockM = static_cast<uint32_t>(blockM);
+    params.tileN = static_cast<uint32_t>(tileN);
+    params.dtype = DataTypeCode(query.scalar_type());
+    params.causal = causal ? 1u : 0u;
+    params.storeLse = storeLse ? 1u : 0u;
+    params.slidingWindow = static_cast<int32_t>(slidingWindow);
+    params.qkScale = static_cast<float>(scale * kLog2e);
+
+    auto* platform = platform_ascendc::PlatformAscendCManager::GetInstance();
+    TORCH_CHECK(platform != nullptr, "samepath_ascendc: no Ascend C platform information (is CANN installed?)");
+    const uint32_t items = sp::NumPrograms(params.numTokens, params.numSeqs, params.blockM) * params.numHeads;
+    const uint32_t blockDim = sp::LaunchBlockDim(items, platform->GetCoreNumAic());
+    params.numCores = blockDim * sp::kVectorCoresPerCube;
+
+    sp::FlashAttentionTiling tiling{};
+    const int32_t status = sp::ComputeTiling(params, &tiling);
+    TORCH_CHECK(status == sp::kTilingOk, "samepath_ascendc.flash_attention_fwd: unsupported ", StatusArgument(status));
+
+    const size_t tilingBytes = sizeof(sp::FlashAttentionTiling) + 2 * sizeof(TCubeTiling);
+    at::Tensor tilingHost = at::empty({static_cast<int64_t>(tilingBytes)}, at::TensorOptions().dtype(at::kByte));
+    uint8_t* host = tilingHost.data_ptr<uint8_t>();
+    std::memcpy(host, &tiling, sizeof(tiling));
+    const int32_t m = static_cast<int32_t>(tiling.blockM);
+    const int32_t n = static_cast<int32_t>(tiling.tileN);
+    const int32_t d = static_cast<int32_t>(tiling.blockD);
+    CubeTiling(platform, tiling.dtype, m, n, d, true, host + sizeof(tiling));
+    CubeTiling(platform, tiling.dtype, m, d, n, false, host + sizeof(tiling) + sizeof(TCubeTiling));
+    at::Tensor tilingDevice = tilingHost.to(query.device());
+
+    const int64_t sysBytes = static_cast<int64_t>(platform->GetLibApiWorkSpaceSize());
+    const int64_t userBytes = static_cast<int64_t>(tiling.wsBytesPerCore) * params.numCores;
+    at::Tensor sysWorkspace = at::empty({sysBytes}, query.options().dtype(at::kByte));
+    at::Tensor userWorkspace = at::empty({userBytes}, query.options().dtype(at::kByte));
+
+    void* args[] = {query.data_ptr(),        key.data_ptr(),          value.data_ptr(),        out.data_ptr(),
+                    storeLse ? lse.data_ptr() : out.data_ptr(),       qsl.data_ptr(),          kvsl.data_ptr(),
+                    lens.data_ptr(),         table.data_ptr(),        programSeq.data_ptr(),   programBlock.data_ptr(),
+                    numBlocks.data_ptr(),    sysWorkspace.data_ptr(), userWorkspace.data_ptr(), tilingDevice.data_ptr()};
+    const uint32_t dtype = tiling.dtype;
+    aclrtStream stream = c10_npu::getCurrentNPUStream().stream();
+    at_npu::native::OpCommand cmd;
+    cmd.Name("samepath_flash_attention_fwd");
+    cmd.SetCustomHandler([=]() -> int {
+        uint32_t ret;
+        if (dtype == sp::kBFloat16) {
+            ret = ACLRT_LAUNCH_KERNEL(samepath_flash_attention_fwd_bf16)(
+                blockDim, stream, args[0], args[1], args[2], args[3], args[4], args[5], args[6], args[7], args[8],
+                args[9], args[10], args[11], args[12], args[13], args[14]);
+        } else if (dtype == sp::kFloat16) {
+            ret = ACLRT_LAUNCH_KERNEL(samepath_flash_attention_fwd_fp16)(
+                blockDim, stream, args[0], args[1], args[2], args[3], args[4], args[5], args[6], args[7], args[8],
+                args[9], args[10], args[11], args[12], args[13], args[14]);
+        } else {
+            ret = ACLRT_LAUNCH_KERNEL(samepath_flash_attention_fwd_fp32)(
+                blockDim, stream, args[0], args[1], args[2], args[3], args[4], args[5], args[6], args[7], args[8],
+                args[9], args[10], args[11], args[12], args[13], args[14]);
+        }
+        return static_cast<int>(ret);
+    });
+    cmd.Run();
+    return {out, lse};
+}
+
+}  // namespace
+
+TORCH_LIBRARY(samepath_ascendc, m)
+{
+    m.def(
+        "flash_attention_fwd(Tensor query, Tensor key, Tensor value, Tensor query_start_loc, Tensor kv_start_loc, "
+        "Tensor seq_lens, Tensor? block_table, float scale, bool causal, int sliding_window, int block_m, "
+        "int tile_n, bool store_lse) -> (Tensor out, Tensor lse)");
+}
+
+TORCH_LIBRARY_IMPL(samepath_ascendc, PrivateUse1, m)
+{
+    m.impl("flash_attention_fwd", &FlashAttentionFwd);
+}

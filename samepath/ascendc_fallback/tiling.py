@@ -1,0 +1,426 @@
+"""The Ascend C FlashAttention forward's tiling, in Python: the same numbers as ``csrc/flash_attention_tiling.h``.
+
+The kernel runs the schedule of samepath's Triton attention kernel (``samepath/kernels/attention.py``):
+
+* programs of ``block_m`` query rows of one sequence, numbered as ``_program_map`` numbers them
+  (``num_blocks`` real ones, within an upper bound of ``num_tokens // block_m + num_seqs``);
+* one work item per (program, head): item ``i`` is program ``i // num_heads``, head ``i % num_heads``,
+  ``num_blocks * num_heads`` items in all;
+* ``num_cores`` vector cores take the items round-robin (core ``c`` runs ``c, c + num_cores, ...`` in
+  ascending order, the Triton kernel's persistent loop) and each item's KV loop runs to its end on
+  that core before the next item starts;
+* an item visits KV tiles of ``tile_n`` positions anchored at position 0 of its sequence, from
+  ``first_tile_start`` up to ``kv_end`` in ascending order (the Triton kernel's loop bounds).
+
+Every function here has a twin in the C++ header; ``tests/test_ascendc_fallback.py`` compiles a driver
+with g++ and checks that both give identical values.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import struct
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+#: Unified buffer of one A2 (910B) vector core, in bytes.
+UB_BYTES = 192 * 1024
+UB_ALIGN = 32
+WORKSPACE_ALIGN = 512
+#: A score row is one 256-byte fp32 vector repeat, so its mask is one 64-bit pattern.
+MAX_TILE_N = 64
+MIN_HEAD_SIZE = 16
+MAX_HEAD_SIZE = 256
+HEAD_SIZE_MULTIPLE = 8
+LOG2_TMP_BYTES = 4096
+#: Vector cores per cube core in a MIX_AIC_1_2 launch.
+VECTOR_CORES_PER_CUBE = 2
+ROW_VECTORS = 8
+BRCB_VECTORS = 3
+
+#: dtype name -> the kernel's DataType code.
+DTYPE_CODES = {"float32": 0, "bfloat16": 1, "float16": 2}
+#: Unified-buffer regions, in the order the kernel allocates them.
+UB_BUFFERS = ("q", "kv0", "kv1", "s", "p", "pv", "acc", "out", "rows", "brcb", "log2_tmp")
+#: Per-core workspace regions in global memory.
+WS_BUFFERS = ("q", "k", "v", "s", "p", "o")
+
+_STRIDE_FIELDS = (
+    "stride_q_tok",
+    "stride_q_head",
+    "stride_k_page",
+    "stride_k_pos",
+    "stride_k_head",
+    "stride_v_page",
+    "stride_v_pos",
+    "stride_v_head",
+    "stride_o_tok",
+    "stride_o_head",
+    "stride_lse_tok",
+    "stride_table_seq",
+)
+
+
+@dataclass(frozen=True)
+class FlashAttentionParams:
+    """What the host knows at launch (``FlashAttentionParams`` in the header). Strides in elements.
+
+    ``page_size`` 0 means contiguous KV (training, ``kv_start_loc`` indexes the packed keys);
+    ``sliding_window`` 0 means no window. ``qk_scale`` is ``scale * log2(e)`` rounded once to fp32.
+    """
+
+    num_tokens: int
+    num_heads: int
+    num_kv_heads: int
+    head_size: int
+    num_seqs: int
+    block_m: int
+    tile_n: int
+    page_size: int
+    dtype: str
+    causal: bool
+    store_lse: bool
+    sliding_window: int
+    num_cores: int
+    qk_scale: float
+    strides: tuple[int, ...] = (0,) * len(_STRIDE_FIELDS)
+
+
+@dataclass(frozen=True)
+class FlashAttentionTiling:
+    """Everything the kernel reads (``FlashAttentionTiling`` in the header)."""
+
+    strides: dict[str, int]
+    ws_offset: tuple[int, ...]
+    ws_bytes_per_core: int
+    num_tokens: int
+    num_heads: int
+    num_kv_heads: int
+    group: int
+    head_size: int
+    block_d: int
+    block_m: int
+    tile_n: int
+    page_size: int
+    paged: int
+    causal: int
+    has_window: int
+    store_lse: int
+    dtype: int
+    elem_bytes: int
+    num_seqs: int
+    num_programs: int
+    num_items: int
+    num_cores: int
+    max_items_per_core: int
+    sliding_window: int
+    qk_scale: float
+    ub_offset: tuple[int, ...]
+    ub_size: tuple[int, ...]
+    ub_bytes: int
+    row_bytes: int
+    copy_bytes: int
+    ub_row_gap: int
+
+    def flat(self) -> dict[str, int | float]:
+        """Field name -> value, arrays expanded as ``name[i]`` (the C++ driver prints the same keys)."""
+        out: dict[str, int | float] = {}
+        for field in dataclasses.fields(self):
+            value = getattr(self, field.name)
+            if isinstance(value, dict):
+                out.update(value)
+            elif isinstance(value, tuple):
+                out.update({f"{field.name}[{i}]": v for i, v in enumerate(value)})
+            else:
+                out[field.name] = value
+        return out
+
+
+def align_up(value: int, align: int) -> int:
+    return (value + align - 1) // align * align
+
+
+def elem_bytes(dtype: str) -> int:
+    return 4 if dtype == "float32" else 2
+
+
+def padded_head_size(head_size: int) -> int:
+    """The power-of-two block a head is zero-padded to (``config.padded_head_size``)."""
+    block = 16
+    while block < head_size:
+        block *= 2
+    return block
+
+
+def to_float32(value: float) -> float:
+    """``value`` rounded to the nearest fp32 (what the kernel receives)."""
+    return struct.unpack("<f", struct.pack("<f", value))[0]
+
+
+def ub_bytes_needed(head_size: int, block_m: int, tile_n: int, dtype: str) -> int:
+    """Unified-buffer bytes one vector core uses (K/V staging double buffered)."""
+    elem = elem_bytes(dtype)
+    d = padded_head_size(head_size)
+    row_bytes = align_up(block_m * 4, UB_ALIGN)
+    return (
+        align_up(block_m * d * elem, UB_ALIGN)
+        + 2 * align_up(tile_n * d * elem, UB_ALIGN)
+        + align_up(block_m * tile_n * 4, UB_ALIGN)
+        + align_up(block_m * tile_n * elem, UB_ALIGN)
+        + 2 * align_up(block_m * d * 4, UB_ALIGN)
+        + align_up(block_m * d * elem, UB_ALIGN)
+        + ROW_VECTORS * row_bytes
+        + BRCB_VECTORS * block_m * 32
+        + LOG2_TMP_BYTES
+    )
+
+
+def check_fits(head_size: int, block_m: int, tile_n: int, dtype: str) -> None:
+    """Raise ``ValueError`` naming the argument unless the kernel can run these sizes on one core."""
+    if (
+        not isinstance(head_size, int)
+        or not MIN_HEAD_SIZE <= head_size <= MAX_HEAD_SIZE
+        or head_size % HEAD_SIZE_MULTIPLE
+    ):
+        raise ValueError(
+            f"head_size = {head_size!r} is not supported by the Ascend C attention: multiples of "
+            f"{HEAD_SIZE_MULTIPLE} from {MIN_HEAD_SIZE} to {MAX_HEAD_SIZE}"
+        )
+    if not isinstance(block_m, int) or block_m < 16 or block_m > 128 or block_m & (block_m - 1):
+        raise ValueError(f"block_m = {block_m!r} must be a power of two from 16 to 128 for the Ascend C attention")
+    if not isinstance(tile_n, int) or tile_n < 16 or tile_n > MAX_TILE_N or tile_n & (tile_n - 1):
+        raise ValueError(
+            f"tile_n = {tile_n!r} must be a power of two from 16 to {MAX_TILE_N} for the Ascend C attention "
+            "(a score row is one 256-byte vector repeat)"
+        )
+    if dtype not in DTYPE_CODES:
+        raise ValueError(f"dtype must be one of {sorted(DTYPE_CODES)}, got {dtype!r}")
+    needed = ub_bytes_needed(head_size, block_m, tile_n, dtype)
+    if needed > UB_BYTES:
+        raise ValueError(
+            f"tile_n = {tile_n} with head_size = {head_size} (padded to {padded_head_size(head_size)}), "
+            f"block_m = {block_m} and {dtype} needs {needed} bytes of unified buffer per core, more than "
+            f"the {UB_BYTES} of an A2 vector core: use a smaller tile_n or block_m"
+        )
+
+
+def compute_tiling(params: FlashAttentionParams) -> FlashAttentionTiling:
+    """``ComputeTiling`` of the header; raises ``ValueError`` naming the bad argument."""
+    check_fits(params.head_size, params.block_m, params.tile_n, params.dtype)
+    if params.num_kv_heads <= 0 or params.num_heads <= 0 or params.num_heads % params.num_kv_heads:
+        raise ValueError(
+            f"num_heads = {params.num_heads} must be a positive multiple of num_kv_heads = {params.num_kv_heads}"
+        )
+    if not 0 <= params.page_size <= 0xFFFF:
+        raise ValueError(f"page_size = {params.page_size} must be from 0 (contiguous KV) to 65535")
+    if params.sliding_window < 0 or (params.sliding_window > 0 and not params.causal):
+        raise ValueError(f"sliding_window = {params.sliding_window} must be 0 (none) or positive with causal attention")
+    if params.num_cores <= 0:
+        raise ValueError(f"num_cores = {params.num_cores} must be positive")
+    if len(params.strides) != len(_STRIDE_FIELDS):
+        raise ValueError(f"strides must have {len(_STRIDE_FIELDS)} entries ({', '.join(_STRIDE_FIELDS)})")
+
+    elem = elem_bytes(params.dtype)
+    d = padded_head_size(params.head_size)
+    m, n = params.block_m, params.tile_n
+    ws_sizes = (m * d * elem, n * d * elem, n * d * elem, m * n * 4, m * n * elem, m * d * 4)
+    ws_offset, ws = [], 0
+    for size in ws_sizes:
+        ws_offset.append(ws)
+        ws += align_up(size, WORKSPACE_ALIGN)
+    row_bytes = align_up(m * 4, UB_ALIGN)
+    ub_sizes = (
+        align_up(m * d * elem, UB_ALIGN),
+        align_up(n * d * elem, UB_ALIGN),
+        align_up(n * d * elem, UB_ALIGN),
+        align_up(m * n * 4, UB_ALIGN),
+        align_up(m * n * elem, UB_ALIGN),
+        align_up(m * d * 4, UB_ALIGN),
+        align_up(m * d * 4, UB_ALIGN),
+        align_up(m * d * elem, UB_ALIGN),
+        ROW_VECTORS * row_bytes,
+        BRCB_VECTORS * m * 32,
+        LOG2_TMP_BYTES,
+    )
+    ub_offset, ub = [], 0
+    for size in ub_sizes:
+        ub_offset.append(ub)
+        ub += size
+    programs = num_programs(params.num_tokens, params.num_seqs, m)
+    items = programs * params.num_heads
+    return FlashAttentionTiling(
+        strides=dict(zip(_STRIDE_FIELDS, params.strides, strict=True)),
+        ws_offset=tuple(ws_offset),
+        ws_bytes_per_core=ws,
+        num_tokens=params.num_tokens,
+        num_heads=params.num_heads,
+        num_kv_heads=params.num_kv_heads,
+        group=params.num_heads // params.num_kv_heads,
+        head_size=params.head_size,
+        block_d=d,
+        block_m=m,
+        tile_n=n,
+        page_size=params.page_size,
+        paged=int(params.page_size > 0),
+        causal=int(bool(params.causal)),
+        has_window=int(params.sliding_window > 0),
+        store_lse=int(bool(params.store_lse)),
+        dtype=DTYPE_CODES[params.dtype],
+        elem_bytes=elem,
+        num_seqs=params.num_seqs,
+        num_programs=programs,
+        num_items=items,
+        num_cores=params.num_cores,
+        max_items_per_core=items_of_core(items, params.num_cores, 0),
+        sliding_window=params.sliding_window,
+        qk_scale=to_float32(params.qk_scale),
+        ub_offset=tuple(ub_offset),
+        ub_size=ub_sizes,
+        ub_bytes=ub,
+        row_bytes=row_bytes,
+        copy_bytes=params.head_size * elem,
+        ub_row_gap=(d * elem - align_up(params.head_size * elem, UB_ALIGN)) // UB_ALIGN,
+    )
+
+
+def num_programs(num_tokens: int, num_seqs: int, block_m: int) -> int:
+    """The programs launched without a host sync, as ``_program_map`` launches them."""
+    return num_tokens // block_m + num_seqs
+
+
+def program_map(cu_seqlens: Sequence[int], block_m: int, num_tokens: int) -> tuple[list[int], list[int], int]:
+    """``_program_map`` on the host: ``(program_seq, program_block, num_blocks)`` for the upper bound of
+    programs; programs ``num_blocks ..`` are never run (they get sequence ``num_seqs``)."""
+    num_seqs = len(cu_seqlens) - 1
+    blocks = [(cu_seqlens[s + 1] - cu_seqlens[s] + block_m - 1) // block_m for s in range(num_seqs)]
+    cu_blocks, total = [], 0
+    for count in blocks:
+        total += count
+        cu_blocks.append(total)
+    first_block = [0, *cu_blocks[:-1]]
+    seqs, block_ids = [], []
+    seq = 0
+    for pid in range(num_programs(num_tokens, num_seqs, block_m)):
+        while seq < num_seqs and cu_blocks[seq] <= pid:
+            seq += 1
+        seqs.append(seq)
+        block_ids.append(pid - first_block[min(seq, num_seqs - 1)])
+    return seqs, block_ids, total
+
+
+def items_of_core(num_work: int, num_cores: int, core: int) -> int:
+    """How many of ``num_work`` work items core ``core`` runs."""
+    return (num_work - core - 1) // num_cores + 1 if core < num_work else 0
+
+
+def core_items(num_work: int, num_cores: int, core: int) -> list[int]:
+    """The work items of core ``core``, in the order it runs them (the Triton kernel's
+    ``range(program_id, num_work, num_programs)``)."""
+    return [core + k * num_cores for k in range(items_of_core(num_work, num_cores, core))]
+
+
+def launch_block_dim(num_items: int, cube_cores: int) -> int:
+    """Cube cores of the MIX_AIC_1_2 launch (each brings ``VECTOR_CORES_PER_CUBE`` vector cores)."""
+    return max(1, min(cube_cores, -(-num_items // VECTOR_CORES_PER_CUBE)))
+
+
+def kv_tiles(
+    context: int,
+    q_len: int,
+    kv_len: int,
+    block: int,
+    block_m: int,
+    tile_n: int,
+    causal: bool,
+    sliding_window: int,
+) -> tuple[int, int]:
+    """``(first_tile_start, kv_end)`` of one program: its tiles start at ``range(first, kv_end, tile_n)``."""
+    kv_end = kv_len
+    if causal:
+        kv_end = min(kv_len, context + min(q_len, (block + 1) * block_m))
+    kv_begin = 0
+    if sliding_window > 0:
+        kv_begin = max(0, context + block * block_m - sliding_window + 1)
+    return kv_begin // tile_n * tile_n, kv_end
+
+
+def num_kv_tiles(first_tile_start: int, kv_end: int, tile_n: int) -> int:
+    return -(-(kv_end - first_tile_start) // tile_n) if kv_end > first_tile_start else 0
+
+
+def masked_columns(pos_q: int, tile_start: int, tile_n: int, kv_len: int, causal: bool, sliding_window: int) -> int:
+    """Bit ``j`` set: key ``tile_start + j`` is invisible to the query at ``pos_q`` (becomes ``-inf``)."""
+    bits = 0
+    for j in range(tile_n):
+        pos_k = tile_start + j
+        visible = pos_k < kv_len
+        if causal:
+            visible = visible and pos_k <= pos_q
+        if sliding_window > 0:
+            visible = visible and pos_q - pos_k < sliding_window
+        if not visible:
+            bits |= 1 << j
+    return bits
+
+
+@dataclass(frozen=True)
+class WorkItem:
+    """One (program, head) work item as a core runs it: its KV tiles start at ``tile_starts``."""
+
+    item: int
+    core: int
+    order: int
+    program: int
+    head: int
+    seq: int
+    block: int
+    first_tile_start: int
+    kv_end: int
+    num_tiles: int
+    tile_n: int
+
+    @property
+    def tile_starts(self) -> range:
+        return range(self.first_tile_start, self.kv_end, self.tile_n) if self.num_tiles else range(0)
+
+
+def schedule(
+    tiling: FlashAttentionTiling, query_start_loc: Sequence[int], seq_lens: Sequence[int]
+) -> list[list[WorkItem]]:
+    """Per core, the work items it runs in order, with their KV tiles."""
+    seqs, blocks, num_blocks = program_map(query_start_loc, tiling.block_m, tiling.num_tokens)
+    cores: list[list[WorkItem]] = []
+    for core in range(tiling.num_cores):
+        items = []
+        for order, item in enumerate(core_items(num_blocks * tiling.num_heads, tiling.num_cores, core)):
+            program, head = divmod(item, tiling.num_heads)
+            seq = seqs[program]
+            q_len = query_start_loc[seq + 1] - query_start_loc[seq]
+            kv_len = seq_lens[seq]
+            first, kv_end = kv_tiles(
+                kv_len - q_len,
+                q_len,
+                kv_len,
+                blocks[program],
+                tiling.block_m,
+                tiling.tile_n,
+                bool(tiling.causal),
+                tiling.sliding_window,
+            )
+            items.append(
+                WorkItem(
+                    item=item,
+                    core=core,
+                    order=order,
+                    program=program,
+                    head=head,
+                    seq=seq,
+                    block=blocks[program],
+                    first_tile_start=first,
+                    kv_end=kv_end,
+                    num_tiles=num_kv_tiles(first, kv_end, tiling.tile_n),
+                    tile_n=tiling.tile_n,
+                )
+            )
+        cores.append(items)
+    return cores

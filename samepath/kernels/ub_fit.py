@@ -1,0 +1,290 @@
+"""Do samepath's tiles fit the on-chip buffers of an Ascend A2 core? An estimate and a check.
+
+An A2 (Atlas A2 / 910B) AI core pairs a cube unit, which reads ``tl.dot`` operands from its 512 KB
+L1 buffer, with vector units computing on tiles in a ~192 KB unified buffer (UB). A kernel whose
+live tiles exceed either does not compile under Triton-Ascend (bishengir reports the overflow). No
+NPU builds this project, so the footprint of each kernel is *estimated* from its source, by one
+rule applied kernel by kernel below:
+
+* a tensor loaded from global memory only to be a ``tl.dot`` operand (q, k, v; a, b) goes to L1;
+  everything else below is in the UB;
+* every loaded tensor counts, twice when loaded inside a loop (Triton-Ascend double-buffers such
+  loads: ``multibuffer`` is on by default for A2);
+* so do loop-carried state, ``tl.dot`` results and vector-made dot operands (``p`` cast), the
+  input of every reduction (``tl.max`` / ``tl.sum``), masks and indices used as values
+  (``tl.where``, comparisons), gathered addresses (paged KV rows through the block table), and a
+  stored value's cast;
+* structured addresses and load/store masks (``base + arange * stride``, ``offs < bound``) are
+  not counted: Triton-Ascend's pointer and mask analysis turns them into strided accesses with
+  bounds;
+* elementwise intermediates that only feed other elementwise steps are taken as fused (HFusion)
+  and not counted, nor are casts to fp32 of fp32 values (no-ops);
+* each buffer is rounded up to 32 bytes (the UB's alignment).
+
+Buffers live at different times are summed, so the estimate errs on the large side. It guards
+the frozen tables and tuning candidates; it is not the compiler's allocation, whose authority is
+Triton-Ascend compiling the kernel on a machine with CANN.
+
+Shapes follow the kernels' launchers: attention heads are padded to ``padded_head_size``, the
+RMSNorm row to the next power of two.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from samepath.kernels.config import (
+    SUPPORTED_DTYPES,
+    AttentionConfig,
+    MatmulConfig,
+    RowReduceConfig,
+    check_head_size,
+    padded_head_size,
+)
+
+#: Unified buffer of one Ascend A2 vector unit, in bytes.
+UB_BYTES = 192 * 1024
+#: L1 buffer of one Ascend A2 cube unit, in bytes.
+L1_BYTES = 512 * 1024
+#: Every buffer starts at a multiple of this many bytes.
+ALIGN = 32
+BUDGETS = {"ub": UB_BYTES, "l1": L1_BYTES}
+
+_ELEMENT_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "int64": 8, "int32": 4, "int1": 1}
+
+
+@dataclass(frozen=True)
+class Buffer:
+    """One on-chip tile of a kernel: ``copies`` buffers of ``shape`` elements of ``dtype`` in
+    ``memory`` (``"ub"`` or ``"l1"``)."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+    copies: int = 1
+    memory: str = "ub"
+
+    @property
+    def nbytes(self) -> int:
+        elements = 1
+        for size in self.shape:
+            elements *= size
+        raw = elements * _ELEMENT_BYTES[self.dtype]
+        return self.copies * (-(-raw // ALIGN) * ALIGN)
+
+
+def footprint(buffers: list[Buffer], memory: str = "ub") -> int:
+    """Estimated bytes of ``memory`` (``"ub"`` or ``"l1"``) a kernel needs: the sum of its buffers there."""
+    return sum(buffer.nbytes for buffer in buffers if buffer.memory == memory)
+
+
+def _dtype(dtype: object) -> str:
+    """A table dtype name from a ``torch.dtype`` or a name (``"bfloat16"``)."""
+    name = SUPPORTED_DTYPES.get(dtype, dtype)  # type: ignore[call-overload]
+    if name not in SUPPORTED_DTYPES.values():
+        raise ValueError(f"dtype must be one of {sorted(SUPPORTED_DTYPES.values())}, got {dtype!r}")
+    return name
+
+
+def _widened(name: str, shape: tuple[int, ...], dt: str) -> list[Buffer]:
+    """The fp32 copy of a ``dt`` tile, or nothing when it is already fp32."""
+    return [] if dt == "float32" else [Buffer(name, shape, "float32")]
+
+
+def _cast(name: str, shape: tuple[int, ...], dt: str) -> list[Buffer]:
+    """The ``dt`` cast of an fp32 tile, or nothing when ``dt`` is fp32."""
+    return [] if dt == "float32" else [Buffer(name, shape, dt)]
+
+
+# ----------------------------------------------------------------------------------------------
+# Per-kernel buffers (dt: the input dtype)
+# ----------------------------------------------------------------------------------------------
+
+
+def attention_forward_buffers(block_m: int, tile_n: int, head_size: int, dtype: object) -> list[Buffer]:
+    """``_attention_fwd_kernel`` (paged, the larger case) in one KV tile of its loop."""
+    dt, d = _dtype(dtype), padded_head_size(head_size)
+    return [
+        Buffer("q", (block_m, d), dt, memory="l1"),
+        Buffer("k", (d, tile_n), dt, copies=2, memory="l1"),
+        Buffer("v", (tile_n, d), dt, copies=2, memory="l1"),
+        Buffer("p cast (dot operand)", (block_m, tile_n), dt, memory="l1"),
+        Buffer("page ids (k and v)", (2, tile_n), "int32", copies=2),
+        Buffer("kv positions", (tile_n,), "int32"),
+        Buffer("k and v row offsets (gathered)", (2, tile_n), "int64"),
+        Buffer("scores (dot result)", (block_m, tile_n), "float32"),
+        Buffer("visible", (block_m, tile_n), "int1"),
+        Buffer("masked scores (max input)", (block_m, tile_n), "float32"),
+        Buffer("p (sum input)", (block_m, tile_n), "float32"),
+        Buffer("p cast (dot operand)", (block_m, tile_n), dt),
+        Buffer("acc and the p.v dot result", (2, block_m, d), "float32"),
+        Buffer("m, l, m_new, alpha", (4, block_m), "float32"),
+        Buffer("query positions", (block_m,), "int32"),
+        *_cast("output cast", (block_m, d), dt),
+    ]
+
+
+def attention_dq_buffers(block_m: int, block_n: int, head_size: int, dtype: object) -> list[Buffer]:
+    """``_attention_bwd_dq_kernel`` in one KV tile of its loop."""
+    dt, d = _dtype(dtype), padded_head_size(head_size)
+    return [
+        Buffer("q and dout", (2, block_m, d), dt, memory="l1"),
+        Buffer("k^T and v^T", (2, d, block_n), dt, copies=2, memory="l1"),
+        Buffer("ds cast (dot operand)", (block_m, block_n), dt, memory="l1"),
+        Buffer("lse and delta", (2, block_m), "float32"),
+        Buffer("scores and dp (dot results)", (2, block_m, block_n), "float32"),
+        Buffer("visible", (block_m, block_n), "int1"),
+        Buffer("p and ds", (2, block_m, block_n), "float32"),
+        Buffer("ds cast (dot operand)", (block_m, block_n), dt),
+        Buffer("dq and the ds.k dot result", (2, block_m, d), "float32"),
+        *_cast("dq cast", (block_m, d), dt),
+    ]
+
+
+def attention_dkdv_buffers(block_m: int, block_n: int, head_size: int, dtype: object) -> list[Buffer]:
+    """``_attention_bwd_dkdv_kernel`` in one query tile of its inner loop."""
+    dt, d = _dtype(dtype), padded_head_size(head_size)
+    return [
+        Buffer("k and v", (2, block_n, d), dt, memory="l1"),
+        Buffer("q^T and dout", (2, d, block_m), dt, copies=2, memory="l1"),
+        Buffer("p^T and ds^T casts (dot operands)", (2, block_n, block_m), dt, memory="l1"),
+        Buffer("lse and delta", (2, block_m), "float32", copies=2),
+        Buffer("scores^T and dp^T (dot results)", (2, block_n, block_m), "float32"),
+        Buffer("visible^T", (block_n, block_m), "int1"),
+        Buffer("p^T and ds^T", (2, block_n, block_m), "float32"),
+        Buffer("p^T and ds^T casts (dot operands)", (2, block_n, block_m), dt),
+        Buffer("dk, dv and their dot results", (4, block_n, d), "float32"),
+        *_cast("dk and dv casts", (2, block_n, d), dt),
+    ]
+
+
+def matmul_buffers(block_m: int, block_n: int, block_k: int, dtype: object) -> list[Buffer]:
+    """``_matmul_kernel`` in one K tile of its loop, plus the bias epilogue."""
+    dt = _dtype(dtype)
+    return [
+        Buffer("a", (block_m, block_k), dt, copies=2, memory="l1"),
+        Buffer("b", (block_k, block_n), dt, copies=2, memory="l1"),
+        Buffer("acc and the a.b dot result", (2, block_m, block_n), "float32"),
+        Buffer("total over k slices", (block_m, block_n), "float32"),
+        Buffer("bias", (block_m, block_n), dt),
+        *_widened("bias (fp32)", (block_m, block_n), dt),
+        *_cast("output cast", (block_m, block_n), dt),
+    ]
+
+
+def logprobs_buffers(vocab_chunk: int, dtype: object) -> list[Buffer]:
+    """The larger of the vocabulary-chunk loops: ``_token_logprobs_bwd_kernel`` with both
+    gradients, which reads a chunk as ``_row_lse`` does, then computes and stores dx."""
+    dt = _dtype(dtype)
+    return [
+        Buffer("columns (label compare)", (vocab_chunk,), "int32"),
+        Buffer("valid (where mask)", (vocab_chunk,), "int1"),
+        Buffer("x", (vocab_chunk,), dt, copies=2),
+        *_widened("x (fp32)", (vocab_chunk,), dt),
+        Buffer("z = x / T", (vocab_chunk,), "float32"),
+        Buffer("log p and p", (2, vocab_chunk), "float32"),
+        Buffer("g", (vocab_chunk,), "float32"),
+        Buffer("dx", (vocab_chunk,), "float32"),
+        *_cast("dx cast", (vocab_chunk,), dt),
+    ]
+
+
+def rms_norm_buffers(hidden: int, dtype: object) -> list[Buffer]:
+    """The larger of the RMSNorm kernels: ``_rms_norm_bwd_kernel``, one whole row (padded to a
+    power of two) per step, with the weight and the dweight partial held across its rows."""
+    dt = _dtype(dtype)
+    block = 1 << (hidden - 1).bit_length()
+    return [
+        *_widened("weight (fp32)", (block,), dt),
+        Buffer("weight", (block,), dt),
+        Buffer("dweight partial", (block,), "float32"),
+        Buffer("x and dy", (2, block), dt, copies=2),
+        *_widened("h and g (fp32)", (2, block), dt),
+        Buffer("n and dn (sum inputs)", (2, block), "float32"),
+        Buffer("dx", (block,), "float32"),
+        *_cast("dx cast", (block,), dt),
+    ]
+
+
+# ----------------------------------------------------------------------------------------------
+# Checks
+# ----------------------------------------------------------------------------------------------
+
+
+def check_fits(buffers: list[Buffer], argument: str, what: str) -> int:
+    """Return the estimated UB footprint of ``buffers``; ``ValueError`` naming ``argument`` if the
+    UB or the L1 part exceeds its budget (:data:`BUDGETS`). ``what`` names the kernel and shape."""
+    for memory, budget in BUDGETS.items():
+        total = footprint(buffers, memory)
+        if total > budget:
+            mine = sorted((b for b in buffers if b.memory == memory), key=lambda b: -b.nbytes)
+            largest = ", ".join(f"{b.name} {b.nbytes}" for b in mine[:3])
+            raise ValueError(
+                f"{argument} does not fit an Ascend A2 core: {what} needs about {total} bytes of its "
+                f"{budget}-byte {memory.upper()} buffer (largest tiles: {largest})"
+            )
+    return footprint(buffers)
+
+
+def check_attention(config: AttentionConfig, head_size: int, dtype: object, argument: str = "config") -> int:
+    """Largest UB footprint of the three attention kernels with ``config``; ``ValueError`` naming
+    ``argument`` if any exceeds an A2 core's buffers."""
+    check_head_size(head_size)
+    dt = _dtype(dtype)
+    shape = f"head_size={head_size}, {dt}"
+    return max(
+        check_fits(
+            attention_forward_buffers(config.block_m, config.tile_n, head_size, dt),
+            argument,
+            f"_attention_fwd_kernel (block_m={config.block_m}, tile_n={config.tile_n}, {shape})",
+        ),
+        check_fits(
+            attention_dq_buffers(config.bwd_block_m, config.bwd_block_n, head_size, dt),
+            argument,
+            f"_attention_bwd_dq_kernel (bwd_block_m={config.bwd_block_m}, bwd_block_n={config.bwd_block_n}, {shape})",
+        ),
+        check_fits(
+            attention_dkdv_buffers(config.bwd_block_m, config.bwd_block_n, head_size, dt),
+            argument,
+            f"_attention_bwd_dkdv_kernel (bwd_block_m={config.bwd_block_m}, bwd_block_n={config.bwd_block_n}, {shape})",
+        ),
+    )
+
+
+def check_matmul(config: MatmulConfig, dtype: object, argument: str = "config") -> int:
+    """UB footprint of ``_matmul_kernel`` with ``config``; ``ValueError`` naming ``argument`` if it
+    exceeds an A2 core's buffers."""
+    dt = _dtype(dtype)
+    return check_fits(
+        matmul_buffers(config.block_m, config.block_n, config.block_k, dt),
+        argument,
+        f"_matmul_kernel (block_m={config.block_m}, block_n={config.block_n}, block_k={config.block_k}, {dt})",
+    )
+
+
+def check_logprobs(config: RowReduceConfig, dtype: object, argument: str = "config") -> int:
+    """UB footprint of the vocabulary-chunk kernels with ``config.vocab_chunk``; ``ValueError``
+    naming ``<argument>.vocab_chunk`` if it exceeds the A2 UB."""
+    dt = _dtype(dtype)
+    return check_fits(
+        logprobs_buffers(config.vocab_chunk, dt),
+        f"{argument}.vocab_chunk",
+        f"_token_logprobs_bwd_kernel (vocab_chunk={config.vocab_chunk}, {dt})",
+    )
+
+
+def check_rms_norm(hidden: int, dtype: object, argument: str = "hidden") -> int:
+    """UB footprint of the RMSNorm kernels for rows of ``hidden`` (held whole); ``ValueError``
+    naming ``argument`` if it exceeds the A2 UB."""
+    if isinstance(hidden, bool) or not isinstance(hidden, int) or hidden < 1:
+        raise ValueError(f"{argument} must be a positive int, got {hidden!r}")
+    dt = _dtype(dtype)
+    return check_fits(rms_norm_buffers(hidden, dt), argument, f"_rms_norm_bwd_kernel (hidden={hidden}, {dt})")
+
+
+def max_rms_norm_hidden(dtype: object) -> int:
+    """The largest power-of-two hidden size whose RMSNorm rows fit the A2 UB by this estimate."""
+    hidden = 16
+    while footprint(rms_norm_buffers(2 * hidden, dtype)) <= UB_BYTES:
+        hidden *= 2
+    return hidden
