@@ -9,12 +9,17 @@ is not installed. To run it here: a separate venv, e.g. ``/work/venv-verl`` with
 from __future__ import annotations
 
 import importlib
+import os
+import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
 
 from samepath.kernels.logprobs import token_logprobs
+
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def _import_or_skip(name: str):
@@ -107,3 +112,130 @@ def test_fsdp_temperature_is_divided_in_fp32_as_the_rollout_does(verl_tf):
     assert torch.equal(unit, token_logprobs(logits, labels, 1.0))
     # Negative control: verl's bf16 division (and its log-softmax) differs from the rollout.
     assert not torch.equal(stock, rollout)
+
+
+# ----------------------------------------------------------------------------------------------
+# verl's own mismatch metrics: rollout (samepath) vs verl's FSDP trainer path
+# ----------------------------------------------------------------------------------------------
+
+TEMPERATURE = 0.7
+
+
+def _verl_actor_log_probs(engine, model, prompts: list[list[int]], responses: torch.Tensor) -> torch.Tensor:
+    """``old_log_probs`` ``[B, R]`` as verl's FSDP actor computes them: the left/right-padded batch
+    made jagged by ``left_right_2_no_padding``, ``FSDPEngineWithLMHead.prepare_model_inputs`` (packed,
+    remove-padding), the model under bf16 autocast, ``prepare_model_outputs`` (temperature scaling,
+    ``logprobs_from_logits``) and ``no_padding_2_padding`` — run with a stand-in for the engine
+    object (no FSDP wrapping, no Ulysses, no static padding), since ``forward_step`` needs a GPU."""
+    from tensordict import TensorDict
+    from verl.utils import tensordict_utils as tu
+    from verl.utils.model import compute_position_id_with_mask
+    from verl.workers.utils.padding import left_right_2_no_padding, no_padding_2_padding
+
+    batch, width = responses.shape[0], max(map(len, prompts))
+    prompt_ids = torch.zeros((batch, width), dtype=torch.long)
+    prompt_mask = torch.zeros_like(prompt_ids)
+    for row, prompt in enumerate(prompts):
+        prompt_ids[row, width - len(prompt) :] = torch.tensor(prompt)
+        prompt_mask[row, width - len(prompt) :] = 1
+    attention_mask = torch.cat([prompt_mask, torch.ones_like(responses)], dim=1)
+    data = TensorDict(
+        {
+            "prompts": prompt_ids,
+            "responses": responses,
+            "input_ids": torch.cat([prompt_ids, responses], dim=1),
+            "attention_mask": attention_mask,
+            "position_ids": compute_position_id_with_mask(attention_mask),
+            "response_mask": torch.ones_like(responses),
+        },
+        batch_size=[batch],
+    )
+    data = left_right_2_no_padding(data)
+    tu.assign_non_tensor_data(data, "temperature", TEMPERATURE)
+
+    class Engine:
+        pad_to_length = False
+        use_ulysses_sp = False
+        module = model
+
+        def _get_packed_pad_size(self, packed_length: int) -> int:
+            return 0
+
+        def _gather_and_unpad_packed(self, tensor: torch.Tensor, pad_size: int) -> torch.Tensor:
+            return engine.FSDPEngine._gather_and_unpad_packed(self, tensor, pad_size)
+
+    stand_in = Engine()
+    inputs, output_args = engine.FSDPEngineWithLMHead.prepare_model_inputs(stand_in, data)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        raw = model(**inputs, use_cache=False)
+        outputs = engine.FSDPEngineWithLMHead.prepare_model_outputs(stand_in, raw, output_args, data, None)
+    data["attention_mask"] = attention_mask
+    return no_padding_2_padding(outputs["log_probs"], data)
+
+
+def test_verl_rollout_probs_diff_metrics_are_zero_with_samepath_on_both_sides(verl_tf):
+    engine = _import_or_skip("verl.workers.engine.fsdp.transformer_impl")
+    debug_metrics = _import_or_skip("verl.utils.debug.metrics")
+    _import_or_skip("transformers")
+    from verl import DataProto
+
+    from samepath import integrations
+    from samepath.check import harness
+    from samepath.integrations import verl as sp_verl
+
+    model = harness.load_default_model(torch.bfloat16, seed=3).model
+    prompts = harness.random_prompts(3, model.config.vocab_size, seed=4, min_len=3, max_len=7)
+    was_enabled = integrations.enabled()
+    integrations.patch_all()
+    try:
+        # The rollout: samepath's generate (KV cache, left padding) and its log-probs of the drawn
+        # tokens at the sampling temperature, carried as Python floats into verl's fp32
+        # rollout_log_probs as verl's agent loop does with vLLM's logprobs.
+        responses, rollout = harness.rollout_hf(model, prompts, 4, TEMPERATURE, seed=5)
+        rollout_log_probs = torch.tensor(rollout.tolist(), dtype=torch.float32)
+
+        def metrics() -> dict:
+            batch = DataProto.from_dict(
+                tensors={
+                    "rollout_log_probs": rollout_log_probs,
+                    "old_log_probs": _verl_actor_log_probs(engine, model, prompts, responses),
+                    "responses": responses,
+                    "response_mask": torch.ones_like(responses),
+                }
+            )
+            return debug_metrics.calculate_debug_metrics(batch)
+
+        with sp_verl.installed_for():
+            patched = metrics()
+        unpatched = metrics()  # negative control: verl's own temperature scaling and log-softmax
+    finally:
+        if not was_enabled:
+            integrations.unpatch_all()
+    assert patched["training/rollout_probs_diff_valid"] == 1
+    for stat in ("max", "mean", "std"):
+        assert patched[f"training/rollout_probs_diff_{stat}"] == 0.0, patched
+    assert unpatched["training/rollout_probs_diff_max"] > 0, unpatched
+
+
+def test_importing_with_samepath_verl_set_patches_every_process_that_imports_verl():
+    _import_or_skip("verl.utils.torch_functional")
+    code = (
+        "import verl.utils.torch_functional as tf\n"
+        "from verl.workers.rollout.naive import naive_rollout\n"
+        "from samepath import integrations\n"
+        "from samepath.integrations import verl as sp\n"
+        "assert integrations.enabled() and sp.installed()\n"
+        "assert tf.logprobs_from_logits is sp.logprobs_from_logits\n"
+        "assert naive_rollout.logprobs_from_logits is sp.logprobs_from_logits\n"
+        "print('patched')\n"
+    )
+    env = dict(os.environ, SAMEPATH_VERL="1", VERL_USE_EXTERNAL_MODULES="samepath.integrations.verl")
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and "patched" in done.stdout, done.stderr[-3000:]
+    # Without the variable importing the module changes nothing.
+    env.pop("SAMEPATH_VERL")
+    check = code.replace("assert integrations.enabled() and sp.installed()", "assert not sp.installed()")
+    check = check.split("assert tf.")[0] + "print('untouched')\n"
+    done = subprocess.run([sys.executable, "-c", check], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and "untouched" in done.stdout, done.stderr[-3000:]

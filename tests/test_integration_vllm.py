@@ -270,3 +270,87 @@ def test_install_and_uninstall_restore_vllm():
         samepath_vllm.uninstall()
     assert (RMSNorm.forward, CPUAttentionBackendImpl.forward, Sampler.compute_logprobs) == originals
     assert not samepath_vllm.installed()
+
+
+def _gpu_backend_case(impl_cls, metadata_cls, dtype: torch.dtype):
+    """A decode, a chunked prefill over a cached prefix and a fresh prefill through a CUDA backend's
+    patched ``do_kv_cache_update`` + ``forward`` on CPU tensors; each sequence's rows against the
+    trainer's ``varlen_attention`` over the whole sequence."""
+    gen = torch.Generator().manual_seed(7)
+    heads, kv_heads, head_size, block_size, num_blocks = 4, 2, 64, 16, 12
+    seq_lens, query_lens = [21, 37, 12], [1, 7, 12]
+    impl = object.__new__(impl_cls)
+    from vllm.v1.attention.backend import AttentionType
+
+    impl.num_heads, impl.num_kv_heads, impl.head_size, impl.scale = heads, kv_heads, head_size, head_size**-0.5
+    impl.sliding_window, impl.attn_type, impl.kv_cache_dtype = (-1, -1), AttentionType.DECODER, "auto"
+    impl.alibi_slopes, impl.sinks, impl.logits_soft_cap = None, None, None
+    full = [
+        [torch.randn(n, h, head_size, generator=gen).to(dtype) for h in (heads, kv_heads, kv_heads)] for n in seq_lens
+    ]
+    kv_cache = torch.full((num_blocks, kv_heads, block_size, 2 * head_size), float("nan"), dtype=dtype)
+    pages = torch.randperm(num_blocks, generator=gen)[:9].view(3, 3).to(torch.int32)
+    slots = [
+        pages[i, torch.arange(n) // block_size].long() * block_size + torch.arange(n) % block_size
+        for i, n in enumerate(seq_lens)
+    ]
+    key_cache, value_cache = kv_cache.transpose(1, 2).split(head_size, dim=-1)
+    for (_, k, v), s, n, q in zip(full, slots, seq_lens, query_lens, strict=True):
+        samepath.write_kv_cache(k[: n - q], v[: n - q], key_cache, value_cache, s[: n - q])
+    new = [[t[n - q :] for t in seq] for seq, n, q in zip(full, seq_lens, query_lens, strict=True)]
+    query, key, value = (torch.cat([seq[j] for seq in new]) for j in range(3))
+    slot_mapping = torch.cat([s[n - q :] for s, n, q in zip(slots, seq_lens, query_lens, strict=True)])
+    extra = {}
+    if "seq_threshold_3D" in metadata_cls.__dataclass_fields__:
+        empty = torch.empty(0)
+        extra = dict(
+            seq_threshold_3D=0,
+            num_par_softmax_segments=0,
+            softmax_segm_output=empty,
+            softmax_segm_max=empty,
+            softmax_segm_expsum=empty,
+            causal=True,
+        )
+    metadata = metadata_cls(
+        num_actual_tokens=query.shape[0],
+        max_query_len=max(query_lens),
+        query_start_loc=torch.tensor([0, 1, 8, 20], dtype=torch.int32),
+        max_seq_len=max(seq_lens),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+        block_table=pages,
+        slot_mapping=slot_mapping,
+        **extra,
+    )
+    impl.do_kv_cache_update(None, key, value, kv_cache, slot_mapping)
+    output = torch.empty(query.shape[0] + 3, heads * head_size, dtype=dtype)  # padded like vLLM's buffers
+    impl.forward(None, query.flatten(1), key, value, kv_cache, metadata, output)
+    rows = output[: query.shape[0]].view(-1, heads, head_size).split(query_lens)
+    for (q, k, v), got, n in zip(full, rows, query_lens, strict=True):
+        cu = torch.tensor([0, q.shape[0]], dtype=torch.int32)
+        want = samepath.varlen_attention(q, k, v, cu, scale=head_size**-0.5)[-n:]
+        assert torch.equal(got, want)
+    return impl, metadata, query, key, value, kv_cache, output
+
+
+@pytest.mark.parametrize("backend", ["flash_attn", "triton_attn"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_cuda_backend_patches_map_vllm_metadata(backend, dtype):
+    """The FlashAttention / Triton backend patches (CUDA in production) on CPU tensors: vLLM's own
+    metadata dataclass in, rows bit-identical to the trainer's; refused metadata raises."""
+    import dataclasses
+
+    from samepath.integrations import vllm as samepath_vllm
+
+    module = importlib.import_module(f"vllm.v1.attention.backends.{backend}")
+    prefix = {"flash_attn": "FlashAttention", "triton_attn": "TritonAttention"}[backend]
+    impl_cls, metadata_cls = getattr(module, f"{prefix}Impl"), getattr(module, f"{prefix}Metadata")
+    samepath_vllm.install()
+    try:
+        impl, metadata, *args = _gpu_backend_case(impl_cls, metadata_cls, dtype)
+        query, key, value, kv_cache, output = args
+        refused = dataclasses.replace(metadata, rswa_prefix_lens=torch.tensor([1, 2, 3]))
+        with pytest.raises(NotImplementedError, match="rswa_prefix_lens"):
+            impl.forward(None, query.flatten(1), key, value, kv_cache, refused, output)
+    finally:
+        samepath_vllm.uninstall()
+    assert impl_cls.forward is not samepath_vllm._attention_forward

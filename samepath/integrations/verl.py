@@ -27,30 +27,37 @@ What :func:`install` replaces (every original recorded; :func:`uninstall` restor
   The automodel, torchtitan and Megatron engines divide inline (``logits / temperature`` or
   ``logits.div_``) and are not covered: use the FSDP engine or temperature 1.
 
-Recipe (verl + vLLM / vllm-ascend + FSDP):
+The rollout's ``calculate_log_probs`` path needs no patch in verl: with
+``actor_rollout_ref.rollout.calculate_log_probs=True`` verl asks vLLM for the sampled token's
+log-prob (``SamplingParams.logprobs=0``) and carries it as a Python float into the fp32
+``rollout_log_probs`` tensor (``AgentLoopOutput.as_dict`` / the agent loop's padding), which is
+exact. Its numerics are the rollout engine's: samepath's vLLM / vllm-ascend sampler patch.
+``tests/test_integration_verl.py`` runs verl's own trainer path (``FSDPEngineWithLMHead``'s
+``prepare_model_inputs`` / ``prepare_model_outputs`` under bf16 autocast, ``no_padding_2_padding``)
+and verl's ``calculate_debug_metrics``: ``training/rollout_probs_diff_max`` / ``_mean`` / ``_std``
+are exactly 0 against samepath's rollout log-probs, and not 0 without :func:`install`.
 
-* trainer workers: ``samepath.integrations.patch_all()`` (matmuls, log-softmax, Hugging Face
-  attention / norms / rotary / SiLU·mul) and :func:`install`, in every worker process (e.g. from
-  a ``sitecustomize`` or the worker's init hook), with ``actor_rollout_ref.actor.strategy=fsdp``
-  (or ``fsdp2``), ``actor_rollout_ref.model.use_fused_kernels=False`` (verl's fused
-  linear-cross-entropy computes the logprobs itself) and ``VERL_DISABLE_FLASH_ATTN_CE=1`` (also
-  set by verl's engine utils; with :func:`install` flash-attn's cross entropy is bypassed anyway);
-* rollout: ``SAMEPATH_VLLM=1`` with samepath's ``vllm.general_plugins`` entry point
-  (:mod:`samepath.integrations.vllm`) and ``actor_rollout_ref.rollout.calculate_log_probs=True``;
-  TP degree of the rollout = the ``k_slices`` / vocab shards the trainer runs
-  (:mod:`samepath.distributed`), or ``tensor_model_parallel_size=1``;
-* logprobs mode: samepath's vLLM sampler patch covers ``raw_logprobs`` (temperature 1) only, and
-  verl defaults to ``actor_rollout_ref.rollout.logprobs_mode=processed_logprobs``: set
-  ``logprobs_mode=raw_logprobs`` with ``rollout.temperature=1.0`` until the vLLM integration
-  covers ``processed_logprobs`` (``token_logprobs(raw_logits, labels, T)``, which
-  :func:`scale_logits_by_temperature` already matches on the trainer side);
-* verl then logs ``training/rollout_probs_diff_max`` / ``_mean`` (and samepath's
-  ``python -m samepath check``) at 0.
+Worker processes: with ``SAMEPATH_VERL=1`` in the environment, importing this module calls
+:func:`register` (``samepath.integrations.patch_all()`` and :func:`install`), so naming it in
+verl's ``VERL_USE_EXTERNAL_MODULES`` (imported by ``import verl`` in every Ray worker) puts every
+trainer process on samepath.
+
+Recipe (verl + vLLM / vllm-ascend + FSDP): see docs/integrations.md. In short, through Ray's
+runtime environment (``+ray_kwargs.ray_init.runtime_env.env_vars.NAME=value``):
+``SAMEPATH_VERL=1``, ``VERL_USE_EXTERNAL_MODULES=samepath.integrations.verl``, ``SAMEPATH_VLLM=1``
+and ``SAMEPATH_EXPECT_FINGERPRINT`` = the trainer's ``samepath.fingerprint()``; and
+``actor_rollout_ref.actor.strategy=fsdp2``, ``actor_rollout_ref.model.use_fused_kernels=False``,
+``actor_rollout_ref.model.use_liger=False``, ``actor_rollout_ref.rollout.calculate_log_probs=True``,
+``actor_rollout_ref.rollout.logprobs_mode=processed_logprobs`` (vLLM then reports the log-probs
+at the sampling temperature, which the trainer computes) and
+``actor_rollout_ref.rollout.tensor_model_parallel_size=1`` (vLLM's row-parallel all-reduce is not
+yet on :mod:`samepath.distributed`). verl then logs ``training/rollout_probs_diff_*`` at 0.
 """
 
 from __future__ import annotations
 
 import importlib
+import os
 import sys
 import threading
 from collections.abc import Iterator
@@ -67,6 +74,9 @@ TARGETS = (
     ("verl.utils.torch_functional", "logprobs_from_logits"),
     ("verl.workers.engine.fsdp.transformer_impl", "_scale_logits_by_temperature"),
 )
+
+#: Set to ``1`` to make importing this module call :func:`register` (worker processes).
+ENV_VAR = "SAMEPATH_VERL"
 
 _lock = threading.RLock()
 _patcher: Patcher | None = None
@@ -178,13 +188,36 @@ def installed_for() -> Iterator[None]:
             uninstall()
 
 
+def enabled_by_env() -> bool:
+    """Whether ``SAMEPATH_VERL`` asks for samepath in this process."""
+    return os.environ.get(ENV_VAR, "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def register() -> None:
+    """When ``SAMEPATH_VERL=1``: ``samepath.integrations.patch_all()`` (Hugging Face models, torch's
+    matmuls and log-softmax) and :func:`install` (verl). Runs on import of this module, so verl's
+    ``VERL_USE_EXTERNAL_MODULES=samepath.integrations.verl`` applies it in every worker; does
+    nothing without the variable."""
+    if not enabled_by_env():
+        return
+    from samepath import integrations
+
+    integrations.patch_all()
+    install()
+
+
 __all__ = [
+    "ENV_VAR",
     "TARGETS",
+    "enabled_by_env",
     "install",
     "installed",
     "installed_for",
     "logprobs_from_logits",
     "originals",
+    "register",
     "scale_logits_by_temperature",
     "uninstall",
 ]
+
+register()

