@@ -60,3 +60,23 @@ def test_every_kernel_lowers_for_ascend(dtype: torch.dtype) -> None:
         results.setdefault(launch.name, lower_for_ascend(launch))
     assert set(results.values()) <= {"mlir", "binary"}
     assert len(results) >= 12, sorted(results)
+
+
+def test_chunked_rms_norm_lowers_for_ascend(monkeypatch) -> None:
+    """The NPU table folds RMSNorm rows longer than ``norm_chunk`` in chunks: that path lowers too."""
+    import importlib
+
+    from samepath.kernels.config import ROW_REDUCE_TABLE
+
+    module = importlib.import_module("samepath.kernels.rms_norm")
+    monkeypatch.setattr(module, "row_reduce_config", lambda device: ROW_REDUCE_TABLE["npu"])
+    gen = torch.Generator().manual_seed(1)
+    hidden = ROW_REDUCE_TABLE["npu"].norm_chunk + 40
+    x = torch.randn(2, hidden, generator=gen).to(torch.bfloat16).requires_grad_()
+    weight = torch.randn(hidden, generator=gen).to(torch.bfloat16).requires_grad_()
+    with record_launches() as launches:
+        y, s = samepath.rms_norm(x, weight, 1e-6, residual=x.detach().clone())
+        (y.float().sum() + s.float().sum()).backward()
+    assert {launch.name for launch in launches} >= {"_rms_norm_fwd_kernel", "_rms_norm_bwd_kernel"}
+    for launch in launches:
+        assert lower_for_ascend(launch) in {"mlir", "binary"}, launch.name

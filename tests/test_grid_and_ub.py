@@ -322,15 +322,15 @@ def test_npu_matmul_and_vocab_tiles_fit_the_unified_buffer(dtype: str) -> None:
     assert 0 < ub_fit.check_logprobs(ROW_REDUCE_TABLE["npu"], dtype) <= ub_fit.UB_BYTES
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=ValueError,
-    reason="ROW_REDUCE_TABLE['npu'].norm_block_max = 16384: a whole RMSNorm row fits the A2 UB only up to "
-    "hidden 4096 by this estimate; needs a smaller NPU limit or a chunked RMSNorm (a numerics change)",
-)
 @pytest.mark.parametrize("dtype", NPU_DTYPES)
 def test_npu_rms_norm_rows_fit_the_unified_buffer(dtype: str) -> None:
-    ub_fit.check_rms_norm(ROW_REDUCE_TABLE["npu"].norm_block_max, dtype, "norm_block_max")
+    """Rows up to ``norm_block_max`` fit because rows longer than ``norm_chunk`` are folded in
+    chunks; held whole, the longest would not (negative control)."""
+    npu = ROW_REDUCE_TABLE["npu"]
+    for hidden in (1024, 4096, 5120, 8192, npu.norm_block_max):
+        ub_fit.check_rms_norm(hidden, dtype, "norm_chunk", norm_chunk=npu.norm_chunk)
+    with pytest.raises(ValueError, match=r"^norm_block_max does not fit"):
+        ub_fit.check_rms_norm(npu.norm_block_max, dtype, "norm_block_max")
 
 
 @pytest.mark.parametrize("dtype", NPU_DTYPES)

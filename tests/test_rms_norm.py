@@ -11,7 +11,7 @@ import torch
 import triton
 
 from samepath.kernels.compile_check import compile_launch, record_launches
-from samepath.kernels.config import OP_FORMULAS
+from samepath.kernels.config import OP_FORMULAS, RowReduceConfig
 from samepath.kernels.rms_norm import BWD_ROWS_PER_PROGRAM, rms_norm
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -149,6 +149,57 @@ def test_forward_and_gradients_match_fp64(dtype: torch.dtype, rows: int, hidden:
     assert _rel_err(ws.grad, w64.grad) <= 2 * tol
 
 
+def _norm_chunk(monkeypatch, chunk: int) -> None:
+    """Run RMSNorm with rows folded in chunks of ``chunk`` columns (the NPU table folds 4096)."""
+    import importlib
+
+    module = importlib.import_module("samepath.kernels.rms_norm")
+    chunked = RowReduceConfig(vocab_chunk=4096, norm_chunk=chunk)
+    monkeypatch.setattr(module, "row_reduce_config", lambda device: chunked)
+
+
+def _forward_backward(x, w, r, dy):
+    xs, rs, ws = (t.clone().requires_grad_() for t in (x, r, w))
+    y, s = rms_norm(xs, ws, EPS, residual=rs)
+    (y.float() * dy.float()).sum().backward()
+    return y, s, xs.grad, ws.grad
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_chunked_rows_are_batch_invariant_deterministic_and_match_fp64(monkeypatch, dtype: torch.dtype) -> None:
+    """Rows longer than ``norm_chunk`` (here 200 columns in chunks of 32, the last one partial):
+    a row alone equals it in a batch, two runs are equal, and the results are close to fp64."""
+    x, w, r, dy = _inputs(37, 200, dtype, seed=71)
+    _norm_chunk(monkeypatch, 32)
+    y, s, dx, dw = _forward_backward(x, w, r, dy)
+    again = _forward_backward(x, w, r, dy)
+    assert all(torch.equal(a, b) for a, b in zip((y, s, dx, dw), again, strict=True))
+    for row in (0, 17, 36):
+        alone = _forward_backward(x[row : row + 1], w, r[row : row + 1], dy[row : row + 1])
+        assert torch.equal(alone[0], y[row : row + 1]) and torch.equal(alone[2], dx[row : row + 1])
+
+    x64, r64, w64 = (t.double().requires_grad_() for t in (x, r, w))
+    exact = x64 + r64
+    s64 = exact + (exact.to(dtype).double() - exact).detach()
+    y64 = w64 * s64 * torch.rsqrt(s64.pow(2).mean(-1, keepdim=True) + EPS)
+    (y64 * dy.double()).sum().backward()
+    tol = TOLERANCE[dtype]
+    assert _rel_err(y, y64) <= tol
+    assert _rel_err(dx, x64.grad) <= 2 * tol
+    assert _rel_err(dw, w64.grad) <= 2 * tol
+
+
+def test_chunking_is_part_of_the_numerics(monkeypatch) -> None:
+    """A row that fits one chunk is computed as before; a row folded in chunks sums its squares in
+    another order (negative control: some fp32 output differs)."""
+    x, w, r, dy = _inputs(64, 200, torch.float32, seed=72)
+    whole = _forward_backward(x, w, r, dy)
+    _norm_chunk(monkeypatch, 256)
+    assert all(torch.equal(a, b) for a, b in zip(whole, _forward_backward(x, w, r, dy), strict=True))
+    _norm_chunk(monkeypatch, 32)
+    assert not torch.equal(whole[0], _forward_backward(x, w, r, dy)[0])
+
+
 def test_backward_is_deterministic_and_dweight_order_is_fixed() -> None:
     rows = 3 * BWD_ROWS_PER_PROGRAM + 5
     x, w, r, dy = _inputs(rows, 1000, torch.float32, seed=7)
@@ -213,20 +264,28 @@ def test_bad_input_names_the_argument() -> None:
     not shutil.which("ptxas", path=os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")),
     reason="Triton wheel without the bundled ptxas: cannot compile for CUDA on this machine",
 )
-def test_kernels_compile_for_hopper() -> None:
+def test_kernels_compile_for_hopper(monkeypatch) -> None:
     x, w, r, dy = _inputs(18, 1000, torch.bfloat16, seed=1)
     with record_launches() as launches:
         xs = x.clone().requires_grad_()
         y, _ = rms_norm(xs, w.clone().requires_grad_(), EPS, residual=r)
         (y.float() * dy.float()).sum().backward()
         rms_norm(x, w, EPS)
+        _norm_chunk(monkeypatch, 256)  # rows folded in chunks
+        _forward_backward(x, w, r, dy)
     seen = set()
     for launch in launches:
-        key = (launch.name, launch.kwargs.get("HAS_RESIDUAL"), launch.kwargs.get("HAS_DS"))
+        key = (
+            launch.name,
+            launch.kwargs.get("HAS_RESIDUAL"),
+            launch.kwargs.get("HAS_DS"),
+            launch.kwargs.get("NUM_CHUNKS"),
+        )
         if key not in seen:
             seen.add(key)
             assert compile_launch(launch).asm["cubin"], launch.name
-    assert {name for name, _, _ in seen} == {
+    assert {key[3] for key in seen if key[0] != "_rms_norm_dw_reduce_kernel"} == {1, 4}
+    assert {key[0] for key in seen} == {
         "_rms_norm_fwd_kernel",
         "_rms_norm_bwd_kernel",
         "_rms_norm_dw_reduce_kernel",

@@ -127,12 +127,14 @@ class RowReduceConfig:
     """Row-wise reductions (token logprobs / log-softmax / entropy over the vocabulary, RMSNorm).
 
     ``vocab_chunk`` columns of a logits row are folded into an fp32 online log-sum-exp at a time,
-    in ascending order; ``norm_block_max`` bounds the hidden size one RMSNorm program loads at once
-    (the row is loaded whole, padded to the next power of two).
+    in ascending order. ``norm_block_max`` is the largest hidden size RMSNorm takes; a row of up
+    to ``norm_chunk`` columns is held whole (padded to the next power of two), a longer one is
+    folded in chunks of ``norm_chunk`` columns (``samepath/kernels/rms_norm.py``).
     """
 
     vocab_chunk: int
     norm_block_max: int = 16384
+    norm_chunk: int = 16384
     num_warps: int = 4
 
 
@@ -153,7 +155,8 @@ MATMUL_TABLE: dict[tuple[str, str], MatmulConfig] = _matmul_rows()
 ROW_REDUCE_TABLE: dict[str, RowReduceConfig] = {
     "cpu": RowReduceConfig(vocab_chunk=4096),
     "cuda": RowReduceConfig(vocab_chunk=4096, num_warps=8),
-    "npu": RowReduceConfig(vocab_chunk=4096, num_warps=1),
+    # An A2 core's 192 KB unified buffer holds the RMSNorm backward's buffers for 4096 columns.
+    "npu": RowReduceConfig(vocab_chunk=4096, norm_chunk=4096, num_warps=1),
 }
 
 

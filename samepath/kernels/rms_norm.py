@@ -4,7 +4,7 @@ Forward, per row of ``x`` (``N = hidden size``), matching ``LlamaRMSNorm`` / ``Q
 
     h = x.float()                                   # (with residual: s = (x + residual) in the
                                                     #  input dtype, as the decoder layer adds it)
-    rstd = rsqrt(sum(h * h) / N + eps)              # fp32; the row is loaded whole, tl.sum
+    rstd = rsqrt(sum(h * h) / N + eps)              # fp32; the row is loaded whole, tl.sum (*)
     y = (weight.float() * (h * rstd).to(dtype).float()).to(dtype)
 
 ``(h * rstd)`` is cast to the input dtype *before* the multiplication by the weight, as HF's
@@ -15,8 +15,13 @@ add of the widened values rounded once to the input dtype, which is what torch's
 computes; it is *not* fused into the fp32 statistics (``docs/numerics.md``: no fused add+norm on
 one side only).
 
+(*) A row longer than the device's ``norm_chunk`` (Ascend: 4096 columns, to fit its on-chip
+buffer) is read in chunks: the squares are added into a chunk-wide fp32 vector in ascending
+chunk order, then summed, and the row is read again to normalise it; the backward folds
+``sum(dn * n)`` the same way. Up to ``norm_chunk`` columns this is exactly the whole-row formula.
+
 A row's result depends only on that row: one program per row, the block is the hidden size padded
-to the next power of two, and no reduction crosses rows. Bits equal to stock HF torch code
+to the next power of two (or ``norm_chunk``), and no reduction crosses rows. Bits equal to stock HF torch code
 everywhere except where HF's ``pow(2).mean(-1)`` sums the row in another order than ``tl.sum``
 (the fp32 ``rstd`` then differs in its last bit, which reaches the output only through a rounding
 boundary — rare for bf16/fp16 outputs, common for fp32 outputs).
@@ -46,11 +51,17 @@ DW_REDUCE_BLOCK = 256
 
 RMS_NORM_FORMULA = {
     "residual_add": "fp32 add of the widened inputs, rounded once to the input dtype (HF's residual + x)",
-    "statistics": "fp32: sum(h*h) over the whole row (one program, tl.sum), / N, + eps, rsqrt",
+    "statistics": (
+        "fp32: sum(h*h) over the row (one program, tl.sum), / N, + eps, rsqrt; a row longer than "
+        "norm_chunk: squares added into a norm_chunk-wide fp32 vector chunk by chunk in ascending "
+        "order, then tl.sum"
+    ),
     "normalize": "h * rstd in fp32, rounded to the input dtype before the weight multiply",
     "weight_multiply": "fp32 product of the widened dtype values, rounded once to the input dtype",
     "fp_fusion": "disabled",
-    "backward": "fp32 with one cast per gradient; dweight from g * n.to(dtype)",
+    "backward": (
+        "fp32 with one cast per gradient; dweight from g * n.to(dtype); sum(dn*n) chunked as the statistics are"
+    ),
     "dweight_reduction": (
         f"fp32 partials over fixed blocks of {BWD_ROWS_PER_PROGRAM} rows in ascending order, "
         "then partials summed serially in ascending order; no atomics"
@@ -62,6 +73,27 @@ register_formula("rms_norm", RMS_NORM_FORMULA)
 # ----------------------------------------------------------------------------------------------
 # Kernels
 # ----------------------------------------------------------------------------------------------
+
+
+@jit
+def _load_h(X, Residual, S, row, stride_x, stride_r, stride_s, cols, valid, HAS_RESIDUAL: tl.constexpr, STORE_S):
+    """One chunk of a row as fp32: ``x``, or ``s = x + residual`` rounded to the dtype (stored when
+    ``STORE_S``)."""
+    h = tl.load(X + row * stride_x + cols, mask=valid, other=0.0).to(tl.float32)
+    if HAS_RESIDUAL:
+        r = tl.load(Residual + row * stride_r + cols, mask=valid, other=0.0).to(tl.float32)
+        s = (h + r).to(S.dtype.element_ty)
+        if STORE_S:
+            tl.store(S + row * stride_s + cols, s, mask=valid)
+        h = s.to(tl.float32)
+    return h
+
+
+@jit
+def _store_y(Y, W, row, stride_y, h, rstd, cols, valid):
+    n = (h * rstd).to(Y.dtype.element_ty).to(tl.float32)
+    w = tl.load(W + cols, mask=valid, other=0.0).to(tl.float32)
+    tl.store(Y + row * stride_y + cols, (w * n).to(Y.dtype.element_ty), mask=valid)
 
 
 @jit
@@ -80,23 +112,30 @@ def _rms_norm_fwd_kernel(
     eps,
     N: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    NUM_CHUNKS: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr,
 ):
+    """One row per work item. A row of ``NUM_CHUNKS`` chunks of ``BLOCK_N`` columns is read twice:
+    its squares summed into a chunk-wide fp32 vector in ascending chunk order, then normalised."""
     cols = tl.arange(0, BLOCK_N)
-    valid = cols < N
     for work in range(tl.program_id(0), M, tl.num_programs(0)):
         row = tl.cast(work, tl.int64)
-        h = tl.load(X + row * stride_x + cols, mask=valid, other=0.0).to(tl.float32)
-        if HAS_RESIDUAL:
-            r = tl.load(Residual + row * stride_r + cols, mask=valid, other=0.0).to(tl.float32)
-            s = (h + r).to(S.dtype.element_ty)
-            tl.store(S + row * stride_s + cols, s, mask=valid)
-            h = s.to(tl.float32)
-        var = tl.sum(h * h, axis=0) / N
-        rstd = tl.rsqrt(var + eps)
-        n = (h * rstd).to(Y.dtype.element_ty).to(tl.float32)
-        w = tl.load(W + cols, mask=valid, other=0.0).to(tl.float32)
-        tl.store(Y + row * stride_y + cols, (w * n).to(Y.dtype.element_ty), mask=valid)
+        if NUM_CHUNKS == 1:
+            valid = cols < N
+            h = _load_h(X, Residual, S, row, stride_x, stride_r, stride_s, cols, valid, HAS_RESIDUAL, True)
+            rstd = tl.rsqrt(tl.sum(h * h, axis=0) / N + eps)
+            _store_y(Y, W, row, stride_y, h, rstd, cols, valid)
+        else:
+            squares = tl.zeros([BLOCK_N], dtype=tl.float32)
+            for chunk in range(NUM_CHUNKS):
+                c = chunk * BLOCK_N + cols
+                h = _load_h(X, Residual, S, row, stride_x, stride_r, stride_s, c, c < N, HAS_RESIDUAL, True)
+                squares += h * h
+            rstd = tl.rsqrt(tl.sum(squares, axis=0) / N + eps)
+            for chunk in range(NUM_CHUNKS):
+                c = chunk * BLOCK_N + cols
+                h = _load_h(X, Residual, S, row, stride_x, stride_r, stride_s, c, c < N, HAS_RESIDUAL, False)
+                _store_y(Y, W, row, stride_y, h, rstd, c, c < N)
         tl.store(Rstd + row, rstd)
 
 
@@ -116,31 +155,74 @@ def _rms_norm_bwd_kernel(
     stride_dx,
     N: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    NUM_CHUNKS: tl.constexpr,
     ROWS: tl.constexpr,
     HAS_DS: tl.constexpr,
 ):
-    """For each block of ROWS rows: dx for its rows and their dweight partial, in ascending order."""
+    """For each block of ROWS rows: dx for its rows and their dweight partial, in ascending order.
+    Rows of several chunks first get their ``sum(dn * n)`` (a chunk-wide fp32 vector summed in
+    ascending chunk order), then each chunk's dx and dweight partial."""
     cols = tl.arange(0, BLOCK_N)
+    for block in range(tl.program_id(0), tl.cdiv(M, ROWS), tl.num_programs(0)):
+        if NUM_CHUNKS == 1:
+            _rms_norm_bwd_chunk(
+                X, W, Rstd, dY, dS, dX, dW_partial, M, stride_x, stride_dy, stride_ds, stride_dx,
+                block, cols, None, N, BLOCK_N, ROWS, HAS_DS, False,
+            )  # fmt: skip
+        else:
+            row_ids = tl.arange(0, ROWS)
+            dots = tl.zeros([ROWS], dtype=tl.float32)
+            for i in range(ROWS):
+                row = block * ROWS + i
+                if row < M:
+                    row64 = tl.cast(row, tl.int64)
+                    rstd = tl.load(Rstd + row64)
+                    products = tl.zeros([BLOCK_N], dtype=tl.float32)
+                    for chunk in range(NUM_CHUNKS):
+                        c = chunk * BLOCK_N + cols
+                        valid = c < N
+                        w = tl.load(W + c, mask=valid, other=0.0).to(tl.float32)
+                        h = tl.load(X + row64 * stride_x + c, mask=valid, other=0.0).to(tl.float32)
+                        g = tl.load(dY + row64 * stride_dy + c, mask=valid, other=0.0).to(tl.float32)
+                        products += (g * w) * (h * rstd)
+                    dots = tl.where(row_ids == i, tl.sum(products, axis=0) / N, dots)
+            for chunk in range(NUM_CHUNKS):
+                _rms_norm_bwd_chunk(
+                    X, W, Rstd, dY, dS, dX, dW_partial, M, stride_x, stride_dy, stride_ds, stride_dx,
+                    block, chunk * BLOCK_N + cols, dots, N, BLOCK_N, ROWS, HAS_DS, True,
+                )  # fmt: skip
+
+
+@jit
+def _rms_norm_bwd_chunk(
+    X, W, Rstd, dY, dS, dX, dW_partial, M, stride_x, stride_dy, stride_ds, stride_dx,
+    block, cols, dots, N: tl.constexpr, BLOCK_N: tl.constexpr, ROWS: tl.constexpr, HAS_DS: tl.constexpr,
+    GIVEN_DOTS: tl.constexpr,
+):  # fmt: skip
+    """dx of the block's rows over ``cols`` and their dweight partial there, rows ascending. The
+    per-row ``sum(dn * n) / N`` is computed here (``cols`` is the whole row) or taken from ``dots``."""
     valid = cols < N
     w = tl.load(W + cols, mask=valid, other=0.0).to(tl.float32)
-    for block in range(tl.program_id(0), tl.cdiv(M, ROWS), tl.num_programs(0)):
-        dw = tl.zeros([BLOCK_N], dtype=tl.float32)
-        for i in range(ROWS):
-            row = block * ROWS + i
-            if row < M:
-                row64 = tl.cast(row, tl.int64)
-                h = tl.load(X + row64 * stride_x + cols, mask=valid, other=0.0).to(tl.float32)
-                g = tl.load(dY + row64 * stride_dy + cols, mask=valid, other=0.0).to(tl.float32)
-                rstd = tl.load(Rstd + row64)
-                n = h * rstd
-                dn = g * w
+    dw = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for i in range(ROWS):
+        row = block * ROWS + i
+        if row < M:
+            row64 = tl.cast(row, tl.int64)
+            h = tl.load(X + row64 * stride_x + cols, mask=valid, other=0.0).to(tl.float32)
+            g = tl.load(dY + row64 * stride_dy + cols, mask=valid, other=0.0).to(tl.float32)
+            rstd = tl.load(Rstd + row64)
+            n = h * rstd
+            dn = g * w
+            if GIVEN_DOTS:
+                dot = tl.sum(tl.where(tl.arange(0, ROWS) == i, dots, 0.0), axis=0)
+            else:
                 dot = tl.sum(dn * n, axis=0) / N
-                dx = (dn - n * dot) * rstd
-                if HAS_DS:
-                    dx = dx + tl.load(dS + row64 * stride_ds + cols, mask=valid, other=0.0).to(tl.float32)
-                tl.store(dX + row64 * stride_dx + cols, dx.to(dX.dtype.element_ty), mask=valid)
-                dw = dw + g * n.to(X.dtype.element_ty).to(tl.float32)
-        tl.store(dW_partial + tl.cast(block, tl.int64) * N + cols, dw, mask=valid)
+            dx = (dn - n * dot) * rstd
+            if HAS_DS:
+                dx = dx + tl.load(dS + row64 * stride_ds + cols, mask=valid, other=0.0).to(tl.float32)
+            tl.store(dX + row64 * stride_dx + cols, dx.to(dX.dtype.element_ty), mask=valid)
+            dw = dw + g * n.to(X.dtype.element_ty).to(tl.float32)
+    tl.store(dW_partial + tl.cast(block, tl.int64) * N + cols, dw, mask=valid)
 
 
 @jit
@@ -160,8 +242,11 @@ def _rms_norm_dw_reduce_kernel(dW_partial, dW, num_partials, N: tl.constexpr, BL
 # ----------------------------------------------------------------------------------------------
 
 
-def _block_n(hidden: int) -> int:
-    return triton.next_power_of_2(hidden)
+def _chunks(hidden: int, device: torch.device) -> tuple[int, int]:
+    """``(BLOCK_N, NUM_CHUNKS)``: the row padded to a power of two when it fits the device's
+    ``norm_chunk``, else chunks of ``norm_chunk`` columns."""
+    block = min(triton.next_power_of_2(hidden), row_reduce_config(device).norm_chunk)
+    return block, triton.cdiv(hidden, block)
 
 
 def _rows(tensor: torch.Tensor, hidden: int) -> torch.Tensor:
@@ -178,6 +263,7 @@ def _forward(x2, weight, eps, residual2):
     if M == 0:
         return y, s, rstd
     cfg = row_reduce_config(x2.device)
+    block, num_chunks = _chunks(N, x2.device)
     _rms_norm_fwd_kernel[(grid.num_programs(M, x2.device),)](
         x2,
         residual2 if residual2 is not None else x2,
@@ -192,7 +278,8 @@ def _forward(x2, weight, eps, residual2):
         s.stride(0) if s is not None else 0,
         float(eps),
         N=N,
-        BLOCK_N=_block_n(N),
+        BLOCK_N=block,
+        NUM_CHUNKS=num_chunks,
         HAS_RESIDUAL=residual2 is not None,
         num_warps=cfg.num_warps,
     )
@@ -205,6 +292,7 @@ def _backward(x2, weight, rstd, grad_y, grad_s):
     if M == 0:
         return dx, torch.zeros_like(weight)
     cfg = row_reduce_config(x2.device)
+    block, num_chunks = _chunks(N, x2.device)
     num_partials = triton.cdiv(M, BWD_ROWS_PER_PROGRAM)
     partial = torch.empty((num_partials, N), dtype=torch.float32, device=x2.device)
     _rms_norm_bwd_kernel[(grid.num_programs(num_partials, x2.device),)](
@@ -221,7 +309,8 @@ def _backward(x2, weight, rstd, grad_y, grad_s):
         grad_s.stride(0) if grad_s is not None else 0,
         dx.stride(0),
         N=N,
-        BLOCK_N=_block_n(N),
+        BLOCK_N=block,
+        NUM_CHUNKS=num_chunks,
         ROWS=BWD_ROWS_PER_PROGRAM,
         HAS_DS=grad_s is not None,
         num_warps=cfg.num_warps,

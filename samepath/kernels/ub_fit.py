@@ -189,11 +189,15 @@ def logprobs_buffers(vocab_chunk: int, dtype: object) -> list[Buffer]:
     ]
 
 
-def rms_norm_buffers(hidden: int, dtype: object) -> list[Buffer]:
-    """The larger of the RMSNorm kernels: ``_rms_norm_bwd_kernel``, one whole row (padded to a
-    power of two) per step, with the weight and the dweight partial held across its rows."""
+def rms_norm_buffers(hidden: int, dtype: object, norm_chunk: int | None = None) -> list[Buffer]:
+    """The larger of the RMSNorm kernels: ``_rms_norm_bwd_kernel``, one row (padded to a power of
+    two) or one ``norm_chunk``-column chunk of it per step, with the weight and the dweight partial
+    held across its rows (and, for chunked rows, the fp32 vector of ``dn * n`` being summed)."""
     dt = _dtype(dtype)
     block = 1 << (hidden - 1).bit_length()
+    chunked = norm_chunk is not None and block > norm_chunk
+    if chunked:
+        block = norm_chunk
     return [
         *_widened("weight (fp32)", (block,), dt),
         Buffer("weight", (block,), dt),
@@ -203,6 +207,7 @@ def rms_norm_buffers(hidden: int, dtype: object) -> list[Buffer]:
         Buffer("n and dn (sum inputs)", (2, block), "float32"),
         Buffer("dx", (block,), "float32"),
         *_cast("dx cast", (block,), dt),
+        *([Buffer("dn * n partial sums", (block,), "float32")] if chunked else []),
     ]
 
 
@@ -273,17 +278,19 @@ def check_logprobs(config: RowReduceConfig, dtype: object, argument: str = "conf
     )
 
 
-def check_rms_norm(hidden: int, dtype: object, argument: str = "hidden") -> int:
-    """UB footprint of the RMSNorm kernels for rows of ``hidden`` (held whole); ``ValueError``
-    naming ``argument`` if it exceeds the A2 UB."""
+def check_rms_norm(hidden: int, dtype: object, argument: str = "hidden", norm_chunk: int | None = None) -> int:
+    """UB footprint of the RMSNorm kernels for rows of ``hidden`` (held whole, or in chunks of
+    ``norm_chunk`` columns when longer); ``ValueError`` naming ``argument`` if it exceeds the A2 UB."""
     if isinstance(hidden, bool) or not isinstance(hidden, int) or hidden < 1:
         raise ValueError(f"{argument} must be a positive int, got {hidden!r}")
     dt = _dtype(dtype)
-    return check_fits(rms_norm_buffers(hidden, dt), argument, f"_rms_norm_bwd_kernel (hidden={hidden}, {dt})")
+    what = f"_rms_norm_bwd_kernel (hidden={hidden}, norm_chunk={norm_chunk}, {dt})"
+    return check_fits(rms_norm_buffers(hidden, dt, norm_chunk), argument, what)
 
 
 def max_rms_norm_hidden(dtype: object) -> int:
-    """The largest power-of-two hidden size whose RMSNorm rows fit the A2 UB by this estimate."""
+    """The largest power-of-two hidden size whose RMSNorm rows fit the A2 UB held whole, by this
+    estimate: the largest ``norm_chunk`` an NPU table may use."""
     hidden = 16
     while footprint(rms_norm_buffers(2 * hidden, dtype)) <= UB_BYTES:
         hidden *= 2
