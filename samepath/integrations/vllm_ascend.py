@@ -654,6 +654,11 @@ def _patch_linear(patcher: _Patcher) -> bool:
     from vllm_ascend.ops.linear import AscendUnquantizedLinearMethod
 
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
+        if getattr(layer, "tp_size", 1) > 1:
+            raise NotImplementedError(
+                "samepath's vllm-ascend integration runs tensor_parallel_size=1 only: vllm-ascend's row-parallel "
+                "all-reduce is not on samepath's split-K invariant (samepath.integrations.vllm does that for vLLM)"
+            )
         if not _has_dense_weight(layer) or getattr(layer, "precast_fp32_weight", False):
             return _original(AscendUnquantizedLinearMethod, "process_weights_after_loading")(self, layer)
         # vLLM's own step only; no FRACTAL_NZ cast: samepath.linear reads the ND weight.
