@@ -381,3 +381,22 @@ def test_cuda_backend_patches_map_vllm_metadata(backend, dtype):
     finally:
         samepath_vllm.uninstall()
     assert impl_cls.forward is not samepath_vllm._attention_forward
+
+
+def test_the_trainers_tensor_parallel_degree_is_checked_in_each_worker(monkeypatch):
+    """``SAMEPATH_EXPECT_FINGERPRINT = fingerprint(2)``: accepted at install (the TP group does not
+    exist yet), then refused by a worker whose TP group has 1 rank and accepted by one with 2."""
+    import vllm.distributed
+
+    from samepath.integrations import vllm as samepath_vllm
+
+    monkeypatch.setenv(samepath_vllm.FINGERPRINT_ENV_VAR, samepath.fingerprint(2))
+    samepath_vllm.install()
+    try:
+        monkeypatch.setattr(vllm.distributed, "get_tensor_model_parallel_world_size", lambda: 1)
+        with pytest.raises(samepath.NumericsMismatchError):
+            samepath_vllm._check_tensor_parallel_numerics()
+        monkeypatch.setattr(vllm.distributed, "get_tensor_model_parallel_world_size", lambda: 2)
+        samepath_vllm._check_tensor_parallel_numerics()
+    finally:
+        samepath_vllm.uninstall()

