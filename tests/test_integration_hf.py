@@ -249,6 +249,8 @@ def test_tensor_parallel_numerics_slices_the_row_parallel_linears():
         assert not torch.equal(sliced, whole)  # the slices are part of the numerics
         assert torch.equal(model(input_ids=ids).logits, whole)
         assert "forward" not in vars(o_proj)
+    with tensor_parallel_numerics(tiny_model("qwen3_moe", torch.bfloat16), 1):  # S = 1: nothing to slice
+        pass
     with pytest.raises(ValueError, match="mixture-of-experts"):
         with tensor_parallel_numerics(tiny_model("qwen3_moe", torch.bfloat16), 2):
             pass

@@ -111,7 +111,7 @@ def vllm_rollout(
     )
     result = run_vllm_rollout(spec)
     if plugin:
-        assert result.fingerprint == samepath.fingerprint()
+        assert result.fingerprint == samepath.fingerprint(tensor_parallel)
     return [*first, shared], result.requests
 
 
@@ -183,7 +183,8 @@ def test_vllm_logprobs_equal_trainer(model_dirs, hf_patched, arch, dtype, temper
     model_dir = model_dirs(arch, dtype)
     all_prompts, results = vllm_rollout(model_dir, dtype, temperature, plugin=True)
     assert all(len(r.tokens) == NEW_TOKENS for r in results)
-    assert results[-1].cached_tokens >= 32, f"the shared-prefix prompt got no prefix-cache hit: {results[-1]['cached']}"
+    cached = results[-1].cached_tokens
+    assert cached >= 32, f"the shared-prefix prompt got no prefix-cache hit: {cached}"
     rollout = rollout_logprobs(results)
     alone, padded = trainer_logprobs(model_dir, dtype, all_prompts, results, temperature)
     print(f"\n[{arch} {dtype} T={temperature}] samepath vLLM vs HF alone: {fraction_equal(rollout, alone)}")

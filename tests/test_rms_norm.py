@@ -177,6 +177,11 @@ def test_chunked_rows_are_batch_invariant_deterministic_and_match_fp64(monkeypat
     for row in (0, 17, 36):
         alone = _forward_backward(x[row : row + 1], w, r[row : row + 1], dy[row : row + 1])
         assert torch.equal(alone[0], y[row : row + 1]) and torch.equal(alone[2], dx[row : row + 1])
+    plain = x.clone().requires_grad_()  # without a residual (no dS in the backward)
+    (rms_norm(plain, w, EPS).float() * dy.float()).sum().backward()
+    x_only = x.double().requires_grad_()
+    (w.double() * x_only * torch.rsqrt(x_only.pow(2).mean(-1, keepdim=True) + EPS) * dy.double()).sum().backward()
+    assert _rel_err(plain.grad, x_only.grad) <= 2 * TOLERANCE[dtype]
 
     x64, r64, w64 = (t.double().requires_grad_() for t in (x, r, w))
     exact = x64 + r64

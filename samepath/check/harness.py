@@ -320,6 +320,7 @@ def rollout_vllm(
         expect_fingerprint=samepath.fingerprint() if with_samepath else None,
         max_model_len=max(map(len, prompts)) + new_tokens,
         max_num_seqs=max(len(prompts), 1),
+        max_num_batched_tokens=max(64, len(prompts)),  # vLLM needs at least one token per sequence
     )
     try:
         result = run_vllm_rollout(spec)

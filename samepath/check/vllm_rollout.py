@@ -62,7 +62,8 @@ class VLLMRequestResult:
 @dataclass
 class VLLMRolloutResult:
     requests: list[VLLMRequestResult]
-    fingerprint: str | None  #: the child's samepath.fingerprint() when samepath was installed
+    #: the child's ``samepath.fingerprint(tensor_parallel_size)`` when samepath was installed
+    fingerprint: str | None
 
 
 def entry_point_installed() -> bool:
@@ -90,13 +91,16 @@ def run_vllm_rollout(spec: VLLMRolloutSpec, timeout: float = 1800.0) -> VLLMRoll
     env.pop("SAMEPATH_EXPECT_FINGERPRINT", None)
     if spec.samepath and spec.expect_fingerprint:
         env["SAMEPATH_EXPECT_FINGERPRINT"] = spec.expect_fingerprint
-    proc = subprocess.run(
-        [sys.executable, "-m", "samepath.check.vllm_rollout", json.dumps(spec.__dict__)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
+    try:
+        proc = subprocess.run(
+            [sys.executable, "-m", "samepath.check.vllm_rollout", json.dumps(spec.__dict__)],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
+    except subprocess.TimeoutExpired:
+        raise RuntimeError(f"the vLLM rollout did not finish within {timeout:g} s") from None
     lines = [line for line in proc.stdout.splitlines() if line.startswith(RESULT_PREFIX)]
     if proc.returncode != 0 or not lines:
         raise RuntimeError(f"the vLLM rollout failed (exit status {proc.returncode}):\n{proc.stderr[-6000:]}")
@@ -158,7 +162,7 @@ def _child(spec: VLLMRolloutSpec) -> dict:
     if spec.samepath:
         import samepath
 
-        fingerprint = samepath.fingerprint()
+        fingerprint = samepath.fingerprint(spec.tensor_parallel_size)
     return {"requests": requests, "fingerprint": fingerprint}
 
 

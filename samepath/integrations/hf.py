@@ -262,12 +262,16 @@ def tensor_parallel_numerics(model: torch.nn.Module, tensor_parallel_size: int) 
     column-parallel or head-parallel split does not change any reduction. Differentiable.
 
     Raises ``ValueError`` for a mixture-of-experts model (its experts are row-parallel too, and
-    the vLLM plugin refuses expert tensor parallelism) or a hidden size not divisible by ``S``.
+    the vLLM plugin refuses expert tensor parallelism) or a row-parallel layer whose input features
+    are not divisible by ``S``.
     """
     from samepath.kernels.matmul import linear
 
     if isinstance(tensor_parallel_size, bool) or not isinstance(tensor_parallel_size, int) or tensor_parallel_size < 1:
         raise ValueError(f"tensor_parallel_size must be a positive int, got {tensor_parallel_size!r}")
+    if tensor_parallel_size == 1:  # the unsliced schedule: nothing to change
+        yield
+        return
     layers = []
     for name, module in model.named_modules():
         if name.endswith(".experts"):
@@ -285,10 +289,14 @@ def tensor_parallel_numerics(model: torch.nn.Module, tensor_parallel_size: int) 
     def sliced(module: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
         return linear(x, module.weight, module.bias, k_slices=tensor_parallel_size)
 
+    saved = [vars(module).get("forward") for module in layers]  # e.g. accelerate's hooks
     for module in layers:
         module.forward = functools.partial(sliced, module)
     try:
         yield
     finally:
-        for module in layers:
-            del module.forward
+        for module, forward in zip(layers, saved, strict=True):
+            if forward is None:
+                del module.forward
+            else:
+                module.forward = forward

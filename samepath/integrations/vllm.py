@@ -43,11 +43,13 @@ What :func:`install` replaces (every original recorded; :func:`uninstall` restor
   Face model runs; the expert weights are kept as loaded rather than repacked for a fused kernel.
   Other MoE variants are refused with a clear error.
 * **Sampler log-probs** — ``Sampler.compute_logprobs`` (the ``raw_logprobs`` mode, vLLM's default):
-  :func:`samepath.log_softmax` of the raw logits in fp32 — temperature 1, before any logits
-  processor. The trainer's equal is ``samepath.logprobs(logits, tokens)`` (temperature 1). The
-  sampling itself (vLLM's own temperature division and random draw) is untouched: it decides
-  *which* token is drawn, not the log-prob samepath reports. Log-probs at the sampling
-  temperature (``logprobs_mode="processed_logprobs"``) are not covered yet.
+  :func:`samepath.log_softmax` of the raw logits in fp32, temperature 1, before any logits
+  processor: the trainer's equal is ``samepath.logprobs(logits, tokens)``. With
+  ``logprobs_mode="processed_logprobs"`` vLLM divides the fp32 logits by the temperature (an IEEE
+  division) and takes their log-softmax, which :func:`samepath.batch_invariant` routes to samepath's:
+  the trainer's equal is ``samepath.logprobs(logits, tokens, temperature)``. Under tensor
+  parallelism vLLM gathers the vocabulary-parallel logits first, so these log-probs are unsharded.
+  The draw itself is vLLM's: it decides *which* token is drawn, not the log-prob samepath reports.
 
 Fingerprints: :func:`install` logs ``samepath.fingerprint()``. If ``SAMEPATH_EXPECT_FINGERPRINT``
 is set (the trainer puts its own ``samepath.fingerprint(S)`` there before starting vLLM, ``S`` the
@@ -117,10 +119,12 @@ class _Patcher:
 
 
 def enabled_by_env() -> bool:
+    """Whether ``SAMEPATH_VLLM`` asks for samepath in this process."""
     return os.environ.get(ENV_VAR, "").strip().lower() in ("1", "true", "yes", "on")
 
 
 def _vllm_ascend_platform() -> bool:
+    """Whether vLLM runs on vllm-ascend's platform plugin."""
     if importlib.util.find_spec("vllm_ascend") is None:
         return False
     from vllm.platforms import current_platform
@@ -181,10 +185,11 @@ def install() -> None:
 def uninstall() -> None:
     """Restore every vLLM original and torch's own kernels. Models built while installed keep
     the state their construction captured (e.g. unpacked linear weights)."""
-    global _stack
+    global _stack, _expected_fingerprint
     with _lock:
         if _stack is not None:
             stack, _stack = _stack, None
+            _expected_fingerprint = None
             stack.close()
 
 
@@ -530,9 +535,21 @@ def _plain_experts(layer: Any) -> bool:
     )
 
 
+#: Routers whose top-k softmax selection is Hugging Face's (others are refused).
+_PLAIN_ROUTERS = ("CPURouter", "FusedTopKRouter")
+
+
 def _check_plain_routing(runner: Any) -> None:
     router = runner.router
     problems = []
+    if type(router).__name__ not in _PLAIN_ROUTERS:
+        problems.append(f"the {type(router).__name__}")
+    if getattr(runner, "routed_scaling_factor", 1.0) != 1.0:
+        problems.append(f"routed_scaling_factor={runner.routed_scaling_factor}")
+    if getattr(runner, "routed_input_transform", None) is not None:
+        problems.append("a routed input transform (latent MoE)")
+    if getattr(runner, "routed_output_transform", None) is not None:
+        problems.append("a routed output transform")
     if getattr(router, "scoring_func", "softmax") != "softmax":
         problems.append(f"scoring_func={router.scoring_func!r}")
     if getattr(router, "use_grouped_topk", False):

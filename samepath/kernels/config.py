@@ -155,8 +155,9 @@ MATMUL_TABLE: dict[tuple[str, str], MatmulConfig] = _matmul_rows()
 ROW_REDUCE_TABLE: dict[str, RowReduceConfig] = {
     "cpu": RowReduceConfig(vocab_chunk=4096),
     "cuda": RowReduceConfig(vocab_chunk=4096, num_warps=8),
-    # An A2 core's 192 KB unified buffer holds the RMSNorm backward's buffers for 4096 columns.
-    "npu": RowReduceConfig(vocab_chunk=4096, norm_chunk=4096, num_warps=1),
+    # An A2 core's 192 KB unified buffer holds the chunked RMSNorm backward's buffers (with the
+    # residual's gradient) for 2048 columns: samepath.kernels.ub_fit.
+    "npu": RowReduceConfig(vocab_chunk=4096, norm_chunk=2048, num_warps=1),
 }
 
 

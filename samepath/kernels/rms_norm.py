@@ -15,7 +15,7 @@ add of the widened values rounded once to the input dtype, which is what torch's
 computes; it is *not* fused into the fp32 statistics (``docs/numerics.md``: no fused add+norm on
 one side only).
 
-(*) A row longer than the device's ``norm_chunk`` (Ascend: 4096 columns, to fit its on-chip
+(*) A row longer than the device's ``norm_chunk`` (Ascend: 2048 columns, to fit its on-chip
 buffer) is read in chunks: the squares are added into a chunk-wide fp32 vector in ascending
 chunk order, then summed, and the row is read again to normalise it; the backward folds
 ``sum(dn * n)`` the same way. Up to ``norm_chunk`` columns this is exactly the whole-row formula.
@@ -76,7 +76,9 @@ register_formula("rms_norm", RMS_NORM_FORMULA)
 
 
 @jit
-def _load_h(X, Residual, S, row, stride_x, stride_r, stride_s, cols, valid, HAS_RESIDUAL: tl.constexpr, STORE_S):
+def _load_h(
+    X, Residual, S, row, stride_x, stride_r, stride_s, cols, valid, HAS_RESIDUAL: tl.constexpr, STORE_S: tl.constexpr
+):
     """One chunk of a row as fp32: ``x``, or ``s = x + residual`` rounded to the dtype (stored when
     ``STORE_S``)."""
     h = tl.load(X + row * stride_x + cols, mask=valid, other=0.0).to(tl.float32)

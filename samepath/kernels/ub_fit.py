@@ -192,7 +192,8 @@ def logprobs_buffers(vocab_chunk: int, dtype: object) -> list[Buffer]:
 def rms_norm_buffers(hidden: int, dtype: object, norm_chunk: int | None = None) -> list[Buffer]:
     """The larger of the RMSNorm kernels: ``_rms_norm_bwd_kernel``, one row (padded to a power of
     two) or one ``norm_chunk``-column chunk of it per step, with the weight and the dweight partial
-    held across its rows (and, for chunked rows, the fp32 vector of ``dn * n`` being summed)."""
+    held across its rows (and, for chunked rows, the fp32 vector of ``dn * n`` being summed), with
+    the residual's gradient ``dS`` loaded (the add+norm form, the larger)."""
     dt = _dtype(dtype)
     block = 1 << (hidden - 1).bit_length()
     chunked = norm_chunk is not None and block > norm_chunk
@@ -207,6 +208,8 @@ def rms_norm_buffers(hidden: int, dtype: object, norm_chunk: int | None = None) 
         Buffer("n and dn (sum inputs)", (2, block), "float32"),
         Buffer("dx", (block,), "float32"),
         *_cast("dx cast", (block,), dt),
+        Buffer("ds", (block,), dt, copies=2),
+        *_widened("ds (fp32)", (block,), dt),
         *([Buffer("dn * n partial sums", (block,), "float32")] if chunked else []),
     ]
 
