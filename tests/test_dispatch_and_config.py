@@ -112,3 +112,12 @@ def test_kernels_compile_for_hopper(dtype: torch.dtype) -> None:
         "_attention_bwd_dkdv_kernel",
         "_write_kv_cache_kernel",
     }
+
+
+def test_tensor_parallel_size_of_a_fingerprint() -> None:
+    from samepath.kernels.config import fingerprint, tensor_parallel_size_of
+
+    assert tensor_parallel_size_of(fingerprint()) == 1
+    assert tensor_parallel_size_of(fingerprint(3)) == 3
+    assert tensor_parallel_size_of(fingerprint(9), max_size=8) is None
+    assert tensor_parallel_size_of("sp1-0000000000000000") is None

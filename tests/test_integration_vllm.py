@@ -41,7 +41,7 @@ transformers = pytest.importorskip("transformers", reason="transformers is not i
 import samepath  # noqa: E402
 from samepath import integrations  # noqa: E402
 from samepath.check.cli import main  # noqa: E402
-from samepath.check.harness import DEFAULT_MODEL_CONFIG  # noqa: E402
+from samepath.check.harness import DEFAULT_MODEL_CONFIG, trainer_forward  # noqa: E402
 from samepath.check.vllm_rollout import VLLMRolloutSpec, run_vllm_rollout  # noqa: E402
 
 VOCAB = DEFAULT_MODEL_CONFIG["vocab_size"]
@@ -133,17 +133,8 @@ def trainer_logprobs(
         for prompt, seq in zip(all_prompts, seqs, strict=True):
             logits = model(input_ids=seq[None], use_cache=False).logits[0]
             alone.append(samepath.logprobs(logits[len(prompt) - 1 : -1], seq[len(prompt) :], temperature))
-        width = max(map(len, seqs))
-        ids = torch.zeros(len(seqs), width, dtype=torch.long)
-        mask = torch.zeros_like(ids)
-        for row, seq in enumerate(seqs):
-            ids[row, : len(seq)] = seq
-            mask[row, : len(seq)] = 1
-        logits = model(input_ids=ids, attention_mask=mask, use_cache=False).logits
-        padded = [
-            samepath.logprobs(logits[row, len(p) - 1 : len(p) - 1 + NEW_TOKENS], seq[len(p) :], temperature)
-            for row, (p, seq) in enumerate(zip(all_prompts, seqs, strict=True))
-        ]
+        generated = torch.tensor([r.tokens for r in results])
+        padded = list(trainer_forward(model, all_prompts, generated, temperature))
     return alone, padded
 
 

@@ -70,13 +70,14 @@ import logging
 import os
 import sys
 import threading
+from collections.abc import Callable, Sequence
 from contextlib import ExitStack
 from typing import Any
 
 import torch
 
 from samepath.kernels.attention import paged_attention, write_kv_cache
-from samepath.kernels.config import assert_same_numerics, fingerprint
+from samepath.kernels.config import assert_same_numerics, fingerprint, tensor_parallel_size_of
 from samepath.kernels.logprobs import log_softmax
 from samepath.kernels.matmul import batch_invariant, linear
 from samepath.kernels.rms_norm import rms_norm
@@ -116,6 +117,26 @@ class _Patcher:
                 setattr(owner, name, original)
             else:
                 delattr(owner, name)
+
+
+def apply_patch_groups(groups: Sequence[tuple[str, Callable[[_Patcher], bool]]], installed: list[str]) -> ExitStack:
+    """Enter :func:`samepath.batch_invariant` and apply each ``(name, patch)`` group with one
+    :class:`_Patcher`, appending the names of the groups that applied to ``installed``. Closing the
+    returned stack restores every original and empties ``installed``; on an error, whatever was
+    applied is undone before it propagates."""
+    stack = ExitStack()
+    try:
+        patcher = _Patcher()
+        stack.callback(patcher.restore)
+        stack.callback(installed.clear)
+        stack.enter_context(batch_invariant())
+        for name, patch in groups:
+            if patch(patcher):
+                installed.append(name)
+    except BaseException:
+        stack.close()
+        raise
+    return stack
 
 
 def enabled_by_env() -> bool:
@@ -163,22 +184,10 @@ def install() -> None:
         if ascend is not None and ascend.installed():
             raise RuntimeError("samepath's vllm_ascend integration is installed; install one vLLM integration only")
         expected = os.environ.get(FINGERPRINT_ENV_VAR) or None
-        if expected and expected not in {fingerprint(size) for size in range(1, MAX_TENSOR_PARALLEL_SIZE + 1)}:
+        if expected and tensor_parallel_size_of(expected, MAX_TENSOR_PARALLEL_SIZE) is None:
             assert_same_numerics(expected)  # another samepath version or table: refused now
         _expected_fingerprint, _tensor_parallel_checked = expected, False
-        stack = ExitStack()
-        try:
-            patcher = _Patcher()
-            stack.callback(patcher.restore)
-            stack.callback(INSTALLED.clear)
-            stack.enter_context(batch_invariant())
-            for name, fn in _PATCH_GROUPS:
-                if fn(patcher):
-                    INSTALLED.append(name)
-        except BaseException:
-            stack.close()
-            raise
-        _stack = stack
+        _stack = apply_patch_groups(_PATCH_GROUPS, INSTALLED)
         logger.info("samepath installed in vLLM (pid %d): %s; fingerprint %s", os.getpid(), INSTALLED, fingerprint())
 
 

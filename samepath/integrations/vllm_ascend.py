@@ -77,10 +77,16 @@ from typing import Any
 import torch
 
 from samepath.integrations.moe import experts_forward, topk_softmax_routing
-from samepath.integrations.vllm import FINGERPRINT_ENV_VAR, _compute_logprobs, _has_dense_weight, _Patcher
+from samepath.integrations.vllm import (
+    FINGERPRINT_ENV_VAR,
+    _compute_logprobs,
+    _has_dense_weight,
+    _Patcher,
+    apply_patch_groups,
+)
 from samepath.kernels.attention import paged_attention
 from samepath.kernels.config import assert_same_numerics, fingerprint
-from samepath.kernels.matmul import batch_invariant, linear
+from samepath.kernels.matmul import linear
 from samepath.kernels.rms_norm import rms_norm
 from samepath.kernels.rotary import apply_rotary, rotary_cos_sin
 from samepath.kernels.swiglu import swiglu
@@ -447,19 +453,12 @@ def install() -> None:
         expected = os.environ.get(FINGERPRINT_ENV_VAR)
         if expected:
             assert_same_numerics(expected)
-        stack = ExitStack()
         try:
-            patcher = _Patcher()
-            stack.callback(patcher.restore)
-            stack.callback(INSTALLED.clear)
-            stack.callback(_ORIGINALS.clear)
-            stack.enter_context(batch_invariant())
-            for name, fn in _PATCH_GROUPS:
-                if fn(patcher):
-                    INSTALLED.append(name)
+            stack = apply_patch_groups(_PATCH_GROUPS, INSTALLED)
         except BaseException:
-            stack.close()
+            _ORIGINALS.clear()
             raise
+        stack.callback(_ORIGINALS.clear)
         _stack = stack
         logger.info(
             "samepath installed in vllm-ascend (pid %d): %s; fingerprint %s", os.getpid(), INSTALLED, fingerprint()

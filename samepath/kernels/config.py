@@ -259,16 +259,29 @@ def _table_payload() -> dict:
     }
 
 
+def _fingerprint_of(table: dict, tensor_parallel_size: int) -> str:
+    tensor_parallel = importlib.import_module("samepath.distributed").tensor_parallel_numerics(tensor_parallel_size)
+    payload = json.dumps({**table, "tensor_parallel": tensor_parallel}, sort_keys=True, separators=(",", ":"))
+    return f"sp{NUMERICS_VERSION}-" + hashlib.sha256(payload.encode()).hexdigest()[:16]
+
+
 def fingerprint(tensor_parallel_size: int = 1) -> str:
     """A short hash of every numerics-relevant constant. Equal strings mean equal schedules.
 
     ``tensor_parallel_size`` is the rollout's TP degree S: the matmul's K slices and the vocabulary
     shards of the logprobs (``samepath.distributed.tensor_parallel_numerics``) are part of the
     numerics, so a trainer that runs the S-slice kernels and a TP-S rollout compare equal."""
-    tensor_parallel = importlib.import_module("samepath.distributed").tensor_parallel_numerics(tensor_parallel_size)
-    payload = {**_table_payload(), "tensor_parallel": tensor_parallel}
-    payload = json.dumps(payload, sort_keys=True, separators=(",", ":"))
-    return f"sp{NUMERICS_VERSION}-" + hashlib.sha256(payload.encode()).hexdigest()[:16]
+    return _fingerprint_of(_table_payload(), tensor_parallel_size)
+
+
+def tensor_parallel_size_of(other_fingerprint: str, max_size: int = 64) -> int | None:
+    """The ``S`` in ``1..max_size`` for which ``fingerprint(S) == other_fingerprint``, or ``None``
+    when no TP degree of this process's table gives it (another version or table)."""
+    table = _table_payload()
+    for size in range(1, max_size + 1):
+        if _fingerprint_of(table, size) == other_fingerprint:
+            return size
+    return None
 
 
 class NumericsMismatchError(RuntimeError):
