@@ -367,6 +367,11 @@ def test_cuda_backend_patches_map_vllm_metadata(backend, dtype):
     try:
         impl, metadata, *args = _gpu_backend_case(impl_cls, metadata_cls, dtype)
         query, key, value, kv_cache, output = args
+        # Negative control: the decode's sequence length one short (a mis-mapped field) moves its row.
+        short = dataclasses.replace(metadata, seq_lens=metadata.seq_lens - torch.tensor([1, 0, 0], dtype=torch.int32))
+        moved = torch.empty_like(output)
+        impl.forward(None, query.flatten(1), key, value, kv_cache, short, moved)
+        assert not torch.equal(moved[0], output[0]) and torch.equal(moved[1:20], output[1:20])
         refused = dataclasses.replace(metadata, rswa_prefix_lens=torch.tensor([1, 2, 3]))
         with pytest.raises(NotImplementedError, match="rswa_prefix_lens"):
             impl.forward(None, query.flatten(1), key, value, kv_cache, refused, output)
