@@ -1,5 +1,6 @@
-"""``samepath check``: on the embedded default model, stock logdiff > 0 and samepath's == 0; the
-JSON schema is stable; exit statuses are right; bad input gives one line on stderr."""
+"""``samepath check``: on the embedded default model samepath's logdiff == 0 (stock's is reported,
+and is whatever this machine's kernels make it); the JSON schema is stable; exit statuses are right;
+bad input gives one line on stderr."""
 
 from __future__ import annotations
 
@@ -58,13 +59,17 @@ def check_run(tmp_path_factory):
     return status, stdout.getvalue(), out
 
 
-def test_check_stock_differs_samepath_is_bit_identical(check_run) -> None:
+def test_check_samepath_is_bit_identical(check_run) -> None:
     status, text, out = check_run
     assert status == 0, text
     doc = json.loads((out / "report.json").read_text())
     stock, patched = doc["runs"]["stock"], doc["runs"]["samepath"]
     assert stock["tokens"] == patched["tokens"] == 8
-    assert not stock["bit_identical"] and stock["max_abs_logp_diff"] > 0 and stock["equal_tokens"] < 8
+    # Whether stock kernels part generate from the forward in the last bit is the machine's BLAS and
+    # thread count; the stock run's figures must agree with each other either way. That check can
+    # report a difference is test_check_exits_1_when_samepath_logdiff_is_not_zero's business.
+    assert stock["bit_identical"] is (stock["equal_tokens"] == 8) is (stock["max_abs_logp_diff"] == 0)
+    assert stock["max_abs_logp_diff"] < 0.5
     assert patched["bit_identical"] and patched["equal_fraction"] == 1.0
     for name in ("max_abs_logp_diff", "mean_abs_logp_diff", "k3_kl", "probs_diff_max", "probs_diff_mean"):
         assert patched[name] == 0.0, name

@@ -168,14 +168,28 @@ def test_medium_generation_crosses_a_kv_tile(patched) -> None:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-def test_negative_control_stock_model_differs(dtype) -> None:
-    """The same harness without patch_all(): stock kernels give a nonzero logdiff."""
+def test_negative_control_a_one_sided_change_is_seen(patched, dtype) -> None:
+    """The same harness can fail: a trainer whose layer-1 RMSNorm eps differs from the rollout's
+    (0.1 instead of 1e-6: a difference that exists on every machine) gives a nonzero logdiff."""
+    model = tiny_model("qwen3", dtype)
+    prompts = random_prompts([5, 11, 3, 8], seed=10)
+    generated, rollout_lp = rollout(model, prompts, 6, temperature=None)
+    trainer = copy.deepcopy(model)
+    trainer.model.layers[1].input_layernorm.variance_epsilon = 0.1
+    assert not torch.equal(trainer_padded(trainer, prompts, generated, 1.0), rollout_lp)
+    assert torch.equal(trainer_padded(model, prompts, generated, 1.0), rollout_lp)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_stock_model_is_close(dtype) -> None:
+    """Without patch_all() the same harness runs stock kernels. Whether they part generate from the
+    forward in the last bit depends on the machine's BLAS and thread count, so only closeness is
+    asserted; samepath's claim is the bit equality above."""
     assert not integrations.enabled()
     model = tiny_model("qwen3", dtype)
     prompts = random_prompts([5, 11, 3, 8], seed=10)
     generated, rollout_lp = rollout(model, prompts, 6, temperature=None)
     trained = trainer_padded(model, prompts, generated, 1.0)
-    assert not torch.equal(trained, rollout_lp)
     assert (trained - rollout_lp).abs().max() < (1e-3 if dtype == torch.float32 else 0.5)
 
 

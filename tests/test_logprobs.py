@@ -1,8 +1,8 @@
 """Token logprobs, entropy and log-softmax: bit equality across batches, fp64 correctness, errors.
 
 Every consistency claim is ``torch.equal``; every consistency harness has a negative control that
-shows it can see a difference (a vocabulary chunk that depends on the batch size, and the stock
-torch formula).
+shows it can see a deliberate difference (a vocabulary chunk that depends on the batch size);
+the stock torch formula is checked for closeness only, since its last bits are the machine's.
 """
 
 from __future__ import annotations
@@ -107,14 +107,14 @@ def test_negative_control_batch_dependent_chunk_is_detected() -> None:
     assert len(_row_mismatches(batch_dependent, x, labels)) > 0
 
 
-def test_negative_control_stock_formula_differs() -> None:
-    """Stock torch (``log_softmax(x.float() / T).gather``) and samepath disagree in the last bit
-    for some rows: the comparison can fail, and patching only one side would show."""
+def test_stock_formula_is_close() -> None:
+    """Stock torch (``log_softmax(x.float() / T).gather``) computes the same quantity; whether its
+    last bits agree with samepath's depends on the machine's vectorisation, so only closeness is
+    asserted (the negative controls above use deliberate differences)."""
     x = _logits((POOL, 4097), torch.bfloat16, seed=4)
     labels = _labels((POOL,), 4097, seed=4)
     ours = token_logprobs(x, labels, 0.7)
     stock = torch.log_softmax(x.float() / 0.7, -1).gather(-1, labels[:, None])[:, 0]
-    assert not torch.equal(ours, stock)
     _assert_close(stock, ours.double(), FP32_TOLERANCE, "stock vs samepath")
 
 
