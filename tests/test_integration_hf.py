@@ -130,10 +130,11 @@ def patched():
 
 
 CASES = [
-    # arch, dtype, prompt lengths, new tokens, temperature (None = greedy)
-    ("qwen3", torch.float32, [5, 11, 3, 8], 6, None),
+    # arch, dtype, prompt lengths, new tokens, temperature (None = greedy); the CI subset covers
+    # fp32 and bf16, greedy and sampled, dense and MoE, batch 1 and 4; -m slow adds the rest.
+    pytest.param("qwen3", torch.float32, [5, 11, 3, 8], 6, None, marks=pytest.mark.slow),
     ("qwen3", torch.bfloat16, [7, 2, 9, 4], 6, 0.7),
-    ("qwen3", torch.bfloat16, [6], 8, None),
+    pytest.param("qwen3", torch.bfloat16, [6], 8, None, marks=pytest.mark.slow),
     ("qwen3_moe", torch.bfloat16, [4, 9, 6, 2], 5, 1.3),
     ("llama", torch.float32, [3, 10, 5, 7], 5, 0.7),
 ]
