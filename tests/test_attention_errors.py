@@ -108,3 +108,28 @@ def test_write_kv_cache_rejects_bad_input_and_skips_padding() -> None:
         write_kv_cache(key, value, kc.half(), vc, torch.tensor([0, 1, 2]))
     with pytest.raises(ValueError, match=r"value_cache must be \[num_blocks, block_size, 2, 64\]"):
         write_kv_cache(key, value, kc, vc[..., :32], torch.tensor([0, 1, 2]))
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.int32], ids=str)
+def test_write_kv_cache_rejects_unsupported_dtypes(dtype: torch.dtype) -> None:
+    key = torch.randn(3, 2, 64).to(dtype)
+    kc, vc = torch.zeros(2, 4, 2, 64, dtype=dtype), torch.zeros(2, 4, 2, 64, dtype=dtype)
+    with pytest.raises(ValueError, match=r"key\.dtype must be one of"):
+        write_kv_cache(key, key.clone(), kc, vc, torch.tensor([0, 1, 2]))
+
+
+@pytest.mark.parametrize("past", [8, 9, 1000])
+def test_write_kv_cache_never_writes_past_the_caches(past: int) -> None:
+    """A slot at or past num_blocks * block_size (8 here) is refused; unvalidated, it is skipped."""
+    key, value = torch.randn(3, 2, 64), torch.randn(3, 2, 64)
+    slots = torch.tensor([2, past, 7])
+    # The caches are views into a larger buffer, so a write past them would land in the guard.
+    buffer = torch.zeros(2 * 2, 4, 2, 64)
+    kc, vc = buffer[:2], torch.zeros(2, 4, 2, 64)
+    with pytest.raises(ValueError, match=f"slot_mapping holds slot {past}, past the caches' 2 blocks x 4 = 8 slots"):
+        write_kv_cache(key, value, kc, vc, slots)
+    assert torch.count_nonzero(buffer) == 0 and torch.count_nonzero(vc) == 0
+    write_kv_cache(key, value, kc, vc, slots, validate=False)
+    assert torch.equal(kc[0, 2], key[0]) and torch.equal(vc[1, 3], value[2])
+    assert torch.count_nonzero(buffer[2:]) == 0, "an out-of-range slot was written past the cache"
+    assert torch.count_nonzero(kc.flatten(0, 1).abs().sum((-1, -2))) == 2

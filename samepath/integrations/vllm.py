@@ -338,7 +338,7 @@ def _do_kv_cache_update(
     _check_supported(self)
     key_cache, value_cache = _kv_views(self, kv_cache)
     n = slot_mapping.shape[0]
-    write_kv_cache(key[:n], value[:n], key_cache, value_cache, slot_mapping)
+    write_kv_cache(key[:n], value[:n], key_cache, value_cache, slot_mapping, validate=False)  # vLLM's own slots
     return None
 
 

@@ -443,6 +443,7 @@ def _write_kv_cache_kernel(
     stride_vc_head,
     num_tokens,
     num_kv_heads,
+    num_slots,
     HEAD_SIZE: tl.constexpr,
     BLOCK_D: tl.constexpr,
     PAGE_SIZE: tl.constexpr,
@@ -451,7 +452,8 @@ def _write_kv_cache_kernel(
     d_valid = offs_d < HEAD_SIZE
     for token in range(tl.program_id(0), num_tokens, tl.num_programs(0)):
         slot = tl.load(slot_mapping + token).to(tl.int64)
-        if slot >= 0:  # a negative slot is padding: nothing to store
+        # A negative slot is padding; one past the caches is never written (memory safety).
+        if (slot >= 0) & (slot < num_slots):
             page = slot // PAGE_SIZE
             pos = slot % PAGE_SIZE
             for head in range(num_kv_heads):
@@ -776,11 +778,17 @@ def write_kv_cache(
     key_cache: torch.Tensor,
     value_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    *,
+    validate: bool = True,
 ) -> None:
     """Copy ``key``/``value`` ``[num_tokens, num_kv_heads, head_size]`` into the paged caches.
 
     Token ``i`` goes to page ``slot_mapping[i] // block_size``, row ``slot_mapping[i] % block_size``;
     a negative slot (vLLM's padding) is skipped. The copy is exact.
+
+    ``validate`` checks that every slot is below ``num_blocks * block_size`` (one device-to-host
+    copy); integrations that build ``slot_mapping`` themselves turn it off. Either way the kernel
+    never writes outside the caches: with ``validate=False`` a slot past them is skipped.
     """
     for name, tensor in (("key", key), ("value", value)):
         if tensor.dim() != 3:
@@ -794,13 +802,24 @@ def write_kv_cache(
             raise ValueError(f"{name} dtype {cache.dtype} differs from the key's {key.dtype}")
         if cache.stride(-1) != 1:
             raise ValueError(f"{name} must be contiguous in its last (head_size) dimension")
+    dtype_name(key.dtype, "key.dtype")
     if value.shape != key.shape or value.dtype != key.dtype:
         raise ValueError(f"value {tuple(value.shape)} {value.dtype} must match key {tuple(key.shape)} {key.dtype}")
+    if key_cache.shape != value_cache.shape:
+        raise ValueError(
+            f"key_cache {tuple(key_cache.shape)} and value_cache {tuple(value_cache.shape)} differ in shape"
+        )
     _check_int_vector("slot_mapping", slot_mapping, key.shape[0])
     _check_same_device(key.device, value=value, key_cache=key_cache, value_cache=value_cache, slot_mapping=slot_mapping)
     device_kind(key.device)
     if key.shape[0] == 0:
         return
+    num_slots = key_cache.shape[0] * key_cache.shape[1]
+    if validate and int(slot_mapping.max()) >= num_slots:
+        raise ValueError(
+            f"slot_mapping holds slot {int(slot_mapping.max())}, past the caches' "
+            f"{key_cache.shape[0]} blocks x {key_cache.shape[1]} = {num_slots} slots"
+        )
     key, value = _last_dim_contiguous(key), _last_dim_contiguous(value)
     head_size = key.shape[-1]
     _write_kv_cache_kernel[(grid.num_programs(key.shape[0], key.device),)](
@@ -817,6 +836,7 @@ def write_kv_cache(
         *value_cache.stride()[:3],
         key.shape[0],
         key.shape[1],
+        num_slots,
         HEAD_SIZE=head_size,
         BLOCK_D=max(16, triton.next_power_of_2(head_size)),
         PAGE_SIZE=key_cache.shape[1],
