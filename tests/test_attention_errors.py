@@ -44,6 +44,8 @@ def test_varlen_rejects_mixed_dtypes_devices_and_metadata() -> None:
         varlen_attention(q, k, v, torch.tensor([0, 7], dtype=torch.int32))
     with pytest.raises(ValueError, match="non-decreasing"):
         varlen_attention(q, k, v, torch.tensor([0, 5, 3, 8], dtype=torch.int32))
+    with pytest.raises(ValueError, match=r"cu_seqlens must be a 1-D int32/int64 torch\.Tensor, got list"):
+        varlen_attention(q, q, q, [0, 2, 5])
     with pytest.raises(ValueError, match="cu_seqlens must be a 1-D int32/int64"):
         varlen_attention(q, k, v, CU.float())
     with pytest.raises(ValueError, match="query must be"):

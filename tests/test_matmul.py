@@ -245,6 +245,19 @@ def test_bad_input_raises_value_error(call, match: str) -> None:
         call()
 
 
+def test_empty_k_gives_the_bias_as_torch_does() -> None:
+    """K = 0: every product is empty, so the output is the bias (or zeros), forward and backward."""
+    x = _randn(2, 3, 0, dtype=torch.float32, seed=80).requires_grad_()
+    w = _randn(4, 0, dtype=torch.float32, seed=81).requires_grad_()
+    b = _randn(4, dtype=torch.float32, seed=82).requires_grad_()
+    out = linear(x, w, b)
+    assert torch.equal(out, F.linear(x, w, b)) and out.shape == (2, 3, 4)
+    out.sum().backward()
+    assert x.grad.shape == x.shape and w.grad.shape == w.shape
+    assert torch.equal(b.grad, torch.full((4,), 6.0))
+    assert torch.equal(linear(x.detach(), w.detach()), torch.zeros(2, 3, 4))
+
+
 def test_formula_is_registered_in_the_fingerprint() -> None:
     assert config_module.OP_FORMULAS["matmul"] == MATMUL_FORMULA
     assert "split_k" in MATMUL_FORMULA and "bias" in MATMUL_FORMULA

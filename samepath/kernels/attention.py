@@ -498,11 +498,15 @@ def _program_map(
 
 def _check_same_device(device: torch.device, **tensors: torch.Tensor) -> None:
     for name, tensor in tensors.items():
+        if not isinstance(tensor, torch.Tensor):
+            raise ValueError(f"{name} must be a torch.Tensor on {device}, got {type(tensor).__name__}")
         if tensor.device != device:
             raise ValueError(f"{name} is on {tensor.device}, expected {device} (the query's device)")
 
 
 def _check_int_vector(name: str, tensor: torch.Tensor, length: int | None = None) -> None:
+    if not isinstance(tensor, torch.Tensor):
+        raise ValueError(f"{name} must be a 1-D int32/int64 torch.Tensor, got {type(tensor).__name__}")
     if tensor.dtype not in (torch.int32, torch.int64) or tensor.dim() != 1:
         raise ValueError(f"{name} must be a 1-D int32/int64 tensor, got {tensor.dtype} of shape {tuple(tensor.shape)}")
     if length is not None and tensor.numel() != length:
@@ -1015,8 +1019,8 @@ def varlen_attention(
     _check_packed_qkv(query, key, value)
     if key.shape[0] != query.shape[0]:
         raise ValueError(f"key has {key.shape[0]} tokens, query {query.shape[0]}: self-attention needs equal counts")
-    _check_same_device(query.device, cu_seqlens=cu_seqlens)
     _check_int_vector("cu_seqlens", cu_seqlens)
+    _check_same_device(query.device, cu_seqlens=cu_seqlens)
     _check_sliding_window(sliding_window, causal)
     scale = _check_scale(query.shape[-1] ** -0.5 if scale is None else scale)
     if validate:

@@ -107,6 +107,8 @@ def _interpreting() -> Iterator[None]:
       kernels can still be built later in the same process.
     * bfloat16 ``tl.dot`` operands are widened to fp32 (exact) instead of multiplied as bits, and
       fp32 -> bfloat16 casts round to nearest even instead of truncating.
+    * numpy's floating-point warnings are silenced: the interpreter computes masked-off lanes too
+      (``-inf - -inf`` and the like), which a device computes silently and never stores.
 
     Kernels must still never do arithmetic directly on bf16 values (the interpreter computes on
     the bits): widen with ``.to(tl.float32)`` first, as samepath's kernels do.
@@ -122,7 +124,8 @@ def _interpreting() -> Iterator[None]:
         for owner, name, replacement in patches:
             setattr(owner, name, replacement)
         try:
-            yield
+            with np.errstate(all="ignore"):
+                yield
         finally:
             for owner, name, original in originals:
                 setattr(owner, name, original)

@@ -491,13 +491,20 @@ def _check_logits(logits: torch.Tensor, name: str = "logits") -> None:
         raise ValueError(f"{name}.shape[-1] = {logits.shape[-1]} is too large (at most 2**31 - 1 columns)")
 
 
+#: The smallest temperature accepted: vLLM samples greedily below it (its ``_SAMPLING_EPS``), and
+#: smaller ones overflow fp32 ``logits / T`` into inf and the log-probs into NaN.
+MIN_TEMPERATURE = 1e-5
+
+
 def _check_temperature(temperature: float) -> float:
     if isinstance(temperature, bool) or not isinstance(temperature, (int, float)):
         raise ValueError(f"temperature must be a positive finite float, got {temperature!r}")
     value = float(temperature)
-    as_fp32 = float(torch.tensor(value, dtype=torch.float32))
-    if not math.isfinite(value) or value <= 0 or not math.isfinite(as_fp32) or as_fp32 <= 0:
-        raise ValueError(f"temperature must be a positive finite float (also in fp32), got {temperature!r}")
+    if not math.isfinite(value) or value < MIN_TEMPERATURE or not math.isfinite(float(torch.tensor(value))):
+        raise ValueError(
+            f"temperature must be a finite float >= {MIN_TEMPERATURE} (also in fp32), got {temperature!r}; "
+            "for greedy rollouts pass the temperature the log-probs are reported at (1.0)"
+        )
     return value
 
 

@@ -392,7 +392,7 @@ def linear(
     if config is not None:
         _check_config(config)
     lead = x.shape[:-1]
-    x2d = x.reshape(-1, x.shape[-1])
+    x2d = x.reshape(lead.numel(), x.shape[-1])
     out = LinearFunction.apply(x2d, weight, bias, k_slices, config)
     return out.view(*lead, weight.shape[0])
 
