@@ -245,6 +245,37 @@ def test_patch_all_with_a_built_model_and_bad_inputs(patched) -> None:
         hf.apply_to_model_type("gpt2", hf.Patcher())
 
 
+def test_unpatch_all_restores_a_model_that_patch_all_switched() -> None:
+    """``patch_all(model)`` switches the model's attention implementation; ``unpatch_all`` sets
+    back the one it had, so the next forward runs (and equals the stock one)."""
+    model = tiny_model("qwen3", torch.float32, seed=13)
+    model.set_attn_implementation("eager")
+    ids = torch.randint(1, 320, (2, 7), generator=torch.Generator().manual_seed(14))
+    with torch.no_grad():
+        before = model(input_ids=ids).logits
+        integrations.patch_all(model)
+        assert model.config._attn_implementation == "samepath"
+        integrations.unpatch_all()
+        assert model.config._attn_implementation == "eager"
+        assert torch.equal(model(input_ids=ids).logits, before)
+
+
+@pytest.mark.parametrize("bad", ["x", torch.nn.Linear(2, 2)], ids=["str", "module_without_config"])
+def test_a_failed_patch_all_leaves_nothing_behind(bad) -> None:
+    with pytest.raises(ValueError, match="model must be a Hugging Face model"):
+        integrations.patch_all(bad)
+    assert not integrations.enabled() and not batch_invariant_enabled()
+
+
+def test_a_patch_all_that_fails_on_the_model_undoes_the_process_patch() -> None:
+    model = tiny_model("qwen3", torch.float32)
+    model.config.model_type = "not_a_model_type"
+    with pytest.raises(ValueError, match="no Hugging Face patches for model_type='not_a_model_type'"):
+        integrations.patch_all(model)
+    assert not integrations.enabled() and not batch_invariant_enabled()
+    assert model.config._attn_implementation != "samepath"
+
+
 def test_tensor_parallel_numerics_slices_the_row_parallel_linears():
     """``hf.tensor_parallel_numerics(model, S)``: o_proj and down_proj run ``linear(k_slices=S)``
     (what a TP-S vLLM rollout's row-parallel layers compute), the rest is untouched, and leaving

@@ -42,7 +42,10 @@ def patch_all(model: torch.nn.Module | None = None, *, model_types: list[str] | 
             of :data:`samepath.integrations.hf.MODEL_TYPES`.
     """
     global _stack
+    if model is not None and not isinstance(getattr(getattr(model, "config", None), "model_type", None), str):
+        raise ValueError(f"model must be a Hugging Face model (with config.model_type), got {type(model).__name__}")
     with _lock:
+        was_enabled = _stack is not None
         if _stack is None:
             stack = ExitStack()
             try:
@@ -62,13 +65,23 @@ def patch_all(model: torch.nn.Module | None = None, *, model_types: list[str] | 
                 raise
             _stack = stack
         if model is not None:
-            from samepath.integrations import hf
+            try:
+                _patch_model(model)
+            except BaseException:
+                if not was_enabled:
+                    unpatch_all()
+                raise
 
-            model_type = model.config.model_type
-            if model_type not in _patched_model_types:
-                hf.apply_to_model_type(model_type, _current_patcher())
-                _patched_model_types.append(model_type)
-            hf.use_samepath(model)
+
+def _patch_model(model: torch.nn.Module) -> None:
+    from samepath.integrations import hf
+
+    patcher = _current_patcher()
+    model_type = model.config.model_type
+    if model_type not in _patched_model_types:
+        hf.apply_to_model_type(model_type, patcher)
+        _patched_model_types.append(model_type)
+    hf.use_samepath(model, patcher)
 
 
 def _current_patcher():
@@ -81,12 +94,9 @@ def _current_patcher():
 
 
 def unpatch_all() -> None:
-    """Undo :func:`patch_all`: every original back, torch's own kernels back. Idempotent.
-
-    Models switched by ``patch_all(model)`` keep ``attn_implementation="samepath"`` in their config;
-    after ``unpatch_all`` that name is no longer registered, so call ``model.set_attn_implementation``
-    with the implementation you want.
-    """
+    """Undo :func:`patch_all`: every original back, torch's own kernels back, and each model that
+    ``patch_all(model)`` switched back on the attention (and experts) implementation it had.
+    Idempotent."""
     global _stack
     with _lock:
         if _stack is not None:

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import functools
 import importlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -59,10 +59,16 @@ class Patcher:
         self._originals.append((mapping, key, key in mapping, mapping.get(key)))
         mapping[key] = value
 
+    def on_restore(self, undo: Callable[[], object]) -> None:
+        """Have :meth:`restore` call ``undo`` (in reverse order with the recorded replacements)."""
+        self._originals.append((None, "", True, undo))
+
     def restore(self) -> None:
         while self._originals:
             owner, name, present, original = self._originals.pop()
-            if isinstance(owner, dict):
+            if owner is None:
+                original()
+            elif isinstance(owner, dict):
                 if present:
                     owner[name] = original
                 else:
@@ -240,11 +246,16 @@ def register_interfaces(patcher: Patcher, replace_defaults: bool) -> None:
         patcher.set_item(experts, name, samepath_experts_forward)
 
 
-def use_samepath(model: torch.nn.Module) -> None:
-    """Point an already-built model's config at the samepath attention and experts."""
+def use_samepath(model: torch.nn.Module, patcher: Patcher) -> None:
+    """Point an already-built model's config at the samepath attention and experts; ``patcher``'s
+    ``restore`` sets back the implementations the model had."""
+    attention = model.config._attn_implementation
     model.set_attn_implementation(IMPLEMENTATION)
-    if hasattr(model, "set_experts_implementation") and getattr(model.config, "_experts_implementation", None):
+    patcher.on_restore(lambda: model.set_attn_implementation(attention))
+    experts = getattr(model.config, "_experts_implementation", None)
+    if hasattr(model, "set_experts_implementation") and experts:
         model.set_experts_implementation(IMPLEMENTATION)
+        patcher.on_restore(lambda: model.set_experts_implementation(experts))
 
 
 #: The ``nn.Linear`` submodules of a decoder layer that a tensor-parallel rollout (vLLM's
