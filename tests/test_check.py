@@ -166,7 +166,13 @@ def test_bad_input_is_one_line_exit_2(tmp_path, capsys) -> None:
     bert = tmp_path / "bert"
     transformers.BertConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2).save_pretrained(bert)
     message = _bad(["check", "--model", str(bert)], capsys)
-    assert "'bert'" in message and "not a decoder-only causal LM" in message
+    assert "'bert'" in message and "a type samepath does not patch" in message
+    odd_heads = tmp_path / "odd_heads"
+    transformers.Qwen3Config(
+        hidden_size=48, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2, head_dim=12
+    ).save_pretrained(odd_heads)
+    assert "head size = 12 is not a supported head size" in _bad(["check", "--model", str(odd_heads)], capsys)
+    assert "head size = 12" in _bad(["doctor", "--model", str(odd_heads)], capsys)
     assert "unsupported dtype 'int8'" in _bad(["check", "--dtype", "int8"], capsys)
     assert "unsupported dtype" in _bad(["doctor", "--dtype", "float64"], capsys)
     assert "--batch must be at least 1" in _bad(["check", "--batch", "0"], capsys)
@@ -176,6 +182,40 @@ def test_bad_input_is_one_line_exit_2(tmp_path, capsys) -> None:
     assert "invalid int value" in _bad(["check", "--new-tokens", "many"], capsys)
     assert "unrecognized arguments" in _bad(["check", "--frobnicate"], capsys)
     assert main(["check", "--help"]) == 0 and "--plot" in capsys.readouterr().out
+
+
+def test_bad_outputs_and_devices_are_refused_before_any_work(tmp_path, monkeypatch, capsys) -> None:
+    def must_not_run(*args, **kwargs):
+        raise AssertionError("the check ran before its output paths and device were checked")
+
+    monkeypatch.setattr(harness, "run_stock_and_patched", must_not_run)
+    monkeypatch.setattr(harness, "load_default_model", must_not_run)
+    missing = tmp_path / "nowhere" / "report.json"
+    assert "the folder" in _bad(["check", "--json", str(missing)], capsys)
+    assert "is a directory" in _bad(["doctor", "--json", str(tmp_path)], capsys)
+    if importlib.util.find_spec("matplotlib") is not None:
+        assert "--plot" in _bad(["check", "--plot", str(tmp_path / "nowhere" / "p.png")], capsys)
+    if not torch.cuda.is_available():
+        assert "device 'cuda' is not usable" in _bad(["check", "--device", "cuda"], capsys)
+        assert "device 'cuda' is not usable" in _bad(["doctor", "--device", "cuda"], capsys)
+
+
+def test_version_and_exit_statuses_in_help(capsys) -> None:
+    assert main(["--version"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"samepath {samepath.__version__}") and samepath.fingerprint() in out
+    for argv in (["--help"], ["check", "--help"], ["doctor", "--help"]):
+        assert main(argv) == 0
+        text = capsys.readouterr().out
+        assert "exit status:" in text and "2  bad input" in text and "3  an unexpected error" in text, argv
+
+
+def test_doctor_progress_reports_its_stages(capsys) -> None:
+    argv = ["doctor", "--dtype", "float32", "--batch", "1", "--prompt-len", "3", "--new-tokens", "1"]
+    assert main([*argv, "--numerics", "samepath", "--progress", "on"]) == 0
+    err = capsys.readouterr().err
+    assert "loading the embedded default model" in err
+    assert "samepath trainer" in err or "samepath compared" in err
 
 
 def test_python_m_samepath_check(tmp_path) -> None:

