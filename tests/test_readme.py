@@ -1,0 +1,31 @@
+"""The README's "Use" snippet runs as a user would paste it, and its assertion (logdiff = 0) holds."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("transformers", reason="transformers is not installed (pip install -e .[hf])")
+
+from samepath import integrations
+
+README = Path(__file__).resolve().parent.parent / "README.md"
+
+
+def _use_snippet() -> str:
+    text = README.read_text(encoding="utf-8")
+    section = text[text.index("## Use\n") :]
+    match = re.search(r"```python\n(.*?)```", section, re.DOTALL)
+    assert match, "the README's Use section has no python block"
+    return match.group(1)
+
+
+def test_the_use_snippet_runs_and_its_logdiff_is_zero() -> None:
+    namespace: dict = {}
+    try:
+        exec(compile(_use_snippet(), str(README), "exec"), namespace)
+    finally:
+        integrations.unpatch_all()
+    assert namespace["rollout_lp"].shape == (2, 6)
