@@ -22,17 +22,20 @@ from samepath import integrations
 from samepath.check.cli import main
 from samepath.check.doctor import (
     ATTENTION_OP,
+    LOGPROBS_OP,
+    DoctorBatch,
     compare_paths,
     diagnose,
+    diagnose_batch,
     layer_of,
     record_rollout,
     record_trainer,
     ulp_distance,
 )
-from samepath.check.harness import load_default_model
+from samepath.check.harness import load_default_model, random_prompts, rollout_hf, trainer_forward
 
 PROMPT_LEN = 16  # decode steps at positions 16, 17: past the halved KV tile (16) but not the real one (32)
-POSITIONS = 18
+POSITIONS = 19  # the last token is a completion the rollout never feeds (as in generate)
 DTYPE = torch.bfloat16
 _trainer_cache: dict = {}
 
@@ -50,13 +53,13 @@ def _ids() -> torch.Tensor:
 
 def _diagnose_patched(rollout_model: torch.nn.Module, dtype: torch.dtype):
     """Both paths under patch_all(); the trainer side's records are computed once per dtype."""
-    model, ids = _model(dtype), _ids()
+    model, batch = _model(dtype), DoctorBatch.from_ids(_ids(), PROMPT_LEN)
     with integrations.patched():
         key = ("trainer", dtype)
         if key not in _trainer_cache:
-            _trainer_cache[key] = record_trainer(model, ids)
-        rollout, lengths = record_rollout(rollout_model, ids, PROMPT_LEN)
-    return compare_paths(rollout, lengths, _trainer_cache[key], "samepath", ids.shape[0])
+            _trainer_cache[key] = record_trainer(model, batch)
+        rollout = record_rollout(rollout_model, batch)
+    return compare_paths(rollout, _trainer_cache[key], batch, "samepath")
 
 
 def test_identical_paths_report_nothing() -> None:
@@ -213,6 +216,74 @@ def test_fp32_residual_add_fault_is_located() -> None:
     assert "residual add" in first.cause and not first.inherited and first.max_ulp > 0
 
 
+def _logprob_records(recorder, batch: DoctorBatch) -> torch.Tensor:
+    """The recorded log-probs of each completion token, ``[batch, new_tokens]``."""
+    calls = [next(r for r in call if r.name == LOGPROBS_OP).tensors[0] for call in recorder.calls]
+    if len(calls) == 1:  # the trainer: one forward, row r's completion token k scored at len_r - 1 + k
+        return torch.stack([calls[0][r, n - 1 : n - 1 + batch.new_tokens] for r, n in enumerate(batch.prompt_lengths)])
+    return torch.cat(calls, dim=1)  # the rollout: one [batch, 1] per generate step
+
+
+def test_the_paths_are_the_ones_check_compares() -> None:
+    """Under stock numerics (whatever this machine's kernels do), the doctor's rollout path
+    computes generate's log-probs bit for bit and its trainer path check's trainer's: so when
+    check sees a gap, the doctor sees it too (and explains it)."""
+    assert not integrations.enabled()
+    model = _model(DTYPE)
+    prompts = random_prompts(3, int(model.config.vocab_size), seed=1)
+    assert len({len(p) for p in prompts}) > 1  # left padding in the rollout, right padding in the trainer
+    completions, rollout_lp = rollout_hf(model, prompts, 4, 0.7, seed=1)
+    trainer_lp = trainer_forward(model, prompts, completions, 0.7)
+    batch = DoctorBatch(prompts, completions, 0.7)
+    assert torch.equal(_logprob_records(record_rollout(model, batch), batch), rollout_lp)
+    assert torch.equal(_logprob_records(record_trainer(model, batch), batch), trainer_lp)
+    report = diagnose_batch(model, batch, numerics="stock")
+    assert report.identical is torch.equal(rollout_lp, trainer_lp), report.format()
+
+
+def test_a_padded_batch_is_compared_token_by_token_and_a_fault_located() -> None:
+    """Prompts of different lengths: every real token is compared (padding never), samepath's
+    paths agree, and a fault in one row's decode step is reported at that row and position."""
+    model = _model(DTYPE)
+    prompts = [[5, 9, 13], [7, 8, 9, 10, 11, 12, 40, 41], [3, 4, 5, 6, 60]]
+    completions = torch.randint(1, 320, (3, 3), generator=torch.Generator().manual_seed(4))
+    batch = DoctorBatch(prompts, completions, 0.7)
+    with integrations.patched():
+        report = diagnose_batch(model, batch, numerics="samepath")
+        assert report.identical and not report.unaligned, report.format()
+        assert report.prompt_lengths == [3, 8, 5] and report.records_compared > 50
+        faulty = copy.deepcopy(model)
+        faulty.model.layers[1].input_layernorm.variance_epsilon = 0.1
+        report = diagnose_batch(model, batch, rollout_model=faulty, numerics="samepath")
+    first = report.first
+    assert (first.layer, first.submodule, first.op) == (1, "input_layernorm", "norm"), report.format()
+    assert first.first_batch_row == 0 and first.first_position == 0
+    assert first.differing_positions == sum(n + 2 for n in (3, 8, 5))  # every compared token
+    assert "position 0 (prefill), batch row 0" in report.format()
+
+
+def test_moe_router_and_experts_are_compared() -> None:
+    transformers = pytest.importorskip("transformers")
+    from samepath.check.harness import DEFAULT_MODEL_CONFIG
+
+    config = transformers.Qwen3MoeConfig(
+        num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48, **DEFAULT_MODEL_CONFIG
+    )
+    torch.manual_seed(0)
+    model = transformers.Qwen3MoeForCausalLM(config).to(torch.bfloat16).eval()
+    batch = DoctorBatch([[5, 9, 13], [7, 8, 9, 10, 11]], torch.tensor([[3, 4], [5, 6]]))
+    with integrations.patched():
+        report = diagnose_batch(model, batch, numerics="samepath")
+    assert report.identical and not report.unaligned, report.format()
+    faulty = copy.deepcopy(model)
+    with torch.no_grad():
+        faulty.model.layers[0].mlp.gate.weight[1] *= 1.5
+    with integrations.patched():
+        report = diagnose_batch(model, batch, rollout_model=faulty, numerics="samepath")
+    first = report.first
+    assert first.layer == 0 and first.op == "moe router" and not first.inherited, report.format()
+
+
 def test_ulp_distance_and_names() -> None:
     one = torch.tensor([1.0])
     assert int(ulp_distance(one, torch.nextafter(one, torch.tensor([2.0])))) == 1
@@ -227,9 +298,7 @@ def test_ulp_distance_and_names() -> None:
 
 def test_doctor_cli_json(tmp_path, capsys) -> None:
     out = tmp_path / "doctor.json"
-    status = main(
-        ["doctor", "--dtype", "float32", "--batch", "1", "--prompt-len", "4", "--new-tokens", "1", "--json", str(out)]
-    )
+    status = main(["doctor", "--dtype", "float32", "--batch", "2", "--new-tokens", "2", "--json", str(out)])
     text = capsys.readouterr().out
     assert status == 0, text
     doc = json.loads(out.read_text())

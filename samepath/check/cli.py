@@ -96,7 +96,17 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _common(doctor, new_tokens=6)
     doctor.add_argument(
-        "--prompt-len", type=int, default=6, help="tokens prefilled before the decode steps (default: %(default)s)"
+        "--prompt-len",
+        type=int,
+        help="equal-length prompts of this many tokens instead of the batch samepath check compares "
+        "(prompts of different lengths, left-padded)",
+    )
+    doctor.add_argument(
+        "--temperature",
+        type=float,
+        default=1.0,
+        help="sampling temperature of the completions and their log-probs, as in check; 0 = greedy "
+        "(default: %(default)s)",
     )
     doctor.add_argument(
         "--numerics",
@@ -117,8 +127,8 @@ def _validate(args: argparse.Namespace):
         raise CheckInputError(f"--new-tokens must be at least 1, got {args.new_tokens}")
     if getattr(args, "temperature", 0.0) < 0:
         raise CheckInputError(f"--temperature must be >= 0 (0 = greedy), got {args.temperature}")
-    if getattr(args, "prompt_len", 2) < 2:
-        raise CheckInputError(f"--prompt-len must be at least 2, got {args.prompt_len}")
+    if (getattr(args, "prompt_len", None) or 1) < 1:
+        raise CheckInputError(f"--prompt-len must be at least 1, got {args.prompt_len}")
     if getattr(args, "rollout", "hf") not in ("hf", "vllm"):
         raise CheckInputError(f"unknown rollout engine {args.rollout!r}; choose hf or vllm")
     if getattr(args, "rollout", "hf") == "vllm":
@@ -270,29 +280,36 @@ def run_doctor(args: argparse.Namespace) -> int:
     import torch
 
     from samepath import integrations
-    from samepath.check.doctor import diagnose
-    from samepath.check.harness import Progress
+    from samepath.check.doctor import DoctorBatch, diagnose_batch
+    from samepath.check.harness import Progress, pad_token_id, random_prompts, rollout_hf
 
     dtype, device = _validate(args)
     loaded = _load(args, dtype, device, seed=0)
     vocab = int(loaded.model.config.vocab_size)
-    gen = torch.Generator().manual_seed(args.seed)
-    ids = torch.randint(1, vocab, (args.batch, args.prompt_len + args.new_tokens), generator=gen).to(device)
+    if args.prompt_len is None:
+        prompts = random_prompts(args.batch, vocab, args.seed)  # check's batch
+    else:
+        gen = torch.Generator().manual_seed(args.seed)
+        prompts = torch.randint(1, vocab, (args.batch, args.prompt_len), generator=gen).tolist()
     modes = ["stock", "samepath"] if args.numerics == "both" else [args.numerics]
     reports = []
     was_enabled = integrations.enabled()
-    progress = Progress(2 * len(modes), "samepath doctor", _show_progress(args))
+    progress = Progress(3 * len(modes), "samepath doctor", _show_progress(args))
     try:
         for mode in modes:
             if mode == "samepath":
                 integrations.patch_all()
             else:
                 integrations.unpatch_all()
+            progress.update(0, f"{mode} generate")
+            # The completions check's rollout samples with these numerics, then both paths over them.
+            completions, _ = rollout_hf(loaded.model, prompts, args.new_tokens, args.temperature, args.seed)
+            batch = DoctorBatch(prompts, completions, args.temperature or 1.0, pad_token_id(loaded.model))
 
             def on_stage(stage: str, mode: str = mode) -> None:
-                progress.update(int(stage == "trainer"), f"{mode} {stage}")
+                progress.update(1, f"{mode} {stage}")
 
-            report = diagnose(loaded.model, ids, args.prompt_len, numerics=mode, on_stage=on_stage)
+            report = diagnose_batch(loaded.model, batch, numerics=mode, on_stage=on_stage)
             progress.update(1, f"{mode} compared")
             report.model_description = loaded.describe()
             reports.append(report)

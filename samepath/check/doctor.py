@@ -1,11 +1,14 @@
 """``samepath doctor``: the first operator where the rollout and trainer paths part.
 
-The rollout path is what ``generate`` does: a prefill of the prompt, then one token at a time
-with a KV cache. The trainer path is one forward of all positions, no cache. Both see the same
-tokens at the same positions. Forward hooks on every module (plus wrappers around the attention
-function and ``apply_rotary_pos_emb``, which are functions, not modules) record each module's
-input and output; the rollout's per-step records are concatenated along the sequence dimension
-and compared, position by position, with the trainer's, in execution order.
+The batch is the one ``samepath check`` compares (:class:`DoctorBatch`): prompts of different
+lengths and their completions. The rollout path is what ``generate`` does: a left-padded prefill
+of the prompts, then one token at a time with a KV cache. The trainer path is check's trainer: one
+right-padded forward of prompt + completion, no cache. Both see the same tokens at the same
+positions. Forward hooks on every module (plus wrappers around the attention function and
+``apply_rotary_pos_emb``, which are functions, not modules) record each module's input and
+output; the rollout's per-step records are concatenated along the sequence dimension (or the
+flattened token dimension, as an MoE router's and experts' are), padding is dropped on both
+sides, and the two are compared token by token in execution order.
 
 A difference is attributed to the earliest record that differs:
 
@@ -269,32 +272,122 @@ class Recorder:
 # ----------------------------------------------------------------------------------------------
 
 
+@dataclass
+class DoctorBatch:
+    """The tokens both paths see: what ``samepath check`` compares.
+
+    ``prompts`` of any lengths (the rollout left-pads them, as ``generate`` does); ``completions``
+    ``[batch, new_tokens]``, the generated tokens. The rollout prefills the prompts and feeds the
+    first ``new_tokens - 1`` completion tokens one decode step at a time; the trainer runs one
+    right-padded forward of prompt + completion. Records are compared at every position both
+    paths compute: position ``j`` of row ``r`` is token ``j`` of ``prompts[r] + completions[r]``.
+    """
+
+    prompts: list[list[int]]
+    completions: torch.Tensor
+    temperature: float = 1.0
+    pad_token_id: int = 0
+
+    def __post_init__(self) -> None:
+        if self.completions.dim() != 2 or self.completions.shape[0] != len(self.prompts):
+            raise ValueError(
+                f"completions must be [batch, new_tokens] with batch = {len(self.prompts)} prompts, "
+                f"got shape {tuple(self.completions.shape)}"
+            )
+        if self.completions.shape[1] < 1 or any(len(p) < 1 for p in self.prompts):
+            raise ValueError("every prompt needs at least one token and completions at least one")
+
+    @classmethod
+    def from_ids(cls, input_ids: torch.Tensor, prompt_len: int, temperature: float = 1.0) -> DoctorBatch:
+        """Equal-length rows: the first ``prompt_len`` tokens of each are its prompt."""
+        if input_ids.dim() != 2:
+            raise ValueError(f"input_ids must be [batch, positions], got shape {tuple(input_ids.shape)}")
+        if not 1 <= prompt_len < input_ids.shape[1]:
+            raise ValueError(
+                f"prompt_len must be at least 1 and leave at least one completion token; got {prompt_len} "
+                f"of {input_ids.shape[1]} positions"
+            )
+        return cls([row.tolist() for row in input_ids[:, :prompt_len].cpu()], input_ids[:, prompt_len:], temperature)
+
+    @property
+    def batch(self) -> int:
+        return len(self.prompts)
+
+    @property
+    def new_tokens(self) -> int:
+        return self.completions.shape[1]
+
+    @property
+    def prompt_lengths(self) -> list[int]:
+        return [len(p) for p in self.prompts]
+
+    @property
+    def width(self) -> int:
+        """The rollout's prefill width: the longest prompt."""
+        return max(self.prompt_lengths)
+
+    def sequences(self) -> list[torch.Tensor]:
+        completions = self.completions.cpu()
+        return [torch.tensor(p + completions[r].tolist()) for r, p in enumerate(self.prompts)]
+
+    def compared_positions(self) -> list[tuple[int, int]]:
+        """``(row, position)`` of every token whose records both paths compute, row by row."""
+        return [(r, j) for r, n in enumerate(self.prompt_lengths) for j in range(n + self.new_tokens - 1)]
+
+
 def _cache_kwarg(model: torch.nn.Module) -> str:
     params = inspect.signature(model.forward).parameters
     return "cache" if "cache" in params else "past_key_values"
 
 
-def _add_logprobs(recorder: Recorder, logits: torch.Tensor, labels: torch.Tensor) -> None:
+def _add_logprobs(recorder: Recorder, logits: torch.Tensor, labels: torch.Tensor, temperature: float) -> None:
     recorder._active = True
-    recorder.add(LOGPROBS_OP, "output", "logprobs", "samepath.logprobs", [samepath.logprobs(logits, labels)])
+    logprobs = samepath.logprobs(logits, labels.to(logits.device), temperature)
+    recorder.add(LOGPROBS_OP, "output", "logprobs", "samepath.logprobs", [logprobs])
     recorder._active = False
 
 
-def record_rollout(model: torch.nn.Module, input_ids: torch.Tensor, prompt_len: int) -> tuple[Recorder, list[int]]:
-    """Prefill ``input_ids[:, :prompt_len]``, then one token at a time with the KV cache."""
+def _next_tokens(sequence: torch.Tensor) -> torch.Tensor:
+    """Each position's next token (the last position scores the first token: any fixed label)."""
+    return torch.cat([sequence[1:], sequence[:1]])
+
+
+def record_rollout(model: torch.nn.Module, batch: DoctorBatch) -> Recorder:
+    """What ``generate`` computes: a left-padded prefill of the prompts (positions counted from
+    each row's first real token, logits of the last position only), then one token at a time with
+    the KV cache and the attention mask grown by one column per step."""
     recorder = Recorder(model)
-    labels = _labels(input_ids)
+    device = next(model.parameters()).device
+    width, lengths = batch.width, batch.prompt_lengths
+    ids = torch.full((batch.batch, width), batch.pad_token_id, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for r, prompt in enumerate(batch.prompts):
+        ids[r, width - len(prompt) :] = torch.tensor(prompt)
+        mask[r, width - len(prompt) :] = 1
+    positions = (mask.cumsum(1) - 1).masked_fill(mask == 0, 0)
+    sequences = batch.sequences()
+    labels = torch.stack(
+        [_next_tokens(seq)[n - 1 : n - 1 + batch.new_tokens] for seq, n in zip(sequences, lengths, strict=True)]
+    )
+    keep = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(model.forward).parameters else {}
     cache_kw = _cache_kwarg(model)
-    lengths = [prompt_len] + [1] * (input_ids.shape[1] - prompt_len)
+    ids, mask, positions = ids.to(device), mask.to(device), positions.to(device)
     with recorder.attached(), torch.no_grad():
-        out = model(input_ids=input_ids[:, :prompt_len], use_cache=True)
-        _add_logprobs(recorder, out.logits, labels[:, :prompt_len])
-        cache = _cache_of(out)
-        for t in range(prompt_len, input_ids.shape[1]):
-            out = model(input_ids=input_ids[:, t : t + 1], use_cache=True, **{cache_kw: cache})
-            _add_logprobs(recorder, out.logits, labels[:, t : t + 1])
-            cache = _cache_of(out)
-    return recorder, lengths
+        out = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True, **keep)
+        _add_logprobs(recorder, out.logits[:, -1:], labels[:, :1], batch.temperature)
+        for step in range(1, batch.new_tokens):
+            mask = torch.cat([mask, mask.new_ones(batch.batch, 1)], dim=1)
+            positions = positions[:, -1:] + 1
+            out = model(
+                input_ids=batch.completions[:, step - 1 : step].to(device),
+                attention_mask=mask,
+                position_ids=positions,
+                use_cache=True,
+                **{cache_kw: _cache_of(out)},
+                **keep,
+            )
+            _add_logprobs(recorder, out.logits[:, -1:], labels[:, step : step + 1], batch.temperature)
+    return recorder
 
 
 def _cache_of(output) -> object:
@@ -302,18 +395,24 @@ def _cache_of(output) -> object:
     return cache if cache is not None else getattr(output, "past_key_values", None)
 
 
-def record_trainer(model: torch.nn.Module, input_ids: torch.Tensor) -> Recorder:
-    """One forward of every position, no cache."""
+def record_trainer(model: torch.nn.Module, batch: DoctorBatch) -> Recorder:
+    """What ``samepath check``'s trainer computes: one right-padded forward of prompt +
+    completion, no cache."""
     recorder = Recorder(model)
+    device = next(model.parameters()).device
+    sequences = batch.sequences()
+    width = max(map(len, sequences))
+    ids = torch.full((batch.batch, width), batch.pad_token_id, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    labels = torch.zeros_like(ids)
+    for r, sequence in enumerate(sequences):
+        ids[r, : len(sequence)] = sequence
+        mask[r, : len(sequence)] = 1
+        labels[r, : len(sequence)] = _next_tokens(sequence)
     with recorder.attached(), torch.no_grad():
-        out = model(input_ids=input_ids, use_cache=False)
-        _add_logprobs(recorder, out.logits, _labels(input_ids))
+        out = model(input_ids=ids.to(device), attention_mask=mask.to(device), use_cache=False)
+        _add_logprobs(recorder, out.logits, labels, batch.temperature)
     return recorder
-
-
-def _labels(input_ids: torch.Tensor) -> torch.Tensor:
-    """Each position's next token (the last position scores the first token: any fixed label)."""
-    return torch.cat([input_ids[:, 1:], input_ids[:, :1]], dim=1)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -343,13 +442,17 @@ class Divergence:
 @dataclass
 class DoctorReport:
     numerics: str
-    batch: int
-    prompt_len: int
-    positions: int
+    prompt_lengths: list[int]
+    new_tokens: int
+    temperature: float
     records_compared: int
     divergences: list[Divergence] = field(default_factory=list)
     unaligned: list[str] = field(default_factory=list)
     model_description: str = ""
+
+    @property
+    def batch(self) -> int:
+        return len(self.prompt_lengths)
 
     @property
     def first(self) -> Divergence | None:
@@ -363,8 +466,9 @@ class DoctorReport:
         return {
             "numerics": self.numerics,
             "batch": self.batch,
-            "prompt_len": self.prompt_len,
-            "positions": self.positions,
+            "prompt_lengths": self.prompt_lengths,
+            "new_tokens": self.new_tokens,
+            "temperature": self.temperature,
             "records_compared": self.records_compared,
             "identical": self.identical,
             "first": asdict(self.first) if self.first else None,
@@ -373,28 +477,29 @@ class DoctorReport:
         }
 
     def format(self) -> str:
-        decode = self.positions - self.prompt_len
         title = f"samepath doctor ({self.numerics} numerics)"
+        lengths = ", ".join(map(str, self.prompt_lengths))
         lines = [
             f"{title}: {self.model_description}" if self.model_description else title,
-            f"rollout path: prefill {self.prompt_len} tokens, then {decode} one-token decode steps with a KV cache; "
-            f"trainer path: one forward of all {self.positions} positions. Batch {self.batch}; "
-            f"{self.records_compared} module inputs/outputs compared at every position.",
+            f"rollout path (as generate): a left-padded prefill of {self.batch} prompts of {lengths} tokens, then "
+            f"{self.new_tokens - 1} one-token decode steps with a KV cache; trainer path (as samepath check's): "
+            f"one right-padded forward of prompt + {self.new_tokens} completion tokens; log-probs at temperature "
+            f"{self.temperature:g}. {self.records_compared} module inputs/outputs compared at every token.",
         ]
         if self.identical:
             lines.append("No divergence: every module's input and output is bit-identical between the two paths.")
         else:
             lines.append("First divergence:")
-            lines.append("  " + _describe(self.first, self.prompt_len))
+            lines.append("  " + _describe(self.first, self.prompt_lengths))
             if len(self.divergences) > 1:
                 lines.append("Then, in each later layer (and after the layers), the first module output that differs:")
-                lines += ["  " + _describe(d, self.prompt_len) for d in self.divergences[1:]]
+                lines += ["  " + _describe(d, self.prompt_lengths) for d in self.divergences[1:]]
         if self.unaligned:
             lines.append(f"Not compared (no per-position alignment): {', '.join(self.unaligned)}")
         return "\n".join(lines)
 
 
-def _describe(d: Divergence, prompt_len: int) -> str:
+def _describe(d: Divergence, prompt_lengths: list[int]) -> str:
     layer = f"layer {d.layer}" if d.layer is not None else "-"
     sub = (d.submodule or "(decoder layer)") if d.layer is not None else d.module
     head = f"{layer:<9} {sub:<40} [{d.op}: {d.module_class}] {d.phase}"
@@ -402,9 +507,10 @@ def _describe(d: Divergence, prompt_len: int) -> str:
         return f"{head}: {d.cause}"
     ulp = f"max {d.max_ulp} ulp" if d.max_ulp is not None else "dtype differs"
     diff = f", |Δ| max {d.max_abs_diff:.3e}" if d.max_abs_diff is not None else ""
-    pos = d.first_position
-    step = "prefill" if pos is not None and pos < prompt_len else f"decode step {pos - prompt_len + 1}"
-    where = f"first at position {pos} ({step}), batch row {d.first_batch_row}; {d.differing_positions} positions differ"
+    pos, row = d.first_position, d.first_batch_row
+    prompt = prompt_lengths[row] if row is not None else 0
+    step = "prefill" if pos is not None and pos < prompt else f"decode step {pos - prompt + 1}"
+    where = f"first at position {pos} ({step}), batch row {row}; {d.differing_positions} tokens differ"
     tail = " (inherited: its input already differed)" if d.inherited else f" <- {d.cause}"
     return f"{head}: {ulp}{diff}; {where}{tail}"
 
@@ -431,23 +537,74 @@ def _bits_differ(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return a.contiguous().view(int_dtype) != b.contiguous().view(int_dtype)
 
 
-def _seq_dim(trainer: torch.Tensor, pieces: list[torch.Tensor], total: int, lengths: list[int]) -> int | None:
-    if len(pieces) != len(lengths):
-        return None
-    for d in range(trainer.dim()):
-        if trainer.shape[d] != total:
-            continue
-        ok = True
-        for piece, n in zip(pieces, lengths, strict=True):
-            if piece.dim() != trainer.dim() or piece.shape[d] != n:
-                ok = False
-                break
-            if any(piece.shape[e] != trainer.shape[e] for e in range(trainer.dim()) if e != d):
-                ok = False
-                break
-        if ok:
-            return d
+def _fits(piece: torch.Tensor, trainer: torch.Tensor, dim: int, sizes: tuple[int, ...]) -> bool:
+    return (
+        piece.dim() == trainer.dim()
+        and piece.shape[dim] in sizes
+        and all(piece.shape[e] == trainer.shape[e] for e in range(trainer.dim()) if e != dim)
+    )
+
+
+def _token_major(
+    trainer: torch.Tensor, pieces: list[torch.Tensor], batch: DoctorBatch
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The trainer's record as ``[batch, trainer width, ...]`` and the rollout's calls concatenated
+    as ``[batch, sequence, ...]``, from either a ``[batch, ..., sequence, ...]`` layout or tokens
+    flattened into the first dimension (an MoE router's or experts' ``[batch * sequence, ...]``).
+    None when no dimension lines up."""
+    b, width = batch.batch, batch.width
+    trainer_width = width + batch.new_tokens
+    if b > 1 and trainer.dim() >= 3:  # one row for the whole batch (rotary's cos/sin from shared positions)
+        trainer = trainer.expand(b, *trainer.shape[1:]) if trainer.shape[0] == 1 else trainer
+        pieces = [p.expand(b, *p.shape[1:]) if p.dim() == trainer.dim() and p.shape[0] == 1 else p for p in pieces]
+    first, decode = pieces[0], pieces[1:]
+    if trainer.dim() >= 2 and trainer.shape[0] == b:
+        for d in range(1, trainer.dim()):
+            if (
+                trainer.shape[d] == trainer_width
+                and _fits(first, trainer, d, (width, 1))
+                and all(_fits(p, trainer, d, (1,)) for p in decode)
+            ):
+                return trainer.movedim(d, 1), torch.cat(pieces, d).movedim(d, 1)
+    if (
+        trainer.dim() >= 1
+        and trainer.shape[0] == b * trainer_width
+        and _fits(first, trainer, 0, (b * width, b))
+        and all(_fits(p, trainer, 0, (b,)) for p in decode)
+    ):
+        rows = [p.reshape(b, p.shape[0] // b, *p.shape[1:]) for p in pieces]
+        return trainer.reshape(b, trainer_width, *trainer.shape[1:]), torch.cat(rows, 1)
     return None
+
+
+def _aligned(
+    trainer: torch.Tensor, pieces: list[torch.Tensor], batch: DoctorBatch
+) -> tuple[torch.Tensor, torch.Tensor, list[tuple[int, int]]] | None:
+    """The rollout's and the trainer's values of one record at every token both computed,
+    ``[tokens, ...]`` each, with the ``(row, position)`` of each token."""
+    if len(pieces) != batch.new_tokens:  # a prefill and new_tokens - 1 decode steps
+        return None
+    views = _token_major(trainer, pieces, batch)
+    if views is None:
+        return None
+    trainer_rows, rollout_rows = views
+    prefill = rollout_rows.shape[1] - (batch.new_tokens - 1)  # the width, or 1 where only the last logits are kept
+    rows: list[int] = []
+    rollout_cols: list[int] = []
+    where: list[tuple[int, int]] = []
+    for r, length in enumerate(batch.prompt_lengths):
+        prompt_positions = range(length) if prefill == batch.width else range(length - 1, length)
+        for j in prompt_positions:
+            rows.append(r)
+            rollout_cols.append(batch.width - length + j if prefill == batch.width else 0)
+            where.append((r, j))
+        for step in range(1, batch.new_tokens):
+            rows.append(r)
+            rollout_cols.append(prefill + step - 1)
+            where.append((r, length + step - 1))
+    index = torch.tensor(rows)
+    trainer_cols = torch.tensor([j for _, j in where])
+    return rollout_rows[index, torch.tensor(rollout_cols)], trainer_rows[index, trainer_cols], where
 
 
 @dataclass
@@ -467,8 +624,8 @@ def _keyed(records: list[_Record]) -> list[tuple[tuple[str, str, int], _Record]]
     return out
 
 
-def compare_paths(rollout: Recorder, lengths: list[int], trainer: Recorder, numerics: str, batch: int) -> DoctorReport:
-    total = sum(lengths)
+def compare_paths(rollout: Recorder, trainer: Recorder, batch: DoctorBatch, numerics: str) -> DoctorReport:
+    """Every record of both paths, token by token, in execution order (see the module docstring)."""
     if len(trainer.calls) != 1:
         raise RuntimeError(f"the trainer path made {len(trainer.calls)} forward calls, expected 1")
     trainer_keyed = _keyed(trainer.calls[0])
@@ -486,7 +643,7 @@ def compare_paths(rollout: Recorder, lengths: list[int], trainer: Recorder, nume
             merged += [(k, "trainer") for k in trainer_order[i1:i2]]
             merged += [(k, "rollout") for k in rollout_order[j1:j2]]
 
-    report = DoctorReport(numerics, batch, lengths[0], total, 0)
+    report = DoctorReport(numerics, batch.prompt_lengths, batch.new_tokens, batch.temperature, 0)
     differed: set[tuple[str, str, int]] = set()
     any_differed = False
     compared: list[_Compared] = []
@@ -513,13 +670,12 @@ def compare_paths(rollout: Recorder, lengths: list[int], trainer: Recorder, nume
             continue
         for index, t in enumerate(record.tensors):
             pieces = [p.tensors[index] for p in pieces_lists if index < len(p.tensors)]
-            d = _seq_dim(t, pieces, total, lengths)
-            if d is None:
+            aligned = _aligned(t, pieces, batch)
+            if aligned is None:
                 report.unaligned.append(f"{name} ({phase} #{index})")
                 continue
-            r = torch.cat(pieces, dim=d)
             report.records_compared += 1
-            div = _compare_tensor(record, phase, r, t, d, key, differed, any_differed, trainer_map)
+            div = _compare_tensor(record, phase, *aligned, key, differed, any_differed, trainer_map)
             if div is not None:
                 compared.append(_Compared(key, record, True, div))
                 differed.add(key)
@@ -541,26 +697,21 @@ def compare_paths(rollout: Recorder, lengths: list[int], trainer: Recorder, nume
 
 
 def _compare_tensor(
-    record, phase, rollout_t, trainer_t, seq_dim, key, differed, any_differed, recorded
+    record, phase, rollout_t, trainer_t, where, key, differed, any_differed, recorded
 ) -> Divergence | None:
     name = record.name
     if rollout_t.dtype != trainer_t.dtype:
         inherited = _inherited(key, differed, any_differed, recorded)
         cause = f"dtype {rollout_t.dtype} on the rollout path, {trainer_t.dtype} on the trainer path"
-        return _divergence(record, phase, cause, None, None, 0, 0, trainer_t.shape[seq_dim], inherited)
+        return _divergence(record, phase, cause, None, None, 0, 0, len(where), inherited)
     mask = _bits_differ(rollout_t, trainer_t)
     if not bool(mask.any()):
         return None
     ulps = ulp_distance(rollout_t, trainer_t)
     abs_diff = (rollout_t.double() - trainer_t.double()).abs()
     abs_diff = torch.where(mask, abs_diff, torch.zeros_like(abs_diff))
-    per_pos = mask.movedim(seq_dim, 0).reshape(mask.shape[seq_dim], -1).any(1)
-    positions = per_pos.nonzero().flatten()
-    first = int(positions[0])
-    row = None
-    if seq_dim != 0:
-        at_first = mask.select(seq_dim, first)
-        row = int(at_first.reshape(at_first.shape[0], -1).any(1).nonzero().flatten()[0])
+    tokens = mask.reshape(mask.shape[0], -1).any(1).nonzero().flatten()
+    row, first = where[int(tokens[0])]
     inherited = _inherited(key, differed, any_differed, recorded)
     if phase == "input":
         parent = name.rsplit(".", 1)[0] if "." in name else "the model"
@@ -568,7 +719,7 @@ def _compare_tensor(
     else:
         cause = _OWN_CODE.get(record.op, f"{record.cls}'s own code")
     max_abs = float(abs_diff.max())
-    return _divergence(record, phase, cause, int(ulps.max()), max_abs, first, row, int(positions.numel()), inherited)
+    return _divergence(record, phase, cause, int(ulps.max()), max_abs, first, row, int(tokens.numel()), inherited)
 
 
 def _inherited(key, differed, any_differed, recorded) -> bool:
@@ -617,28 +768,40 @@ def diagnose(
     numerics: str = "current",
     on_stage: Callable[[str], None] | None = None,
 ) -> DoctorReport:
+    """:func:`diagnose_batch` over equal-length rows ``input_ids`` ``[batch, positions]``: the first
+    ``prompt_len`` tokens of each are its prompt, the rest its completion."""
+    return diagnose_batch(
+        model,
+        DoctorBatch.from_ids(input_ids, prompt_len),
+        rollout_model=rollout_model,
+        numerics=numerics,
+        on_stage=on_stage,
+    )
+
+
+def diagnose_batch(
+    model: torch.nn.Module,
+    batch: DoctorBatch,
+    *,
+    rollout_model: torch.nn.Module | None = None,
+    numerics: str = "current",
+    on_stage: Callable[[str], None] | None = None,
+) -> DoctorReport:
     """Run the rollout path (on ``rollout_model``, default ``model``) and the trainer path (on
-    ``model``) over ``input_ids`` ``[batch, positions]`` with whatever numerics are in effect, and
-    compare every module's records position by position.
+    ``model``) over ``batch`` with whatever numerics are in effect, and compare every module's
+    records token by token.
 
     ``rollout_model`` lets a test (or a user) give the rollout side a different copy of the model:
     a fault injected there shows up as the first divergence. ``on_stage`` is called with
     ``"rollout"`` and ``"trainer"`` as each path starts (a progress bar's hook).
     """
-    if input_ids.dim() != 2:
-        raise ValueError(f"input_ids must be [batch, positions], got shape {tuple(input_ids.shape)}")
-    if not 2 <= prompt_len < input_ids.shape[1]:
-        raise ValueError(
-            f"prompt_len must be at least 2 and leave at least one decode step; got {prompt_len} "
-            f"of {input_ids.shape[1]} positions"
-        )
     if on_stage is not None:
         on_stage("rollout")
-    rollout, lengths = record_rollout(rollout_model if rollout_model is not None else model, input_ids, prompt_len)
+    rollout = record_rollout(rollout_model if rollout_model is not None else model, batch)
     if on_stage is not None:
         on_stage("trainer")
-    trainer = record_trainer(model, input_ids)
-    return compare_paths(rollout, lengths, trainer, numerics, input_ids.shape[0])
+    trainer = record_trainer(model, batch)
+    return compare_paths(rollout, trainer, batch, numerics)
 
 
 __all__ = [
@@ -646,10 +809,12 @@ __all__ = [
     "LOGPROBS_OP",
     "ROTARY_OP",
     "Divergence",
+    "DoctorBatch",
     "DoctorReport",
     "Recorder",
     "compare_paths",
     "diagnose",
+    "diagnose_batch",
     "layer_of",
     "op_kind",
     "ulp_distance",

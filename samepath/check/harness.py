@@ -210,7 +210,7 @@ def random_prompts(batch: int, vocab_size: int, seed: int, min_len: int = 3, max
     return [torch.randint(1, vocab_size, (n,), generator=gen).tolist() for n in lengths]
 
 
-def _pad_token_id(model: torch.nn.Module) -> int:
+def pad_token_id(model: torch.nn.Module) -> int:
     for source in (model.config, getattr(model, "generation_config", None)):
         for name in ("pad_token_id", "eos_token_id"):
             value = getattr(source, name, None)
@@ -232,7 +232,7 @@ def rollout_hf(
     """Left-padded Hugging Face ``generate`` (KV cache; sampled, or greedy when ``temperature``
     is 0): the generated tokens ``[B, new_tokens]`` and their log-probs from the raw step logits."""
     transformers = _transformers()
-    pad = _pad_token_id(model)
+    pad = pad_token_id(model)
     device = next(model.parameters()).device
     width = max(map(len, prompts))
     ids = torch.full((len(prompts), width), pad, dtype=torch.long)
@@ -281,7 +281,7 @@ def trainer_forward(
 ) -> torch.Tensor:
     """The trainer's log-probs of the generated tokens: one right-padded forward of prompt +
     completion (positions from 0 in every row), no cache. ``[B, new_tokens]``."""
-    pad = _pad_token_id(model)
+    pad = pad_token_id(model)
     device = next(model.parameters()).device
     seqs = [torch.tensor(p + g.tolist()) for p, g in zip(prompts, generated, strict=True)]
     width = max(map(len, seqs))
@@ -426,6 +426,7 @@ __all__ = [
     "build_default_model",
     "load_default_model",
     "load_model",
+    "pad_token_id",
     "parse_dtype",
     "random_prompts",
     "rollout_hf",
