@@ -15,18 +15,26 @@ import triton
 
 import samepath
 
-#: Columns of the CSV, in order. ``speedup = baseline_ms / samepath_ms`` (> 1: samepath faster).
+#: Columns of the CSV, in order. ``baseline_ms`` / ``samepath_ms`` are medians of ``calls`` timed
+#: calls, with their min and max; ``speedup = baseline_ms / samepath_ms`` (> 1: samepath faster).
 FIELDS = [
     "op",
     "config",
     "dtype",
     "baseline",
+    "baseline_min_ms",
     "baseline_ms",
+    "baseline_max_ms",
+    "samepath_min_ms",
     "samepath_ms",
+    "samepath_max_ms",
     "speedup",
+    "calls",
     "unit",
     "baseline_rate",
     "samepath_rate",
+    "measures",
+    "rotation",
     "note",
 ]
 
@@ -62,7 +70,7 @@ def header(device: torch.device, dtype: torch.dtype, mode: str, timing: str, not
         "fingerprint": samepath.fingerprint(),
         "mode": mode,
         "timing": timing,
-        "speedup": "baseline ms / samepath ms (> 1: samepath faster; the bar is >= 0.91, within 10 %)",
+        "speedup": "median baseline ms / median samepath ms (> 1: samepath faster; the bar is >= 0.91, within 10 %)",
     }
     if device.type == "cuda":
         out["cuda"] = str(torch.version.cuda)
@@ -84,15 +92,21 @@ def _fmt(value: object) -> str:
 
 
 def format_table(head: dict[str, str], rows: list[dict]) -> str:
-    """FlashInfer-style table: config | baseline | baseline ms | samepath ms | speedup | rate."""
+    """FlashInfer-style table: config | baseline | min / median / max ms of each side | speedup |
+    timed calls | rates. Times are wall ms per call unless the config says otherwise (host time)."""
     lines = [f"# {key}: {value}" for key, value in head.items()]
     cols = [
         ("op", "op"),
         ("config", "config"),
         ("baseline", "baseline"),
-        ("baseline_ms", "baseline ms"),
-        ("samepath_ms", "samepath ms"),
+        ("baseline_min_ms", "base min"),
+        ("baseline_ms", "base median"),
+        ("baseline_max_ms", "base max"),
+        ("samepath_min_ms", "samepath min"),
+        ("samepath_ms", "samepath median"),
+        ("samepath_max_ms", "samepath max"),
         ("speedup", "speedup"),
+        ("calls", "calls"),
         ("samepath_rate", "samepath rate"),
         ("baseline_rate", "baseline rate"),
     ]
@@ -106,7 +120,7 @@ def format_table(head: dict[str, str], rows: list[dict]) -> str:
             cell["baseline"] += f"  [{row['note']}]"
         cells.append(cell)
     widths = {key: max(len(title), *(len(c[key]) for c in cells)) if cells else len(title) for key, title in cols}
-    numeric = {"baseline_ms", "samepath_ms", "speedup", "samepath_rate", "baseline_rate"}
+    numeric = {key for key, _ in cols[3:]}
 
     def line(values: dict[str, str]) -> str:
         return " | ".join(
