@@ -367,32 +367,38 @@ def paged_case(
         baselines[f"vLLM Triton unified_attention ({split})"] = vllm_triton
     if found.flashinfer is not None and chunk == 1:
         fi = found.flashinfer
-        state: dict[str, Any] = {}
 
-        def flashinfer_decode(d):
-            if "wrapper" not in state:  # plan once per step, as a serving engine does for all its layers
-                workspace = torch.empty(FLASHINFER_WORKSPACE_BYTES, dtype=torch.uint8, device=device)
-                wrapper = fi.BatchDecodeWithPagedKVCacheWrapper(
-                    workspace, "NHD", use_tensor_cores=heads // kv_heads >= 4
-                )
-                indptr = torch.arange(0, batch * pages + 1, pages, dtype=torch.int32, device=device)
-                last = torch.full((batch,), (span - 1) % PAGE_SIZE + 1, dtype=torch.int32, device=device)
-                wrapper.plan(
-                    indptr,
-                    table.flatten(),
-                    last,
-                    heads,
-                    kv_heads,
-                    head,
-                    PAGE_SIZE,
-                    sm_scale=scale,
-                    q_data_type=dtype,
-                    kv_data_type=dtype,
-                )
-                state["wrapper"] = wrapper
-            return state["wrapper"].run(d["q"], (d["kc"], d["vc"]))
+        def flashinfer_decode(split_kv: bool) -> Callable[[dict], object]:
+            state: dict[str, Any] = {}
 
-        baselines["FlashInfer paged decode"] = flashinfer_decode
+            def run(d):
+                if "wrapper" not in state:  # plan once per step, as a serving engine does for all its layers
+                    workspace = torch.empty(FLASHINFER_WORKSPACE_BYTES, dtype=torch.uint8, device=device)
+                    wrapper = fi.BatchDecodeWithPagedKVCacheWrapper(
+                        workspace, "NHD", use_tensor_cores=heads // kv_heads >= 4
+                    )
+                    indptr = torch.arange(0, batch * pages + 1, pages, dtype=torch.int32, device=device)
+                    last = torch.full((batch,), (span - 1) % PAGE_SIZE + 1, dtype=torch.int32, device=device)
+                    wrapper.plan(
+                        indptr,
+                        table.flatten(),
+                        last,
+                        heads,
+                        kv_heads,
+                        head,
+                        PAGE_SIZE,
+                        sm_scale=scale,
+                        q_data_type=dtype,
+                        kv_data_type=dtype,
+                        disable_split_kv=not split_kv,
+                    )
+                    state["wrapper"] = wrapper
+                return state["wrapper"].run(d["q"], (d["kc"], d["vc"]))
+
+            return run
+
+        baselines["FlashInfer paged decode"] = flashinfer_decode(split_kv=True)
+        baselines["FlashInfer paged decode (split-KV off)"] = flashinfer_decode(split_kv=False)
     element = torch.empty((), dtype=dtype).element_size()
     kv_bytes = 2 * batch * span * kv_heads * head * element
     context_fn = _sdpa_context_paged(found)

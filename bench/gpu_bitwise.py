@@ -60,7 +60,12 @@ SIZES = {
     "device": dict(
         small=False, lens=[300, 77, 1, 129], bwd_lens=[257, 64, 3], rows=300, hidden=1024, k=4096, n=1024, vocab=151936
     ),
-    "small": dict(small=True, lens=[40, 7, 1], bwd_lens=[40, 9], rows=5, hidden=64, k=256, n=32, vocab=5000),
+    "small": dict(small=True, lens=[40, 7, 1], bwd_lens=[40, 9], rows=5, hidden=64, k=256, n=32, vocab=20000),
+}
+#: The Hugging Face models of the ``hf`` check: (vocab, hidden, intermediate, head size, new tokens).
+HF_SIZES = {
+    "device": dict(vocab=4096, hidden=256, intermediate=512, head=64, new_tokens=24, max_prompt=60),
+    "small": dict(vocab=320, hidden=64, intermediate=96, head=32, new_tokens=4, max_prompt=30),
 }
 SIZE = dict(SIZES["device"])
 
@@ -343,19 +348,30 @@ def _half_tiles(head: int, dtype: torch.dtype, device) -> Iterator[None]:
         config_module.ATTENTION_TABLE[key] = saved
 
 
-def _hf_model(arch: str, dtype: torch.dtype, device):
+def _hf_model(arch: str, dtype: torch.dtype, device, size: dict):
     import transformers
 
     from samepath.check.harness import DEFAULT_MODEL_CONFIG
 
-    common = {key: value for key, value in DEFAULT_MODEL_CONFIG.items() if key not in ("head_dim", "vocab_size")}
-    common.update(vocab_size=4096, hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2)
+    common = {key: value for key, value in DEFAULT_MODEL_CONFIG.items() if key != "head_dim"}
+    common.update(
+        vocab_size=size["vocab"],
+        hidden_size=size["hidden"],
+        intermediate_size=size["intermediate"],
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=size["head"],
+    )
     if arch == "qwen3":
-        config = transformers.Qwen3Config(head_dim=64, **common)
+        config = transformers.Qwen3Config(**common)
         cls = transformers.Qwen3ForCausalLM
     else:
         config = transformers.Qwen3MoeConfig(
-            head_dim=64, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=128, norm_topk_prob=True, **common
+            num_experts=8,
+            num_experts_per_tok=2,
+            moe_intermediate_size=size["intermediate"] // 4,
+            norm_topk_prob=True,
+            **common,
         )
         cls = transformers.Qwen3MoeForCausalLM
     torch.manual_seed(0)
@@ -376,18 +392,20 @@ def check_hf(device) -> list[dict]:
     from samepath.check import harness
 
     results = []
-    prompts = harness.random_prompts(4, 4096, seed=5, min_len=3, max_len=40)
+    size = HF_SIZES["small" if SIZE["small"] else "device"]
+    new = size["new_tokens"]
+    prompts = harness.random_prompts(4, size["vocab"], seed=5, min_len=3, max_len=size["max_prompt"])
     for arch in ("qwen3", "qwen3_moe"):
         for dtype in (torch.bfloat16, torch.float32):
-            model = _hf_model(arch, dtype, device)
+            model = _hf_model(arch, dtype, device, size)
             name = f"hf {arch} {_name(dtype)}"
             with integrations.patched():
-                generated, rollout_lp = harness.rollout_hf(model, prompts, 24, 0.7, seed=1)
+                generated, rollout_lp = harness.rollout_hf(model, prompts, new, 0.7, seed=1)
                 trainer_lp = harness.trainer_forward(model, prompts, generated, 0.7)
                 results.append(
                     dict(check=f"{name}: generate == trainer (patch_all)", bad_rows=bad_rows(rollout_lp, trainer_lp))
                 )
-                with _half_tiles(64, dtype, device):
+                with _half_tiles(size["head"], dtype, device):
                     perturbed = harness.trainer_forward(model, prompts, generated, 0.7)
                 results.append(
                     dict(
@@ -396,7 +414,7 @@ def check_hf(device) -> list[dict]:
                         expect_diff=True,
                     )
                 )
-            stock_gen, stock_lp = harness.rollout_hf(model, prompts, 24, 0.7, seed=1)
+            stock_gen, stock_lp = harness.rollout_hf(model, prompts, new, 0.7, seed=1)
             stock_trainer = harness.trainer_forward(model, prompts, stock_gen, 0.7)
             results.append(
                 dict(
