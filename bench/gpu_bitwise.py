@@ -58,9 +58,19 @@ HEAD_SIZES = (64, 128, 80)
 #: script on a CPU under Triton's interpreter.
 SIZES = {
     "device": dict(
-        small=False, lens=[300, 77, 1, 129], bwd_lens=[257, 64, 3], rows=300, hidden=1024, k=4096, n=1024, vocab=151936
+        small=False,
+        lens=[300, 77, 1, 129],
+        bwd_lens=[257, 64, 3],
+        rows=300,
+        lp_rows=1024,
+        hidden=1024,
+        k=4096,
+        n=1024,
+        vocab=151936,
     ),
-    "small": dict(small=True, lens=[40, 7, 1], bwd_lens=[40, 9], rows=5, hidden=64, k=256, n=32, vocab=20000),
+    "small": dict(
+        small=True, lens=[40, 7, 1], bwd_lens=[40, 9], rows=5, lp_rows=256, hidden=64, k=256, n=32, vocab=20000
+    ),
 }
 #: The Hugging Face models of the ``hf`` check: (vocab, hidden, intermediate, head size, new tokens).
 HF_SIZES = {
@@ -305,13 +315,17 @@ def check_rest(device) -> list[dict]:
             )
         )
 
-        logits = (torch.randn(64, vocab, generator=gen) * 4).to(device, dtype)
-        labels = torch.randint(0, vocab, (64,), generator=gen).to(device)
+        # many rows: half the vocab chunk moves the last bit of only some rows' log-sum-exp
+        n_rows = SIZE["lp_rows"]
+        logits = (torch.randn(n_rows, vocab, generator=gen) * 4).to(device, dtype)
+        labels = torch.randint(0, vocab, (n_rows,), generator=gen).to(device)
         lp = samepath.token_logprobs(logits, labels, 0.7)
         few = samepath.token_logprobs(logits[5:9], labels[5:9], 0.7)
         results.append(dict(check=f"token_logprobs {tag}: rows independent of batch", bad_rows=bad_rows(lp[5:9], few)))
         one = torch.cat([samepath.token_logprobs(logits[i : i + 1], labels[i : i + 1], 0.7) for i in range(0, 64, 9)])
-        results.append(dict(check=f"token_logprobs {tag}: B=1 rows == B=64 rows", bad_rows=bad_rows(lp[::9], one)))
+        results.append(
+            dict(check=f"token_logprobs {tag}: B=1 rows == B={n_rows} rows", bad_rows=bad_rows(lp[:64:9], one))
+        )
         gathered = samepath.log_softmax(logits, 0.7).gather(-1, labels[:, None])[:, 0]
         results.append(dict(check=f"log_softmax.gather == token_logprobs {tag}", bad_rows=bad_rows(lp, gathered)))
         other = dataclasses.replace(row_reduce_config(device), vocab_chunk=row_reduce_config(device).vocab_chunk // 2)

@@ -188,15 +188,18 @@ def write_png(path: Path, head: dict[str, str], rows: list[dict]) -> bool:
     shown = [r for r in rows if not math.isnan(r["speedup"])]
     labels = [f"{r['op']} {r['config']}\nvs {r['baseline']}" for r in shown]
     values = [r["speedup"] for r in shown]
+    # the spread of the timed calls: slowest baseline / fastest samepath call and the reverse
+    low = [max(v - r["baseline_min_ms"] / r["samepath_max_ms"], 0.0) for v, r in zip(values, shown, strict=True)]
+    high = [max(r["baseline_max_ms"] / r["samepath_min_ms"] - v, 0.0) for v, r in zip(values, shown, strict=True)]
     fig, ax = plt.subplots(figsize=(11, max(3.0, 0.42 * len(shown) + 1.6)))
     colors = ["tab:green" if v >= 0.91 else "tab:red" for v in values]
-    ax.barh(range(len(shown)), values, color=colors)
+    ax.barh(range(len(shown)), values, color=colors, xerr=[low, high], error_kw={"elinewidth": 0.7, "capsize": 2})
     ax.set_yticks(range(len(shown)), labels, fontsize=6)
     ax.invert_yaxis()
     ax.axvline(1.0, color="black", linewidth=0.8)
     ax.axvline(0.91, color="gray", linestyle="--", linewidth=0.8, label="within 10 %")
     ax.set_xscale("log")
-    ax.set_xlabel("speedup = baseline ms / samepath ms (log scale; > 1: samepath faster)")
+    ax.set_xlabel("speedup = median baseline ms / median samepath ms (log scale; > 1: samepath faster; bars: min-max)")
     title = f"samepath vs baselines — {head['device']}, {head['dtype']}\n"
     title += f"torch {head['torch']}, triton {head['triton']}, fingerprint {head['fingerprint']}, {head['date']}"
     ax.set_title(title, fontsize=8)

@@ -28,7 +28,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:  # `bench` is a folder of the repository, not an installed package
     sys.path.insert(0, str(ROOT))
 
-from bench import baselines, report  # noqa: E402
+from bench import baselines, gpu_bitwise, report  # noqa: E402
 from bench import run as run_module  # noqa: E402
 from bench import timing as timing_module  # noqa: E402
 from bench.run import run  # noqa: E402
@@ -210,6 +210,19 @@ def test_bench_runs_as_a_script_and_checks_its_ops(tmp_path: Path) -> None:
 # ----------------------------------------------------------------------------------------------
 # The device scripts
 # ----------------------------------------------------------------------------------------------
+
+
+def test_bitwise_script_runs_its_split_k_checks_with_their_negative_control(tmp_path: Path) -> None:
+    """bench/gpu_bitwise.py at --small sizes on the CPU: the split-K checks pass, the fp32 negative
+    control (k_slices 2 against 1) reports a difference, and the JSON is written."""
+    out = tmp_path / "bitwise.json"
+    assert gpu_bitwise.main(["--device", "cpu", "--small", "--checks", "split_k", "--out", str(out)]) == 0
+    payload = json.loads(out.read_text())
+    assert payload["failed"] == 0 and payload["fingerprint"] == samepath.fingerprint()
+    statuses = {r["check"]: r["status"] for r in payload["results"]}
+    assert statuses["split-K float32: negative control S=2 vs S=1"] == "PASS"
+    assert all(status in ("PASS", "INFO") for status in statuses.values()), statuses
+    assert sum("== shard partials" in check for check in statuses) == 9  # 3 dtypes x S = 2, 4, 8
 
 
 def test_device_scripts_dry_run_list_their_stages_and_check_every_entry() -> None:
