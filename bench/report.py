@@ -199,7 +199,9 @@ def write_png(path: Path, head: dict[str, str], rows: list[dict]) -> bool:
     ax.axvline(1.0, color="black", linewidth=0.8)
     ax.axvline(0.91, color="gray", linestyle="--", linewidth=0.8, label="within 10 %")
     ax.set_xscale("log")
-    ax.set_xlabel("speedup = median baseline ms / median samepath ms (log scale; > 1: samepath faster; bars: min-max)")
+    ax.set_xlabel(
+        "speedup = median baseline ms / median samepath ms (log scale; > 1: samepath faster; bars: min-max)", fontsize=8
+    )
     title = f"samepath vs baselines — {head['device']}, {head['dtype']}\n"
     title += f"torch {head['torch']}, triton {head['triton']}, fingerprint {head['fingerprint']}, {head['date']}"
     ax.set_title(title, fontsize=8)
