@@ -1,17 +1,18 @@
 """The benchmark cases: one builder per op, sized per device and mode, each with its baselines.
 
 Every case builds its inputs from a seed (so several sets can be cycled) and names its samepath
-call and the stock baselines it is compared with, measured in the same run on the same device:
+call and the baselines it is compared with, measured in the same run on the same device. The
+baselines are stock PyTorch (eager math as Hugging Face writes it, ``F.linear``, ``F.rms_norm``,
+``log_softmax + gather``) and the third-party kernels of :mod:`bench.baselines` wherever they
+import and suit the device and dtype.
 
-* stock PyTorch: SDPA and eager math (Hugging Face's ``eager_attention_forward``) for attention,
-  ``F.linear`` (cuBLAS / CPU BLAS) for matmul, ``F.log_softmax`` + ``gather`` for token logprobs,
-  Hugging Face's RMSNorm math and ``F.rms_norm``;
-* flash-attn (``flash_attn_varlen_func`` / ``flash_attn_with_kvcache``) and vLLM's batch-invariant
-  Triton kernels (``vllm.model_executor.layers.batch_invariant``), only where they import and the
-  device and dtype suit them; otherwise the column is skipped with a note.
+samepath is called the way its integrations call it (:data:`SAMEPATH_CALLS`): the attention
+kernels validate their metadata as ``integrations/hf.py`` and ``integrations/vllm.py`` leave them
+to, ``token_logprobs`` skips the label check as ``integrations/verl.py`` does.
 
-Baselines read the KV cache as a dense, contiguous ``[batch, kv_heads, seq, head]`` tensor (what
-Hugging Face's cache holds); samepath reads it through a shuffled page table, as vLLM serves it.
+Decode and chunked prefill read a paged KV cache (vLLM's layout, pages shuffled) on every side:
+the torch SDPA baselines gather the pages first (what a paged SDPA path such as Hugging Face's
+``sdpa_paged`` does), the other baselines read the pages themselves.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import math
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -27,6 +29,8 @@ import torch
 import torch.nn.functional as F
 
 import samepath
+from bench.baselines import VLLM_SEGMENTS, Baselines
+from bench.timing import Timing
 from samepath.kernels.attention import paged_attention, varlen_attention
 
 #: Op groups, in the order they run (``--ops`` takes a comma-separated subset).
@@ -37,13 +41,27 @@ OPS = (
     "paged_decode",
     "linear",
     "token_logprobs",
+    "lm_head_logprobs",
     "rms_norm",
+    "swiglu",
+    "rotary",
     "e2e",
+)
+
+#: How each samepath call is made, matching the integration that makes it.
+SAMEPATH_CALLS = (
+    "varlen_attention(validate=True) as integrations/hf.py; "
+    "paged_attention(validate=True) as integrations/vllm.py; "
+    "token_logprobs(validate=False) as integrations/verl.py; "
+    "linear / rms_norm / silu_mul / apply_rotary as integrations/hf.py"
 )
 
 VOCAB = 151936  # Qwen2/Qwen3's padded vocabulary
 TEMPERATURE = 0.7
 PAGE_SIZE = 16
+FLASHINFER_WORKSPACE_BYTES = 128 * 2**20
+
+Timer = Callable[[Callable[[Any], object], list, torch.device, int, int], Timing]
 
 
 @dataclass
@@ -60,6 +78,8 @@ class Case:
     tokens: float = 0.0  # per call; tok/s for the end-to-end cases
     context: Callable[[str], contextlib.AbstractContextManager] | None = None  # per implementation
     repeat_scale: float = 1.0
+    timer: Timer | None = None  # None: bench.timing.measure (wall time of each call)
+    what: str = ""  # what a time measures, when not the call's wall time
     notes: list[str] = field(default_factory=list)
 
     def rate(self, ms: float) -> tuple[str, float]:
@@ -78,53 +98,29 @@ class Case:
         return "TFLOP/s" if self.flops else "GB/s" if self.bytes else "tok/s" if self.tokens else ""
 
 
-# ----------------------------------------------------------------------------------------------
-# Optional third-party baselines
-# ----------------------------------------------------------------------------------------------
-
-
-@dataclass
-class Optional3p:
-    flash_attn: Any = None
-    vllm_bi: Any = None
-    notes: list[str] = field(default_factory=list)
-
-
-def optional_baselines(device: torch.device, dtype: torch.dtype) -> Optional3p:
-    """flash-attn and vLLM's batch-invariant kernels, when they import and suit device and dtype."""
-    found = Optional3p()
-    try:
-        import flash_attn
-
-        if device.type != "cuda" or dtype == torch.float32:
-            found.notes.append("flash-attn: installed, but it runs on CUDA in fp16/bf16 only — column skipped")
-        else:
-            found.flash_attn = flash_attn
-    except Exception as exc:  # ImportError, or a broken build (undefined symbols)
-        found.notes.append(f"flash-attn: not importable ({type(exc).__name__}) — column skipped")
-    try:
-        from vllm.model_executor.layers import batch_invariant as vllm_bi
-
-        if device.type != "cuda":
-            found.notes.append("vLLM batch-invariant kernels: installed, but CUDA only — column skipped")
-        else:
-            found.vllm_bi = vllm_bi
-    except Exception as exc:
-        found.notes.append(f"vLLM batch-invariant kernels: not importable ({type(exc).__name__}) — column skipped")
-    return found
-
-
-# ----------------------------------------------------------------------------------------------
-# Attention helpers
-# ----------------------------------------------------------------------------------------------
-
-
 def _randn(shape, dtype, device, gen: torch.Generator) -> torch.Tensor:
     return torch.randn(shape, generator=gen, device=gen.device).to(device=device, dtype=dtype)
 
 
 def _generator(seed: int, device: torch.device) -> torch.Generator:
     return torch.Generator(device=device if device.type == "cuda" else "cpu").manual_seed(seed)
+
+
+def _sdpa_context(found: Baselines) -> Callable[[str], contextlib.AbstractContextManager]:
+    def context(impl: str) -> contextlib.AbstractContextManager:
+        backend = found.sdpa.get(impl)
+        return backend.context() if backend is not None else contextlib.nullcontext()
+
+    return context
+
+
+def _sdpa(q, k, v, gqa_native: bool, **kwargs) -> torch.Tensor:
+    """SDPA on ``[B, H, L, D]`` / ``[B, Hkv, S, D]``; K/V heads repeated when the backend has no GQA."""
+    if not gqa_native and k.shape[-3] != q.shape[-3]:
+        group = q.shape[-3] // k.shape[-3]
+        k, v = k.repeat_interleave(group, dim=-3), v.repeat_interleave(group, dim=-3)
+        return F.scaled_dot_product_attention(q, k, v, **kwargs)
+    return F.scaled_dot_product_attention(q, k, v, enable_gqa=k.shape[-3] != q.shape[-3], **kwargs)
 
 
 def eager_attention(q, k, v, scale: float, offset: int | None) -> torch.Tensor:
@@ -147,12 +143,24 @@ def _causal_pairs(length: int) -> int:
     return length * (length + 1) // 2
 
 
-def varlen_case(op: str, lens: list[int], heads: int, kv_heads: int, head: int, dtype, device, opt: Optional3p) -> Case:
+def _lens_label(lens: list[int]) -> str:
+    if len(set(lens)) == 1:
+        return f"{len(lens)}x{lens[0]}"
+    return "[" + ",".join(map(str, lens)) + "]"
+
+
+# ----------------------------------------------------------------------------------------------
+# Attention
+# ----------------------------------------------------------------------------------------------
+
+
+def varlen_case(op: str, lens: list[int], heads: int, kv_heads: int, head: int, dtype, device, found) -> Case:
     """Packed causal self-attention (the trainer's forward, or forward + backward)."""
     backward = op == "varlen_fwdbwd"
     total = sum(lens)
     scale = head**-0.5
     starts = [0, *torch.tensor(lens).cumsum(0).tolist()]
+    longest = max(lens)
 
     def make(seed: int) -> dict:
         gen = _generator(seed, device)
@@ -175,114 +183,240 @@ def varlen_case(op: str, lens: list[int], heads: int, kv_heads: int, head: int, 
 
     def ours(d):
         with torch.set_grad_enabled(backward):
-            return finish(d, varlen_attention(d["q"], d["k"], d["v"], d["cu"], scale, validate=False))
+            return finish(d, varlen_attention(d["q"], d["k"], d["v"], d["cu"], scale, True, validate=True))
 
     def per_sequence(attend):
         def run(d):
             with torch.set_grad_enabled(backward):
                 outs = []
                 for s, e in itertools.pairwise(starts):
-                    q, k, v = (d[n][s:e].transpose(0, 1) for n in ("q", "k", "v"))
-                    outs.append(attend(q, k, v).transpose(0, 1))
+                    q, k, v = (d[n][s:e].transpose(0, 1)[None] for n in ("q", "k", "v"))
+                    outs.append(attend(q, k, v)[0].transpose(0, 1))
                 return finish(d, torch.cat(outs))
 
         return run
 
-    baselines = {
-        "torch SDPA": per_sequence(
-            lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
-        ),
-        "eager math": per_sequence(lambda q, k, v: eager_attention(q, k, v, scale, offset=0)),
-    }
-    if opt.flash_attn is not None:
-        fa = opt.flash_attn
+    baselines: dict[str, Callable[[dict], object]] = {}
+    for name, backend in found.sdpa.items():
+        native = backend.gqa_native
+        baselines[name] = per_sequence(
+            lambda q, k, v, native=native: _sdpa(q, k, v, native, is_causal=True, scale=scale)
+        )
+    baselines["eager math (HF)"] = per_sequence(lambda q, k, v: eager_attention(q, k, v, scale, offset=0))
+    if found.varlen_attn is not None:
+        causal = {"is_causal": True} if found.varlen_attn_causal_kw else {"window_size": (-1, 0)}
+
+        def torch_varlen(d):
+            with torch.set_grad_enabled(backward):
+                out = found.varlen_attn(
+                    d["q"], d["k"], d["v"], d["cu"], d["cu"], longest, longest, scale=scale, enable_gqa=True, **causal
+                )
+                return finish(d, out)
+
+        baselines["torch varlen_attn"] = torch_varlen
+    if found.flashinfer is not None and not backward:
+        fi = found.flashinfer
+        state: dict[str, Any] = {}
+
+        def flashinfer_ragged(d):
+            if "wrapper" not in state:  # plan once per step, as a serving engine does for all its layers
+                workspace = torch.empty(FLASHINFER_WORKSPACE_BYTES, dtype=torch.uint8, device=device)
+                wrapper = fi.BatchPrefillWithRaggedKVCacheWrapper(workspace, "NHD")
+                wrapper.plan(d["cu"], d["cu"], heads, kv_heads, head, causal=True, sm_scale=scale, q_data_type=dtype)
+                state["wrapper"] = wrapper
+            return state["wrapper"].run(d["q"], d["k"], d["v"])
+
+        baselines["FlashInfer ragged prefill"] = flashinfer_ragged
+    if found.flash_attn is not None:
+        fa = found.flash_attn
 
         def flash(d):
             with torch.set_grad_enabled(backward):
-                m = max(lens)
-                out = fa.flash_attn_varlen_func(d["q"], d["k"], d["v"], d["cu"], d["cu"], m, m, causal=True)
+                out = fa.flash_attn_varlen_func(
+                    d["q"], d["k"], d["v"], d["cu"], d["cu"], longest, longest, softmax_scale=scale, causal=True
+                )
                 return finish(d, out)
 
         baselines["flash-attn varlen"] = flash
     flops = 4.0 * heads * head * sum(_causal_pairs(n) for n in lens) * (3.5 if backward else 1.0)
     shape = f"lens={_lens_label(lens)} H={heads}/{kv_heads} D={head}"
-    return Case(op, shape, make, ours, baselines, flops=flops, repeat_scale=0.5 if backward else 1.0)
-
-
-def _lens_label(lens: list[int]) -> str:
-    if len(set(lens)) == 1:
-        return f"{len(lens)}x{lens[0]}"
-    return "[" + ",".join(map(str, lens)) + "]"
+    return Case(
+        op,
+        shape,
+        make,
+        ours,
+        baselines,
+        flops=flops,
+        context=_sdpa_context(found),
+        repeat_scale=0.5 if backward else 1.0,
+    )
 
 
 def paged_case(
-    op: str, batch: int, context: int, chunk: int, heads: int, kv_heads: int, head: int, dtype, device, opt
+    op: str, batch: int, context: int, chunk: int, heads: int, kv_heads: int, head: int, dtype, device, found
 ) -> Case:
-    """``chunk`` new queries per sequence over ``context`` cached positions (``chunk = 1``: decode)."""
+    """``chunk`` new queries per sequence over ``context`` cached positions (``chunk = 1``: decode),
+    the KV cache paged and its pages shuffled; every baseline reads that paged cache."""
     span = context + chunk  # KV positions per sequence after this step
     pages = (span + PAGE_SIZE - 1) // PAGE_SIZE
     scale = head**-0.5
+    # One page layout for every input set (a serving engine plans once per step for all layers);
+    # the cached keys and values differ from set to set.
+    perm = torch.randperm(batch * pages, generator=torch.Generator().manual_seed(1234)).to(device)
+    table = perm.view(batch, pages).to(torch.int32)
+    table_long = table.long()
+    qsl = torch.arange(0, batch * chunk + 1, chunk, dtype=torch.int32, device=device)
+    seq_lens = torch.full((batch,), span, dtype=torch.int32, device=device)
 
     def make(seed: int) -> dict:
         gen = _generator(seed, device)
-        kd = _randn((batch, kv_heads, span, head), dtype, device, gen)
-        vd = _randn((batch, kv_heads, span, head), dtype, device, gen)
-        q = _randn((batch * chunk, heads, head), dtype, device, gen)
-        perm = torch.randperm(batch * pages, generator=gen, device=gen.device).to(device)
 
-        def paged(dense):
-            padded = torch.zeros(batch, pages * PAGE_SIZE, kv_heads, head, dtype=dtype, device=device)
-            padded[:, :span] = dense.transpose(1, 2)
-            cache = torch.empty(batch * pages, PAGE_SIZE, kv_heads, head, dtype=dtype, device=device)
-            cache[perm] = padded.view(batch * pages, PAGE_SIZE, kv_heads, head)
-            return cache
+        def cache() -> torch.Tensor:
+            dense = _randn((batch, pages * PAGE_SIZE, kv_heads, head), dtype, device, gen)
+            dense[:, span:] = 0
+            out = torch.empty(batch * pages, PAGE_SIZE, kv_heads, head, dtype=dtype, device=device)
+            out[perm] = dense.view(batch * pages, PAGE_SIZE, kv_heads, head)
+            return out
 
-        return {
-            "q": q,
-            "qd": q.view(batch, chunk, heads, head).transpose(1, 2).contiguous(),
-            "kd": kd,
-            "vd": vd,
-            "kc": paged(kd),
-            "vc": paged(vd),
-            "table": perm.view(batch, pages).to(torch.int32),
-            "qsl": torch.arange(0, batch * chunk + 1, chunk, dtype=torch.int32, device=device),
-            "seq_lens": torch.full((batch,), span, dtype=torch.int32, device=device),
-            "mask": torch.ones(chunk, span, dtype=torch.bool, device=device).tril(context),
-        }
+        return {"q": _randn((batch * chunk, heads, head), dtype, device, gen), "kc": cache(), "vc": cache()}
 
     def ours(d):
-        return paged_attention(d["q"], d["kc"], d["vc"], d["table"], d["qsl"], d["seq_lens"], scale, validate=False)
+        return paged_attention(d["q"], d["kc"], d["vc"], table, qsl, seq_lens, scale, validate=True)
 
-    def sdpa(d):
-        mask = None if chunk == 1 else d["mask"]
-        return F.scaled_dot_product_attention(d["qd"], d["kd"], d["vd"], attn_mask=mask, scale=scale, enable_gqa=True)
+    def gathered(cache: torch.Tensor) -> torch.Tensor:  # [B, Hkv, span, D]
+        return cache[table_long].flatten(1, 2)[:, :span].transpose(1, 2)
 
-    baselines = {
-        "torch SDPA": sdpa,
-        "eager math": lambda d: eager_attention(d["qd"], d["kd"], d["vd"], scale, offset=context),
-    }
-    if opt.flash_attn is not None:
-        fa = opt.flash_attn
+    def q4(d) -> torch.Tensor:  # [B, H, chunk, D]
+        return d["q"].view(batch, chunk, heads, head).transpose(1, 2)
 
-        def flash(d):
-            q = d["qd"].transpose(1, 2)  # [B, chunk, H, D]
-            return fa.flash_attn_with_kvcache(
-                q, d["kd"].transpose(1, 2), d["vd"].transpose(1, 2), cache_seqlens=d["seq_lens"], causal=True
+    mask_kwargs: dict[str, Any] = {}
+    if chunk > 1:
+        from torch.nn.attention.bias import causal_lower_right
+
+        mask_kwargs["attn_mask"] = causal_lower_right(chunk, span)
+
+    baselines: dict[str, Callable[[dict], object]] = {}
+    for name, backend in found.sdpa.items():
+        native = backend.gqa_native
+
+        def gather_sdpa(d, native=native):
+            return _sdpa(q4(d), gathered(d["kc"]), gathered(d["vc"]), native, scale=scale, **mask_kwargs)
+
+        baselines[f"{name} (gather pages)"] = gather_sdpa
+    baselines["eager math (HF, gather pages)"] = lambda d: eager_attention(
+        q4(d), gathered(d["kc"]), gathered(d["vc"]), scale, offset=context
+    )
+    if found.varlen_attn is not None and found.varlen_attn_paged:
+        causal = {"is_causal": True} if found.varlen_attn_causal_kw else {"window_size": (-1, 0)}
+
+        def torch_varlen_paged(d):
+            return found.varlen_attn(
+                d["q"],
+                d["kc"],
+                d["vc"],
+                qsl,
+                None,
+                chunk,
+                span,
+                scale=scale,
+                enable_gqa=True,
+                seqused_k=seq_lens,
+                block_table=table,
+                num_splits=1,
+                **causal,
             )
 
-        baselines["flash-attn kvcache"] = flash
+        baselines["torch varlen_attn paged (num_splits=1)"] = torch_varlen_paged
+    if found.vllm_unified_attention is not None:
+        unified = found.vllm_unified_attention
+        padded = 1 << (head - 1).bit_length()
+        tokens = batch * chunk
+        segm_out = torch.empty(tokens, heads, VLLM_SEGMENTS, padded, dtype=torch.float32, device=device)
+        segm_max = torch.empty(tokens, heads, VLLM_SEGMENTS, dtype=torch.float32, device=device)
+        segm_sum = torch.empty_like(segm_max)
+        descale = torch.ones(1, dtype=torch.float32, device=device).expand(batch, kv_heads)
+
+        def vllm_triton(d):
+            out = torch.empty_like(d["q"])
+            unified(
+                d["q"],
+                d["kc"],
+                d["vc"],
+                out,
+                cu_seqlens_q=qsl,
+                max_seqlen_q=chunk,
+                seqused_k=seq_lens,
+                max_seqlen_k=span,
+                softmax_scale=scale,
+                causal=True,
+                window_size=(-1, -1),
+                block_table=table,
+                softcap=0,
+                q_descale=None,
+                k_descale=descale,
+                v_descale=descale,
+                seq_threshold_3D=1 << 30,
+                num_par_softmax_segments=VLLM_SEGMENTS,
+                softmax_segm_output=segm_out,
+                softmax_segm_max=segm_max,
+                softmax_segm_expsum=segm_sum,
+            )
+            return out
+
+        split = f"fixed {VLLM_SEGMENTS}-segment split" if chunk == 1 else "2D, no split"
+        baselines[f"vLLM Triton unified_attention ({split})"] = vllm_triton
+    if found.flashinfer is not None and chunk == 1:
+        fi = found.flashinfer
+
+        def flashinfer_decode(split_kv: bool) -> Callable[[dict], object]:
+            state: dict[str, Any] = {}
+
+            def run(d):
+                if "wrapper" not in state:  # plan once per step, as a serving engine does for all its layers
+                    workspace = torch.empty(FLASHINFER_WORKSPACE_BYTES, dtype=torch.uint8, device=device)
+                    wrapper = fi.BatchDecodeWithPagedKVCacheWrapper(
+                        workspace, "NHD", use_tensor_cores=heads // kv_heads >= 4
+                    )
+                    indptr = torch.arange(0, batch * pages + 1, pages, dtype=torch.int32, device=device)
+                    last = torch.full((batch,), (span - 1) % PAGE_SIZE + 1, dtype=torch.int32, device=device)
+                    wrapper.plan(
+                        indptr,
+                        table.flatten(),
+                        last,
+                        heads,
+                        kv_heads,
+                        head,
+                        PAGE_SIZE,
+                        sm_scale=scale,
+                        q_data_type=dtype,
+                        kv_data_type=dtype,
+                        disable_split_kv=not split_kv,
+                    )
+                    state["wrapper"] = wrapper
+                return state["wrapper"].run(d["q"], (d["kc"], d["vc"]))
+
+            return run
+
+        baselines["FlashInfer paged decode"] = flashinfer_decode(split_kv=True)
+        baselines["FlashInfer paged decode (split-KV off)"] = flashinfer_decode(split_kv=False)
     element = torch.empty((), dtype=dtype).element_size()
     kv_bytes = 2 * batch * span * kv_heads * head * element
+    context_fn = _sdpa_context_paged(found)
     if op == "paged_decode":
         label = f"B={batch} ctx={span} H={heads}/{kv_heads} D={head} page={PAGE_SIZE}"
-        return Case(op, label, make, ours, baselines, bytes=kv_bytes + 2 * q_bytes(batch, heads, head, element))
+        q_bytes = batch * heads * head * element
+        return Case(op, label, make, ours, baselines, bytes=kv_bytes + 2 * q_bytes, context=context_fn)
     pairs = batch * sum(context + i + 1 for i in range(chunk))
     label = f"B={batch} ctx={context}+{chunk} H={heads}/{kv_heads} D={head} page={PAGE_SIZE}"
-    return Case(op, label, make, ours, baselines, flops=4.0 * heads * head * pairs)
+    return Case(op, label, make, ours, baselines, flops=4.0 * heads * head * pairs, context=context_fn)
 
 
-def q_bytes(batch: int, heads: int, head: int, element: int) -> int:
-    return batch * heads * head * element
+def _sdpa_context_paged(found: Baselines) -> Callable[[str], contextlib.AbstractContextManager]:
+    def context(impl: str) -> contextlib.AbstractContextManager:
+        backend = found.sdpa.get(impl.removesuffix(" (gather pages)"))
+        return backend.context() if backend is not None else contextlib.nullcontext()
+
+    return context
 
 
 # ----------------------------------------------------------------------------------------------
@@ -290,15 +424,15 @@ def q_bytes(batch: int, heads: int, head: int, element: int) -> int:
 # ----------------------------------------------------------------------------------------------
 
 
-def linear_case(m: int, k: int, n: int, dtype, device, opt: Optional3p) -> Case:
+def linear_case(m: int, k: int, n: int, dtype, device, found: Baselines) -> Case:
     def make(seed: int) -> dict:
         gen = _generator(seed, device)
         return {"x": _randn((m, k), dtype, device, gen), "w": _randn((n, k), dtype, device, gen) * k**-0.5}
 
     blas = "cuBLAS" if device.type == "cuda" else "CPU BLAS"
     baselines = {f"torch F.linear ({blas})": lambda d: F.linear(d["x"], d["w"])}
-    if opt.vllm_bi is not None and hasattr(opt.vllm_bi, "matmul_persistent"):
-        baselines["vLLM batch-invariant matmul"] = lambda d: opt.vllm_bi.matmul_persistent(d["x"], d["w"].t())
+    if found.vllm_bi is not None and hasattr(found.vllm_bi, "matmul_persistent"):
+        baselines["vLLM batch-invariant matmul"] = lambda d: found.vllm_bi.matmul_persistent(d["x"], d["w"].t())
     return Case(
         "linear",
         f"M={m} K={k} N={n}",
@@ -309,35 +443,74 @@ def linear_case(m: int, k: int, n: int, dtype, device, opt: Optional3p) -> Case:
     )
 
 
-def logprobs_case(rows: int, dtype, device, opt: Optional3p) -> Case:
+def logprobs_case(rows: int, vocab: int, dtype, device, found: Baselines) -> Case:
     def make(seed: int) -> dict:
         gen = _generator(seed, device)
-        labels = torch.randint(0, VOCAB, (rows,), generator=gen, device=gen.device).to(device)
-        return {"logits": _randn((rows, VOCAB), dtype, device, gen) * 4, "labels": labels}
+        labels = torch.randint(0, vocab, (rows,), generator=gen, device=gen.device).to(device)
+        return {"logits": _randn((rows, vocab), dtype, device, gen) * 4, "labels": labels}
 
     def stock(d):
         return torch.log_softmax(d["logits"].float() / TEMPERATURE, -1).gather(-1, d["labels"][:, None])[:, 0]
 
     baselines = {"F.log_softmax + gather (fp32)": stock}
-    if opt.vllm_bi is not None and hasattr(opt.vllm_bi, "log_softmax"):
+    if found.vllm_bi is not None and hasattr(found.vllm_bi, "log_softmax"):
 
         def vllm_lp(d):
-            lp = opt.vllm_bi.log_softmax(d["logits"].float() / TEMPERATURE, dim=-1)
+            lp = found.vllm_bi.log_softmax(d["logits"].float() / TEMPERATURE, dim=-1)
             return lp.gather(-1, d["labels"][:, None])[:, 0]
 
         baselines["vLLM batch-invariant log_softmax"] = vllm_lp
     element = torch.empty((), dtype=dtype).element_size()
     return Case(
         "token_logprobs",
-        f"rows={rows} V={VOCAB} T={TEMPERATURE}",
+        f"rows={rows} V={vocab} T={TEMPERATURE}",
         make,
         lambda d: samepath.token_logprobs(d["logits"], d["labels"], TEMPERATURE, validate=False),
         baselines,
-        bytes=rows * VOCAB * element,
+        bytes=rows * vocab * element,
     )
 
 
-def rms_norm_case(rows: int, hidden: int, dtype, device, opt: Optional3p) -> Case:
+def lm_head_logprobs_case(rows: int, hidden: int, vocab: int, dtype, device, found: Baselines) -> Case:
+    """The trainer's loss head, forward + backward: lm_head matmul then token log-probs (T = 1),
+    against the same in torch and Liger's fused linear cross-entropy (which never materialises
+    the logits)."""
+
+    def make(seed: int) -> dict:
+        gen = _generator(seed, device)
+        h = _randn((rows, hidden), dtype, device, gen).requires_grad_(True)
+        w = (_randn((vocab, hidden), dtype, device, gen) * hidden**-0.5).requires_grad_(True)
+        labels = torch.randint(0, vocab, (rows,), generator=gen, device=gen.device).to(device)
+        return {"h": h, "w": w, "labels": labels}
+
+    def grads(d, loss):
+        return torch.autograd.grad(loss, (d["h"], d["w"]))
+
+    def ours(d):
+        lp = samepath.token_logprobs(samepath.linear(d["h"], d["w"]), d["labels"], 1.0, validate=False)
+        return grads(d, -lp.mean())
+
+    def stock(d):
+        lp = torch.log_softmax(F.linear(d["h"], d["w"]).float(), -1).gather(-1, d["labels"][:, None])
+        return grads(d, -lp.mean())
+
+    baselines = {"F.linear + log_softmax + gather (fp32)": stock}
+    if found.liger is not None:
+        baselines["Liger fused linear cross-entropy"] = lambda d: grads(
+            d, found.liger.liger_fused_linear_cross_entropy(d["h"], d["w"], d["labels"])
+        )
+    return Case(
+        "lm_head_logprobs",
+        f"fwd+bwd rows={rows} hidden={hidden} V={vocab}",
+        make,
+        ours,
+        baselines,
+        flops=3 * 2.0 * rows * hidden * vocab,
+        repeat_scale=0.5,
+    )
+
+
+def rms_norm_case(rows: int, hidden: int, dtype, device, found: Baselines) -> Case:
     eps = 1e-6
 
     def make(seed: int) -> dict:
@@ -353,8 +526,12 @@ def rms_norm_case(rows: int, hidden: int, dtype, device, opt: Optional3p) -> Cas
         "eager math (HF RMSNorm)": hf_eager,
         "torch F.rms_norm": lambda d: F.rms_norm(d["x"], (hidden,), d["w"], eps),
     }
-    if opt.vllm_bi is not None and hasattr(opt.vllm_bi, "rms_norm_batch_invariant"):
-        baselines["vLLM batch-invariant rms_norm"] = lambda d: opt.vllm_bi.rms_norm_batch_invariant(d["x"], d["w"], eps)
+    if found.liger is not None:
+        baselines["Liger RMSNorm"] = lambda d: found.liger.liger_rms_norm(d["x"], d["w"], eps)
+    if found.vllm_bi is not None and hasattr(found.vllm_bi, "rms_norm_batch_invariant"):
+        baselines["vLLM batch-invariant rms_norm"] = lambda d: found.vllm_bi.rms_norm_batch_invariant(
+            d["x"], d["w"], eps
+        )
     element = torch.empty((), dtype=dtype).element_size()
     return Case(
         "rms_norm",
@@ -366,8 +543,60 @@ def rms_norm_case(rows: int, hidden: int, dtype, device, opt: Optional3p) -> Cas
     )
 
 
+def swiglu_case(rows: int, inter: int, dtype, device, found: Baselines) -> Case:
+    def make(seed: int) -> dict:
+        gen = _generator(seed, device)
+        return {"gate": _randn((rows, inter), dtype, device, gen), "up": _randn((rows, inter), dtype, device, gen)}
+
+    baselines = {"eager math (HF act_fn(gate) * up)": lambda d: F.silu(d["gate"]) * d["up"]}
+    if found.liger is not None:
+        baselines["Liger SwiGLU"] = lambda d: found.liger.liger_swiglu(d["gate"], d["up"])
+    element = torch.empty((), dtype=dtype).element_size()
+    return Case(
+        "swiglu",
+        f"rows={rows} intermediate={inter}",
+        make,
+        lambda d: samepath.silu_mul(d["gate"], d["up"]),
+        baselines,
+        bytes=3 * rows * inter * element,
+    )
+
+
+def rotary_case(batch: int, seq: int, heads: int, kv_heads: int, head: int, dtype, device, found: Baselines) -> Case:
+    positions = torch.arange(seq, device=device)[None].expand(batch, seq)
+    cos, sin = samepath.rotary_cos_sin(positions, head, 1e6, dtype)
+
+    def make(seed: int) -> dict:
+        gen = _generator(seed, device)
+        return {
+            "q": _randn((batch, heads, seq, head), dtype, device, gen),
+            "k": _randn((batch, kv_heads, seq, head), dtype, device, gen),
+        }
+
+    def rotate_half(x):
+        x1, x2 = x[..., : x.shape[-1] // 2], x[..., x.shape[-1] // 2 :]
+        return torch.cat((-x2, x1), dim=-1)
+
+    def hf_eager(d):
+        c, s = cos.unsqueeze(1), sin.unsqueeze(1)
+        return d["q"] * c + rotate_half(d["q"]) * s, d["k"] * c + rotate_half(d["k"]) * s
+
+    baselines = {"eager math (HF apply_rotary_pos_emb)": hf_eager}
+    if found.liger is not None:
+        baselines["Liger rope"] = lambda d: found.liger.liger_rope(d["q"], d["k"], cos, sin)
+    element = torch.empty((), dtype=dtype).element_size()
+    return Case(
+        "rotary",
+        f"B={batch} S={seq} H={heads}/{kv_heads} D={head}",
+        make,
+        lambda d: samepath.apply_rotary(d["q"], d["k"], cos, sin),
+        baselines,
+        bytes=2 * batch * seq * (heads + kv_heads) * head * element,
+    )
+
+
 # ----------------------------------------------------------------------------------------------
-# End to end: Hugging Face generate (rollout) and a trainer forward + backward
+# End to end: Hugging Face generate (rollout), a trainer forward + backward, host time per layer
 # ----------------------------------------------------------------------------------------------
 
 
@@ -416,6 +645,41 @@ def _samepath_for(impl: str) -> Iterator[None]:
 
     with integrations.patched():
         yield
+
+
+def _host_timer(model) -> Timer:
+    """A timer that reports host time per attention-layer call: perf_counter around each
+    ``self_attn`` module call, with no device synchronization, so on an asynchronous device it is
+    the time the host spends issuing that layer's work (metadata building, host syncs included)."""
+
+    def timer(fn, sets, device, warmup, repeats) -> Timing:
+        layers = [layer.self_attn for layer in model.model.layers]
+        times: list[float] = []
+        started: list[float] = []
+
+        def pre(module, args, kwargs=None):
+            started.append(time.perf_counter())
+
+        def post(module, args, output):
+            times.append((time.perf_counter() - started.pop()) * 1e3)
+
+        n = len(sets)
+        for i in range(warmup):
+            fn(sets[i % n])
+        handles = [layer.register_forward_pre_hook(pre) for layer in layers]
+        handles += [layer.register_forward_hook(post) for layer in layers]
+        try:
+            for i in range(repeats):
+                fn(sets[(warmup + i) % n])
+        finally:
+            for handle in handles:
+                handle.remove()
+        if not times:
+            raise RuntimeError("no attention-layer call was observed")
+        times.sort()
+        return Timing(times[0], times[len(times) // 2], times[-1], len(times))
+
+    return timer
 
 
 def e2e_cases(size: E2ESize, dtype, device) -> list[Case]:
@@ -476,11 +740,18 @@ def e2e_cases(size: E2ESize, dtype, device) -> list[Case]:
 
         return run
 
+    def forward(d):
+        model.eval()
+        with torch.no_grad():
+            return model(input_ids=d["ids"], attention_mask=d["mask"], use_cache=False).logits
+
     label = (
         f"qwen3 L={size.layers} hidden={size.hidden} H={size.heads}/{size.kv_heads} D={size.head} "
         f"V={size.vocab} B={size.batch} prompt<={width}"
     )
     stock_name = "stock HF (sdpa, torch ops)"
+    host = _host_timer(model)
+    host_what = "host ms per attention-layer call, no device sync (min/median/max over calls)"
     return [
         Case(
             "e2e",
@@ -502,6 +773,28 @@ def e2e_cases(size: E2ESize, dtype, device) -> list[Case]:
             context=_samepath_for,
             repeat_scale=0.25,
         ),
+        Case(
+            "e2e",
+            f"host time per attention layer, generate +{size.new_tokens} tok (prefill + decode steps), {label}",
+            make,
+            rollout(ours_logprobs),
+            {stock_name: rollout(stock_logprobs)},
+            context=_samepath_for,
+            repeat_scale=0.25,
+            timer=host,
+            what=host_what,
+        ),
+        Case(
+            "e2e",
+            f"host time per attention layer, trainer forward {width + size.new_tokens} tok/seq, {label}",
+            make_trainer,
+            forward,
+            {stock_name: forward},
+            context=_samepath_for,
+            repeat_scale=0.25,
+            timer=host,
+            what=host_what,
+        ),
     ]
 
 
@@ -510,10 +803,10 @@ def e2e_cases(size: E2ESize, dtype, device) -> list[Case]:
 # ----------------------------------------------------------------------------------------------
 
 
-def plan(ops: list[str], device: torch.device, dtype: torch.dtype, quick: bool, opt: Optional3p) -> Iterator[Case]:
+def plan(ops: list[str], device: torch.device, dtype: torch.dtype, quick: bool, found: Baselines) -> Iterator[Case]:
     """The cases of ``ops`` for this device and mode, built lazily (one case's inputs at a time)."""
     cpu = device.type == "cpu"
-    args = (dtype, device, opt)
+    args = (dtype, device, found)
     for op in ops:
         if op in ("varlen_fwd", "varlen_fwdbwd"):
             if cpu:
@@ -537,7 +830,7 @@ def plan(ops: list[str], device: torch.device, dtype: torch.dtype, quick: bool, 
                 yield paged_case(op, b, ctx, c, h, hk, d, *args)
         elif op == "paged_decode":
             if cpu:
-                shapes = [(b, 31) for b in (1, 4)] if quick else [(b, c) for b in (1, 4) for c in (63, 255)]
+                shapes = [(2, 31)] if quick else [(b, c) for b in (1, 4) for c in (63, 255)]
                 h, hk, d = (2, 1, 16) if quick else (4, 2, 64)
             else:
                 shapes = [(b, c - 1) for b in (1, 64) for c in (2048,)]
@@ -558,7 +851,14 @@ def plan(ops: list[str], device: torch.device, dtype: torch.dtype, quick: bool, 
         elif op == "token_logprobs":
             rows = ([1] if quick else [4]) if cpu else ([1024] if quick else [256, 4096])
             for r in rows:
-                yield logprobs_case(r, *args)
+                yield logprobs_case(r, 4096 if cpu and quick else VOCAB, *args)
+        elif op == "lm_head_logprobs":
+            if cpu:
+                shapes = [(4, 32, 512)] if quick else [(16, 64, 4096)]
+            else:
+                shapes = [(4096, 4096, VOCAB)] if quick else [(1024, 4096, VOCAB), (8192, 4096, VOCAB)]
+            for r, hidden, vocab in shapes:
+                yield lm_head_logprobs_case(r, hidden, vocab, *args)
         elif op == "rms_norm":
             if cpu:
                 shapes = [(4, 256)] if quick else [(64, 1024)]
@@ -566,14 +866,28 @@ def plan(ops: list[str], device: torch.device, dtype: torch.dtype, quick: bool, 
                 shapes = [(4096, 4096)] if quick else [(1, 4096), (4096, 4096), (32768, 4096)]
             for r, hidden in shapes:
                 yield rms_norm_case(r, hidden, *args)
+        elif op == "swiglu":
+            if cpu:
+                shapes = [(4, 128)] if quick else [(64, 1024)]
+            else:
+                shapes = [(4096, 12288)] if quick else [(1, 12288), (4096, 12288), (16384, 12288)]
+            for r, inter in shapes:
+                yield swiglu_case(r, inter, *args)
+        elif op == "rotary":
+            if cpu:
+                shapes = [(1, 8, 2, 1, 16)] if quick else [(2, 64, 4, 2, 64)]
+            else:
+                shapes = [(8, 1024, 32, 8, 128)] if quick else [(1, 1, 32, 8, 128), (8, 1024, 32, 8, 128)]
+            for b, s, h, hk, d in shapes:
+                yield rotary_case(b, s, h, hk, d, *args)
         elif op == "e2e":
             try:
                 import transformers  # noqa: F401
             except ImportError:
-                opt.notes.append("e2e: transformers is not installed (pip install -e .[hf]) — skipped")
+                found.missing["e2e (Hugging Face)"] = "transformers is not installed (pip install -e .[hf])"
                 continue
             if cpu:
-                size = E2ESize(256, 64, 96, 2, 4, 2, 16, 2, 6 if quick else 12, 2 if quick else 4)
+                size = E2ESize(256, 64, 96, 1 if quick else 2, 4, 2, 16, 2, 6 if quick else 12, 2 if quick else 4)
             else:
                 size = E2ESize(VOCAB, 1024, 3072, 4, 16, 8, 128, 8, 256, 16 if quick else 64)
             yield from e2e_cases(size, dtype, device)

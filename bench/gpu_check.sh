@@ -1,88 +1,81 @@
 #!/usr/bin/env bash
-# One shot on a CUDA machine (written for a lent H200): install, tests, bitwise checks on the
-# device, the bench and the tuning sweep; everything lands in $OUT (default bench/results/gpu-<time>).
+# One lease on a CUDA machine (written for a lent H200: no network, Python 3.12, its own torch /
+# triton / transformers): bitwise checks on the device first, then the bench (--quick), then the
+# tuning sweep. Each stage has a time budget (its timeout) and writes its results into $OUT the
+# moment it ends; the whole run stays within 8 minutes. No CPU-interpreter tests run here.
 #
-#   OUT=/some/dir bash bench/gpu_check.sh
-#   STAGES="bitwise bench" bash bench/gpu_check.sh     # a subset (install env tests bitwise bench tune)
+#   bash bench/gpu_check.sh --dry-run                 # list stages and budgets; check every Python entry
+#   OUT=/some/dir bash bench/gpu_check.sh             # the real run (default OUT bench/results/cuda-<time>)
+#   STAGES="setup bitwise" bash bench/gpu_check.sh    # a subset; BENCH_ARGS / TUNE_ARGS / BITWISE_ARGS add arguments
 #
-# At most 8 files are written to $OUT (the lent machine brings back no more): gpu_check.log,
-# pytest.log, bitwise.json, the bench's .csv/.txt/.png and tuned-<device>.json. Each stage has a
-# timeout so that one hang does not eat the session's device time; the whole run is sized for
-# about 8 minutes. Exit status: non-zero if any stage failed.
-set -uo pipefail
-cd "$(dirname "$0")/.."
-OUT=${OUT:-bench/results/gpu-$(date +%Y%m%d-%H%M%S)}
-STAGES=${STAGES:-install env tests bitwise bench tune}
-PY=${PYTHON:-python3}
-export PYTHONUNBUFFERED=1
-mkdir -p "$OUT"
-LOG="$OUT/gpu_check.log"
-status=0
-want() { [[ " $STAGES " == *" $1 "* ]]; }
-stage() { echo "=== $1 ($(date +%T))" | tee -a "$LOG"; }
-fail() { echo "!!! stage $1 failed (exit $2)" | tee -a "$LOG"; status=1; }
+# Never installs torch: samepath goes in with `pip install --no-deps --no-build-isolation -e .`
+# (PYTHONPATH if that fails); optional baselines (liger-kernel, flashinfer-python) come as wheels
+# in a carried .whl/ folder, installed with --no-index --no-deps into /tmp/site.
+#
+# Files in $OUT (at most 8 come back from a lent machine): check.log, stages.tsv (stage, exit,
+# seconds, budget), bitwise.json (rewritten after every check group), the bench's .csv / .txt
+# (rewritten after every case) and .png, tuned-<device>.json. Exit status: non-zero if a stage failed.
 
-if want install; then
-  stage install
-  if ! $PY -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" >>"$LOG" 2>&1; then
-    # A fresh machine with a package index: the Linux x86-64 torch wheel on the default index is
-    # the CUDA build, so the pinned release installs with its CUDA runtime.
-    $PY -m pip install "torch==2.13.0" -e ".[dev]" matplotlib >>"$LOG" 2>&1 || fail install $?
-  fi
-  # samepath itself, leaving the machine's torch / triton / transformers alone (works offline).
-  if ! $PY -m pip install --no-deps --no-build-isolation -e . >>"$LOG" 2>&1; then
-    echo "pip install -e . failed: using PYTHONPATH" | tee -a "$LOG"
-    export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
-  fi
-fi
+DEVICE=cuda
+KIND=CUDA
+STAGE_ORDER=(setup bitwise bench tune)
+declare -A BUDGET=([setup]=45 [bitwise]=210 [bench]=165 [tune]=60)
+declare -A ABOUT=(
+  [setup]="machine and versions into the log; carried wheels; samepath --no-deps (no torch install)"
+  [bitwise]="bench/gpu_bitwise.py: training == prefill == chunked == decode, backward, split-K, logprobs, HF, vLLM"
+  [bench]="python -m bench --quick: min/median/max vs every importable baseline, e2e, host time per layer"
+  [tune]="bench/tune.py: numerics-neutral num_warps/num_stages, bf16, head 128"
+)
+TOTAL_BUDGET=480
+# shellcheck source=bench/device_check_lib.sh
+source "$(dirname "$0")/device_check_lib.sh"
 
-if want env; then
-  stage env
-  { nvidia-smi || true
-    $PY - <<'PY'
-import torch, triton, samepath
-print("torch", torch.__version__, "cuda", torch.version.cuda, "triton", triton.__version__)
-print("device", torch.cuda.get_device_name(), torch.cuda.get_device_capability())
-try:
-    import transformers; print("transformers", transformers.__version__)
-except ImportError:
-    print("transformers not installed")
-print("fingerprint", samepath.fingerprint())
+stage_setup() {
+  install_wheels
+  install_samepath
+  {
+    nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv || true
+    timeout "$LIMIT" $PY - <<'PY'
+import importlib, torch, triton, samepath
+print("python", __import__("sys").version.split()[0], "torch", torch.__version__, "cuda", torch.version.cuda,
+      "triton", triton.__version__)
+print("device", torch.cuda.get_device_name(), torch.cuda.get_device_capability(),
+      "L2", getattr(torch.cuda.get_device_properties(0), "L2_cache_size", "?"))
+for name in ("transformers", "flashinfer", "liger_kernel", "vllm", "flash_attn"):
+    try:
+        print(name, getattr(importlib.import_module(name), "__version__", "?"))
+    except Exception as exc:
+        print(name, "not importable:", type(exc).__name__)
+print("samepath", samepath.__file__, "fingerprint", samepath.fingerprint())
 PY
-  } >>"$LOG" 2>&1 || fail env $?
-fi
+  } 2>&1 | tee -a "$LOG"
+}
 
-if want tests; then
-  # The suite runs the kernels on CPU tensors (interpreter); with a GPU present the compiled-mode
-  # tests (Hopper compile, CUDA config launches) and the bench/tune tests are the relevant part.
-  # FULL_TESTS=1 runs everything.
-  stage tests
-  if [[ "${FULL_TESTS:-0}" == 1 ]]; then
-    timeout 480 $PY -m pytest -q -n "${PYTEST_WORKERS:-8}" -p xdist >"$OUT/pytest.log" 2>&1 \
-      || timeout 480 $PY -m pytest -q >"$OUT/pytest.log" 2>&1 || fail tests $?
-  else
-    timeout 240 $PY -m pytest -q -k "cuda or hopper or compile or bench or tune" >"$OUT/pytest.log" 2>&1 || fail tests $?
-  fi
-  tail -3 "$OUT/pytest.log" | tee -a "$LOG"
-fi
+stage_bitwise() {
+  timeout "$LIMIT" $PY bench/gpu_bitwise.py --device cuda --out "$OUT/bitwise.json" ${BITWISE_ARGS:-} 2>&1 | tee -a "$LOG"
+}
 
-if want bitwise; then
-  stage bitwise
-  timeout 240 $PY bench/gpu_bitwise.py --device cuda --out "$OUT/bitwise.json" 2>&1 | tee -a "$LOG" || fail bitwise $?
-fi
+stage_bench() {
+  timeout "$LIMIT" $PY -m bench --device cuda --quick --out "$OUT" ${BENCH_ARGS:-} 2>&1 | tee -a "$LOG"
+}
 
-if want bench; then
-  stage bench
-  timeout 300 $PY -m bench --device cuda ${BENCH_ARGS:-} --out "$OUT" 2>&1 | tee -a "$LOG" || fail bench $?
-fi
+tuned_name() {
+  $PY -c 'import re, torch; print(re.sub(r"[^A-Za-z0-9]+", "-", torch.cuda.get_device_name()).strip("-"))'
+}
 
-if want tune; then
-  stage tune
-  timeout 240 $PY bench/tune.py --device cuda --dtypes bfloat16 --head-sizes 128 ${TUNE_ARGS:-} \
-    --out "$OUT/tuned-$($PY -c 'import re, torch; print(re.sub(r"[^A-Za-z0-9]+", "-", torch.cuda.get_device_name()).strip("-"))').json" \
-    2>&1 | tee -a "$LOG" || fail tune $?
-fi
+stage_tune() {
+  timeout "$LIMIT" $PY bench/tune.py --device cuda --dtypes bfloat16 --head-sizes 128 ${TUNE_ARGS:-} \
+    --out "$OUT/tuned-$(tuned_name).json" 2>&1 | tee -a "$LOG"
+}
 
-stage "done (status $status)"
-ls -la "$OUT" | tee -a "$LOG"
-exit $status
+dry_setup() {
+  shopt -s nullglob
+  local wheels=(.whl/*.whl)
+  shopt -u nullglob
+  echo "  ok   setup: would install ${#wheels[@]} carried wheel(s) and samepath --no-deps; never torch"
+}
+dry_bitwise() { dry_entry "bitwise: bench/gpu_bitwise.py" $PY bench/gpu_bitwise.py --device cuda --out "$OUT/bitwise.json" ${BITWISE_ARGS:-} --dry-run; }
+dry_bench() { dry_entry "bench: python -m bench" $PY -m bench --device cuda --quick --out "$OUT" ${BENCH_ARGS:-} --dry-run; }
+dry_tune() { dry_entry "tune: bench/tune.py" $PY bench/tune.py --device cuda --dtypes bfloat16 --head-sizes 128 ${TUNE_ARGS:-} --out "$OUT/tuned.json" --dry-run; }
+
+main

@@ -15,18 +15,26 @@ import triton
 
 import samepath
 
-#: Columns of the CSV, in order. ``speedup = baseline_ms / samepath_ms`` (> 1: samepath faster).
+#: Columns of the CSV, in order. ``baseline_ms`` / ``samepath_ms`` are medians of ``calls`` timed
+#: calls, with their min and max; ``speedup = baseline_ms / samepath_ms`` (> 1: samepath faster).
 FIELDS = [
     "op",
     "config",
     "dtype",
     "baseline",
+    "baseline_min_ms",
     "baseline_ms",
+    "baseline_max_ms",
+    "samepath_min_ms",
     "samepath_ms",
+    "samepath_max_ms",
     "speedup",
+    "calls",
     "unit",
     "baseline_rate",
     "samepath_rate",
+    "measures",
+    "rotation",
     "note",
 ]
 
@@ -62,7 +70,7 @@ def header(device: torch.device, dtype: torch.dtype, mode: str, timing: str, not
         "fingerprint": samepath.fingerprint(),
         "mode": mode,
         "timing": timing,
-        "speedup": "baseline ms / samepath ms (> 1: samepath faster; the bar is >= 0.91, within 10 %)",
+        "speedup": "median baseline ms / median samepath ms (> 1: samepath faster; the bar is >= 0.91, within 10 %)",
     }
     if device.type == "cuda":
         out["cuda"] = str(torch.version.cuda)
@@ -84,15 +92,21 @@ def _fmt(value: object) -> str:
 
 
 def format_table(head: dict[str, str], rows: list[dict]) -> str:
-    """FlashInfer-style table: config | baseline | baseline ms | samepath ms | speedup | rate."""
+    """FlashInfer-style table: config | baseline | min / median / max ms of each side | speedup |
+    timed calls | rates. Times are wall ms per call unless the config says otherwise (host time)."""
     lines = [f"# {key}: {value}" for key, value in head.items()]
     cols = [
         ("op", "op"),
         ("config", "config"),
         ("baseline", "baseline"),
-        ("baseline_ms", "baseline ms"),
-        ("samepath_ms", "samepath ms"),
+        ("baseline_min_ms", "base min"),
+        ("baseline_ms", "base median"),
+        ("baseline_max_ms", "base max"),
+        ("samepath_min_ms", "samepath min"),
+        ("samepath_ms", "samepath median"),
+        ("samepath_max_ms", "samepath max"),
         ("speedup", "speedup"),
+        ("calls", "calls"),
         ("samepath_rate", "samepath rate"),
         ("baseline_rate", "baseline rate"),
     ]
@@ -106,7 +120,7 @@ def format_table(head: dict[str, str], rows: list[dict]) -> str:
             cell["baseline"] += f"  [{row['note']}]"
         cells.append(cell)
     widths = {key: max(len(title), *(len(c[key]) for c in cells)) if cells else len(title) for key, title in cols}
-    numeric = {"baseline_ms", "samepath_ms", "speedup", "samepath_rate", "baseline_rate"}
+    numeric = {key for key, _ in cols[3:]}
 
     def line(values: dict[str, str]) -> str:
         return " | ".join(
@@ -174,15 +188,20 @@ def write_png(path: Path, head: dict[str, str], rows: list[dict]) -> bool:
     shown = [r for r in rows if not math.isnan(r["speedup"])]
     labels = [f"{r['op']} {r['config']}\nvs {r['baseline']}" for r in shown]
     values = [r["speedup"] for r in shown]
+    # the spread of the timed calls: slowest baseline / fastest samepath call and the reverse
+    low = [max(v - r["baseline_min_ms"] / r["samepath_max_ms"], 0.0) for v, r in zip(values, shown, strict=True)]
+    high = [max(r["baseline_max_ms"] / r["samepath_min_ms"] - v, 0.0) for v, r in zip(values, shown, strict=True)]
     fig, ax = plt.subplots(figsize=(11, max(3.0, 0.42 * len(shown) + 1.6)))
     colors = ["tab:green" if v >= 0.91 else "tab:red" for v in values]
-    ax.barh(range(len(shown)), values, color=colors)
+    ax.barh(range(len(shown)), values, color=colors, xerr=[low, high], error_kw={"elinewidth": 0.7, "capsize": 2})
     ax.set_yticks(range(len(shown)), labels, fontsize=6)
     ax.invert_yaxis()
     ax.axvline(1.0, color="black", linewidth=0.8)
     ax.axvline(0.91, color="gray", linestyle="--", linewidth=0.8, label="within 10 %")
     ax.set_xscale("log")
-    ax.set_xlabel("speedup = baseline ms / samepath ms (log scale; > 1: samepath faster)")
+    ax.set_xlabel(
+        "speedup = median baseline ms / median samepath ms (log scale; > 1: samepath faster; bars: min-max)", fontsize=8
+    )
     title = f"samepath vs baselines — {head['device']}, {head['dtype']}\n"
     title += f"torch {head['torch']}, triton {head['triton']}, fingerprint {head['fingerprint']}, {head['date']}"
     ax.set_title(title, fontsize=8)

@@ -1,4 +1,5 @@
-"""Timing: warm-up, device synchronization, medians, and input sets cycled between calls."""
+"""Timing: warm-up, device synchronization, min / median / max of several timed calls, and input
+sets rotated through more bytes than the last-level cache holds."""
 
 from __future__ import annotations
 
@@ -6,13 +7,68 @@ import math
 import statistics
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
 
-#: Bytes of input the rotation should cover so that no set stays resident in a cache between its
-#: calls (several times an H200's 60 MB L2).
-ROTATION_BYTES = 256 * 2**20
+#: On a device, the rotation covers at least twice the L2 and at least this many bytes ...
+DEVICE_ROTATION_MIN_BYTES = 64 * 2**20
+#: ... and at most this many (an H200's L2 is 60 MB: the target there is 2 x 60 MB).
+DEVICE_ROTATION_MAX_BYTES = 256 * 2**20
+#: Most input sets cycled on a device (tiny cases then cover less than the target; the row says so).
+DEVICE_MAX_SETS = 64
+#: Most input sets cycled on the CPU (the interpreter is slow: building sets must stay cheap).
+CPU_MAX_SETS = 4
+#: L2 assumed when the device does not report one.
+FALLBACK_L2_BYTES = 2 * 2**20
+
+
+@dataclass(frozen=True)
+class Timing:
+    """Wall times of ``n`` timed calls of one implementation, in milliseconds."""
+
+    min_ms: float
+    median_ms: float
+    max_ms: float
+    n: int
+
+    @classmethod
+    def failed(cls) -> Timing:
+        nan = float("nan")
+        return cls(nan, nan, nan, 0)
+
+
+@dataclass(frozen=True)
+class Rotation:
+    """How many input sets a case cycles through, and the bytes they cover against the target."""
+
+    sets: int
+    set_bytes: int
+    target_bytes: int
+    l2_bytes: int
+
+    @property
+    def total_bytes(self) -> int:
+        return self.sets * self.set_bytes
+
+    @property
+    def covered(self) -> bool:
+        return self.total_bytes >= self.target_bytes
+
+    def label(self) -> str:
+        mib = 2**20
+        text = f"{self.sets} sets x {self.set_bytes / mib:.3g} MiB = {self.total_bytes / mib:.3g} MiB"
+        return text + ("" if self.covered else f" (< target {self.target_bytes / mib:.3g} MiB)")
+
+
+def device_for(name: str) -> torch.device:
+    """``torch.device(name)``, importing torch_npu first for an Ascend device (``npu`` exists as a
+    device type only once torch_npu is imported)."""
+    if name.split(":")[0] == "npu":
+        import torch_npu  # noqa: F401  # pragma: no cover - needs an Ascend machine
+    return torch.device(name)
 
 
 def synchronize(device: torch.device) -> None:
@@ -33,25 +89,74 @@ def tensor_bytes(obj: Any) -> int:
     return 0
 
 
-def rotation_count(set_bytes: int, device: torch.device, minimum: int = 2, maximum: int = 8) -> int:
-    """How many input sets to cycle: enough to exceed :data:`ROTATION_BYTES` on a device."""
+def _cpu_l2_bytes() -> int:
+    for index in sorted(Path("/sys/devices/system/cpu/cpu0/cache").glob("index*")):
+        try:
+            if (index / "level").read_text().strip() != "2":
+                continue
+            size = (index / "size").read_text().strip().upper()
+        except OSError:
+            continue
+        scale = {"K": 2**10, "M": 2**20, "G": 2**30}.get(size[-1:], 1)
+        digits = size.rstrip("KMG")
+        if digits.isdigit():
+            return int(digits) * scale
+    return FALLBACK_L2_BYTES
+
+
+def l2_bytes(device: torch.device) -> int:
+    """The device's L2 size in bytes (CUDA reports it; the CPU's comes from sysfs)."""
+    if device.type == "cuda":
+        size = getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 0)
+        return int(size) or FALLBACK_L2_BYTES
     if device.type == "cpu":
-        return minimum
-    return max(minimum, min(maximum, math.ceil(ROTATION_BYTES / max(set_bytes, 1))))
+        return _cpu_l2_bytes()
+    return FALLBACK_L2_BYTES
 
 
-def median_ms(
+def rotation_target_bytes(device: torch.device, l2: int | None = None) -> int:
+    """Bytes the rotation should cover: twice the L2, clamped to 64-256 MiB on a device."""
+    l2 = l2_bytes(device) if l2 is None else l2
+    if device.type == "cpu":
+        return 2 * l2
+    return min(DEVICE_ROTATION_MAX_BYTES, max(DEVICE_ROTATION_MIN_BYTES, 2 * l2))
+
+
+def rotation_for(set_bytes: int, device: torch.device, l2: int | None = None) -> Rotation:
+    """How many sets of ``set_bytes`` to cycle so that each timed call finds its inputs evicted.
+
+    Each set is used once every ``sets`` calls; with ``sets * set_bytes`` over twice the L2 no set
+    is still cached when it comes round again. At least 2 sets, at most :data:`DEVICE_MAX_SETS`
+    (:data:`CPU_MAX_SETS` on the CPU).
+    """
+    l2 = l2_bytes(device) if l2 is None else l2
+    target = rotation_target_bytes(device, l2)
+    cap = CPU_MAX_SETS if device.type == "cpu" else DEVICE_MAX_SETS
+    sets = max(2, min(cap, math.ceil(target / max(set_bytes, 1))))
+    return Rotation(sets=sets, set_bytes=set_bytes, target_bytes=target, l2_bytes=l2)
+
+
+def rotation_count(set_bytes: int, device: torch.device) -> int:
+    """Number of input sets to cycle (see :func:`rotation_for`)."""
+    return rotation_for(set_bytes, device).sets
+
+
+def measure(
     fn: Callable[[Any], object],
     input_sets: Sequence[Any],
     device: torch.device,
     warmup: int,
     repeats: int,
-) -> float:
-    """Median wall time of ``fn(inputs)`` in milliseconds, cycling through ``input_sets``.
+) -> Timing:
+    """Min / median / max wall time of ``repeats`` calls of ``fn(inputs)`` after ``warmup`` calls,
+    cycling through ``input_sets`` (the warm-up calls cycle too, so compilation and first-touch
+    costs are paid before timing).
 
-    Each timed call is bracketed by synchronization (CUDA events on CUDA), so the time is the
-    call's own, launch overhead included, as an eager-mode caller sees it.
+    Each timed call is bracketed by synchronization (CUDA events on CUDA), so a time is the call's
+    own, launch and host overhead included, as an eager-mode caller sees it.
     """
+    if repeats < 1:
+        raise ValueError(f"repeats must be >= 1, got {repeats}")
     n = len(input_sets)
     for i in range(warmup):
         fn(input_sets[i % n])
@@ -72,4 +177,15 @@ def median_ms(
             fn(inputs)
             synchronize(device)
             times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
+    return Timing(min(times), statistics.median(times), max(times), len(times))
+
+
+def median_ms(
+    fn: Callable[[Any], object],
+    input_sets: Sequence[Any],
+    device: torch.device,
+    warmup: int,
+    repeats: int,
+) -> float:
+    """The median of :func:`measure`."""
+    return measure(fn, input_sets, device, warmup, repeats).median_ms

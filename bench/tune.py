@@ -26,6 +26,7 @@ if __package__ in (None, ""):
 
 import torch
 
+from bench.timing import device_for
 from samepath.kernels import tuning
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -42,14 +43,18 @@ def main(argv: list[str] | None = None) -> Path:
     parser.add_argument("--warmup", type=int)
     parser.add_argument("--repeats", type=int)
     parser.add_argument("--out", type=Path, help="default bench/results/tuned-<device>.json")
+    parser.add_argument("--dry-run", action="store_true", help="check the arguments, list the keys, exit")
     args = parser.parse_args(argv)
 
-    device = torch.device(args.device)
-    cpu = device.type == "cpu"
+    device = args.device.split(":")[0] if args.dry_run else device_for(args.device)
+    cpu = args.device == "cpu"
     dtypes = [getattr(torch, d) for d in (args.dtypes or ("float32" if cpu else "bfloat16,float16")).split(",")]
     heads = [int(h) for h in (args.head_sizes or ("16" if cpu else "64,128")).split(",")]
     ops = set(args.ops.split(","))
     keys = [k for k in tuning.keys_for(device, dtypes, heads) if k.op in ops]
+    if args.dry_run:
+        print(f"tune dry run: device={args.device} keys={', '.join(k.label() for k in keys)} out={args.out}")
+        return args.out or RESULTS
     grid = dict(tuning.DEFAULT_GRID[tuning.device_kind(device)])
     for name in ("num_warps", "num_stages"):
         value = getattr(args, name)

@@ -11,6 +11,8 @@ import dataclasses
 import importlib.util
 import json
 import math
+import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -26,36 +28,78 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:  # `bench` is a folder of the repository, not an installed package
     sys.path.insert(0, str(ROOT))
 
-from bench import cases, report  # noqa: E402
+from bench import baselines, gpu_bitwise, report  # noqa: E402
+from bench import run as run_module  # noqa: E402
+from bench import timing as timing_module  # noqa: E402
 from bench.run import run  # noqa: E402
+
+#: A CPU subset that covers every kind of case (packed and paged attention, a Liger-covered op,
+#: end to end with host time per layer) and still runs in about 20 seconds.
+QUICK_OPS = "varlen_fwd,paged_decode,rms_norm,e2e"
+
+#: Every optional baseline the bench knows, by the name its "not importable" line uses.
+OPTIONAL = [
+    *baselines.SDPA_BACKENDS,
+    "torch varlen_attn",
+    "FlashInfer",
+    "Liger-Kernel",
+    "vLLM Triton attention",
+    "vLLM batch-invariant kernels",
+    "flash-attn",
+]
 
 
 @pytest.fixture(scope="module")
 def quick_run(tmp_path_factory: pytest.TempPathFactory) -> dict:
     out = tmp_path_factory.mktemp("bench")
-    result = run(["--device", "cpu", "--quick", "--out", str(out)])
+    args = ["--device", "cpu", "--quick", "--ops", QUICK_OPS, "--warmup", "0", "--repeats", "2", "--out", str(out)]
+    result = run(args)
     result["out"] = out
     return result
 
 
-def test_quick_bench_rows_each_have_their_baseline(quick_run: dict) -> None:
+def test_quick_bench_rows_have_min_median_max_of_several_calls(quick_run: dict) -> None:
     rows = quick_run["rows"]
     ops = {row["op"] for row in rows}
-    expected = set(cases.OPS) - (set() if importlib.util.find_spec("transformers") else {"e2e"})
+    expected = set(QUICK_OPS.split(",")) - (set() if importlib.util.find_spec("transformers") else {"e2e"})
     assert ops == expected
     for row in rows:
-        assert row["baseline"], row
-        assert row["note"] == "", row
-        for key in ("baseline_ms", "samepath_ms", "speedup"):
-            assert math.isfinite(row[key]) and row[key] > 0, (key, row)
+        assert row["baseline"] and row["note"] == "", row
+        assert row["calls"] >= 2, row
+        for side in ("baseline", "samepath"):
+            low, mid, high = row[f"{side}_min_ms"], row[f"{side}_ms"], row[f"{side}_max_ms"]
+            assert all(math.isfinite(v) and v > 0 for v in (low, mid, high)), row
+            assert low <= mid <= high, row
         assert row["speedup"] == pytest.approx(row["baseline_ms"] / row["samepath_ms"])
-        assert row["unit"] in ("TFLOP/s", "GB/s", "tok/s")
-    # every case is compared with stock PyTorch
-    stock = {"torch SDPA", "eager math", "torch F.linear (CPU BLAS)", "F.log_softmax + gather (fp32)"}
-    stock |= {"eager math (HF RMSNorm)", "torch F.rms_norm", "stock HF (sdpa, torch ops)"}
+        assert row["rotation"].startswith(("2 sets", "3 sets", "4 sets")), row
+    # every case is compared with a stock PyTorch baseline
+    stock = {"eager math (HF)", "eager math (HF, gather pages)", "eager math (HF RMSNorm)", "torch F.rms_norm"}
+    stock |= {"stock HF (sdpa, torch ops)"}
     for op, config in {(row["op"], row["config"]) for row in rows}:
-        baselines = {row["baseline"] for row in rows if (row["op"], row["config"]) == (op, config)}
-        assert baselines & stock, (op, config, baselines)
+        names = {row["baseline"] for row in rows if (row["op"], row["config"]) == (op, config)}
+        assert names & stock, (op, config, names)
+    # decode is compared only with baselines that read the paged cache, never a dense one
+    decode = {row["baseline"] for row in rows if row["op"] == "paged_decode"}
+    assert decode and all("gather pages" in name or "paged" in name for name in decode), decode
+
+
+def test_every_optional_baseline_is_timed_or_listed_with_its_reason(quick_run: dict) -> None:
+    head, missing = quick_run["header"], quick_run["missing"]
+    assert missing.startswith("Baselines not importable / not applicable: ")
+    timed = head["baselines_timed"]
+    for name in OPTIONAL:
+        listed = f"{name} (" in missing
+        assert listed or name in timed, name
+        assert not (listed and f"{name} (" in timed), name
+    if not torch.cuda.is_available():  # this CPU machine: the CUDA-only kernels say so
+        for name in ("torch SDPA cuDNN", "torch SDPA efficient", "FlashInfer", "Liger-Kernel"):
+            assert f"{name} (" in missing, name
+        assert "needs CUDA" in missing
+    assert missing in quick_run["paths"]["txt"].read_text()
+    # the SDPA backends that run here are timed by name, one at a time
+    for name in baselines.SDPA_BACKENDS:
+        if f"{name} (" not in missing:
+            assert any(row["baseline"].startswith(name) for row in quick_run["rows"]), name
 
 
 def test_quick_bench_csv_and_table_carry_device_versions_and_fingerprint(quick_run: dict) -> None:
@@ -64,24 +108,72 @@ def test_quick_bench_csv_and_table_carry_device_versions_and_fingerprint(quick_r
     assert head["fingerprint"] == samepath.fingerprint()
     assert head["torch"] == torch.__version__
     assert head["triton"] and head["mode"].startswith("quick")
-    assert any("flash-attn" in value for key, value in head.items() if key.startswith("note"))
+    assert "validate=True" in head["samepath_calls"] and "integrations/vllm.py" in head["samepath_calls"]
+    assert "min / median / max" in head["timing"] and "L2" in head["timing"]
     assert list(rows[0]) == report.FIELDS
     assert len(rows) == len(quick_run["rows"])
-    assert all(row["baseline"] and float(row["baseline_ms"]) > 0 and float(row["samepath_ms"]) > 0 for row in rows)
+    assert all(
+        float(row["baseline_min_ms"]) <= float(row["baseline_ms"]) <= float(row["baseline_max_ms"]) for row in rows
+    )
 
     table = quick_run["paths"]["txt"].read_text()
-    assert table == quick_run["table"] + "\n"
+    assert table.startswith(quick_run["table"])
     assert f"# fingerprint: {samepath.fingerprint()}" in table
     assert "not device numbers" in table
     title = table.splitlines()[len(quick_run["header"])]
-    for column in ("config", "baseline", "baseline ms", "samepath ms", "speedup", "samepath rate"):
+    for column in ("base min", "base median", "base max", "samepath min", "samepath median", "samepath max"):
         assert column in title
+    for column in ("config", "baseline", "speedup", "calls", "samepath rate"):
+        assert column in title
+
+
+def test_end_to_end_rows_include_host_time_per_layer(quick_run: dict) -> None:
+    pytest.importorskip("transformers", reason="transformers is not installed: no e2e cases")
+    e2e = [row for row in quick_run["rows"] if row["op"] == "e2e"]
+    configs = " | ".join(row["config"] for row in e2e)
+    assert "rollout generate" in configs and "trainer fwd+bwd" in configs
+    host = [row for row in e2e if row["config"].startswith("host time per attention layer")]
+    assert len(host) == 2 and all("host ms" in row["measures"] for row in host)
+    # one layer (CPU quick), two timed calls: a trainer forward calls each attention layer once
+    trainer_host = next(row for row in host if "trainer forward" in row["config"])
+    assert "L=1 " in trainer_host["config"] and trainer_host["calls"] == 2
 
 
 def test_quick_bench_writes_a_png(quick_run: dict) -> None:
     pytest.importorskip("matplotlib", reason="matplotlib is not installed: the bench writes no PNG")
     png = quick_run["paths"]["png"]
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_cpu_quick_mode_times_more_than_one_call() -> None:
+    warmup, repeats = run_module.defaults(torch.device("cpu"), quick=True)
+    assert warmup >= 1 and repeats >= 3
+    with pytest.raises(SystemExit):
+        run(["--device", "cpu", "--repeats", "1", "--dry-run"])
+
+
+def test_measure_warms_up_then_times_each_call_cycling_the_sets() -> None:
+    seen: list[int] = []
+    timing = timing_module.measure(seen.append, [0, 1, 2], torch.device("cpu"), warmup=2, repeats=4)
+    assert seen == [0, 1, 2, 0, 1, 2]
+    assert timing.n == 4 and 0 <= timing.min_ms <= timing.median_ms <= timing.max_ms
+
+
+def test_rotation_covers_twice_the_l2() -> None:
+    mib = 2**20
+    cuda = torch.device("cuda")
+    # an H200's 60 MB L2: 2 x L2 = 120 MiB of inputs, so a 8 MiB set is cycled 15 times
+    rotation = timing_module.rotation_for(8 * mib, cuda, l2=60 * mib)
+    assert rotation.target_bytes == 120 * mib and rotation.sets == 15 and rotation.covered
+    # the target is clamped to 64-256 MiB on a device
+    assert timing_module.rotation_target_bytes(cuda, l2=4 * mib) == 64 * mib
+    assert timing_module.rotation_target_bytes(cuda, l2=512 * mib) == 256 * mib
+    # a tiny set hits the cap and says it covers less than the target; a huge one still gets 2 sets
+    tiny = timing_module.rotation_for(1024, cuda, l2=60 * mib)
+    assert tiny.sets == timing_module.DEVICE_MAX_SETS and not tiny.covered and "< target" in tiny.label()
+    assert timing_module.rotation_for(4096 * mib, cuda, l2=60 * mib).sets == 2
+    # the CPU cycles fewer sets
+    assert timing_module.rotation_for(1024, torch.device("cpu"), l2=2 * mib).sets == timing_module.CPU_MAX_SETS
 
 
 def test_bench_runs_as_a_script_and_checks_its_ops(tmp_path: Path) -> None:
@@ -96,6 +188,10 @@ def test_bench_runs_as_a_script_and_checks_its_ops(tmp_path: Path) -> None:
             "--quick",
             "--ops",
             "rms_norm",
+            "--warmup",
+            "0",
+            "--repeats",
+            "2",
             "--no-png",
             "--out",
             str(tmp_path),
@@ -107,7 +203,61 @@ def test_bench_runs_as_a_script_and_checks_its_ops(tmp_path: Path) -> None:
     )
     assert done.returncode == 0, done.stderr
     assert "not device numbers" in done.stdout
+    assert "Baselines not importable / not applicable: " in done.stdout
     assert len(list(tmp_path.glob("*.csv"))) == 1
+
+
+# ----------------------------------------------------------------------------------------------
+# The device scripts
+# ----------------------------------------------------------------------------------------------
+
+
+def test_bitwise_script_runs_its_split_k_checks_with_their_negative_control(tmp_path: Path) -> None:
+    """bench/gpu_bitwise.py at --small sizes on the CPU: the split-K checks pass, the fp32 negative
+    control (k_slices 2 against 1) reports a difference, and the JSON is written."""
+    out = tmp_path / "bitwise.json"
+    assert gpu_bitwise.main(["--device", "cpu", "--small", "--checks", "split_k", "--out", str(out)]) == 0
+    payload = json.loads(out.read_text())
+    assert payload["failed"] == 0 and payload["fingerprint"] == samepath.fingerprint()
+    statuses = {r["check"]: r["status"] for r in payload["results"]}
+    assert statuses["split-K float32: negative control S=2 vs S=1"] == "PASS"
+    assert all(status in ("PASS", "INFO") for status in statuses.values()), statuses
+    assert sum("== shard partials" in check for check in statuses) == 9  # 3 dtypes x S = 2, 4, 8
+
+
+def test_device_scripts_dry_run_list_their_stages_and_check_every_entry() -> None:
+    """``bash bench/gpu_check.sh --dry-run`` (and the NPU one) on this CPU: stages in order of value
+    with budgets within 8 minutes, and every stage's Python entry imports and parses its arguments."""
+    env = {**os.environ, "PYTHON": sys.executable}
+    env.pop("STAGES", None)
+    procs = {
+        name: subprocess.Popen(
+            ["bash", f"bench/{name}_check.sh", "--dry-run"],
+            cwd=ROOT,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for name in ("gpu", "npu")
+    }
+    for name, proc in procs.items():
+        out, _ = proc.communicate(timeout=180)
+        assert proc.returncode == 0, out
+        stages = re.findall(r"^  stage (\w+) +budget +(\d+) s", out, flags=re.M)
+        assert [s for s, _ in stages] == ["setup", "bitwise", "bench", "tune"], out
+        assert sum(int(b) for _, b in stages) <= 480, out
+        for entry in ("bitwise: bench/gpu_bitwise.py", "bench: python -m bench", "tune: bench/tune.py"):
+            assert f"  ok   {entry}" in out, (entry, out)
+        assert "FAIL" not in out, out
+        script = (ROOT / "bench" / f"{name}_check.sh").read_text() + (ROOT / "bench/device_check_lib.sh").read_text()
+        assert not re.search(r"pip[^\n]*install[^\n]*\btorch\b", script), "the device script must not install torch"
+        assert "--no-index --no-deps" in script and "-m pytest" not in script
+
+
+def test_device_script_rejects_unknown_arguments() -> None:
+    done = subprocess.run(["bash", "bench/gpu_check.sh", "--bogus"], cwd=ROOT, capture_output=True, text=True)
+    assert done.returncode == 2 and "unknown argument" in done.stderr
 
 
 # ----------------------------------------------------------------------------------------------

@@ -1,0 +1,80 @@
+#!/usr/bin/env bash
+# One lease on an Ascend NPU machine (torch_npu, Triton-Ascend, CANN already installed; prepared
+# like bench/gpu_check.sh for a machine without network): bitwise checks on the NPU first, then
+# the bench (--quick), then the tuning sweep. Each stage has a time budget (its timeout) and writes
+# its results into $OUT the moment it ends; the whole run stays within 8 minutes. No
+# CPU-interpreter tests run here.
+#
+#   bash bench/npu_check.sh --dry-run                 # list stages and budgets; check every Python entry
+#   OUT=/some/dir bash bench/npu_check.sh             # the real run (default OUT bench/results/npu-<time>)
+#   STAGES="setup bitwise" bash bench/npu_check.sh    # a subset; BENCH_ARGS / TUNE_ARGS / BITWISE_ARGS add arguments
+#
+# Never installs torch, torch_npu or triton: samepath goes in with `pip install --no-deps
+# --no-build-isolation -e .` (PYTHONPATH if that fails); optional wheels come in a carried .whl/
+# folder, installed with --no-index --no-deps into /tmp/site. The CUDA-only baselines (FlashInfer,
+# Liger, vLLM's Triton attention, SDPA's flash / cuDNN / efficient kernels) are listed by the bench
+# as not applicable, with the reason.
+#
+# Files in $OUT: check.log, stages.tsv (stage, exit, seconds, budget), bitwise.json (rewritten after
+# every check group), the bench's .csv / .txt (rewritten after every case) and .png,
+# tuned-npu.json. Exit status: non-zero if a stage failed.
+
+DEVICE=npu
+KIND=Ascend
+STAGE_ORDER=(setup bitwise bench tune)
+declare -A BUDGET=([setup]=45 [bitwise]=210 [bench]=165 [tune]=60)
+declare -A ABOUT=(
+  [setup]="npu-smi and versions (torch_npu, Triton-Ascend, CANN) into the log; wheels; samepath --no-deps"
+  [bitwise]="bench/gpu_bitwise.py --device npu: training == prefill == chunked == decode, backward, split-K, logprobs, HF"
+  [bench]="python -m bench --device npu --quick: min/median/max vs stock torch_npu ops, e2e, host time per layer"
+  [tune]="bench/tune.py --device npu: numerics-neutral launch parameters, bf16, head 128"
+)
+TOTAL_BUDGET=480
+# shellcheck source=bench/device_check_lib.sh
+source "$(dirname "$0")/device_check_lib.sh"
+
+stage_setup() {
+  install_wheels
+  install_samepath
+  {
+    npu-smi info || true
+    cat /usr/local/Ascend/ascend-toolkit/latest/version.cfg 2>/dev/null || true
+    timeout "$LIMIT" $PY - <<'PY'
+import importlib, torch, torch_npu, triton, samepath
+print("python", __import__("sys").version.split()[0], "torch", torch.__version__, "torch_npu", torch_npu.__version__,
+      "triton", triton.__version__)
+print("device", torch.npu.get_device_name(0), "count", torch.npu.device_count())
+for name in ("transformers", "vllm", "vllm_ascend"):
+    try:
+        print(name, getattr(importlib.import_module(name), "__version__", "?"))
+    except Exception as exc:
+        print(name, "not importable:", type(exc).__name__)
+print("samepath", samepath.__file__, "fingerprint", samepath.fingerprint())
+PY
+  } 2>&1 | tee -a "$LOG"
+}
+
+stage_bitwise() {
+  timeout "$LIMIT" $PY bench/gpu_bitwise.py --device npu --out "$OUT/bitwise.json" ${BITWISE_ARGS:-} 2>&1 | tee -a "$LOG"
+}
+
+stage_bench() {
+  timeout "$LIMIT" $PY -m bench --device npu --quick --out "$OUT" ${BENCH_ARGS:-} 2>&1 | tee -a "$LOG"
+}
+
+stage_tune() {
+  timeout "$LIMIT" $PY bench/tune.py --device npu --dtypes bfloat16 --head-sizes 128 ${TUNE_ARGS:-} \
+    --out "$OUT/tuned-npu.json" 2>&1 | tee -a "$LOG"
+}
+
+dry_setup() {
+  shopt -s nullglob
+  local wheels=(.whl/*.whl)
+  shopt -u nullglob
+  echo "  ok   setup: would install ${#wheels[@]} carried wheel(s) and samepath --no-deps; never torch / torch_npu"
+}
+dry_bitwise() { dry_entry "bitwise: bench/gpu_bitwise.py" $PY bench/gpu_bitwise.py --device npu --out "$OUT/bitwise.json" ${BITWISE_ARGS:-} --dry-run; }
+dry_bench() { dry_entry "bench: python -m bench" $PY -m bench --device npu --quick --out "$OUT" ${BENCH_ARGS:-} --dry-run; }
+dry_tune() { dry_entry "tune: bench/tune.py" $PY bench/tune.py --device npu --dtypes bfloat16 --head-sizes 128 ${TUNE_ARGS:-} --out "$OUT/tuned-npu.json" --dry-run; }
+
+main
