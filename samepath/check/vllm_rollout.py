@@ -139,9 +139,10 @@ def _child(spec: VLLMRolloutSpec) -> dict:
     params = SamplingParams(
         logprobs=0,
         detokenize=False,
+        # ignore_eos fixes the length. Not min_tokens: while it is unmet vLLM sets the stop tokens'
+        # logits to -inf before the processed log-softmax, which the trainer does not.
         ignore_eos=True,
         max_tokens=spec.new_tokens,
-        min_tokens=spec.new_tokens,
         temperature=spec.temperature,
         top_k=0,
         top_p=1.0,
