@@ -10,6 +10,7 @@ import torch
 from attention_harness import make_batch, mismatched_rows, reference_attention, run_schedule
 
 from samepath.kernels import attention as attention_module
+from samepath.kernels import config as config_module
 from samepath.kernels.attention import packed_attention, varlen_attention
 from samepath.kernels.config import AttentionConfig, attention_config
 
@@ -138,9 +139,20 @@ def test_negative_control_different_segment_length() -> None:
     scale = 64**-0.5
     trained = varlen_attention(batch.query, batch.key, batch.value, batch.cu_seqlens, scale, config=SMALL)
     other = dataclasses.replace(SMALL, seg=2 * SEG)
-    chunks = [[SEG + 4] + [1] * (2 * SEG + 1)]
+    chunks = [[SEG + 4, 2 * SEG - 4, 1, 1, 1, 1, 1]]
     for split_kv in (True, False):
         served = run_schedule(batch, chunks, 16, 2, scale, config=other, split_kv=split_kv)
         mismatches = mismatched_rows(trained, served)
         assert len(mismatches) > SEG and min(mismatches) >= SEG, split_kv
     assert mismatched_rows(trained, run_schedule(batch, chunks, 16, 2, scale, config=SMALL)) == []
+
+
+def test_segment_length_is_validated_and_fingerprinted(monkeypatch: pytest.MonkeyPatch) -> None:
+    with pytest.raises(ValueError, match="seg = 48 must be a multiple of tile_n = 32"):
+        AttentionConfig(block_m=16, tile_n=32, seg=48)
+    fingerprint = config_module.fingerprint()
+    key = ("cuda", "bfloat16", 128)
+    table = dict(config_module.ATTENTION_TABLE)
+    table[key] = dataclasses.replace(table[key], seg=2 * table[key].seg)
+    monkeypatch.setattr(config_module, "ATTENTION_TABLE", table)
+    assert config_module.fingerprint() != fingerprint

@@ -418,7 +418,7 @@ def _attention_bwd_dq_kernel(
     program_seq,
     program_block,
     num_blocks,
-    num_heads,
+    num_kv_heads,
     qk_scale,
     sm_scale,
     sliding_window,
@@ -436,41 +436,55 @@ def _attention_bwd_dq_kernel(
     HEAD_SIZE: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
     BLOCK_N: tl.constexpr,
     GROUP: tl.constexpr,
+    HEAD_CHUNK: tl.constexpr,
+    NUM_CHUNKS: tl.constexpr,
     CAUSAL: tl.constexpr,
     HAS_WINDOW: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
-    """dQ for one block of queries of one head: a serial loop over its KV tiles, no atomics."""
-    num_work = tl.load(num_blocks) * num_heads
+    """dQ for one GQA-packed query tile (``BLOCK_Q`` queries x ``HEAD_CHUNK`` heads of one KV group,
+    packed as the forward packs them, so each K/V tile is read once per group): a serial loop over
+    its KV tiles, no atomics."""
+    items_per_block = num_kv_heads * NUM_CHUNKS
+    num_work = tl.load(num_blocks) * items_per_block
     for work in range(tl.program_id(0), num_work, tl.num_programs(0)):
-        head = work % num_heads
-        seq = tl.load(program_seq + work // num_heads)
-        block = tl.load(program_block + work // num_heads)
-        kv_head = head // GROUP
+        rest = work % items_per_block
+        chunk = rest % NUM_CHUNKS
+        kv_head = rest // NUM_CHUNKS
+        seq = tl.load(program_seq + work // items_per_block)
+        block = tl.load(program_block + work // items_per_block)
         start = tl.load(cu_seqlens + seq)
         seq_len = tl.load(cu_seqlens + seq + 1) - start
 
-        offs_m = block * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_r = tl.arange(0, BLOCK_M)
         offs_d = tl.arange(0, BLOCK_D)
-        row_valid = offs_m < seq_len
+        head_in_group = chunk * HEAD_CHUNK + offs_r % HEAD_CHUNK
+        offs_m = block * BLOCK_Q + offs_r // HEAD_CHUNK
+        row_valid = (offs_r < BLOCK_Q * HEAD_CHUNK) & (head_in_group < GROUP) & (offs_m < seq_len)
+        head = kv_head * GROUP + head_in_group
         d_valid = offs_d < HEAD_SIZE
         rows = (start + offs_m).to(tl.int64)
         qd_mask = row_valid[:, None] & d_valid[None, :]
-        q = tl.load(Q + rows[:, None] * stride_q_tok + head * stride_q_head + offs_d[None, :], mask=qd_mask, other=0.0)
+        q = tl.load(
+            Q + rows[:, None] * stride_q_tok + head[:, None] * stride_q_head + offs_d[None, :], mask=qd_mask, other=0.0
+        )
         do = tl.load(
-            dOut + rows[:, None] * stride_do_tok + head * stride_do_head + offs_d[None, :], mask=qd_mask, other=0.0
+            dOut + rows[:, None] * stride_do_tok + head[:, None] * stride_do_head + offs_d[None, :],
+            mask=qd_mask,
+            other=0.0,
         )
         lse = tl.load(Lse + rows * stride_lse_tok + head, mask=row_valid, other=0.0)
         delta = tl.load(Delta + rows * stride_lse_tok + head, mask=row_valid, other=0.0)
 
         kv_end = seq_len
         if CAUSAL:
-            kv_end = tl.minimum(seq_len, (block + 1) * BLOCK_M)
+            kv_end = tl.minimum(seq_len, (block + 1) * BLOCK_Q)
         kv_begin = 0
         if HAS_WINDOW:
-            kv_begin = tl.maximum(0, block * BLOCK_M - sliding_window + 1)
+            kv_begin = tl.maximum(0, block * BLOCK_Q - sliding_window + 1)
 
         dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
         for tile_start in range((kv_begin // BLOCK_N) * BLOCK_N, kv_end, BLOCK_N):
@@ -484,7 +498,7 @@ def _attention_bwd_dq_kernel(
                 V + kv_rows[None, :] * stride_v_tok + kv_head * stride_v_head + offs_d[:, None], mask=kd_mask, other=0.0
             )
             scores = tl.dot(q, k_t, input_precision=DOT_PRECISION)
-            visible = _visible(offs_m, offs_n, seq_len, sliding_window, CAUSAL, HAS_WINDOW)
+            visible = _visible(offs_m, offs_n, seq_len, sliding_window, CAUSAL, HAS_WINDOW) & row_valid[:, None]
             p = tl.where(visible, tl.exp2(scores * qk_scale - lse[:, None]), 0.0)
             dp = tl.dot(do, v_t, input_precision=DOT_PRECISION)
             ds = p * (dp - delta[:, None])
@@ -492,7 +506,7 @@ def _attention_bwd_dq_kernel(
 
         dq = dq * sm_scale
         tl.store(
-            dQ + rows[:, None] * stride_dq_tok + head * stride_dq_head + offs_d[None, :],
+            dQ + rows[:, None] * stride_dq_tok + head[:, None] * stride_dq_head + offs_d[None, :],
             dq.to(dQ.dtype.element_ty),
             mask=qd_mask,
         )
@@ -1163,8 +1177,9 @@ def _attention_backward(query, key, value, out, lse, grad_out, cu_seqlens, scale
         num_stages=config.num_stages,
     )
     window = sliding_window or 0
-    program_seq, program_block, num_blocks = _program_map(cu_seqlens, config.bwd_block_m, num_tokens)
-    programs = grid.num_programs(program_seq.numel() * num_heads, query.device, uses_dot=True)
+    pack = _packing(num_heads // num_kv_heads, config.bwd_block_m)
+    program_seq, program_block, num_blocks = _program_map(cu_seqlens, pack.block_q, num_tokens)
+    programs = grid.num_programs(program_seq.numel() * num_kv_heads * pack.num_chunks, query.device, uses_dot=True)
     _attention_bwd_dq_kernel[(programs,)](
         query,
         key,
@@ -1177,7 +1192,7 @@ def _attention_backward(query, key, value, out, lse, grad_out, cu_seqlens, scale
         program_seq,
         program_block,
         num_blocks,
-        num_heads,
+        num_kv_heads,
         scale * LOG2E,
         scale,
         window,
@@ -1192,6 +1207,9 @@ def _attention_backward(query, key, value, out, lse, grad_out, cu_seqlens, scale
         dq.stride(0),
         dq.stride(1),
         lse.stride(0),
+        BLOCK_Q=pack.block_q,
+        HEAD_CHUNK=pack.head_chunk,
+        NUM_CHUNKS=pack.num_chunks,
         **common,
     )
     program_seq, program_block, num_blocks = _program_map(cu_seqlens, config.bwd_block_n, num_tokens)

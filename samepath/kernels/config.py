@@ -95,14 +95,16 @@ def _attention_rows() -> dict[tuple[str, str, int], AttentionConfig]:
             # CPU (interpreter): small tiles keep numpy's work per program low; a short segment so
             # that the tests' sequences cross segment boundaries.
             rows["cpu", dtype, block_d] = AttentionConfig(block_m=16, tile_n=32, seg=64)
-            # CUDA: 16-bit inputs get 64-row query tiles (Hopper's wgmma needs M >= 64). fp32 dots
-            # are IEEE (no tensor cores) and keep small tiles, as do 256-wide heads for shared memory.
+            # CUDA: 16-bit inputs get 64-row query tiles (Hopper's wgmma needs M >= 64), with 8
+            # warps so that the segment's and the running accumulators stay in registers (no spills
+            # for sm_90). fp32 dots are IEEE (no tensor cores) and keep small tiles, as do 256-wide
+            # heads (registers and shared memory).
             small = dtype == "float32" or block_d == 256
             rows["cuda", dtype, block_d] = AttentionConfig(
                 block_m=16 if small else 64,
                 tile_n=32 if small else 64,
                 seg=256,
-                num_warps=4,
+                num_warps=4 if small else 8,
                 num_stages=2 if small else 3,
                 bwd_block_m=16 if small else 32,
                 bwd_block_n=16 if small else 32,
