@@ -105,10 +105,12 @@ def run_schedule(
     causal: bool = True,
     sliding_window: int | None = None,
     config=None,
+    split_kv: bool | None = None,
 ) -> torch.Tensor:
     """Serve ``batch`` as vLLM would: step ``s`` takes chunk ``s`` of every sequence that still has
     one, writes its KV into a paged cache, and runs one paged_attention call over the step's
     sequences in shuffled order. ``chunks[i]`` are sequence ``i``'s chunk sizes (1 = decode).
+    ``split_kv`` is passed to every call (``None``: the launcher's choice).
     Returns the output rows placed back at each token's index in ``batch``."""
     rng = random.Random(seed)
     cache = make_paged_cache(batch, page_size, rng)
@@ -140,6 +142,7 @@ def run_schedule(
             causal=causal,
             sliding_window=sliding_window,
             config=config,
+            split_kv=split_kv,
         )
     assert done == batch.lens
     return out

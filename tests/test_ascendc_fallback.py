@@ -2,8 +2,9 @@
 
 The kernel itself needs CANN and an Ascend NPU; everything without that dependency runs here: the
 tiling header is compiled with g++ into a driver whose output must equal ``tiling.py`` value for
-value, and both must reproduce the Triton launcher's program map and the Triton kernel's KV loop
-bounds and visible set.
+value, and both must reproduce the Triton launcher's program map (over blocks of ``block_m``
+queries: the Ascend C kernel keeps the numerics-v1 schedule, without GQA packing or KV segments),
+the v1 KV loop bounds and the visible set.
 """
 
 from __future__ import annotations
@@ -265,7 +266,9 @@ def test_cpp_and_python_tilings_are_identical(driver: Path, case: str) -> None:
     assert cpp_fields == py_fields
     assert cpp_programs == py_programs
     assert cpp_items == py_items
-    # The host program map is the Triton launcher's own.
+    # The host program map is the Triton launcher's ``_program_map`` over blocks of ``block_m``
+    # queries: the numerics-v1 schedule the Ascend C kernel keeps (loader.ASCENDC_SCHEDULE; the
+    # Triton kernel itself now maps blocks of block_m // head_chunk queries with packed heads).
     seq, block, num_blocks = _program_map(torch.tensor(cu, dtype=torch.int32), params.block_m, params.num_tokens)
     assert num_blocks.tolist() == [py_fields["num_blocks"]]
     assert list(zip(seq.tolist(), block.tolist(), strict=True)) == py_programs

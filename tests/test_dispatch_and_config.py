@@ -91,23 +91,26 @@ def test_config_lookup_and_validation() -> None:
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
 def test_kernels_compile_for_hopper(dtype: torch.dtype) -> None:
     """Every kernel, as actually launched (paged and contiguous, forward and backward, sliding
-    window, cache write), compiles to a cubin for sm_90 with the device tile table."""
+    window, KV segments serial and split with their merge, cache write), compiles to a cubin for
+    sm_90 with the device tile table."""
     batch = make_batch([20, 9], 4, 2, 80, dtype, seed=1)
     cuda_config = config_module.ATTENTION_TABLE["cuda", config_module.dtype_name(dtype), 128]
     with record_launches() as launches:
         q, k, v = (t.clone().requires_grad_() for t in (batch.query, batch.key, batch.value))
         varlen_attention(q, k, v, batch.cu_seqlens, sliding_window=8, config=cuda_config).sum().backward()
         run_schedule(batch, [[12, 8], [9]], page_size=16, seed=0, scale=0.1, config=cuda_config)
+        run_schedule(batch, [[12, 8], [9]], page_size=16, seed=0, scale=0.1, config=cuda_config, split_kv=True)
     seen = set()
     for launch in launches:
-        key = (launch.name, launch.kwargs.get("PAGED"), launch.kwargs.get("HAS_WINDOW"))
+        key = (launch.name, launch.kwargs.get("PAGED"), launch.kwargs.get("HAS_WINDOW"), launch.kwargs.get("SPLIT"))
         if key in seen:
             continue
         seen.add(key)
         compiled = compile_launch(launch)
         assert compiled.asm["cubin"], launch.name
-    assert {name for name, _, _ in seen} == {
+    assert {name for name, _, _, _ in seen} == {
         "_attention_fwd_kernel",
+        "_attention_merge_kernel",
         "_attention_bwd_dq_kernel",
         "_attention_bwd_dkdv_kernel",
         "_write_kv_cache_kernel",

@@ -32,6 +32,7 @@ ALL_KERNELS = {
     "_attention_fwd_kernel",
     "_attention_bwd_dq_kernel",
     "_attention_bwd_dkdv_kernel",
+    "_attention_merge_kernel",
     "_write_kv_cache_kernel",
     "_matmul_kernel",
     "_token_logprobs_fwd_kernel",
@@ -185,6 +186,13 @@ def _run_every_kernel(dtype: torch.dtype, seed: int, attention_config: Attention
     seq_lens = torch.tensor([37, 3, 17], dtype=torch.int32)
     results["paged_attention"] = (
         samepath.paged_attention(q.detach()[:23], *caches, table, query_start_loc, seq_lens, 0.1),
+    )
+    # Every token of the three sequences, with KV segments as programs and the merge kernel.
+    wide_table = torch.nn.functional.pad(table, (0, 2))
+    results["paged_attention split"] = (
+        samepath.paged_attention(
+            q.detach(), *caches, wide_table, cu, torch.tensor([37, 3, 17], dtype=torch.int32), 0.1, split_kv=True
+        ),
     )
 
     x, w, b = rand(37, 70), rand(45, 70), rand(45)
@@ -352,7 +360,7 @@ def test_a_tile_that_cannot_fit_raises_naming_the_argument() -> None:
         ub_fit.check_logprobs(RowReduceConfig(vocab_chunk=16384), "float32")
     # The cube's L1 is checked too: long K and V tiles of a wide head overflow it, not the UB.
     with pytest.raises(ValueError, match=r"^config does not fit .*524288-byte L1 buffer"):
-        ub_fit.check_attention(AttentionConfig(block_m=16, tile_n=512), 256, torch.float32)
+        ub_fit.check_attention(AttentionConfig(block_m=16, tile_n=256), 256, torch.float32)
     with pytest.raises(ValueError, match="dtype"):
         ub_fit.check_matmul(MATMUL_TABLE["npu", "float32"], torch.float64)
     with pytest.raises(ValueError, match="hidden"):

@@ -4,8 +4,10 @@
 
 * ``triton`` (default): the Triton kernel of ``samepath/kernels/attention.py`` on every device.
 * ``ascendc``: the hand-written Ascend C kernel of ``csrc/flash_attention_fwd.cpp`` for NPU tensors,
-  with the same schedule (position-anchored KV tiles visited in ascending order by one core, select
-  ``-inf`` mask, fp32 online softmax in base 2, P cast to the input dtype before P @ V, ``acc / l``).
+  with the formula of the Triton kernel (position-anchored KV tiles visited in ascending order by one
+  core, select ``-inf`` mask, fp32 online softmax in base 2, P cast to the input dtype before P @ V,
+  ``acc / l``) on the schedule of numerics version 1 (:data:`ASCENDC_SCHEDULE`: no GQA packing, no
+  KV segments).
 
 The Ascend C backend is its own numerics: its bits equal the Triton-Ascend kernel's only where the
 instructions happen to agree, so trainer and rollout must both run it or both not. The choice is part
@@ -47,6 +49,10 @@ ASCENDC_ATTENTION_FORMULA = {
     "row_reductions": "WholeReduceMax / WholeReduceSum over one tile row",
 }
 
+#: The Ascend C kernel keeps the schedule of samepath numerics version 1: the Triton kernel's GQA
+#: packing and fixed KV segments (version 2) are not ported to it.
+ASCENDC_SCHEDULE = "v1: one query head per program, block_m query rows, tile_n KV tiles, no KV segments"
+
 _lock = threading.Lock()
 _loaded_path: Path | None = None
 
@@ -69,7 +75,12 @@ def backend_fingerprint() -> dict[str, object]:
     """What ``samepath.fingerprint()`` should hash about the backend choice."""
     backend = attention_backend()
     if backend == "ascendc":
-        return {"name": backend, "formula": ASCENDC_ATTENTION_FORMULA, "numerics": "ascendc-fa-fwd-1"}
+        return {
+            "name": backend,
+            "formula": ASCENDC_ATTENTION_FORMULA,
+            "numerics": "ascendc-fa-fwd-1",
+            "schedule": ASCENDC_SCHEDULE,
+        }
     return {"name": backend}
 
 

@@ -1,16 +1,22 @@
 """The Ascend C FlashAttention forward's tiling, in Python: the same numbers as ``csrc/flash_attention_tiling.h``.
 
-The kernel runs the schedule of samepath's Triton attention kernel (``samepath/kernels/attention.py``):
+The kernel runs the schedule samepath's Triton attention kernel (``samepath/kernels/attention.py``)
+had at numerics version 1, before GQA packing and KV segments (the ``schedule`` entry of
+``loader.backend_fingerprint()``): the Triton kernel now puts the query heads of a KV group into one
+tile and merges fixed KV segments, which this kernel does not. Its bits are therefore its own
+(``SAMEPATH_ATTENTION_BACKEND=ascendc`` changes the fingerprint), and trainer and rollout must both
+run it. Its schedule:
 
-* programs of ``block_m`` query rows of one sequence, numbered as ``_program_map`` numbers them
-  (``num_blocks`` real ones, within an upper bound of ``num_tokens // block_m + num_seqs``);
+* programs of ``block_m`` query rows of one sequence and one head, numbered as the Triton launcher's
+  ``_program_map`` numbers blocks of ``block_m`` queries (``num_blocks`` real ones, within an upper
+  bound of ``num_tokens // block_m + num_seqs``);
 * one work item per (program, head): item ``i`` is program ``i // num_heads``, head ``i % num_heads``,
   ``num_blocks * num_heads`` items in all;
 * ``num_cores`` vector cores take the items round-robin (core ``c`` runs ``c, c + num_cores, ...`` in
   ascending order, the Triton kernel's persistent loop) and each item's KV loop runs to its end on
   that core before the next item starts;
 * an item visits KV tiles of ``tile_n`` positions anchored at position 0 of its sequence, from
-  ``first_tile_start`` up to ``kv_end`` in ascending order (the Triton kernel's loop bounds).
+  ``first_tile_start`` up to ``kv_end`` in ascending order, in one softmax state (no segments).
 
 Every function here has a twin in the C++ header; ``tests/test_ascendc_fallback.py`` compiles a driver
 with g++ and checks that both give identical values.

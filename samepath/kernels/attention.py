@@ -1,11 +1,15 @@
 """Attention with one schedule for every caller: training, prefill, chunked prefill and paged decode.
 
 Contract (docs/numerics.md): a query at sequence position ``t`` attends over KV tiles of
-``tile_n`` positions anchored at position 0 of its sequence, visited in ascending order, inside a
-``[block_m, head]`` query tile, with one formula. The training kernel over contiguous KV and the
-paged kernel over a block table are the same Triton source (``PAGED`` only changes how a KV row's
-address is found), so a token's output row is bit-identical however it is batched, chunked,
-paged or decoded.
+``tile_n`` positions anchored at position 0 of its sequence, inside a ``[block_m, head]`` query
+tile that holds the query heads of one KV group (GQA packing), with one formula. The tiles are
+grouped into segments of ``seg`` positions, also anchored at position 0: each segment's softmax
+state starts fresh and the segments are merged in ascending order. Segments run either as their
+own programs followed by a merge kernel (decode, chunked prefill) or serially inside one program
+(training); both orders of execution give the same bits. The training kernel over contiguous KV
+and the paged kernel over a block table are the same Triton source (``PAGED`` only changes how a
+KV row's address is found), so a token's output row is bit-identical however it is batched,
+chunked, paged or decoded.
 
 Public functions:
 
@@ -17,6 +21,7 @@ Public functions:
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -24,7 +29,7 @@ import triton.language as tl
 
 from samepath.ascendc_fallback.loader import attention_backend
 from samepath.ascendc_fallback.loader import launch_forward as ascendc_launch_forward
-from samepath.kernels import grid
+from samepath.kernels import grid, ub_fit
 from samepath.kernels.config import (
     AttentionConfig,
     attention_config,
@@ -56,24 +61,162 @@ def _visible(pos_q, pos_k, kv_len, sliding_window, CAUSAL: tl.constexpr, HAS_WIN
 
 
 @jit
-def _kv_row_offsets(
+def _kv_tile_offsets(
     offs_n,
     kv_len,
     seq,
     kv_start,
     block_table,
     stride_table_seq,
-    stride_page,
-    stride_pos,
+    stride_k_page,
+    stride_k_pos,
+    stride_v_page,
+    stride_v_pos,
     PAGE_SIZE: tl.constexpr,
     PAGED: tl.constexpr,
 ):
-    """Element offsets of KV positions ``offs_n``: through the block table, or contiguous."""
+    """Element offsets of KV positions ``offs_n`` in K and in V. Paged: the tile's page ids are
+    gathered from the block table once and serve both caches; contiguous: packed rows."""
     if PAGED:
         page = tl.load(block_table + seq * stride_table_seq + offs_n // PAGE_SIZE, mask=offs_n < kv_len, other=0)
-        return page.to(tl.int64) * stride_page + (offs_n % PAGE_SIZE).to(tl.int64) * stride_pos
+        page = page.to(tl.int64)
+        slot = (offs_n % PAGE_SIZE).to(tl.int64)
+        return page * stride_k_page + slot * stride_k_pos, page * stride_v_page + slot * stride_v_pos
     else:
-        return (kv_start + offs_n).to(tl.int64) * stride_pos
+        rows = (kv_start + offs_n).to(tl.int64)
+        return rows * stride_k_pos, rows * stride_v_pos
+
+
+@jit
+def _segment_state(
+    q,
+    pos_q,
+    tile_begin,
+    tile_end,
+    K,
+    V,
+    kv_head,
+    kv_len,
+    seq,
+    kv_start,
+    block_table,
+    qk_scale,
+    sliding_window,
+    stride_table_seq,
+    stride_k_page,
+    stride_k_pos,
+    stride_k_head,
+    stride_v_page,
+    stride_v_pos,
+    stride_v_head,
+    HEAD_SIZE: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    TILE_N: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    PAGED: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """The online-softmax state ``(m, l, acc)`` of one KV segment, from a fresh ``(-inf, 0, 0)``:
+    the tiles starting at ``tile_begin, tile_begin + TILE_N, ... < tile_end``, in ascending order."""
+    offs_d = tl.arange(0, BLOCK_D)
+    d_valid = offs_d < HEAD_SIZE
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    for tile_start in range(tile_begin, tile_end, TILE_N):
+        offs_n = tile_start + tl.arange(0, TILE_N)
+        kv_valid = offs_n < kv_len
+        k_rows, v_rows = _kv_tile_offsets(
+            offs_n,
+            kv_len,
+            seq,
+            kv_start,
+            block_table,
+            stride_table_seq,
+            stride_k_page,
+            stride_k_pos,
+            stride_v_page,
+            stride_v_pos,
+            PAGE_SIZE,
+            PAGED,
+        )
+        k = tl.load(
+            K + k_rows[None, :] + kv_head * stride_k_head + offs_d[:, None],
+            mask=kv_valid[None, :] & d_valid[:, None],
+            other=0.0,
+        )
+        scores = tl.dot(q, k, input_precision=DOT_PRECISION)
+        visible = _visible(pos_q, offs_n, kv_len, sliding_window, CAUSAL, HAS_WINDOW)
+        scores = tl.where(visible, scores * qk_scale, float("-inf"))
+
+        m_new = tl.maximum(m_i, tl.max(scores, 1))
+        m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_shift)
+        p = tl.exp2(scores - m_shift[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+
+        v = tl.load(
+            V + v_rows[:, None] + kv_head * stride_v_head + offs_d[None, :],
+            mask=kv_valid[:, None] & d_valid[None, :],
+            other=0.0,
+        )
+        acc = acc * alpha[:, None]
+        acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
+        m_i = m_new
+    return m_i, l_i, acc
+
+
+@jit
+def _merge_segment(m_run, l_run, acc_run, m_seg, l_seg, acc_seg):
+    """Fold one segment's state into the running state (segments in ascending order). A segment
+    in which a row sees nothing (``m_seg = -inf``) leaves that row's running state bitwise as it was."""
+    m_new = tl.maximum(m_run, m_seg)
+    m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_run - m_shift)
+    beta = tl.exp2(m_seg - m_shift)
+    l_new = l_run * alpha + l_seg * beta
+    acc_new = acc_run * alpha[:, None] + acc_seg * beta[:, None]
+    empty = m_seg == float("-inf")
+    return (
+        tl.where(empty, m_run, m_new),
+        tl.where(empty, l_run, l_new),
+        tl.where(empty[:, None], acc_run, acc_new),
+    )
+
+
+@jit
+def _store_rows(
+    m_i,
+    l_i,
+    acc,
+    Out,
+    Lse,
+    q_rows,
+    head,
+    row_valid,
+    stride_o_tok,
+    stride_o_head,
+    stride_lse_tok,
+    HEAD_SIZE: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    STORE_LSE: tl.constexpr,
+):
+    """``acc / l`` cast once to the output dtype (and the base-2 log-sum-exp, ``+inf`` for a row
+    that saw nothing)."""
+    offs_d = tl.arange(0, BLOCK_D)
+    l_safe = tl.where(l_i == 0.0, 1.0, l_i)
+    out = acc / l_safe[:, None]
+    tl.store(
+        Out + q_rows[:, None] * stride_o_tok + head[:, None] * stride_o_head + offs_d[None, :],
+        out.to(Out.dtype.element_ty),
+        mask=row_valid[:, None] & (offs_d < HEAD_SIZE)[None, :],
+    )
+    if STORE_LSE:
+        lse = tl.where(l_i == 0.0, float("inf"), m_i + tl.log2(l_safe))
+        tl.store(Lse + q_rows * stride_lse_tok + head, lse, mask=row_valid)
 
 
 @jit
@@ -83,6 +226,9 @@ def _attention_fwd_kernel(
     V,
     Out,
     Lse,
+    PartM,
+    PartL,
+    PartAcc,
     query_start_loc,
     kv_start_loc,
     seq_lens,
@@ -90,7 +236,8 @@ def _attention_fwd_kernel(
     program_seq,
     program_block,
     num_blocks,
-    num_heads,
+    num_kv_heads,
+    num_segments,
     qk_scale,
     sliding_window,
     stride_q_tok,
@@ -108,23 +255,44 @@ def _attention_fwd_kernel(
     HEAD_SIZE: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
     TILE_N: tl.constexpr,
+    SEG: tl.constexpr,
     GROUP: tl.constexpr,
+    HEAD_CHUNK: tl.constexpr,
+    NUM_CHUNKS: tl.constexpr,
     PAGE_SIZE: tl.constexpr,
     PAGED: tl.constexpr,
     CAUSAL: tl.constexpr,
     HAS_WINDOW: tl.constexpr,
     STORE_LSE: tl.constexpr,
+    SPLIT: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
-    """Each (query block, head) work item, flattened head-fastest: the block's queries against
-    their KV tiles in ascending order."""
-    num_work = tl.load(num_blocks) * num_heads
+    """Work items ``(query block, KV head, head chunk[, KV segment])``, flattened with the last
+    fastest. A query block is ``BLOCK_Q`` consecutive queries of one sequence; its tile holds
+    ``HEAD_CHUNK`` query heads of one KV group per query (row ``r``: query ``r // HEAD_CHUNK``,
+    head ``r % HEAD_CHUNK`` of the chunk), so each K/V tile is read once for the whole group.
+
+    KV positions are cut into segments of ``SEG`` positions anchored at position 0; each segment's
+    softmax state starts fresh. ``SPLIT``: the item is one segment, whose state is written to
+    ``PartM/PartL/PartAcc`` for :func:`_attention_merge_kernel`; otherwise the item folds its
+    segments into the running state serially, with the same merge."""
+    num_heads = num_kv_heads * GROUP
+    items_per_block = num_kv_heads * NUM_CHUNKS
+    if SPLIT:
+        items_per_block = items_per_block * num_segments
+    num_work = tl.load(num_blocks) * items_per_block
     for work in range(tl.program_id(0), num_work, tl.num_programs(0)):
-        head = work % num_heads
-        seq = tl.load(program_seq + work // num_heads)
-        block = tl.load(program_block + work // num_heads)
-        kv_head = head // GROUP
+        rest = work % items_per_block
+        segment = 0
+        if SPLIT:
+            segment = rest % num_segments
+            rest = rest // num_segments
+        chunk = rest % NUM_CHUNKS
+        kv_head = rest // NUM_CHUNKS
+        seq = tl.load(program_seq + work // items_per_block)
+        block = tl.load(program_block + work // items_per_block)
 
         q_start = tl.load(query_start_loc + seq)
         q_len = tl.load(query_start_loc + seq + 1) - q_start
@@ -132,92 +300,109 @@ def _attention_fwd_kernel(
         kv_start = tl.load(kv_start_loc + seq)
         context = kv_len - q_len
 
-        offs_m = block * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_r = tl.arange(0, BLOCK_M)
         offs_d = tl.arange(0, BLOCK_D)
-        row_valid = offs_m < q_len
-        d_valid = offs_d < HEAD_SIZE
+        head_in_group = chunk * HEAD_CHUNK + offs_r % HEAD_CHUNK
+        offs_m = block * BLOCK_Q + offs_r // HEAD_CHUNK
+        row_valid = (offs_r < BLOCK_Q * HEAD_CHUNK) & (head_in_group < GROUP) & (offs_m < q_len)
+        head = kv_head * GROUP + head_in_group
         pos_q = context + offs_m
         q_rows = (q_start + offs_m).to(tl.int64)
         q = tl.load(
-            Q + q_rows[:, None] * stride_q_tok + head * stride_q_head + offs_d[None, :],
-            mask=row_valid[:, None] & d_valid[None, :],
+            Q + q_rows[:, None] * stride_q_tok + head[:, None] * stride_q_head + offs_d[None, :],
+            mask=row_valid[:, None] & (offs_d < HEAD_SIZE)[None, :],
             other=0.0,
         )
 
-        # The KV range that any row of this block can see; tiles outside it are fully masked for
-        # every row, and a fully masked tile leaves the softmax state bitwise unchanged.
+        # The KV range that any row of this block can see; tiles (and segments) outside it are
+        # fully masked for every row, which leaves a row's state bitwise unchanged.
         kv_end = kv_len
         if CAUSAL:
-            kv_end = tl.minimum(kv_len, context + tl.minimum(q_len, (block + 1) * BLOCK_M))
+            kv_end = tl.minimum(kv_len, context + tl.minimum(q_len, (block + 1) * BLOCK_Q))
         kv_begin = 0
         if HAS_WINDOW:
-            kv_begin = tl.maximum(0, context + block * BLOCK_M - sliding_window + 1)
+            kv_begin = tl.maximum(0, context + block * BLOCK_Q - sliding_window + 1)
         first_tile_start = (kv_begin // TILE_N) * TILE_N
 
-        m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-        acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-        for tile_start in range(first_tile_start, kv_end, TILE_N):
-            offs_n = tile_start + tl.arange(0, TILE_N)
-            kv_valid = offs_n < kv_len
-            kv_rows = _kv_row_offsets(
-                offs_n,
-                kv_len,
-                seq,
-                kv_start,
-                block_table,
-                stride_table_seq,
-                stride_k_page,
-                stride_k_pos,
-                PAGE_SIZE,
-                PAGED,
+        if SPLIT:
+            seg_start = segment * SEG
+            tile_begin = tl.maximum(seg_start, first_tile_start)
+            tile_end = tl.minimum(seg_start + SEG, kv_end)
+            m_i, l_i, acc = _segment_state(
+                q, pos_q, tile_begin, tile_end, K, V, kv_head, kv_len, seq, kv_start, block_table,
+                qk_scale, sliding_window, stride_table_seq, stride_k_page, stride_k_pos, stride_k_head,
+                stride_v_page, stride_v_pos, stride_v_head, HEAD_SIZE, BLOCK_D, BLOCK_M, TILE_N,
+                PAGE_SIZE, PAGED, CAUSAL, HAS_WINDOW, DOT_PRECISION,
+            )  # fmt: skip
+            part = (q_rows * num_heads + head) * num_segments + segment
+            tl.store(PartM + part, m_i, mask=row_valid)
+            tl.store(PartL + part, l_i, mask=row_valid)
+            tl.store(
+                PartAcc + part[:, None] * BLOCK_D + offs_d[None, :],
+                acc,
+                mask=(row_valid & (offs_r * 0 + tile_end > tile_begin))[:, None],
             )
-            k = tl.load(
-                K + kv_rows[None, :] + kv_head * stride_k_head + offs_d[:, None],
-                mask=kv_valid[None, :] & d_valid[:, None],
-                other=0.0,
-            )
-            scores = tl.dot(q, k, input_precision=DOT_PRECISION)
-            visible = _visible(pos_q, offs_n, kv_len, sliding_window, CAUSAL, HAS_WINDOW)
-            scores = tl.where(visible, scores * qk_scale, float("-inf"))
+        else:
+            m_run = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+            l_run = tl.zeros([BLOCK_M], dtype=tl.float32)
+            acc_run = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+            for seg_start in range((first_tile_start // SEG) * SEG, kv_end, SEG):
+                tile_begin = tl.maximum(seg_start, first_tile_start)
+                tile_end = tl.minimum(seg_start + SEG, kv_end)
+                m_i, l_i, acc = _segment_state(
+                    q, pos_q, tile_begin, tile_end, K, V, kv_head, kv_len, seq, kv_start, block_table,
+                    qk_scale, sliding_window, stride_table_seq, stride_k_page, stride_k_pos, stride_k_head,
+                    stride_v_page, stride_v_pos, stride_v_head, HEAD_SIZE, BLOCK_D, BLOCK_M, TILE_N,
+                    PAGE_SIZE, PAGED, CAUSAL, HAS_WINDOW, DOT_PRECISION,
+                )  # fmt: skip
+                m_run, l_run, acc_run = _merge_segment(m_run, l_run, acc_run, m_i, l_i, acc)
+            _store_rows(
+                m_run, l_run, acc_run, Out, Lse, q_rows, head, row_valid, stride_o_tok, stride_o_head,
+                stride_lse_tok, HEAD_SIZE, BLOCK_D, STORE_LSE,
+            )  # fmt: skip
 
-            m_new = tl.maximum(m_i, tl.max(scores, 1))
-            m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
-            alpha = tl.exp2(m_i - m_shift)
-            p = tl.exp2(scores - m_shift[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
 
-            v_rows = _kv_row_offsets(
-                offs_n,
-                kv_len,
-                seq,
-                kv_start,
-                block_table,
-                stride_table_seq,
-                stride_v_page,
-                stride_v_pos,
-                PAGE_SIZE,
-                PAGED,
-            )
-            v = tl.load(
-                V + v_rows[:, None] + kv_head * stride_v_head + offs_d[None, :],
-                mask=kv_valid[:, None] & d_valid[None, :],
-                other=0.0,
-            )
-            acc = acc * alpha[:, None]
-            acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
-            m_i = m_new
-
-        l_safe = tl.where(l_i == 0.0, 1.0, l_i)
-        out = acc / l_safe[:, None]
-        tl.store(
-            Out + q_rows[:, None] * stride_o_tok + head * stride_o_head + offs_d[None, :],
-            out.to(Out.dtype.element_ty),
-            mask=row_valid[:, None] & d_valid[None, :],
-        )
-        if STORE_LSE:
-            lse = tl.where(l_i == 0.0, float("inf"), m_i + tl.log2(l_safe))
-            tl.store(Lse + q_rows * stride_lse_tok + head, lse, mask=row_valid)
+@jit
+def _attention_merge_kernel(
+    PartM,
+    PartL,
+    PartAcc,
+    Out,
+    Lse,
+    num_rows,
+    num_heads,
+    num_segments,
+    stride_o_tok,
+    stride_o_head,
+    stride_lse_tok,
+    HEAD_SIZE: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    STORE_LSE: tl.constexpr,
+):
+    """Second step of the split schedule: each (token, head) row folds its segments' states into
+    one, in ascending segment order with :func:`_merge_segment` (the serial schedule's merge),
+    then divides and casts as the serial schedule does."""
+    offs_d = tl.arange(0, BLOCK_D)
+    num_work = tl.cdiv(num_rows, BLOCK_R)
+    for work in range(tl.program_id(0), num_work, tl.num_programs(0)):
+        offs_r = work * BLOCK_R + tl.arange(0, BLOCK_R)
+        row_valid = offs_r < num_rows
+        rows = offs_r.to(tl.int64)
+        m_run = tl.full([BLOCK_R], float("-inf"), dtype=tl.float32)
+        l_run = tl.zeros([BLOCK_R], dtype=tl.float32)
+        acc_run = tl.zeros([BLOCK_R, BLOCK_D], dtype=tl.float32)
+        for segment in range(0, num_segments):
+            part = rows * num_segments + segment
+            m_seg = tl.load(PartM + part, mask=row_valid, other=float("-inf"))
+            l_seg = tl.load(PartL + part, mask=row_valid, other=0.0)
+            seen = row_valid & (m_seg > float("-inf"))
+            acc_seg = tl.load(PartAcc + part[:, None] * BLOCK_D + offs_d[None, :], mask=seen[:, None], other=0.0)
+            m_run, l_run, acc_run = _merge_segment(m_run, l_run, acc_run, m_seg, l_seg, acc_seg)
+        _store_rows(
+            m_run, l_run, acc_run, Out, Lse, rows // num_heads, rows % num_heads, row_valid, stride_o_tok,
+            stride_o_head, stride_lse_tok, HEAD_SIZE, BLOCK_D, STORE_LSE,
+        )  # fmt: skip
 
 
 @jit
@@ -233,7 +418,7 @@ def _attention_bwd_dq_kernel(
     program_seq,
     program_block,
     num_blocks,
-    num_heads,
+    num_kv_heads,
     qk_scale,
     sm_scale,
     sliding_window,
@@ -251,41 +436,55 @@ def _attention_bwd_dq_kernel(
     HEAD_SIZE: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
     BLOCK_N: tl.constexpr,
     GROUP: tl.constexpr,
+    HEAD_CHUNK: tl.constexpr,
+    NUM_CHUNKS: tl.constexpr,
     CAUSAL: tl.constexpr,
     HAS_WINDOW: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
-    """dQ for one block of queries of one head: a serial loop over its KV tiles, no atomics."""
-    num_work = tl.load(num_blocks) * num_heads
+    """dQ for one GQA-packed query tile (``BLOCK_Q`` queries x ``HEAD_CHUNK`` heads of one KV group,
+    packed as the forward packs them, so each K/V tile is read once per group): a serial loop over
+    its KV tiles, no atomics."""
+    items_per_block = num_kv_heads * NUM_CHUNKS
+    num_work = tl.load(num_blocks) * items_per_block
     for work in range(tl.program_id(0), num_work, tl.num_programs(0)):
-        head = work % num_heads
-        seq = tl.load(program_seq + work // num_heads)
-        block = tl.load(program_block + work // num_heads)
-        kv_head = head // GROUP
+        rest = work % items_per_block
+        chunk = rest % NUM_CHUNKS
+        kv_head = rest // NUM_CHUNKS
+        seq = tl.load(program_seq + work // items_per_block)
+        block = tl.load(program_block + work // items_per_block)
         start = tl.load(cu_seqlens + seq)
         seq_len = tl.load(cu_seqlens + seq + 1) - start
 
-        offs_m = block * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_r = tl.arange(0, BLOCK_M)
         offs_d = tl.arange(0, BLOCK_D)
-        row_valid = offs_m < seq_len
+        head_in_group = chunk * HEAD_CHUNK + offs_r % HEAD_CHUNK
+        offs_m = block * BLOCK_Q + offs_r // HEAD_CHUNK
+        row_valid = (offs_r < BLOCK_Q * HEAD_CHUNK) & (head_in_group < GROUP) & (offs_m < seq_len)
+        head = kv_head * GROUP + head_in_group
         d_valid = offs_d < HEAD_SIZE
         rows = (start + offs_m).to(tl.int64)
         qd_mask = row_valid[:, None] & d_valid[None, :]
-        q = tl.load(Q + rows[:, None] * stride_q_tok + head * stride_q_head + offs_d[None, :], mask=qd_mask, other=0.0)
+        q = tl.load(
+            Q + rows[:, None] * stride_q_tok + head[:, None] * stride_q_head + offs_d[None, :], mask=qd_mask, other=0.0
+        )
         do = tl.load(
-            dOut + rows[:, None] * stride_do_tok + head * stride_do_head + offs_d[None, :], mask=qd_mask, other=0.0
+            dOut + rows[:, None] * stride_do_tok + head[:, None] * stride_do_head + offs_d[None, :],
+            mask=qd_mask,
+            other=0.0,
         )
         lse = tl.load(Lse + rows * stride_lse_tok + head, mask=row_valid, other=0.0)
         delta = tl.load(Delta + rows * stride_lse_tok + head, mask=row_valid, other=0.0)
 
         kv_end = seq_len
         if CAUSAL:
-            kv_end = tl.minimum(seq_len, (block + 1) * BLOCK_M)
+            kv_end = tl.minimum(seq_len, (block + 1) * BLOCK_Q)
         kv_begin = 0
         if HAS_WINDOW:
-            kv_begin = tl.maximum(0, block * BLOCK_M - sliding_window + 1)
+            kv_begin = tl.maximum(0, block * BLOCK_Q - sliding_window + 1)
 
         dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
         for tile_start in range((kv_begin // BLOCK_N) * BLOCK_N, kv_end, BLOCK_N):
@@ -299,7 +498,7 @@ def _attention_bwd_dq_kernel(
                 V + kv_rows[None, :] * stride_v_tok + kv_head * stride_v_head + offs_d[:, None], mask=kd_mask, other=0.0
             )
             scores = tl.dot(q, k_t, input_precision=DOT_PRECISION)
-            visible = _visible(offs_m, offs_n, seq_len, sliding_window, CAUSAL, HAS_WINDOW)
+            visible = _visible(offs_m, offs_n, seq_len, sliding_window, CAUSAL, HAS_WINDOW) & row_valid[:, None]
             p = tl.where(visible, tl.exp2(scores * qk_scale - lse[:, None]), 0.0)
             dp = tl.dot(do, v_t, input_precision=DOT_PRECISION)
             ds = p * (dp - delta[:, None])
@@ -307,7 +506,7 @@ def _attention_bwd_dq_kernel(
 
         dq = dq * sm_scale
         tl.store(
-            dQ + rows[:, None] * stride_dq_tok + head * stride_dq_head + offs_d[None, :],
+            dQ + rows[:, None] * stride_dq_tok + head[:, None] * stride_dq_head + offs_d[None, :],
             dq.to(dQ.dtype.element_ty),
             mask=qd_mask,
         )
@@ -574,6 +773,33 @@ def _last_dim_contiguous(tensor: torch.Tensor) -> torch.Tensor:
     return tensor if tensor.stride(-1) == 1 else tensor.contiguous()
 
 
+#: The split schedule's partial states (fp32 m, l and a padded accumulator per row and segment)
+#: may take at most this much memory; above it the launcher runs the same segments serially.
+SPLIT_WORKSPACE_BYTES = 256 * 1024 * 1024
+#: Rows of the merge kernel's programs (``ub_fit`` sizes its buffers from the same number).
+MERGE_BLOCK_ROWS = ub_fit.MERGE_BLOCK_ROWS
+
+
+@dataclass(frozen=True)
+class _Packing:
+    """How query heads fill the ``block_m`` rows of a query tile (GQA packing, one rule for every
+    caller): ``head_chunk`` heads of one KV group per query, ``block_q`` queries per tile,
+    ``num_chunks`` tiles to cover the group."""
+
+    head_chunk: int
+    block_q: int
+    num_chunks: int
+
+
+def _packing(group: int, block_m: int) -> _Packing:
+    head_chunk = min(group, block_m)
+    return _Packing(head_chunk, block_m // head_chunk, -(-group // head_chunk))
+
+
+def _num_segments(max_kv_len: int, seg: int) -> int:
+    return max(1, -(-max_kv_len // seg))
+
+
 def _launch_forward(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -588,37 +814,61 @@ def _launch_forward(
     config: AttentionConfig,
     store_lse: bool,
     out: torch.Tensor,
+    split_kv: bool | None = None,
 ) -> torch.Tensor | None:
+    """Run the forward schedule. ``split_kv`` picks how the KV segments are executed — ``True``:
+    one program per segment plus the merge kernel, ``False``: serially inside each program,
+    ``None``: split when there is more than one segment, no log-sum-exp is asked for (training runs
+    serially) and the partial states fit :data:`SPLIT_WORKSPACE_BYTES`. The choice never changes a bit of the result."""
     if attention_backend() == "ascendc":  # SAMEPATH_ATTENTION_BACKEND: never a silent fallback
         return ascendc_launch_forward(
             query, key, value, query_start_loc, kv_start_loc, seq_lens, block_table,
             scale, causal, sliding_window, config, store_lse, out,
         )  # fmt: skip
     num_tokens, num_heads, head_size = query.shape
+    num_kv_heads = key.shape[-2]
     paged = block_table is not None
-    group = num_heads // key.shape[-2]
+    group = num_heads // num_kv_heads
+    pack = _packing(group, config.block_m)
+    block_d = padded_head_size(head_size)
     lse = torch.empty((num_tokens, num_heads), dtype=torch.float32, device=query.device) if store_lse else None
     num_seqs = query_start_loc.numel() - 1
     if num_tokens == 0 or num_seqs == 0:
         return lse
-    program_seq, program_block, num_blocks = _program_map(query_start_loc, config.block_m, num_tokens)
+    program_seq, program_block, num_blocks = _program_map(query_start_loc, pack.block_q, num_tokens)
     if paged:
         k_strides = key.stride()[:3]
         v_strides = value.stride()[:3]
         page_size = key.shape[1]
         table, stride_table = block_table, block_table.stride(0)
+        max_kv_len = block_table.shape[1] * page_size
     else:
         k_strides = (0, *key.stride()[:2])
         v_strides = (0, *value.stride()[:2])
         page_size = 1
         table, stride_table = query_start_loc, 0
-    programs = grid.num_programs(program_seq.numel() * num_heads, query.device, uses_dot=True)
-    _attention_fwd_kernel[(programs,)](
+        max_kv_len = key.shape[0]
+    num_segments = _num_segments(max_kv_len, config.seg)
+    rows = num_tokens * num_heads
+    if split_kv is None:
+        workspace = rows * num_segments * (block_d + 2) * 4
+        split_kv = not store_lse and num_segments > 1 and workspace <= SPLIT_WORKSPACE_BYTES
+    if split_kv:
+        part_m = torch.empty(rows * num_segments, dtype=torch.float32, device=query.device)
+        part_l = torch.empty_like(part_m)
+        part_acc = torch.empty(rows * num_segments * block_d, dtype=torch.float32, device=query.device)
+    else:
+        part_m = part_l = part_acc = out
+    work = program_seq.numel() * num_kv_heads * pack.num_chunks * (num_segments if split_kv else 1)
+    _attention_fwd_kernel[(grid.num_programs(work, query.device, uses_dot=True),)](
         query,
         key,
         value,
         out,
         lse if store_lse else out,
+        part_m,
+        part_l,
+        part_acc,
         query_start_loc,
         kv_start_loc,
         seq_lens,
@@ -626,7 +876,8 @@ def _launch_forward(
         program_seq,
         program_block,
         num_blocks,
-        num_heads,
+        num_kv_heads,
+        num_segments,
         scale * LOG2E,
         sliding_window or 0,
         query.stride(0),
@@ -638,19 +889,44 @@ def _launch_forward(
         lse.stride(0) if store_lse else 0,
         stride_table,
         HEAD_SIZE=head_size,
-        BLOCK_D=padded_head_size(head_size),
+        BLOCK_D=block_d,
         BLOCK_M=config.block_m,
+        BLOCK_Q=pack.block_q,
         TILE_N=config.tile_n,
+        SEG=config.seg,
         GROUP=group,
+        HEAD_CHUNK=pack.head_chunk,
+        NUM_CHUNKS=pack.num_chunks,
         PAGE_SIZE=page_size,
         PAGED=paged,
         CAUSAL=causal,
         HAS_WINDOW=sliding_window is not None,
         STORE_LSE=store_lse,
+        SPLIT=bool(split_kv),
         DOT_PRECISION=DOT_PRECISION,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
     )
+    if split_kv:
+        merge_work = -(-rows // MERGE_BLOCK_ROWS)
+        _attention_merge_kernel[(grid.num_programs(merge_work, query.device),)](
+            part_m,
+            part_l,
+            part_acc,
+            out,
+            lse if store_lse else out,
+            rows,
+            num_heads,
+            num_segments,
+            out.stride(0),
+            out.stride(1),
+            lse.stride(0) if store_lse else 0,
+            HEAD_SIZE=head_size,
+            BLOCK_D=block_d,
+            BLOCK_R=MERGE_BLOCK_ROWS,
+            STORE_LSE=store_lse,
+            num_warps=4,
+        )
     return lse
 
 
@@ -673,6 +949,7 @@ def paged_attention(
     out: torch.Tensor | None = None,
     config: AttentionConfig | None = None,
     validate: bool = True,
+    split_kv: bool | None = None,
 ) -> torch.Tensor:
     """Attention of new queries over a paged KV cache: prefill, chunked prefill and decode at once.
 
@@ -692,6 +969,9 @@ def paged_attention(
             ``tile_n`` gives different bits).
         validate: check metadata values (costs a device-to-host copy; integrations may turn it
             off after the first call).
+        split_kv: how the fixed KV segments are executed: one program each plus a merge kernel
+            (``True``), serially in each program (``False``), or chosen from the shapes (``None``).
+            Both give the same bits; only the speed differs.
 
     Returns:
         ``[num_tokens, num_heads, head_size]`` in ``query.dtype``. Each row is bit-identical to the
@@ -772,6 +1052,7 @@ def paged_attention(
         cfg,
         store_lse=False,
         out=out,
+        split_kv=split_kv,
     )
     return out
 
@@ -920,8 +1201,9 @@ def _attention_backward(query, key, value, out, lse, grad_out, cu_seqlens, scale
         num_stages=config.num_stages,
     )
     window = sliding_window or 0
-    program_seq, program_block, num_blocks = _program_map(cu_seqlens, config.bwd_block_m, num_tokens)
-    programs = grid.num_programs(program_seq.numel() * num_heads, query.device, uses_dot=True)
+    pack = _packing(num_heads // num_kv_heads, config.bwd_block_m)
+    program_seq, program_block, num_blocks = _program_map(cu_seqlens, pack.block_q, num_tokens)
+    programs = grid.num_programs(program_seq.numel() * num_kv_heads * pack.num_chunks, query.device, uses_dot=True)
     _attention_bwd_dq_kernel[(programs,)](
         query,
         key,
@@ -934,7 +1216,7 @@ def _attention_backward(query, key, value, out, lse, grad_out, cu_seqlens, scale
         program_seq,
         program_block,
         num_blocks,
-        num_heads,
+        num_kv_heads,
         scale * LOG2E,
         scale,
         window,
@@ -949,6 +1231,9 @@ def _attention_backward(query, key, value, out, lse, grad_out, cu_seqlens, scale
         dq.stride(0),
         dq.stride(1),
         lse.stride(0),
+        BLOCK_Q=pack.block_q,
+        HEAD_CHUNK=pack.head_chunk,
+        NUM_CHUNKS=pack.num_chunks,
         **common,
     )
     program_seq, program_block, num_blocks = _program_map(cu_seqlens, config.bwd_block_n, num_tokens)
@@ -1047,6 +1332,7 @@ def packed_attention(
     sliding_window: int | None = None,
     config: AttentionConfig | None = None,
     validate: bool = True,
+    split_kv: bool | None = None,
 ) -> torch.Tensor:
     """Attention of each sequence's newest queries over its whole KV, both packed (no grad).
 
@@ -1058,7 +1344,7 @@ def packed_attention(
         query: ``[total_q, num_heads, head_size]``.
         key, value: ``[total_kv, num_kv_heads, head_size]``.
         cu_seqlens_q, cu_seqlens_kv: ``[num_seqs + 1]`` int cumulative lengths from 0.
-        scale, causal, sliding_window, config, validate: as in :func:`paged_attention`.
+        scale, causal, sliding_window, config, validate, split_kv: as in :func:`paged_attention`.
 
     Returns:
         ``[total_q, num_heads, head_size]``: rows bit-identical to :func:`varlen_attention` and
@@ -1093,5 +1379,6 @@ def packed_attention(
             cfg,
             store_lse=False,
             out=out,
+            split_kv=split_kv,
         )
     return out

@@ -20,7 +20,7 @@ import torch
 from samepath.kernels.dispatch import device_kind
 
 #: Bumped whenever a kernel's arithmetic changes in a way the table does not show.
-NUMERICS_VERSION = 1
+NUMERICS_VERSION = 2
 
 #: dtypes the kernels accept, by the name used in the table.
 SUPPORTED_DTYPES: dict[torch.dtype, str] = {
@@ -45,7 +45,12 @@ ATTENTION_FORMULA = {
     "fp32_dot_precision": "ieee",
     "fp_fusion": "disabled",
     "finish": "acc / l, then one cast to the output dtype",
-    "kv_tiles": "anchored at position 0 of each sequence, visited in ascending order, no split-KV",
+    "kv_tiles": "anchored at position 0 of each sequence, visited in ascending order within a segment",
+    "kv_segments": "seg positions anchored at position 0, each from a fresh (-inf, 0, 0) state",
+    "segment_merge": "ascending; m = max(m, m_s), l = l * exp2(m_old - m) + l_s * exp2(m_s - m), "
+    "acc likewise; a segment with m_s = -inf is skipped by select",
+    "query_tile": "GQA-packed: row r = (query r // head_chunk, head r % head_chunk of one KV group), "
+    "head_chunk = min(group, block_m)",
 }
 
 
@@ -53,14 +58,18 @@ ATTENTION_FORMULA = {
 class AttentionConfig:
     """Tile sizes of the attention kernels for one (device kind, dtype, padded head size).
 
-    ``block_m`` query rows share a program; ``tile_n`` KV positions form one tile, anchored at
-    sequence position 0. Every caller — training, prefill, chunked prefill, decode — uses the same
-    pair, which is what makes their rows bit-identical. ``bwd_block_m`` / ``bwd_block_n`` size the
-    backward kernels (determinism only: the backward has no second caller to match).
+    ``block_m`` rows form one query tile (GQA-packed: the query heads of one KV group share it);
+    ``tile_n`` KV positions form one tile and ``seg`` positions (a multiple of ``tile_n``) one
+    segment, both anchored at sequence position 0. A segment's softmax state starts fresh and the
+    segments are merged in ascending order. Every caller — training, prefill, chunked prefill,
+    decode — uses the same triple, which is what makes their rows bit-identical. ``bwd_block_m`` /
+    ``bwd_block_n`` size the backward kernels (determinism only: the backward has no second caller
+    to match).
     """
 
     block_m: int
     tile_n: int
+    seg: int = 1024
     num_warps: int = 4
     num_stages: int = 2
     bwd_block_m: int = 16
@@ -75,21 +84,28 @@ class AttentionConfig:
             value = getattr(self, name)
             if value < 16 or value & (value - 1):
                 raise ValueError(f"AttentionConfig.{name} must be a power of two >= 16, got {value}")
+        if self.seg % self.tile_n:
+            raise ValueError(f"AttentionConfig.seg = {self.seg} must be a multiple of tile_n = {self.tile_n}")
 
 
 def _attention_rows() -> dict[tuple[str, str, int], AttentionConfig]:
     rows: dict[tuple[str, str, int], AttentionConfig] = {}
     for dtype in SUPPORTED_DTYPES.values():
         for block_d in (16, 32, 64, 128, 256):
-            # CPU (interpreter): small tiles keep numpy's work per program low.
-            rows["cpu", dtype, block_d] = AttentionConfig(block_m=16, tile_n=32)
-            # CUDA: fp32 tiles are halved to fit shared memory at the same num_stages.
+            # CPU (interpreter): small tiles keep numpy's work per program low; a short segment so
+            # that the tests' sequences cross segment boundaries.
+            rows["cpu", dtype, block_d] = AttentionConfig(block_m=16, tile_n=32, seg=64)
+            # CUDA: 16-bit inputs get 64-row query tiles (Hopper's wgmma needs M >= 64), with 8
+            # warps so that the segment's and the running accumulators stay in registers (no spills
+            # for sm_90). fp32 dots are IEEE (no tensor cores) and keep small tiles, as do 256-wide
+            # heads (registers and shared memory).
             small = dtype == "float32" or block_d == 256
             rows["cuda", dtype, block_d] = AttentionConfig(
-                block_m=16 if small else 32,
+                block_m=16 if small else 64,
                 tile_n=32 if small else 64,
-                num_warps=4,
-                num_stages=2,
+                seg=256,
+                num_warps=4 if small else 8,
+                num_stages=2 if small else 3,
                 bwd_block_m=16 if small else 32,
                 bwd_block_n=16 if small else 32,
             )
@@ -97,6 +113,7 @@ def _attention_rows() -> dict[tuple[str, str, int], AttentionConfig]:
             rows["npu", dtype, block_d] = AttentionConfig(
                 block_m=16,
                 tile_n=32 if block_d == 256 else 64,
+                seg=256,
                 num_warps=1,
                 num_stages=1,
             )

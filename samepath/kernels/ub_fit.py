@@ -46,6 +46,8 @@ from samepath.kernels.config import (
 UB_BYTES = 192 * 1024
 #: L1 buffer of one Ascend A2 cube unit, in bytes.
 L1_BYTES = 512 * 1024
+#: Rows per program of the attention merge kernel (``attention.MERGE_BLOCK_ROWS``).
+MERGE_BLOCK_ROWS = 16
 #: Every buffer starts at a multiple of this many bytes.
 ALIGN = 32
 BUDGETS = {"ub": UB_BYTES, "l1": L1_BYTES}
@@ -102,16 +104,20 @@ def _cast(name: str, shape: tuple[int, ...], dt: str) -> list[Buffer]:
 
 
 def attention_forward_buffers(block_m: int, tile_n: int, head_size: int, dtype: object) -> list[Buffer]:
-    """``_attention_fwd_kernel`` (paged, the larger case) in one KV tile of its loop."""
+    """``_attention_fwd_kernel`` (paged, the larger case; segments serial, so the running state
+    across segments is live too) in one KV tile of its loop."""
     dt, d = _dtype(dtype), padded_head_size(head_size)
     return [
         Buffer("q", (block_m, d), dt, memory="l1"),
         Buffer("k", (d, tile_n), dt, copies=2, memory="l1"),
         Buffer("v", (tile_n, d), dt, copies=2, memory="l1"),
         Buffer("p cast (dot operand)", (block_m, tile_n), dt, memory="l1"),
-        Buffer("page ids (k and v)", (2, tile_n), "int32", copies=2),
+        Buffer("page ids (one gather for k and v)", (tile_n,), "int32", copies=2),
         Buffer("kv positions", (tile_n,), "int32"),
         Buffer("k and v row offsets (gathered)", (2, tile_n), "int64"),
+        Buffer("packed rows: query index, head, token row", (3, block_m), "int32"),
+        Buffer("running m, l across segments", (2, block_m), "float32"),
+        Buffer("running acc across segments", (block_m, d), "float32"),
         Buffer("scores (dot result)", (block_m, tile_n), "float32"),
         Buffer("visible", (block_m, tile_n), "int1"),
         Buffer("masked scores (max input)", (block_m, tile_n), "float32"),
@@ -121,6 +127,19 @@ def attention_forward_buffers(block_m: int, tile_n: int, head_size: int, dtype: 
         Buffer("m, l, m_new, alpha", (4, block_m), "float32"),
         Buffer("query positions", (block_m,), "int32"),
         *_cast("output cast", (block_m, d), dt),
+    ]
+
+
+def attention_merge_buffers(block_rows: int, head_size: int, dtype: object) -> list[Buffer]:
+    """``_attention_merge_kernel`` in one segment of its loop (vector work only)."""
+    dt, d = _dtype(dtype), padded_head_size(head_size)
+    return [
+        Buffer("segment m and l", (2, block_rows), "float32", copies=2),
+        Buffer("segment acc", (block_rows, d), "float32", copies=2),
+        Buffer("running m, l, m_new, alpha, beta", (5, block_rows), "float32"),
+        Buffer("running acc and the merged acc", (2, block_rows, d), "float32"),
+        Buffer("empty-segment select", (block_rows,), "int1"),
+        *_cast("output cast", (block_rows, d), dt),
     ]
 
 
@@ -235,7 +254,7 @@ def check_fits(buffers: list[Buffer], argument: str, what: str) -> int:
 
 
 def check_attention(config: AttentionConfig, head_size: int, dtype: object, argument: str = "config") -> int:
-    """Largest UB footprint of the three attention kernels with ``config``; ``ValueError`` naming
+    """Largest UB footprint of the attention kernels with ``config``; ``ValueError`` naming
     ``argument`` if any exceeds an A2 core's buffers."""
     check_head_size(head_size)
     dt = _dtype(dtype)
@@ -245,6 +264,11 @@ def check_attention(config: AttentionConfig, head_size: int, dtype: object, argu
             attention_forward_buffers(config.block_m, config.tile_n, head_size, dt),
             argument,
             f"_attention_fwd_kernel (block_m={config.block_m}, tile_n={config.tile_n}, {shape})",
+        ),
+        check_fits(
+            attention_merge_buffers(MERGE_BLOCK_ROWS, head_size, dt),
+            argument,
+            f"_attention_merge_kernel ({MERGE_BLOCK_ROWS} rows, {shape})",
         ),
         check_fits(
             attention_dq_buffers(config.bwd_block_m, config.bwd_block_n, head_size, dt),
