@@ -121,3 +121,24 @@ def test_tensor_parallel_size_of_a_fingerprint() -> None:
     assert tensor_parallel_size_of(fingerprint(3)) == 3
     assert tensor_parallel_size_of(fingerprint(9), max_size=8) is None
     assert tensor_parallel_size_of("sp1-0000000000000000") is None
+
+
+def test_kernels_depend_on_nothing_above_them() -> None:
+    """The kernels (and their fingerprint, TP degrees included) are the bottom layer: computing
+    fingerprints imports neither samepath.distributed nor the integrations or the check tools."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, samepath\n"
+        "fps = (samepath.fingerprint(), samepath.fingerprint(2))\n"
+        "above = sorted(m for m in sys.modules if m.startswith(('samepath.distributed', "
+        "'samepath.integrations', 'samepath.check')))\n"
+        "assert not above, above\n"
+        "import samepath.distributed\n"
+        "assert (samepath.fingerprint(), samepath.fingerprint(2)) == fps\n"
+        "print(fps[0])\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == samepath.fingerprint()
