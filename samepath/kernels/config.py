@@ -19,7 +19,7 @@ import torch
 from samepath.kernels.dispatch import device_kind
 
 #: Bumped whenever a kernel's arithmetic changes in a way the table does not show.
-NUMERICS_VERSION = 1
+NUMERICS_VERSION = 2
 
 #: dtypes the kernels accept, by the name used in the table.
 SUPPORTED_DTYPES: dict[torch.dtype, str] = {
@@ -109,9 +109,13 @@ ATTENTION_TABLE: dict[tuple[str, str, int], AttentionConfig] = _attention_rows()
 class MatmulConfig:
     """Tiles of the batch-invariant matmul for one (device kind, dtype).
 
-    ``block_k`` and the serial, ascending K loop fix every output element's reduction order, so a
-    row of ``x @ w`` does not depend on the other rows (M). ``block_m`` / ``block_n`` are frozen
-    until a test proves them numerics-neutral.
+    ``block_k``, ``k_split`` and the ascending K loop fix every output element's reduction order,
+    so a row of ``x @ w`` does not depend on the other rows (M): K is cut into ``k_split`` pieces
+    (each a multiple of ``block_k``) for every M, each piece folded serially into its own fp32
+    partial, the partials added in piece order. A decode GEMM with few output tiles runs the pieces
+    as parallel programs, a large one serially per tile — the same sums either way.
+    ``group_m`` (rows of tiles that consecutive programs share) only orders the work: neutral.
+    ``block_m`` / ``block_n`` are frozen until a test proves them numerics-neutral.
     """
 
     block_m: int
@@ -119,6 +123,8 @@ class MatmulConfig:
     block_k: int
     num_warps: int = 4
     num_stages: int = 2
+    k_split: int = 1
+    group_m: int = 8
 
 
 @dataclass(frozen=True)
@@ -141,10 +147,13 @@ def _matmul_rows() -> dict[tuple[str, str], MatmulConfig]:
     rows: dict[tuple[str, str], MatmulConfig] = {}
     for dtype in SUPPORTED_DTYPES.values():
         rows["cpu", dtype] = MatmulConfig(block_m=16, block_n=32, block_k=32)
-        wide = dtype != "float32"
-        rows["cuda", dtype] = MatmulConfig(
-            block_m=64, block_n=64 if wide else 32, block_k=64 if wide else 32, num_warps=4, num_stages=3
-        )
+        # CUDA: 128x128x64 tiles in 8 warps (wgmma on Hopper); K in 4 pieces, so a decode GEMM
+        # (one row of output tiles) still fills the SMs. fp32 (IEEE, no tensor cores) keeps
+        # smaller tiles.
+        if dtype == "float32":
+            rows["cuda", dtype] = MatmulConfig(64, 64, 32, num_warps=4, num_stages=3, k_split=4)
+        else:
+            rows["cuda", dtype] = MatmulConfig(128, 128, 64, num_warps=8, num_stages=3, k_split=4)
         rows["npu", dtype] = MatmulConfig(block_m=64, block_n=64, block_k=64, num_warps=1, num_stages=1)
     return rows
 
@@ -176,7 +185,7 @@ def row_reduce_config(device: torch.device | str) -> RowReduceConfig:
 #: samepath.kernels.tuning before they are accepted, and never part of the fingerprint.
 NEUTRAL_PARAMS: dict[str, tuple[str, ...]] = {
     "attention": ("num_warps", "num_stages"),
-    "matmul": ("num_warps", "num_stages"),
+    "matmul": ("num_warps", "num_stages", "group_m"),
     "row_reduce": ("num_warps",),
 }
 _tuned: dict[tuple, dict[str, int]] = {}

@@ -159,12 +159,28 @@ def attention_dkdv_buffers(block_m: int, block_n: int, head_size: int, dtype: ob
 
 
 def matmul_buffers(block_m: int, block_n: int, block_k: int, dtype: object) -> list[Buffer]:
-    """``_matmul_kernel`` in one K tile of its loop, plus the bias epilogue."""
+    """``_matmul_kernel`` (serial form) in one K tile of its loop, plus the bias epilogue: the
+    piece's accumulator, the slice's sum of pieces and the total over slices are all live."""
     dt = _dtype(dtype)
     return [
         Buffer("a", (block_m, block_k), dt, copies=2, memory="l1"),
         Buffer("b", (block_k, block_n), dt, copies=2, memory="l1"),
         Buffer("acc and the a.b dot result", (2, block_m, block_n), "float32"),
+        Buffer("sum of a slice's pieces", (block_m, block_n), "float32"),
+        Buffer("total over k slices", (block_m, block_n), "float32"),
+        Buffer("bias", (block_m, block_n), dt),
+        *_widened("bias (fp32)", (block_m, block_n), dt),
+        *_cast("output cast", (block_m, block_n), dt),
+    ]
+
+
+def matmul_reduce_buffers(block_m: int, block_n: int, dtype: object) -> list[Buffer]:
+    """``_matmul_reduce_kernel``: the fp32 partials of one output tile loaded in turn (a loop over
+    pieces), the slice and total sums, and the bias epilogue."""
+    dt = _dtype(dtype)
+    return [
+        Buffer("partial", (block_m, block_n), "float32", copies=2),
+        Buffer("sum of a slice's pieces", (block_m, block_n), "float32"),
         Buffer("total over k slices", (block_m, block_n), "float32"),
         Buffer("bias", (block_m, block_n), dt),
         *_widened("bias (fp32)", (block_m, block_n), dt),
@@ -260,13 +276,21 @@ def check_attention(config: AttentionConfig, head_size: int, dtype: object, argu
 
 
 def check_matmul(config: MatmulConfig, dtype: object, argument: str = "config") -> int:
-    """UB footprint of ``_matmul_kernel`` with ``config``; ``ValueError`` naming ``argument`` if it
-    exceeds an A2 core's buffers."""
+    """Largest UB footprint of ``_matmul_kernel`` and ``_matmul_reduce_kernel`` with ``config``;
+    ``ValueError`` naming ``argument`` if either exceeds an A2 core's buffers."""
     dt = _dtype(dtype)
-    return check_fits(
-        matmul_buffers(config.block_m, config.block_n, config.block_k, dt),
-        argument,
-        f"_matmul_kernel (block_m={config.block_m}, block_n={config.block_n}, block_k={config.block_k}, {dt})",
+    tiles = f"block_m={config.block_m}, block_n={config.block_n}"
+    return max(
+        check_fits(
+            matmul_buffers(config.block_m, config.block_n, config.block_k, dt),
+            argument,
+            f"_matmul_kernel ({tiles}, block_k={config.block_k}, {dt})",
+        ),
+        check_fits(
+            matmul_reduce_buffers(config.block_m, config.block_n, dt),
+            argument,
+            f"_matmul_reduce_kernel ({tiles}, {dt})",
+        ),
     )
 
 
