@@ -240,16 +240,24 @@ def test_parallel_partials_equal_the_serial_pieces(dtype: torch.dtype, k_slices:
     bias = _randn(m, n, dtype=dtype, seed=112)
     cfg = _split_config(dtype, 3)
     outs = {}
-    for partials in (True, False):
+    # parallel partials; serial with the running sums in registers (CPU, Ascend) or in a scratch
+    # tile between pieces (CUDA, where two live accumulators would spill)
+    for partials, scratch in ((True, False), (False, False), (False, True)):
         out = torch.empty((1, m, n), dtype=torch.float32)
         with record_launches() as launches:
             matmul_module._launch(
-                a[None], b[None], bias[None], out, k_slices=k_slices, alpha=0.5, beta=3.0, config=cfg, partials=partials
-            )
-        outs[partials] = out
-        names = [launch.name for launch in launches]
-        assert names == (["_matmul_kernel", "_matmul_reduce_kernel"] if partials else ["_matmul_kernel"])
-    assert torch.equal(outs[True], outs[False])
+                a[None], b[None], bias[None], out, k_slices=k_slices, alpha=0.5, beta=3.0, config=cfg,
+                partials=partials, scratch=scratch,
+            )  # fmt: skip
+        outs[partials, scratch] = out
+        names = [(launch.name, launch.kwargs.get("SCRATCH")) for launch in launches]
+        expected = (
+            [("_matmul_kernel", False), ("_matmul_reduce_kernel", None)] if partials else [("_matmul_kernel", scratch)]
+        )
+        assert names == expected
+    assert torch.equal(outs[True, False], outs[False, False])
+    assert torch.equal(outs[False, True], outs[False, False])
+    outs[True] = outs[True, False]
     reference = 0.5 * (a.double() @ b.double()) + 3.0 * bias.double()
     _close_to(outs[True], reference, dtype)
     # negative control: the same comparison sees another piece count
@@ -495,10 +503,10 @@ def test_matmul_kernel_compiles_for_hopper() -> None:
         linear(x, w, b, k_slices=2, config=cuda)
         matmul(x, w.t(), config=cuda)
         linear(x.repeat(300, 1), w.repeat(32, 1), config=cuda)  # 12 x 4 tiles: the serial form
-    assert {(launch.name, launch.kwargs["PARTIALS"]) for launch in launches if "PARTIALS" in launch.kwargs} == {
-        ("_matmul_kernel", True),
-        ("_matmul_kernel", False),
-    }
+        out = torch.empty((1, 5, 16), dtype=torch.bfloat16)
+        matmul_module._launch(x[None], w.t()[None], None, out, config=cuda, partials=False, scratch=True)
+    forms = {(launch.kwargs["PARTIALS"], launch.kwargs["SCRATCH"]) for launch in launches if "SCRATCH" in launch.kwargs}
+    assert forms == {(True, False), (False, False), (False, True)}
     assert {launch.name for launch in launches} == {"_matmul_kernel", "_matmul_reduce_kernel"}
     for launch in launches:
         assert compile_launch(launch).asm["cubin"]

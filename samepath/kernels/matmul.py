@@ -187,6 +187,7 @@ def _matmul_kernel(
     C,
     Bias,
     Partial,
+    Scratch,
     batch_count,
     M,
     N,
@@ -213,6 +214,7 @@ def _matmul_kernel(
     K_SPLIT: tl.constexpr,
     GROUP_M: tl.constexpr,
     PARTIALS: tl.constexpr,
+    SCRATCH: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     SCALE_ACC: tl.constexpr,
     SCALE_BIAS: tl.constexpr,
@@ -255,6 +257,37 @@ def _matmul_kernel(
             tl.store(
                 Partial + (plane + rows[:, None]) * N + cols[None, :], acc, mask=m_valid[:, None] & n_valid[None, :]
             )
+        elif SCRATCH:
+            # The serial form with one live accumulator: the running sum of a slice's pieces
+            # (plane 0) and of the slices (plane 1) wait in this program's fp32 scratch tile while
+            # the next piece's K loop runs (stored and reloaded exactly; the same adds as below).
+            at = (
+                Scratch
+                + ((tl.program_id(0) * 2) * BLOCK_M + tl.arange(0, BLOCK_M)[:, None]) * BLOCK_N
+                + tl.arange(0, BLOCK_N)[None, :]
+            )
+            slices_plane = at + BLOCK_M * BLOCK_N
+            for piece in range(0, K_SLICES * K_SPLIT):
+                acc = _k_piece(
+                    a_rows, b_cols, m_valid, n_valid, piece, slice_k, piece_k, stride_ak, stride_bk,
+                    BLOCK_M, BLOCK_N, BLOCK_K, K_SPLIT, DOT_PRECISION,
+                )  # fmt: skip
+                if piece % K_SPLIT > 0:
+                    acc = tl.load(at) + acc
+                if piece % K_SPLIT < K_SPLIT - 1:
+                    tl.store(at, acc)
+                else:
+                    if piece >= K_SPLIT:
+                        acc = tl.load(slices_plane) + acc
+                    tl.store(slices_plane, acc)
+                tl.debug_barrier()
+            total = tl.load(slices_plane)
+            tl.debug_barrier()
+            _epilogue(
+                total, C, Bias, batch, rows, cols, m_valid, n_valid, alpha, beta,
+                stride_c_batch, stride_cm, stride_cn, stride_bias_batch, stride_bias_m, stride_bias_n,
+                HAS_BIAS, SCALE_ACC, SCALE_BIAS,
+            )  # fmt: skip
         else:
             total = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
             for s in tl.static_range(K_SLICES):
@@ -379,12 +412,15 @@ def _launch(
     beta: float = 1.0,
     config: MatmulConfig | None = None,
     partials: bool | None = None,
+    scratch: bool | None = None,
 ) -> torch.Tensor:
     """Launch on 3-D operands: a [B, M, K], b [B, K, N], bias broadcast to [B, M, N], out [B, M, N].
 
     Inputs are validated by the callers; strides may be anything (0 for broadcast dimensions).
     ``partials`` forces the parallel (``True``) or serial (``False``) form of the K pieces
-    (tests); ``None`` lets :func:`uses_partials` choose.
+    (tests); ``None`` lets :func:`uses_partials` choose. ``scratch`` forces whether the serial
+    form carries its running sums through a scratch tile (``None``: on CUDA, where two live
+    accumulator tiles would spill registers).
     """
     batch, m, k = a.shape
     n = b.shape[2]
@@ -402,6 +438,13 @@ def _launch(
     if partials is None:
         partials = uses_partials(tiles, pieces, a.device)
     partial = torch.empty((pieces, batch, m, n), dtype=torch.float32, device=a.device) if partials else out
+    if scratch is None:
+        scratch = pieces > 1 and grid.device_kind(a.device) == "cuda"
+    scratch = bool(scratch) and pieces > 1 and not partials
+    programs = grid.num_programs(tiles * (pieces if partials else 1), a.device, uses_dot=True, persistent=True)
+    scratch_tiles = (
+        torch.empty((programs, 2, cfg.block_m, cfg.block_n), dtype=torch.float32, device=a.device) if scratch else out
+    )
     flags = dict(
         BLOCK_M=cfg.block_m,
         BLOCK_N=cfg.block_n,
@@ -412,12 +455,13 @@ def _launch(
         SCALE_BIAS=beta != 1,
     )
     epilogue_args = (float(alpha), float(beta), *out.stride(), *bias_strides)
-    _matmul_kernel[(grid.num_programs(tiles * (pieces if partials else 1), a.device, uses_dot=True, persistent=True),)](
+    _matmul_kernel[(programs,)](
         a,
         b,
         out,
         bias_arg,
         partial,
+        scratch_tiles,
         batch,
         m,
         n,
@@ -432,6 +476,7 @@ def _launch(
         BLOCK_K=cfg.block_k,
         GROUP_M=cfg.group_m,
         PARTIALS=partials,
+        SCRATCH=scratch,
         DOT_PRECISION=DOT_PRECISION,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
