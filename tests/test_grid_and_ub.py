@@ -3,6 +3,7 @@ unified-buffer estimate of every frozen NPU tile."""
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -155,6 +156,8 @@ def forced_programs(monkeypatch: pytest.MonkeyPatch, count: int | None) -> Itera
         return original_run(self, *args, grid=grid, warmup=warmup, **kwargs)
 
     with monkeypatch.context() as patch:
+        # dweight partials over 16 rows of 2048 columns: 130 rows of RMSNorm make 9 work items
+        patch.setattr(importlib.import_module("samepath.kernels.rms_norm"), "GROUP_ELEMENTS", 16 * 2048)
         patch.setattr(grid, "num_programs", num_programs)
         patch.setattr(DualJITFunction, "run", run)
         yield launches

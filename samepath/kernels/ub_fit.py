@@ -206,26 +206,30 @@ def logprobs_buffers(vocab_chunk: int, dtype: object) -> list[Buffer]:
 
 
 def rms_norm_buffers(hidden: int, dtype: object, norm_chunk: int | None = None) -> list[Buffer]:
-    """The larger of the RMSNorm kernels: ``_rms_norm_bwd_kernel``, one row (padded to a power of
-    two) or one ``norm_chunk``-column chunk of it per step, with the weight and the dweight partial
-    held across its rows (and, for chunked rows, the fp32 vector of ``dn * n`` being summed), with
-    the residual's gradient ``dS`` loaded (the add+norm form, the larger)."""
+    """The larger of the RMSNorm kernels: ``_rms_norm_bwd_kernel``, one tile of its rows (several
+    short rows, one row padded to a power of two, or one ``norm_chunk``-column chunk of a long row)
+    per step, with the weight and the dweight partial held across its rows (and, for chunked rows,
+    the fp32 vector of ``dn * n`` being summed), with the residual's gradient ``dS`` loaded (the
+    add+norm form, the larger). Tiles follow :func:`samepath.kernels.rms_norm.norm_tiling`."""
+    from samepath.kernels.rms_norm import norm_tiling
+
     dt = _dtype(dtype)
-    block = 1 << (hidden - 1).bit_length()
-    chunked = norm_chunk is not None and block > norm_chunk
-    if chunked:
-        block = norm_chunk
+    tiling = norm_tiling(hidden, norm_chunk if norm_chunk is not None else 1 << (hidden - 1).bit_length())
+    block, chunked = tiling.block_n, tiling.num_chunks > 1
+    tile = (tiling.rows, block)
     return [
         *_widened("weight (fp32)", (block,), dt),
         Buffer("weight", (block,), dt),
         Buffer("dweight partial", (block,), "float32"),
-        Buffer("x and dy", (2, block), dt, copies=2),
-        *_widened("h and g (fp32)", (2, block), dt),
-        Buffer("n and dn (sum inputs)", (2, block), "float32"),
-        Buffer("dx", (block,), "float32"),
-        *_cast("dx cast", (block,), dt),
-        Buffer("ds", (block,), dt, copies=2),
-        *_widened("ds (fp32)", (block,), dt),
+        Buffer("x and dy", (2, *tile), dt, copies=2),
+        *_widened("h and g (fp32)", (2, *tile), dt),
+        Buffer("n and dn (sum inputs)", (2, *tile), "float32"),
+        Buffer("dx", tile, "float32"),
+        *_cast("dx cast", tile, dt),
+        Buffer("ds", tile, dt, copies=2),
+        *_widened("ds (fp32)", tile, dt),
+        *([Buffer("rstd and sum(dn * n) per row", (2, tiling.rows), "float32")] if tiling.rows > 1 else []),
+        *([Buffer("dweight terms of the tile (sum input)", tile, "float32")] if tiling.rows > 1 else []),
         *([Buffer("dn * n partial sums", (block,), "float32")] if chunked else []),
     ]
 
