@@ -51,7 +51,7 @@ from samepath.kernels.config import (
     row_reduce_config,
 )
 from samepath.kernels.dispatch import SUPPORTED_DEVICE_TYPES, device_kind, jit
-from samepath.kernels.matmul import register_override
+from samepath.kernels.matmul import matmul, register_override
 
 #: The label value whose rows return 0 and get no gradient (PyTorch's and HF's convention).
 IGNORE_INDEX = -100
@@ -71,8 +71,17 @@ LOGPROBS_FORMULA = {
     "ignore_index": "rows labelled ignore_index return 0 (logprob and entropy) and get zero gradient",
     "backward": "fp32: ((onehot - p) * g_logprob - g_entropy * p * (log p + H)) / T, one cast to the logits dtype",
     "fp_fusion": "disabled",
+    "linear_logprobs": (
+        "hidden @ weight^T by samepath's matmul (the bits of linear(hidden, weight)) in fixed chunks of "
+        "token_chunk rows, each chunk's logits reduced as above; backward per chunk: dlogits by the "
+        "backward kernel, dhidden = dlogits @ weight, dweight = fp32 partials dlogits^T @ hidden summed "
+        "in ascending chunk order, one cast"
+    ),
 }
 register_formula("logprobs", LOGPROBS_FORMULA)
+
+#: Rows of hidden states whose logits exist at once in :func:`linear_token_logprobs`.
+LM_HEAD_TOKEN_CHUNK = 1024
 
 
 # ----------------------------------------------------------------------------------------------
@@ -604,6 +613,121 @@ def token_logprobs(
     return logprob
 
 
+class LinearTokenLogprobsFunction(torch.autograd.Function):
+    """Autograd for :func:`linear_token_logprobs`: logits exist one token chunk at a time, in the
+    forward and again (recomputed) in the backward."""
+
+    @staticmethod
+    def forward(ctx, hidden2d, weight, labels_flat, temperature, ignore_index, entropy, config, chunk):  # type: ignore[override]
+        outs = []
+        for start in range(0, hidden2d.shape[0], chunk):
+            logits = matmul(hidden2d[start : start + chunk], weight.t())
+            labels = labels_flat[start : start + chunk]
+            outs.append(_token_forward(logits, labels, row_offsets(logits), temperature, ignore_index, entropy, config))
+        rows = hidden2d.shape[0]
+        device = hidden2d.device
+        logprob = torch.cat([o[0] for o in outs]) if outs else torch.empty(0, dtype=torch.float32, device=device)
+        lse = torch.cat([o[2] for o in outs]) if outs else torch.empty(0, dtype=torch.float32, device=device)
+        ent = torch.cat([o[1] for o in outs]) if entropy and outs else None
+        if entropy and ent is None:
+            ent = torch.empty(rows, dtype=torch.float32, device=device)
+        ctx.set_materialize_grads(False)
+        ctx.save_for_backward(hidden2d, weight, labels_flat, lse, ent)
+        ctx.temperature, ctx.ignore_index, ctx.config, ctx.chunk = temperature, ignore_index, config, chunk
+        return logprob, ent
+
+    @staticmethod
+    def backward(ctx, grad_lp, grad_h):  # type: ignore[override]
+        hidden2d, weight, labels_flat, lse, ent = ctx.saved_tensors
+        none = (None,) * 6
+        if grad_lp is None and (grad_h is None or ent is None):
+            return None, None, *none
+        grad_hidden = torch.empty_like(hidden2d, memory_format=torch.contiguous_format)
+        grad_weight = None
+        for start in range(0, hidden2d.shape[0], ctx.chunk):
+            part = slice(start, start + ctx.chunk)
+            rows = hidden2d[part]
+            logits = matmul(rows, weight.t())
+            dlogits = token_logprobs_backward(
+                logits,
+                labels_flat[part],
+                row_offsets(logits),
+                lse[part],
+                ent[part] if ent is not None else None,
+                grad_lp[part] if grad_lp is not None else None,
+                grad_h[part] if grad_h is not None and ent is not None else None,
+                ctx.temperature,
+                ctx.ignore_index,
+                ctx.config,
+            )
+            grad_hidden[part] = matmul(dlogits, weight)
+            partial = matmul(dlogits.t(), rows, out_dtype=torch.float32)
+            grad_weight = partial if grad_weight is None else grad_weight + partial
+        if grad_weight is None:
+            grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+        return grad_hidden, grad_weight.to(weight.dtype), *none
+
+
+def linear_token_logprobs(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    temperature: float = 1.0,
+    *,
+    return_entropy: bool = False,
+    ignore_index: int | None = IGNORE_INDEX,
+    config: RowReduceConfig | None = None,
+    token_chunk: int = LM_HEAD_TOKEN_CHUNK,
+    validate: bool = True,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """``token_logprobs(linear(hidden, weight), labels, temperature)`` without ``[tokens, vocab]``
+    logits: the lm_head and the logprobs fused over fixed chunks of ``token_chunk`` rows.
+
+    Bit-identical (logprobs and entropy) to ``token_logprobs(samepath.linear(hidden, weight), ...)``
+    — what a rollout that materialises its logits computes — because every logits row is
+    samepath's batch-invariant matmul row and every logprob row is reduced alone. Only
+    ``[token_chunk, vocab]`` logits exist at a time (recomputed in the backward).
+
+    Args:
+        hidden: ``[..., H]`` hidden states (float32 / bfloat16 / float16).
+        weight: ``[V, H]`` lm_head weight, same dtype and device.
+        labels, temperature, return_entropy, ignore_index, config, validate: as
+            :func:`token_logprobs`.
+        token_chunk: rows per chunk (a positive int).
+
+    Returns:
+        fp32 ``[...]`` logprobs (and entropy). Differentiable in ``hidden`` and ``weight``:
+        ``d hidden`` equals the unfused backward's bit for bit (each row is ``dlogits @ weight``);
+        ``d weight`` sums fp32 per-chunk partials in ascending chunk order (deterministic; other
+        bits than the unfused ``dlogits^T @ hidden``, which folds all tokens in one K loop).
+    """
+    if not isinstance(hidden, torch.Tensor) or hidden.dim() < 1:
+        raise ValueError("hidden must be a tensor [..., H] with at least one dimension")
+    if not isinstance(weight, torch.Tensor) or weight.dim() != 2 or weight.shape[1] != hidden.shape[-1]:
+        got = tuple(weight.shape) if isinstance(weight, torch.Tensor) else type(weight).__name__
+        raise ValueError(f"weight must be [V, H] with H = hidden.shape[-1] = {hidden.shape[-1]}, got {got}")
+    dtype_name(hidden.dtype, "hidden.dtype")
+    check_logits(weight.t(), "weight")
+    if weight.dtype != hidden.dtype or weight.device != hidden.device:
+        raise ValueError(
+            f"weight ({weight.dtype}, {weight.device}) must match hidden ({hidden.dtype}, {hidden.device})"
+        )
+    if isinstance(token_chunk, bool) or not isinstance(token_chunk, int) or token_chunk < 1:
+        raise ValueError(f"token_chunk must be a positive int, got {token_chunk!r}")
+    temperature = check_temperature(temperature)
+    check_labels(labels, hidden, weight.shape[0], ignore_index, validate=validate)
+    cfg = resolve_config(config, hidden.device)
+    lead = hidden.shape[:-1]
+    hidden2d = hidden.reshape(-1, hidden.shape[-1])
+    labels_flat = labels.reshape(-1).contiguous()
+    logprob, entropy = LinearTokenLogprobsFunction.apply(
+        hidden2d, weight, labels_flat, temperature, ignore_index, return_entropy, cfg, token_chunk
+    )
+    if return_entropy:
+        return logprob.reshape(lead), entropy.reshape(lead)
+    return logprob.reshape(lead)
+
+
 def log_softmax(
     logits: torch.Tensor,
     temperature: float = 1.0,
@@ -664,10 +788,12 @@ register_override("_log_softmax", _log_softmax_override)
 
 __all__ = [
     "IGNORE_INDEX",
+    "LM_HEAD_TOKEN_CHUNK",
     "LOGPROBS_FORMULA",
     "check_labels",
     "check_logits",
     "check_temperature",
+    "linear_token_logprobs",
     "log_softmax",
     "resolve_config",
     "row_lse",
