@@ -106,9 +106,9 @@ def _load_h(
 
 
 @jit
-def _store_y(Y, W, row, stride_y, h, rstd, cols, valid):
+def _store_y(Y, W, row, stride_y, h, rstd, cols, valid, w_valid):
     n = (h * rstd).to(Y.dtype.element_ty).to(tl.float32)
-    w = tl.load(W + cols, mask=valid, other=0.0).to(tl.float32)
+    w = tl.load(W + cols, mask=w_valid, other=0.0).to(tl.float32)
     tl.store(Y + row * stride_y + cols, (w * n).to(Y.dtype.element_ty), mask=valid)
 
 
@@ -145,7 +145,7 @@ def _rms_norm_fwd_kernel(
             valid = (rows < M)[:, None] & (c < N)
             h = _load_h(X, Residual, S, row, stride_x, stride_r, stride_s, c, valid, HAS_RESIDUAL, True)
             rstd = tl.rsqrt(tl.sum(h * h, axis=1) / N + eps)
-            _store_y(Y, W, row, stride_y, h, rstd[:, None], c, valid)
+            _store_y(Y, W, row, stride_y, h, rstd[:, None], c, valid, c < N)
             tl.store(Rstd + rows, rstd, mask=rows < M)
         else:
             row = tl.cast(work, tl.int64)
@@ -158,7 +158,7 @@ def _rms_norm_fwd_kernel(
             for chunk in range(NUM_CHUNKS):
                 c = chunk * BLOCK_N + cols
                 h = _load_h(X, Residual, S, row, stride_x, stride_r, stride_s, c, c < N, HAS_RESIDUAL, False)
-                _store_y(Y, W, row, stride_y, h, rstd, c, c < N)
+                _store_y(Y, W, row, stride_y, h, rstd, c, c < N, c < N)
             tl.store(Rstd + row, rstd)
 
 
