@@ -10,7 +10,7 @@ import torch
 
 from samepath.kernels.attention import paged_attention, varlen_attention, write_kv_cache
 from samepath.kernels.config import NumericsMismatchError, assert_same_numerics, fingerprint
-from samepath.kernels.logprobs import log_softmax, token_logprobs
+from samepath.kernels.logprobs import linear_token_logprobs, log_softmax, token_logprobs
 from samepath.kernels.matmul import batch_invariant, linear, matmul
 from samepath.kernels.rms_norm import rms_norm
 from samepath.kernels.rotary import apply_rotary, rotary_cos_sin
@@ -19,13 +19,22 @@ from samepath.kernels.swiglu import silu_mul, swiglu
 __version__ = "0.1.0"
 
 
-def logprobs(logits: torch.Tensor, labels: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+def logprobs(
+    logits: torch.Tensor, labels: torch.Tensor, temperature: float = 1.0, *, weight: torch.Tensor | None = None
+) -> torch.Tensor:
     """The one function both sides use for token log-probabilities: fp32 ``log p(label)``.
 
     ``logits`` ``[..., vocab]`` are the raw model logits (the rollout's per-step logits from
     ``generate(output_logits=True)`` or vLLM, the trainer's forward logits); the temperature is
     divided in fp32 inside the kernel, never by the caller. Equal to :func:`token_logprobs`.
+
+    With ``weight`` (the lm_head's ``[vocab, H]``), the first argument is the hidden states
+    ``[..., H]`` instead: the lm_head and the logprobs run fused over fixed token chunks
+    (:func:`samepath.kernels.logprobs.linear_token_logprobs`), never materialising
+    ``[tokens, vocab]``, with the bits of ``logprobs(linear(hidden, weight), labels, temperature)``.
     """
+    if weight is not None:
+        return linear_token_logprobs(logits, weight, labels, temperature)
     return token_logprobs(logits, labels, temperature)
 
 
@@ -37,6 +46,7 @@ __all__ = [
     "batch_invariant",
     "fingerprint",
     "linear",
+    "linear_token_logprobs",
     "log_softmax",
     "logprobs",
     "matmul",

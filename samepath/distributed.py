@@ -26,7 +26,7 @@ needed.
 
 **Vocab-parallel token logprobs** (V sharded into S equal contiguous shards). Shard ``s`` holds
 columns ``[s*Vs, (s+1)*Vs)`` of the logits. Per row, each shard computes, with samepath's chunked
-fp32 online log-sum-exp (the ``_row_lse`` device function of :mod:`samepath.kernels.logprobs`,
+fp32 online log-sum-exp (the ``row_lse`` device function of :mod:`samepath.kernels.logprobs`,
 chunks of ``vocab_chunk`` starting at the shard's first column; temperature by IEEE division of the
 fp32-widened logits first of all)::
 
@@ -88,35 +88,25 @@ import triton
 import triton.language as tl
 
 from samepath.kernels import grid
-from samepath.kernels.config import NumericsMismatchError, RowReduceConfig, fingerprint, register_formula
+from samepath.kernels.config import (
+    DISTRIBUTED_FORMULA,
+    NumericsMismatchError,
+    RowReduceConfig,
+    fingerprint,
+    tensor_parallel_numerics,
+)
 from samepath.kernels.dispatch import jit
 from samepath.kernels.logprobs import (
     IGNORE_INDEX,
-    _check_config,
-    _check_logits,
-    _check_temperature,
-    _row_lse,
-    _row_offsets,
-    _token_backward,
+    check_labels,
+    check_logits,
+    check_temperature,
+    resolve_config,
+    row_lse,
+    row_offsets,
+    token_logprobs_backward,
 )
 from samepath.kernels.matmul import linear, matmul
-
-DISTRIBUTED_FORMULA = {
-    "row_parallel": "fp32 partial per rank (matmul out_dtype=fp32), all_gather, partials summed in ascending "
-    "rank order in fp32 (first taken as is), bias after, one cast == matmul(k_slices=S)",
-    "column_parallel": "no reduction; all_gather concatenates the ranks' columns in rank order",
-    "vocab_parallel": "S equal contiguous vocab shards; per shard fp32 chunked online lse (chunks from the "
-    "shard's first column) and fp32 x[label]/T or -inf; merged in ascending shard order: "
-    "c = m == -inf ? 0 : m with m = max(lse, lse_s); lse = c + log(exp(lse - c) + exp(lse_s - c)); "
-    "logprob = zlab - lse",
-    "collective": "all_gather only; no all_reduce",
-    "row_parallel_backward": "no collective; dX_r = dY @ W_r, dW_r = dY^T @ X_r, db = 1^T @ dY, plain kernel",
-    "column_parallel_backward": "dX: fp32 partials dY_r @ W_r, all_gather, summed in ascending rank order in fp32, "
-    "one cast == matmul(dY, W, k_slices=S); dW_r = dY_r^T @ X, db_r = 1^T @ dY_r, plain kernel",
-    "vocab_parallel_backward": "no collective; per shard token_logprobs' backward kernel with the merged lse: "
-    "((onehot - exp(z - lse)) * g) / T, 0 for ignore_index rows",
-}
-register_formula("distributed", DISTRIBUTED_FORMULA)
 
 _MERGE_BLOCK = 16
 #: Local labels of the vocab-parallel backward: a row whose label is another shard's, an ignored row.
@@ -145,7 +135,7 @@ def _shard_lse_kernel(
     """Per row of one vocab shard: the shard's lse and the label's x / T (-inf if not in the shard)."""
     for row in range(tl.program_id(0), rows, tl.num_programs(0)):
         row_ptr = X + tl.load(row_offsets + row)
-        lse, _ = _row_lse(row_ptr, stride_v, V_shard, temperature, CHUNK, False)
+        lse, _ = row_lse(row_ptr, stride_v, V_shard, temperature, CHUNK, False)
         local = tl.load(Labels + row).to(tl.int64) - col_begin
         in_shard = (local >= 0) & (local < V_shard)
         # The label's x / T as the one live lane of a 16-lane vector, as token_logprobs computes it.
@@ -211,9 +201,9 @@ def shard_lse(
     ``logits_shard`` ``[..., Vs]`` holds the global columns ``[col_begin, col_begin + Vs)``, any
     strides (a column slice of the full logits is read in place); ``labels`` are global ids.
     """
-    _check_logits(logits_shard, "logits_shard")
-    temperature = _check_temperature(temperature)
-    cfg = _check_config(config, logits_shard.device)
+    check_logits(logits_shard, "logits_shard")
+    temperature = check_temperature(temperature)
+    cfg = resolve_config(config, logits_shard.device)
     labels_flat = labels.reshape(-1).contiguous()
     rows = labels_flat.numel()
     lse = torch.empty(rows, dtype=torch.float32, device=logits_shard.device)
@@ -221,7 +211,7 @@ def shard_lse(
     if rows:
         _shard_lse_kernel[(grid.num_programs(rows, logits_shard.device),)](
             logits_shard,
-            _row_offsets(logits_shard),
+            row_offsets(logits_shard),
             labels_flat,
             lse,
             zlab,
@@ -298,10 +288,10 @@ def _shard_grad(
     if ignore_index is not None:
         local = torch.where(labels64 == ignore_index, _IGNORED, local)
         kernel_ignore = _IGNORED
-    return _token_backward(
+    return token_logprobs_backward(
         logits_shard,
         local,
-        _row_offsets(logits_shard),
+        row_offsets(logits_shard),
         merged_lse,
         None,
         grad.reshape(-1),
@@ -352,19 +342,6 @@ class _ShardedLogprobsFunction(torch.autograd.Function):
         return torch.cat(parts, dim=-1), None, None, None, None, None
 
 
-def _check_labels(labels: torch.Tensor, lead: torch.Size, vocab: int, ignore_index: int | None) -> None:
-    if not isinstance(labels, torch.Tensor) or labels.dtype not in (torch.int32, torch.int64):
-        raise ValueError("labels must be an int32/int64 tensor")
-    if labels.shape != lead:
-        raise ValueError(f"labels shape {tuple(labels.shape)} must equal the logits' leading shape {tuple(lead)}")
-    values = labels.detach().cpu().to(torch.int64)
-    bad = (values < 0) | (values >= vocab)
-    if ignore_index is not None:
-        bad &= values != ignore_index
-    if bad.any():
-        raise ValueError(f"labels hold values outside [0, {vocab}) that are not ignore_index={ignore_index}")
-
-
 def sharded_token_logprobs(
     logits: torch.Tensor,
     labels: torch.Tensor,
@@ -382,13 +359,13 @@ def sharded_token_logprobs(
     gradient (``logits.dtype``, deterministic) is, shard by shard, what the TP ranks' backward
     computes (module docstring).
     """
-    _check_logits(logits)
+    check_logits(logits)
     vocab = logits.shape[-1]
     if not isinstance(num_shards, int) or isinstance(num_shards, bool) or num_shards < 1 or vocab % num_shards:
         raise ValueError(f"num_shards = {num_shards!r} must be a positive int dividing the vocabulary {vocab}")
-    _check_labels(labels, logits.shape[:-1], vocab, ignore_index)
-    temperature = _check_temperature(temperature)
-    cfg = _check_config(config, logits.device)
+    check_labels(labels, logits, vocab, ignore_index)
+    temperature = check_temperature(temperature)
+    cfg = resolve_config(config, logits.device)
     labels_flat = labels.reshape(-1).contiguous()
     return _ShardedLogprobsFunction.apply(logits, labels_flat, num_shards, temperature, ignore_index, cfg)
 
@@ -503,11 +480,11 @@ def vocab_parallel_token_logprobs(
     group's size. Differentiable in ``logits_shard`` (no collective in the backward; the upstream
     gradient must be the same on every rank): the gradient is this shard's slice of
     :func:`sharded_token_logprobs`' gradient."""
-    _check_logits(logits_shard, "logits_shard")
+    check_logits(logits_shard, "logits_shard")
     world = dist.get_world_size(group)
-    _check_labels(labels, logits_shard.shape[:-1], logits_shard.shape[-1] * world, ignore_index)
-    temperature = _check_temperature(temperature)
-    cfg = _check_config(config, logits_shard.device)
+    check_labels(labels, logits_shard, logits_shard.shape[-1] * world, ignore_index)
+    temperature = check_temperature(temperature)
+    cfg = resolve_config(config, logits_shard.device)
     labels_flat = labels.reshape(-1).contiguous()
     return _VocabParallelLogprobsFunction.apply(logits_shard, labels_flat, temperature, ignore_index, cfg, group)
 
@@ -624,17 +601,6 @@ def column_parallel_linear(
 # ----------------------------------------------------------------------------------------------
 # S in the fingerprint
 # ----------------------------------------------------------------------------------------------
-
-
-def tensor_parallel_numerics(tensor_parallel_size: int) -> dict[str, int]:
-    """The TP-dependent numerics constants for a rollout of TP degree ``S`` (the fingerprint's
-    ``tensor_parallel`` entry): the row-parallel ``k_slices``, the vocabulary shards of the
-    logprobs and the slices of the column-parallel input gradient, all ``S``. ``S = 1`` is the
-    unsharded schedule. A one-process trainer passes the ``S`` it runs ``k_slices`` with."""
-    if not isinstance(tensor_parallel_size, int) or isinstance(tensor_parallel_size, bool) or tensor_parallel_size < 1:
-        raise ValueError(f"tensor_parallel_size must be a positive int, got {tensor_parallel_size!r}")
-    size = tensor_parallel_size
-    return {"tensor_parallel_size": size, "k_slices": size, "vocab_shards": size, "grad_input_slices": size}
 
 
 def assert_same_numerics_across_group(tensor_parallel_size: int, group: dist.ProcessGroup | None = None) -> None:

@@ -38,6 +38,8 @@ def _exercise_every_kernel(dtype: torch.dtype) -> None:
     matmul_config = MATMUL_TABLE["npu", {torch.float32: "float32"}.get(dtype, "bfloat16")]
     x, w, b = rand(5, 48), rand(40, 48), rand(40)
     samepath.linear(x, w, b, config=matmul_config).sum().backward()
+    # K slices of a decode-sized GEMM: fp32 partials as parallel programs, then the ordered reduction
+    samepath.matmul(x.detach(), w.detach().t(), b.detach(), k_slices=2, config=matmul_config)
     logits = rand(3, 1000)
     lp, entropy = samepath.token_logprobs(logits, torch.tensor([1, 5, 999]), 0.7, return_entropy=True)
     (lp.sum() + entropy.sum()).backward()
@@ -60,6 +62,7 @@ def test_every_kernel_lowers_for_ascend(dtype: torch.dtype) -> None:
         results.setdefault(launch.name, lower_for_ascend(launch))
     assert set(results.values()) <= {"mlir", "binary"}
     assert len(results) >= 12, sorted(results)
+    assert {"_matmul_kernel", "_matmul_reduce_kernel", "_rms_norm_fwd_kernel", "_silu_mul_kernel"} <= set(results)
 
 
 def test_chunked_rms_norm_lowers_for_ascend(monkeypatch) -> None:

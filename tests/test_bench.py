@@ -301,16 +301,16 @@ def test_sweep_output_round_trips_and_changes_no_fingerprint(tmp_path: Path) -> 
     assert "block_k=16" in result.negative_control
     assert [params for params, _ in result.rejected] == [{"block_k": ref.block_k // 2}]
     assert [params for params, _ in result.accepted] == [
-        {"num_warps": 4, "num_stages": ref.num_stages},
-        {"num_warps": 8, "num_stages": ref.num_stages},
+        {"num_warps": 4, "num_stages": ref.num_stages, "group_m": ref.group_m},
+        {"num_warps": 8, "num_stages": ref.num_stages, "group_m": ref.group_m},
     ]
-    assert set(result.winner) == {"num_warps", "num_stages"}
+    assert set(result.winner) == {"num_warps", "num_stages", "group_m"}
 
     path = tmp_path / "tuned-cpu.json"
     tuning.write_tuned(path, [result], "cpu")
     payload = json.loads(path.read_text())
     assert payload["fingerprint"] == before
-    assert [set(entry["params"]) for entry in payload["entries"]] == [{"num_warps", "num_stages"}]
+    assert [set(entry["params"]) for entry in payload["entries"]] == [{"num_warps", "num_stages", "group_m"}]
 
     table = tuning.load_tuned(path)
     assert table.params == {key: result.winner}

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import shutil
 
@@ -124,3 +125,52 @@ def test_tensor_parallel_size_of_a_fingerprint() -> None:
     assert tensor_parallel_size_of(fingerprint(3)) == 3
     assert tensor_parallel_size_of(fingerprint(9), max_size=8) is None
     assert tensor_parallel_size_of("sp1-0000000000000000") is None
+
+
+def test_kernels_depend_on_nothing_above_them() -> None:
+    """The kernels (and their fingerprint, TP degrees included) are the bottom layer: computing
+    fingerprints imports neither samepath.distributed nor the integrations or the check tools."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, samepath\n"
+        "fps = (samepath.fingerprint(), samepath.fingerprint(2))\n"
+        "above = sorted(m for m in sys.modules if m.startswith(('samepath.distributed', "
+        "'samepath.integrations', 'samepath.check')))\n"
+        "assert not above, above\n"
+        "import samepath.distributed\n"
+        "assert (samepath.fingerprint(), samepath.fingerprint(2)) == fps\n"
+        "print(fps[0])\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == samepath.fingerprint()
+
+
+@pytest.mark.skipif(
+    not shutil.which("ptxas", path=os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")),
+    reason="Triton wheel without the bundled ptxas: cannot compile for CUDA on this machine",
+)
+def test_compile_report_runs_launchers_dry_with_the_cuda_table(tmp_path) -> None:
+    """`python -m samepath.kernels.compile_check --target sm_90 --json OUT` on one case: the decode
+    GEMM runs its K pieces as parallel programs (grid of the CUDA SMs), uses wgmma, does not spill."""
+    from samepath.kernels import compile_check
+
+    out = tmp_path / "report.json"
+    assert compile_check.main(["--target", "sm_90", "--cases", "matmul-decode", "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert report["target"] == "sm_90" and report["fingerprint"] == samepath.fingerprint()
+    (case,) = report["cases"]
+    kernels = {k["kernel"]: k for k in case["kernels"]}
+    cuda = config_module.MATMUL_TABLE["cuda", "bfloat16"]
+    matmul = kernels["_matmul_kernel"]
+    assert matmul["mma"] == "wgmma" and matmul["num_warps"] == cuda.num_warps
+    assert matmul["constexprs"]["BLOCK_M"] == cuda.block_m and matmul["constexprs"]["PARTIALS"] is True
+    assert matmul["grid"] == [min(132, 4096 // cuda.block_n * cuda.k_split)]
+    assert kernels["_matmul_reduce_kernel"]["mma"] == "none"
+    assert all(k["spill_stores"] == k["spill_loads"] == 0 and k["registers"] > 0 for k in case["kernels"])
+    with pytest.raises(ValueError, match="target must be a CUDA architecture"):
+        compile_check.target_of("gfx90a")
+    with pytest.raises(ValueError, match="cases must be among"):
+        compile_check.compile_report(cases=["nope"])

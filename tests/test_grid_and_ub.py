@@ -3,6 +3,7 @@ unified-buffer estimate of every frozen NPU tile."""
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -35,6 +36,7 @@ ALL_KERNELS = {
     "_attention_merge_kernel",
     "_write_kv_cache_kernel",
     "_matmul_kernel",
+    "_matmul_reduce_kernel",
     "_token_logprobs_fwd_kernel",
     "_token_logprobs_bwd_kernel",
     "_log_softmax_fwd_kernel",
@@ -42,8 +44,7 @@ ALL_KERNELS = {
     "_rms_norm_fwd_kernel",
     "_rms_norm_bwd_kernel",
     "_rms_norm_dw_reduce_kernel",
-    "_silu_mul_fwd_kernel",
-    "_silu_mul_bwd_kernel",
+    "_silu_mul_kernel",
     "_rotary_kernel",
     "_shard_lse_kernel",
     "_merge_kernel",
@@ -144,9 +145,11 @@ def forced_programs(monkeypatch: pytest.MonkeyPatch, count: int | None) -> Itera
     original_num_programs = grid.num_programs
     original_run = DualJITFunction.run
 
-    def num_programs(work_items: int, device: torch.device | str, *, uses_dot: bool = False) -> int:
+    def num_programs(
+        work_items: int, device: torch.device | str, *, uses_dot: bool = False, persistent: bool = False
+    ) -> int:
         pending.append(work_items)
-        answer = original_num_programs(work_items, device, uses_dot=uses_dot)
+        answer = original_num_programs(work_items, device, uses_dot=uses_dot, persistent=persistent)
         return answer if count is None else min(answer, count)
 
     def run(self: DualJITFunction, *args, grid, warmup, **kwargs):
@@ -154,6 +157,8 @@ def forced_programs(monkeypatch: pytest.MonkeyPatch, count: int | None) -> Itera
         return original_run(self, *args, grid=grid, warmup=warmup, **kwargs)
 
     with monkeypatch.context() as patch:
+        # dweight partials over 16 rows of 2048 columns: 130 rows of RMSNorm make 9 work items
+        patch.setattr(importlib.import_module("samepath.kernels.rms_norm"), "GROUP_ELEMENTS", 16 * 2048)
         patch.setattr(grid, "num_programs", num_programs)
         patch.setattr(DualJITFunction, "run", run)
         yield launches
@@ -198,7 +203,8 @@ def _run_every_kernel(dtype: torch.dtype, seed: int, attention_config: Attention
     x, w, b = rand(37, 70), rand(45, 70), rand(45)
     y = samepath.linear(x, w, b)
     results["linear"] = (y, *grads((y,), (x, w, b)))
-    results["matmul k_slices=2"] = (matmul(x.detach(), w.detach().t(), k_slices=2),)
+    # 111 rows: 14 tiles, fewer than the CPU's 16, so the K slices run as parallel partials.
+    results["matmul k_slices=2"] = (matmul(torch.cat([x.detach()] * 3), w.detach().t(), k_slices=2),)
 
     logits = rand(2, 5, 3000)
     labels = torch.randint(0, 3000, (2, 5), generator=gen)

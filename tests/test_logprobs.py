@@ -413,3 +413,72 @@ def test_batch_invariant_routes_torch_log_softmax() -> None:
     assert torch.equal(float64, torch.log_softmax(x.double(), -1))
     assert torch.equal(first_dim, torch.log_softmax(x, 0))
     assert torch.equal(torch.log_softmax(x, -1), stock)
+
+
+# ----------------------------------------------------------------------------------------------
+# lm_head + logprobs over token chunks
+# ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_linear_token_logprobs_equal_logprobs_of_the_linear(dtype: torch.dtype) -> None:
+    """The trainer's fused lm_head + logprobs (token chunks of 16 rows; vocabulary chunks of 256
+    columns, 600 columns) has the bits of the rollout's ``token_logprobs(linear(hidden, weight))``,
+    logprobs and entropy; the hidden-state gradient too. Negative control: logits from a matmul
+    with another block_k."""
+    import samepath
+    from samepath.kernels.config import MatmulConfig, RowReduceConfig
+    from samepath.kernels.logprobs import linear_token_logprobs
+    from samepath.kernels.matmul import linear, matmul
+
+    def matmul_fp32(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return matmul(x.reshape(-1, x.shape[-1]), w.t(), out_dtype=torch.float32).view(*x.shape[:-1], -1)
+
+    gen = torch.Generator().manual_seed(3)
+    hidden = torch.randn(3, 13, 64, generator=gen).to(dtype)
+    weight = (torch.randn(600, 64, generator=gen) * 0.3).to(dtype)
+    labels = torch.randint(0, 600, (3, 13), generator=gen)
+    labels[1, 4] = -100
+    g_lp, g_h = torch.randn(3, 13, generator=gen), torch.randn(3, 13, generator=gen)
+    cfg = RowReduceConfig(vocab_chunk=256)
+
+    h1, w1 = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    lp, ent = token_logprobs(linear(h1, w1), labels, 0.7, return_entropy=True, config=cfg)
+    torch.autograd.backward((lp, ent), (g_lp, g_h))
+    h2, w2 = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    fused = linear_token_logprobs(h2, w2, labels, 0.7, return_entropy=True, config=cfg, token_chunk=16)
+    torch.autograd.backward(fused, (g_lp, g_h))
+    assert torch.equal(fused[0], lp) and torch.equal(fused[1], ent)
+    assert torch.equal(h2.grad, h1.grad)
+    if dtype == torch.bfloat16:
+        # samepath.logprobs(hidden, ..., weight=) with the frozen vocabulary chunk
+        assert torch.equal(
+            samepath.logprobs(hidden, labels, 0.7, weight=weight), token_logprobs(linear(hidden, weight), labels, 0.7)
+        )
+
+    # dweight: fp32 chunk partials in chunk order; deterministic and close to fp64
+    h3, w3 = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    again = linear_token_logprobs(h3, w3, labels, 0.7, return_entropy=True, config=cfg, token_chunk=16)
+    torch.autograd.backward(again, (g_lp, g_h))
+    assert torch.equal(w3.grad, w2.grad)
+    h64, w64 = hidden.double().requires_grad_(), weight.double().requires_grad_()
+    z = (h64 @ w64.t()) / 0.7
+    logp = z.log_softmax(-1)
+    keep = labels != -100
+    lp64 = torch.where(keep, logp.gather(-1, labels.clamp_min(0)[..., None])[..., 0], 0.0)
+    ent64 = torch.where(keep, -(logp.exp() * logp).sum(-1), 0.0)
+    torch.autograd.backward((lp64, ent64), (g_lp.double(), g_h.double()))
+    tol = 1e-4 if dtype == torch.float32 else 3e-2
+    for ours, ref in ((fused[0], lp64), (fused[1], ent64), (w2.grad, w64.grad), (h2.grad, h64.grad)):
+        assert (ours.double() - ref).abs().max() <= tol * ref.abs().max()
+
+    # negative control: other logits bits (fp32: another block_k; bf16: logits not rounded to bf16)
+    if dtype == torch.float32:
+        other_logits = linear(hidden, weight, config=MatmulConfig(16, 32, 16))
+    else:
+        other_logits = matmul_fp32(hidden, weight)
+    assert not torch.equal(token_logprobs(other_logits, labels, 0.7, config=cfg), lp.detach())
+    with pytest.raises(ValueError, match="token_chunk must be a positive int"):
+        linear_token_logprobs(hidden, weight, labels, token_chunk=0)
+    with pytest.raises(ValueError, match=r"weight must be \[V, H\]"):
+        linear_token_logprobs(hidden, weight[:, :10], labels)

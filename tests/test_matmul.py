@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import os
 import shutil
@@ -12,6 +13,7 @@ import torch.nn.functional as F
 import triton
 
 from samepath.kernels import config as config_module
+from samepath.kernels import grid
 from samepath.kernels.compile_check import compile_launch, record_launches
 from samepath.kernels.config import MatmulConfig, matmul_config
 from samepath.kernels.matmul import (
@@ -184,6 +186,150 @@ def test_split_k_equals_tensor_parallel_shards(dtype: torch.dtype) -> None:
 
 
 # ----------------------------------------------------------------------------------------------
+# K pieces (k_split), parallel partials, GROUP_M, persistent grids
+# ----------------------------------------------------------------------------------------------
+
+
+def _split_config(dtype: torch.dtype, k_split: int = 4, **changes: int) -> MatmulConfig:
+    """The CPU tiles with K in ``k_split`` pieces (the CUDA table's 4 by default), on the interpreter."""
+    return dataclasses.replace(matmul_config(dtype, "cpu"), k_split=k_split, **changes)
+
+
+#: Every tile boundary of block_m = 16 near 1, 2 and 16 tiles, and the switch from parallel
+#: partials (fewer than 16 tiles on the CPU) to the serial form (M > 240 with one column of tiles).
+SWEEP_M = (1, 2, 3, 7, 15, 16, 17, 31, 33, 64, 65, 127, 129, 200, 240, 241, 255, 256, 257)
+
+
+def _sweep(ms: tuple[int, ...] | range, dtype: torch.dtype) -> None:
+    k, n = 200, 32  # K = 200: pieces of 64, 64, 64 and 8 columns
+    x = _randn(257, k, dtype=dtype, seed=100)
+    w = _randn(n, k, dtype=dtype, seed=101, scale=0.1)
+    b = _randn(n, dtype=dtype, seed=102)
+    cfg = _split_config(dtype)
+    full = linear(x, w, b, config=cfg)
+    for m in ms:
+        assert torch.equal(linear(x[:m], w, b, config=cfg), full[:m]), f"M={m}: rows changed with the batch size"
+    assert torch.equal(linear(x[100:101], w, b, config=cfg)[0], full[100])
+    _close_to(full, F.linear(x.double(), w.double(), b.double()), dtype)
+    # negative control: the unsplit K order gives other bits (seen in the fp32 accumulator)
+    split = matmul(x, w.t(), config=cfg, out_dtype=torch.float32)
+    assert not torch.equal(matmul(x, w.t(), config=_split_config(dtype, 1), out_dtype=torch.float32), split)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_k_pieces_keep_rows_batch_invariant(dtype: torch.dtype) -> None:
+    """K cut into the same 4 pieces for every M: rows alone equal rows in batches, across tile
+    boundaries and the switch between parallel partials (small M) and the serial form."""
+    _sweep(SWEEP_M, dtype)
+
+
+@pytest.mark.slow
+def test_k_pieces_keep_rows_batch_invariant_for_every_m_to_257() -> None:
+    _sweep(range(1, 258), torch.float32)
+
+
+@pytest.mark.parametrize("k_slices", [1, 2])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_parallel_partials_equal_the_serial_pieces(dtype: torch.dtype, k_slices: int) -> None:
+    """The two forms of the same sums (pieces as parallel programs + ordered reduction, or serially
+    per tile) give the same bits, also with TP slices, a bias and addmm's alpha / beta; their
+    grids differ."""
+    m, k, n = 20, 256, 40
+    a = _randn(m, k, dtype=dtype, seed=110)
+    b = _randn(k, n, dtype=dtype, seed=111, scale=0.1)
+    bias = _randn(m, n, dtype=dtype, seed=112)
+    cfg = _split_config(dtype, 3)
+    outs = {}
+    # parallel partials; serial with the running sums in registers (CPU, Ascend) or in a scratch
+    # tile between pieces (CUDA, where two live accumulators would spill)
+    for partials, scratch in ((True, False), (False, False), (False, True)):
+        out = torch.empty((1, m, n), dtype=torch.float32)
+        with record_launches() as launches:
+            matmul_module._launch(
+                a[None], b[None], bias[None], out, k_slices=k_slices, alpha=0.5, beta=3.0, config=cfg,
+                partials=partials, scratch=scratch,
+            )  # fmt: skip
+        outs[partials, scratch] = out
+        names = [(launch.name, launch.kwargs.get("SCRATCH")) for launch in launches]
+        expected = (
+            [("_matmul_kernel", False), ("_matmul_reduce_kernel", None)] if partials else [("_matmul_kernel", scratch)]
+        )
+        assert names == expected
+    assert torch.equal(outs[True, False], outs[False, False])
+    assert torch.equal(outs[False, True], outs[False, False])
+    outs[True] = outs[True, False]
+    reference = 0.5 * (a.double() @ b.double()) + 3.0 * bias.double()
+    _close_to(outs[True], reference, dtype)
+    # negative control: the same comparison sees another piece count
+    other = torch.empty((1, m, n), dtype=torch.float32)
+    matmul_module._launch(
+        a[None], b[None], bias[None], other, k_slices=k_slices, alpha=0.5, beta=3.0, config=_split_config(dtype, 1)
+    )
+    assert not torch.equal(other, outs[True])
+
+
+def test_k_pieces_equal_tensor_parallel_shards() -> None:
+    """TP slices and K pieces nest: each rank's fp32 partial (its slice in pieces), summed in rank
+    order, equals the one-process k_slices=S schedule with the same pieces."""
+    m, k, n, shards = 9, 384, 40, 2
+    x = _randn(m, k, dtype=torch.bfloat16, seed=120)
+    w = _randn(n, k, dtype=torch.bfloat16, seed=121, scale=0.1)
+    b = _randn(n, dtype=torch.bfloat16, seed=122)
+    cfg = _split_config(torch.bfloat16, 4)
+    width = k // shards
+    partials = [
+        matmul(
+            x[:, r * width : (r + 1) * width],
+            w[:, r * width : (r + 1) * width].t(),
+            out_dtype=torch.float32,
+            config=cfg,
+        )
+        for r in range(shards)
+    ]
+    rollout = (partials[0] + partials[1] + b.float()).to(torch.bfloat16)
+    assert torch.equal(linear(x, w, b, k_slices=shards, config=cfg), rollout)
+    assert not torch.equal(
+        matmul(x, w.t(), k_slices=shards, config=cfg, out_dtype=torch.float32),
+        matmul(x, w.t(), config=cfg, out_dtype=torch.float32),
+    )
+
+
+def test_group_m_and_program_count_are_neutral(monkeypatch: pytest.MonkeyPatch) -> None:
+    """GROUP_M only orders the tiles; a persistent grid of any size computes each tile once."""
+    x = _randn(150, 96, dtype=torch.bfloat16, seed=130)
+    w = _randn(100, 96, dtype=torch.bfloat16, seed=131, scale=0.1)
+    reference = linear(x, w, config=_split_config(torch.bfloat16, 2, group_m=1))
+    for group_m in (2, 8):
+        assert torch.equal(linear(x, w, config=_split_config(torch.bfloat16, 2, group_m=group_m)), reference)
+    original = grid.num_programs
+    monkeypatch.setattr(grid, "num_programs", lambda work, device, **kw: min(original(work, device, **kw), 5))
+    assert torch.equal(linear(x, w, config=_split_config(torch.bfloat16, 2, group_m=3)), reference)
+
+
+def test_persistent_grid_is_bound_to_the_sms(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(grid, "_cuda_sm_count", lambda index: 132)
+    assert grid.num_programs(1024, "cuda", uses_dot=True, persistent=True) == 132
+    assert grid.num_programs(40, "cuda:0", uses_dot=True, persistent=True) == 40
+    assert grid.num_programs(1024, "cuda", uses_dot=True) == 1024  # not persistent: one tile per program
+    assert grid.num_programs(1024, "cpu", persistent=True) == 1024
+    assert grid.concurrent_programs("cuda") == 132
+    # decode-shaped GEMMs on the CUDA table: one row of 128-wide tiles, so the K pieces run in parallel
+    cuda = matmul_config(torch.bfloat16, "cuda")
+    assert cuda.k_split > 1
+    tiles = triton.cdiv(4096, cuda.block_n)
+    assert matmul_module.uses_partials(tiles, cuda.k_split, torch.device("cuda"))
+    assert not matmul_module.uses_partials(tiles * 32, cuda.k_split, torch.device("cuda"))
+    assert not matmul_module.uses_partials(1, 1, torch.device("cuda"))
+
+
+def test_piece_length() -> None:
+    assert matmul_module.piece_length(4096, 4, 64) == 1024
+    assert matmul_module.piece_length(200, 4, 32) == 64  # 64 + 64 + 64 + 8
+    assert matmul_module.piece_length(64, 4, 64) == 64  # pieces 1..3 empty
+    assert matmul_module.piece_length(100, 1, 32) == 128
+
+
+# ----------------------------------------------------------------------------------------------
 # Negative controls
 # ----------------------------------------------------------------------------------------------
 
@@ -232,6 +378,7 @@ _W = torch.ones(3, 8) * 0.25
         (lambda: matmul(_A, _B, k_slices=0), "k_slices must be a positive int"),
         (lambda: matmul(_A, _B, out_dtype=torch.float16), "out_dtype"),
         (lambda: matmul(_A, _B, config=MatmulConfig(16, 32, 24)), "config.block_k"),
+        (lambda: matmul(_A, _B, config=MatmulConfig(16, 32, 32, k_split=0)), "config.k_split"),
         (lambda: matmul(_A, _B.to("meta")), "b is on meta"),
         (lambda: linear(_A, _W[:, :7]), "weight has K = 7"),
         (lambda: linear(_A, _W[0]), "weight must be"),
@@ -361,7 +508,8 @@ def test_extra_overrides_and_private_use1_key(monkeypatch: pytest.MonkeyPatch) -
     reason="Triton wheel without the bundled ptxas: cannot compile for CUDA on this machine",
 )
 def test_matmul_kernel_compiles_for_hopper() -> None:
-    """The kernel as launched (bias, split-K, alpha/beta) compiles for sm_90 with the CUDA tiles."""
+    """The kernel as launched (bias, split-K, alpha/beta; parallel K pieces and the serial form)
+    compiles for sm_90 with the CUDA tiles."""
     x = _randn(5, 64, dtype=torch.bfloat16, seed=80)
     w = _randn(16, 64, dtype=torch.bfloat16, seed=81)
     b = _randn(16, dtype=torch.bfloat16, seed=82)
@@ -369,6 +517,11 @@ def test_matmul_kernel_compiles_for_hopper() -> None:
     with record_launches() as launches:
         linear(x, w, b, k_slices=2, config=cuda)
         matmul(x, w.t(), config=cuda)
-    assert {launch.name for launch in launches} == {"_matmul_kernel"}
+        linear(x.repeat(300, 1), w.repeat(32, 1), config=cuda)  # 12 x 4 tiles: the serial form
+        out = torch.empty((1, 5, 16), dtype=torch.bfloat16)
+        matmul_module._launch(x[None], w.t()[None], None, out, config=cuda, partials=False, scratch=True)
+    forms = {(launch.kwargs["PARTIALS"], launch.kwargs["SCRATCH"]) for launch in launches if "SCRATCH" in launch.kwargs}
+    assert forms == {(True, False), (False, False), (False, True)}
+    assert {launch.name for launch in launches} == {"_matmul_kernel", "_matmul_reduce_kernel"}
     for launch in launches:
         assert compile_launch(launch).asm["cubin"]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import os
 import shutil
 
@@ -12,7 +13,7 @@ import triton
 
 from samepath.kernels.compile_check import compile_launch, record_launches
 from samepath.kernels.config import OP_FORMULAS, RowReduceConfig
-from samepath.kernels.rms_norm import BWD_ROWS_PER_PROGRAM, rms_norm
+from samepath.kernels.rms_norm import norm_tiling, rms_norm
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 MANTISSA = {torch.float32: 23, torch.bfloat16: 7, torch.float16: 10}
@@ -205,40 +206,72 @@ def test_chunking_is_part_of_the_numerics(monkeypatch) -> None:
     assert not torch.equal(whole[0], _forward_backward(x, w, r, dy)[0])
 
 
-def test_backward_is_deterministic_and_dweight_order_is_fixed() -> None:
-    rows = 3 * BWD_ROWS_PER_PROGRAM + 5
-    x, w, r, dy = _inputs(rows, 1000, torch.float32, seed=7)
+def _dweight_run(x, w, r, dy):
+    xs, rs, ws = (t.clone().requires_grad_() for t in (x, r, w))
+    y, _ = rms_norm(xs, ws, EPS, residual=rs)
+    (y * dy).sum().backward()
+    return xs.grad, rs.grad, ws.grad
 
-    def grads():
-        xs, rs, ws = (t.clone().requires_grad_() for t in (x, r, w))
-        y, _ = rms_norm(xs, ws, EPS, residual=rs)
-        (y * dy).sum().backward()
-        return xs.grad, rs.grad, ws.grad
 
-    first, second = grads(), grads()
+def test_backward_is_deterministic_and_dweight_order_is_fixed(monkeypatch) -> None:
+    """dweight is a two-level reduction of a fixed shape: fp32 partials over groups of ``group``
+    rows (tiles of ``rows`` rows in ascending order, each tile's rows summed), then the partials
+    in ascending order."""
+    hidden = 1000
+    tiling = norm_tiling(hidden, 16384)
+    assert (tiling.rows, tiling.group) == (2, 128)
+    rows = 2 * tiling.group + 5
+    x, w, r, dy = _inputs(rows, hidden, torch.float32, seed=7)
+    first, second = _dweight_run(x, w, r, dy), _dweight_run(x, w, r, dy)
     for a, b in zip(first, second, strict=True):
         assert torch.equal(a, b)
-    # dweight is exactly: fp32 partials over blocks of BWD_ROWS_PER_PROGRAM rows, each summed in
-    # ascending row order, then the partials summed in ascending order.
     s = x + r
     n = s * torch.rsqrt(_interpreter_mean_square(s) + EPS)
     terms = dy * n
 
-    def serial(rows_in_order):
-        acc = torch.zeros(x.shape[1])
-        for i in rows_in_order:
-            acc = acc + terms[i]
+    def partial(group_rows: range) -> torch.Tensor:
+        acc = torch.zeros(hidden)
+        for start in range(group_rows.start, group_rows.stop, tiling.rows):
+            tile = terms[start : min(start + tiling.rows, group_rows.stop)]
+            acc = acc + (tile[0] + tile[1] if len(tile) == 2 else tile[0] + 0.0)
         return acc
 
-    blocks = [range(b, min(b + BWD_ROWS_PER_PROGRAM, rows)) for b in range(0, rows, BWD_ROWS_PER_PROGRAM)]
-    partials = [serial(block) for block in blocks]
-    expected = torch.zeros(x.shape[1])
-    for partial in partials:
-        expected = expected + partial
+    expected = torch.zeros(hidden)
+    for start in range(0, rows, tiling.group):
+        expected = expected + partial(range(start, min(start + tiling.group, rows)))
     assert torch.equal(first[2], expected)
-    # Negative control: the same terms summed in another order give other bits.
-    assert not torch.equal(first[2], serial(range(rows - 1, -1, -1)))
     assert _rel_err(first[2], terms.double().sum(0)) < 1e-5
+    # Negative controls: the same terms summed serially in another order, or with another group
+    # size, give other bits.
+    reverse = torch.zeros(hidden)
+    for i in range(rows - 1, -1, -1):
+        reverse = reverse + terms[i]
+    assert not torch.equal(first[2], reverse)
+    monkeypatch.setattr(importlib.import_module("samepath.kernels.rms_norm"), "GROUP_ELEMENTS", 16 * 1024)
+    other = _dweight_run(x, w, r, dy)
+    assert torch.equal(other[0], first[0]) and not torch.equal(other[2], first[2])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_head_dim_rows_share_a_program(dtype: torch.dtype) -> None:
+    """Qwen3's q/k norm (hidden 128): 16 rows per tile, 1024 per dweight partial. Rows alone equal
+    rows in a batch (forward and dx), the backward is deterministic and close to fp64."""
+    tiling = norm_tiling(128, 16384)
+    assert (tiling.rows, tiling.group) == (16, 1024)
+    x, w, r, dy = _inputs(1100, 128, dtype, seed=9)
+    y, s, dx, dw = _forward_backward(x, w, r, dy)
+    for rows in (slice(0, 1), slice(5, 22), slice(1090, 1100)):
+        alone = _forward_backward(x[rows], w, r[rows], dy[rows])
+        assert torch.equal(alone[0], y[rows]) and torch.equal(alone[1], s[rows]) and torch.equal(alone[2], dx[rows])
+    assert all(torch.equal(a, b) for a, b in zip((y, s, dx, dw), _forward_backward(x, w, r, dy), strict=True))
+    x64, r64, w64 = (t.double().requires_grad_() for t in (x, r, w))
+    exact = x64 + r64
+    s64 = exact + (exact.to(dtype).double() - exact).detach()
+    y64 = w64 * s64 * torch.rsqrt(s64.pow(2).mean(-1, keepdim=True) + EPS)
+    (y64 * dy.double()).sum().backward()
+    assert _rel_err(y, y64) <= TOLERANCE[dtype]
+    assert _rel_err(dx, x64.grad) <= 2 * TOLERANCE[dtype]
+    assert _rel_err(dw, w64.grad) <= 2 * TOLERANCE[dtype]
 
 
 def test_bad_input_names_the_argument() -> None:

@@ -91,6 +91,31 @@ def test_swiglu_equals_silu_mul_of_the_halves(dtype: torch.dtype) -> None:
     assert torch.equal(fused.grad, torch.cat([g.grad, u.grad], -1))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_strided_views_are_read_in_place_with_the_same_bits(dtype: torch.dtype) -> None:
+    """Column- and row-strided views (a transposed gate, every other column of up, an expanded
+    gradient) give the bits of contiguous copies, forward and backward."""
+    gate, up, dy = _inputs(9, 70, dtype, seed=3)
+    gate_t = gate.t().contiguous().t()  # column stride 9
+    up_wide = torch.zeros(9, 140, dtype=dtype)
+    up_wide[:, ::2] = up  # column stride 2
+    g1, u1 = gate.clone().requires_grad_(), up.clone().requires_grad_()
+    g2, u2 = gate_t.clone().t().contiguous().t().requires_grad_(), up_wide.clone().requires_grad_()
+    dy_row = dy[:1]
+    out1 = silu_mul(g1, u1)
+    out1.backward(dy_row.expand(9, 70).contiguous())
+    out2 = silu_mul(g2, u2[:, ::2])
+    out2.backward(dy_row.expand(9, 70))  # row stride 0
+    assert g2.stride() == (1, 9)
+    assert torch.equal(out1, out2)
+    assert torch.equal(g1.grad, g2.grad) and torch.equal(u1.grad, u2.grad[:, ::2])
+    assert not u2.grad[:, 1::2].any()
+    # negative control: the same comparison sees a one-element difference in the input
+    up_changed = up.clone()
+    up_changed[4, 33] = -up_changed[4, 33]
+    assert not torch.equal(silu_mul(gate, up_changed), out1.detach())
+
+
 @pytest.mark.parametrize("inter", [80, 1000])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_row_alone_equals_row_in_batch(dtype: torch.dtype, inter: int) -> None:
@@ -170,9 +195,10 @@ def test_kernels_compile_for_hopper() -> None:
     with record_launches() as launches:
         g = gate.clone().requires_grad_()
         silu_mul(g, up).backward(dy)
-    names = set()
+    variants = set()
     for launch in launches:
-        if launch.name not in names:
-            names.add(launch.name)
-            assert compile_launch(launch).asm["cubin"], launch.name
-    assert names == {"_silu_mul_fwd_kernel", "_silu_mul_bwd_kernel"}
+        variant = (launch.name, launch.kwargs["BACKWARD"])
+        if variant not in variants:
+            variants.add(variant)
+            assert compile_launch(launch).asm["cubin"], variant
+    assert variants == {("_silu_mul_kernel", False), ("_silu_mul_kernel", True)}

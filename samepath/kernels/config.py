@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import importlib
 import json
 from dataclasses import dataclass
 from typing import TypeVar
@@ -127,9 +126,13 @@ ATTENTION_TABLE: dict[tuple[str, str, int], AttentionConfig] = _attention_rows()
 class MatmulConfig:
     """Tiles of the batch-invariant matmul for one (device kind, dtype).
 
-    ``block_k`` and the serial, ascending K loop fix every output element's reduction order, so a
-    row of ``x @ w`` does not depend on the other rows (M). ``block_m`` / ``block_n`` are frozen
-    until a test proves them numerics-neutral.
+    ``block_k``, ``k_split`` and the ascending K loop fix every output element's reduction order,
+    so a row of ``x @ w`` does not depend on the other rows (M): K is cut into ``k_split`` pieces
+    (each a multiple of ``block_k``) for every M, each piece folded serially into its own fp32
+    partial, the partials added in piece order. A decode GEMM with few output tiles runs the pieces
+    as parallel programs, a large one serially per tile — the same sums either way.
+    ``group_m`` (rows of tiles that consecutive programs share) only orders the work: neutral.
+    ``block_m`` / ``block_n`` are frozen until a test proves them numerics-neutral.
     """
 
     block_m: int
@@ -137,6 +140,8 @@ class MatmulConfig:
     block_k: int
     num_warps: int = 4
     num_stages: int = 2
+    k_split: int = 1
+    group_m: int = 8
 
 
 @dataclass(frozen=True)
@@ -159,10 +164,13 @@ def _matmul_rows() -> dict[tuple[str, str], MatmulConfig]:
     rows: dict[tuple[str, str], MatmulConfig] = {}
     for dtype in SUPPORTED_DTYPES.values():
         rows["cpu", dtype] = MatmulConfig(block_m=16, block_n=32, block_k=32)
-        wide = dtype != "float32"
-        rows["cuda", dtype] = MatmulConfig(
-            block_m=64, block_n=64 if wide else 32, block_k=64 if wide else 32, num_warps=4, num_stages=3
-        )
+        # CUDA: 128x128x64 tiles in 8 warps (wgmma on Hopper); K in 4 pieces, so a decode GEMM
+        # (one row of output tiles) still fills the SMs. fp32 (IEEE, no tensor cores) keeps
+        # smaller tiles.
+        if dtype == "float32":
+            rows["cuda", dtype] = MatmulConfig(64, 64, 32, num_warps=4, num_stages=3, k_split=4)
+        else:
+            rows["cuda", dtype] = MatmulConfig(128, 128, 64, num_warps=8, num_stages=3, k_split=4)
         rows["npu", dtype] = MatmulConfig(block_m=64, block_n=64, block_k=64, num_warps=1, num_stages=1)
     return rows
 
@@ -194,7 +202,7 @@ def row_reduce_config(device: torch.device | str) -> RowReduceConfig:
 #: samepath.kernels.tuning before they are accepted, and never part of the fingerprint.
 NEUTRAL_PARAMS: dict[str, tuple[str, ...]] = {
     "attention": ("num_warps", "num_stages"),
-    "matmul": ("num_warps", "num_stages"),
+    "matmul": ("num_warps", "num_stages", "group_m"),
     "row_reduce": ("num_warps",),
 }
 _tuned: dict[tuple, dict[str, int]] = {}
@@ -260,9 +268,41 @@ def register_formula(op: str, flags: dict[str, str]) -> None:
     OP_FORMULAS[op] = dict(flags)
 
 
+#: How a tensor-parallel rollout of S ranks and the one-process trainer that reproduces it compute
+#: (``samepath.distributed`` runs it; the kernels are :mod:`samepath.kernels.matmul`'s
+#: ``k_slices`` and :mod:`samepath.kernels.logprobs`' vocabulary shards).
+DISTRIBUTED_FORMULA = {
+    "row_parallel": "fp32 partial per rank (matmul out_dtype=fp32), all_gather, partials summed in ascending "
+    "rank order in fp32 (first taken as is), bias after, one cast == matmul(k_slices=S)",
+    "column_parallel": "no reduction; all_gather concatenates the ranks' columns in rank order",
+    "vocab_parallel": "S equal contiguous vocab shards; per shard fp32 chunked online lse (chunks from the "
+    "shard's first column) and fp32 x[label]/T or -inf; merged in ascending shard order: "
+    "c = m == -inf ? 0 : m with m = max(lse, lse_s); lse = c + log(exp(lse - c) + exp(lse_s - c)); "
+    "logprob = zlab - lse",
+    "collective": "all_gather only; no all_reduce",
+    "row_parallel_backward": "no collective; dX_r = dY @ W_r, dW_r = dY^T @ X_r, db = 1^T @ dY, plain kernel",
+    "column_parallel_backward": "dX: fp32 partials dY_r @ W_r, all_gather, summed in ascending rank order in fp32, "
+    "one cast == matmul(dY, W, k_slices=S); dW_r = dY_r^T @ X, db_r = 1^T @ dY_r, plain kernel",
+    "vocab_parallel_backward": "no collective; per shard token_logprobs' backward kernel with the merged lse: "
+    "((onehot - exp(z - lse)) * g) / T, 0 for ignore_index rows",
+}
+register_formula("distributed", DISTRIBUTED_FORMULA)
+
+
+def tensor_parallel_numerics(tensor_parallel_size: int) -> dict[str, int]:
+    """The TP-dependent numerics constants for a rollout of TP degree ``S`` (the fingerprint's
+    ``tensor_parallel`` entry): the row-parallel ``k_slices``, the vocabulary shards of the
+    logprobs and the slices of the column-parallel input gradient, all ``S``. ``S = 1`` is the
+    unsharded schedule. A one-process trainer passes the ``S`` it runs ``k_slices`` with."""
+    if not isinstance(tensor_parallel_size, int) or isinstance(tensor_parallel_size, bool) or tensor_parallel_size < 1:
+        raise ValueError(f"tensor_parallel_size must be a positive int, got {tensor_parallel_size!r}")
+    size = tensor_parallel_size
+    return {"tensor_parallel_size": size, "k_slices": size, "vocab_shards": size, "grad_input_slices": size}
+
+
 def _table_payload() -> dict:
-    for module in ("samepath.kernels", "samepath.distributed"):  # each op registers its formula on import
-        importlib.import_module(module)
+    # Every op module registers its formula when imported; importing this module imported the
+    # samepath.kernels package, which imports them all.
     from samepath.ascendc_fallback.loader import backend_fingerprint
 
     return {
@@ -277,7 +317,7 @@ def _table_payload() -> dict:
 
 
 def _fingerprint_of(table: dict, tensor_parallel_size: int) -> str:
-    tensor_parallel = importlib.import_module("samepath.distributed").tensor_parallel_numerics(tensor_parallel_size)
+    tensor_parallel = tensor_parallel_numerics(tensor_parallel_size)
     payload = json.dumps({**table, "tensor_parallel": tensor_parallel}, sort_keys=True, separators=(",", ":"))
     return f"sp{NUMERICS_VERSION}-" + hashlib.sha256(payload.encode()).hexdigest()[:16]
 
@@ -286,7 +326,7 @@ def fingerprint(tensor_parallel_size: int = 1) -> str:
     """A short hash of every numerics-relevant constant. Equal strings mean equal schedules.
 
     ``tensor_parallel_size`` is the rollout's TP degree S: the matmul's K slices and the vocabulary
-    shards of the logprobs (``samepath.distributed.tensor_parallel_numerics``) are part of the
+    shards of the logprobs (:func:`tensor_parallel_numerics`) are part of the
     numerics, so a trainer that runs the S-slice kernels and a TP-S rollout compare equal."""
     return _fingerprint_of(_table_payload(), tensor_parallel_size)
 

@@ -6,7 +6,8 @@ items ``p, p + P, p + 2P, ...``, each one whole and in the same order of operati
 program would. The bits of a result therefore do not depend on ``P``, and the launcher may pick
 any ``1 <= P <= num_work``:
 
-* CPU (Triton's interpreter) and CUDA: ``P = num_work``, one item per program, as before.
+* CPU (Triton's interpreter) and CUDA: ``P = num_work``, one item per program; a launcher that
+  asks for a ``persistent`` grid gets ``P = min(num_work, SMs)`` on CUDA (the matmul).
 * Ascend NPU (Triton-Ascend): ``P = min(num_work, cores, 65535)``. Triton-Ascend refuses grids of
   more than 65535 programs and schedules extra programs in waves, so the grid is bound to the
   physical cores: ``num_aicore`` for kernels that use ``tl.dot`` (cube units), ``num_vectorcore``
@@ -67,14 +68,53 @@ def core_count(device: torch.device | str, *, uses_dot: bool) -> int:
     return aicore if uses_dot else vectorcore
 
 
-def num_programs(work_items: int, device: torch.device | str, *, uses_dot: bool = False) -> int:
+#: Streaming multiprocessors assumed for CUDA devices that cannot be queried (no GPU in this
+#: process, e.g. an ahead-of-time compile report): an H100 / H200 SXM.
+DEFAULT_CUDA_SMS = 132
+#: Programs the CPU interpreter is taken to run at once: it runs them one after the other, so
+#: this only decides which of two bit-identical forms a launcher picks (see matmul.uses_partials).
+CPU_CONCURRENT_PROGRAMS = 16
+
+
+@functools.cache
+def _cuda_sm_count(index: int | None) -> int:
+    if not torch.cuda.is_available():
+        return DEFAULT_CUDA_SMS
+    properties = torch.cuda.get_device_properties(torch.cuda.current_device() if index is None else index)
+    return properties.multi_processor_count
+
+
+def concurrent_programs(device: torch.device | str, *, uses_dot: bool = False) -> int:
+    """How many programs ``device`` runs at once: SMs on CUDA, the AI or vector cores on an NPU,
+    :data:`CPU_CONCURRENT_PROGRAMS` on the CPU. Launchers use it to pick between numerics-neutral
+    forms of a kernel, never to change a result."""
+    if isinstance(device, str):
+        device_type, _, index_text = device.partition(":")
+        index = int(index_text) if index_text else None
+    else:
+        device_type, index = device.type, device.index
+    kind = device_kind(device_type)
+    if kind == "cuda":
+        return _cuda_sm_count(index)
+    if kind == "npu":
+        return core_count(device, uses_dot=uses_dot)
+    return CPU_CONCURRENT_PROGRAMS
+
+
+def num_programs(
+    work_items: int, device: torch.device | str, *, uses_dot: bool = False, persistent: bool = False
+) -> int:
     """Programs to launch for ``work_items`` items of a persistent samepath kernel on ``device``.
 
-    ``work_items`` on CPU and CUDA; ``min(work_items, core_count(device), 65535)`` on an NPU
-    (``uses_dot`` picks the AI-core count, else the vector-core count). Results never depend on
-    the answer: every item is computed by exactly one program, the same way.
+    ``work_items`` on CPU and CUDA, except ``min(work_items, SMs)`` on CUDA when ``persistent``;
+    ``min(work_items, core_count(device), 65535)`` on an NPU (``uses_dot`` picks the AI-core count,
+    else the vector-core count). Results never depend on the answer: every item is computed by
+    exactly one program, the same way.
     """
     kind = device_kind(device.partition(":")[0] if isinstance(device, str) else device)
+    if kind == "cuda" and persistent:
+        _check_work_items(work_items)
+        return min(work_items, concurrent_programs(device, uses_dot=uses_dot))
     if kind != "npu":
         _check_work_items(work_items)
         return work_items

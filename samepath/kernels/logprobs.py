@@ -51,7 +51,7 @@ from samepath.kernels.config import (
     row_reduce_config,
 )
 from samepath.kernels.dispatch import SUPPORTED_DEVICE_TYPES, device_kind, jit
-from samepath.kernels.matmul import register_override
+from samepath.kernels.matmul import matmul, register_override
 
 #: The label value whose rows return 0 and get no gradient (PyTorch's and HF's convention).
 IGNORE_INDEX = -100
@@ -71,8 +71,17 @@ LOGPROBS_FORMULA = {
     "ignore_index": "rows labelled ignore_index return 0 (logprob and entropy) and get zero gradient",
     "backward": "fp32: ((onehot - p) * g_logprob - g_entropy * p * (log p + H)) / T, one cast to the logits dtype",
     "fp_fusion": "disabled",
+    "linear_logprobs": (
+        "hidden @ weight^T by samepath's matmul (the bits of linear(hidden, weight)) in fixed chunks of "
+        "token_chunk rows, each chunk's logits reduced as above; backward per chunk: dlogits by the "
+        "backward kernel, dhidden = dlogits @ weight, dweight = fp32 partials dlogits^T @ hidden summed "
+        "in ascending chunk order, one cast"
+    ),
 }
 register_formula("logprobs", LOGPROBS_FORMULA)
+
+#: Rows of hidden states whose logits exist at once in :func:`linear_token_logprobs`.
+LM_HEAD_TOKEN_CHUNK = 1024
 
 
 # ----------------------------------------------------------------------------------------------
@@ -97,10 +106,13 @@ def _div_rn_scalar(a, b):
 
 
 @jit
-def _row_lse(row_ptr, stride_v, V, temperature, CHUNK: tl.constexpr, ENTROPY: tl.constexpr):
-    """The fp32 online log-sum-exp of one row of ``x / T`` (and its entropy when ``ENTROPY``).
+def row_lse(row_ptr, stride_v, V, temperature, CHUNK: tl.constexpr, ENTROPY: tl.constexpr):
+    """``(lse, entropy)``: the fp32 online log-sum-exp of the ``V`` columns of one row of ``x / T``
+    (``row_ptr``, column stride ``stride_v``), folded in ``CHUNK``-column chunks in ascending order
+    from the row's first column, and its entropy when ``ENTROPY`` (else a value to ignore).
 
-    Shared by every kernel of this module, so all of them see the same lse bits.
+    The device function of the contract: every kernel that needs a row's lse calls it (this
+    module's and the vocabulary shards' of :mod:`samepath.distributed`), so all see the same bits.
     """
     offs = tl.arange(0, CHUNK)
     m = tl.full([], float("-inf"), tl.float32)
@@ -147,7 +159,7 @@ def _token_logprobs_fwd_kernel(
     for row in range(tl.program_id(0), num_rows, tl.num_programs(0)):
         label = tl.load(Labels + row).to(tl.int64)
         row_ptr = X + tl.load(row_offsets + row)
-        lse, entropy = _row_lse(row_ptr, stride_v, V, temperature, CHUNK, ENTROPY)
+        lse, entropy = row_lse(row_ptr, stride_v, V, temperature, CHUNK, ENTROPY)
         # An out-of-range label (only possible with validate=False) gives NaN, never a wild read.
         in_range = (label >= 0) & (label < V)
         # The label's x / T as the one live lane of a 16-lane vector (x + 0 + ... is exactly x):
@@ -242,7 +254,7 @@ def _log_softmax_fwd_kernel(
 ):
     for row in range(tl.program_id(0), num_rows, tl.num_programs(0)):
         row_ptr = X + tl.load(row_offsets + row)
-        lse, _ = _row_lse(row_ptr, stride_v, V, temperature, CHUNK, False)
+        lse, _ = row_lse(row_ptr, stride_v, V, temperature, CHUNK, False)
         tl.store(Lse + row, lse)
         out_row = Out + tl.cast(row, tl.int64) * V
         offs = tl.arange(0, CHUNK)
@@ -290,9 +302,10 @@ def _log_softmax_bwd_kernel(
 # ----------------------------------------------------------------------------------------------
 
 
-def _row_offsets(logits: torch.Tensor) -> torch.Tensor:
-    """int64 element offset of each row ``logits[i, j, ..., :]``, flattened: any leading strides
-    (e.g. ``logits[:, :-1]``) without copying the logits."""
+def row_offsets(logits: torch.Tensor) -> torch.Tensor:
+    """int64 element offset of each row ``logits[i, j, ..., :]``, flattened in row-major order of
+    the leading dimensions: how the kernels address rows of any leading strides (e.g.
+    ``logits[:, :-1]``) without copying the logits."""
     lead = logits.shape[:-1]
     offsets = torch.zeros(lead, dtype=torch.int64, device=logits.device)
     for dim, (size, stride) in enumerate(zip(lead, logits.stride()[:-1], strict=True)):
@@ -341,7 +354,23 @@ def _token_forward(logits, labels_flat, offsets, temperature, ignore_index, entr
     return logprob, ent, lse
 
 
-def _token_backward(logits, labels_flat, offsets, lse, ent, grad_lp, grad_h, temperature, ignore_index, config):
+def token_logprobs_backward(
+    logits: torch.Tensor,
+    labels_flat: torch.Tensor,
+    offsets: torch.Tensor,
+    lse: torch.Tensor,
+    ent: torch.Tensor | None,
+    grad_lp: torch.Tensor | None,
+    grad_h: torch.Tensor | None,
+    temperature: float,
+    ignore_index: int | None,
+    config: RowReduceConfig,
+) -> torch.Tensor:
+    """``d/d logits`` of the token logprobs (and entropy) of rows whose fp32 ``lse`` (``[rows]``)
+    is given: ``((onehot(label) - p) * g_lp - g_h * p * (log p + H)) / T`` with ``p = exp(z - lse)``,
+    in ``logits.dtype``, 0 for rows labelled ``ignore_index``. A label outside ``[0, V)`` adds no
+    one-hot term (a vocabulary shard's rows whose label another shard holds). Rows are addressed
+    through ``offsets`` (:func:`row_offsets`); inputs are not validated."""
     rows, vocab = labels_flat.numel(), logits.shape[-1]
     dx = torch.empty((*logits.shape[:-1], vocab), dtype=logits.dtype, device=logits.device)
     if rows == 0:
@@ -428,7 +457,7 @@ class TokenLogprobsFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, logits, labels_flat, temperature, ignore_index, entropy, config):  # type: ignore[override]
-        offsets = _row_offsets(logits)
+        offsets = row_offsets(logits)
         logprob, ent, lse = _token_forward(logits, labels_flat, offsets, temperature, ignore_index, entropy, config)
         ctx.set_materialize_grads(False)
         ctx.save_for_backward(logits, labels_flat, offsets, lse, ent)
@@ -443,7 +472,7 @@ class TokenLogprobsFunction(torch.autograd.Function):
         logits, labels_flat, offsets, lse, ent = ctx.saved_tensors
         if grad_lp is None and grad_h is None:
             return None, None, None, None, None, None
-        dx = _token_backward(
+        dx = token_logprobs_backward(
             logits,
             labels_flat,
             offsets,
@@ -463,7 +492,7 @@ class LogSoftmaxFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, logits, temperature, config):  # type: ignore[override]
-        offsets = _row_offsets(logits)
+        offsets = row_offsets(logits)
         out, lse = _log_softmax_forward(logits, offsets, temperature, config)
         ctx.save_for_backward(logits, offsets, lse)
         ctx.temperature, ctx.config = temperature, config
@@ -480,7 +509,8 @@ class LogSoftmaxFunction(torch.autograd.Function):
 # ----------------------------------------------------------------------------------------------
 
 
-def _check_logits(logits: torch.Tensor, name: str = "logits") -> None:
+def check_logits(logits: torch.Tensor, name: str = "logits") -> None:
+    """``ValueError`` naming ``name`` unless ``logits`` is a ``[..., V]`` tensor the kernels take."""
     if not isinstance(logits, torch.Tensor) or logits.dim() < 1:
         raise ValueError(f"{name} must be a tensor [..., vocab] with at least one dimension")
     dtype_name(logits.dtype, f"{name}.dtype")
@@ -496,7 +526,9 @@ def _check_logits(logits: torch.Tensor, name: str = "logits") -> None:
 MIN_TEMPERATURE = 1e-5
 
 
-def _check_temperature(temperature: float) -> float:
+def check_temperature(temperature: float) -> float:
+    """The temperature as a Python float; ``ValueError`` unless finite and at least
+    :data:`MIN_TEMPERATURE` (also in fp32)."""
     if isinstance(temperature, bool) or not isinstance(temperature, (int, float)):
         raise ValueError(f"temperature must be a positive finite float, got {temperature!r}")
     value = float(temperature)
@@ -508,10 +540,41 @@ def _check_temperature(temperature: float) -> float:
     return value
 
 
-def _check_config(config: RowReduceConfig | None, device: torch.device) -> RowReduceConfig:
+def resolve_config(config: RowReduceConfig | None, device: torch.device) -> RowReduceConfig:
+    """``config``, or the frozen row-reduction config of ``device`` when ``None``; ``ValueError``
+    if its ``vocab_chunk`` is not a power of two >= 16."""
     cfg = config if config is not None else row_reduce_config(device)
     _chunk(cfg)
     return cfg
+
+
+def check_labels(
+    labels: torch.Tensor, logits: torch.Tensor, vocab: int, ignore_index: int | None, *, validate: bool = True
+) -> None:
+    """``ValueError`` unless ``labels`` is an int32/int64 tensor of ``logits.shape[:-1]`` on the
+    logits' device whose values (when ``validate``: a device-to-host copy) are in ``[0, vocab)`` or
+    ``ignore_index`` (an int or ``None``). ``vocab`` is the whole vocabulary, also for a shard."""
+    if not isinstance(labels, torch.Tensor) or labels.dtype not in (torch.int32, torch.int64):
+        got = labels.dtype if isinstance(labels, torch.Tensor) else type(labels).__name__
+        raise ValueError(f"labels must be an int32/int64 tensor, got {got}")
+    if labels.shape != logits.shape[:-1]:
+        raise ValueError(
+            f"labels shape {tuple(labels.shape)} must equal logits.shape[:-1] = {tuple(logits.shape[:-1])}"
+        )
+    if labels.device != logits.device:
+        raise ValueError(f"labels is on {labels.device}, expected {logits.device} (the logits' device)")
+    if ignore_index is not None and (isinstance(ignore_index, bool) or not isinstance(ignore_index, int)):
+        raise ValueError(f"ignore_index must be an int or None, got {ignore_index!r}")
+    if validate and labels.numel():
+        values = labels.detach().cpu().to(torch.int64)
+        bad = (values < 0) | (values >= vocab)
+        if ignore_index is not None:
+            bad &= values != ignore_index
+        if bad.any():
+            first = int(values[bad][0])
+            raise ValueError(
+                f"labels hold values outside [0, {vocab}) (e.g. {first}) that are not ignore_index={ignore_index}"
+            )
 
 
 def token_logprobs(
@@ -547,36 +610,130 @@ def token_logprobs(
         row and equal ``log_softmax(logits, temperature).gather(-1, label)`` bitwise.
         Differentiable in ``logits`` (gradient in ``logits.dtype``, deterministic).
     """
-    _check_logits(logits)
-    if not isinstance(labels, torch.Tensor) or labels.dtype not in (torch.int32, torch.int64):
-        got = labels.dtype if isinstance(labels, torch.Tensor) else type(labels).__name__
-        raise ValueError(f"labels must be an int32/int64 tensor, got {got}")
-    if labels.shape != logits.shape[:-1]:
-        raise ValueError(
-            f"labels shape {tuple(labels.shape)} must equal logits.shape[:-1] = {tuple(logits.shape[:-1])}"
-        )
-    if labels.device != logits.device:
-        raise ValueError(f"labels is on {labels.device}, expected {logits.device} (the logits' device)")
-    temperature = _check_temperature(temperature)
-    if ignore_index is not None and (isinstance(ignore_index, bool) or not isinstance(ignore_index, int)):
-        raise ValueError(f"ignore_index must be an int or None, got {ignore_index!r}")
-    cfg = _check_config(config, logits.device)
-    vocab = logits.shape[-1]
-    if validate and labels.numel():
-        values = labels.detach().cpu().to(torch.int64)
-        bad = (values < 0) | (values >= vocab)
-        if ignore_index is not None:
-            bad &= values != ignore_index
-        if bad.any():
-            first = int(values[bad][0])
-            raise ValueError(
-                f"labels hold values outside [0, {vocab}) (e.g. {first}) that are not ignore_index={ignore_index}"
-            )
+    check_logits(logits)
+    temperature = check_temperature(temperature)
+    check_labels(labels, logits, logits.shape[-1], ignore_index, validate=validate)
+    cfg = resolve_config(config, logits.device)
     labels_flat = labels.reshape(-1).contiguous()
     logprob, entropy = TokenLogprobsFunction.apply(logits, labels_flat, temperature, ignore_index, return_entropy, cfg)
     if return_entropy:
         return logprob, entropy
     return logprob
+
+
+class LinearTokenLogprobsFunction(torch.autograd.Function):
+    """Autograd for :func:`linear_token_logprobs`: logits exist one token chunk at a time, in the
+    forward and again (recomputed) in the backward."""
+
+    @staticmethod
+    def forward(ctx, hidden2d, weight, labels_flat, temperature, ignore_index, entropy, config, chunk):  # type: ignore[override]
+        outs = []
+        for start in range(0, hidden2d.shape[0], chunk):
+            logits = matmul(hidden2d[start : start + chunk], weight.t())
+            labels = labels_flat[start : start + chunk]
+            outs.append(_token_forward(logits, labels, row_offsets(logits), temperature, ignore_index, entropy, config))
+        rows = hidden2d.shape[0]
+        device = hidden2d.device
+        logprob = torch.cat([o[0] for o in outs]) if outs else torch.empty(0, dtype=torch.float32, device=device)
+        lse = torch.cat([o[2] for o in outs]) if outs else torch.empty(0, dtype=torch.float32, device=device)
+        ent = torch.cat([o[1] for o in outs]) if entropy and outs else None
+        if entropy and ent is None:
+            ent = torch.empty(rows, dtype=torch.float32, device=device)
+        ctx.set_materialize_grads(False)
+        ctx.save_for_backward(hidden2d, weight, labels_flat, lse, ent)
+        ctx.temperature, ctx.ignore_index, ctx.config, ctx.chunk = temperature, ignore_index, config, chunk
+        return logprob, ent
+
+    @staticmethod
+    def backward(ctx, grad_lp, grad_h):  # type: ignore[override]
+        hidden2d, weight, labels_flat, lse, ent = ctx.saved_tensors
+        none = (None,) * 6
+        if grad_lp is None and (grad_h is None or ent is None):
+            return None, None, *none
+        grad_hidden = torch.empty_like(hidden2d, memory_format=torch.contiguous_format)
+        grad_weight = None
+        for start in range(0, hidden2d.shape[0], ctx.chunk):
+            part = slice(start, start + ctx.chunk)
+            rows = hidden2d[part]
+            logits = matmul(rows, weight.t())
+            dlogits = token_logprobs_backward(
+                logits,
+                labels_flat[part],
+                row_offsets(logits),
+                lse[part],
+                ent[part] if ent is not None else None,
+                grad_lp[part] if grad_lp is not None else None,
+                grad_h[part] if grad_h is not None and ent is not None else None,
+                ctx.temperature,
+                ctx.ignore_index,
+                ctx.config,
+            )
+            grad_hidden[part] = matmul(dlogits, weight)
+            partial = matmul(dlogits.t(), rows, out_dtype=torch.float32)
+            grad_weight = partial if grad_weight is None else grad_weight + partial
+        if grad_weight is None:
+            grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+        return grad_hidden, grad_weight.to(weight.dtype), *none
+
+
+def linear_token_logprobs(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    temperature: float = 1.0,
+    *,
+    return_entropy: bool = False,
+    ignore_index: int | None = IGNORE_INDEX,
+    config: RowReduceConfig | None = None,
+    token_chunk: int = LM_HEAD_TOKEN_CHUNK,
+    validate: bool = True,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """``token_logprobs(linear(hidden, weight), labels, temperature)`` without ``[tokens, vocab]``
+    logits: the lm_head and the logprobs fused over fixed chunks of ``token_chunk`` rows.
+
+    Bit-identical (logprobs and entropy) to ``token_logprobs(samepath.linear(hidden, weight), ...)``
+    — what a rollout that materialises its logits computes — because every logits row is
+    samepath's batch-invariant matmul row and every logprob row is reduced alone. Only
+    ``[token_chunk, vocab]`` logits exist at a time (recomputed in the backward).
+
+    Args:
+        hidden: ``[..., H]`` hidden states (float32 / bfloat16 / float16).
+        weight: ``[V, H]`` lm_head weight, same dtype and device.
+        labels, temperature, return_entropy, ignore_index, config, validate: as
+            :func:`token_logprobs`.
+        token_chunk: rows per chunk (a positive int).
+
+    Returns:
+        fp32 ``[...]`` logprobs (and entropy). Differentiable in ``hidden`` and ``weight``:
+        ``d hidden`` equals the unfused backward's bit for bit (each row is ``dlogits @ weight``);
+        ``d weight`` sums fp32 per-chunk partials in ascending chunk order (deterministic; other
+        bits than the unfused ``dlogits^T @ hidden``, which folds all tokens in one K loop).
+    """
+    if not isinstance(hidden, torch.Tensor) or hidden.dim() < 1:
+        raise ValueError("hidden must be a tensor [..., H] with at least one dimension")
+    if not isinstance(weight, torch.Tensor) or weight.dim() != 2 or weight.shape[1] != hidden.shape[-1]:
+        got = tuple(weight.shape) if isinstance(weight, torch.Tensor) else type(weight).__name__
+        raise ValueError(f"weight must be [V, H] with H = hidden.shape[-1] = {hidden.shape[-1]}, got {got}")
+    dtype_name(hidden.dtype, "hidden.dtype")
+    check_logits(weight.t(), "weight")
+    if weight.dtype != hidden.dtype or weight.device != hidden.device:
+        raise ValueError(
+            f"weight ({weight.dtype}, {weight.device}) must match hidden ({hidden.dtype}, {hidden.device})"
+        )
+    if isinstance(token_chunk, bool) or not isinstance(token_chunk, int) or token_chunk < 1:
+        raise ValueError(f"token_chunk must be a positive int, got {token_chunk!r}")
+    temperature = check_temperature(temperature)
+    check_labels(labels, hidden, weight.shape[0], ignore_index, validate=validate)
+    cfg = resolve_config(config, hidden.device)
+    lead = hidden.shape[:-1]
+    hidden2d = hidden.reshape(-1, hidden.shape[-1])
+    labels_flat = labels.reshape(-1).contiguous()
+    logprob, entropy = LinearTokenLogprobsFunction.apply(
+        hidden2d, weight, labels_flat, temperature, ignore_index, return_entropy, cfg, token_chunk
+    )
+    if return_entropy:
+        return logprob.reshape(lead), entropy.reshape(lead)
+    return logprob.reshape(lead)
 
 
 def log_softmax(
@@ -591,9 +748,9 @@ def log_softmax(
     equals ``token_logprobs(x, l, T)`` bitwise. Returns ``[..., V]`` fp32; differentiable in
     ``logits`` (gradient in ``logits.dtype``, deterministic).
     """
-    _check_logits(logits)
-    temperature = _check_temperature(temperature)
-    cfg = _check_config(config, logits.device)
+    check_logits(logits)
+    temperature = check_temperature(temperature)
+    cfg = resolve_config(config, logits.device)
     return LogSoftmaxFunction.apply(logits, temperature, cfg)
 
 
@@ -611,10 +768,10 @@ def _log_softmax(input: torch.Tensor, dim: int, half_to_float: bool) -> torch.Te
     if dim not in (-1, ndim - 1):
         raise ValueError(f"dim must be the last dimension (-1 or {ndim - 1}) for samepath's log_softmax, got {dim}")
     logits = input.reshape(1) if input.dim() == 0 else input
-    _check_logits(logits, "input")
+    check_logits(logits, "input")
     cfg = row_reduce_config(logits.device)
     with torch.no_grad():
-        out, _ = _log_softmax_forward(logits, _row_offsets(logits), 1.0, cfg)
+        out, _ = _log_softmax_forward(logits, row_offsets(logits), 1.0, cfg)
     if not half_to_float:
         out = out.to(input.dtype)
     return out.reshape(input.shape)
@@ -637,4 +794,18 @@ def _log_softmax_override(input: torch.Tensor, dim: int, half_to_float: bool) ->
 
 register_override("_log_softmax", _log_softmax_override)
 
-__all__ = ["IGNORE_INDEX", "LOGPROBS_FORMULA", "log_softmax", "token_logprobs"]
+__all__ = [
+    "IGNORE_INDEX",
+    "LM_HEAD_TOKEN_CHUNK",
+    "LOGPROBS_FORMULA",
+    "check_labels",
+    "check_logits",
+    "check_temperature",
+    "linear_token_logprobs",
+    "log_softmax",
+    "resolve_config",
+    "row_lse",
+    "row_offsets",
+    "token_logprobs",
+    "token_logprobs_backward",
+]

@@ -1,26 +1,34 @@
 """Batch-invariant matmul and linear: a row of ``x @ w`` does not depend on the other rows.
 
 Contract (docs/numerics.md, "the rest of the model"): every output element ``c[i, j]`` is the fp32
-sum of ``a[i, k] * b[k, j]`` folded in tiles of a fixed ``block_k``, in ascending K order, serially,
-by one program per ``[block_m, block_n]`` output tile::
+sum of ``a[i, k] * b[k, j]`` in one fixed order. K is cut into ``k_split`` pieces (frozen per
+device kind; ``piece = ceil(K / k_split)`` rounded up to ``block_k``), the same for every M::
 
-    acc = 0 (fp32)
-    for k0 in 0, block_k, 2 * block_k, ...:          # serial, ascending; no split-K
-        acc = tl.dot(a[tile, k0:k0 + block_k], b[k0:k0 + block_k, tile], acc)   # ieee fp32
-    acc = acc * alpha (fp32, only when alpha != 1)
-    acc = acc + beta * bias (fp32, after the loop)
-    c = acc.to(out dtype)                              # the one cast
+    for p in 0 .. k_split - 1:                          # pieces
+        acc_p = 0 (fp32)
+        for k0 in p * piece, + block_k, ... < min((p + 1) * piece, K):    # serial, ascending
+            acc_p = tl.dot(a[tile, k0:k0 + block_k], b[k0:k0 + block_k, tile], acc_p)   # ieee fp32
+    total = acc_0 + acc_1 + ... + acc_{k_split - 1}     # fp32, in piece order
+    total = total * alpha (fp32, only when alpha != 1)
+    total = total + beta * bias (fp32, after the loop)
+    c = total.to(out dtype)                             # the one cast
 
 Out-of-range rows, columns and K positions are loaded as 0. A row is always multiplied inside a
 full ``[block_m, block_k]`` tile, whether it is alone (M = 1, decode) or one of thousands
 (training), so its bits don't depend on M, the batch, or where in the batch it sits.
 
+How the work is spread never changes a bit: output tiles are numbered in ``group_m`` swizzled
+groups and taken by a persistent grid (CUDA: one program per SM; Ascend: per AI core); when a
+launch has fewer output tiles than the device has cores (decode GEMMs), each piece of each tile
+is its own program writing an fp32 partial, and a second kernel adds the partials in piece order
+(:func:`uses_partials`) — the same sums as one program computing the pieces in turn.
+
 Public functions:
 
 * :func:`matmul` — ``a [M, K] @ b [K, N]`` (any strides), optionally with ``k_slices=S``: the
-  serial split-K a row-parallel tensor-parallel layer of S shards computes (K cut into S equal
-  contiguous slices, each reduced by the loop above into its own fp32 partial, partials summed in
-  ascending slice order in fp32, then one cast). An unsharded trainer calling
+  split-K a row-parallel tensor-parallel layer of S shards computes (K cut into S equal
+  contiguous slices, each reduced by the pieces above into its own fp32 partial, partials summed
+  in ascending slice order in fp32, then one cast). An unsharded trainer calling
   ``matmul(x, w, k_slices=S)`` gets the bits of a TP-S rollout whose shards each compute
   ``matmul(x_s, w_s, out_dtype=torch.float32)`` and whose reduction adds the fp32 partials in rank
   order before casting.
@@ -55,14 +63,18 @@ from samepath.kernels.dispatch import jit
 DOT_PRECISION = "ieee"
 
 MATMUL_FORMULA = {
-    "tiles": "one program per [block_m, block_n] output tile; block_k fixed by the frozen table",
-    "k_loop": "serial, ascending K tiles of block_k, no split-K; out-of-range K loaded as 0",
+    "tiles": "[block_m, block_n] output tiles; block_k and k_split fixed by the frozen table",
+    "k_loop": "K (each TP slice of it) cut into k_split pieces of ceil(K / k_split) rounded up to block_k "
+    "columns (the last shorter or empty), for every M; each piece folded in ascending block_k tiles into "
+    "its own fp32 accumulator starting at 0; out-of-range K loaded as 0",
+    "k_pieces": "a slice's piece partials added in piece order in fp32 (the first taken as is), serially in "
+    "one program or as parallel programs whose fp32 partials one reduction kernel adds in the same order",
     "accumulator": "fp32, tl.dot(a, b, acc), ieee fp32 dot for fp32 inputs",
     "alpha_beta": "acc * alpha then + beta * bias, both in fp32, only where not 1 (torch.addmm)",
     "bias": "widened to fp32 and added after the K loop",
     "cast": "one cast of the fp32 result to the output dtype",
     "split_k": "only on request (k_slices=S, K % S == 0): S equal contiguous K slices, each "
-    "reduced by the same block_k loop into its own fp32 partial, partials summed in ascending "
+    "reduced by the same pieces into its own fp32 partial, partials summed in ascending "
     "slice order in fp32 (the first partial taken as is), then bias and one cast",
     "linear_backward": "dX = dY @ W, dW = dY^T @ X, db = ones^T @ dY, all through the same kernel",
     "fp_fusion": "disabled",
@@ -76,15 +88,111 @@ register_formula("matmul", MATMUL_FORMULA)
 
 
 @jit
+def _tile_of(work, tiles_m, tiles_n, GROUP_M: tl.constexpr):
+    """``(pid_m, pid_n, rest)`` of work item ``work``: output tiles numbered in groups of GROUP_M
+    tile rows (column by column inside a group, so programs running together share operand tiles),
+    ``rest`` the index of the batch (and K piece) above them. Only which program computes which
+    tile depends on this, never a bit of a result."""
+    tiles = tiles_m * tiles_n
+    tile = work % tiles
+    per_group = GROUP_M * tiles_n
+    first_m = (tile // per_group) * GROUP_M
+    rows_in_group = tl.minimum(tiles_m - first_m, GROUP_M)
+    pid_m = first_m + (tile % per_group) % rows_in_group
+    pid_n = (tile % per_group) // rows_in_group
+    return pid_m, pid_n, work // tiles
+
+
+@jit
+def _k_piece(
+    a_rows,
+    b_cols,
+    m_valid,
+    n_valid,
+    piece,
+    slice_k,
+    piece_k,
+    stride_ak,
+    stride_bk,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    K_SPLIT: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """The fp32 partial of K piece ``piece`` (slice ``piece // K_SPLIT``, part ``piece % K_SPLIT``
+    of it): columns ``[lo, hi)`` of the slice, ``lo = part * piece_k``, folded from ``lo`` in
+    ascending BLOCK_K tiles into an accumulator that starts at 0."""
+    offs_k = tl.arange(0, BLOCK_K)
+    k_begin = (piece // K_SPLIT) * slice_k
+    lo = (piece % K_SPLIT) * piece_k
+    hi = tl.minimum(lo + piece_k, slice_k)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(lo, hi, BLOCK_K):
+        k_in_slice = k0 + offs_k
+        k_valid = k_in_slice < hi
+        k_index = (k_begin + k_in_slice).to(tl.int64)
+        a = tl.load(a_rows + k_index[None, :] * stride_ak, mask=m_valid[:, None] & k_valid[None, :], other=0.0)
+        b = tl.load(b_cols + k_index[:, None] * stride_bk, mask=k_valid[:, None] & n_valid[None, :], other=0.0)
+        acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
+    return acc
+
+
+@jit
+def _epilogue(
+    total,
+    C,
+    Bias,
+    batch,
+    rows,
+    cols,
+    m_valid,
+    n_valid,
+    alpha,
+    beta,
+    stride_c_batch,
+    stride_cm,
+    stride_cn,
+    stride_bias_batch,
+    stride_bias_m,
+    stride_bias_n,
+    HAS_BIAS: tl.constexpr,
+    SCALE_ACC: tl.constexpr,
+    SCALE_BIAS: tl.constexpr,
+):
+    """``alpha * total + beta * bias`` in fp32 (each only where not 1 / absent), one cast, store."""
+    if SCALE_ACC:
+        total = total * alpha
+    out_mask = m_valid[:, None] & n_valid[None, :]
+    if HAS_BIAS:
+        bias = tl.load(
+            Bias + batch * stride_bias_batch + rows[:, None] * stride_bias_m + cols[None, :] * stride_bias_n,
+            mask=out_mask,
+            other=0.0,
+        ).to(tl.float32)
+        if SCALE_BIAS:
+            bias = bias * beta
+        total = total + bias
+    tl.store(
+        C + batch * stride_c_batch + rows[:, None] * stride_cm + cols[None, :] * stride_cn,
+        total.to(C.dtype.element_ty),
+        mask=out_mask,
+    )
+
+
+@jit
 def _matmul_kernel(
     A,
     B,
     C,
     Bias,
+    Partial,
+    Scratch,
     batch_count,
     M,
     N,
     slice_k,
+    piece_k,
     alpha,
     beta,
     stride_a_batch,
@@ -103,67 +211,161 @@ def _matmul_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     K_SLICES: tl.constexpr,
+    K_SPLIT: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    PARTIALS: tl.constexpr,
+    SCRATCH: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     SCALE_ACC: tl.constexpr,
     SCALE_BIAS: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
-    """C[b] = alpha * (A[b] @ B[b]) + beta * Bias[b], one [BLOCK_M, BLOCK_N] tile of one batch at a time.
+    """C[b] = alpha * (A[b] @ B[b]) + beta * Bias[b], one [BLOCK_M, BLOCK_N] tile at a time.
 
-    K is ``K_SLICES * slice_k``; each slice is folded in ascending BLOCK_K tiles starting at the
-    slice's first column into its own fp32 partial, and the partials are added in slice order.
+    K is ``K_SLICES * slice_k``; each slice is cut into ``K_SPLIT`` pieces of ``piece_k`` columns
+    (a multiple of BLOCK_K; the last may be shorter or empty), each folded by :func:`_k_piece` into
+    its own fp32 partial. The partials of a slice are added in piece order, the slices' sums in
+    slice order (the first of each taken as is).
+
+    ``PARTIALS``: a work item is one piece of one tile, whose fp32 partial is stored to
+    ``Partial[piece, batch, m, n]`` for :func:`_matmul_reduce_kernel` to add in the same order —
+    the parallel form of the same sums, for grids with fewer tiles than the device has cores.
     """
-    # Work item: one output tile, M tiles fastest, then N tiles, then the batch.
     tiles_m = tl.cdiv(M, BLOCK_M)
     tiles_n = tl.cdiv(N, BLOCK_N)
-    for work in range(tl.program_id(0), batch_count * tiles_m * tiles_n, tl.num_programs(0)):
-        pid_m = work % tiles_m
-        pid_n = (work // tiles_m) % tiles_n
-        batch = tl.cast(work // (tiles_m * tiles_n), tl.int64)
-
+    work_items = batch_count * tiles_m * tiles_n
+    if PARTIALS:
+        work_items = work_items * (K_SLICES * K_SPLIT)
+    for work in range(tl.program_id(0), work_items, tl.num_programs(0)):
+        pid_m, pid_n, rest = _tile_of(work, tiles_m, tiles_n, GROUP_M)
+        batch = tl.cast(rest % batch_count, tl.int64)
         offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        offs_k = tl.arange(0, BLOCK_K)
         m_valid = offs_m < M
         n_valid = offs_n < N
         rows = offs_m.to(tl.int64)
         cols = offs_n.to(tl.int64)
         a_rows = A + batch * stride_a_batch + rows[:, None] * stride_am
         b_cols = B + batch * stride_b_batch + cols[None, :] * stride_bn
+        if PARTIALS:
+            piece = rest // batch_count
+            acc = _k_piece(
+                a_rows, b_cols, m_valid, n_valid, piece, slice_k, piece_k, stride_ak, stride_bk,
+                BLOCK_M, BLOCK_N, BLOCK_K, K_SPLIT, DOT_PRECISION,
+            )  # fmt: skip
+            plane = (tl.cast(piece, tl.int64) * batch_count + batch) * M
+            tl.store(
+                Partial + (plane + rows[:, None]) * N + cols[None, :], acc, mask=m_valid[:, None] & n_valid[None, :]
+            )
+        elif SCRATCH:
+            # The serial form with one live accumulator: the running sum of a slice's pieces
+            # (plane 0) and of the slices (plane 1) wait in this program's fp32 scratch tile while
+            # the next piece's K loop runs (stored and reloaded exactly; the same adds as below).
+            at = (
+                Scratch
+                + ((tl.program_id(0) * 2) * BLOCK_M + tl.arange(0, BLOCK_M)[:, None]) * BLOCK_N
+                + tl.arange(0, BLOCK_N)[None, :]
+            )
+            slices_plane = at + BLOCK_M * BLOCK_N
+            for piece in range(0, K_SLICES * K_SPLIT):
+                acc = _k_piece(
+                    a_rows, b_cols, m_valid, n_valid, piece, slice_k, piece_k, stride_ak, stride_bk,
+                    BLOCK_M, BLOCK_N, BLOCK_K, K_SPLIT, DOT_PRECISION,
+                )  # fmt: skip
+                if piece % K_SPLIT > 0:
+                    acc = tl.load(at) + acc
+                if piece % K_SPLIT < K_SPLIT - 1:
+                    tl.store(at, acc)
+                else:
+                    if piece >= K_SPLIT:
+                        acc = tl.load(slices_plane) + acc
+                    tl.store(slices_plane, acc)
+                tl.debug_barrier()
+            total = tl.load(slices_plane)
+            tl.debug_barrier()
+            _epilogue(
+                total, C, Bias, batch, rows, cols, m_valid, n_valid, alpha, beta,
+                stride_c_batch, stride_cm, stride_cn, stride_bias_batch, stride_bias_m, stride_bias_n,
+                HAS_BIAS, SCALE_ACC, SCALE_BIAS,
+            )  # fmt: skip
+        else:
+            total = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+            for s in tl.static_range(K_SLICES):
+                slice_total = _k_piece(
+                    a_rows, b_cols, m_valid, n_valid, s * K_SPLIT, slice_k, piece_k, stride_ak, stride_bk,
+                    BLOCK_M, BLOCK_N, BLOCK_K, K_SPLIT, DOT_PRECISION,
+                )  # fmt: skip
+                for part in tl.static_range(1, K_SPLIT):
+                    slice_total = slice_total + _k_piece(
+                        a_rows, b_cols, m_valid, n_valid, s * K_SPLIT + part, slice_k, piece_k, stride_ak, stride_bk,
+                        BLOCK_M, BLOCK_N, BLOCK_K, K_SPLIT, DOT_PRECISION,
+                    )  # fmt: skip
+                if s == 0:
+                    total = slice_total
+                else:
+                    total = total + slice_total
+            _epilogue(
+                total, C, Bias, batch, rows, cols, m_valid, n_valid, alpha, beta,
+                stride_c_batch, stride_cm, stride_cn, stride_bias_batch, stride_bias_m, stride_bias_n,
+                HAS_BIAS, SCALE_ACC, SCALE_BIAS,
+            )  # fmt: skip
 
+
+@jit
+def _matmul_reduce_kernel(
+    Partial,
+    C,
+    Bias,
+    batch_count,
+    M,
+    N,
+    alpha,
+    beta,
+    stride_c_batch,
+    stride_cm,
+    stride_cn,
+    stride_bias_batch,
+    stride_bias_m,
+    stride_bias_n,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    K_SLICES: tl.constexpr,
+    K_SPLIT: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    SCALE_ACC: tl.constexpr,
+    SCALE_BIAS: tl.constexpr,
+):
+    """The second step of ``PARTIALS``: per output tile, the fp32 partials added exactly as the
+    serial kernel adds them (pieces of a slice in order, then slices in order), then the epilogue."""
+    tiles_m = tl.cdiv(M, BLOCK_M)
+    tiles_n = tl.cdiv(N, BLOCK_N)
+    for work in range(tl.program_id(0), batch_count * tiles_m * tiles_n, tl.num_programs(0)):
+        pid_m = work % tiles_m
+        pid_n = (work // tiles_m) % tiles_n
+        batch = tl.cast(work // (tiles_m * tiles_n), tl.int64)
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        m_valid = offs_m < M
+        n_valid = offs_n < N
+        rows = offs_m.to(tl.int64)
+        cols = offs_n.to(tl.int64)
+        mask = m_valid[:, None] & n_valid[None, :]
+        at = Partial + (batch * M + rows[:, None]) * N + cols[None, :]
+        plane = tl.cast(batch_count, tl.int64) * M * N
         total = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        for s in range(K_SLICES):
-            k_begin = s * slice_k
-            acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-            for k0 in range(0, slice_k, BLOCK_K):
-                k_in_slice = k0 + offs_k
-                k_valid = k_in_slice < slice_k
-                k_index = (k_begin + k_in_slice).to(tl.int64)
-                a = tl.load(a_rows + k_index[None, :] * stride_ak, mask=m_valid[:, None] & k_valid[None, :], other=0.0)
-                b = tl.load(b_cols + k_index[:, None] * stride_bk, mask=k_valid[:, None] & n_valid[None, :], other=0.0)
-                acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
+        for s in tl.static_range(K_SLICES):
+            slice_total = tl.load(at + (s * K_SPLIT) * plane, mask=mask, other=0.0)
+            for part in tl.static_range(1, K_SPLIT):
+                slice_total = slice_total + tl.load(at + (s * K_SPLIT + part) * plane, mask=mask, other=0.0)
             if s == 0:
-                total = acc
+                total = slice_total
             else:
-                total = total + acc
-
-        if SCALE_ACC:
-            total = total * alpha
-        out_mask = m_valid[:, None] & n_valid[None, :]
-        if HAS_BIAS:
-            bias = tl.load(
-                Bias + batch * stride_bias_batch + rows[:, None] * stride_bias_m + cols[None, :] * stride_bias_n,
-                mask=out_mask,
-                other=0.0,
-            ).to(tl.float32)
-            if SCALE_BIAS:
-                bias = bias * beta
-            total = total + bias
-        tl.store(
-            C + batch * stride_c_batch + rows[:, None] * stride_cm + cols[None, :] * stride_cn,
-            total.to(C.dtype.element_ty),
-            mask=out_mask,
-        )
+                total = total + slice_total
+        _epilogue(
+            total, C, Bias, batch, rows, cols, m_valid, n_valid, alpha, beta,
+            stride_c_batch, stride_cm, stride_cn, stride_bias_batch, stride_bias_m, stride_bias_n,
+            HAS_BIAS, SCALE_ACC, SCALE_BIAS,
+        )  # fmt: skip
 
 
 # ----------------------------------------------------------------------------------------------
@@ -178,10 +380,25 @@ def _check_config(config: MatmulConfig) -> None:
         value = getattr(config, name)
         if not isinstance(value, int) or value < 16 or value & (value - 1):
             raise ValueError(f"config.{name} must be a power of two >= 16, got {value!r}")
-    for name in ("num_warps", "num_stages"):
+    for name in ("num_warps", "num_stages", "k_split", "group_m"):
         value = getattr(config, name)
-        if not isinstance(value, int) or value <= 0:
+        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
             raise ValueError(f"config.{name} must be a positive int, got {value!r}")
+
+
+def piece_length(slice_k: int, k_split: int, block_k: int) -> int:
+    """Columns of each of the ``k_split`` pieces of a K slice of ``slice_k`` columns:
+    ``ceil(slice_k / k_split)`` rounded up to a multiple of ``block_k`` (the last piece takes what
+    is left, possibly nothing)."""
+    return triton.cdiv(triton.cdiv(slice_k, k_split), block_k) * block_k
+
+
+def uses_partials(tiles: int, pieces: int, device: torch.device) -> bool:
+    """Whether a launch of ``tiles`` output tiles whose K is cut into ``pieces`` runs the pieces as
+    parallel work items (fp32 partials, then the ordered reduction) rather than serially per tile:
+    when there are fewer tiles than the device runs programs at once. Numerics-neutral: both give
+    the same bits."""
+    return pieces > 1 and tiles < grid.concurrent_programs(device, uses_dot=True)
 
 
 def _launch(
@@ -194,10 +411,16 @@ def _launch(
     alpha: float = 1.0,
     beta: float = 1.0,
     config: MatmulConfig | None = None,
+    partials: bool | None = None,
+    scratch: bool | None = None,
 ) -> torch.Tensor:
     """Launch on 3-D operands: a [B, M, K], b [B, K, N], bias broadcast to [B, M, N], out [B, M, N].
 
     Inputs are validated by the callers; strides may be anything (0 for broadcast dimensions).
+    ``partials`` forces the parallel (``True``) or serial (``False``) form of the K pieces
+    (tests); ``None`` lets :func:`uses_partials` choose. ``scratch`` forces whether the serial
+    form carries its running sums through a scratch tile (``None``: on CUDA, where two live
+    accumulator tiles would spill registers).
     """
     batch, m, k = a.shape
     n = b.shape[2]
@@ -209,33 +432,60 @@ def _launch(
         bias = bias.expand(batch, m, n)
     bias_arg = bias if has_bias else out
     bias_strides = bias.stride() if has_bias else (0, 0, 0)
+    slice_k = k // k_slices
+    pieces = k_slices * cfg.k_split
     tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n) * batch
-    _matmul_kernel[(grid.num_programs(tiles, a.device, uses_dot=True),)](
+    if partials is None:
+        partials = uses_partials(tiles, pieces, a.device)
+    partial = torch.empty((pieces, batch, m, n), dtype=torch.float32, device=a.device) if partials else out
+    if scratch is None:
+        scratch = pieces > 1 and grid.device_kind(a.device) == "cuda"
+    scratch = bool(scratch) and pieces > 1 and not partials
+    programs = grid.num_programs(tiles * (pieces if partials else 1), a.device, uses_dot=True, persistent=True)
+    scratch_tiles = (
+        torch.empty((programs, 2, cfg.block_m, cfg.block_n), dtype=torch.float32, device=a.device) if scratch else out
+    )
+    flags = dict(
+        BLOCK_M=cfg.block_m,
+        BLOCK_N=cfg.block_n,
+        K_SLICES=k_slices,
+        K_SPLIT=cfg.k_split,
+        HAS_BIAS=has_bias,
+        SCALE_ACC=alpha != 1,
+        SCALE_BIAS=beta != 1,
+    )
+    epilogue_args = (float(alpha), float(beta), *out.stride(), *bias_strides)
+    _matmul_kernel[(programs,)](
         a,
         b,
         out,
         bias_arg,
+        partial,
+        scratch_tiles,
         batch,
         m,
         n,
-        k // k_slices,
+        slice_k,
+        piece_length(slice_k, cfg.k_split, cfg.block_k),
         float(alpha),
         float(beta),
         *a.stride(),
         *b.stride(),
         *out.stride(),
         *bias_strides,
-        BLOCK_M=cfg.block_m,
-        BLOCK_N=cfg.block_n,
         BLOCK_K=cfg.block_k,
-        K_SLICES=k_slices,
-        HAS_BIAS=has_bias,
-        SCALE_ACC=alpha != 1,
-        SCALE_BIAS=beta != 1,
+        GROUP_M=cfg.group_m,
+        PARTIALS=partials,
+        SCRATCH=scratch,
         DOT_PRECISION=DOT_PRECISION,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
+        **flags,
     )
+    if partials:
+        _matmul_reduce_kernel[(grid.num_programs(tiles, a.device),)](
+            partial, out, bias_arg, batch, m, n, *epilogue_args, **flags, num_warps=cfg.num_warps
+        )
     return out
 
 

@@ -20,20 +20,27 @@ buffer) is read in chunks: the squares are added into a chunk-wide fp32 vector i
 chunk order, then summed, and the row is read again to normalise it; the backward folds
 ``sum(dn * n)`` the same way. Up to ``norm_chunk`` columns this is exactly the whole-row formula.
 
-A row's result depends only on that row: one program per row, the block is the hidden size padded
-to the next power of two (or ``norm_chunk``), and no reduction crosses rows. Bits equal to stock HF torch code
+A row's result depends only on that row: short rows share a program as the rows of one
+``[rows, block]`` tile (up to 16 rows of a head-dim norm, :func:`norm_tiling`), each row's
+statistics a ``tl.sum`` over its own columns; the block is the hidden size padded to the next
+power of two (or ``norm_chunk``), and no reduction crosses rows. Bits equal to stock HF torch code
 everywhere except where HF's ``pow(2).mean(-1)`` sums the row in another order than ``tl.sum``
 (the fp32 ``rstd`` then differs in its last bit, which reaches the output only through a rounding
 boundary — rare for bf16/fp16 outputs, common for fp32 outputs).
 
 Backward (fp32, one cast per gradient): ``dn = g * w``,
 ``dx = rstd * (dn - n * sum(dn * n) / N)`` with ``n = h * rstd``, and
-``dweight = sum over rows of g * n.to(dtype)``. ``dweight`` is reduced without atomics: each
-program adds the rows of one fixed block of :data:`BWD_ROWS_PER_PROGRAM` rows in ascending order
-into an fp32 partial, and a second kernel sums the partials in ascending block order.
+``dweight = sum over rows of g * n.to(dtype)``. ``dweight`` is a two-level reduction of a fixed
+shape, without atomics: each program reduces a group of ``group`` rows (16 to 1024, a function of
+the hidden size only) — its tiles in ascending order, each tile's rows summed — into an fp32
+partial, and a second kernel sums the partials in ascending order. Many programs share the first
+level (a Qwen3 q/k norm at 32k tokens: 1024 of them rather than 65536 dependent steps in one);
+two runs give the same bits.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -44,8 +51,10 @@ from samepath.kernels.checks import check_operands
 from samepath.kernels.config import dtype_name, register_formula, row_reduce_config
 from samepath.kernels.dispatch import device_kind, jit
 
-#: Rows one backward program folds into its fp32 dweight partial, in ascending order.
-BWD_ROWS_PER_PROGRAM = 16
+#: Elements of one tile of whole rows: short rows share a program, up to 16 of them.
+TILE_ELEMENTS = 2048
+#: Elements of the rows one dweight partial covers (16 to 1024 rows).
+GROUP_ELEMENTS = 131072
 #: Columns of the dweight partials one reduction program sums.
 DW_REDUCE_BLOCK = 256
 
@@ -62,9 +71,14 @@ RMS_NORM_FORMULA = {
     "backward": (
         "fp32 with one cast per gradient; dweight from g * n.to(dtype); sum(dn*n) chunked as the statistics are"
     ),
+    "tiles": (
+        f"whole rows padded to a power of two, min(16, max(1, {TILE_ELEMENTS} // block)) rows per tile; "
+        "a row's statistics are tl.sum over its own columns"
+    ),
     "dweight_reduction": (
-        f"fp32 partials over fixed blocks of {BWD_ROWS_PER_PROGRAM} rows in ascending order, "
-        "then partials summed serially in ascending order; no atomics"
+        f"two levels, no atomics: fp32 partials over groups of min(1024, max(16, {GROUP_ELEMENTS} // block)) rows "
+        "(tiles of the group in ascending order, each tile's rows summed by tl.sum over axis 0; chunked rows: "
+        "16 rows added one by one), then the partials summed serially in ascending order"
     ),
 }
 register_formula("rms_norm", RMS_NORM_FORMULA)
@@ -92,9 +106,9 @@ def _load_h(
 
 
 @jit
-def _store_y(Y, W, row, stride_y, h, rstd, cols, valid):
+def _store_y(Y, W, row, stride_y, h, rstd, cols, valid, w_valid):
     n = (h * rstd).to(Y.dtype.element_ty).to(tl.float32)
-    w = tl.load(W + cols, mask=valid, other=0.0).to(tl.float32)
+    w = tl.load(W + cols, mask=w_valid, other=0.0).to(tl.float32)
     tl.store(Y + row * stride_y + cols, (w * n).to(Y.dtype.element_ty), mask=valid)
 
 
@@ -115,19 +129,26 @@ def _rms_norm_fwd_kernel(
     N: tl.constexpr,
     BLOCK_N: tl.constexpr,
     NUM_CHUNKS: tl.constexpr,
+    ROWS: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr,
 ):
-    """One row per work item. A row of ``NUM_CHUNKS`` chunks of ``BLOCK_N`` columns is read twice:
-    its squares summed into a chunk-wide fp32 vector in ascending chunk order, then normalised."""
+    """ROWS rows per work item, as one ``[ROWS, BLOCK_N]`` tile (each row's statistics a
+    ``tl.sum`` over its own columns). A row of ``NUM_CHUNKS`` chunks of ``BLOCK_N`` columns
+    (``ROWS == 1``) is read twice: its squares summed into a chunk-wide fp32 vector in ascending
+    chunk order, then normalised."""
     cols = tl.arange(0, BLOCK_N)
-    for work in range(tl.program_id(0), M, tl.num_programs(0)):
-        row = tl.cast(work, tl.int64)
+    for work in range(tl.program_id(0), tl.cdiv(M, ROWS), tl.num_programs(0)):
         if NUM_CHUNKS == 1:
-            valid = cols < N
-            h = _load_h(X, Residual, S, row, stride_x, stride_r, stride_s, cols, valid, HAS_RESIDUAL, True)
-            rstd = tl.rsqrt(tl.sum(h * h, axis=0) / N + eps)
-            _store_y(Y, W, row, stride_y, h, rstd, cols, valid)
+            rows = tl.cast(work, tl.int64) * ROWS + tl.arange(0, ROWS)
+            row = rows[:, None]
+            c = cols[None, :]
+            valid = (rows < M)[:, None] & (c < N)
+            h = _load_h(X, Residual, S, row, stride_x, stride_r, stride_s, c, valid, HAS_RESIDUAL, True)
+            rstd = tl.rsqrt(tl.sum(h * h, axis=1) / N + eps)
+            _store_y(Y, W, row, stride_y, h, rstd[:, None], c, valid, c < N)
+            tl.store(Rstd + rows, rstd, mask=rows < M)
         else:
+            row = tl.cast(work, tl.int64)
             squares = tl.zeros([BLOCK_N], dtype=tl.float32)
             for chunk in range(NUM_CHUNKS):
                 c = chunk * BLOCK_N + cols
@@ -137,8 +158,8 @@ def _rms_norm_fwd_kernel(
             for chunk in range(NUM_CHUNKS):
                 c = chunk * BLOCK_N + cols
                 h = _load_h(X, Residual, S, row, stride_x, stride_r, stride_s, c, c < N, HAS_RESIDUAL, False)
-                _store_y(Y, W, row, stride_y, h, rstd, c, c < N)
-        tl.store(Rstd + row, rstd)
+                _store_y(Y, W, row, stride_y, h, rstd, c, c < N, c < N)
+            tl.store(Rstd + row, rstd)
 
 
 @jit
@@ -159,23 +180,46 @@ def _rms_norm_bwd_kernel(
     BLOCK_N: tl.constexpr,
     NUM_CHUNKS: tl.constexpr,
     ROWS: tl.constexpr,
+    GROUP: tl.constexpr,
     HAS_DS: tl.constexpr,
 ):
-    """For each block of ROWS rows: dx for its rows and their dweight partial, in ascending order.
-    Rows of several chunks first get their ``sum(dn * n)`` (a chunk-wide fp32 vector summed in
-    ascending chunk order), then each chunk's dx and dweight partial."""
+    """For each group of GROUP rows: dx of its rows and their dweight partial.
+
+    Whole rows: the group's ``[ROWS, BLOCK_N]`` tiles in ascending order, each tile's dweight
+    terms summed over its rows (``tl.sum`` over axis 0) and added to the group's fp32 partial.
+    Rows of several chunks (``ROWS == 1``, ``GROUP`` rows added one by one in ascending order) first
+    get their ``sum(dn * n)`` (a chunk-wide fp32 vector summed in ascending chunk order), then each
+    chunk's dx and dweight partial."""
     cols = tl.arange(0, BLOCK_N)
-    for block in range(tl.program_id(0), tl.cdiv(M, ROWS), tl.num_programs(0)):
+    for group in range(tl.program_id(0), tl.cdiv(M, GROUP), tl.num_programs(0)):
         if NUM_CHUNKS == 1:
-            _rms_norm_bwd_chunk(
-                X, W, Rstd, dY, dS, dX, dW_partial, M, stride_x, stride_dy, stride_ds, stride_dx,
-                block, cols, None, N, BLOCK_N, ROWS, HAS_DS, False,
-            )  # fmt: skip
+            c = cols[None, :]
+            col_ok = cols < N
+            w = tl.load(W + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+            dw = tl.zeros([BLOCK_N], dtype=tl.float32)
+            first = tl.cast(group, tl.int64) * GROUP
+            for start in range(0, tl.minimum(GROUP, M - group * GROUP), ROWS):
+                rows = first + start + tl.arange(0, ROWS)
+                row_ok = rows < M
+                row = rows[:, None]
+                valid = row_ok[:, None] & col_ok[None, :]
+                h = tl.load(X + row * stride_x + c, mask=valid, other=0.0).to(tl.float32)
+                g = tl.load(dY + row * stride_dy + c, mask=valid, other=0.0).to(tl.float32)
+                rstd = tl.load(Rstd + rows, mask=row_ok, other=0.0)[:, None]
+                n = h * rstd
+                dn = g * w
+                dot = tl.sum(dn * n, axis=1)[:, None] / N
+                dx = (dn - n * dot) * rstd
+                if HAS_DS:
+                    dx = dx + tl.load(dS + row * stride_ds + c, mask=valid, other=0.0).to(tl.float32)
+                tl.store(dX + row * stride_dx + c, dx.to(dX.dtype.element_ty), mask=valid)
+                dw = dw + tl.sum(g * n.to(X.dtype.element_ty).to(tl.float32), axis=0)
+            tl.store(dW_partial + tl.cast(group, tl.int64) * N + cols, dw, mask=col_ok)
         else:
-            row_ids = tl.arange(0, ROWS)
-            dots = tl.zeros([ROWS], dtype=tl.float32)
-            for i in range(ROWS):
-                row = block * ROWS + i
+            row_ids = tl.arange(0, GROUP)
+            dots = tl.zeros([GROUP], dtype=tl.float32)
+            for i in range(GROUP):
+                row = group * GROUP + i
                 if row < M:
                     row64 = tl.cast(row, tl.int64)
                     rstd = tl.load(Rstd + row64)
@@ -191,23 +235,22 @@ def _rms_norm_bwd_kernel(
             for chunk in range(NUM_CHUNKS):
                 _rms_norm_bwd_chunk(
                     X, W, Rstd, dY, dS, dX, dW_partial, M, stride_x, stride_dy, stride_ds, stride_dx,
-                    block, chunk * BLOCK_N + cols, dots, N, BLOCK_N, ROWS, HAS_DS, True,
+                    group, chunk * BLOCK_N + cols, dots, N, BLOCK_N, GROUP, HAS_DS,
                 )  # fmt: skip
 
 
 @jit
 def _rms_norm_bwd_chunk(
     X, W, Rstd, dY, dS, dX, dW_partial, M, stride_x, stride_dy, stride_ds, stride_dx,
-    block, cols, dots, N: tl.constexpr, BLOCK_N: tl.constexpr, ROWS: tl.constexpr, HAS_DS: tl.constexpr,
-    GIVEN_DOTS: tl.constexpr,
+    group, cols, dots, N: tl.constexpr, BLOCK_N: tl.constexpr, GROUP: tl.constexpr, HAS_DS: tl.constexpr,
 ):  # fmt: skip
-    """dx of the block's rows over ``cols`` and their dweight partial there, rows ascending. The
-    per-row ``sum(dn * n) / N`` is computed here (``cols`` is the whole row) or taken from ``dots``."""
+    """dx of the group's rows over ``cols`` (one chunk) and their dweight partial there, rows
+    ascending, with each row's ``sum(dn * n) / N`` taken from ``dots``."""
     valid = cols < N
     w = tl.load(W + cols, mask=valid, other=0.0).to(tl.float32)
     dw = tl.zeros([BLOCK_N], dtype=tl.float32)
-    for i in range(ROWS):
-        row = block * ROWS + i
+    for i in range(GROUP):
+        row = group * GROUP + i
         if row < M:
             row64 = tl.cast(row, tl.int64)
             h = tl.load(X + row64 * stride_x + cols, mask=valid, other=0.0).to(tl.float32)
@@ -215,16 +258,13 @@ def _rms_norm_bwd_chunk(
             rstd = tl.load(Rstd + row64)
             n = h * rstd
             dn = g * w
-            if GIVEN_DOTS:
-                dot = tl.sum(tl.where(tl.arange(0, ROWS) == i, dots, 0.0), axis=0)
-            else:
-                dot = tl.sum(dn * n, axis=0) / N
+            dot = tl.sum(tl.where(tl.arange(0, GROUP) == i, dots, 0.0), axis=0)
             dx = (dn - n * dot) * rstd
             if HAS_DS:
                 dx = dx + tl.load(dS + row64 * stride_ds + cols, mask=valid, other=0.0).to(tl.float32)
             tl.store(dX + row64 * stride_dx + cols, dx.to(dX.dtype.element_ty), mask=valid)
             dw = dw + g * n.to(X.dtype.element_ty).to(tl.float32)
-    tl.store(dW_partial + tl.cast(block, tl.int64) * N + cols, dw, mask=valid)
+    tl.store(dW_partial + tl.cast(group, tl.int64) * N + cols, dw, mask=valid)
 
 
 @jit
@@ -244,11 +284,33 @@ def _rms_norm_dw_reduce_kernel(dW_partial, dW, num_partials, N: tl.constexpr, BL
 # ----------------------------------------------------------------------------------------------
 
 
-def _chunks(hidden: int, device: torch.device) -> tuple[int, int]:
-    """``(BLOCK_N, NUM_CHUNKS)``: the row padded to a power of two when it fits the device's
-    ``norm_chunk``, else chunks of ``norm_chunk`` columns."""
-    block = min(triton.next_power_of_2(hidden), row_reduce_config(device).norm_chunk)
-    return block, triton.cdiv(hidden, block)
+@dataclass(frozen=True)
+class NormTiling:
+    """How rows of one hidden size are cut (a function of the hidden size and the device's
+    ``norm_chunk`` only, never of the number of rows)."""
+
+    block_n: int  #: columns of a tile: the row padded to a power of two, or ``norm_chunk``
+    num_chunks: int  #: chunks a row is read in (1: the row is held whole)
+    rows: int  #: rows per tile (several short rows per program)
+    group: int  #: rows per dweight partial (the first level of its reduction)
+
+
+def norm_tiling(hidden: int, norm_chunk: int) -> NormTiling:
+    """The tiling of rows of ``hidden`` columns: whole rows padded to a power of two up to
+    ``norm_chunk`` columns, :data:`TILE_ELEMENTS` elements per tile (``rows`` = up to 16 short rows,
+    e.g. 16 head-dim rows of 128), and dweight partials over :data:`GROUP_ELEMENTS` elements
+    (16 to 1024 rows). Rows longer than ``norm_chunk`` are one per tile, 16 per partial."""
+    block = min(triton.next_power_of_2(hidden), norm_chunk)
+    num_chunks = triton.cdiv(hidden, block)
+    if num_chunks > 1:
+        return NormTiling(block, num_chunks, 1, 16)
+    rows = min(16, max(1, TILE_ELEMENTS // block))
+    group = min(1024, max(16, GROUP_ELEMENTS // block))
+    return NormTiling(block, 1, rows, group)
+
+
+def _tiling(hidden: int, device: torch.device) -> NormTiling:
+    return norm_tiling(hidden, row_reduce_config(device).norm_chunk)
 
 
 def _rows(tensor: torch.Tensor, hidden: int) -> torch.Tensor:
@@ -265,8 +327,8 @@ def _forward(x2, weight, eps, residual2):
     if M == 0:
         return y, s, rstd
     cfg = row_reduce_config(x2.device)
-    block, num_chunks = _chunks(N, x2.device)
-    _rms_norm_fwd_kernel[(grid.num_programs(M, x2.device),)](
+    tiling = _tiling(N, x2.device)
+    _rms_norm_fwd_kernel[(grid.num_programs(triton.cdiv(M, tiling.rows), x2.device),)](
         x2,
         residual2 if residual2 is not None else x2,
         weight,
@@ -280,8 +342,9 @@ def _forward(x2, weight, eps, residual2):
         s.stride(0) if s is not None else 0,
         float(eps),
         N=N,
-        BLOCK_N=block,
-        NUM_CHUNKS=num_chunks,
+        BLOCK_N=tiling.block_n,
+        NUM_CHUNKS=tiling.num_chunks,
+        ROWS=tiling.rows,
         HAS_RESIDUAL=residual2 is not None,
         num_warps=cfg.num_warps,
     )
@@ -294,8 +357,8 @@ def _backward(x2, weight, rstd, grad_y, grad_s):
     if M == 0:
         return dx, torch.zeros_like(weight)
     cfg = row_reduce_config(x2.device)
-    block, num_chunks = _chunks(N, x2.device)
-    num_partials = triton.cdiv(M, BWD_ROWS_PER_PROGRAM)
+    tiling = _tiling(N, x2.device)
+    num_partials = triton.cdiv(M, tiling.group)
     partial = torch.empty((num_partials, N), dtype=torch.float32, device=x2.device)
     _rms_norm_bwd_kernel[(grid.num_programs(num_partials, x2.device),)](
         x2,
@@ -311,9 +374,10 @@ def _backward(x2, weight, rstd, grad_y, grad_s):
         grad_s.stride(0) if grad_s is not None else 0,
         dx.stride(0),
         N=N,
-        BLOCK_N=block,
-        NUM_CHUNKS=num_chunks,
-        ROWS=BWD_ROWS_PER_PROGRAM,
+        BLOCK_N=tiling.block_n,
+        NUM_CHUNKS=tiling.num_chunks,
+        ROWS=tiling.rows,
+        GROUP=tiling.group,
         HAS_DS=grad_s is not None,
         num_warps=cfg.num_warps,
     )

@@ -46,119 +46,94 @@ register_formula("silu_mul", SILU_MUL_FORMULA)
 
 
 @jit
-def _silu_mul_fwd_kernel(
-    Gate,
-    Up,
-    Out,
-    stride_g,
-    stride_u,
-    stride_o,
-    M,
-    N,
-    BLOCK_N: tl.constexpr,
-):
-    # Work item: one BLOCK_N-column block of one row, column blocks fastest.
-    col_blocks = tl.cdiv(N, BLOCK_N)
-    for work in range(tl.program_id(0), M * col_blocks, tl.num_programs(0)):
-        row = tl.cast(work // col_blocks, tl.int64)
-        cols = (work % col_blocks) * BLOCK_N + tl.arange(0, BLOCK_N)
-        valid = cols < N
-        g = tl.load(Gate + row * stride_g + cols, mask=valid, other=0.0).to(tl.float32)
-        u = tl.load(Up + row * stride_u + cols, mask=valid, other=0.0).to(tl.float32)
-        a = (g / (1.0 + tl.exp(-g))).to(Out.dtype.element_ty).to(tl.float32)
-        tl.store(Out + row * stride_o + cols, (a * u).to(Out.dtype.element_ty), mask=valid)
-
-
-@jit
-def _silu_mul_bwd_kernel(
+def _silu_mul_kernel(
     Gate,
     Up,
     dOut,
-    dGate,
+    Out,
     dUp,
-    stride_g,
-    stride_u,
-    stride_do,
-    stride_dg,
-    stride_du,
+    stride_g_row,
+    stride_g_col,
+    stride_u_row,
+    stride_u_col,
+    stride_do_row,
+    stride_do_col,
+    stride_o_row,
+    stride_o_col,
+    stride_du_row,
+    stride_du_col,
     M,
     N,
     BLOCK_N: tl.constexpr,
+    BACKWARD: tl.constexpr,
 ):
-    # Work item: one BLOCK_N-column block of one row, column blocks fastest.
+    """Forward: ``Out = silu(gate) * up``. Backward: ``Out = dgate`` and ``dUp`` from ``dOut``.
+
+    Every operand is addressed through its row and column strides (no copies for views such as the
+    halves of a fused gate/up tensor). Work item: one BLOCK_N-column block of one row, column
+    blocks fastest."""
     col_blocks = tl.cdiv(N, BLOCK_N)
     for work in range(tl.program_id(0), M * col_blocks, tl.num_programs(0)):
         row = tl.cast(work // col_blocks, tl.int64)
         cols = (work % col_blocks) * BLOCK_N + tl.arange(0, BLOCK_N)
         valid = cols < N
-        g = tl.load(Gate + row * stride_g + cols, mask=valid, other=0.0).to(tl.float32)
-        u = tl.load(Up + row * stride_u + cols, mask=valid, other=0.0).to(tl.float32)
-        dy = tl.load(dOut + row * stride_do + cols, mask=valid, other=0.0).to(tl.float32)
+        cols64 = cols.to(tl.int64)
+        g = tl.load(Gate + row * stride_g_row + cols64 * stride_g_col, mask=valid, other=0.0).to(tl.float32)
+        u = tl.load(Up + row * stride_u_row + cols64 * stride_u_col, mask=valid, other=0.0).to(tl.float32)
         e = 1.0 + tl.exp(-g)
-        a = (g / e).to(dUp.dtype.element_ty).to(tl.float32)
-        sig = 1.0 / e
-        dsilu = sig * (1.0 + g * (1.0 - sig))
-        tl.store(dUp + row * stride_du + cols, (dy * a).to(dUp.dtype.element_ty), mask=valid)
-        tl.store(dGate + row * stride_dg + cols, (dy * u * dsilu).to(dGate.dtype.element_ty), mask=valid)
+        a = (g / e).to(Out.dtype.element_ty).to(tl.float32)
+        out_ptrs = Out + row * stride_o_row + cols64 * stride_o_col
+        if BACKWARD:
+            dy = tl.load(dOut + row * stride_do_row + cols64 * stride_do_col, mask=valid, other=0.0).to(tl.float32)
+            sig = 1.0 / e
+            dsilu = sig * (1.0 + g * (1.0 - sig))
+            tl.store(dUp + row * stride_du_row + cols64 * stride_du_col, (dy * a).to(dUp.dtype.element_ty), mask=valid)
+            tl.store(out_ptrs, (dy * u * dsilu).to(Out.dtype.element_ty), mask=valid)
+        else:
+            tl.store(out_ptrs, (a * u).to(Out.dtype.element_ty), mask=valid)
 
 
-def _rows(tensor: torch.Tensor) -> torch.Tensor:
-    flat = tensor.reshape(-1, tensor.shape[-1])
-    return flat if flat.stride(-1) == 1 else flat.contiguous()
-
-
-def _grid(M: int, N: int, device: torch.device) -> tuple[tuple[int], int]:
+def _launch(gate2, up2, grad2, out, grad_up) -> None:
+    """One launch over ``[M, N]`` operands (forward when ``grad2`` is ``None``)."""
+    M, N = gate2.shape
+    if not (M and N):
+        return
     block = min(MAX_BLOCK_N, triton.next_power_of_2(N))
-    return (grid.num_programs(M * triton.cdiv(N, block), device),), block
+    backward = grad2 is not None
+    _silu_mul_kernel[(grid.num_programs(M * triton.cdiv(N, block), gate2.device),)](
+        gate2,
+        up2,
+        grad2 if backward else gate2,
+        out,
+        grad_up if backward else out,
+        *gate2.stride(),
+        *up2.stride(),
+        *(grad2.stride() if backward else (0, 0)),
+        *out.stride(),
+        *(grad_up.stride() if backward else (0, 0)),
+        M,
+        N,
+        BLOCK_N=block,
+        BACKWARD=backward,
+    )
 
 
 class SiluMulFunction(torch.autograd.Function):
-    """Autograd for :func:`silu_mul` on ``[M, I]`` views."""
+    """Autograd for :func:`silu_mul` on ``[M, I]`` views (any strides)."""
 
     @staticmethod
     def forward(ctx, gate2, up2):  # type: ignore[override]
-        M, N = gate2.shape
-        out = torch.empty((M, N), dtype=gate2.dtype, device=gate2.device)
-        if M and N:
-            programs, block = _grid(M, N, gate2.device)
-            _silu_mul_fwd_kernel[programs](
-                gate2,
-                up2,
-                out,
-                gate2.stride(0),
-                up2.stride(0),
-                out.stride(0),
-                M,
-                N,
-                BLOCK_N=block,
-            )
+        out = torch.empty(gate2.shape, dtype=gate2.dtype, device=gate2.device)
+        _launch(gate2, up2, None, out, None)
         ctx.save_for_backward(gate2, up2)
         return out
 
     @staticmethod
     def backward(ctx, grad_out):  # type: ignore[override]
         gate2, up2 = ctx.saved_tensors
-        M, N = gate2.shape
-        grad_out = _rows(grad_out)
-        dgate = torch.empty((M, N), dtype=gate2.dtype, device=gate2.device)
-        dup = torch.empty((M, N), dtype=gate2.dtype, device=gate2.device)
-        if M and N:
-            programs, block = _grid(M, N, gate2.device)
-            _silu_mul_bwd_kernel[programs](
-                gate2,
-                up2,
-                grad_out,
-                dgate,
-                dup,
-                gate2.stride(0),
-                up2.stride(0),
-                grad_out.stride(0),
-                dgate.stride(0),
-                dup.stride(0),
-                M,
-                N,
-                BLOCK_N=block,
-            )
+        dgate = torch.empty(gate2.shape, dtype=gate2.dtype, device=gate2.device)
+        dup = torch.empty(gate2.shape, dtype=gate2.dtype, device=gate2.device)
+        _launch(gate2, up2, grad_out.reshape(gate2.shape), dgate, dup)
         return dgate, dup
 
 
@@ -184,7 +159,8 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     if up.shape != gate.shape:
         raise ValueError(f"up shape {tuple(up.shape)} differs from gate's {tuple(gate.shape)}")
     check_operands(gate=gate, up=up)
-    return SiluMulFunction.apply(_rows(gate), _rows(up)).reshape(gate.shape)
+    width = gate.shape[-1]
+    return SiluMulFunction.apply(gate.reshape(-1, width), up.reshape(-1, width)).reshape(gate.shape)
 
 
 def swiglu(gate_up: torch.Tensor) -> torch.Tensor:

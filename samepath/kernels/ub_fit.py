@@ -178,12 +178,28 @@ def attention_dkdv_buffers(block_m: int, block_n: int, head_size: int, dtype: ob
 
 
 def matmul_buffers(block_m: int, block_n: int, block_k: int, dtype: object) -> list[Buffer]:
-    """``_matmul_kernel`` in one K tile of its loop, plus the bias epilogue."""
+    """``_matmul_kernel`` (serial form) in one K tile of its loop, plus the bias epilogue: the
+    piece's accumulator, the slice's sum of pieces and the total over slices are all live."""
     dt = _dtype(dtype)
     return [
         Buffer("a", (block_m, block_k), dt, copies=2, memory="l1"),
         Buffer("b", (block_k, block_n), dt, copies=2, memory="l1"),
         Buffer("acc and the a.b dot result", (2, block_m, block_n), "float32"),
+        Buffer("sum of a slice's pieces", (block_m, block_n), "float32"),
+        Buffer("total over k slices", (block_m, block_n), "float32"),
+        Buffer("bias", (block_m, block_n), dt),
+        *_widened("bias (fp32)", (block_m, block_n), dt),
+        *_cast("output cast", (block_m, block_n), dt),
+    ]
+
+
+def matmul_reduce_buffers(block_m: int, block_n: int, dtype: object) -> list[Buffer]:
+    """``_matmul_reduce_kernel``: the fp32 partials of one output tile loaded in turn (a loop over
+    pieces), the slice and total sums, and the bias epilogue."""
+    dt = _dtype(dtype)
+    return [
+        Buffer("partial", (block_m, block_n), "float32", copies=2),
+        Buffer("sum of a slice's pieces", (block_m, block_n), "float32"),
         Buffer("total over k slices", (block_m, block_n), "float32"),
         Buffer("bias", (block_m, block_n), dt),
         *_widened("bias (fp32)", (block_m, block_n), dt),
@@ -209,26 +225,30 @@ def logprobs_buffers(vocab_chunk: int, dtype: object) -> list[Buffer]:
 
 
 def rms_norm_buffers(hidden: int, dtype: object, norm_chunk: int | None = None) -> list[Buffer]:
-    """The larger of the RMSNorm kernels: ``_rms_norm_bwd_kernel``, one row (padded to a power of
-    two) or one ``norm_chunk``-column chunk of it per step, with the weight and the dweight partial
-    held across its rows (and, for chunked rows, the fp32 vector of ``dn * n`` being summed), with
-    the residual's gradient ``dS`` loaded (the add+norm form, the larger)."""
+    """The larger of the RMSNorm kernels: ``_rms_norm_bwd_kernel``, one tile of its rows (several
+    short rows, one row padded to a power of two, or one ``norm_chunk``-column chunk of a long row)
+    per step, with the weight and the dweight partial held across its rows (and, for chunked rows,
+    the fp32 vector of ``dn * n`` being summed), with the residual's gradient ``dS`` loaded (the
+    add+norm form, the larger). Tiles follow :func:`samepath.kernels.rms_norm.norm_tiling`."""
+    from samepath.kernels.rms_norm import norm_tiling
+
     dt = _dtype(dtype)
-    block = 1 << (hidden - 1).bit_length()
-    chunked = norm_chunk is not None and block > norm_chunk
-    if chunked:
-        block = norm_chunk
+    tiling = norm_tiling(hidden, norm_chunk if norm_chunk is not None else 1 << (hidden - 1).bit_length())
+    block, chunked = tiling.block_n, tiling.num_chunks > 1
+    tile = (tiling.rows, block)
     return [
         *_widened("weight (fp32)", (block,), dt),
         Buffer("weight", (block,), dt),
         Buffer("dweight partial", (block,), "float32"),
-        Buffer("x and dy", (2, block), dt, copies=2),
-        *_widened("h and g (fp32)", (2, block), dt),
-        Buffer("n and dn (sum inputs)", (2, block), "float32"),
-        Buffer("dx", (block,), "float32"),
-        *_cast("dx cast", (block,), dt),
-        Buffer("ds", (block,), dt, copies=2),
-        *_widened("ds (fp32)", (block,), dt),
+        Buffer("x and dy", (2, *tile), dt, copies=2),
+        *_widened("h and g (fp32)", (2, *tile), dt),
+        Buffer("n and dn (sum inputs)", (2, *tile), "float32"),
+        Buffer("dx", tile, "float32"),
+        *_cast("dx cast", tile, dt),
+        Buffer("ds", tile, dt, copies=2),
+        *_widened("ds (fp32)", tile, dt),
+        *([Buffer("rstd and sum(dn * n) per row", (2, tiling.rows), "float32")] if tiling.rows > 1 else []),
+        *([Buffer("dweight terms of the tile (sum input)", tile, "float32")] if tiling.rows > 1 else []),
         *([Buffer("dn * n partial sums", (block,), "float32")] if chunked else []),
     ]
 
@@ -284,13 +304,21 @@ def check_attention(config: AttentionConfig, head_size: int, dtype: object, argu
 
 
 def check_matmul(config: MatmulConfig, dtype: object, argument: str = "config") -> int:
-    """UB footprint of ``_matmul_kernel`` with ``config``; ``ValueError`` naming ``argument`` if it
-    exceeds an A2 core's buffers."""
+    """Largest UB footprint of ``_matmul_kernel`` and ``_matmul_reduce_kernel`` with ``config``;
+    ``ValueError`` naming ``argument`` if either exceeds an A2 core's buffers."""
     dt = _dtype(dtype)
-    return check_fits(
-        matmul_buffers(config.block_m, config.block_n, config.block_k, dt),
-        argument,
-        f"_matmul_kernel (block_m={config.block_m}, block_n={config.block_n}, block_k={config.block_k}, {dt})",
+    tiles = f"block_m={config.block_m}, block_n={config.block_n}"
+    return max(
+        check_fits(
+            matmul_buffers(config.block_m, config.block_n, config.block_k, dt),
+            argument,
+            f"_matmul_kernel ({tiles}, block_k={config.block_k}, {dt})",
+        ),
+        check_fits(
+            matmul_reduce_buffers(config.block_m, config.block_n, dt),
+            argument,
+            f"_matmul_reduce_kernel ({tiles}, {dt})",
+        ),
     )
 
 
