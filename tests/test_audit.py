@@ -151,7 +151,7 @@ def test_negative_control_the_mismatch_the_refusal_prevents():
     rollout_model = tiny("qwen3")
     prompts = random_prompts([4, 7], seed=2)
     with integrations.patched(rollout_model):
-        generated, rollout_lp = rollout(rollout_model, prompts, 3, temperature=None)
+        generated, rollout_lp = rollout(rollout_model, prompts, 2, temperature=None)
         assert torch.equal(trainer_padded(rollout_model, prompts, generated, 1.0), rollout_lp)
     trainer_model = with_custom_norm(tiny("qwen3"))
     with warnings.catch_warnings():

@@ -169,7 +169,7 @@ def test_generate_equals_forward_for_each_rope_variant(variant, dtype):
     from tests.test_integration_hf import random_prompts, rollout, trainer_padded
 
     model = tiny_llama(variant, dtype)
-    prompts = random_prompts([5, 2, 9], seed=3)
+    prompts = random_prompts([5, 9], seed=3)
     with integrations.patched(model):
-        generated, rollout_lp = rollout(model, prompts, 4, temperature=None)
+        generated, rollout_lp = rollout(model, prompts, 3, temperature=None)
         assert torch.equal(trainer_padded(model, prompts, generated, 1.0), rollout_lp)
