@@ -28,6 +28,8 @@ Backward (the rotation's transpose, fp32, one cast): with ``g = [g1, g2]``,
 
 from __future__ import annotations
 
+import functools
+import json
 import math
 
 import torch
@@ -213,6 +215,26 @@ def rotary_inv_freq(rotary_dim: int, base: float, scaling: dict | None = None) -
     raise ValueError(f"scaling rope_type {rope_type!r} is not supported ({', '.join(ROPE_TYPES)})")
 
 
+def _scaling_key(scaling: dict | None) -> str | None:
+    if scaling is None:
+        return None
+    if not isinstance(scaling, dict):
+        _rope_type(scaling)  # raises the ValueError
+    try:
+        return json.dumps(scaling, sort_keys=True)
+    except TypeError:
+        raise ValueError("scaling must hold JSON-like values (numbers, strings, lists)") from None
+
+
+@functools.lru_cache(maxsize=64)
+def _inv_freq_on(rotary_dim: int, base: float, scaling_key: str | None, device: torch.device):
+    """:func:`rotary_inv_freq` computed once per parameters and device (callers run it every layer
+    and step); the CPU result moved, so the bits do not depend on the device."""
+    scaling = None if scaling_key is None else json.loads(scaling_key)
+    inv_freq, attention_scaling = rotary_inv_freq(rotary_dim, base, scaling)
+    return inv_freq.to(device), attention_scaling
+
+
 def rotary_cos_sin(
     positions: torch.Tensor,
     rotary_dim: int,
@@ -240,14 +262,14 @@ def rotary_cos_sin(
         raise ValueError(f"positions must be an int32/int64 tensor, got {got}")
     dtype_name(dtype, "dtype")
     device_kind(positions.device)
-    inv_freq, attention_scaling = rotary_inv_freq(rotary_dim, base, scaling)
+    inv_freq, attention_scaling = _inv_freq_on(rotary_dim, base, _scaling_key(scaling), positions.device)
     limit = rotary_position_limit(scaling)
     if limit is not None and positions.numel() and int(positions.max()) >= limit:
         raise ValueError(
             f"position {int(positions.max())} is at or past {limit}, where Hugging Face's {_rope_type(scaling)!r} "
             "rope turns length-dependent (its bits would depend on the batch): samepath refuses it"
         )
-    freqs = positions.to(torch.float32)[..., None] * inv_freq.to(positions.device)
+    freqs = positions.to(torch.float32)[..., None] * inv_freq
     emb = torch.cat((freqs, freqs), dim=-1)
     cos = emb.cos() * attention_scaling
     sin = emb.sin() * attention_scaling
