@@ -289,7 +289,7 @@ VLLM_STRUCTURE: dict[str, tuple[str, tuple[str, ...]]] = {
 VLLM_ATTENTION_MLP: dict[str, tuple[str, str, tuple[str, ...]]] = {
     "llama": ("vllm.model_executor.models.llama", "LlamaAttention", ("LlamaMLP",)),
     "qwen2": ("vllm.model_executor.models.qwen2", "Qwen2Attention", ("Qwen2MLP",)),
-    "qwen3": ("vllm.model_executor.models.qwen3", "Qwen3Attention", ("Qwen2MLP",)),
+    "qwen3": ("vllm.model_executor.models.qwen3", "Qwen3Attention", ("Qwen3MLP",)),  # qwen2.Qwen2MLP there
     "qwen3_moe": ("vllm.model_executor.models.qwen3_moe", "Qwen3MoeAttention", ("Qwen3MoeMLP",)),
 }
 
