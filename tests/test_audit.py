@@ -266,3 +266,11 @@ def test_gemma2_softcap_is_refused_not_dropped():
     integrations.patch_all()
     with pytest.raises(hf.UnsupportedAttentionError, match=r"softcap=50\.0"), torch.no_grad():
         model(input_ids=torch.tensor([[1, 2, 3]]))
+
+
+def test_both_sides_cover_the_same_model_types():
+    """One resolution of the model on both sides: the Hugging Face patches, the formulas and the
+    vLLM plugin's rules name the same model types, so none is covered on one side only."""
+    from samepath.integrations.formulas import FAMILIES as formula_families
+
+    assert set(hf.MODEL_TYPES) == set(formula_families) == set(audit.VLLM_STRUCTURE) == set(audit.VLLM_ATTENTION_MLP)
