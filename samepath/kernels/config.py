@@ -20,7 +20,9 @@ import torch
 from samepath.kernels.dispatch import device_kind
 
 #: Bumped whenever a kernel's arithmetic changes in a way the table does not show.
-NUMERICS_VERSION = 1
+#: 2: the Hugging Face rotary module computes cos/sin with rotary_cos_sin from the config (not from
+#: its inv_freq buffer, which ``model.to(dtype)`` rounds); rope types beyond default and llama3.
+NUMERICS_VERSION = 2
 
 #: dtypes the kernels accept, by the name used in the table.
 SUPPORTED_DTYPES: dict[torch.dtype, str] = {
