@@ -43,6 +43,7 @@ from samepath import integrations  # noqa: E402
 from samepath.check.cli import main  # noqa: E402
 from samepath.check.harness import DEFAULT_MODEL_CONFIG, trainer_forward  # noqa: E402
 from samepath.check.vllm_rollout import VLLMRolloutSpec, run_vllm_rollout  # noqa: E402
+from tests.test_rope_variants import HEAD_DIM, ROPE_VARIANTS, llama_config  # noqa: E402
 
 VOCAB = DEFAULT_MODEL_CONFIG["vocab_size"]
 NEW_TOKENS = 12
@@ -397,3 +398,241 @@ def test_the_trainers_tensor_parallel_degree_is_checked_in_each_worker(monkeypat
         samepath_vllm._check_tensor_parallel_numerics()
     finally:
         samepath_vllm.uninstall()
+
+
+# ----------------------------------------------------------------------------------------------
+# Fail closed: rope variants, the load-time coverage audit, the model fingerprint
+# ----------------------------------------------------------------------------------------------
+
+ROPE_PROMPT_LENGTHS = [5, 33, 17]
+ROPE_NEW_TOKENS = 8
+ROPE_MAX_MODEL_LEN = 128  # longrope's original_max_position_embeddings: its short factors throughout
+
+
+@pytest.fixture
+def plugin_installed(monkeypatch):
+    from samepath.integrations import audit
+    from samepath.integrations import vllm as samepath_vllm
+
+    monkeypatch.delenv(samepath_vllm.FINGERPRINT_ENV_VAR, raising=False)
+    monkeypatch.delenv(audit.ALLOW_ENV_VAR, raising=False)
+    monkeypatch.setattr(audit, "_warned", set())
+    samepath_vllm.install()
+    yield samepath_vllm
+    samepath_vllm.uninstall()
+
+
+def _vllm_rope_layer(variant: str, dtype: torch.dtype, monkeypatch, max_model_len: int = ROPE_MAX_MODEL_LEN):
+    """The rotary layer vLLM's ``get_rope`` builds for the tiny Llama config of ``variant``."""
+    import types
+
+    from vllm.config import VllmConfig, set_current_vllm_config
+    from vllm.model_executor.layers import rotary_embedding
+    from vllm.model_executor.layers.rotary_embedding import get_rope
+    from vllm.model_executor.layers.rotary_embedding import phi3_long_rope_scaled_rope as phi3
+
+    monkeypatch.setattr(rotary_embedding, "_ROPE_DICT", {})  # get_rope's cache ignores max_model_len
+    model_config = types.SimpleNamespace(model_config=types.SimpleNamespace(max_model_len=max_model_len))
+    monkeypatch.setattr(phi3, "get_current_vllm_config", lambda: model_config)
+    config = llama_config(variant)
+    with set_current_vllm_config(VllmConfig()):
+        return get_rope(config.head_dim, config.max_position_embeddings, True, dict(config.rope_parameters), dtype)
+
+
+def _hf_rotated(variant: str, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
+    """Stock Hugging Face (not patched): the rotary module's cos/sin, ``apply_rotary_pos_emb``."""
+    from transformers.models.llama import modeling_llama
+
+    assert not integrations.enabled()
+    tokens, d = positions.shape[0], HEAD_DIM
+    cos, sin = modeling_llama.LlamaRotaryEmbedding(llama_config(variant))(q, positions[None])
+    q4, k4 = (x.view(1, tokens, -1, d).transpose(1, 2) for x in (q, k))
+    hq, hk = modeling_llama.apply_rotary_pos_emb(q4, k4, cos, sin)
+    return hq.transpose(1, 2).reshape(q.shape), hk.transpose(1, 2).reshape(k.shape)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+@pytest.mark.parametrize("variant", list(ROPE_VARIANTS))
+def test_vllm_rotary_layers_compute_hugging_face_bits(plugin_installed, monkeypatch, variant, dtype):
+    """Each rotary class vLLM builds for a rope type (default, linear, dynamic NTK, YaRN, llama3,
+    longrope) rotates q and k to the stock Hugging Face bits under the plugin; vLLM's own CPU
+    kernel (what ran before: one fp32 rounding where Hugging Face rounds each product) does not."""
+    layer = _vllm_rope_layer(variant, dtype, monkeypatch)
+    gen = torch.Generator().manual_seed(0)
+    positions = torch.randint(0, ROPE_MAX_MODEL_LEN, (50,), generator=gen)
+    q, k = (torch.randn(50, n * HEAD_DIM, generator=gen).to(dtype) for n in (4, 2))
+    got_q, got_k = layer(positions, q.clone(), k.clone())
+    want_q, want_k = _hf_rotated(variant, positions, q, k)
+    assert torch.equal(got_q, want_q) and torch.equal(got_k, want_k)
+    if dtype == torch.bfloat16 and hasattr(layer, "forward_cpu"):  # negative control
+        stock_q, _ = layer.forward_cpu(positions, q.clone(), k.clone())
+        assert not torch.equal(stock_q, want_q)
+
+
+def test_vllm_rotary_refuses_what_it_cannot_make_equal(plugin_installed, monkeypatch):
+    from vllm.config import VllmConfig, set_current_vllm_config
+    from vllm.model_executor.layers.rotary_embedding import get_rope
+
+    positions = torch.arange(4)
+    q, k = torch.randn(4, 64), torch.randn(4, 32)
+    with set_current_vllm_config(VllmConfig()):
+        gptj = get_rope(16, 512, False, None, torch.float32)
+        mrope = get_rope(16, 512, True, {"rope_type": "default", "mrope_section": [2, 3, 3]}, torch.float32)
+    with pytest.raises(plugin_installed.UnsupportedRopeError, match="GPT-J"):
+        gptj(positions, q, k)
+    with pytest.raises(plugin_installed.UnsupportedRopeError, match="MRotaryEmbedding"):
+        mrope(positions, q, k)
+    with pytest.raises(plugin_installed.UnsupportedRopeError, match="max_model_len"):  # long factors everywhere
+        _vllm_rope_layer("longrope", torch.float32, monkeypatch, max_model_len=512)(positions, q, k)
+    with pytest.raises(ValueError, match="at or past 512"):  # HF's dynamic rope turns length-dependent
+        _vllm_rope_layer("dynamic", torch.float32, monkeypatch)(torch.tensor([3, 512]), q[:2], k[:2])
+
+
+class _Custom(torch.nn.Module):
+    def forward(self, x):
+        return x * 2
+
+
+def _vllm_module_tree(eps: float, extra: dict[str, torch.nn.Module]) -> torch.nn.Module:
+    from vllm.config import VllmConfig, set_current_vllm_config
+    from vllm.model_executor.layers.layernorm import RMSNorm
+
+    with set_current_vllm_config(VllmConfig()):
+        return torch.nn.ModuleDict({"norm": RMSNorm(64, eps=eps), **extra})
+
+
+def test_load_audit_refuses_uncovered_vllm_layers_by_name(plugin_installed, monkeypatch):
+    """The gate the plugin runs at model load: an unpatched vLLM layer type (GeluAndMul), a custom
+    module and a norm whose epsilon differs from the config's are refused, each named; with the
+    opt-out the load goes on and the fingerprint records it."""
+    from vllm.config import VllmConfig, set_current_vllm_config
+    from vllm.model_executor.layers.activation import GeluAndMul
+
+    from samepath.integrations import audit
+
+    config = transformers.Qwen3Config(**DEFAULT_MODEL_CONFIG)
+    covered = _vllm_module_tree(config.rms_norm_eps, {})
+    plugin_installed.check_loaded_model(covered, config)  # a ModuleDict of a plain RMSNorm: covered
+    with set_current_vllm_config(VllmConfig()):
+        gelu = GeluAndMul()
+    tree = _vllm_module_tree(1e-5, {"act": gelu, "custom": _Custom()})
+    with pytest.raises(audit.UncoveredOpsError) as refused:
+        plugin_installed.check_loaded_model(tree, config)
+    message = str(refused.value)
+    assert "act: vllm.model_executor.layers.activation.GeluAndMul" in message
+    assert "custom: " in message and "_Custom" in message and "eps 1e-05 differs" in message
+    plain = samepath.fingerprint()
+    monkeypatch.setenv(audit.ALLOW_ENV_VAR, "all")
+    with pytest.warns(UserWarning, match="GeluAndMul"):
+        plugin_installed.check_loaded_model(tree, config)
+    assert samepath.fingerprint().startswith(plain + "-uncovered")
+    plugin_installed.uninstall()
+    assert samepath.fingerprint() == plain
+
+
+def test_load_audit_compares_the_trainers_model_fingerprint(monkeypatch):
+    """SAMEPATH_EXPECT_FINGERPRINT = the trainer's fingerprint(1, its config): a rollout whose model
+    resolved to other formulas (here: another rope scaling) is refused at load."""
+    import vllm.distributed
+
+    from samepath.integrations import vllm as samepath_vllm
+
+    default, llama3 = llama_config("default"), llama_config("llama3")
+    monkeypatch.setattr(vllm.distributed, "get_tensor_model_parallel_world_size", lambda: 1)
+    monkeypatch.setenv(samepath_vllm.FINGERPRINT_ENV_VAR, samepath.fingerprint(1, model_config=llama3))
+    samepath_vllm.install()
+    try:
+        samepath_vllm.check_loaded_model(_vllm_module_tree(llama3.rms_norm_eps, {}), llama3)
+        with pytest.raises(samepath.NumericsMismatchError, match="model formula mismatch"):
+            samepath_vllm.check_loaded_model(_vllm_module_tree(default.rms_norm_eps, {}), default)
+    finally:
+        samepath_vllm.uninstall()
+
+
+@pytest.fixture(scope="module")
+def llama_dirs(tmp_path_factory):
+    """rope variant -> directory of a tiny random-weight Llama with that rope, in bfloat16."""
+    dirs = {}
+
+    def get(variant: str, dtype: str = "bfloat16") -> tuple[str, object]:
+        if (variant, dtype) not in dirs:
+            torch.manual_seed(0)
+            config = llama_config(variant)
+            model = transformers.LlamaForCausalLM(config).to(getattr(torch, dtype)).eval()
+            with torch.no_grad():
+                for param in model.parameters():
+                    param.mul_(4.0 if param.dim() == 1 else 2.0)
+            path = tmp_path_factory.mktemp(f"llama_{variant}_{dtype}")
+            model.save_pretrained(path)
+            dirs[variant, dtype] = (str(path), config)
+        return dirs[variant, dtype]
+
+    return get
+
+
+ROPE_ROLLOUT_CASES = [
+    pytest.param("llama3", id="llama3"),
+    pytest.param("yarn", id="yarn"),
+    *(
+        pytest.param(v, id=v, marks=pytest.mark.slow)
+        for v in ("default", "linear", "dynamic", "yarn-mscale", "longrope")
+    ),
+]
+
+
+@pytest.mark.parametrize("variant", ROPE_ROLLOUT_CASES)
+def test_vllm_rope_variant_rollout_equals_trainer(llama_dirs, hf_patched, variant):
+    """A real vLLM rollout of a tiny Llama with each rope type equals the patched Hugging Face
+    trainer bit for bit (greedy, bf16, chunked prefill); the trainer's model-aware fingerprint is
+    what vLLM checks at load."""
+    model_dir, config = llama_dirs(variant)
+    gen = torch.Generator().manual_seed(3)
+    batch = [torch.randint(1, VOCAB, (n,), generator=gen).tolist() for n in ROPE_PROMPT_LENGTHS]
+    spec = VLLMRolloutSpec(
+        model=model_dir,
+        dtype="bfloat16",
+        batches=[batch],
+        new_tokens=ROPE_NEW_TOKENS,
+        samepath=True,
+        expect_fingerprint=samepath.fingerprint(1, model_config=config),
+        max_model_len=ROPE_MAX_MODEL_LEN,
+    )
+    result = run_vllm_rollout(spec)
+    assert result.fingerprint == samepath.fingerprint()
+    assert samepath.fingerprint(1, model_config=config) == f"{result.fingerprint}-{result.model_fingerprint}"
+    rollout = rollout_logprobs(result.requests)
+    alone, padded = trainer_logprobs(model_dir, "bfloat16", batch, result.requests, 0.0)
+    print(f"\n[llama {variant}] samepath vLLM vs HF alone: {fraction_equal(rollout, alone)}")
+    for r, a, p in zip(rollout, alone, padded, strict=True):
+        assert torch.equal(r, a) and torch.equal(r, p)
+
+
+def _mistral_dir(tmp_path) -> str:
+    torch.manual_seed(0)
+    transformers.MistralForCausalLM(transformers.MistralConfig(**DEFAULT_MODEL_CONFIG)).save_pretrained(tmp_path)
+    return str(tmp_path)
+
+
+def test_vllm_refuses_a_model_type_covered_on_one_side_only(tmp_path):
+    """mistral: vLLM would run it (as a Llama variant) but samepath's Hugging Face side has no
+    patches for it, so the plugin refuses it at load, naming the type and the unknown layers."""
+    spec = VLLMRolloutSpec(model=_mistral_dir(tmp_path), dtype="bfloat16", batches=[[[1, 2, 3]]], new_tokens=2)
+    with pytest.raises(RuntimeError) as refused:
+        run_vllm_rollout(spec)
+    message = str(refused.value)
+    assert "UncoveredOpsError" in message and "model_type 'mistral'" in message
+    assert "MistralForCausalLM" in message
+
+
+@pytest.mark.slow
+def test_vllm_opt_out_runs_and_is_in_the_fingerprint(tmp_path):
+    spec = VLLMRolloutSpec(
+        model=_mistral_dir(tmp_path),
+        dtype="bfloat16",
+        batches=[[[1, 2, 3]]],
+        new_tokens=2,
+        env={"SAMEPATH_ALLOW_UNCOVERED": "all"},
+    )
+    result = run_vllm_rollout(spec)
+    assert len(result.requests[0].tokens) == 2
+    assert result.fingerprint.startswith(samepath.fingerprint() + "-uncovered")

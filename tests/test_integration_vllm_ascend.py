@@ -360,7 +360,7 @@ def _fake_tree(drop: str | None = None) -> dict[str, types.ModuleType]:
             owner_name, _, attr = path.partition(".")
             owner = getattr(module, owner_name, None)
             if owner is None:
-                owner = type(owner_name, (), {})
+                owner = type(owner_name, (), {"__module__": module_name})
                 setattr(module, owner_name, owner)
             if attr:
                 setattr(owner, attr, lambda *args, **kwargs: "stock")
@@ -560,7 +560,10 @@ def test_patched_ops_fake_tree(fake_vllm_ascend, monkeypatch: pytest.MonkeyPatch
     cos, sin = samepath.rotary_cos_sin(positions, 32, 10000.0, torch.bfloat16)
     want_q, want_k = samepath.apply_rotary(q.view(5, HEADS, 32), k.view(5, KV_HEADS, 32), cos, sin, unsqueeze_dim=1)
     assert torch.equal(got_q, want_q.view(5, -1)) and torch.equal(got_k, want_k.view(5, -1))
-    assert rope.forward_oot(positions, q, k, is_neox_style_override=False) == "stock"
+    with pytest.raises(NotImplementedError, match="GPT-J"):  # refused, not left on vllm-ascend's formula
+        rope.forward_oot(positions, q, k, is_neox_style_override=False)
+    rope.use_mtp = True  # the MTP draft layers keep vllm-ascend's op
+    assert rope.forward_oot(positions, q, k) == "stock"
 
     method = tree["vllm_ascend.ops.linear"].AscendUnquantizedLinearMethod()
     layer = torch.nn.Module()

@@ -264,7 +264,9 @@ def test_bad_input_names_the_argument() -> None:
         rotary_cos_sin(positions, 63, 10000.0, torch.float32)
     with pytest.raises(ValueError, match="base must be"):
         rotary_cos_sin(positions, 64, -1.0, torch.float32)
-    with pytest.raises(ValueError, match="rope_type 'yarn' is not supported"):
+    with pytest.raises(ValueError, match="rope_type 'mrope' is not supported"):
+        rotary_cos_sin(positions, 64, 10000.0, torch.float32, scaling={"rope_type": "mrope", "factor": 4.0})
+    with pytest.raises(ValueError, match="'yarn' needs the key 'original_max_position_embeddings'"):
         rotary_cos_sin(positions, 64, 10000.0, torch.float32, scaling={"rope_type": "yarn", "factor": 4.0})
     with pytest.raises(ValueError, match="needs the key 'factor'"):
         rotary_cos_sin(positions, 64, 10000.0, torch.float32, scaling={"rope_type": "linear"})

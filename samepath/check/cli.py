@@ -1,4 +1,5 @@
-"""The ``samepath`` command line: ``samepath check`` and ``samepath doctor`` (also ``python -m samepath``).
+"""The ``samepath`` command line: ``samepath check``, ``samepath doctor`` and ``samepath audit``
+(also ``python -m samepath``).
 
 Exit status: see :data:`EXIT_STATUS_HELP` (also printed by ``--help``).
 """
@@ -15,8 +16,9 @@ from contextlib import ExitStack, contextmanager
 EXIT_OK, EXIT_DIFFERS, EXIT_BAD_INPUT, EXIT_ERROR = 0, 1, 2, 3
 
 EXIT_STATUS_HELP = """exit status:
-  0  samepath's rollout and trainer are bit-identical (check: every log-prob equal; doctor: no module differs)
-  1  they are not
+  0  samepath's rollout and trainer are bit-identical (check: every log-prob equal; doctor: no module
+     differs; audit: every module covered or neutral)
+  1  they are not (audit: some module is uncovered)
   2  bad input (one line on stderr, found before any model runs)
   3  an unexpected error (set SAMEPATH_DEBUG=1 for the traceback)"""
 
@@ -65,7 +67,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--version", action="version", version=f"samepath {samepath.__version__} (numerics {samepath.fingerprint()})"
     )
-    sub = parser.add_subparsers(dest="command", metavar="{check,doctor}", parser_class=_Parser)
+    sub = parser.add_subparsers(dest="command", metavar="{check,doctor,audit}", parser_class=_Parser)
     check = sub.add_parser(
         "check",
         epilog=EXIT_STATUS_HELP,
@@ -114,7 +116,58 @@ def build_parser() -> argparse.ArgumentParser:
         default="both",
         help="diagnose stock kernels, samepath's, or both (default: %(default)s)",
     )
+    audit = sub.add_parser(
+        "audit",
+        help="which modules of a model are on samepath's contract (coverage audit)",
+        description="Load the model as patch_all(model) would put it on samepath and classify every module as "
+        "covered by samepath, neutral, or uncovered (the parts patch_all(model) and the vLLM plugin refuse). "
+        "Exit status 0 only when every module is covered or neutral.",
+        epilog=EXIT_STATUS_HELP,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    audit.add_argument(
+        "--model",
+        metavar="DIR",
+        help="a Hugging Face model directory; default: the embedded tiny random-weight Qwen3 of samepath check",
+    )
+    audit.add_argument(
+        "--dtype", default="bfloat16", help="float32, bfloat16 or float16 (default: %(default)s)", metavar="DTYPE"
+    )
+    audit.add_argument("--json", metavar="OUT", help="also write the report as JSON to OUT ('-' for stdout)")
     return parser
+
+
+def run_audit(args: argparse.Namespace) -> int:
+    """``samepath audit``: the Hugging Face side's coverage report of a model directory."""
+    from samepath.check.harness import CheckInputError, parse_dtype
+    from samepath.check.report import SCHEMA_VERSION
+    from samepath.integrations.audit import audit_model_dir
+
+    dtype = parse_dtype(args.dtype)
+    if args.json and args.json != "-":
+        _check_writable("--json", args.json)
+    if args.model is not None and not os.path.isfile(os.path.join(args.model, "config.json")):
+        raise CheckInputError(f"{args.model!r} is not a Hugging Face model directory (no config.json)")
+    _transformers_or_fail()
+    try:
+        report = audit_model_dir(args.model, dtype)
+    except (OSError, ValueError) as exc:
+        raise CheckInputError(f"cannot load the model in {args.model!r}: {str(exc).splitlines()[0]}") from None
+    if args.json != "-":
+        print(report.format())
+    if args.json:
+        source = args.model or "embedded-default"
+        _write_json(
+            args.json,
+            {"schema_version": SCHEMA_VERSION, "tool": "samepath audit", "model": source, **report.to_json()},
+        )
+    return EXIT_OK if report.fully_covered else EXIT_DIFFERS
+
+
+def _transformers_or_fail() -> None:
+    from samepath.check.harness import _transformers
+
+    _transformers()
 
 
 def _validate(args: argparse.Namespace):
@@ -351,7 +404,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     try:
         with _quiet_transformers():
-            return run_check(args) if args.command == "check" else run_doctor(args)
+            runner = {"check": run_check, "doctor": run_doctor, "audit": run_audit}[args.command]
+            return runner(args)
     except CheckInputError as exc:
         print(f"samepath {args.command}: error: {exc}", file=sys.stderr)
         return EXIT_BAD_INPUT

@@ -321,10 +321,12 @@ def rollout_vllm(
     temperature: float,
     seed: int,
     with_samepath: bool,
+    model_config=None,
 ) -> tuple[torch.Tensor, torch.Tensor, str]:
     """A vLLM rollout of ``prompts`` in a child process (stock, or with samepath's plugin): the
     generated tokens ``[B, new_tokens]``, their log-probs at ``temperature`` and the fingerprint
-    the child reported ("stock vLLM" without samepath)."""
+    the child reported ("stock vLLM" without samepath). With ``model_config`` (the trainer's), the
+    plugin also refuses a model it resolved to other formulas."""
     from samepath.check.vllm_rollout import VLLMRolloutSpec, run_vllm_rollout
 
     spec = VLLMRolloutSpec(
@@ -335,7 +337,7 @@ def rollout_vllm(
         temperature=temperature,
         seed=seed,
         samepath=with_samepath,
-        expect_fingerprint=samepath.fingerprint() if with_samepath else None,
+        expect_fingerprint=samepath.fingerprint(model_config=model_config) if with_samepath else None,
         max_model_len=max(map(len, prompts)) + new_tokens,
         max_num_seqs=max(len(prompts), 1),
         max_num_batched_tokens=max(64, len(prompts)),  # vLLM needs at least one token per sequence
@@ -368,7 +370,14 @@ def run_side_by_side(
     else:
         dtype = next(model.parameters()).dtype
         generated, rollout_lp, rollout_fp = rollout_vllm(
-            vllm_model_dir, dtype, prompts, new_tokens, temperature, seed, with_samepath=numerics == "samepath"
+            vllm_model_dir,
+            dtype,
+            prompts,
+            new_tokens,
+            temperature,
+            seed,
+            with_samepath=numerics == "samepath",
+            model_config=model.config,
         )
         if progress is not None:
             progress.update(new_tokens, f"{numerics} rollout")

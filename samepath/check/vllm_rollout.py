@@ -43,7 +43,9 @@ class VLLMRolloutSpec:
     max_num_batched_tokens: int = 64
     max_num_seqs: int = 8
     max_model_len: int = 256
-    #: The trainer's ``samepath.fingerprint(tensor_parallel_size)``: the plugin refuses another.
+    #: The trainer's ``samepath.fingerprint(tensor_parallel_size[, model_config])``: the plugin refuses
+    #: another numerics table at install and, when it carries a model part, another resolution of
+    #: the model's formulas at load.
     expect_fingerprint: str | None = None
     #: vLLM's TP degree; above 1 its workers are processes that get samepath from the entry point.
     tensor_parallel_size: int = 1
@@ -64,6 +66,9 @@ class VLLMRolloutResult:
     requests: list[VLLMRequestResult]
     #: the child's ``samepath.fingerprint(tensor_parallel_size)`` when samepath was installed
     fingerprint: str | None
+    #: ``samepath.kernels.config.model_fingerprint`` of the model vLLM loaded (when the engine ran
+    #: in the child's own process, i.e. not with ``entry_point=True``)
+    model_fingerprint: str | None = None
 
 
 def entry_point_installed() -> bool:
@@ -106,7 +111,7 @@ def run_vllm_rollout(spec: VLLMRolloutSpec, timeout: float = 1800.0) -> VLLMRoll
         raise RuntimeError(f"the vLLM rollout failed (exit status {proc.returncode}):\n{proc.stderr[-6000:]}")
     document = json.loads(lines[-1].removeprefix(RESULT_PREFIX))
     requests = [VLLMRequestResult(**r) for r in document["requests"]]
-    return VLLMRolloutResult(requests, document["fingerprint"])
+    return VLLMRolloutResult(requests, document["fingerprint"], document.get("model_fingerprint"))
 
 
 def _child(spec: VLLMRolloutSpec) -> dict:
@@ -159,12 +164,19 @@ def _child(spec: VLLMRolloutSpec) -> dict:
                     "cached_tokens": out.num_cached_tokens or 0,
                 }
             )
-    fingerprint = None
+    fingerprint = model_fingerprint = None
     if spec.samepath:
         import samepath
+        from samepath.integrations import vllm as samepath_vllm
+        from samepath.kernels.config import model_fingerprint as model_hash
 
         fingerprint = samepath.fingerprint(spec.tensor_parallel_size)
-    return {"requests": requests, "fingerprint": fingerprint}
+        loaded = samepath_vllm.LOADED_MODEL_CONFIG
+        try:
+            model_fingerprint = None if loaded is None else model_hash(loaded)
+        except ValueError:  # a model the user opted in off samepath's formulas
+            model_fingerprint = None
+    return {"requests": requests, "fingerprint": fingerprint, "model_fingerprint": model_fingerprint}
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -15,11 +15,12 @@ from __future__ import annotations
 
 import importlib.util
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import ExitStack, contextmanager
 
 import torch
 
+from samepath.kernels.config import record_uncovered
 from samepath.kernels.matmul import batch_invariant
 
 _lock = threading.RLock()
@@ -32,14 +33,24 @@ def enabled() -> bool:
     return _stack is not None
 
 
-def patch_all(model: torch.nn.Module | None = None, *, model_types: list[str] | None = None) -> None:
+def patch_all(
+    model: torch.nn.Module | None = None,
+    *,
+    model_types: list[str] | None = None,
+    allow_uncovered: str | Sequence[str] | None = None,
+) -> None:
     """Put every supported framework on samepath's kernels.
 
     Args:
         model: optionally, an already-built Hugging Face model whose config is switched to
-            ``attn_implementation="samepath"`` (its model type is patched even if not listed).
+            ``attn_implementation="samepath"`` (its model type is patched even if not listed), then
+            audited (:func:`samepath.integrations.audit.audit_hf_model`): a module samepath does not
+            cover raises :class:`samepath.integrations.audit.UncoveredOpsError` naming it.
         model_types: the Hugging Face architectures to patch (``config.model_type``); default all
             of :data:`samepath.integrations.hf.MODEL_TYPES`.
+        allow_uncovered: the explicit opt-out of that refusal: ``"all"`` or module class names,
+            qualified module names or ops (default: ``SAMEPATH_ALLOW_UNCOVERED``). The run goes on
+            with a warning, and :func:`samepath.fingerprint` records the opted-out parts.
     """
     global _stack
     if model is not None and not isinstance(getattr(getattr(model, "config", None), "model_type", None), str):
@@ -60,28 +71,35 @@ def patch_all(model: torch.nn.Module | None = None, *, model_types: list[str] | 
                         hf.apply_to_model_type(model_type, patcher)
                         _patched_model_types.append(model_type)
                     stack.callback(_patched_model_types.clear)
+                    stack.callback(record_uncovered, "hf", ())
             except BaseException:
                 stack.close()
                 raise
             _stack = stack
         if model is not None:
             try:
-                _patch_model(model)
+                _patch_model(model, allow_uncovered)
             except BaseException:
                 if not was_enabled:
                     unpatch_all()
                 raise
 
 
-def _patch_model(model: torch.nn.Module) -> None:
-    from samepath.integrations import hf
+def _patch_model(model: torch.nn.Module, allow_uncovered: str | Sequence[str] | None) -> None:
+    """Switch ``model`` onto samepath and audit it; a refusal undoes this call's changes."""
+    from samepath.integrations import audit, hf
 
     patcher = _current_patcher()
-    model_type = model.config.model_type
-    if model_type not in _patched_model_types:
-        hf.apply_to_model_type(model_type, patcher)
-        _patched_model_types.append(model_type)
-    hf.use_samepath(model, patcher)
+    try:
+        model_type = model.config.model_type
+        if model_type not in _patched_model_types and model_type in hf.MODEL_TYPES:
+            hf.apply_to_model_type(model_type, patcher)
+            _patched_model_types.append(model_type)
+        hf.use_samepath(model, patcher)
+        audit.enforce(audit.audit_hf_model(model), allow_uncovered)
+    except BaseException:
+        patcher.restore()
+        raise
 
 
 def _current_patcher():
@@ -105,10 +123,12 @@ def unpatch_all() -> None:
 
 
 @contextmanager
-def patched(model: torch.nn.Module | None = None) -> Iterator[None]:
+def patched(
+    model: torch.nn.Module | None = None, *, allow_uncovered: str | Sequence[str] | None = None
+) -> Iterator[None]:
     """``patch_all()`` for the duration of a block (restores the previous state on exit)."""
     was_enabled = enabled()
-    patch_all(model)
+    patch_all(model, allow_uncovered=allow_uncovered)
     try:
         yield
     finally:

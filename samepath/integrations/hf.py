@@ -11,7 +11,9 @@ runs :func:`samepath.varlen_attention` (differentiable); ``generate`` with a KV 
 
 Per model type (``config.model_type``), Liger-style: ``{Prefix}RMSNorm.forward`` →
 :func:`samepath.rms_norm`, ``{Prefix}MLP.forward`` → :func:`samepath.silu_mul`, the module's
-``apply_rotary_pos_emb`` → :func:`samepath.apply_rotary`; MoE experts through ``ExpertsInterface``.
+``apply_rotary_pos_emb`` → :func:`samepath.apply_rotary`, ``{Prefix}RotaryEmbedding.forward`` →
+:func:`samepath.rotary_cos_sin` (every rope type :mod:`samepath.integrations.formulas` resolves);
+MoE experts through ``ExpertsInterface``.
 Linear layers and the lm_head go through :func:`samepath.batch_invariant` (entered by
 ``patch_all``). Every replacement is recorded by :class:`Patcher` and undone by ``unpatch_all``.
 """
@@ -26,10 +28,11 @@ from typing import Any
 
 import torch
 
+from samepath.integrations.formulas import UnsupportedModelError, rope_formula
 from samepath.integrations.moe import experts_forward
 from samepath.kernels.attention import packed_attention, varlen_attention
 from samepath.kernels.rms_norm import rms_norm
-from samepath.kernels.rotary import apply_rotary
+from samepath.kernels.rotary import apply_rotary, rotary_cos_sin
 from samepath.kernels.swiglu import silu_mul
 
 #: The name models use in ``attn_implementation=`` / ``experts_implementation=``.
@@ -128,6 +131,45 @@ def _segments(
     return q_index, kv_index, cu_q, cu_kv
 
 
+#: Keyword arguments transformers passes along to an attention function that do not change what
+#: it computes (model-level flags); any other unknown keyword is refused, never ignored.
+_NEUTRAL_ATTENTION_KWARGS = frozenset(
+    {"use_cache", "output_hidden_states", "output_router_logits", "num_items_in_batch", "return_dict"}
+)
+
+
+class UnsupportedAttentionError(ValueError):
+    """transformers asked samepath's attention for a feature it does not implement (softcap, sinks,
+    dropout, attention weights, an unknown keyword): refused rather than dropped."""
+
+
+def _check_attention_kwargs(
+    module: torch.nn.Module, dropout: float, kwargs: dict[str, Any], cu_q: list[int], unpadded_packed: bool
+) -> None:
+    where = type(module).__name__
+    problems = []
+    if dropout:
+        problems.append(f"dropout={dropout} (attention dropout in train mode; set attention_dropout=0)")
+    if kwargs.get("softcap") is not None:
+        problems.append(f"softcap={kwargs['softcap']} (logit soft-capping, e.g. Gemma 2)")
+    if kwargs.get("s_aux") is not None:
+        problems.append("s_aux (attention sinks, e.g. GPT-OSS)")
+    if kwargs.get("output_attentions"):
+        problems.append("output_attentions=True (samepath returns no attention weights)")
+    for name in ("cu_seq_lens_q", "cu_seq_lens_k"):
+        given = kwargs.get(name)
+        if given is not None and not (unpadded_packed and [int(x) for x in given.flatten()] == cu_q):
+            problems.append(f"{name} that differs from the sequences position_ids / the mask delimit")
+    known = {"softcap", "s_aux", "output_attentions", "position_ids", "cu_seq_lens_q", "cu_seq_lens_k"}
+    known |= {"max_length_q", "max_length_k"} | _NEUTRAL_ATTENTION_KWARGS
+    problems += [f"unknown keyword {name}={kwargs[name]!r}" for name in sorted(set(kwargs) - known)]
+    if problems:
+        raise UnsupportedAttentionError(
+            f"samepath's attention ({where}) does not implement: {'; '.join(problems)}. Refused rather than "
+            "dropped: the rollout and the trainer would compute different things"
+        )
+
+
 def attention_forward(
     module: torch.nn.Module,
     query: torch.Tensor,
@@ -145,9 +187,11 @@ def attention_forward(
 
     Padding query rows come back as zeros. Bit-identical, row by row, to what samepath's paged
     kernel gives the rollout for the same tokens.
+
+    Raises :class:`UnsupportedAttentionError` for dropout > 0, a ``softcap``, sinks (``s_aux``),
+    ``output_attentions=True``, ``cu_seq_lens_*`` other than the sequences it cuts out itself, or
+    any keyword it does not know.
     """
-    if dropout:
-        raise ValueError(f"samepath attention has no dropout (got dropout={dropout}); set attention_dropout=0")
     if attention_mask is not None and attention_mask.dim() != 2:
         raise ValueError(
             "samepath attention takes the 2-D padding mask its AttentionMaskInterface entry provides, got a "
@@ -163,6 +207,7 @@ def attention_forward(
         )
     scale = scaling if scaling is not None else head_size**-0.5
     q_index, kv_index, cu_q, cu_kv = _segments(attention_mask, kwargs.get("position_ids"), batch, q_len, kv_len)
+    _check_attention_kwargs(module, dropout, kwargs, cu_q, unpadded_packed=batch == 1 and cu_q == cu_kv)
     device = query.device
     q_rows = torch.tensor(q_index, dtype=torch.int64, device=device)
     kv_rows = torch.tensor(kv_index, dtype=torch.int64, device=device)
@@ -208,8 +253,22 @@ def _apply_rotary_pos_emb(
     return apply_rotary(q, k, cos, sin, unsqueeze_dim=unsqueeze_dim)
 
 
+def _rotary_embedding_forward(
+    self: torch.nn.Module, x: torch.Tensor, position_ids: torch.Tensor, layer_type: str | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    if layer_type is not None:
+        raise UnsupportedModelError(f"per-layer-type rope ({layer_type!r}) is not supported")
+    rope = rope_formula(self.config)
+    return rotary_cos_sin(position_ids, rope.rotary_dim, rope.base, x.dtype, rope.scaling)
+
+
 def apply_to_model_type(model_type: str, patcher: Patcher) -> None:
-    """Patch one architecture's modeling module (works before or after its models are built)."""
+    """Patch one architecture's modeling module (works before or after its models are built).
+
+    ``{Prefix}RotaryEmbedding.forward`` computes cos/sin with :func:`samepath.rotary_cos_sin` from
+    :func:`samepath.integrations.formulas.rope_formula` of the model's config — the function the
+    vLLM plugin calls — rather than from the module's ``inv_freq`` buffer (which a
+    ``model.to(dtype)`` would round)."""
     if model_type not in MODEL_TYPES:
         raise ValueError(
             f"samepath has no Hugging Face patches for model_type={model_type!r}; "
@@ -222,6 +281,7 @@ def apply_to_model_type(model_type: str, patcher: Patcher) -> None:
     if mlp is not None:
         patcher.set(mlp, "forward", _mlp_forward)
     patcher.set(modeling, "apply_rotary_pos_emb", _apply_rotary_pos_emb)
+    patcher.set(getattr(modeling, f"{prefix}RotaryEmbedding"), "forward", _rotary_embedding_forward)
 
 
 def register_interfaces(patcher: Patcher, replace_defaults: bool) -> None:

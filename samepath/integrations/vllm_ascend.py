@@ -34,9 +34,11 @@ What :func:`install` replaces:
   (:func:`samepath.rms_norm` with ``residual``, Hugging Face's rounding); ``npu_rms_norm``
   becomes :func:`samepath.rms_norm`. Norms with a bias (anti-outlier quantization) keep
   vllm-ascend's op.
-* **Rotary** — ``AscendRotaryEmbedding.forward_oot`` (default rope, neox style): cos/sin from
-  :func:`samepath.rotary_cos_sin` (Hugging Face's formula, not the cached table), the rotation by
-  :func:`samepath.apply_rotary`. Other rope types keep vllm-ascend's op.
+* **Rotary** — ``AscendRotaryEmbedding.forward_oot``, ``AscendYaRNRotaryEmbedding.forward_oot`` and
+  vLLM's ``RotaryEmbeddingBase.forward`` (llama3, linear, dynamic NTK, longrope, which vllm-ascend
+  does not override): cos/sin from :func:`samepath.rotary_cos_sin` with Hugging Face's parameters
+  (:func:`samepath.integrations.vllm.vllm_rope`), the rotation by :func:`samepath.apply_rotary`.
+  GPT-J style and unmapped rope types (mrope, DeepSeek, ...) are refused.
 * **SiLU·mul** — ``AscendSiluAndMul.forward_oot`` (``npu_swiglu``): :func:`samepath.swiglu`.
 * **Linear** — ``AscendUnquantizedLinearMethod``: the weight stays ND (no FRACTAL_NZ cast) and
   ``apply`` runs :func:`samepath.linear`; vLLM's ``UnquantizedEmbeddingMethod.apply`` (the lm_head)
@@ -81,6 +83,7 @@ from samepath.integrations.vllm import (
     FINGERPRINT_ENV_VAR,
     _compute_logprobs,
     _has_dense_weight,
+    _optional_module,
     _Patcher,
     apply_patch_groups,
 )
@@ -88,7 +91,6 @@ from samepath.kernels.attention import paged_attention
 from samepath.kernels.config import assert_same_numerics, fingerprint
 from samepath.kernels.matmul import linear
 from samepath.kernels.rms_norm import rms_norm
-from samepath.kernels.rotary import apply_rotary, rotary_cos_sin
 from samepath.kernels.swiglu import swiglu
 
 logger = logging.getLogger(__name__)
@@ -603,31 +605,56 @@ def _patch_rms_norm(patcher: _Patcher) -> bool:
 
 
 def _patch_rotary(patcher: _Patcher) -> bool:
-    from vllm_ascend.ops.rotary_embedding import AscendRotaryEmbedding
+    """vllm-ascend's rotary classes (``AscendRotaryEmbedding``, ``AscendYaRNRotaryEmbedding``) and
+    vLLM's own (llama3, linear, dynamic NTK, longrope: vllm-ascend does not override them, so they
+    would dispatch to vLLM's formula) through :func:`samepath.integrations.vllm.rotate`; GPT-J style,
+    LoRA offsets, fp8 outputs and unmapped rope types raise ``UnsupportedRopeError``. The MTP draft
+    layers (which only propose tokens) keep vllm-ascend's op."""
+    ascend_rope = importlib.import_module("vllm_ascend.ops.rotary_embedding")
 
-    def forward_oot(
-        self,
-        positions: torch.Tensor,
-        query: torch.Tensor,
-        key: torch.Tensor,
-        offsets: torch.Tensor | None = None,
-        is_neox_style_override: bool | None = None,
-    ):
-        neox = self.is_neox_style if is_neox_style_override is None else is_neox_style_override
-        stock = type(self) is not AscendRotaryEmbedding or not neox or getattr(self, "use_mtp", False)
-        if stock or offsets is not None or key is None:
-            return _original(AscendRotaryEmbedding, "forward_oot")(
-                self, positions, query, key, offsets, is_neox_style_override
-            )
-        positions = positions.flatten()
-        tokens = positions.shape[0]
-        cos, sin = rotary_cos_sin(positions, self.rotary_dim, float(self.base), query.dtype)
-        q = query.reshape(tokens, -1, self.head_size)
-        k = key.reshape(tokens, -1, self.head_size)
-        q_out, k_out = apply_rotary(q, k, cos, sin, unsqueeze_dim=1)
-        return q_out.reshape(query.shape), k_out.reshape(key.shape)
+    from samepath.integrations.vllm import UnsupportedRopeError, _rotary_forward, rotate
 
-    _set(patcher, AscendRotaryEmbedding, "forward_oot", forward_oot)
+    def make(owner: type):
+        def forward_oot(
+            self,
+            positions: torch.Tensor,
+            query: torch.Tensor,
+            key: torch.Tensor | None,
+            offsets: torch.Tensor | None = None,
+            is_neox_style_override: bool | None = None,
+            out_dtype: torch.dtype | None = None,
+        ):
+            if getattr(self, "use_mtp", False):
+                extra = () if out_dtype is None else (out_dtype,)
+                return _original(owner, "forward_oot")(
+                    self, positions, query, key, offsets, is_neox_style_override, *extra
+                )
+            neox = self.is_neox_style if is_neox_style_override is None else is_neox_style_override
+            problems = [
+                what
+                for what, bad in (
+                    ("GPT-J (interleaved) style", not neox),
+                    ("LoRA offsets", offsets is not None),
+                    (f"out_dtype={out_dtype}", out_dtype is not None),
+                )
+                if bad
+            ]
+            if problems:
+                raise UnsupportedRopeError(f"{type(self).__name__}: samepath's rotary does not implement {problems}")
+            return rotate(self, positions, query, key)
+
+        return forward_oot
+
+    for name in ("AscendRotaryEmbedding", "AscendYaRNRotaryEmbedding"):
+        owner = getattr(ascend_rope, name, None)
+        if owner is not None:
+            _set(patcher, owner, "forward_oot", make(owner))
+    vllm_rope = _optional_module("vllm.model_executor.layers.rotary_embedding")
+    if vllm_rope is not None:
+        from vllm.model_executor.layers.rotary_embedding.base import RotaryEmbeddingBase
+
+        _set(patcher, RotaryEmbeddingBase, "forward", _rotary_forward)
+        _set(patcher, vllm_rope.Phi3LongRoPEScaledRotaryEmbedding, "forward", _rotary_forward)
     return True
 
 

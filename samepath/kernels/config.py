@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import importlib
 import json
 from dataclasses import dataclass
 from typing import TypeVar
@@ -19,6 +20,10 @@ import torch
 from samepath.kernels.dispatch import device_kind
 
 #: Bumped whenever a kernel's arithmetic changes in a way the table does not show.
+#: 2: GQA-packed attention query tiles and fixed KV segments (``seg``) for every caller; matmul K
+#: in ``k_split`` pieces (CUDA); RMSNorm dweight as a two-level reduction; the Hugging Face rotary
+#: module computes cos/sin with rotary_cos_sin from the config (not from its inv_freq buffer, which
+#: ``model.to(dtype)`` rounds); rope types beyond default and llama3.
 NUMERICS_VERSION = 2
 
 #: dtypes the kernels accept, by the name used in the table.
@@ -300,6 +305,24 @@ def tensor_parallel_numerics(tensor_parallel_size: int) -> dict[str, int]:
     return {"tensor_parallel_size": size, "k_slices": size, "vocab_shards": size, "grad_input_slices": size}
 
 
+#: side ("hf", "vllm", "vllm_ascend") -> the parts off samepath's contract that the user allowed
+#: (samepath.integrations.audit.enforce): part of the fingerprint while recorded.
+_UNCOVERED_ALLOWED: dict[str, tuple[str, ...]] = {}
+
+
+def record_uncovered(side: str, parts: tuple[str, ...]) -> None:
+    """Record (or, with ``()``, clear) the opted-out uncovered parts of one side's model."""
+    if parts:
+        _UNCOVERED_ALLOWED[side] = tuple(parts)
+    else:
+        _UNCOVERED_ALLOWED.pop(side, None)
+
+
+def uncovered_allowed() -> dict[str, tuple[str, ...]]:
+    """The opted-out uncovered parts recorded in this process, by side."""
+    return dict(_UNCOVERED_ALLOWED)
+
+
 def _table_payload() -> dict:
     # Every op module registers its formula when imported; importing this module imported the
     # samepath.kernels package, which imports them all.
@@ -322,21 +345,55 @@ def _fingerprint_of(table: dict, tensor_parallel_size: int) -> str:
     return f"sp{NUMERICS_VERSION}-" + hashlib.sha256(payload.encode()).hexdigest()[:16]
 
 
-def fingerprint(tensor_parallel_size: int = 1) -> str:
+def _uncovered_marker() -> str:
+    uncovered = uncovered_allowed()
+    if not uncovered:
+        return ""
+    flat = sorted({part for parts in uncovered.values() for part in parts})
+    return "-uncovered" + hashlib.sha256(json.dumps(flat).encode()).hexdigest()[:8]
+
+
+def model_fingerprint(model_config) -> str:
+    """A short hash of a model's formula choices (``samepath.integrations.formulas.model_formulas``:
+    rope type and parameters, norm, activation, MoE routing, attention scale) — ``m`` + 12 hex digits."""
+    formulas = importlib.import_module("samepath.integrations.formulas").model_formulas(model_config)
+    payload = json.dumps(formulas, sort_keys=True, separators=(",", ":"))
+    return "m" + hashlib.sha256(payload.encode()).hexdigest()[:12]
+
+
+def fingerprint(tensor_parallel_size: int = 1, model_config=None) -> str:
     """A short hash of every numerics-relevant constant. Equal strings mean equal schedules.
 
     ``tensor_parallel_size`` is the rollout's TP degree S: the matmul's K slices and the vocabulary
     shards of the logprobs (:func:`tensor_parallel_numerics`) are part of the
-    numerics, so a trainer that runs the S-slice kernels and a TP-S rollout compare equal."""
-    return _fingerprint_of(_table_payload(), tensor_parallel_size)
+    numerics, so a trainer that runs the S-slice kernels and a TP-S rollout compare equal.
+
+    ``model_config`` (a Hugging Face config; optional) appends ``-`` + :func:`model_fingerprint`:
+    the per-model formula choices, so a rollout and a trainer that resolved the model differently
+    compare unequal. Parts of a model the user allowed off the contract
+    (``samepath.integrations.audit.enforce``) add ``-uncovered<hash>``: a marker for the record,
+    which :func:`assert_same_numerics` does not compare (the opt-out already accepted them)."""
+    table = _fingerprint_of(_table_payload(), tensor_parallel_size) + _uncovered_marker()
+    return table if model_config is None else f"{table}-{model_fingerprint(model_config)}"
+
+
+def split_fingerprint(value: str) -> tuple[str, str | None]:
+    """``(numerics part, model part or None)`` of a :func:`fingerprint` string, without the
+    ``-uncovered`` marker."""
+    parts = value.split("-")
+    model = [p for p in parts[2:] if len(p) == 13 and p[0] == "m" and all(c in "0123456789abcdef" for c in p[1:])]
+    numerics = "-".join(p for p in parts if not p.startswith("uncovered") and p not in model)
+    return numerics, (model[-1] if model else None)
 
 
 def tensor_parallel_size_of(other_fingerprint: str, max_size: int = 64) -> int | None:
-    """The ``S`` in ``1..max_size`` for which ``fingerprint(S) == other_fingerprint``, or ``None``
-    when no TP degree of this process's table gives it (another version or table)."""
+    """The ``S`` in ``1..max_size`` for which ``fingerprint(S)`` equals ``other_fingerprint``'s
+    numerics part, or ``None`` when no TP degree of this process's table gives it (another version
+    or table)."""
+    numerics, _ = split_fingerprint(other_fingerprint)
     table = _table_payload()
     for size in range(1, max_size + 1):
-        if _fingerprint_of(table, size) == other_fingerprint:
+        if _fingerprint_of(table, size) == numerics:
             return size
     return None
 
@@ -345,13 +402,23 @@ class NumericsMismatchError(RuntimeError):
     """Raised when two processes would compute logprobs with different numerics tables."""
 
 
-def assert_same_numerics(other_fingerprint: str, tensor_parallel_size: int = 1) -> None:
+def assert_same_numerics(other_fingerprint: str, tensor_parallel_size: int = 1, model_config=None) -> None:
     """Raise :class:`NumericsMismatchError` unless ``other_fingerprint`` equals this process's
-    ``fingerprint(tensor_parallel_size)``."""
-    mine = fingerprint(tensor_parallel_size)
-    if other_fingerprint != mine:
+    ``fingerprint(tensor_parallel_size)`` — and, when ``other_fingerprint`` carries a model part and
+    ``model_config`` is given, ``fingerprint(tensor_parallel_size, model_config)``. A model part
+    with no ``model_config`` to compare it to is checked later (only the numerics part now)."""
+    numerics, model_part = split_fingerprint(other_fingerprint)
+    mine = _fingerprint_of(_table_payload(), tensor_parallel_size)
+    if numerics != mine:
         raise NumericsMismatchError(
             f"numerics fingerprint mismatch: this process runs {mine}, the other side {other_fingerprint}. "
             "Trainer and rollout must install the same samepath version and config table, or their "
             "log-probabilities will not be bit-identical."
+        )
+    if model_part is not None and model_config is not None and model_part != model_fingerprint(model_config):
+        raise NumericsMismatchError(
+            f"model formula mismatch: this process resolved the model as {model_fingerprint(model_config)}, "
+            f"the other side as {model_part} (another rope scaling, norm, activation, MoE routing or model "
+            "type; compare samepath.integrations.formulas.model_formulas(config) on both sides). The "
+            "log-probabilities would not be bit-identical."
         )

@@ -28,6 +28,8 @@ Backward (the rotation's transpose, fp32, one cast): with ``g = [g1, g2]``,
 
 from __future__ import annotations
 
+import functools
+import json
 import math
 
 import torch
@@ -43,6 +45,8 @@ ELEMENTS_PER_PROGRAM = 4096
 
 ROTARY_FORMULA = {
     "inv_freq": "1.0 / (base ** (arange(0, dim, 2, int64).float() / dim)) in fp32 on the CPU (HF default init)",
+    "rope_types": "default, linear, dynamic (below max_position_embeddings), yarn, longrope (short factors, below "
+    "original_max_position_embeddings), llama3: transformers 5 ROPE_INIT_FUNCTIONS step by step; others refused",
     "freqs": "positions.float()[..., None] * inv_freq in fp32, cat((freqs, freqs), -1)",
     "cos_sin": "torch cos()/sin() in fp32, * attention scaling, cast to the dtype",
     "rotate_half": "cat((-x[..., half:], x[..., :half]), -1)",
@@ -58,24 +62,140 @@ register_formula("rotary", ROTARY_FORMULA)
 # ----------------------------------------------------------------------------------------------
 
 
+#: Hugging Face ``rope_type`` values :func:`rotary_inv_freq` computes (each with HF's formula).
+ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "longrope", "llama3")
+
+
+def _rope_type(scaling: dict | None) -> str:
+    if scaling is None:
+        return "default"
+    if not isinstance(scaling, dict):
+        raise ValueError(f"scaling must be a dict of HF rope parameters or None, not {type(scaling).__name__}")
+    return scaling.get("rope_type", scaling.get("type", "default"))
+
+
+def _max_positions(scaling: dict, rope_type: str) -> int:
+    value = scaling.get("max_position_embeddings")
+    if value is None:
+        raise ValueError(f"scaling of rope_type {rope_type!r} needs the key 'max_position_embeddings' (the model's)")
+    return value
+
+
+def rotary_position_limit(scaling: dict | None) -> int | None:
+    """The first position whose cos/sin Hugging Face computes with a length-dependent formula, or
+    ``None`` when every position has one fixed formula.
+
+    ``dynamic`` re-derives ``inv_freq`` once a sequence grows past ``max_position_embeddings``, and
+    ``longrope`` switches from its short to its long factors past ``original_max_position_embeddings``;
+    beyond that point a position's bits depend on the longest sequence in the batch (and in
+    ``generate`` on the cache's history), so no rollout can match them. :func:`rotary_cos_sin`
+    refuses positions at or past the limit.
+    """
+    rope_type = _rope_type(scaling)
+    if rope_type == "dynamic":
+        return int(_max_positions(scaling, rope_type))
+    if rope_type == "longrope":
+        if "original_max_position_embeddings" not in scaling:
+            raise ValueError("scaling of rope_type 'longrope' needs the key 'original_max_position_embeddings'")
+        return int(scaling["original_max_position_embeddings"])
+    return None
+
+
+def _yarn(inv_dim: int, base: float, scaling: dict) -> tuple[torch.Tensor, float]:
+    # transformers.modeling_rope_utils._compute_yarn_parameters, step by step.
+    dim = inv_dim
+    factor = scaling.get("factor")
+    attention_factor = scaling.get("attention_factor")
+    mscale = scaling.get("mscale")
+    mscale_all_dim = scaling.get("mscale_all_dim")
+    original = scaling["original_max_position_embeddings"]
+    if factor is None:
+        factor = _max_positions(scaling, "yarn") / original
+    if attention_factor is None:
+
+        def get_mscale(scale: float, m: float = 1) -> float:
+            return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+        if mscale and mscale_all_dim:
+            attention_factor = float(get_mscale(factor, mscale) / get_mscale(factor, mscale_all_dim))
+        else:
+            attention_factor = get_mscale(factor)
+    beta_fast = scaling.get("beta_fast") or 32
+    beta_slow = scaling.get("beta_slow") or 1
+
+    def correction_dim(rotations: float) -> float:
+        return (dim * math.log(original / (rotations * 2 * math.pi))) / (2 * math.log(base))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
+    pos_freqs = base ** (torch.arange(0, dim, 2).to(dtype=torch.float) / dim)
+    extrapolation = 1.0 / pos_freqs
+    interpolation = 1.0 / (factor * pos_freqs)
+    extrapolation_factor = 1 - ramp
+    inv_freq = interpolation * (1 - extrapolation_factor) + extrapolation * extrapolation_factor
+    return inv_freq, attention_factor
+
+
+def _longrope(dim: int, base: float, scaling: dict) -> tuple[torch.Tensor, float]:
+    # transformers.modeling_rope_utils._compute_longrope_parameters at seq_len=None (the short
+    # factors: positions below original_max_position_embeddings, see rotary_position_limit).
+    original = scaling["original_max_position_embeddings"]
+    factor = scaling.get("factor")
+    attention_factor = scaling.get("attention_factor")
+    if factor is None:
+        factor = _max_positions(scaling, "longrope") / original
+    if attention_factor is None:
+        attention_factor = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+    short_factor = scaling["short_factor"]
+    if len(short_factor) != dim // 2:
+        raise ValueError(f"longrope short_factor has {len(short_factor)} entries, not rotary_dim // 2 = {dim // 2}")
+    ext_factors = torch.tensor(short_factor, dtype=torch.float32)
+    inv_freq_shape = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
+    return 1.0 / (ext_factors * base**inv_freq_shape), attention_factor
+
+
 def rotary_inv_freq(rotary_dim: int, base: float, scaling: dict | None = None) -> tuple[torch.Tensor, float]:
     """HF's ``inv_freq`` (fp32, CPU, ``[rotary_dim // 2]``) and attention scaling for a rope type.
 
-    ``scaling`` is HF's ``config.rope_scaling``: ``None`` / ``{"rope_type": "default"}``,
-    ``{"rope_type": "linear", "factor": f}`` or Llama 3's ``{"rope_type": "llama3", "factor",
-    "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"}``.
+    ``scaling`` is HF's ``config.rope_parameters`` (``rope_scaling``): ``None`` /
+    ``{"rope_type": "default"}``; ``"linear"`` (``factor``); ``"dynamic"`` (``factor``,
+    ``max_position_embeddings``: the model's); ``"yarn"`` (``factor``,
+    ``original_max_position_embeddings``, optional ``attention_factor``, ``beta_fast``,
+    ``beta_slow``, ``mscale``, ``mscale_all_dim``, ``truncate``); ``"longrope"`` (``short_factor``,
+    ``long_factor``, ``original_max_position_embeddings``, optional ``factor`` /
+    ``max_position_embeddings``, ``attention_factor``); ``"llama3"`` (``factor``,
+    ``low_freq_factor``, ``high_freq_factor``, ``original_max_position_embeddings``). Each is
+    transformers' ``ROPE_INIT_FUNCTIONS`` entry step by step, so the bits are HF's. ``dynamic`` and
+    ``longrope`` give the formula of positions below :func:`rotary_position_limit`. Any other type
+    is a ``ValueError``.
     """
     if not isinstance(rotary_dim, int) or rotary_dim < 2 or rotary_dim % 2:
         raise ValueError(f"rotary_dim must be a positive even int, got {rotary_dim!r}")
     if not isinstance(base, (int, float)) or not math.isfinite(base) or base <= 0:
         raise ValueError(f"base must be a positive finite float, got {base!r}")
     inv_freq = 1.0 / (base ** (torch.arange(0, rotary_dim, 2, dtype=torch.int64).to(dtype=torch.float) / rotary_dim))
-    rope_type = "default" if scaling is None else scaling.get("rope_type", scaling.get("type", "default"))
+    rope_type = _rope_type(scaling)
     try:
         if rope_type == "default":
             return inv_freq, 1.0
         if rope_type == "linear":
             return inv_freq / scaling["factor"], 1.0
+        if rope_type == "dynamic":
+            # _compute_dynamic_ntk_parameters at seq_len = max_position_embeddings (HF's init value,
+            # which its forward keeps below that length).
+            factor, seq_len = scaling["factor"], _max_positions(scaling, rope_type)
+            dim = rotary_dim
+            base = base * ((factor * seq_len / seq_len) - (factor - 1)) ** (dim / (dim - 2))
+            return 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).to(dtype=torch.float) / dim)), 1.0
+        if rope_type == "yarn":
+            return _yarn(rotary_dim, base, scaling)
+        if rope_type == "longrope":
+            return _longrope(rotary_dim, base, scaling)
         if rope_type == "llama3":
             # transformers.modeling_rope_utils._compute_llama3_parameters, line by line.
             factor = scaling["factor"]
@@ -92,7 +212,27 @@ def rotary_inv_freq(rotary_dim: int, base: float, scaling: dict | None = None) -
             return torch.where(is_medium_freq, smoothed_inv_freq, inv_freq_llama), 1.0
     except KeyError as missing:
         raise ValueError(f"scaling of rope_type {rope_type!r} needs the key {missing}") from None
-    raise ValueError(f"scaling rope_type {rope_type!r} is not supported (default, linear, llama3)")
+    raise ValueError(f"scaling rope_type {rope_type!r} is not supported ({', '.join(ROPE_TYPES)})")
+
+
+def _scaling_key(scaling: dict | None) -> str | None:
+    if scaling is None:
+        return None
+    if not isinstance(scaling, dict):
+        _rope_type(scaling)  # raises the ValueError
+    try:
+        return json.dumps(scaling, sort_keys=True)
+    except TypeError:
+        raise ValueError("scaling must hold JSON-like values (numbers, strings, lists)") from None
+
+
+@functools.lru_cache(maxsize=64)
+def _inv_freq_on(rotary_dim: int, base: float, scaling_key: str | None, device: torch.device):
+    """:func:`rotary_inv_freq` computed once per parameters and device (callers run it every layer
+    and step); the CPU result moved, so the bits do not depend on the device."""
+    scaling = None if scaling_key is None else json.loads(scaling_key)
+    inv_freq, attention_scaling = rotary_inv_freq(rotary_dim, base, scaling)
+    return inv_freq.to(device), attention_scaling
 
 
 def rotary_cos_sin(
@@ -110,7 +250,9 @@ def rotary_cos_sin(
         rotary_dim: the rotated part of the head (the head size unless partial rotary).
         base: ``rope_theta``.
         dtype: the model dtype (float32 / bfloat16 / float16).
-        scaling: HF's ``rope_scaling`` (see :func:`rotary_inv_freq`).
+        scaling: HF's ``rope_parameters`` / ``rope_scaling`` (see :func:`rotary_inv_freq`).
+
+    Raises ``ValueError`` for a position at or past :func:`rotary_position_limit`.
 
     Every element depends only on its own position: the same position gives the same bits in any
     batch, in any shape.
@@ -120,8 +262,14 @@ def rotary_cos_sin(
         raise ValueError(f"positions must be an int32/int64 tensor, got {got}")
     dtype_name(dtype, "dtype")
     device_kind(positions.device)
-    inv_freq, attention_scaling = rotary_inv_freq(rotary_dim, base, scaling)
-    freqs = positions.to(torch.float32)[..., None] * inv_freq.to(positions.device)
+    inv_freq, attention_scaling = _inv_freq_on(rotary_dim, base, _scaling_key(scaling), positions.device)
+    limit = rotary_position_limit(scaling)
+    if limit is not None and positions.numel() and int(positions.max()) >= limit:
+        raise ValueError(
+            f"position {int(positions.max())} is at or past {limit}, where Hugging Face's {_rope_type(scaling)!r} "
+            "rope turns length-dependent (its bits would depend on the batch): samepath refuses it"
+        )
+    freqs = positions.to(torch.float32)[..., None] * inv_freq
     emb = torch.cat((freqs, freqs), dim=-1)
     cos = emb.cos() * attention_scaling
     sin = emb.sin() * attention_scaling

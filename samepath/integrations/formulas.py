@@ -1,0 +1,153 @@
+"""One resolution of a model's formulas, for both sides of an RL step.
+
+:func:`model_formulas` reads a Hugging Face config (the trainer's ``model.config``, or the
+``hf_config`` vLLM loaded) and returns the per-model formula choices that change bits — rope type
+and parameters, norm variant and epsilon, activation, MoE routing, attention scale — as a plain,
+JSON-serialisable dict. Both integrations compute their rotary tables from
+:func:`rope_formula` (through :func:`samepath.rotary_cos_sin`), and
+:func:`samepath.fingerprint` folds :func:`model_formulas` into the fingerprint when given the
+config, so a rollout and a trainer that resolved a model differently (another rope scaling, an
+override on one side, another checkpoint revision) compare unequal and refuse to run together.
+
+A config samepath cannot resolve into one of its formulas (another model type, partial rotary on
+a family that rotates the whole head, an activation other than SiLU, ...) is a
+:class:`UnsupportedModelError`, raised the same way on both sides.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from samepath.kernels.rotary import ROPE_TYPES
+
+#: model_type -> the formulas samepath implements for it, on the trainer (Hugging Face) and the
+#: rollout (vLLM, vllm-ascend) alike. A type that is not here is refused on both sides.
+FAMILIES: dict[str, dict[str, Any]] = {
+    "llama": {"norm": "rms_norm", "qk_norm": False, "mlp": "silu_mul", "moe": None},
+    "qwen2": {"norm": "rms_norm", "qk_norm": False, "mlp": "silu_mul", "moe": None},
+    "qwen3": {"norm": "rms_norm", "qk_norm": True, "mlp": "silu_mul", "moe": None},
+    "qwen3_moe": {"norm": "rms_norm", "qk_norm": True, "mlp": "silu_mul", "moe": "softmax_topk"},
+}
+
+_ACTIVATIONS = ("silu", "swish")
+
+
+class UnsupportedModelError(ValueError):
+    """The model's config selects a formula samepath does not implement on both sides."""
+
+
+@dataclass(frozen=True)
+class RopeFormula:
+    """What :func:`samepath.rotary_cos_sin` needs: the rotated dimensions, ``rope_theta`` and the
+    Hugging Face rope parameters (``rope_type`` and its keys, ``max_position_embeddings`` added)."""
+
+    rotary_dim: int
+    head_size: int
+    base: float
+    scaling: dict[str, Any]
+
+    @property
+    def rope_type(self) -> str:
+        return self.scaling["rope_type"]
+
+    def to_json(self) -> dict[str, Any]:
+        return {"rotary_dim": self.rotary_dim, "head_size": self.head_size, "style": "neox", **self.scaling}
+
+
+def _head_size(config: Any) -> int:
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+def _plain(value: Any) -> Any:
+    return [_plain(v) for v in value] if isinstance(value, (list, tuple)) else value
+
+
+def rope_formula(config: Any) -> RopeFormula:
+    """The rotary formula of a Hugging Face decoder config, as transformers 5 resolves it.
+
+    Raises :class:`UnsupportedModelError` for a rope type outside
+    :data:`samepath.kernels.rotary.ROPE_TYPES`, per-layer-type rope parameters, or partial rotary
+    (the supported families rotate the whole head; Hugging Face's Llama ignores
+    ``partial_rotary_factor`` for the default type and fails for the others).
+    """
+    if hasattr(config, "standardize_rope_params"):
+        config.standardize_rope_params()
+    params = getattr(config, "rope_parameters", None) or {}
+    if params and all(isinstance(v, dict) for v in params.values()):
+        raise UnsupportedModelError(f"per-layer-type rope parameters ({sorted(params)}) are not supported")
+    params = dict(params)
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type not in ROPE_TYPES:
+        raise UnsupportedModelError(
+            f"rope_type {rope_type!r} is not one samepath computes on both sides ({', '.join(ROPE_TYPES)})"
+        )
+    base = params.get("rope_theta", getattr(config, "rope_theta", None))
+    if base is None:
+        raise UnsupportedModelError("the config has no rope_theta")
+    head_size = _head_size(config)
+    partial = params.get("partial_rotary_factor", 1.0)
+    rotary_dim = head_size if rope_type == "default" else int(head_size * partial)
+    if rotary_dim != head_size or partial != 1.0:
+        raise UnsupportedModelError(
+            f"partial rotary (partial_rotary_factor={partial}) is not supported for model_type "
+            f"{getattr(config, 'model_type', None)!r}: its Hugging Face attention rotates the whole head"
+        )
+    scaling = {k: _plain(v) for k, v in params.items() if k not in ("type", "rope_theta", "partial_rotary_factor")}
+    scaling["rope_type"] = rope_type
+    scaling["max_position_embeddings"] = int(config.max_position_embeddings)
+    return RopeFormula(rotary_dim=rotary_dim, head_size=head_size, base=float(base), scaling=scaling)
+
+
+def model_formulas(config: Any) -> dict[str, Any]:
+    """The per-model formula choices of a Hugging Face config (see the module docstring).
+
+    Raises :class:`UnsupportedModelError` for a model type outside :data:`FAMILIES` or a choice
+    samepath does not implement on both sides.
+    """
+    model_type = getattr(config, "model_type", None)
+    if model_type not in FAMILIES:
+        raise UnsupportedModelError(
+            f"model_type {model_type!r} is not covered by samepath on both the trainer and the rollout side "
+            f"(supported: {', '.join(sorted(FAMILIES))})"
+        )
+    family = FAMILIES[model_type]
+    act = getattr(config, "hidden_act", "silu")
+    if act not in _ACTIVATIONS:
+        raise UnsupportedModelError(f"hidden_act={act!r} is not supported (samepath implements SiLU·mul)")
+    head_size = _head_size(config)
+    moe = None
+    if family["moe"] == "softmax_topk":
+        moe = {
+            "routing": "fp32 softmax, top-k, optional renormalisation, cast to the dtype (HF TopKRouter)",
+            "num_experts": int(config.num_experts),
+            "top_k": int(config.num_experts_per_tok),
+            "renormalize": bool(config.norm_topk_prob),
+            "experts": "ascending expert order, index_add per token",
+        }
+        if getattr(config, "shared_expert_intermediate_size", 0):
+            raise UnsupportedModelError("shared experts are not supported")
+    sliding = bool(getattr(config, "use_sliding_window", False))
+    return {
+        "model_type": model_type,
+        "rope": rope_formula(config).to_json(),
+        "norm": {
+            "kind": family["norm"],
+            "eps": float(config.rms_norm_eps),
+            "qk_norm": family["qk_norm"],
+            "residual": "add rounded to the dtype, then the norm",
+        },
+        "activation": f"{act}·mul",
+        "moe": moe,
+        "attention": {
+            "scale": head_size**-0.5,
+            "sliding_window": getattr(config, "sliding_window", None) if sliding else None,
+            "max_window_layers": getattr(config, "max_window_layers", None) if sliding else None,
+            "softcap": None,
+            "sinks": False,
+        },
+        "tie_word_embeddings": bool(getattr(config, "tie_word_embeddings", False)),
+    }
+
+
+__all__ = ["FAMILIES", "RopeFormula", "UnsupportedModelError", "model_formulas", "rope_formula"]

@@ -1,0 +1,276 @@
+"""Fail closed: the coverage audit, its refusal and opt-out, the model fingerprint, and the
+attention features Hugging Face passes that samepath refuses rather than drops (Hugging Face side;
+the vLLM side is in tests/test_integration_vllm.py)."""
+
+from __future__ import annotations
+
+import json
+import warnings
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers", reason="transformers is not installed (pip install -e .[hf])")
+
+import samepath  # noqa: E402
+from samepath import integrations  # noqa: E402
+from samepath.check.cli import main  # noqa: E402
+from samepath.check.harness import DEFAULT_MODEL_CONFIG  # noqa: E402
+from samepath.integrations import audit, hf  # noqa: E402
+from samepath.integrations.formulas import UnsupportedModelError, model_formulas  # noqa: E402
+from samepath.kernels.config import split_fingerprint, tensor_parallel_size_of  # noqa: E402
+
+FAMILIES = {
+    "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM, {}),
+    "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM, {}),
+    "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM, {}),
+    "qwen3_moe": (
+        transformers.Qwen3MoeConfig,
+        transformers.Qwen3MoeForCausalLM,
+        dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True),
+    ),
+}
+
+
+def tiny(arch: str, dtype: torch.dtype = torch.float32, **overrides) -> torch.nn.Module:
+    config_cls, model_cls, extra = FAMILIES[arch]
+    torch.manual_seed(0)
+    model = model_cls(config_cls(**{**DEFAULT_MODEL_CONFIG, **extra, **overrides})).to(dtype).eval()
+    with torch.no_grad():
+        for param in model.parameters():
+            param.mul_(4.0 if param.dim() == 1 else 2.0)
+    return model
+
+
+@pytest.fixture(autouse=True)
+def clean_state(monkeypatch):
+    monkeypatch.delenv(audit.ALLOW_ENV_VAR, raising=False)
+    monkeypatch.setattr(audit, "_warned", set())  # "warn once" is per process
+    yield
+    integrations.unpatch_all()
+
+
+class ScaledNorm(torch.nn.Module):
+    """A custom final norm (1.5 x RMSNorm): a module samepath has no rule for."""
+
+    def __init__(self, norm: torch.nn.Module) -> None:
+        super().__init__()
+        self.norm = norm
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.norm(x) * 1.5
+
+
+def with_custom_norm(model: torch.nn.Module) -> torch.nn.Module:
+    model.model.norm = ScaledNorm(model.model.norm)
+    return model
+
+
+def test_audit_cli_on_the_embedded_default(tmp_path, capsys):
+    report = tmp_path / "audit.json"
+    assert main(["audit", "--json", str(report)]) == 0
+    doc = json.loads(report.read_text())
+    assert doc["fully_covered"] and doc["model"] == "embedded-default" and doc["counts"]["uncovered"] == 0
+    assert {e["op"] for e in doc["entries"]} >= {"attention", "rms_norm", "silu_mul", "rotary", "linear"}
+    assert "full coverage" in capsys.readouterr().out
+    assert not integrations.enabled()
+
+
+@pytest.mark.parametrize("arch", list(FAMILIES))
+def test_audit_reports_full_coverage_for_each_family(arch, tmp_path):
+    tiny(arch).save_pretrained(tmp_path)
+    report = audit.audit_model_dir(str(tmp_path))
+    assert report.fully_covered, report.format()
+    assert report.model_type == arch
+    ops = {e.op for e in report.entries if e.status == audit.COVERED}
+    assert {"attention", "rms_norm", "rotary", "linear"} <= ops
+    assert ("experts" in ops) == (arch == "qwen3_moe")
+
+
+def test_audit_cli_names_what_is_not_covered(tmp_path, capsys):
+    """A model type samepath covers on neither side (mistral): exit 1, the type named."""
+    config = transformers.MistralConfig(**{k: v for k, v in DEFAULT_MODEL_CONFIG.items()})
+    transformers.MistralForCausalLM(config).save_pretrained(tmp_path)
+    assert main(["audit", "--model", str(tmp_path)]) == 1
+    out = capsys.readouterr().out
+    assert "model_type 'mistral' is not covered" in out and "MistralRMSNorm" in out
+    assert main(["audit", "--model", str(tmp_path / "nope")]) == 2
+
+
+def test_patch_all_refuses_a_custom_module_and_names_it():
+    model = with_custom_norm(tiny("qwen3"))
+    with pytest.raises(audit.UncoveredOpsError) as refused:
+        integrations.patch_all(model)
+    message = str(refused.value)
+    assert "model.norm: " in message and "ScaledNorm" in message and audit.ALLOW_ENV_VAR in message
+    assert "model.norm.norm" not in message  # the stock RMSNorm inside is covered: only the custom module
+    assert not integrations.enabled(), "a refused patch_all(model) leaves nothing patched"
+
+
+def test_patch_all_refuses_a_model_type_covered_on_one_side_only():
+    """gemma2 / mistral: no Hugging Face patches and no vLLM plugin rules — refused on both sides."""
+    config = transformers.MistralConfig(**DEFAULT_MODEL_CONFIG)
+    with pytest.raises(audit.UncoveredOpsError, match="model_type 'mistral'"):
+        integrations.patch_all(transformers.MistralForCausalLM(config).eval())
+
+
+@pytest.mark.parametrize("how", ["argument", "env"])
+def test_opt_out_runs_warns_and_is_in_the_fingerprint(how, monkeypatch):
+    plain = samepath.fingerprint()
+    model = with_custom_norm(tiny("qwen3"))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        if how == "env":
+            monkeypatch.setenv(audit.ALLOW_ENV_VAR, "ScaledNorm")
+            integrations.patch_all(model)
+        else:
+            integrations.patch_all(model, allow_uncovered=["ScaledNorm"])
+    assert any("ScaledNorm" in str(w.message) for w in caught)
+    marked = samepath.fingerprint()
+    assert marked.startswith(plain + "-uncovered")
+    assert split_fingerprint(marked) == (plain, None)
+    samepath.assert_same_numerics(marked)  # the marker is a record; the numerics still compare
+    with torch.no_grad():
+        model(input_ids=torch.tensor([[1, 2, 3]]))
+    integrations.unpatch_all()
+    assert samepath.fingerprint() == plain
+
+
+def test_opt_out_of_another_module_is_still_refused():
+    model = with_custom_norm(tiny("qwen3"))
+    with pytest.raises(audit.UncoveredOpsError, match="ScaledNorm"):
+        integrations.patch_all(model, allow_uncovered="SomethingElse")
+
+
+def test_negative_control_the_mismatch_the_refusal_prevents():
+    """What the opt-out lets through: the rollout engine builds the checkpoint's standard model (it
+    does not know the trainer's custom module), the trainer runs the custom module. Same harness,
+    same weights: equal without it, different with it (a deliberate 1.5x, on every machine)."""
+    from tests.test_integration_hf import random_prompts, rollout, trainer_padded
+
+    rollout_model = tiny("qwen3")
+    prompts = random_prompts([4, 7], seed=2)
+    with integrations.patched(rollout_model):
+        generated, rollout_lp = rollout(rollout_model, prompts, 2, temperature=None)
+        assert torch.equal(trainer_padded(rollout_model, prompts, generated, 1.0), rollout_lp)
+    trainer_model = with_custom_norm(tiny("qwen3"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with integrations.patched(trainer_model, allow_uncovered="all"):
+            trained = trainer_padded(trainer_model, prompts, generated, 1.0)
+    assert not torch.equal(trained, rollout_lp)
+
+
+def test_unpatched_model_is_reported_uncovered():
+    report = audit.audit_hf_model(tiny("llama"))
+    assert not report.fully_covered
+    ops = {e.op for e in report.uncovered}
+    assert {"attention", "rms_norm", "silu_mul", "rotary", "linear"} <= ops
+
+
+def test_model_fingerprint_follows_the_formulas():
+    base = tiny("llama").config
+    llama3 = tiny(
+        "llama",
+        rope_parameters={
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64,
+            "rope_theta": 10000.0,
+        },
+    ).config
+    plain = samepath.fingerprint()
+    fp_base, fp_llama3 = samepath.fingerprint(model_config=base), samepath.fingerprint(model_config=llama3)
+    assert fp_base != fp_llama3 and fp_base.startswith(plain + "-m")
+    assert samepath.fingerprint(model_config=tiny("llama").config) == fp_base  # deterministic
+    assert split_fingerprint(fp_base) == (plain, fp_base.rsplit("-", 1)[1])
+    assert tensor_parallel_size_of(fp_base) == 1 and tensor_parallel_size_of(samepath.fingerprint(2, base)) == 2
+    samepath.assert_same_numerics(fp_base, model_config=base)
+    samepath.assert_same_numerics(fp_base)  # no model to compare with: the numerics part only
+    with pytest.raises(samepath.NumericsMismatchError, match="model formula mismatch"):
+        samepath.assert_same_numerics(fp_llama3, model_config=base)
+    formulas = model_formulas(llama3)
+    assert formulas["rope"]["rope_type"] == "llama3" and formulas["activation"] == "silu·mul"
+    eps = model_formulas(tiny("qwen3", rms_norm_eps=1e-5).config)["norm"]["eps"]
+    assert eps == 1e-5 and samepath.fingerprint(model_config=tiny("qwen3").config) != samepath.fingerprint(
+        model_config=tiny("qwen3", rms_norm_eps=1e-5).config
+    )
+    with pytest.raises(UnsupportedModelError, match="hidden_act='gelu'"):
+        model_formulas(tiny("llama", hidden_act="gelu").config)
+
+
+def _qkv(batch: int = 1, length: int = 5):
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(batch, 4, length, 32, generator=gen)
+    k, v = (torch.randn(batch, 2, length, 32, generator=gen) for _ in range(2))
+    return q, k, v
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "named"),
+    [
+        ({"softcap": 50.0}, "softcap=50.0"),
+        ({"s_aux": torch.zeros(4)}, "s_aux"),
+        ({"dropout": 0.1}, "dropout=0.1"),
+        ({"output_attentions": True}, "output_attentions"),
+        ({"window_offset": 3}, "unknown keyword window_offset"),
+        ({"cu_seq_lens_q": torch.tensor([0, 2, 5])}, "cu_seq_lens_q"),
+    ],
+    ids=lambda v: str(v)[:20],
+)
+def test_attention_refuses_what_it_would_drop(kwargs, named):
+    q, k, v = _qkv()
+    module = torch.nn.Module()
+    with pytest.raises(hf.UnsupportedAttentionError, match=named):
+        hf.attention_forward(module, q, k, v, None, **kwargs)
+
+
+def test_attention_accepts_what_transformers_passes():
+    """Stock arguments (softcap=None, sinks=None, matching cu_seq_lens, model-level flags) run."""
+    q, k, v = _qkv()
+    module = torch.nn.Module()
+    want, _ = hf.attention_forward(module, q, k, v, None)
+    got, _ = hf.attention_forward(
+        module,
+        q,
+        k,
+        v,
+        None,
+        softcap=None,
+        s_aux=None,
+        use_cache=False,
+        cu_seq_lens_q=torch.tensor([0, 5]),
+        cu_seq_lens_k=torch.tensor([0, 5]),
+        max_length_q=5,
+        max_length_k=5,
+    )
+    assert torch.equal(got, want)
+
+
+def test_gemma2_softcap_is_refused_not_dropped():
+    """patch_all() routes "eager" to samepath; Gemma 2's softcap must stop it, not vanish."""
+    config = transformers.Gemma2Config(
+        vocab_size=64,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        attn_logit_softcapping=50.0,
+    )
+    model = transformers.Gemma2ForCausalLM(config).eval()
+    model.set_attn_implementation("eager")
+    integrations.patch_all()
+    with pytest.raises(hf.UnsupportedAttentionError, match=r"softcap=50\.0"), torch.no_grad():
+        model(input_ids=torch.tensor([[1, 2, 3]]))
+
+
+def test_both_sides_cover_the_same_model_types():
+    """One resolution of the model on both sides: the Hugging Face patches, the formulas and the
+    vLLM plugin's rules name the same model types, so none is covered on one side only."""
+    from samepath.integrations.formulas import FAMILIES as formula_families
+
+    assert set(hf.MODEL_TYPES) == set(formula_families) == set(audit.VLLM_STRUCTURE) == set(audit.VLLM_ATTENTION_MLP)
