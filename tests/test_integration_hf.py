@@ -270,7 +270,9 @@ def test_a_failed_patch_all_leaves_nothing_behind(bad) -> None:
 def test_a_patch_all_that_fails_on_the_model_undoes_the_process_patch() -> None:
     model = tiny_model("qwen3", torch.float32)
     model.config.model_type = "not_a_model_type"
-    with pytest.raises(ValueError, match="no Hugging Face patches for model_type='not_a_model_type'"):
+    from samepath.integrations.audit import UncoveredOpsError
+
+    with pytest.raises(UncoveredOpsError, match="model_type 'not_a_model_type' is not covered"):
         integrations.patch_all(model)
     assert not integrations.enabled() and not batch_invariant_enabled()
     assert model.config._attn_implementation != "samepath"
