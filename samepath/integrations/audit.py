@@ -426,7 +426,7 @@ def audit_model_dir(directory: str | None, dtype: torch.dtype = torch.float32) -
     was = integrations.enabled()
     integrations.patch_all()
     try:
-        hf.use_samepath(model)
+        hf.use_samepath(model, hf.Patcher())  # a throwaway model: nothing to set back
         return audit_hf_model(model)
     finally:
         if not was:
