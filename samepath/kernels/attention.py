@@ -12,6 +12,7 @@ Public functions:
 * :func:`varlen_attention` — training; packed sequences, autograd, deterministic backward.
 * :func:`paged_attention` — inference; vLLM-style metadata, any mix of prefill and decode.
 * :func:`write_kv_cache` — stores new keys and values into the paged cache by ``slot_mapping``.
+* :class:`LaunchPlan` — a batch layout's program maps, built once and shared by every layer's call.
 """
 
 from __future__ import annotations
@@ -494,6 +495,66 @@ def _program_map(
     return program_seq.to(torch.int32), program_block.to(torch.int32), cu_blocks[-1:].to(torch.int32)
 
 
+def _capturing_graph() -> bool:
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+class LaunchPlan:
+    """The launch metadata of one batch layout, built once and shared by every layer's call.
+
+    A model runs attention over the same sequences in every layer; a plan holds what the
+    launchers derive from the cumulative lengths — the program maps (one per block size,
+    :func:`_program_map`) and the KV lengths — so that they are computed on the device once per
+    forward (or decode step) instead of once per layer. Building a plan reads nothing on the host.
+
+    Pass it as ``plan=`` to :func:`varlen_attention`, :func:`packed_attention` or
+    :func:`paged_attention` together with the very tensors it was built from (checked by
+    identity); their contents must not change while the plan is in use. A plan built outside a
+    CUDA graph capture is not reused inside one (its tensors would live outside the graph).
+
+    Args:
+        cu_seqlens_q: ``[num_seqs + 1]`` cumulative query counts (``cu_seqlens`` /
+            ``cu_seqlens_q`` / ``query_start_loc``).
+        num_tokens: the query tokens (``query.shape[0]``).
+        cu_seqlens_kv: for :func:`packed_attention`, its ``cu_seqlens_kv``.
+    """
+
+    def __init__(self, cu_seqlens_q: torch.Tensor, num_tokens: int, cu_seqlens_kv: torch.Tensor | None = None):
+        _check_int_vector("cu_seqlens_q", cu_seqlens_q)
+        if cu_seqlens_kv is not None:
+            _check_int_vector("cu_seqlens_kv", cu_seqlens_kv, cu_seqlens_q.numel())
+        if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens < 0:
+            raise ValueError(f"num_tokens must be a non-negative int, got {num_tokens!r}")
+        self.cu_seqlens_q = cu_seqlens_q
+        self.cu_seqlens_kv = cu_seqlens_kv
+        self.num_tokens = num_tokens
+        self._captured = _capturing_graph()
+        self._memo: dict[object, object] = {}
+
+    def _cached(self, key: object, build):
+        if self._captured != _capturing_graph():
+            return build()
+        if key not in self._memo:
+            self._memo[key] = build()
+        return self._memo[key]
+
+    def program_map(self, block: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """:func:`_program_map` of the query lengths for ``block``-row blocks."""
+        return self._cached(("map", block), lambda: _program_map(self.cu_seqlens_q, block, self.num_tokens))
+
+    def kv_lens(self) -> torch.Tensor:
+        """``cu[1:] - cu[:-1]`` of ``cu_seqlens_kv`` (``cu_seqlens_q`` when there is none)."""
+        cu = self.cu_seqlens_q if self.cu_seqlens_kv is None else self.cu_seqlens_kv
+        return self._cached("kv_lens", lambda: cu[1:] - cu[:-1])
+
+    def check(self, num_tokens: int, cu_seqlens_q: torch.Tensor, cu_seqlens_kv: torch.Tensor | None = None) -> None:
+        """Raise ``ValueError`` unless this plan was built from these tensors."""
+        if cu_seqlens_q is not self.cu_seqlens_q or cu_seqlens_kv is not self.cu_seqlens_kv:
+            raise ValueError("plan was built from other cumulative-length tensors than the ones passed")
+        if num_tokens != self.num_tokens:
+            raise ValueError(f"plan was built for {self.num_tokens} query tokens, the query has {num_tokens}")
+
+
 def _check_same_device(device: torch.device, **tensors: torch.Tensor) -> None:
     for name, tensor in tensors.items():
         if tensor.device != device:
@@ -582,6 +643,7 @@ def _launch_forward(
     config: AttentionConfig,
     store_lse: bool,
     out: torch.Tensor,
+    plan: LaunchPlan | None = None,
 ) -> torch.Tensor | None:
     if attention_backend() == "ascendc":  # SAMEPATH_ATTENTION_BACKEND: never a silent fallback
         return ascendc_launch_forward(
@@ -595,7 +657,10 @@ def _launch_forward(
     num_seqs = query_start_loc.numel() - 1
     if num_tokens == 0 or num_seqs == 0:
         return lse
-    program_seq, program_block, num_blocks = _program_map(query_start_loc, config.block_m, num_tokens)
+    if plan is None:
+        program_seq, program_block, num_blocks = _program_map(query_start_loc, config.block_m, num_tokens)
+    else:
+        program_seq, program_block, num_blocks = plan.program_map(config.block_m)
     if paged:
         k_strides = key.stride()[:3]
         v_strides = value.stride()[:3]
@@ -667,6 +732,7 @@ def paged_attention(
     out: torch.Tensor | None = None,
     config: AttentionConfig | None = None,
     validate: bool = True,
+    plan: LaunchPlan | None = None,
 ) -> torch.Tensor:
     """Attention of new queries over a paged KV cache: prefill, chunked prefill and decode at once.
 
@@ -685,7 +751,9 @@ def paged_attention(
         config: tiles to use instead of the frozen table (tuning and tests only: a different
             ``tile_n`` gives different bits).
         validate: check metadata values (costs a device-to-host copy; integrations may turn it
-            off after the first call).
+            off after the first call). With ``validate=False`` and a ``plan`` a call reads
+            nothing from the device on the host.
+        plan: a :class:`LaunchPlan` of ``query_start_loc`` shared by the calls of one step.
 
     Returns:
         ``[num_tokens, num_heads, head_size]`` in ``query.dtype``. Each row is bit-identical to the
@@ -746,6 +814,8 @@ def paged_attention(
         if used.any() and (pages[used].min() < 0 or pages[used].max() >= key_cache.shape[0]):
             raise ValueError(f"block_table holds page ids outside [0, {key_cache.shape[0]})")
 
+    if plan is not None:
+        plan.check(query.shape[0], query_start_loc)
     query = _last_dim_contiguous(query)
     if out is None:
         out = torch.empty_like(query)
@@ -766,6 +836,7 @@ def paged_attention(
         cfg,
         store_lse=False,
         out=out,
+        plan=plan,
     )
     return out
 
@@ -832,7 +903,7 @@ class VarlenAttentionFunction(torch.autograd.Function):
     """Autograd for :func:`varlen_attention`; the backward is deterministic (no atomics)."""
 
     @staticmethod
-    def forward(ctx, query, key, value, cu_seqlens, scale, causal, sliding_window, config):  # type: ignore[override]
+    def forward(ctx, query, key, value, cu_seqlens, scale, causal, sliding_window, config, plan):  # type: ignore[override]
         out = torch.empty_like(query)
         lse = _launch_forward(
             query,
@@ -840,7 +911,7 @@ class VarlenAttentionFunction(torch.autograd.Function):
             value,
             cu_seqlens,
             cu_seqlens,
-            cu_seqlens[1:] - cu_seqlens[:-1],
+            cu_seqlens[1:] - cu_seqlens[:-1] if plan is None else plan.kv_lens(),
             None,
             scale,
             causal,
@@ -848,9 +919,11 @@ class VarlenAttentionFunction(torch.autograd.Function):
             config,
             store_lse=True,
             out=out,
+            plan=plan,
         )
         ctx.save_for_backward(query, key, value, out, lse, cu_seqlens)
         ctx.scale, ctx.causal, ctx.sliding_window, ctx.config = scale, causal, sliding_window, config
+        ctx.plan = plan
         return out
 
     @staticmethod
@@ -869,11 +942,14 @@ class VarlenAttentionFunction(torch.autograd.Function):
             ctx.causal,
             ctx.sliding_window,
             ctx.config,
+            ctx.plan,
         )
-        return dq, dk, dv, None, None, None, None, None
+        return dq, dk, dv, None, None, None, None, None, None
 
 
-def _attention_backward(query, key, value, out, lse, grad_out, cu_seqlens, scale, causal, sliding_window, config):
+def _attention_backward(
+    query, key, value, out, lse, grad_out, cu_seqlens, scale, causal, sliding_window, config, plan=None
+):
     num_tokens, num_heads, head_size = query.shape
     num_kv_heads = key.shape[1]
     delta = (grad_out.float() * out.float()).sum(-1)
@@ -896,7 +972,8 @@ def _attention_backward(query, key, value, out, lse, grad_out, cu_seqlens, scale
         num_stages=config.num_stages,
     )
     window = sliding_window or 0
-    program_seq, program_block, num_blocks = _program_map(cu_seqlens, config.bwd_block_m, num_tokens)
+    maps = _program_map if plan is None else lambda _cu, block, _n: plan.program_map(block)
+    program_seq, program_block, num_blocks = maps(cu_seqlens, config.bwd_block_m, num_tokens)
     programs = grid.num_programs(program_seq.numel() * num_heads, query.device, uses_dot=True)
     _attention_bwd_dq_kernel[(programs,)](
         query,
@@ -927,7 +1004,7 @@ def _attention_backward(query, key, value, out, lse, grad_out, cu_seqlens, scale
         lse.stride(0),
         **common,
     )
-    program_seq, program_block, num_blocks = _program_map(cu_seqlens, config.bwd_block_n, num_tokens)
+    program_seq, program_block, num_blocks = maps(cu_seqlens, config.bwd_block_n, num_tokens)
     programs = grid.num_programs(program_seq.numel() * num_kv_heads, query.device, uses_dot=True)
     _attention_bwd_dkdv_kernel[(programs,)](
         query,
@@ -975,6 +1052,7 @@ def varlen_attention(
     sliding_window: int | None = None,
     config: AttentionConfig | None = None,
     validate: bool = True,
+    plan: LaunchPlan | None = None,
 ) -> torch.Tensor:
     """Self-attention over packed sequences, differentiable, for the trainer.
 
@@ -986,6 +1064,7 @@ def varlen_attention(
             sequence's positions start at 0 at its first token.
         scale: softmax scale, default ``head_size ** -0.5``.
         causal, sliding_window, config, validate: as in :func:`paged_attention`.
+        plan: a :class:`LaunchPlan` of ``cu_seqlens`` (forward and backward reuse its maps).
 
     Returns:
         ``[total_tokens, num_heads, head_size]`` in the input dtype. Each row equals (bitwise) what
@@ -1001,9 +1080,11 @@ def varlen_attention(
     scale = _check_scale(query.shape[-1] ** -0.5 if scale is None else scale)
     if validate:
         _check_cu_seqlens("cu_seqlens", cu_seqlens, query.shape[0])
+    if plan is not None:
+        plan.check(query.shape[0], cu_seqlens)
     cfg = config or attention_config(query.shape[-1], query.dtype, query.device)
     query, key, value = (_last_dim_contiguous(t) for t in (query, key, value))
-    return VarlenAttentionFunction.apply(query, key, value, cu_seqlens, scale, causal, sliding_window, cfg)
+    return VarlenAttentionFunction.apply(query, key, value, cu_seqlens, scale, causal, sliding_window, cfg, plan)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -1023,6 +1104,7 @@ def packed_attention(
     sliding_window: int | None = None,
     config: AttentionConfig | None = None,
     validate: bool = True,
+    plan: LaunchPlan | None = None,
 ) -> torch.Tensor:
     """Attention of each sequence's newest queries over its whole KV, both packed (no grad).
 
@@ -1035,6 +1117,7 @@ def packed_attention(
         key, value: ``[total_kv, num_kv_heads, head_size]``.
         cu_seqlens_q, cu_seqlens_kv: ``[num_seqs + 1]`` int cumulative lengths from 0.
         scale, causal, sliding_window, config, validate: as in :func:`paged_attention`.
+        plan: a :class:`LaunchPlan` of ``cu_seqlens_q`` and ``cu_seqlens_kv``.
 
     Returns:
         ``[total_q, num_heads, head_size]``: rows bit-identical to :func:`varlen_attention` and
@@ -1051,6 +1134,8 @@ def packed_attention(
         kv_lens = _check_cu_seqlens("cu_seqlens_kv", cu_seqlens_kv, key.shape[0])
         if (kv_lens < q_lens).any():
             raise ValueError("each sequence needs at least as many keys (cu_seqlens_kv) as queries (cu_seqlens_q)")
+    if plan is not None:
+        plan.check(query.shape[0], cu_seqlens_q, cu_seqlens_kv)
     cfg = config or attention_config(query.shape[-1], query.dtype, query.device)
     query, key, value = (_last_dim_contiguous(t) for t in (query, key, value))
     out = torch.empty_like(query)
@@ -1061,7 +1146,7 @@ def packed_attention(
             value,
             cu_seqlens_q,
             cu_seqlens_kv,
-            cu_seqlens_kv[1:] - cu_seqlens_kv[:-1],
+            cu_seqlens_kv[1:] - cu_seqlens_kv[:-1] if plan is None else plan.kv_lens(),
             None,
             scale,
             causal,
@@ -1069,5 +1154,6 @@ def packed_attention(
             cfg,
             store_lse=False,
             out=out,
+            plan=plan,
         )
     return out
