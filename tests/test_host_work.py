@@ -10,20 +10,13 @@ the tokens, and the reads per forward are a small constant independent of layers
 
 from __future__ import annotations
 
-import collections
-
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from host_counts import OpCounter, counting
 
 transformers = pytest.importorskip("transformers", reason="transformers is not installed (pip install -e .[hf])")
 
 from samepath import integrations  # noqa: E402
-
-#: aten ops that make the host wait for a device value.
-HOST_READS = frozenset(
-    {"_local_scalar_dense", "item", "is_nonzero", "equal", "allclose", "nonzero", "masked_select", "unique"}
-)
 
 TINY = dict(
     vocab_size=64,
@@ -41,50 +34,9 @@ TINY = dict(
 )
 
 
-class OpCounter(TorchDispatchMode):
-    """Counts aten ops by name while active; ``reads`` is the number of host reads among them."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.ops: collections.Counter[str] = collections.Counter()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.ops[func.overloadpacket.__name__] += 1
-        return func(*args, **(kwargs or {}))
-
-    @property
-    def total(self) -> int:
-        return sum(self.ops.values())
-
-    @property
-    def reads(self) -> int:
-        return sum(count for name, count in self.ops.items() if name in HOST_READS)
-
-
 @pytest.fixture
 def counter(monkeypatch):
-    """An :class:`OpCounter` factory whose counters also see ``Tensor.tolist`` / ``Tensor.numpy``."""
-    active: list[OpCounter] = []
-    for name in ("tolist", "numpy"):
-        original = getattr(torch.Tensor, name)
-
-        def wrapped(self, *args, _original=original, **kwargs):
-            for c in active:
-                c.ops["_local_scalar_dense"] += 1
-            return _original(self, *args, **kwargs)
-
-        monkeypatch.setattr(torch.Tensor, name, wrapped)
-
-    class Counting(OpCounter):
-        def __enter__(self):
-            active.append(self)
-            return super().__enter__()
-
-        def __exit__(self, *exc):
-            active.remove(self)
-            return super().__exit__(*exc)
-
-    return Counting
+    return counting(monkeypatch)
 
 
 @pytest.fixture
