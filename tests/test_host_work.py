@@ -138,3 +138,48 @@ def test_hf_decode_step_host_work(patched, counter) -> None:
     small, large = decode(16), decode(80)
     assert abs(large.total - small.total) <= 4, (small.ops, large.ops)
     assert large.reads == small.reads <= 2, (small.ops, large.ops)
+
+
+def test_launch_plan_gives_the_same_bits_and_checks_its_tensors() -> None:
+    """A :class:`LaunchPlan` shared by several calls changes nothing but where the program maps come
+    from: forward and backward bits equal the plan-less calls'. Negative control: the same
+    comparison against a different KV tile (``tile_n=16``) finds a difference."""
+    import dataclasses
+
+    from samepath.kernels.attention import LaunchPlan, packed_attention, varlen_attention
+    from samepath.kernels.config import attention_config
+
+    gen = torch.Generator().manual_seed(21)
+    cu = torch.tensor([0, 45, 45, 51, 120], dtype=torch.int32)  # an empty sequence, unaligned lengths
+    q = torch.randn(120, 4, 32, generator=gen).to(torch.bfloat16)
+    k, v = (torch.randn(120, 2, 32, generator=gen).to(torch.bfloat16) for _ in range(2))
+    plan = LaunchPlan(cu, 120)
+
+    def run(**options):
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        out = varlen_attention(*leaves, cu, **options)
+        out.float().square().sum().backward()
+        return [out.detach(), *(t.grad for t in leaves)]
+
+    want = run()
+    for _ in range(2):  # the second call reuses the plan's maps
+        assert all(torch.equal(a, b) for a, b in zip(run(plan=plan, validate=False), want, strict=True))
+    tile_16 = dataclasses.replace(attention_config(32, torch.bfloat16, q.device), tile_n=16)
+    assert not torch.equal(run(config=tile_16)[0], want[0])
+
+    cu_kv = torch.tensor([0, 50, 52, 60, 130], dtype=torch.int32)
+    k_long, v_long = (torch.randn(130, 2, 32, generator=gen).to(torch.bfloat16) for _ in range(2))
+    packed_plan = LaunchPlan(cu, 120, cu_kv)
+    assert torch.equal(
+        packed_attention(q, k_long, v_long, cu, cu_kv, 32**-0.5, plan=packed_plan),
+        packed_attention(q, k_long, v_long, cu, cu_kv, 32**-0.5),
+    )
+
+    with pytest.raises(ValueError, match="plan was built from other"):
+        varlen_attention(q, k, v, cu.clone(), plan=plan)
+    with pytest.raises(ValueError, match="plan was built from other"):
+        packed_attention(q, k_long, v_long, cu, cu_kv, 32**-0.5, plan=plan)
+    with pytest.raises(ValueError, match="built for 119 query tokens"):
+        varlen_attention(q, k, v, cu, plan=LaunchPlan(cu, 119), validate=False)
+    with pytest.raises(ValueError, match="num_tokens"):
+        LaunchPlan(cu, -1)
