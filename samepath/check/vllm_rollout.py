@@ -75,7 +75,9 @@ def entry_point_installed() -> bool:
     """Whether samepath's ``vllm.general_plugins`` entry point is in this environment's metadata."""
     from importlib.metadata import entry_points
 
-    return any(ep.value == "samepath.integrations.vllm:register" for ep in entry_points(group="vllm.general_plugins"))
+    return any(
+        ep.value == "samepath.integrations.vllm_plugin:register" for ep in entry_points(group="vllm.general_plugins")
+    )
 
 
 def run_vllm_rollout(spec: VLLMRolloutSpec, timeout: float = 1800.0) -> VLLMRolloutResult:
@@ -116,9 +118,9 @@ def run_vllm_rollout(spec: VLLMRolloutSpec, timeout: float = 1800.0) -> VLLMRoll
 
 def _child(spec: VLLMRolloutSpec) -> dict:
     if spec.samepath and not spec.entry_point:
-        from samepath.integrations import vllm as samepath_vllm
+        from samepath.integrations import vllm_plugin
 
-        samepath_vllm.register()
+        vllm_plugin.register()
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -126,7 +128,6 @@ def _child(spec: VLLMRolloutSpec) -> dict:
         model=spec.model,
         skip_tokenizer_init=True,
         dtype=spec.dtype,
-        enforce_eager=True,
         max_model_len=spec.max_model_len,
         block_size=spec.block_size,
         max_num_batched_tokens=spec.max_num_batched_tokens,
@@ -139,7 +140,7 @@ def _child(spec: VLLMRolloutSpec) -> dict:
         seed=spec.seed,
         tensor_parallel_size=spec.tensor_parallel_size,
         **({"distributed_executor_backend": "mp"} if spec.tensor_parallel_size > 1 else {}),
-        **spec.engine_args,
+        **({"enforce_eager": True} | spec.engine_args),
     )
     params = SamplingParams(
         logprobs=0,

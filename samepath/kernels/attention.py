@@ -16,6 +16,7 @@ Public functions:
 * :func:`varlen_attention` — training; packed sequences, autograd, deterministic backward.
 * :func:`paged_attention` — inference; vLLM-style metadata, any mix of prefill and decode.
 * :func:`write_kv_cache` — stores new keys and values into the paged cache by ``slot_mapping``.
+* :class:`LaunchPlan` — a batch layout's program maps, built once and shared by every layer's call.
 """
 
 from __future__ import annotations
@@ -695,6 +696,66 @@ def _program_map(
     return program_seq.to(torch.int32), program_block.to(torch.int32), cu_blocks[-1:].to(torch.int32)
 
 
+def _capturing_graph() -> bool:
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+class LaunchPlan:
+    """The launch metadata of one batch layout, built once and shared by every layer's call.
+
+    A model runs attention over the same sequences in every layer; a plan holds what the
+    launchers derive from the cumulative lengths — the program maps (one per block size,
+    :func:`_program_map`) and the KV lengths — so that they are computed on the device once per
+    forward (or decode step) instead of once per layer. Building a plan reads nothing on the host.
+
+    Pass it as ``plan=`` to :func:`varlen_attention`, :func:`packed_attention` or
+    :func:`paged_attention` together with the very tensors it was built from (checked by
+    identity); their contents must not change while the plan is in use. A plan built outside a
+    CUDA graph capture is not reused inside one (its tensors would live outside the graph).
+
+    Args:
+        cu_seqlens_q: ``[num_seqs + 1]`` cumulative query counts (``cu_seqlens`` /
+            ``cu_seqlens_q`` / ``query_start_loc``).
+        num_tokens: the query tokens (``query.shape[0]``).
+        cu_seqlens_kv: for :func:`packed_attention`, its ``cu_seqlens_kv``.
+    """
+
+    def __init__(self, cu_seqlens_q: torch.Tensor, num_tokens: int, cu_seqlens_kv: torch.Tensor | None = None):
+        _check_int_vector("cu_seqlens_q", cu_seqlens_q)
+        if cu_seqlens_kv is not None:
+            _check_int_vector("cu_seqlens_kv", cu_seqlens_kv, cu_seqlens_q.numel())
+        if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens < 0:
+            raise ValueError(f"num_tokens must be a non-negative int, got {num_tokens!r}")
+        self.cu_seqlens_q = cu_seqlens_q
+        self.cu_seqlens_kv = cu_seqlens_kv
+        self.num_tokens = num_tokens
+        self._captured = _capturing_graph()
+        self._memo: dict[object, object] = {}
+
+    def _cached(self, key: object, build):
+        if self._captured != _capturing_graph():
+            return build()
+        if key not in self._memo:
+            self._memo[key] = build()
+        return self._memo[key]
+
+    def program_map(self, block: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """:func:`_program_map` of the query lengths for ``block``-row blocks."""
+        return self._cached(("map", block), lambda: _program_map(self.cu_seqlens_q, block, self.num_tokens))
+
+    def kv_lens(self) -> torch.Tensor:
+        """``cu[1:] - cu[:-1]`` of ``cu_seqlens_kv`` (``cu_seqlens_q`` when there is none)."""
+        cu = self.cu_seqlens_q if self.cu_seqlens_kv is None else self.cu_seqlens_kv
+        return self._cached("kv_lens", lambda: cu[1:] - cu[:-1])
+
+    def check(self, num_tokens: int, cu_seqlens_q: torch.Tensor, cu_seqlens_kv: torch.Tensor | None = None) -> None:
+        """Raise ``ValueError`` unless this plan was built from these tensors."""
+        if cu_seqlens_q is not self.cu_seqlens_q or cu_seqlens_kv is not self.cu_seqlens_kv:
+            raise ValueError("plan was built from other cumulative-length tensors than the ones passed")
+        if num_tokens != self.num_tokens:
+            raise ValueError(f"plan was built for {self.num_tokens} query tokens, the query has {num_tokens}")
+
+
 def _check_same_device(device: torch.device, **tensors: torch.Tensor) -> None:
     for name, tensor in tensors.items():
         if not isinstance(tensor, torch.Tensor):
@@ -815,6 +876,7 @@ def _launch_forward(
     store_lse: bool,
     out: torch.Tensor,
     split_kv: bool | None = None,
+    plan: LaunchPlan | None = None,
 ) -> torch.Tensor | None:
     """Run the forward schedule. ``split_kv`` picks how the KV segments are executed — ``True``:
     one program per segment plus the merge kernel, ``False``: serially inside each program,
@@ -835,7 +897,10 @@ def _launch_forward(
     num_seqs = query_start_loc.numel() - 1
     if num_tokens == 0 or num_seqs == 0:
         return lse
-    program_seq, program_block, num_blocks = _program_map(query_start_loc, pack.block_q, num_tokens)
+    if plan is None:
+        program_seq, program_block, num_blocks = _program_map(query_start_loc, pack.block_q, num_tokens)
+    else:
+        program_seq, program_block, num_blocks = plan.program_map(pack.block_q)
     if paged:
         k_strides = key.stride()[:3]
         v_strides = value.stride()[:3]
@@ -950,6 +1015,7 @@ def paged_attention(
     config: AttentionConfig | None = None,
     validate: bool = True,
     split_kv: bool | None = None,
+    plan: LaunchPlan | None = None,
 ) -> torch.Tensor:
     """Attention of new queries over a paged KV cache: prefill, chunked prefill and decode at once.
 
@@ -968,10 +1034,12 @@ def paged_attention(
         config: tiles to use instead of the frozen table (tuning and tests only: a different
             ``tile_n`` gives different bits).
         validate: check metadata values (costs a device-to-host copy; integrations may turn it
-            off after the first call).
+            off after the first call). With ``validate=False`` and a ``plan`` a call reads
+            nothing from the device on the host.
         split_kv: how the fixed KV segments are executed: one program each plus a merge kernel
             (``True``), serially in each program (``False``), or chosen from the shapes (``None``).
             Both give the same bits; only the speed differs.
+        plan: a :class:`LaunchPlan` of ``query_start_loc`` shared by the calls of one step.
 
     Returns:
         ``[num_tokens, num_heads, head_size]`` in ``query.dtype``. Each row is bit-identical to the
@@ -1032,6 +1100,8 @@ def paged_attention(
         if used.any() and (pages[used].min() < 0 or pages[used].max() >= key_cache.shape[0]):
             raise ValueError(f"block_table holds page ids outside [0, {key_cache.shape[0]})")
 
+    if plan is not None:
+        plan.check(query.shape[0], query_start_loc)
     query = _last_dim_contiguous(query)
     if out is None:
         out = torch.empty_like(query)
@@ -1053,6 +1123,7 @@ def paged_attention(
         store_lse=False,
         out=out,
         split_kv=split_kv,
+        plan=plan,
     )
     return out
 
@@ -1137,7 +1208,7 @@ class VarlenAttentionFunction(torch.autograd.Function):
     """Autograd for :func:`varlen_attention`; the backward is deterministic (no atomics)."""
 
     @staticmethod
-    def forward(ctx, query, key, value, cu_seqlens, scale, causal, sliding_window, config):  # type: ignore[override]
+    def forward(ctx, query, key, value, cu_seqlens, scale, causal, sliding_window, config, plan):  # type: ignore[override]
         out = torch.empty_like(query)
         lse = _launch_forward(
             query,
@@ -1145,7 +1216,7 @@ class VarlenAttentionFunction(torch.autograd.Function):
             value,
             cu_seqlens,
             cu_seqlens,
-            cu_seqlens[1:] - cu_seqlens[:-1],
+            cu_seqlens[1:] - cu_seqlens[:-1] if plan is None else plan.kv_lens(),
             None,
             scale,
             causal,
@@ -1153,9 +1224,11 @@ class VarlenAttentionFunction(torch.autograd.Function):
             config,
             store_lse=True,
             out=out,
+            plan=plan,
         )
         ctx.save_for_backward(query, key, value, out, lse, cu_seqlens)
         ctx.scale, ctx.causal, ctx.sliding_window, ctx.config = scale, causal, sliding_window, config
+        ctx.plan = plan
         return out
 
     @staticmethod
@@ -1174,11 +1247,14 @@ class VarlenAttentionFunction(torch.autograd.Function):
             ctx.causal,
             ctx.sliding_window,
             ctx.config,
+            ctx.plan,
         )
-        return dq, dk, dv, None, None, None, None, None
+        return dq, dk, dv, None, None, None, None, None, None
 
 
-def _attention_backward(query, key, value, out, lse, grad_out, cu_seqlens, scale, causal, sliding_window, config):
+def _attention_backward(
+    query, key, value, out, lse, grad_out, cu_seqlens, scale, causal, sliding_window, config, plan=None
+):
     num_tokens, num_heads, head_size = query.shape
     num_kv_heads = key.shape[1]
     delta = (grad_out.float() * out.float()).sum(-1)
@@ -1202,7 +1278,8 @@ def _attention_backward(query, key, value, out, lse, grad_out, cu_seqlens, scale
     )
     window = sliding_window or 0
     pack = _packing(num_heads // num_kv_heads, config.bwd_block_m)
-    program_seq, program_block, num_blocks = _program_map(cu_seqlens, pack.block_q, num_tokens)
+    maps = _program_map if plan is None else lambda _cu, block, _n: plan.program_map(block)
+    program_seq, program_block, num_blocks = maps(cu_seqlens, pack.block_q, num_tokens)
     programs = grid.num_programs(program_seq.numel() * num_kv_heads * pack.num_chunks, query.device, uses_dot=True)
     _attention_bwd_dq_kernel[(programs,)](
         query,
@@ -1236,7 +1313,7 @@ def _attention_backward(query, key, value, out, lse, grad_out, cu_seqlens, scale
         NUM_CHUNKS=pack.num_chunks,
         **common,
     )
-    program_seq, program_block, num_blocks = _program_map(cu_seqlens, config.bwd_block_n, num_tokens)
+    program_seq, program_block, num_blocks = maps(cu_seqlens, config.bwd_block_n, num_tokens)
     programs = grid.num_programs(program_seq.numel() * num_kv_heads, query.device, uses_dot=True)
     _attention_bwd_dkdv_kernel[(programs,)](
         query,
@@ -1284,6 +1361,7 @@ def varlen_attention(
     sliding_window: int | None = None,
     config: AttentionConfig | None = None,
     validate: bool = True,
+    plan: LaunchPlan | None = None,
 ) -> torch.Tensor:
     """Self-attention over packed sequences, differentiable, for the trainer.
 
@@ -1295,6 +1373,7 @@ def varlen_attention(
             sequence's positions start at 0 at its first token.
         scale: softmax scale, default ``head_size ** -0.5``.
         causal, sliding_window, config, validate: as in :func:`paged_attention`.
+        plan: a :class:`LaunchPlan` of ``cu_seqlens`` (forward and backward reuse its maps).
 
     Returns:
         ``[total_tokens, num_heads, head_size]`` in the input dtype. Each row equals (bitwise) what
@@ -1310,9 +1389,11 @@ def varlen_attention(
     scale = _check_scale(query.shape[-1] ** -0.5 if scale is None else scale)
     if validate:
         _check_cu_seqlens("cu_seqlens", cu_seqlens, query.shape[0])
+    if plan is not None:
+        plan.check(query.shape[0], cu_seqlens)
     cfg = config or attention_config(query.shape[-1], query.dtype, query.device)
     query, key, value = (_last_dim_contiguous(t) for t in (query, key, value))
-    return VarlenAttentionFunction.apply(query, key, value, cu_seqlens, scale, causal, sliding_window, cfg)
+    return VarlenAttentionFunction.apply(query, key, value, cu_seqlens, scale, causal, sliding_window, cfg, plan)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -1333,6 +1414,7 @@ def packed_attention(
     config: AttentionConfig | None = None,
     validate: bool = True,
     split_kv: bool | None = None,
+    plan: LaunchPlan | None = None,
 ) -> torch.Tensor:
     """Attention of each sequence's newest queries over its whole KV, both packed (no grad).
 
@@ -1345,6 +1427,7 @@ def packed_attention(
         key, value: ``[total_kv, num_kv_heads, head_size]``.
         cu_seqlens_q, cu_seqlens_kv: ``[num_seqs + 1]`` int cumulative lengths from 0.
         scale, causal, sliding_window, config, validate, split_kv: as in :func:`paged_attention`.
+        plan: a :class:`LaunchPlan` of ``cu_seqlens_q`` and ``cu_seqlens_kv``.
 
     Returns:
         ``[total_q, num_heads, head_size]``: rows bit-identical to :func:`varlen_attention` and
@@ -1361,6 +1444,8 @@ def packed_attention(
         kv_lens = _check_cu_seqlens("cu_seqlens_kv", cu_seqlens_kv, key.shape[0])
         if (kv_lens < q_lens).any():
             raise ValueError("each sequence needs at least as many keys (cu_seqlens_kv) as queries (cu_seqlens_q)")
+    if plan is not None:
+        plan.check(query.shape[0], cu_seqlens_q, cu_seqlens_kv)
     cfg = config or attention_config(query.shape[-1], query.dtype, query.device)
     query, key, value = (_last_dim_contiguous(t) for t in (query, key, value))
     out = torch.empty_like(query)
@@ -1371,7 +1456,7 @@ def packed_attention(
             value,
             cu_seqlens_q,
             cu_seqlens_kv,
-            cu_seqlens_kv[1:] - cu_seqlens_kv[:-1],
+            cu_seqlens_kv[1:] - cu_seqlens_kv[:-1] if plan is None else plan.kv_lens(),
             None,
             scale,
             causal,
@@ -1380,5 +1465,6 @@ def packed_attention(
             store_lse=False,
             out=out,
             split_kv=split_kv,
+            plan=plan,
         )
     return out
