@@ -29,3 +29,16 @@ def test_the_use_snippet_runs_and_its_logdiff_is_zero() -> None:
     finally:
         integrations.unpatch_all()
     assert namespace["rollout_lp"].shape == (2, 6)
+
+
+def test_the_snippet_without_position_ids_is_refused() -> None:
+    """The same snippet with the trainer's positions left to Hugging Face (counted from the
+    padding) is the mistake the snippet warns of: samepath refuses it, naming the fix, where it
+    used to give a silent logdiff (6 of 18 tokens equal)."""
+    snippet = _use_snippet().replace("position_ids=position_ids, ", "")
+    assert "position_ids=position_ids" not in snippet
+    try:
+        with pytest.raises(ValueError, match=r"left-padded .* position_ids=\(attention_mask.cumsum"):
+            exec(compile(snippet, str(README), "exec"), {})
+    finally:
+        integrations.unpatch_all()

@@ -123,6 +123,16 @@ def _holes_error(rows: torch.Tensor) -> ValueError:
     )
 
 
+def _positions_error(rows: torch.Tensor) -> ValueError:
+    row = int(rows.nonzero()[0, 0])
+    return ValueError(
+        f"row {row} is left-padded but its position_ids do not start at 0 at its first real token: Hugging "
+        "Face numbers positions from the padding when no position_ids are given, while the rollout "
+        "(generate, vLLM) counts them from the first real token, so the rotary embedding would differ. "
+        "Pass position_ids=(attention_mask.cumsum(-1) - 1).clamp(min=0) (or right-pad the batch)"
+    )
+
+
 def batch_layout(
     attention_mask: torch.Tensor | None,
     position_ids: torch.Tensor | None,
@@ -179,11 +189,15 @@ def _self_attention_layout(
     starts[:, 0] = True
     if real is not None:
         starts[:, 1:] |= real[:, 1:] != real[:, :-1]
+    misplaced = None
     if position_ids is not None:
         positions = position_ids.to(device).expand(batch, length)
         restarts = positions[:, 1:] != positions[:, :-1] + 1
         if real is not None:
             restarts &= real[:, 1:] & real[:, :-1]
+            # A row's first real token at position 0: the rollout counted from there.
+            first_real = real.to(torch.uint8).argmax(1, keepdim=True)
+            misplaced = real.any(1) & (positions.gather(1, first_real)[:, 0] != 0)
         starts[:, 1:] |= restarts
     counts = starts.flatten().cumsum(0)
     if real is None:
@@ -192,9 +206,12 @@ def _self_attention_layout(
         runs = real.clone()
         runs[:, 1:] &= ~real[:, :-1]
         holes = runs.sum(1) > 1
-        num_seqs, has_holes = divmod(int(counts[-1] * 2 + holes.any()), 2)  # the one host read: both at once
-        if has_holes:
+        flags = holes.any() * 2 + (0 if misplaced is None else misplaced.any())
+        num_seqs, flags = divmod(int(counts[-1] * 4 + flags), 4)  # the one host read: all at once
+        if flags & 2:
             raise _holes_error(holes)
+        if flags & 1:
+            raise _positions_error(misplaced)
     # The k-th sequence starts at the first row where the running count of starts reaches k + 1.
     targets = torch.arange(1, num_seqs + 1, device=device, dtype=counts.dtype)
     cu = torch.cat([torch.searchsorted(counts, targets), counts.new_full((1,), num_rows)]).to(torch.int32)
