@@ -201,6 +201,7 @@ def cached_cos_sin(
     return table[key]
 
 
+@torch.compiler.assume_constant_result  # a layer's rope parameters: constants of the compiled graph
 def _scaling_key(scaling: dict | None) -> str:
     """The rope parameters as one canonical string (a custom op's argument, a cache key)."""
     return "" if not scaling else json.dumps(scaling, sort_keys=True, default=repr)
