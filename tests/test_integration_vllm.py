@@ -264,9 +264,21 @@ def test_tensor_parallel_rollout_equals_the_sliced_trainer(model_dirs, hf_patche
 
 def test_samepath_check_rollout_vllm(tmp_path, capsys):
     """``samepath check --rollout vllm`` end to end: stock vLLM differs, samepath's is bit-identical
-    to the trainer (exit status 0), at a temperature other than 1 (vLLM's processed log-probs)."""
+    to the trainer (exit status 0), at a temperature other than 1 (vLLM's processed log-probs), on a
+    model with an EOS token (check's rollout must not mask it with min_tokens: the trainer does not)."""
+    from samepath.check.harness import build_default_model
+
+    model_dir = tmp_path / "with_eos"
+    build_default_model(str(model_dir))
+    for name in ("config.json", "generation_config.json"):
+        path = model_dir / name
+        if path.exists():
+            config = json.loads(path.read_text())
+            config["eos_token_id"] = 7
+            path.write_text(json.dumps(config))
     report = tmp_path / "check.json"
-    args = ["check", "--rollout", "vllm", "--dtype", "bfloat16", "--batch", "3", "--new-tokens", "4"]
+    args = ["check", "--rollout", "vllm", "--model", str(model_dir), "--dtype", "bfloat16", "--batch", "3"]
+    args += ["--new-tokens", "4"]
     status = main([*args, "--temperature", "0.7", "--json", str(report)])
     out = capsys.readouterr().out
     doc = json.loads(report.read_text())
