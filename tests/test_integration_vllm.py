@@ -744,9 +744,11 @@ def test_vllm_decode_step_host_work(monkeypatch, validate):
     counter_cls = counting(monkeypatch)
     samepath_vllm.install()
     try:
-        short, _ = _decode_step(counter_cls, context=20, layers=2)
-        long, _ = _decode_step(counter_cls, context=150, layers=2)
-        deep, _ = _decode_step(counter_cls, context=20, layers=4)
+        # Both contexts span several KV segments (the CPU table's seg is 64), so both run the split
+        # decode: one segment kernel and one merge per layer, however many segments there are.
+        short, _ = _decode_step(counter_cls, context=80, layers=2)
+        long, _ = _decode_step(counter_cls, context=200, layers=2)
+        deep, _ = _decode_step(counter_cls, context=80, layers=4)
     finally:
         samepath_vllm.uninstall()
     assert abs(long.total - short.total) <= 4, (short.ops, long.ops)
