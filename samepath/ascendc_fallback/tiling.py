@@ -1,25 +1,27 @@
 """The Ascend C FlashAttention forward's tiling, in Python: the same numbers as ``csrc/flash_attention_tiling.h``.
 
-The kernel runs the schedule samepath's Triton attention kernel (``samepath/kernels/attention.py``)
-had at numerics version 1, before GQA packing and KV segments (the ``schedule`` entry of
-``loader.backend_fingerprint()``): the Triton kernel now puts the query heads of a KV group into one
-tile and merges fixed KV segments, which this kernel does not. Its bits are therefore its own
-(``SAMEPATH_ATTENTION_BACKEND=ascendc`` changes the fingerprint), and trainer and rollout must both
-run it. Its schedule:
+The kernel runs the schedule of samepath's Triton attention kernel (``samepath/kernels/attention.py``,
+numerics version 2, its serial-segment form):
 
-* programs of ``block_m`` query rows of one sequence and one head, numbered as the Triton launcher's
-  ``_program_map`` numbers blocks of ``block_m`` queries (``num_blocks`` real ones, within an upper
-  bound of ``num_tokens // block_m + num_seqs``);
-* one work item per (program, head): item ``i`` is program ``i // num_heads``, head ``i % num_heads``,
-  ``num_blocks * num_heads`` items in all;
+* GQA packing: a query tile of ``block_m`` rows holds ``head_chunk = min(group, block_m)`` query heads
+  of one KV group for each of ``block_q = block_m // head_chunk`` consecutive queries of one sequence
+  (row ``r``: query ``r // head_chunk``, head ``chunk * head_chunk + r % head_chunk`` of the group);
+  ``num_chunks = ceil(group / head_chunk)`` tiles cover a group;
+* blocks of ``block_q`` queries numbered as the Triton launcher's ``_program_map`` numbers them
+  (``num_blocks`` real ones, within an upper bound of ``num_tokens // block_q + num_seqs``);
+* one work item per (block, KV head, head chunk), the chunk fastest: ``num_blocks * num_kv_heads *
+  num_chunks`` items;
 * ``num_cores`` vector cores take the items round-robin (core ``c`` runs ``c, c + num_cores, ...`` in
   ascending order, the Triton kernel's persistent loop) and each item's KV loop runs to its end on
   that core before the next item starts;
-* an item visits KV tiles of ``tile_n`` positions anchored at position 0 of its sequence, from
-  ``first_tile_start`` up to ``kv_end`` in ascending order, in one softmax state (no segments).
+* an item's visible KV range is cut into segments of ``seg`` positions and tiles of ``tile_n``
+  positions, both anchored at position 0 of its sequence; each segment folds its tiles in ascending
+  order from a fresh ``(-inf, 0, 0)`` softmax state, and the segments are merged into the running
+  state in ascending order.
 
 Every function here has a twin in the C++ header; ``tests/test_ascendc_fallback.py`` compiles a driver
-with g++ and checks that both give identical values.
+with g++ and checks that both give identical values, and runs :mod:`.simulate` (this schedule, step by
+step as the kernel computes it) against the Triton kernel bit for bit.
 """
 
 from __future__ import annotations
@@ -29,7 +31,8 @@ import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-#: Unified buffer of one A2 (910B) vector core, in bytes.
+#: Unified buffer of one A2 (910B) vector core, in bytes. On a device the host passes the platform's own
+#: size (``GetCoreMemSize(CoreMemType::UB)``) as ``ub_capacity``; this is the default for checks here.
 UB_BYTES = 192 * 1024
 UB_ALIGN = 32
 WORKSPACE_ALIGN = 512
@@ -41,13 +44,13 @@ HEAD_SIZE_MULTIPLE = 8
 LOG2_TMP_BYTES = 4096
 #: Vector cores per cube core in a MIX_AIC_1_2 launch.
 VECTOR_CORES_PER_CUBE = 2
-ROW_VECTORS = 8
+ROW_VECTORS = 10
 BRCB_VECTORS = 3
 
 #: dtype name -> the kernel's DataType code.
 DTYPE_CODES = {"float32": 0, "bfloat16": 1, "float16": 2}
 #: Unified-buffer regions, in the order the kernel allocates them.
-UB_BUFFERS = ("q", "kv0", "kv1", "s", "p", "pv", "acc", "out", "rows", "brcb", "log2_tmp")
+UB_BUFFERS = ("q", "kv0", "kv1", "s", "p", "pv", "acc", "acc_run", "out", "rows", "brcb", "log2_tmp")
 #: Per-core workspace regions in global memory.
 WS_BUFFERS = ("q", "k", "v", "s", "p", "o")
 
@@ -90,6 +93,8 @@ class FlashAttentionParams:
     num_cores: int
     qk_scale: float
     strides: tuple[int, ...] = (0,) * len(_STRIDE_FIELDS)
+    seg: int = 256
+    ub_capacity: int = UB_BYTES
 
 
 @dataclass(frozen=True)
@@ -107,6 +112,11 @@ class FlashAttentionTiling:
     block_d: int
     block_m: int
     tile_n: int
+    seg: int
+    head_chunk: int
+    block_q: int
+    num_chunks: int
+    items_per_block: int
     page_size: int
     paged: int
     causal: int
@@ -124,6 +134,7 @@ class FlashAttentionTiling:
     ub_offset: tuple[int, ...]
     ub_size: tuple[int, ...]
     ub_bytes: int
+    ub_capacity: int
     row_bytes: int
     copy_bytes: int
     ub_row_gap: int
@@ -173,7 +184,7 @@ def ub_bytes_needed(head_size: int, block_m: int, tile_n: int, dtype: str) -> in
         + 2 * align_up(tile_n * d * elem, UB_ALIGN)
         + align_up(block_m * tile_n * 4, UB_ALIGN)
         + align_up(block_m * tile_n * elem, UB_ALIGN)
-        + 2 * align_up(block_m * d * 4, UB_ALIGN)
+        + 3 * align_up(block_m * d * 4, UB_ALIGN)
         + align_up(block_m * d * elem, UB_ALIGN)
         + ROW_VECTORS * row_bytes
         + BRCB_VECTORS * block_m * 32
@@ -181,7 +192,7 @@ def ub_bytes_needed(head_size: int, block_m: int, tile_n: int, dtype: str) -> in
     )
 
 
-def check_fits(head_size: int, block_m: int, tile_n: int, dtype: str) -> None:
+def check_fits(head_size: int, block_m: int, tile_n: int, dtype: str, ub_capacity: int = UB_BYTES) -> None:
     """Raise ``ValueError`` naming the argument unless the kernel can run these sizes on one core."""
     if (
         not isinstance(head_size, int)
@@ -202,17 +213,19 @@ def check_fits(head_size: int, block_m: int, tile_n: int, dtype: str) -> None:
     if dtype not in DTYPE_CODES:
         raise ValueError(f"dtype must be one of {sorted(DTYPE_CODES)}, got {dtype!r}")
     needed = ub_bytes_needed(head_size, block_m, tile_n, dtype)
-    if needed > UB_BYTES:
+    if needed > ub_capacity:
         raise ValueError(
             f"tile_n = {tile_n} with head_size = {head_size} (padded to {padded_head_size(head_size)}), "
             f"block_m = {block_m} and {dtype} needs {needed} bytes of unified buffer per core, more than "
-            f"the {UB_BYTES} of an A2 vector core: use a smaller tile_n or block_m"
+            f"the {ub_capacity} of the vector core: use a smaller tile_n or block_m"
         )
 
 
 def compute_tiling(params: FlashAttentionParams) -> FlashAttentionTiling:
     """``ComputeTiling`` of the header; raises ``ValueError`` naming the bad argument."""
-    check_fits(params.head_size, params.block_m, params.tile_n, params.dtype)
+    check_fits(params.head_size, params.block_m, params.tile_n, params.dtype, params.ub_capacity)
+    if params.seg < params.tile_n or params.seg % params.tile_n:
+        raise ValueError(f"seg = {params.seg} must be a positive multiple of tile_n = {params.tile_n}")
     if params.num_kv_heads <= 0 or params.num_heads <= 0 or params.num_heads % params.num_kv_heads:
         raise ValueError(
             f"num_heads = {params.num_heads} must be a positive multiple of num_kv_heads = {params.num_kv_heads}"
@@ -243,6 +256,7 @@ def compute_tiling(params: FlashAttentionParams) -> FlashAttentionTiling:
         align_up(m * n * elem, UB_ALIGN),
         align_up(m * d * 4, UB_ALIGN),
         align_up(m * d * 4, UB_ALIGN),
+        align_up(m * d * 4, UB_ALIGN),
         align_up(m * d * elem, UB_ALIGN),
         ROW_VECTORS * row_bytes,
         BRCB_VECTORS * m * 32,
@@ -252,8 +266,11 @@ def compute_tiling(params: FlashAttentionParams) -> FlashAttentionTiling:
     for size in ub_sizes:
         ub_offset.append(ub)
         ub += size
-    programs = num_programs(params.num_tokens, params.num_seqs, m)
-    items = programs * params.num_heads
+    group = params.num_heads // params.num_kv_heads
+    chunk = head_chunk(group, m)
+    chunks = -(-group // chunk)
+    programs = num_programs(params.num_tokens, params.num_seqs, m // chunk)
+    items = programs * params.num_kv_heads * chunks
     return FlashAttentionTiling(
         strides=dict(zip(_STRIDE_FIELDS, params.strides, strict=True)),
         ws_offset=tuple(ws_offset),
@@ -261,11 +278,16 @@ def compute_tiling(params: FlashAttentionParams) -> FlashAttentionTiling:
         num_tokens=params.num_tokens,
         num_heads=params.num_heads,
         num_kv_heads=params.num_kv_heads,
-        group=params.num_heads // params.num_kv_heads,
+        group=group,
         head_size=params.head_size,
         block_d=d,
         block_m=m,
         tile_n=n,
+        seg=params.seg,
+        head_chunk=chunk,
+        block_q=m // chunk,
+        num_chunks=chunks,
+        items_per_block=params.num_kv_heads * chunks,
         page_size=params.page_size,
         paged=int(params.page_size > 0),
         causal=int(bool(params.causal)),
@@ -283,22 +305,28 @@ def compute_tiling(params: FlashAttentionParams) -> FlashAttentionTiling:
         ub_offset=tuple(ub_offset),
         ub_size=ub_sizes,
         ub_bytes=ub,
+        ub_capacity=params.ub_capacity,
         row_bytes=row_bytes,
         copy_bytes=params.head_size * elem,
         ub_row_gap=(d * elem - align_up(params.head_size * elem, UB_ALIGN)) // UB_ALIGN,
     )
 
 
-def num_programs(num_tokens: int, num_seqs: int, block_m: int) -> int:
-    """The programs launched without a host sync, as ``_program_map`` launches them."""
-    return num_tokens // block_m + num_seqs
+def head_chunk(group: int, block_m: int) -> int:
+    """Query heads of one KV group per query in a tile (the Triton launcher's ``_packing``)."""
+    return min(group, block_m)
 
 
-def program_map(cu_seqlens: Sequence[int], block_m: int, num_tokens: int) -> tuple[list[int], list[int], int]:
+def num_programs(num_tokens: int, num_seqs: int, block_q: int) -> int:
+    """The blocks launched without a host sync, as ``_program_map`` numbers them."""
+    return num_tokens // block_q + num_seqs
+
+
+def program_map(cu_seqlens: Sequence[int], block_q: int, num_tokens: int) -> tuple[list[int], list[int], int]:
     """``_program_map`` on the host: ``(program_seq, program_block, num_blocks)`` for the upper bound of
-    programs; programs ``num_blocks ..`` are never run (they get sequence ``num_seqs``)."""
+    blocks of ``block_q`` queries; blocks ``num_blocks ..`` are never run (they get sequence ``num_seqs``)."""
     num_seqs = len(cu_seqlens) - 1
-    blocks = [(cu_seqlens[s + 1] - cu_seqlens[s] + block_m - 1) // block_m for s in range(num_seqs)]
+    blocks = [(cu_seqlens[s + 1] - cu_seqlens[s] + block_q - 1) // block_q for s in range(num_seqs)]
     cu_blocks, total = [], 0
     for count in blocks:
         total += count
@@ -306,12 +334,28 @@ def program_map(cu_seqlens: Sequence[int], block_m: int, num_tokens: int) -> tup
     first_block = [0, *cu_blocks[:-1]]
     seqs, block_ids = [], []
     seq = 0
-    for pid in range(num_programs(num_tokens, num_seqs, block_m)):
+    for pid in range(num_programs(num_tokens, num_seqs, block_q)):
         while seq < num_seqs and cu_blocks[seq] <= pid:
             seq += 1
         seqs.append(seq)
         block_ids.append(pid - first_block[min(seq, num_seqs - 1)])
     return seqs, block_ids, total
+
+
+def decode_item(item: int, items_per_block: int, num_chunks: int) -> tuple[int, int, int]:
+    """``(program, kv_head, chunk)`` of work item ``item`` (``DecodeItem``)."""
+    program, rest = divmod(item, items_per_block)
+    return program, rest // num_chunks, rest % num_chunks
+
+
+def block_queries(q_len: int, block: int, block_q: int) -> int:
+    """Queries of block ``block`` that exist."""
+    return max(0, min(block_q, q_len - block * block_q))
+
+
+def chunk_heads(group: int, chunk: int, head_chunk_: int) -> int:
+    """Heads of chunk ``chunk`` that exist in a KV group of ``group`` heads."""
+    return max(0, min(head_chunk_, group - chunk * head_chunk_))
 
 
 def items_of_core(num_work: int, num_cores: int, core: int) -> int:
@@ -335,19 +379,29 @@ def kv_tiles(
     q_len: int,
     kv_len: int,
     block: int,
-    block_m: int,
+    block_q: int,
     tile_n: int,
     causal: bool,
     sliding_window: int,
 ) -> tuple[int, int]:
-    """``(first_tile_start, kv_end)`` of one program: its tiles start at ``range(first, kv_end, tile_n)``."""
+    """``(first_tile_start, kv_end)`` of one block of ``block_q`` queries: the KV range any of its rows
+    can see, widened down to a tile boundary."""
     kv_end = kv_len
     if causal:
-        kv_end = min(kv_len, context + min(q_len, (block + 1) * block_m))
+        kv_end = min(kv_len, context + min(q_len, (block + 1) * block_q))
     kv_begin = 0
     if sliding_window > 0:
-        kv_begin = max(0, context + block * block_m - sliding_window + 1)
+        kv_begin = max(0, context + block * block_q - sliding_window + 1)
     return kv_begin // tile_n * tile_n, kv_end
+
+
+def segments(first_tile_start: int, kv_end: int, seg: int) -> list[tuple[int, int]]:
+    """``(tile_begin, tile_end)`` of each segment, ascending (``FirstSegment`` / ``SegmentTiles``): its
+    tiles start at ``range(tile_begin, tile_end, tile_n)``."""
+    return [
+        (max(start, first_tile_start), min(start + seg, kv_end))
+        for start in range(first_tile_start // seg * seg, kv_end, seg)
+    ]
 
 
 def num_kv_tiles(first_tile_start: int, kv_end: int, tile_n: int) -> int:
@@ -371,35 +425,38 @@ def masked_columns(pos_q: int, tile_start: int, tile_n: int, kv_len: int, causal
 
 @dataclass(frozen=True)
 class WorkItem:
-    """One (program, head) work item as a core runs it: its KV tiles start at ``tile_starts``."""
+    """One (block, KV head, head chunk) work item as a core runs it."""
 
     item: int
     core: int
     order: int
     program: int
-    head: int
+    kv_head: int
+    chunk: int
     seq: int
     block: int
     first_tile_start: int
     kv_end: int
     num_tiles: int
     tile_n: int
+    segments: tuple[tuple[int, int], ...]
 
     @property
-    def tile_starts(self) -> range:
-        return range(self.first_tile_start, self.kv_end, self.tile_n) if self.num_tiles else range(0)
+    def tile_starts(self) -> list[int]:
+        """Every tile start in the order the item folds them (segment by segment)."""
+        return [start for begin, end in self.segments for start in range(begin, end, self.tile_n)]
 
 
 def schedule(
     tiling: FlashAttentionTiling, query_start_loc: Sequence[int], seq_lens: Sequence[int]
 ) -> list[list[WorkItem]]:
-    """Per core, the work items it runs in order, with their KV tiles."""
-    seqs, blocks, num_blocks = program_map(query_start_loc, tiling.block_m, tiling.num_tokens)
+    """Per core, the work items it runs in order, with their segments and KV tiles."""
+    seqs, blocks, num_blocks = program_map(query_start_loc, tiling.block_q, tiling.num_tokens)
     cores: list[list[WorkItem]] = []
     for core in range(tiling.num_cores):
         items = []
-        for order, item in enumerate(core_items(num_blocks * tiling.num_heads, tiling.num_cores, core)):
-            program, head = divmod(item, tiling.num_heads)
+        for order, item in enumerate(core_items(num_blocks * tiling.items_per_block, tiling.num_cores, core)):
+            program, kv_head, chunk = decode_item(item, tiling.items_per_block, tiling.num_chunks)
             seq = seqs[program]
             q_len = query_start_loc[seq + 1] - query_start_loc[seq]
             kv_len = seq_lens[seq]
@@ -408,7 +465,7 @@ def schedule(
                 q_len,
                 kv_len,
                 blocks[program],
-                tiling.block_m,
+                tiling.block_q,
                 tiling.tile_n,
                 bool(tiling.causal),
                 tiling.sliding_window,
@@ -419,13 +476,15 @@ def schedule(
                     core=core,
                     order=order,
                     program=program,
-                    head=head,
+                    kv_head=kv_head,
+                    chunk=chunk,
                     seq=seq,
                     block=blocks[program],
                     first_tile_start=first,
                     kv_end=kv_end,
                     num_tiles=num_kv_tiles(first, kv_end, tiling.tile_n),
                     tile_n=tiling.tile_n,
+                    segments=tuple(segments(first, kv_end, tiling.seg)),
                 )
             )
         cores.append(items)

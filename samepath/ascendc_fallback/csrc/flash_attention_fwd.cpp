@@ -1,25 +1,36 @@
 // samepath's FlashAttention forward in Ascend C, with the schedule and formula of the Triton kernel
-// `_attention_fwd_kernel` (samepath/kernels/attention.py). Built only with CANN (CMakeLists.txt).
+// `_attention_fwd_kernel` (samepath/kernels/attention.py, numerics version 2, serial segments). Built
+// only with CANN (CMakeLists.txt: ascendc_library with HAVE_WORKSPACE and HAVE_TILING).
 //
-// Launch: MIX_AIC_1_2, blockDim cube cores, each with two vector cores. Every vector core owns whole
-// (program, head) work items, num_blocks * num_heads of them, head fastest, taken round-robin in
-// ascending order (the Triton kernel's persistent loop; flash_attention_tiling.h), and runs each
-// item's KV loop to its end, so a query block's tiles are folded serially, in order, by one core.
-// The vector core drives two matmuls on its cube core through the Matmul API:
+// Launch: MIX_AIC_1_2, blockDim cube cores, each with two vector cores. The kernel takes one workspace
+// (second-to-last argument, before the tiling): the generated launch wrapper (HAVE_WORKSPACE) hands its
+// head to the framework as the system workspace of the Matmul API, and GetUserWorkspace() returns the
+// rest, where each vector core stages its cube operands. Every vector core owns whole work items
+// (block of block_q queries, KV head, head chunk), taken round-robin in ascending order (the Triton
+// kernel's persistent loop; flash_attention_tiling.h), and runs each item's KV loop to its end.
+//
+// Query tile (GQA packing): row r is query r / head_chunk of the block and head
+// chunk * head_chunk + r % head_chunk of the KV group, so one K/V tile serves the whole group. The
+// vector core drives two matmuls on its cube core through the Matmul API:
 //   S  = Q_tile [block_m, block_d] @ K_tile^T [block_d, tile_n]   (fp32 out)
 //   PV = P_tile [block_m, tile_n]  @ V_tile   [tile_n, block_d]   (fp32 out)
-// Operands are staged by the vector core, zero-padded exactly as the Triton kernel's masked loads
-// (rows past the sequence, head columns past head_size), in a per-core workspace in global memory.
+// Operands are zero-padded exactly as the Triton kernel's masked loads (rows that do not exist, KV
+// positions past the sequence, head columns past head_size).
 //
-// Per KV tile, in the Triton kernel's order (all fp32):
+// KV positions are cut into segments of `seg` positions anchored at position 0; each segment's state
+// starts at (m, l, acc) = (-inf, 0, 0) and folds its tiles in ascending order (all fp32):
 //   s = S * qk_scale; s = -inf where invisible (select);  m_new = max(m, rowmax(s))
 //   m_shift = m_new, or 0 where m_new = -inf (computed as max(m_new, -FLT_MAX): identical results,
 //             because m_new = -inf only when every score and m are -inf, and exp2 of -inf is 0 either way)
 //   alpha = exp2(m - m_shift); p = exp2(s - m_shift); l = l * alpha + rowsum(p)   (fp32 p)
 //   acc = acc * alpha + dot(cast(p, input dtype), V); m = m_new
-// Finish: out = cast(acc / (l == 0 ? 1 : l)); lse = l == 0 ? +inf : m + log2(l == 0 ? 1 : l).
+// then merges into the running state (m_r, l_r, acc_r), rows whose segment saw nothing left as they were:
+//   m' = max(m_r, m); a = exp2(m_r - m'); b = exp2(m - m'); l_r = l_r * a + l * b;
+//   acc_r = acc_r * a + acc * b; m_r = m'
+// Finish: out = cast(acc_r / (l_r == 0 ? 1 : l_r)); lse = l_r == 0 ? +inf : m_r + log2(l_r).
 // exp2(x) is computed as exp(x * ln 2) (Ascend C has no exp2 instruction): the Ascend C backend is
 // its own numerics (samepath.fingerprint() includes the backend), equal across every caller of it.
+// samepath/ascendc_fallback/simulate.py replays these steps in numpy (tests/test_ascendc_fallback.py).
 #include "kernel_operator.h"
 #include "lib/matmul_intf.h"
 #include "lib/math/log.h"
@@ -120,6 +131,7 @@ public:
         pUb_ = ub_[sp::kUbP].Get<T>();
         pvUb_ = ub_[sp::kUbPv].Get<float>();
         accUb_ = ub_[sp::kUbAcc].Get<float>();
+        accRun_ = ub_[sp::kUbAccRun].Get<float>();
         outUb_ = ub_[sp::kUbOut].Get<T>();
         LocalTensor<float> rows = ub_[sp::kUbRows].Get<float>();
         const uint32_t rowFloats = tiling.rowBytes / sizeof(float);
@@ -131,6 +143,8 @@ public:
         rowMax_ = rows[5 * rowFloats];
         rowSum_ = rows[6 * rowFloats];
         lse_ = rows[7 * rowFloats];
+        mRun_ = rows[8 * rowFloats];
+        lRun_ = rows[9 * rowFloats];
         LocalTensor<float> brcb = ub_[sp::kUbBrcb].Get<float>();
         brcbA_ = brcb[0 * m_ * kFp32PerBlock];
         brcbB_ = brcb[1 * m_ * kFp32PerBlock];
@@ -140,7 +154,7 @@ public:
 
     __aicore__ inline void Process()
     {
-        const uint32_t numWork = static_cast<uint32_t>(numBlocksGm_.GetValue(0)) * t_->numHeads;
+        const uint32_t numWork = static_cast<uint32_t>(numBlocksGm_.GetValue(0)) * t_->itemsPerBlock;
         const uint32_t count = sp::ItemsOfCore(numWork, t_->numCores, core_);
         for (uint32_t k = 0; k < count; ++k) {
             ProcessItem(sp::ItemOfCore(t_->numCores, core_, k));
@@ -206,58 +220,78 @@ private:
         PipeBarrier<PIPE_V>();
     }
 
-    // dst[r, :] op= rowValue[r] for a [block_m, block_d] fp32 tile; rowBrcb holds each row's value in a
-    // 32-byte block (Brcb), read with block stride 0.
+    // dst[r, :] = src[r, :] op rowValue[r] for a [block_m, block_d] fp32 tile; rowBrcb holds each row's
+    // value in a 32-byte block (Brcb), read with block stride 0.
     template <bool DIVIDE>
-    __aicore__ inline void ScaleRows(const LocalTensor<float>& dst, const LocalTensor<float>& rowBrcb)
+    __aicore__ inline void ScaleRows(const LocalTensor<float>& dst, const LocalTensor<float>& src,
+                                     const LocalTensor<float>& rowBrcb)
     {
         const uint32_t width = d_ < kFp32PerRepeat ? d_ : kFp32PerRepeat;
         const uint8_t rowBlocks = static_cast<uint8_t>(d_ / kFp32PerBlock);
         BinaryRepeatParams params(1, 1, 0, rowBlocks, rowBlocks, 1);
         for (uint32_t c = 0; c < d_; c += width) {
             if constexpr (DIVIDE) {
-                Div(dst[c], dst[c], rowBrcb, width, static_cast<uint8_t>(m_), params);
+                Div(dst[c], src[c], rowBrcb, width, static_cast<uint8_t>(m_), params);
             } else {
-                Mul(dst[c], dst[c], rowBrcb, width, static_cast<uint8_t>(m_), params);
+                Mul(dst[c], src[c], rowBrcb, width, static_cast<uint8_t>(m_), params);
             }
         }
         PipeBarrier<PIPE_V>();
     }
 
+    __aicore__ inline void Broadcast(const LocalTensor<float>& dst, const LocalTensor<float>& rowValues)
+    {
+        Brcb(dst, rowValues, static_cast<uint8_t>(m_ / kFp32PerBlock), BrcbRepeatParams(1, 8));
+        PipeBarrier<PIPE_V>();
+    }
+
     __aicore__ inline void ProcessItem(uint32_t item)
     {
-        const uint32_t program = sp::ItemProgram(item, t_->numHeads);
-        const uint32_t head = sp::ItemHead(item, t_->numHeads);
-        const int32_t seq = programSeqGm_.GetValue(program);
-        const int64_t block = programBlockGm_.GetValue(program);
-        const uint32_t kvHead = head / t_->group;
+        const sp::WorkItem w = sp::DecodeItem(item, t_->itemsPerBlock, t_->numChunks);
+        const int32_t seq = programSeqGm_.GetValue(w.program);
+        const int64_t block = programBlockGm_.GetValue(w.program);
         const int64_t qStart = qslGm_.GetValue(seq);
         const int64_t qLen = qslGm_.GetValue(seq + 1) - qStart;
         const int64_t kvLen = seqLensGm_.GetValue(seq);
         const int64_t kvStart = t_->paged != 0u ? 0 : kvslGm_.GetValue(seq);
         const int64_t context = kvLen - qLen;
-        const int64_t firstRow = block * m_;
-        const uint32_t rows = static_cast<uint32_t>(qLen - firstRow < m_ ? qLen - firstRow : m_);
+        const int64_t firstQuery = block * t_->blockQ;
+        const uint32_t queries = sp::BlockQueries(qLen, block, t_->blockQ);
+        const uint32_t heads = sp::ChunkHeads(t_->group, w.chunk, t_->headChunk);
+        const uint32_t firstHead = w.kvHead * t_->group + w.chunk * t_->headChunk;
 
-        // The query block, zero-padded like the Triton kernel's masked load.
+        // The packed query tile, zero-padded like the Triton kernel's masked load: for each query of the
+        // block, its `heads` heads of the chunk (head_size elements each, strideQHead apart).
         ZeroFill(qUb_, m_ * d_);
         WaitPipe<HardEvent::V_MTE2>();
-        CopyRows(qUb_, qGm_[(qStart + firstRow) * t_->strideQTok + head * t_->strideQHead], rows, t_->strideQTok);
+        for (uint32_t q = 0; q < queries; ++q) {
+            CopyRows(qUb_[q * t_->headChunk * d_],
+                     qGm_[(qStart + firstQuery + q) * t_->strideQTok + firstHead * t_->strideQHead], heads,
+                     t_->strideQHead);
+        }
         WaitPipe<HardEvent::MTE2_MTE3>();
         DataCopy(qWs_, qUb_, m_ * d_);
         WaitPipe<HardEvent::MTE3_S>();
 
-        Duplicate(mI_, negInf_, m_);
-        Duplicate(lI_, 0.0f, m_);
-        Duplicate(accUb_, 0.0f, m_ * d_);
+        Duplicate(mRun_, negInf_, m_);
+        Duplicate(lRun_, 0.0f, m_);
+        Duplicate(accRun_, 0.0f, m_ * d_);
         PipeBarrier<PIPE_V>();
 
-        const sp::KvTileRange range = sp::KvTiles(context, qLen, kvLen, block, m_, n_, t_->causal, t_->hasWindow,
-                                                  t_->slidingWindow);
-        for (int64_t tileStart = range.firstTileStart; tileStart < range.kvEnd; tileStart += n_) {
-            ProcessTile(seq, kvStart, kvLen, context + firstRow, tileStart, kvHead);
+        const sp::KvTileRange range = sp::KvTiles(context, qLen, kvLen, block, t_->blockQ, n_, t_->causal,
+                                                  t_->hasWindow, t_->slidingWindow);
+        for (int64_t segStart = sp::FirstSegment(range, t_->seg); segStart < range.kvEnd; segStart += t_->seg) {
+            const sp::KvTileRange tiles = sp::SegmentTiles(range, segStart, t_->seg);
+            Duplicate(mI_, negInf_, m_);
+            Duplicate(lI_, 0.0f, m_);
+            Duplicate(accUb_, 0.0f, m_ * d_);
+            PipeBarrier<PIPE_V>();
+            for (int64_t tileStart = tiles.firstTileStart; tileStart < tiles.kvEnd; tileStart += n_) {
+                ProcessTile(seq, kvStart, kvLen, context + firstQuery, tileStart, w.kvHead);
+            }
+            MergeSegment();
         }
-        Finish(qStart + firstRow, rows, head);
+        Finish(qStart + firstQuery, queries, heads, firstHead);
     }
 
     __aicore__ inline void ProcessTile(int32_t seq, int64_t kvStart, int64_t kvLen, int64_t firstPosQ,
@@ -282,8 +316,9 @@ private:
         Muls(sUb_, sUb_, t_->qkScale, m_ * n_);
         PipeBarrier<PIPE_V>();
         for (uint32_t r = 0; r < m_; ++r) {
-            const uint64_t masked = sp::MaskedColumns(firstPosQ + r, tileStart, n_, kvLen, t_->causal,
-                                                      t_->hasWindow, t_->slidingWindow);
+            const int64_t posQ = firstPosQ + sp::RowQuery(r, t_->headChunk);
+            const uint64_t masked = sp::MaskedColumns(posQ, tileStart, n_, kvLen, t_->causal, t_->hasWindow,
+                                                      t_->slidingWindow);
             if (masked != 0u) {
                 uint64_t mask[2] = {masked, 0u};
                 Duplicate(sUb_[r * n_], negInf_, mask, 1, 1, 8);
@@ -301,8 +336,7 @@ private:
         PipeBarrier<PIPE_V>();
         Exp2(alpha_, m_);
 
-        Brcb(brcbA_, mShift_, static_cast<uint8_t>(m_ / kFp32PerBlock), BrcbRepeatParams(1, 8));
-        PipeBarrier<PIPE_V>();
+        Broadcast(brcbA_, mShift_);
         Sub(sUb_, sUb_, brcbA_, n_, static_cast<uint8_t>(m_),
             BinaryRepeatParams(1, 1, 0, static_cast<uint8_t>(rowBlocks), static_cast<uint8_t>(rowBlocks), 1));
         PipeBarrier<PIPE_V>();
@@ -332,9 +366,8 @@ private:
         DataCopy(pvUb_, oWs_, m_ * d_);
 
         // acc = acc * alpha + dot(p, v)
-        Brcb(brcbB_, alpha_, static_cast<uint8_t>(m_ / kFp32PerBlock), BrcbRepeatParams(1, 8));
-        PipeBarrier<PIPE_V>();
-        ScaleRows<false>(accUb_, brcbB_);
+        Broadcast(brcbB_, alpha_);
+        ScaleRows<false>(accUb_, accUb_, brcbB_);
         WaitPipe<HardEvent::MTE2_V>();
         Add(accUb_, accUb_, pvUb_, m_ * d_);
         PipeBarrier<PIPE_V>();
@@ -344,49 +377,99 @@ private:
         mNew_ = previous;
     }
 
-    __aicore__ inline void Finish(int64_t firstToken, uint32_t rows, uint32_t head)
+    // Folds the segment state (mI_, lI_, accUb_) into the running state (mRun_, lRun_, accRun_), the
+    // Triton kernel's `_merge_segment`. Rows whose segment saw no key (mI_ = -inf) keep their running
+    // state bit for bit; for the others m' = max(m_r, m) is finite, so no m_shift is needed.
+    __aicore__ inline void MergeSegment()
     {
-        // l_safe = where(l == 0, 1, l), in mShift_ (free after the last tile).
+        LocalTensor<float> mMerged = mNew_;
+        LocalTensor<float> lMerged = mShift_;
+        LocalTensor<float> beta = rowMax_;
+        LocalTensor<float> lScaled = rowSum_;
+        Max(mMerged, mRun_, mI_, m_);
+        PipeBarrier<PIPE_V>();
+        Sub(alpha_, mRun_, mMerged, m_);
+        Sub(beta, mI_, mMerged, m_);
+        PipeBarrier<PIPE_V>();
+        Exp2(alpha_, m_);
+        Exp2(beta, m_);
+        Mul(lMerged, lRun_, alpha_, m_);
+        Mul(lScaled, lI_, beta, m_);
+        PipeBarrier<PIPE_V>();
+        Add(lMerged, lMerged, lScaled, m_);
+        Broadcast(brcbA_, alpha_);
+        Broadcast(brcbB_, beta);
+        // pvUb_ (free between tiles) = acc_r * a + acc * b
+        ScaleRows<false>(pvUb_, accRun_, brcbA_);
+        ScaleRows<false>(accUb_, accUb_, brcbB_);
+        Add(pvUb_, pvUb_, accUb_, m_ * d_);
+        PipeBarrier<PIPE_V>();
+
         WaitPipe<HardEvent::V_S>();
         for (uint32_t r = 0; r < m_; ++r) {
-            const float l = lI_.GetValue(r);
+            if (mI_.GetValue(r) == negInf_) {
+                Muls(pvUb_[r * d_], accRun_[r * d_], 1.0f, d_);  // exact copy, -0.0 included
+            } else {
+                mRun_.SetValue(r, mMerged.GetValue(r));
+                lRun_.SetValue(r, lMerged.GetValue(r));
+            }
+        }
+        WaitPipe<HardEvent::S_V>();
+        PipeBarrier<PIPE_V>();
+        LocalTensor<float> merged = pvUb_;
+        pvUb_ = accRun_;
+        accRun_ = merged;
+    }
+
+    // Writes the rows that exist: `queries` queries of the block, `heads` heads each (from firstHead).
+    __aicore__ inline void Finish(int64_t firstToken, uint32_t queries, uint32_t heads, uint32_t firstHead)
+    {
+        // l_safe = where(l == 0, 1, l), in mShift_ (free after the last merge).
+        WaitPipe<HardEvent::V_S>();
+        for (uint32_t r = 0; r < m_; ++r) {
+            const float l = lRun_.GetValue(r);
             mShift_.SetValue(r, l == 0.0f ? 1.0f : l);
         }
         WaitPipe<HardEvent::S_V>();
-        Brcb(brcbC_, mShift_, static_cast<uint8_t>(m_ / kFp32PerBlock), BrcbRepeatParams(1, 8));
-        PipeBarrier<PIPE_V>();
-        ScaleRows<true>(accUb_, brcbC_);
+        Broadcast(brcbC_, mShift_);
+        ScaleRows<true>(accRun_, accRun_, brcbC_);
 
         const DataCopyExtParams outParams{
-            static_cast<uint16_t>(rows), t_->copyBytes, t_->ubRowGap,
-            static_cast<uint32_t>((t_->strideOTok - static_cast<int64_t>(t_->headSize)) * sizeof(T)), 0};
-        const GlobalTensor<T> outRows = outGm_[firstToken * t_->strideOTok + head * t_->strideOHead];
-        if constexpr (IsSameType<T, float>::value) {
-            WaitPipe<HardEvent::V_MTE3>();
-            DataCopyPad(outRows, accUb_, outParams);
-        } else {
-            Cast(outUb_, accUb_, RoundMode::CAST_RINT, m_ * d_);
-            WaitPipe<HardEvent::V_MTE3>();
-            DataCopyPad(outRows, outUb_, outParams);
+            static_cast<uint16_t>(heads), t_->copyBytes, t_->ubRowGap,
+            static_cast<uint32_t>((t_->strideOHead - static_cast<int64_t>(t_->headSize)) * sizeof(T)), 0};
+        if constexpr (!IsSameType<T, float>::value) {
+            Cast(outUb_, accRun_, RoundMode::CAST_RINT, m_ * d_);
+        }
+        WaitPipe<HardEvent::V_MTE3>();
+        for (uint32_t q = 0; q < queries; ++q) {
+            const GlobalTensor<T> outRows = outGm_[(firstToken + q) * t_->strideOTok + firstHead * t_->strideOHead];
+            if constexpr (IsSameType<T, float>::value) {
+                DataCopyPad(outRows, accRun_[q * t_->headChunk * d_], outParams);
+            } else {
+                DataCopyPad(outRows, outUb_[q * t_->headChunk * d_], outParams);
+            }
         }
 
         if (t_->storeLse != 0u) {
             // lse = where(l == 0, inf, m + log2(l_safe)), base 2 like the Triton kernel's.
             Log2(lse_, mShift_, log2Tmp_, m_);
             PipeBarrier<PIPE_V>();
-            Add(lse_, mI_, lse_, m_);
+            Add(lse_, mRun_, lse_, m_);
             WaitPipe<HardEvent::V_S>();
             for (uint32_t r = 0; r < m_; ++r) {
-                if (lI_.GetValue(r) == 0.0f) {
+                if (lRun_.GetValue(r) == 0.0f) {
                     lse_.SetValue(r, posInf_);
                 }
             }
             WaitPipe<HardEvent::S_V>();
-            Brcb(brcbA_, lse_, static_cast<uint8_t>(m_ / kFp32PerBlock), BrcbRepeatParams(1, 8));
+            Broadcast(brcbA_, lse_);
             WaitPipe<HardEvent::V_MTE3>();
-            const DataCopyExtParams lseParams{static_cast<uint16_t>(rows), sizeof(float), 0,
-                                              static_cast<uint32_t>((t_->strideLseTok - 1) * sizeof(float)), 0};
-            DataCopyPad(lseGm_[firstToken * t_->strideLseTok + head], brcbA_, lseParams);
+            // One 32-byte block per row in brcbA_; a query's heads are adjacent floats in lse.
+            const DataCopyExtParams lseParams{static_cast<uint16_t>(heads), sizeof(float), 0, 0, 0};
+            for (uint32_t q = 0; q < queries; ++q) {
+                DataCopyPad(lseGm_[(firstToken + q) * t_->strideLseTok + firstHead],
+                            brcbA_[q * t_->headChunk * kFp32PerBlock], lseParams);
+            }
         }
         WaitPipe<HardEvent::MTE3_S>();
     }
@@ -405,8 +488,8 @@ private:
     GlobalTensor<float> sWs_, oWs_;
     TBuf<TPosition::VECCALC> ub_[sp::kUbBufferCount];
     LocalTensor<T> qUb_, kvUb_[2], pUb_, outUb_;
-    LocalTensor<float> sUb_, pvUb_, accUb_;
-    LocalTensor<float> mI_, mNew_, mShift_, lI_, alpha_, rowMax_, rowSum_, lse_;
+    LocalTensor<float> sUb_, pvUb_, accUb_, accRun_;
+    LocalTensor<float> mI_, mNew_, mShift_, lI_, alpha_, rowMax_, rowSum_, lse_, mRun_, lRun_;
     LocalTensor<float> brcbA_, brcbB_, brcbC_;
     LocalTensor<uint8_t> log2Tmp_;
 };
@@ -415,11 +498,12 @@ template <typename T>
 __aicore__ inline void RunFlashAttentionFwd(GM_ADDR query, GM_ADDR key, GM_ADDR value, GM_ADDR out, GM_ADDR lse,
                                             GM_ADDR queryStartLoc, GM_ADDR kvStartLoc, GM_ADDR seqLens,
                                             GM_ADDR blockTable, GM_ADDR programSeq, GM_ADDR programBlock,
-                                            GM_ADDR numBlocks, GM_ADDR sysWorkspace, GM_ADDR userWorkspace,
-                                            GM_ADDR tilingGm)
+                                            GM_ADDR numBlocks, GM_ADDR workspace, GM_ADDR tilingGm)
 {
-    SetSysWorkspace(sysWorkspace);
-    if (GetSysWorkSpacePtr() == nullptr) {
+    // The launch wrapper generated under HAVE_WORKSPACE has installed the head of `workspace` as the
+    // system workspace (GetSysWorkSpacePtr); the per-core staging areas follow it.
+    GM_ADDR userWorkspace = GetUserWorkspace(workspace);
+    if (userWorkspace == nullptr) {
         return;
     }
     // Tiling buffer: FlashAttentionTiling, then the TCubeTiling of Q@K^T, then that of P@V.
@@ -434,7 +518,11 @@ __aicore__ inline void RunFlashAttentionFwd(GM_ADDR query, GM_ADDR key, GM_ADDR 
 
     TPipe pipe;
     FlashAttentionFwd<T> op;
+    // On the cube core this runs the matmul server until the vector cores end; only they go on.
     REGIST_MATMUL_OBJ(&pipe, GetSysWorkSpacePtr(), op.qkMm, &qkTiling, op.pvMm, &pvTiling);
+    if ASCEND_IS_AIC {
+        return;
+    }
     op.Init(tiling, query, key, value, out, lse, queryStartLoc, kvStartLoc, seqLens, blockTable, programSeq,
             programBlock, numBlocks, userWorkspace, &pipe);
     op.Process();
@@ -442,16 +530,17 @@ __aicore__ inline void RunFlashAttentionFwd(GM_ADDR query, GM_ADDR key, GM_ADDR 
 
 }  // namespace
 
+// The argument order is the launch convention of a kernel built with HAVE_WORKSPACE and HAVE_TILING:
+// tensors, then the one workspace, then the tiling, last.
 #define SAMEPATH_FLASH_ATTENTION_KERNEL(NAME, TYPE)                                                                   \
     extern "C" __global__ __aicore__ void NAME(GM_ADDR query, GM_ADDR key, GM_ADDR value, GM_ADDR out, GM_ADDR lse,    \
                                                GM_ADDR queryStartLoc, GM_ADDR kvStartLoc, GM_ADDR seqLens,             \
                                                GM_ADDR blockTable, GM_ADDR programSeq, GM_ADDR programBlock,           \
-                                               GM_ADDR numBlocks, GM_ADDR sysWorkspace, GM_ADDR userWorkspace,         \
-                                               GM_ADDR tiling)                                                         \
+                                               GM_ADDR numBlocks, GM_ADDR workspace, GM_ADDR tiling)                   \
     {                                                                                                                  \
         KERNEL_TASK_TYPE_DEFAULT(KERNEL_TYPE_MIX_AIC_1_2);                                                             \
         RunFlashAttentionFwd<TYPE>(query, key, value, out, lse, queryStartLoc, kvStartLoc, seqLens, blockTable,       \
-                                   programSeq, programBlock, numBlocks, sysWorkspace, userWorkspace, tiling);          \
+                                   programSeq, programBlock, numBlocks, workspace, tiling);                            \
     }
 
 SAMEPATH_FLASH_ATTENTION_KERNEL(samepath_flash_attention_fwd_fp32, float)

@@ -1,6 +1,9 @@
 // Host side of samepath's Ascend C FlashAttention forward: the torch operator
 // samepath_ascendc::flash_attention_fwd (PrivateUse1 = NPU), its tiling, and the launch on the
-// current torch_npu stream. Arguments are those of the Triton launcher `_launch_forward`.
+// current torch_npu stream. Arguments are those of the Triton launcher `_launch_forward` with the
+// frozen tiles (block_m, tile_n, seg). The unified-buffer budget and core counts come from the platform
+// (PlatformAscendC), the workspace is one buffer: the platform's system workspace, then the per-core
+// staging areas (the kernel's second-to-last argument, as the HAVE_WORKSPACE launch wrapper expects).
 #include <cstdint>
 #include <cstring>
 #include <string>
@@ -40,6 +43,7 @@ const char* StatusArgument(int32_t status)
         case sp::kBadSlidingWindow: return "sliding_window";
         case sp::kBadNumCores: return "num_cores";
         case sp::kUbOverflow: return "tile_n / block_m / head_size (unified buffer)";
+        case sp::kBadSeg: return "seg";
         default: return "unknown";
     }
 }
@@ -102,7 +106,7 @@ std::tuple<at::Tensor, at::Tensor> FlashAttentionFwd(const at::Tensor& query, co
                                                      const at::Tensor& kvStartLoc, const at::Tensor& seqLens,
                                                      const c10::optional<at::Tensor>& blockTable, double scale,
                                                      bool causal, int64_t slidingWindow, int64_t blockM, int64_t tileN,
-                                                     bool storeLse)
+                                                     int64_t seg, bool storeLse)
 {
     const bool paged = blockTable.has_value();
     TORCH_CHECK(query.dim() == 3, "query must be [num_tokens, num_heads, head_size]");
@@ -127,8 +131,13 @@ std::tuple<at::Tensor, at::Tensor> FlashAttentionFwd(const at::Tensor& query, co
     at::Tensor kvsl = kvStartLoc.to(at::kInt).contiguous();
     at::Tensor lens = seqLens.to(at::kInt).contiguous();
     at::Tensor table = paged ? blockTable->to(at::kInt).contiguous() : qsl;
+    TORCH_CHECK(blockM > 0 && tileN > 0 && seg > 0, "block_m, tile_n and seg must be positive");
+    const uint32_t group = static_cast<uint32_t>(query.size(1) / key.size(-2));
+    const uint32_t headChunk = sp::HeadChunk(group, static_cast<uint32_t>(blockM));
+    const uint32_t blockQ = static_cast<uint32_t>(blockM) / headChunk;
+    const uint32_t itemsPerBlock = static_cast<uint32_t>(key.size(-2)) * ((group + headChunk - 1u) / headChunk);
     at::Tensor programSeq, programBlock, numBlocks;
-    std::tie(programSeq, programBlock, numBlocks) = ProgramMap(qsl, blockM, numTokens);
+    std::tie(programSeq, programBlock, numBlocks) = ProgramMap(qsl, blockQ, numTokens);
 
     sp::FlashAttentionParams params{};
     params.strideQTok = query.stride(0);
@@ -158,6 +167,7 @@ std::tuple<at::Tensor, at::Tensor> FlashAttentionFwd(const at::Tensor& query, co
     params.numSeqs = static_cast<uint32_t>(numSeqs);
     params.blockM = static_cast<uint32_t>(blockM);
     params.tileN = static_cast<uint32_t>(tileN);
+    params.seg = static_cast<uint32_t>(seg);
     params.dtype = DataTypeCode(query.scalar_type());
     params.causal = causal ? 1u : 0u;
     params.storeLse = storeLse ? 1u : 0u;
@@ -166,7 +176,11 @@ std::tuple<at::Tensor, at::Tensor> FlashAttentionFwd(const at::Tensor& query, co
 
     auto* platform = platform_ascendc::PlatformAscendCManager::GetInstance();
     TORCH_CHECK(platform != nullptr, "samepath_ascendc: no Ascend C platform information (is CANN installed?)");
-    const uint32_t items = sp::NumPrograms(params.numTokens, params.numSeqs, params.blockM) * params.numHeads;
+    uint64_t ubCapacity = 0;
+    platform->GetCoreMemSize(platform_ascendc::CoreMemType::UB, ubCapacity);
+    TORCH_CHECK(ubCapacity > 0, "samepath_ascendc: the platform reports no unified buffer");
+    params.ubCapacity = static_cast<uint32_t>(ubCapacity);
+    const uint32_t items = sp::NumPrograms(params.numTokens, params.numSeqs, blockQ) * itemsPerBlock;
     const uint32_t blockDim = sp::LaunchBlockDim(items, platform->GetCoreNumAic());
     params.numCores = blockDim * sp::kVectorCoresPerCube;
 
@@ -185,15 +199,16 @@ std::tuple<at::Tensor, at::Tensor> FlashAttentionFwd(const at::Tensor& query, co
     CubeTiling(platform, tiling.dtype, m, d, n, false, host + sizeof(tiling) + sizeof(TCubeTiling));
     at::Tensor tilingDevice = tilingHost.to(query.device());
 
+    // One workspace: the system workspace the Matmul API needs (its size from the platform), then
+    // wsBytesPerCore of staging for every vector core.
     const int64_t sysBytes = static_cast<int64_t>(platform->GetLibApiWorkSpaceSize());
     const int64_t userBytes = static_cast<int64_t>(tiling.wsBytesPerCore) * params.numCores;
-    at::Tensor sysWorkspace = at::empty({sysBytes}, query.options().dtype(at::kByte));
-    at::Tensor userWorkspace = at::empty({userBytes}, query.options().dtype(at::kByte));
+    at::Tensor workspace = at::empty({sysBytes + userBytes}, query.options().dtype(at::kByte));
 
-    void* args[] = {query.data_ptr(),        key.data_ptr(),          value.data_ptr(),        out.data_ptr(),
-                    storeLse ? lse.data_ptr() : out.data_ptr(),       qsl.data_ptr(),          kvsl.data_ptr(),
-                    lens.data_ptr(),         table.data_ptr(),        programSeq.data_ptr(),   programBlock.data_ptr(),
-                    numBlocks.data_ptr(),    sysWorkspace.data_ptr(), userWorkspace.data_ptr(), tilingDevice.data_ptr()};
+    void* args[] = {query.data_ptr(),     key.data_ptr(),       value.data_ptr(),      out.data_ptr(),
+                    storeLse ? lse.data_ptr() : out.data_ptr(),   qsl.data_ptr(),        kvsl.data_ptr(),
+                    lens.data_ptr(),      table.data_ptr(),     programSeq.data_ptr(), programBlock.data_ptr(),
+                    numBlocks.data_ptr(), workspace.data_ptr(), tilingDevice.data_ptr()};
     const uint32_t dtype = tiling.dtype;
     aclrtStream stream = c10_npu::getCurrentNPUStream().stream();
     at_npu::native::OpCommand cmd;
@@ -203,15 +218,15 @@ std::tuple<at::Tensor, at::Tensor> FlashAttentionFwd(const at::Tensor& query, co
         if (dtype == sp::kBFloat16) {
             ret = ACLRT_LAUNCH_KERNEL(samepath_flash_attention_fwd_bf16)(
                 blockDim, stream, args[0], args[1], args[2], args[3], args[4], args[5], args[6], args[7], args[8],
-                args[9], args[10], args[11], args[12], args[13], args[14]);
+                args[9], args[10], args[11], args[12], args[13]);
         } else if (dtype == sp::kFloat16) {
             ret = ACLRT_LAUNCH_KERNEL(samepath_flash_attention_fwd_fp16)(
                 blockDim, stream, args[0], args[1], args[2], args[3], args[4], args[5], args[6], args[7], args[8],
-                args[9], args[10], args[11], args[12], args[13], args[14]);
+                args[9], args[10], args[11], args[12], args[13]);
         } else {
             ret = ACLRT_LAUNCH_KERNEL(samepath_flash_attention_fwd_fp32)(
                 blockDim, stream, args[0], args[1], args[2], args[3], args[4], args[5], args[6], args[7], args[8],
-                args[9], args[10], args[11], args[12], args[13], args[14]);
+                args[9], args[10], args[11], args[12], args[13]);
         }
         return static_cast<int>(ret);
     });
@@ -226,7 +241,7 @@ TORCH_LIBRARY(samepath_ascendc, m)
     m.def(
         "flash_attention_fwd(Tensor query, Tensor key, Tensor value, Tensor query_start_loc, Tensor kv_start_loc, "
         "Tensor seq_lens, Tensor? block_table, float scale, bool causal, int sliding_window, int block_m, "
-        "int tile_n, bool store_lse) -> (Tensor out, Tensor lse)");
+        "int tile_n, int seg, bool store_lse) -> (Tensor out, Tensor lse)");
 }
 
 TORCH_LIBRARY_IMPL(samepath_ascendc, PrivateUse1, m)

@@ -4,9 +4,13 @@
 // (bisheng, which defines SAMEPATH_TILING_FN as `__aicore__ inline` before including it), and the
 // tests, which compile a driver against it with g++ and compare every value with
 // samepath/ascendc_fallback/tiling.py. The schedule is the one of samepath's Triton attention kernel
-// (samepath/kernels/attention.py): programs of block_m query rows of one sequence (`_program_map`),
-// one program per (program, head) work item, KV tiles of tile_n positions anchored at position 0 of
-// the sequence and visited in ascending order by the one core that owns the work item.
+// (samepath/kernels/attention.py, numerics version 2, serial segments): query tiles of block_m rows
+// that pack head_chunk query heads of one KV group for each of block_q queries of one sequence
+// (`_program_map` over blocks of block_q queries), one work item per (block, KV head, head chunk),
+// KV positions cut into segments of seg positions and tiles of tile_n positions, both anchored at
+// position 0 of the sequence; a segment's softmax state starts fresh, its tiles are folded in
+// ascending order, and the segments are merged in ascending order, all by the one core that owns the
+// work item.
 #ifndef SAMEPATH_ASCENDC_FLASH_ATTENTION_TILING_H
 #define SAMEPATH_ASCENDC_FLASH_ATTENTION_TILING_H
 
@@ -18,8 +22,10 @@
 
 namespace samepath_ascendc {
 
-// Unified buffer of one A2 (910B) vector core.
-constexpr uint32_t kUbBytes = 192u * 1024u;
+// Unified buffer of one A2 (910B) vector core. The host passes the platform's own size
+// (PlatformAscendC::GetCoreMemSize(CoreMemType::UB)) as FlashAttentionParams::ubCapacity; this value is
+// only what the frozen NPU tiles are checked against on machines without CANN.
+constexpr uint32_t kA2UbBytes = 192u * 1024u;
 constexpr uint32_t kUbAlign = 32u;
 // Cube operands in global memory are aligned to 512 bytes.
 constexpr uint32_t kWorkspaceAlign = 512u;
@@ -43,14 +49,16 @@ enum UbBuffer : uint32_t {
     kUbS,           // [block_m, tile_n] fp32 scores, then fp32 P
     kUbP,           // [block_m, tile_n] P cast to the input dtype
     kUbPv,          // [block_m, block_d] fp32 P @ V of one tile
-    kUbAcc,         // [block_m, block_d] fp32 accumulator
+    kUbAcc,         // [block_m, block_d] fp32 accumulator of the current segment
+    kUbAccRun,      // [block_m, block_d] fp32 accumulator of the merged segments
     kUbOut,         // [block_m, block_d] output in the input dtype
-    kUbRows,        // kRowVectors fp32 vectors of block_m (m, m_new, m_shift, l, alpha, row max, row sum, lse)
+    kUbRows,        // kRowVectors fp32 vectors of block_m (m, m_new, m_shift, l, alpha, row max, row sum, lse,
+                    // merged m, merged l)
     kUbBrcb,        // kBrcbVectors [block_m, 8] fp32 per-row broadcasts (32 bytes per row)
     kUbLog2Tmp,     // scratch of AscendC::Log2
     kUbBufferCount
 };
-constexpr uint32_t kRowVectors = 8u;
+constexpr uint32_t kRowVectors = 10u;
 constexpr uint32_t kBrcbVectors = 3u;
 
 // Per-vector-core regions of the user workspace in global memory (cube operands and results).
@@ -67,6 +75,7 @@ enum TilingStatus : int32_t {
     kBadSlidingWindow = 7,
     kBadNumCores = 8,
     kUbOverflow = 9,
+    kBadSeg = 10,
 };
 
 // What the host knows at launch: shapes, flags, strides (in elements), tile sizes, core count.
@@ -90,12 +99,14 @@ struct FlashAttentionParams {
     uint32_t numSeqs;
     uint32_t blockM;
     uint32_t tileN;
+    uint32_t seg;       // KV segment (a multiple of tileN)
     uint32_t pageSize;  // 0: contiguous KV (no block table)
     uint32_t dtype;     // DataType
     uint32_t causal;
     uint32_t storeLse;
     int32_t slidingWindow;  // 0: no window
     uint32_t numCores;      // vector cores that share the work items
+    uint32_t ubCapacity;    // unified-buffer bytes of one vector core (from the platform)
     float qkScale;          // scale * log2(e), computed by the caller in double and rounded once
 };
 
@@ -123,6 +134,11 @@ struct FlashAttentionTiling {
     uint32_t blockD;
     uint32_t blockM;
     uint32_t tileN;
+    uint32_t seg;
+    uint32_t headChunk;      // query heads of one KV group per query in a tile: min(group, blockM)
+    uint32_t blockQ;         // queries per tile: blockM / headChunk
+    uint32_t numChunks;      // tiles that cover a KV group: ceil(group / headChunk)
+    uint32_t itemsPerBlock;  // work items per block of blockQ queries: numKvHeads * numChunks
     uint32_t pageSize;
     uint32_t paged;
     uint32_t causal;
@@ -131,8 +147,8 @@ struct FlashAttentionTiling {
     uint32_t dtype;
     uint32_t elemBytes;
     uint32_t numSeqs;
-    uint32_t numPrograms;  // upper bound of programs (NumPrograms)
-    uint32_t numItems;     // upper bound of work items: numPrograms * numHeads
+    uint32_t numPrograms;  // upper bound of blocks of blockQ queries (NumPrograms)
+    uint32_t numItems;     // upper bound of work items: numPrograms * itemsPerBlock
     uint32_t numCores;
     uint32_t maxItemsPerCore;
     int32_t slidingWindow;
@@ -140,6 +156,7 @@ struct FlashAttentionTiling {
     uint32_t ubOffset[kUbBufferCount];
     uint32_t ubSize[kUbBufferCount];
     uint32_t ubBytes;
+    uint32_t ubCapacity;
     uint32_t rowBytes;   // bytes of one fp32 row vector of block_m, 32-byte aligned
     uint32_t copyBytes;  // bytes of one head row (head_size elements) in global memory
     uint32_t ubRowGap;   // 32-byte blocks between a staged head row's end and the next row in UB
@@ -170,26 +187,26 @@ SAMEPATH_TILING_FN bool IsPowerOfTwo(uint32_t value)
     return value != 0u && (value & (value - 1u)) == 0u;
 }
 
-// Upper bound of programs without a host sync, as `_program_map` launches them.
-SAMEPATH_TILING_FN uint32_t NumPrograms(uint32_t numTokens, uint32_t numSeqs, uint32_t blockM)
+// Upper bound of blocks of blockQ queries without a host sync, as `_program_map` numbers them.
+SAMEPATH_TILING_FN uint32_t NumPrograms(uint32_t numTokens, uint32_t numSeqs, uint32_t blockQ)
 {
-    return numTokens / blockM + numSeqs;
+    return numTokens / blockQ + numSeqs;
 }
 
-// `_program_map`: program -> (sequence, block of block_m rows) for the NumPrograms upper bound of
+// `_program_map`: program -> (sequence, block of blockQ queries) for the NumPrograms upper bound of
 // programs; returns the number of real blocks (programs 0 .. that - 1 are real, the rest get sequence
 // numSeqs and are never run). cuSeqlens has numSeqs + 1 entries.
-SAMEPATH_TILING_FN uint32_t ProgramMap(const int64_t* cuSeqlens, uint32_t numSeqs, uint32_t blockM,
+SAMEPATH_TILING_FN uint32_t ProgramMap(const int64_t* cuSeqlens, uint32_t numSeqs, uint32_t blockQ,
                                        uint32_t numTokens, int32_t* programSeq, int32_t* programBlock)
 {
-    const uint32_t numPrograms = NumPrograms(numTokens, numSeqs, blockM);
+    const uint32_t numPrograms = NumPrograms(numTokens, numSeqs, blockQ);
     int64_t blocksBefore = 0;  // first program of sequence `seq`
     uint32_t seq = 0u;
-    int64_t blocksOfSeq = numSeqs > 0u ? (cuSeqlens[1] - cuSeqlens[0] + blockM - 1) / blockM : 0;
+    int64_t blocksOfSeq = numSeqs > 0u ? (cuSeqlens[1] - cuSeqlens[0] + blockQ - 1) / blockQ : 0;
     int64_t firstOfLast = 0;
     int64_t total = 0;
     for (uint32_t s = 0u; s < numSeqs; ++s) {
-        const int64_t blocks = (cuSeqlens[s + 1u] - cuSeqlens[s] + blockM - 1) / blockM;
+        const int64_t blocks = (cuSeqlens[s + 1u] - cuSeqlens[s] + blockQ - 1) / blockQ;
         if (s + 1u < numSeqs) {
             firstOfLast += blocks;
         }
@@ -199,7 +216,7 @@ SAMEPATH_TILING_FN uint32_t ProgramMap(const int64_t* cuSeqlens, uint32_t numSeq
         while (seq < numSeqs && static_cast<int64_t>(pid) >= blocksBefore + blocksOfSeq) {
             blocksBefore += blocksOfSeq;
             ++seq;
-            blocksOfSeq = seq < numSeqs ? (cuSeqlens[seq + 1u] - cuSeqlens[seq] + blockM - 1) / blockM : 0;
+            blocksOfSeq = seq < numSeqs ? (cuSeqlens[seq + 1u] - cuSeqlens[seq] + blockQ - 1) / blockQ : 0;
         }
         programSeq[pid] = static_cast<int32_t>(seq);
         const int64_t first = seq < numSeqs ? blocksBefore : firstOfLast;
@@ -208,18 +225,57 @@ SAMEPATH_TILING_FN uint32_t ProgramMap(const int64_t* cuSeqlens, uint32_t numSeq
     return static_cast<uint32_t>(total);
 }
 
-// The Triton kernel's persistent loop: work item `item` (of numWork = real blocks * numHeads) is
-// program item / numHeads, head item % numHeads; core `core` runs items core, core + numCores, ... in
-// ascending order, each to the end of its KV loop before the next, so a tile's KV loop is serial on
-// one core.
-SAMEPATH_TILING_FN uint32_t ItemProgram(uint32_t item, uint32_t numHeads)
+// GQA packing (the Triton launcher's `_packing`): headChunk query heads of one KV group per query,
+// blockQ queries per tile, numChunks tiles per KV group.
+SAMEPATH_TILING_FN uint32_t HeadChunk(uint32_t group, uint32_t blockM)
 {
-    return item / numHeads;
+    return group < blockM ? group : blockM;
 }
 
-SAMEPATH_TILING_FN uint32_t ItemHead(uint32_t item, uint32_t numHeads)
+// The Triton kernel's persistent loop: work item `item` (of numWork = real blocks * itemsPerBlock) is
+// block (program) item / itemsPerBlock, KV head (item % itemsPerBlock) / numChunks, head chunk
+// (item % itemsPerBlock) % numChunks; core `core` runs items core, core + numCores, ... in ascending
+// order, each to the end of its KV loop before the next, so an item's KV loop is serial on one core.
+struct WorkItem {
+    uint32_t program;
+    uint32_t kvHead;
+    uint32_t chunk;
+};
+
+SAMEPATH_TILING_FN WorkItem DecodeItem(uint32_t item, uint32_t itemsPerBlock, uint32_t numChunks)
 {
-    return item % numHeads;
+    const uint32_t rest = item % itemsPerBlock;
+    WorkItem w;
+    w.program = item / itemsPerBlock;
+    w.kvHead = rest / numChunks;
+    w.chunk = rest % numChunks;
+    return w;
+}
+
+// Row r of a query tile: query r / headChunk of the block, head chunk * headChunk + r % headChunk of
+// the KV group; it is stored only when it exists (RowValid).
+SAMEPATH_TILING_FN uint32_t RowQuery(uint32_t row, uint32_t headChunk)
+{
+    return row / headChunk;
+}
+
+SAMEPATH_TILING_FN uint32_t RowHeadInGroup(uint32_t row, uint32_t chunk, uint32_t headChunk)
+{
+    return chunk * headChunk + row % headChunk;
+}
+
+// Queries of block `block` that exist (the rest of its blockQ are past the sequence's end).
+SAMEPATH_TILING_FN uint32_t BlockQueries(int64_t qLen, int64_t block, uint32_t blockQ)
+{
+    const int64_t left = qLen - block * static_cast<int64_t>(blockQ);
+    return left <= 0 ? 0u : (left < blockQ ? static_cast<uint32_t>(left) : blockQ);
+}
+
+// Heads of chunk `chunk` that exist in a KV group of `group` heads.
+SAMEPATH_TILING_FN uint32_t ChunkHeads(uint32_t group, uint32_t chunk, uint32_t headChunk)
+{
+    const uint32_t first = chunk * headChunk;
+    return first >= group ? 0u : (group - first < headChunk ? group - first : headChunk);
 }
 
 SAMEPATH_TILING_FN uint32_t ItemsOfCore(uint32_t numWork, uint32_t numCores, uint32_t core)
@@ -242,25 +298,25 @@ SAMEPATH_TILING_FN uint32_t LaunchBlockDim(uint32_t numItems, uint32_t cubeCoreN
     return pairs == 0u ? 1u : pairs;
 }
 
-// The KV tiles one program visits: tile starts firstTileStart, +tileN, ... below kvEnd (the Triton
-// kernel's `range(first_tile_start, kv_end, TILE_N)`).
+// The KV range one block of blockQ queries can see: tiles start at firstTileStart (a multiple of
+// tileN) and end below kvEnd; they are grouped into segments (FirstSegment / SegmentTiles).
 struct KvTileRange {
     int64_t firstTileStart;
     int64_t kvEnd;
 };
 
-SAMEPATH_TILING_FN KvTileRange KvTiles(int64_t context, int64_t qLen, int64_t kvLen, int64_t block, uint32_t blockM,
+SAMEPATH_TILING_FN KvTileRange KvTiles(int64_t context, int64_t qLen, int64_t kvLen, int64_t block, uint32_t blockQ,
                                        uint32_t tileN, uint32_t causal, uint32_t hasWindow, int64_t slidingWindow)
 {
     int64_t kvEnd = kvLen;
     if (causal != 0u) {
-        const int64_t blockEnd = (block + 1) * static_cast<int64_t>(blockM);
+        const int64_t blockEnd = (block + 1) * static_cast<int64_t>(blockQ);
         const int64_t rows = qLen < blockEnd ? qLen : blockEnd;
         kvEnd = kvLen < context + rows ? kvLen : context + rows;
     }
     int64_t kvBegin = 0;
     if (hasWindow != 0u) {
-        const int64_t begin = context + block * static_cast<int64_t>(blockM) - slidingWindow + 1;
+        const int64_t begin = context + block * static_cast<int64_t>(blockQ) - slidingWindow + 1;
         kvBegin = begin > 0 ? begin : 0;
     }
     KvTileRange range;
@@ -275,6 +331,22 @@ SAMEPATH_TILING_FN uint32_t NumKvTiles(KvTileRange range, uint32_t tileN)
         return 0u;
     }
     return static_cast<uint32_t>((range.kvEnd - range.firstTileStart + tileN - 1) / tileN);
+}
+
+// Segments of one work item: starts FirstSegment(range, seg), + seg, ... below range.kvEnd; segment
+// `segStart` folds the tiles starting at tileBegin, + tileN, ... below tileEnd (the Triton kernel's
+// `for seg_start in range(first_tile_start // SEG * SEG, kv_end, SEG)`).
+SAMEPATH_TILING_FN int64_t FirstSegment(KvTileRange range, uint32_t seg)
+{
+    return range.firstTileStart / seg * seg;
+}
+
+SAMEPATH_TILING_FN KvTileRange SegmentTiles(KvTileRange range, int64_t segStart, uint32_t seg)
+{
+    KvTileRange tiles;
+    tiles.firstTileStart = segStart > range.firstTileStart ? segStart : range.firstTileStart;
+    tiles.kvEnd = segStart + seg < range.kvEnd ? segStart + seg : range.kvEnd;
+    return tiles;
 }
 
 // Bit j set: key position tileStart + j is invisible to the query at position posQ (past kvLen,
@@ -312,7 +384,7 @@ SAMEPATH_TILING_FN uint32_t UbBytesNeeded(uint32_t headSize, uint32_t blockM, ui
                            + 2u * AlignUp(tileN * d * elem, kUbAlign)  // K/V, double buffered
                            + AlignUp(blockM * tileN * 4ull, kUbAlign)  // S / fp32 P
                            + AlignUp(blockM * tileN * elem, kUbAlign)  // P in the input dtype
-                           + 2u * AlignUp(blockM * d * 4ull, kUbAlign) // P @ V, accumulator
+                           + 3u * AlignUp(blockM * d * 4ull, kUbAlign) // P @ V, accumulators
                            + AlignUp(blockM * d * elem, kUbAlign)      // output
                            + kRowVectors * rowBytes + kBrcbVectors * blockM * 32ull + kLog2TmpBytes;
     return total > 0xffffffffull ? 0xffffffffu : static_cast<uint32_t>(total);
@@ -333,6 +405,9 @@ SAMEPATH_TILING_FN int32_t ComputeTiling(const FlashAttentionParams& params, Fla
     if (params.tileN < 16u || !IsPowerOfTwo(params.tileN) || params.tileN > kMaxTileN) {
         return kBadTileN;
     }
+    if (params.seg < params.tileN || params.seg % params.tileN != 0u) {
+        return kBadSeg;
+    }
     if (params.dtype != kFloat32 && params.dtype != kBFloat16 && params.dtype != kFloat16) {
         return kBadDtype;
     }
@@ -346,7 +421,7 @@ SAMEPATH_TILING_FN int32_t ComputeTiling(const FlashAttentionParams& params, Fla
         return kBadNumCores;
     }
     const uint32_t ubNeeded = UbBytesNeeded(params.headSize, params.blockM, params.tileN, params.dtype);
-    if (ubNeeded > kUbBytes) {
+    if (ubNeeded > params.ubCapacity) {
         return kUbOverflow;
     }
 
@@ -385,6 +460,11 @@ SAMEPATH_TILING_FN int32_t ComputeTiling(const FlashAttentionParams& params, Fla
     t.blockD = d;
     t.blockM = params.blockM;
     t.tileN = params.tileN;
+    t.seg = params.seg;
+    t.headChunk = HeadChunk(t.group, params.blockM);
+    t.blockQ = params.blockM / t.headChunk;
+    t.numChunks = (t.group + t.headChunk - 1u) / t.headChunk;
+    t.itemsPerBlock = params.numKvHeads * t.numChunks;
     t.pageSize = params.pageSize;
     t.paged = params.pageSize > 0u ? 1u : 0u;
     t.causal = params.causal != 0u ? 1u : 0u;
@@ -393,8 +473,8 @@ SAMEPATH_TILING_FN int32_t ComputeTiling(const FlashAttentionParams& params, Fla
     t.dtype = params.dtype;
     t.elemBytes = elem;
     t.numSeqs = params.numSeqs;
-    t.numPrograms = NumPrograms(params.numTokens, params.numSeqs, params.blockM);
-    t.numItems = t.numPrograms * params.numHeads;
+    t.numPrograms = NumPrograms(params.numTokens, params.numSeqs, t.blockQ);
+    t.numItems = t.numPrograms * t.itemsPerBlock;
     t.numCores = params.numCores;
     t.maxItemsPerCore = ItemsOfCore(t.numItems, params.numCores, 0u);
     t.slidingWindow = params.slidingWindow;
@@ -404,7 +484,8 @@ SAMEPATH_TILING_FN int32_t ComputeTiling(const FlashAttentionParams& params, Fla
     const uint64_t ubSize[kUbBufferCount] = {
         AlignUp(m * d * elem, kUbAlign),  AlignUp(n * d * elem, kUbAlign), AlignUp(n * d * elem, kUbAlign),
         AlignUp(m * n * 4u, kUbAlign),    AlignUp(m * n * elem, kUbAlign), AlignUp(m * d * 4u, kUbAlign),
-        AlignUp(m * d * 4u, kUbAlign),    AlignUp(m * d * elem, kUbAlign), kRowVectors * rowBytes,
+        AlignUp(m * d * 4u, kUbAlign),    AlignUp(m * d * 4u, kUbAlign),   AlignUp(m * d * elem, kUbAlign),
+        kRowVectors * rowBytes,
         kBrcbVectors * m * 32u,           kLog2TmpBytes};
     uint32_t ub = 0u;
     for (uint32_t i = 0u; i < kUbBufferCount; ++i) {
@@ -413,6 +494,7 @@ SAMEPATH_TILING_FN int32_t ComputeTiling(const FlashAttentionParams& params, Fla
         ub += t.ubSize[i];
     }
     t.ubBytes = ub;
+    t.ubCapacity = params.ubCapacity;
     t.rowBytes = rowBytes;
     t.copyBytes = params.headSize * elem;
     t.ubRowGap = static_cast<uint32_t>((d * elem - AlignUp(params.headSize * elem, kUbAlign)) / kUbAlign);

@@ -1,0 +1,293 @@
+"""The Ascend C FlashAttention forward replayed in numpy, step by step as ``csrc/flash_attention_fwd.cpp`` computes.
+
+Without an NPU the kernel cannot run, but its schedule can: this module walks the same work items, in
+the same order, through the same tiling (:mod:`.tiling`, checked value for value against the C++
+header), and applies the kernel's vector and cube steps one by one — Q tile packing and zero padding,
+``S = Q @ K^T`` in fp32, ``* qk_scale``, the ``-inf`` select from the kernel's column masks, the row
+max, ``m_shift = max(m_new, -FLT_MAX)``, ``alpha`` and ``P`` by exp2, ``l = l * alpha + rowsum(P)``,
+P cast to the input dtype, ``acc = acc * alpha + P @ V``, the segment merge with its per-row
+keep-as-was for rows that saw nothing, ``acc / l`` and the one cast, the base-2 lse.
+
+What an instruction computes is a :class:`Primitives` parameter. With :data:`TRITON_INTERPRETER` (the
+operations Triton's interpreter uses: ``np.exp2``, ``np.log2``, ``np.matmul(..., dtype=float32) + acc``
+and numpy's row reductions) the replay must equal the Triton kernel bit for bit, so a difference in
+schedule (tiles, segments, packing, masks, merges, casts) is caught here. The device's own
+instructions (``Exp(x * ln2)``, the cube's fp32 accumulation order, ``WholeReduceSum``) are the Ascend C
+backend's numerics, proven only on an NPU (``bench/npu_check.sh``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from samepath.ascendc_fallback import tiling
+
+LOG2E = 1.4426950408889634
+_FLT_MAX = np.float32(np.finfo(np.float32).max)
+_NEG_INF = np.float32(-np.inf)
+
+
+@dataclass(frozen=True)
+class Primitives:
+    """What one kernel instruction computes, on fp32 numpy arrays.
+
+    ``dot(a, b, acc)`` is ``acc + a @ b`` with an fp32 result (``a``/``b`` in the operand dtype: fp32
+    or fp16, bf16 widened to fp32); ``exp2`` / ``log2`` elementwise; ``row_max`` / ``row_sum`` reduce
+    axis 1 of a ``[block_m, tile_n]`` tile.
+    """
+
+    name: str
+    dot: Callable[[np.ndarray, np.ndarray, np.ndarray], np.ndarray]
+    exp2: Callable[[np.ndarray], np.ndarray]
+    log2: Callable[[np.ndarray], np.ndarray]
+    row_max: Callable[[np.ndarray], np.ndarray]
+    row_sum: Callable[[np.ndarray], np.ndarray]
+
+
+#: The operations of Triton's interpreter (``create_dot``, ``create_exp2``, ``create_log2``, ``tl.max``,
+#: ``tl.sum``), as samepath's interpreter launches run them.
+TRITON_INTERPRETER = Primitives(
+    name="triton-interpreter",
+    dot=lambda a, b, acc: np.matmul(a, b, dtype=np.float32) + acc,
+    exp2=np.exp2,
+    log2=np.log2,
+    row_max=lambda x: np.max(x, axis=1),
+    row_sum=lambda x: np.sum(x, axis=1),
+)
+
+#: The Ascend C kernel's forms of the same steps (``Muls(x, ln2)`` then ``Exp``; the cube's result added
+#: to the accumulator by a vector ``Add``). On the CPU these only approximate the device's instructions.
+ASCENDC_FORMS = Primitives(
+    name="ascendc-forms",
+    dot=lambda a, b, acc: acc + np.matmul(a, b, dtype=np.float32),
+    exp2=lambda x: np.exp(x * np.float32(0.693147180559945309)),
+    log2=np.log2,
+    row_max=lambda x: np.max(x, axis=1),
+    row_sum=lambda x: np.sum(x, axis=1),
+)
+
+_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+
+
+def _operand(values: torch.Tensor) -> np.ndarray:
+    """A tensor as the cube reads it: fp16 stays fp16, bf16 is widened exactly to fp32."""
+    if values.dtype == torch.float16:
+        return values.numpy()
+    return values.float().numpy()
+
+
+def _cast(values: np.ndarray, dtype: torch.dtype) -> np.ndarray:
+    """fp32 -> the input dtype with round-to-nearest-even (``Cast(..., CAST_RINT)``), as an operand."""
+    if dtype == torch.float32:
+        return values
+    if dtype == torch.float16:
+        return values.astype(np.float16)
+    return torch.from_numpy(np.ascontiguousarray(values)).to(torch.bfloat16).float().numpy()
+
+
+class _Kernel:
+    """One launch: the inputs, the tiling, and the kernel's steps as methods."""
+
+    def __init__(
+        self,
+        t: tiling.FlashAttentionTiling,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        query_start_loc: list[int],
+        kv_start_loc: list[int],
+        seq_lens: list[int],
+        block_table: list[list[int]] | None,
+        primitives: Primitives,
+        rescale_accumulator: bool,
+    ) -> None:
+        self.t = t
+        self.dtype = query.dtype
+        self.q = _operand(query)
+        self.k = _operand(key)
+        self.v = _operand(value)
+        self.qsl, self.kvsl, self.lens, self.table = query_start_loc, kv_start_loc, seq_lens, block_table
+        self.ops = primitives
+        self.rescale = rescale_accumulator
+        self.qk_scale = np.float32(t.qk_scale)
+        self.out = np.zeros(query.shape, dtype=np.float32)
+        self.lse = np.full(query.shape[:2], np.nan, dtype=np.float32)
+
+    def stage_kv(self, cache: np.ndarray, seq: int, kv_len: int, tile_start: int, kv_head: int) -> np.ndarray:
+        """``StageKv``: a ``[tile_n, block_d]`` tile, rows past ``kv_len`` and columns past head_size 0."""
+        t = self.t
+        tile = np.zeros((t.tile_n, t.block_d), dtype=cache.dtype)
+        for j in range(t.tile_n):
+            pos = tile_start + j
+            if pos >= kv_len:
+                break
+            if self.table is not None:
+                row = cache[self.table[seq][pos // t.page_size], pos % t.page_size]
+            else:
+                row = cache[self.kvsl[seq] + pos]
+            tile[j, : t.head_size] = row[kv_head]
+        return tile
+
+    def process_item(self, item: int) -> None:
+        t = self.t
+        program, kv_head, chunk = tiling.decode_item(item, t.items_per_block, t.num_chunks)
+        seq, block = self.program_seq[program], self.program_block[program]
+        q_start = self.qsl[seq]
+        q_len = self.qsl[seq + 1] - q_start
+        kv_len = self.lens[seq]
+        context = kv_len - q_len
+        first_query = block * t.block_q
+        queries = tiling.block_queries(q_len, block, t.block_q)
+        heads = tiling.chunk_heads(t.group, chunk, t.head_chunk)
+        first_head = kv_head * t.group + chunk * t.head_chunk
+
+        q_tile = np.zeros((t.block_m, t.block_d), dtype=self.q.dtype)
+        for q in range(queries):
+            rows = slice(q * t.head_chunk, q * t.head_chunk + heads)
+            q_tile[rows, : t.head_size] = self.q[q_start + first_query + q, first_head : first_head + heads]
+        pos_q = [context + first_query + r // t.head_chunk for r in range(t.block_m)]
+
+        m_run = np.full(t.block_m, _NEG_INF, dtype=np.float32)
+        l_run = np.zeros(t.block_m, dtype=np.float32)
+        acc_run = np.zeros((t.block_m, t.block_d), dtype=np.float32)
+        first, kv_end = tiling.kv_tiles(
+            context, q_len, kv_len, block, t.block_q, t.tile_n, bool(t.causal), t.sliding_window
+        )
+        for tile_begin, tile_end in tiling.segments(first, kv_end, t.seg):
+            m_i = np.full(t.block_m, _NEG_INF, dtype=np.float32)
+            l_i = np.zeros(t.block_m, dtype=np.float32)
+            acc = np.zeros((t.block_m, t.block_d), dtype=np.float32)
+            for tile_start in range(tile_begin, tile_end, t.tile_n):
+                m_i, l_i, acc = self.process_tile(q_tile, pos_q, seq, kv_len, tile_start, kv_head, m_i, l_i, acc)
+            m_run, l_run, acc_run = self.merge_segment(m_run, l_run, acc_run, m_i, l_i, acc)
+        self.finish(m_run, l_run, acc_run, q_start + first_query, queries, heads, first_head)
+
+    def process_tile(self, q_tile, pos_q, seq, kv_len, tile_start, kv_head, m_i, l_i, acc):
+        t, ops = self.t, self.ops
+        k_tile = self.stage_kv(self.k, seq, kv_len, tile_start, kv_head)
+        scores = ops.dot(q_tile, np.ascontiguousarray(k_tile.T), np.zeros((t.block_m, t.tile_n), np.float32))
+        v_tile = self.stage_kv(self.v, seq, kv_len, tile_start, kv_head)
+        scores = scores * self.qk_scale
+        for r in range(t.block_m):
+            bits = tiling.masked_columns(pos_q[r], tile_start, t.tile_n, kv_len, bool(t.causal), t.sliding_window)
+            for j in range(t.tile_n):
+                if bits >> j & 1:
+                    scores[r, j] = _NEG_INF
+        m_new = np.maximum(m_i, ops.row_max(scores))
+        m_shift = np.maximum(m_new, -_FLT_MAX)
+        alpha = ops.exp2(m_i - m_shift)
+        p = ops.exp2(scores - m_shift[:, None])
+        l_i = l_i * alpha + ops.row_sum(p)
+        p_cast = _cast(p, self.dtype)
+        if self.rescale:
+            acc = acc * alpha[:, None]
+        acc = ops.dot(p_cast, v_tile, acc)
+        return m_new, l_i, acc
+
+    def merge_segment(self, m_run, l_run, acc_run, m_seg, l_seg, acc_seg):
+        ops = self.ops
+        with np.errstate(invalid="ignore"):
+            m_merged = np.maximum(m_run, m_seg)
+            alpha = ops.exp2(m_run - m_merged)
+            beta = ops.exp2(m_seg - m_merged)
+            l_merged = l_run * alpha + l_seg * beta
+            acc_merged = acc_run * alpha[:, None] + acc_seg * beta[:, None]
+        empty = m_seg == _NEG_INF
+        return (
+            np.where(empty, m_run, m_merged),
+            np.where(empty, l_run, l_merged),
+            np.where(empty[:, None], acc_run, acc_merged),
+        )
+
+    def finish(self, m_run, l_run, acc_run, first_token, queries, heads, first_head) -> None:
+        t = self.t
+        l_safe = np.where(l_run == 0.0, np.float32(1.0), l_run)
+        out = acc_run / l_safe[:, None]
+        with np.errstate(divide="ignore"):
+            lse = np.where(l_run == 0.0, np.float32(np.inf), m_run + self.ops.log2(l_safe))
+        for q in range(queries):
+            rows = slice(q * t.head_chunk, q * t.head_chunk + heads)
+            self.out[first_token + q, first_head : first_head + heads] = out[rows, : t.head_size]
+            self.lse[first_token + q, first_head : first_head + heads] = lse[rows]
+
+    def run(self) -> None:
+        t = self.t
+        self.program_seq, self.program_block, num_blocks = tiling.program_map(self.qsl, t.block_q, t.num_tokens)
+        num_work = num_blocks * t.items_per_block
+        for core in range(t.num_cores):
+            for item in tiling.core_items(num_work, t.num_cores, core):
+                self.process_item(item)
+
+
+def simulate_forward(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    kv_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_table: torch.Tensor | None,
+    scale: float,
+    causal: bool = True,
+    sliding_window: int | None = None,
+    *,
+    block_m: int,
+    tile_n: int,
+    seg: int,
+    num_cores: int = 3,
+    primitives: Primitives = TRITON_INTERPRETER,
+    rescale_accumulator: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Replay the Ascend C forward on CPU tensors (the arguments of ``loader.flash_attention_fwd``).
+
+    Returns ``(out, lse)``: ``out`` in the query's dtype, ``lse`` the base-2 log-sum-exp
+    ``[num_tokens, num_heads]`` fp32. ``num_cores`` only distributes the work items (it cannot change a
+    bit); ``rescale_accumulator=False`` drops ``acc * alpha`` and exists for negative controls.
+
+    Raises:
+        ValueError: an argument the kernel's tiling refuses (named).
+    """
+    if query.dtype not in _DTYPES:
+        raise ValueError(f"query.dtype must be one of {list(_DTYPES)}, got {query.dtype}")
+    if query.dim() != 3:
+        raise ValueError(f"query must be [num_tokens, num_heads, head_size], got shape {tuple(query.shape)}")
+    paged = block_table is not None
+    num_tokens, num_heads, head_size = query.shape
+    qsl = [int(x) for x in query_start_loc.tolist()]
+    params = tiling.FlashAttentionParams(
+        num_tokens=num_tokens,
+        num_heads=num_heads,
+        num_kv_heads=key.shape[-2],
+        head_size=head_size,
+        num_seqs=len(qsl) - 1,
+        block_m=block_m,
+        tile_n=tile_n,
+        page_size=key.shape[1] if paged else 0,
+        dtype=_DTYPES[query.dtype],
+        causal=causal,
+        store_lse=True,
+        sliding_window=sliding_window or 0,
+        num_cores=num_cores,
+        qk_scale=scale * LOG2E,
+        seg=seg,
+    )
+    t = tiling.compute_tiling(params)
+    kernel = _Kernel(
+        t,
+        query,
+        key,
+        value,
+        qsl,
+        [int(x) for x in kv_start_loc.tolist()],
+        [int(x) for x in seq_lens.tolist()],
+        block_table.tolist() if paged else None,
+        primitives,
+        rescale_accumulator,
+    )
+    kernel.run()
+    out = torch.from_numpy(kernel.out).to(query.dtype)
+    return out, torch.from_numpy(kernel.lse)
