@@ -9,11 +9,15 @@ the v1 KV loop bounds and the visible set.
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import os
 import random
+import re
 import shutil
 import struct
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -21,7 +25,7 @@ import torch
 
 import samepath
 from samepath.ascendc_fallback import loader, tiling
-from samepath.kernels.attention import _program_map
+from samepath.kernels.attention import _packing, _program_map
 from samepath.kernels.config import ATTENTION_TABLE
 
 CSRC = Path(tiling.__file__).resolve().parent / "csrc"
@@ -55,9 +59,9 @@ int main() {
     p.strideKHead = in[4]; p.strideVPage = in[5]; p.strideVPos = in[6]; p.strideVHead = in[7];
     p.strideOTok = in[8]; p.strideOHead = in[9]; p.strideLseTok = in[10]; p.strideTableSeq = in[11];
     unsigned scaleBits;
-    std::scanf("%u %u %u %u %u %u %u %u %u %u %u %d %u %u", &p.numTokens, &p.numHeads, &p.numKvHeads, &p.headSize,
-               &p.numSeqs, &p.blockM, &p.tileN, &p.pageSize, &p.dtype, &p.causal, &p.storeLse, &p.slidingWindow,
-               &p.numCores, &scaleBits);
+    std::scanf("%u %u %u %u %u %u %u %u %u %u %u %u %d %u %u %u", &p.numTokens, &p.numHeads, &p.numKvHeads,
+               &p.headSize, &p.numSeqs, &p.blockM, &p.tileN, &p.seg, &p.pageSize, &p.dtype, &p.causal, &p.storeLse,
+               &p.slidingWindow, &p.numCores, &p.ubCapacity, &scaleBits);
     std::memcpy(&p.qkScale, &scaleBits, 4);
     std::vector<int64_t> cu(p.numSeqs + 1), lens(p.numSeqs);
     for (auto* values : {&cu, &lens}) {
@@ -83,31 +87,42 @@ int main() {
 #define U(name, field) std::printf("field " name " %lld\n", (long long)t.field)
     U("ws_bytes_per_core", wsBytesPerCore); U("num_tokens", numTokens); U("num_heads", numHeads);
     U("num_kv_heads", numKvHeads); U("group", group); U("head_size", headSize); U("block_d", blockD);
-    U("block_m", blockM); U("tile_n", tileN); U("page_size", pageSize); U("paged", paged); U("causal", causal);
+    U("block_m", blockM); U("tile_n", tileN); U("seg", seg); U("head_chunk", headChunk); U("block_q", blockQ);
+    U("num_chunks", numChunks); U("items_per_block", itemsPerBlock); U("page_size", pageSize); U("paged", paged);
+    U("causal", causal);
     U("has_window", hasWindow); U("store_lse", storeLse); U("dtype", dtype); U("elem_bytes", elemBytes);
     U("num_seqs", numSeqs); U("num_programs", numPrograms); U("num_items", numItems); U("num_cores", numCores);
     U("max_items_per_core", maxItemsPerCore); U("sliding_window", slidingWindow); U("ub_bytes", ubBytes);
-    U("row_bytes", rowBytes); U("copy_bytes", copyBytes); U("ub_row_gap", ubRowGap);
+    U("ub_capacity", ubCapacity); U("row_bytes", rowBytes); U("copy_bytes", copyBytes); U("ub_row_gap", ubRowGap);
     std::printf("field qk_scale_bits %u\n", FloatBits(t.qkScale));
     for (unsigned i = 0; i < kUbBufferCount; ++i) {
         std::printf("field ub_offset[%u] %u\nfield ub_size[%u] %u\n", i, t.ubOffset[i], i, t.ubSize[i]);
     }
     std::printf("field ub_bytes_needed %u\n", UbBytesNeeded(p.headSize, p.blockM, p.tileN, p.dtype));
     std::vector<int> seq(t.numPrograms), block(t.numPrograms);
-    unsigned numBlocks = ProgramMap(cu.data(), t.numSeqs, t.blockM, t.numTokens, seq.data(), block.data());
+    unsigned numBlocks = ProgramMap(cu.data(), t.numSeqs, t.blockQ, t.numTokens, seq.data(), block.data());
     std::printf("field num_blocks %u\n", numBlocks);
     for (unsigned pid = 0; pid < t.numPrograms; ++pid) std::printf("program %d %d\n", seq[pid], block[pid]);
     for (unsigned core = 0; core < t.numCores; ++core) {
-        for (unsigned k = 0; k < ItemsOfCore(numBlocks * t.numHeads, t.numCores, core); ++k) {
+        for (unsigned k = 0; k < ItemsOfCore(numBlocks * t.itemsPerBlock, t.numCores, core); ++k) {
             unsigned item = ItemOfCore(t.numCores, core, k);
-            unsigned program = ItemProgram(item, t.numHeads), head = ItemHead(item, t.numHeads);
-            int s = seq[program];
+            WorkItem w = DecodeItem(item, t.itemsPerBlock, t.numChunks);
+            int s = seq[w.program];
             int64_t qLen = cu[s + 1] - cu[s];
-            KvTileRange r = KvTiles(lens[s] - qLen, qLen, lens[s], block[program], t.blockM, t.tileN, t.causal,
+            KvTileRange r = KvTiles(lens[s] - qLen, qLen, lens[s], block[w.program], t.blockQ, t.tileN, t.causal,
                                     t.hasWindow, t.slidingWindow);
-            std::printf("item %u %u %u %u %u %d %d %lld %lld %u\n", item, core, k, program, head, s, block[program],
-                        (long long)r.firstTileStart, (long long)r.kvEnd, NumKvTiles(r, t.tileN));
+            std::printf("item %u %u %u %u %u %u %d %d %lld %lld %u %u %u", item, core, k, w.program, w.kvHead, w.chunk,
+                        s, block[w.program], (long long)r.firstTileStart, (long long)r.kvEnd, NumKvTiles(r, t.tileN),
+                        BlockQueries(qLen, block[w.program], t.blockQ), ChunkHeads(t.group, w.chunk, t.headChunk));
+            for (int64_t start = FirstSegment(r, t.seg); start < r.kvEnd; start += t.seg) {
+                KvTileRange g = SegmentTiles(r, start, t.seg);
+                std::printf(" %lld %lld", (long long)g.firstTileStart, (long long)g.kvEnd);
+            }
+            std::printf("\n");
         }
+    }
+    for (unsigned r = 0; r < t.blockM; ++r) {
+        std::printf("row %u %u %u\n", r, RowQuery(r, t.headChunk), RowHeadInGroup(r, t.numChunks - 1, t.headChunk));
     }
     return 0;
 }
@@ -154,6 +169,12 @@ def _case(name: str) -> tuple[tiling.FlashAttentionParams, list[int], list[int]]
     elif name == "paged128_h80_fp32_mqa_window":
         q_lens, kv_lens = [33, 1, 5], [33, 260, 140]
         heads, kv_heads, head, dtype, page, window, cores, tile_n = 8, 1, 80, "float32", 128, 37, 7, 64
+    elif name == "paged16_h80_bf16_group3":
+        q_lens, kv_lens = [1, 9, 17], [90, 9, 600]
+        heads, kv_heads, head, dtype, page, window, cores, tile_n = 6, 2, 80, "bfloat16", 16, 0, 5, 64
+    elif name == "mqa_group20_h64_fp16":
+        q_lens, kv_lens = [3, 30], [300, 30]
+        heads, kv_heads, head, dtype, page, window, cores, tile_n = 20, 1, 64, "float16", 0, 0, 9, 32
     elif name == "long32k_h256_bf16":
         q_lens, kv_lens = [32768], [32768]
         heads, kv_heads, head, dtype, page, window, cores, tile_n = 4, 1, 256, "bfloat16", 0, 0, 40, 32
@@ -191,6 +212,8 @@ def _case(name: str) -> tuple[tiling.FlashAttentionParams, list[int], list[int]]
         num_cores=cores,
         qk_scale=head**-0.5 * 1.4426950408889634,
         strides=strides,
+        seg=ATTENTION_TABLE["npu", dtype, tiling.padded_head_size(head)].seg,
+        ub_capacity=tiling.UB_BYTES if cores % 2 else 248 * 1024,
     )
     return params, _cumsum(q_lens), kv_lens
 
@@ -199,6 +222,8 @@ CASES = [
     "varlen_h128_bf16_gqa",
     "paged16_h64_fp16_mixed",
     "paged128_h80_fp32_mqa_window",
+    "paged16_h80_bf16_group3",
+    "mqa_group20_h64_fp16",
     "long32k_h256_bf16",
     "many_seqs_h128_fp32",
 ]
@@ -215,12 +240,14 @@ def _driver_input(params: tiling.FlashAttentionParams, cu: list[int], lens: list
         params.num_seqs,
         params.block_m,
         params.tile_n,
+        params.seg,
         params.page_size,
         tiling.DTYPE_CODES[params.dtype],
         int(params.causal),
         int(params.store_lse),
         params.sliding_window,
         params.num_cores,
+        params.ub_capacity,
         scale_bits,
         *cu,
         *lens,
@@ -239,7 +266,7 @@ def _cpp_tiling(exe: Path, params, cu, lens) -> tuple[int, dict[str, int], list[
         elif kind == "program":
             programs.append((int(rest[0]), int(rest[1])))
         else:
-            items.append(tuple(int(v) for v in rest))
+            items.append((kind, *(int(v) for v in rest)))
     return status, fields, programs, items
 
 
@@ -248,12 +275,17 @@ def _python_view(params, cu, lens) -> tuple[dict[str, int], list[tuple[int, int]
     fields = {k: v for k, v in t.flat().items() if k != "qk_scale"}
     fields["qk_scale_bits"] = struct.unpack("<I", struct.pack("<f", t.qk_scale))[0]
     fields["ub_bytes_needed"] = tiling.ub_bytes_needed(params.head_size, params.block_m, params.tile_n, params.dtype)
-    seqs, blocks, fields["num_blocks"] = tiling.program_map(cu, params.block_m, params.num_tokens)
-    items = [
-        (w.item, w.core, w.order, w.program, w.head, w.seq, w.block, w.first_tile_start, w.kv_end, w.num_tiles)
-        for core in tiling.schedule(t, cu, lens)
-        for w in core
-    ]
+    seqs, blocks, fields["num_blocks"] = tiling.program_map(cu, t.block_q, params.num_tokens)
+    items: list[tuple] = []
+    for core in tiling.schedule(t, cu, lens):
+        for w in core:
+            q_len = cu[w.seq + 1] - cu[w.seq]
+            queries = tiling.block_queries(q_len, w.block, t.block_q)
+            heads = tiling.chunk_heads(t.group, w.chunk, t.head_chunk)
+            row = (w.item, w.core, w.order, w.program, w.kv_head, w.chunk, w.seq, w.block, w.first_tile_start)
+            items.append(("item", *row, w.kv_end, w.num_tiles, queries, heads, *(x for g in w.segments for x in g)))
+    for r in range(t.block_m):
+        items.append(("row", r, r // t.head_chunk, (t.num_chunks - 1) * t.head_chunk + r % t.head_chunk))
     return fields, list(zip(seqs, blocks, strict=True)), items
 
 
@@ -266,13 +298,17 @@ def test_cpp_and_python_tilings_are_identical(driver: Path, case: str) -> None:
     assert cpp_fields == py_fields
     assert cpp_programs == py_programs
     assert cpp_items == py_items
-    # The host program map is the Triton launcher's ``_program_map`` over blocks of ``block_m``
-    # queries: the numerics-v1 schedule the Ascend C kernel keeps (loader.ASCENDC_SCHEDULE; the
-    # Triton kernel itself now maps blocks of block_m // head_chunk queries with packed heads).
-    seq, block, num_blocks = _program_map(torch.tensor(cu, dtype=torch.int32), params.block_m, params.num_tokens)
+    # The packing and the program map are the Triton launcher's: blocks of block_q queries.
+    pack = _packing(params.num_heads // params.num_kv_heads, params.block_m)
+    assert (py_fields["head_chunk"], py_fields["block_q"], py_fields["num_chunks"]) == (
+        pack.head_chunk,
+        pack.block_q,
+        pack.num_chunks,
+    )
+    seq, block, num_blocks = _program_map(torch.tensor(cu, dtype=torch.int32), pack.block_q, params.num_tokens)
     assert num_blocks.tolist() == [py_fields["num_blocks"]]
     assert list(zip(seq.tolist(), block.tolist(), strict=True)) == py_programs
-    assert py_fields["ub_bytes"] <= tiling.UB_BYTES
+    assert py_fields["ub_bytes"] <= params.ub_capacity
 
 
 def test_tiling_comparison_detects_a_different_schedule(driver: Path) -> None:
@@ -283,22 +319,30 @@ def test_tiling_comparison_detects_a_different_schedule(driver: Path) -> None:
     py_fields, _, py_items = _python_view(halved, cu, lens)
     assert cpp_fields != py_fields
     assert cpp_items != py_items
+    # Another segment length changes only the segments of the items: also told apart.
+    longer = tiling.FlashAttentionParams(**{**params.__dict__, "seg": params.seg * 2})
+    _, _, py_items = _python_view(longer, cu, lens)
+    assert cpp_items != py_items
 
 
 @pytest.mark.parametrize("case", CASES)
-def test_work_items_cover_every_sequence_block_and_head_once(case: str) -> None:
+def test_work_items_cover_every_query_row_once(case: str) -> None:
+    """Every (token, head) is a stored row of exactly one work item (GQA packing loses and repeats none)."""
     params, cu, lens = _case(case)
     t = tiling.compute_tiling(params)
-    scheduled = [(w.seq, w.block, w.head) for core in tiling.schedule(t, cu, lens) for w in core]
-    expected = [
-        (seq, block, head)
-        for seq in range(params.num_seqs)
-        for block in range(-(-(cu[seq + 1] - cu[seq]) // params.block_m))
-        for head in range(params.num_heads)
-    ]
-    assert len(scheduled) == len(set(scheduled))
-    assert sorted(scheduled) == sorted(expected)
-    num_work = tiling.program_map(cu, params.block_m, params.num_tokens)[2] * params.num_heads
+    rows: list[tuple[int, int]] = []
+    for core in tiling.schedule(t, cu, lens):
+        for w in core:
+            queries = tiling.block_queries(cu[w.seq + 1] - cu[w.seq], w.block, t.block_q)
+            heads = tiling.chunk_heads(t.group, w.chunk, t.head_chunk)
+            first_head = w.kv_head * t.group + w.chunk * t.head_chunk
+            assert queries > 0 and heads > 0
+            rows += [
+                (cu[w.seq] + w.block * t.block_q + q, first_head + h) for q in range(queries) for h in range(heads)
+            ]
+    assert len(rows) == len(set(rows))
+    assert sorted(rows) == [(token, head) for token in range(params.num_tokens) for head in range(params.num_heads)]
+    num_work = tiling.program_map(cu, t.block_q, params.num_tokens)[2] * t.items_per_block
     assert num_work <= t.num_items
     all_items = sorted(i for core in range(t.num_cores) for i in tiling.core_items(num_work, t.num_cores, core))
     assert all_items == list(range(num_work))
@@ -316,9 +360,11 @@ def test_each_kv_loop_runs_serially_on_one_core(case: str) -> None:
         for w in items:
             assert w.item not in owner
             owner[w.item] = core
-            starts = list(w.tile_starts)
+            starts = w.tile_starts
             assert len(starts) == w.num_tiles
             assert starts == sorted(starts) and all(s % params.tile_n == 0 for s in starts)
+            for begin, end in w.segments:
+                assert begin // t.seg == (end - 1) // t.seg  # a segment never crosses a seg boundary
 
 
 def test_skipped_kv_tiles_are_fully_masked_for_every_row() -> None:
@@ -368,7 +414,10 @@ def test_masked_columns_cpp_matches_python(driver: Path) -> None:
         ({"tile_n": 48}, 4, "tile_n"),
         ({"num_heads": 6, "num_kv_heads": 4}, 2, "num_heads"),
         ({"num_cores": 0}, 8, "num_cores"),
-        ({"head_size": 256, "dtype": "float32", "tile_n": 64}, 9, "tile_n"),
+        ({"head_size": 256, "dtype": "float32", "tile_n": 64, "ub_capacity": tiling.UB_BYTES}, 9, "tile_n"),
+        ({"ub_capacity": 64 * 1024}, 9, "tile_n"),
+        ({"seg": 96}, 10, "seg"),
+        ({"seg": 32}, 10, "seg"),
     ],
 )
 def test_bad_arguments_are_refused_by_both(driver: Path, change: dict, status: int, argument: str) -> None:
@@ -429,16 +478,19 @@ def _small_inputs():
 
 def test_flash_attention_fwd_checks_arguments_before_loading() -> None:
     q, k, v, cu, kv_cu, lens = _small_inputs()
+    tiles = {"block_m": 16, "tile_n": 64, "seg": 256}
     with pytest.raises(ValueError, match="tile_n"):
-        loader.flash_attention_fwd(q, k, v, cu, kv_cu, lens, None, 0.125, block_m=16, tile_n=128)
+        loader.flash_attention_fwd(q, k, v, cu, kv_cu, lens, None, 0.125, **{**tiles, "tile_n": 128})
+    with pytest.raises(ValueError, match="seg"):
+        loader.flash_attention_fwd(q, k, v, cu, kv_cu, lens, None, 0.125, **{**tiles, "seg": 96})
     with pytest.raises(ValueError, match="value"):
-        loader.flash_attention_fwd(q, k, v[:, :1], cu, kv_cu, lens, None, 0.125, block_m=16, tile_n=64)
+        loader.flash_attention_fwd(q, k, v[:, :1], cu, kv_cu, lens, None, 0.125, **tiles)
     with pytest.raises(ValueError, match="seq_lens"):
-        loader.flash_attention_fwd(q, k, v, cu, kv_cu, lens[:1], None, 0.125, block_m=16, tile_n=64)
+        loader.flash_attention_fwd(q, k, v, cu, kv_cu, lens[:1], None, 0.125, **tiles)
     with pytest.raises(ValueError, match="sliding_window"):
-        loader.flash_attention_fwd(q, k, v, cu, kv_cu, lens, None, 0.125, False, 4, block_m=16, tile_n=64)
+        loader.flash_attention_fwd(q, k, v, cu, kv_cu, lens, None, 0.125, False, 4, **tiles)
     with pytest.raises(RuntimeError, match="NPU tensors only"):
-        loader.flash_attention_fwd(q, k, v, cu, kv_cu, lens, None, 0.125, block_m=16, tile_n=64)
+        loader.flash_attention_fwd(q, k, v, cu, kv_cu, lens, None, 0.125, **tiles)
 
 
 def test_switch_routes_every_attention_caller_and_changes_the_fingerprint(monkeypatch) -> None:
@@ -483,7 +535,7 @@ def test_ascendc_kernel_matches_fp64_and_is_batch_invariant() -> None:
     cfg = ATTENTION_TABLE["npu", "bfloat16", 128]
     npu = torch.device("npu")
     args = (q.to(npu), k.to(npu), v.to(npu), cu.to(npu), cu.to(npu), (cu[1:] - cu[:-1]).to(npu), None, head**-0.5)
-    out, _ = loader.flash_attention_fwd(*args, block_m=cfg.block_m, tile_n=cfg.tile_n)
+    out, _ = loader.flash_attention_fwd(*args, block_m=cfg.block_m, tile_n=cfg.tile_n, seg=cfg.seg)
     out = out.cpu()
     for s, (start, end) in enumerate(zip(cu[:-1].tolist(), cu[1:].tolist(), strict=True)):
         qs, ks, vs = (t[start:end].double().transpose(0, 1) for t in (q, k, v))
@@ -496,6 +548,331 @@ def test_ascendc_kernel_matches_fp64_and_is_batch_invariant() -> None:
         single = (t.to(npu) for t in (q[start:end], k[start:end], v[start:end]))
         one = torch.tensor([0, end - start], dtype=torch.int32, device=npu)
         alone, _ = loader.flash_attention_fwd(
-            *single, one, one, one[1:], None, head**-0.5, block_m=cfg.block_m, tile_n=cfg.tile_n
+            *single, one, one, one[1:], None, head**-0.5, block_m=cfg.block_m, tile_n=cfg.tile_n, seg=cfg.seg
         )
         assert torch.equal(alone.cpu(), out[start:end])
+
+
+# ----------------------------------------------------------------------------------------------
+# The kernel's launch convention, read from the sources
+# ----------------------------------------------------------------------------------------------
+
+
+def _sources() -> tuple[str, str, str]:
+    return tuple(
+        (CSRC / name).read_text() for name in ("flash_attention_fwd.cpp", "flash_attention_host.cpp", "CMakeLists.txt")
+    )
+
+
+def _launch_problems(kernel: str, host: str, cmake: str) -> list[str]:
+    """What breaks the convention of a HAVE_WORKSPACE / HAVE_TILING kernel launched through the generated
+    ``aclrtlaunch_<name>.h`` wrapper (one workspace, second to last; the tiling last)."""
+    problems = []
+    signature = re.search(r'extern "C" __global__ __aicore__ void NAME\((.*?)\)', kernel, re.S)
+    params = [p.split()[-1] for p in signature.group(1).replace("\\", " ").split(",")] if signature else []
+    if [p for p in params if "orkspace" in p.lower()] != ["workspace"] or params[-2:] != ["workspace", "tiling"]:
+        problems.append(f"kernel parameters {params}: want one `workspace` second to last, `tiling` last")
+    if "SetSysWorkspace" in kernel:
+        problems.append("SetSysWorkspace is deprecated (ignored on CANN 9)")
+    if "GetUserWorkspace(workspace)" not in kernel or "REGIST_MATMUL_OBJ(&pipe, GetSysWorkSpacePtr()" not in kernel:
+        problems.append("user workspace not taken with GetUserWorkspace / matmul not on GetSysWorkSpacePtr()")
+    definitions = re.search(r"ascendc_compile_definitions\(\s*samepath_ascendc_kernels\s+PRIVATE([^)]*)\)", cmake)
+    names = {d.removeprefix("-D") for d in definitions.group(1).split()} if definitions else set()
+    if not {"HAVE_WORKSPACE", "HAVE_TILING"} <= names:
+        problems.append(f"ascendc_compile_definitions of the kernel library: {sorted(names)}")
+    if re.search(r"set\(SOC_VERSION \"Ascend", cmake):
+        problems.append("CMake hard-codes a default SoC")
+    args = re.search(r"void\* args\[\] = \{(.*?)\};", host, re.S)
+    host_args = [a.strip() for a in args.group(1).split(",")] if args else []
+    if len(host_args) != len(params) or host_args[-2:] != ["workspace.data_ptr()", "tilingDevice.data_ptr()"]:
+        problems.append(f"host arguments {host_args} do not match the kernel's {params}")
+    kernels = set(re.findall(r"SAMEPATH_FLASH_ATTENTION_KERNEL\((samepath_\w+), \w+\)", kernel))
+    launches = re.findall(r"ACLRT_LAUNCH_KERNEL\((\w+)\)\(\s*blockDim, stream,(.*?)\);", host, re.S)
+    if {name for name, _ in launches} != kernels or len(kernels) != 3:
+        problems.append(f"launched {sorted(name for name, _ in launches)}, defined {sorted(kernels)}")
+    for name, passed in launches:
+        if re.findall(r"args\[(\d+)\]", passed) != [str(i) for i in range(len(host_args))]:
+            problems.append(f"{name} is not launched with args[0 .. {len(host_args) - 1}] in order")
+    if (
+        not re.search(r"sysBytes = .*GetLibApiWorkSpaceSize\(\)", host)
+        or "at::empty({sysBytes + userBytes}" not in host
+    ):
+        problems.append("the workspace is not the platform's system workspace plus the user workspace")
+    ub = re.search(r"GetCoreMemSize\(platform_ascendc::CoreMemType::UB, (\w+)\)", host)
+    if not ub or f"params.ubCapacity = static_cast<uint32_t>({ub.group(1)});" not in host:
+        problems.append("the unified-buffer budget does not come from the platform")
+    return problems
+
+
+def test_kernel_launch_convention_matches_the_generated_wrapper() -> None:
+    assert _launch_problems(*_sources()) == []
+
+
+def test_launch_convention_check_catches_the_previous_layouts() -> None:
+    """Negative control: each defect of the previous sources alone is reported."""
+    kernel, host, cmake = _sources()
+    two_workspaces = kernel.replace(
+        "GM_ADDR workspace, GM_ADDR tiling)", "GM_ADDR sysWs, GM_ADDR userWs, GM_ADDR tiling)"
+    )
+    assert two_workspaces != kernel and _launch_problems(two_workspaces, host, cmake)
+    sys_workspace = kernel.replace(
+        "GetUserWorkspace(workspace);", "GetUserWorkspace(workspace); SetSysWorkspace(workspace);"
+    )
+    assert _launch_problems(sys_workspace, host, cmake)
+    no_definitions = re.sub(r"ascendc_compile_definitions\([^)]*\)", "", cmake)
+    assert no_definitions != cmake and _launch_problems(kernel, host, no_definitions)
+    swapped = host.replace(
+        "workspace.data_ptr(), tilingDevice.data_ptr()", "tilingDevice.data_ptr(), workspace.data_ptr()"
+    )
+    assert swapped != host and _launch_problems(kernel, swapped, cmake)
+    fixed_ub = host.replace("params.ubCapacity = static_cast<uint32_t>(ubCapacity);", "params.ubCapacity = 196608;")
+    assert fixed_ub != host and _launch_problems(kernel, fixed_ub, cmake)
+
+
+# ----------------------------------------------------------------------------------------------
+# Build cache and cross-process lock
+# ----------------------------------------------------------------------------------------------
+
+_KEY = loader.BuildKey(soc="Ascend910B3", cann="8.3.RC1", torch_npu="2.8.0", torch="2.8.0", sources="ab" * 32)
+
+
+def test_build_key_changes_with_each_input(tmp_path) -> None:
+    digests = {_KEY.digest()}
+    for field, other in (("soc", "Ascend910B4"), ("cann", "9.0.0"), ("torch_npu", "2.9.0"), ("torch", "2.9.0")):
+        digests.add(dataclasses.replace(_KEY, **{field: other}).digest())
+    copy = tmp_path / "csrc"
+    shutil.copytree(CSRC, copy)
+    before = loader.source_digest(copy)
+    assert before == loader.source_digest(CSRC)
+    kernel = copy / "flash_attention_fwd.cpp"
+    kernel.write_text(kernel.read_text() + "\n")
+    digests.add(dataclasses.replace(_KEY, sources=loader.source_digest(copy)).digest())
+    assert len(digests) == 6
+    assert loader.library_path(_KEY, tmp_path).parent.name == _KEY.digest()
+
+
+def test_cann_version_is_read_from_the_toolkit(tmp_path) -> None:
+    (tmp_path / "x86_64-linux").mkdir()
+    (tmp_path / "x86_64-linux" / "ascend_toolkit_install.info").write_text(
+        "package_name=Ascend-cann-toolkit\nversion=8.3.RC1\n"
+    )
+    assert loader.cann_version(str(tmp_path)) == "8.3.RC1"
+    (tmp_path / "version.cfg").write_text("# comment\ntoolkit_installed_version=[9.0.0:9.0.0]\n")
+    assert loader.cann_version(str(tmp_path)) == "9.0.0:9.0.0"
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert loader.cann_version(str(empty)) == f"unknown@{empty.resolve()}"
+    with pytest.raises(RuntimeError, match="ASCEND_HOME_PATH"):
+        loader.cann_version(str(tmp_path / "missing"))
+
+
+def test_soc_comes_from_the_override_or_the_device(monkeypatch) -> None:
+    monkeypatch.setenv(loader.SOC_VERSION_ENV, "Ascend910_9382")
+    assert loader.detect_soc() == "Ascend910_9382"
+    monkeypatch.delenv(loader.SOC_VERSION_ENV)
+    monkeypatch.setattr(loader, "missing_requirements", lambda: ["torch_npu is not installed"])
+    with pytest.raises(RuntimeError, match=loader.SOC_VERSION_ENV):
+        loader.detect_soc()
+
+
+def test_missing_library_is_not_built_unless_allowed(tmp_path) -> None:
+    calls = []
+    with pytest.raises(RuntimeError, match=re.escape(loader.BUILD_COMMAND)) as error:
+        loader.ensure_library(_KEY, allow_build=False, root=tmp_path, builder=lambda d, k: calls.append(d))
+    assert "Ascend910B3" in str(error.value) and "8.3.RC1" in str(error.value)
+    assert calls == []
+    path = loader.ensure_library(
+        _KEY, allow_build=True, root=tmp_path, builder=lambda d, k: (d / loader.LIBRARY_NAME).write_text(k.soc)
+    )
+    assert path == loader.library_path(_KEY, tmp_path) and path.read_text() == "Ascend910B3"
+    assert json.loads((path.parent / "build_key.json").read_text())["cann"] == "8.3.RC1"
+    assert loader.ensure_library(_KEY, allow_build=False, root=tmp_path) == path
+
+
+def test_load_in_a_worker_names_the_build_command(monkeypatch, tmp_path) -> None:
+    monkeypatch.setattr(loader, "_loaded_path", None)
+    monkeypatch.setattr(loader, "missing_requirements", lambda: [])
+    monkeypatch.setattr(loader, "current_build_key", lambda soc=None: _KEY)
+    monkeypatch.setenv(loader.BUILD_DIR_ENV, str(tmp_path))
+    monkeypatch.delenv(loader.ALLOW_BUILD_ENV, raising=False)
+    built = []
+    monkeypatch.setattr(loader, "cmake_build", lambda d, k: built.append(k))
+    with pytest.raises(RuntimeError, match=re.escape(loader.BUILD_COMMAND)):
+        loader.load()
+    assert built == []
+    monkeypatch.setenv(loader.ALLOW_BUILD_ENV, "1")
+    with pytest.raises(RuntimeError, match="wrote no"):  # allowed: the (fake) CMake build runs
+        loader.load()
+    assert built == [_KEY]
+
+
+def test_build_command_reports_what_is_missing(monkeypatch, capsys) -> None:
+    from samepath.ascendc_fallback.__main__ import main
+
+    monkeypatch.delenv(loader.SOC_VERSION_ENV, raising=False)
+    monkeypatch.setattr(loader, "missing_requirements", lambda: ["torch_npu is not installed"])
+    assert main(["build"]) == 1
+    assert "torch_npu is not installed" in capsys.readouterr().err
+
+
+def test_schedule_guard_fails_closed() -> None:
+    loader.check_schedule()
+    with pytest.raises(RuntimeError, match="numerics version"):
+        loader.check_schedule(loader.ASCENDC_SCHEDULE_VERSION + 1)
+
+
+_RACER = r"""
+import contextlib, os, sys, time
+from pathlib import Path
+from samepath.ascendc_fallback import loader
+root, index, count, mode = Path(sys.argv[1]), sys.argv[2], int(sys.argv[3]), sys.argv[4]
+if mode == "nolock":
+    loader.file_lock = lambda path: contextlib.nullcontext()
+def builder(directory, key):
+    with open(root / "builds.log", "a") as log:
+        log.write(index + "\n")
+    time.sleep(1.0)
+    (directory / loader.LIBRARY_NAME).write_text(index)
+key = loader.BuildKey(soc="Ascend910B3", cann="8.3.RC1", torch_npu="2.8.0", torch="2.8.0", sources="cd" * 32)
+(root / f"ready{index}").touch()
+while len(list(root.glob("ready*"))) < count:
+    time.sleep(0.01)
+print(loader.ensure_library(key, allow_build=True, root=root / "cache", builder=builder))
+"""
+
+
+def _race(tmp_path: Path, mode: str, count: int = 3) -> tuple[list[str], list[str]]:
+    root = tmp_path / mode
+    root.mkdir()
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", _RACER, str(root), str(i), str(count), mode],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
+        for i in range(count)
+    ]
+    outputs = []
+    for proc in procs:
+        out, err = proc.communicate(timeout=300)
+        assert proc.returncode == 0 or mode == "nolock", err  # unlocked racers may also trip over each other
+        outputs.append(out.strip())
+    return (root / "builds.log").read_text().split(), outputs
+
+
+@pytest.mark.slow
+def test_concurrent_processes_build_once(tmp_path) -> None:
+    builds, paths = _race(tmp_path, "lock")
+    assert len(builds) == 1
+    assert len(set(paths)) == 1 and Path(paths[0]).read_text() == builds[0]
+    # Negative control: without the lock every process builds.
+    builds, _ = _race(tmp_path, "nolock")
+    assert len(builds) > 1
+
+
+# ----------------------------------------------------------------------------------------------
+# The kernel's schedule replayed in numpy, bit for bit against the Triton kernel
+# ----------------------------------------------------------------------------------------------
+
+
+def _attention_inputs(case: dict, seed: int):
+    gen = torch.Generator().manual_seed(seed)
+    dtype, heads, kv_heads, head = case["dtype"], case["heads"], case["kv_heads"], case["head"]
+    q_lens, kv_lens, page = case["q_lens"], case["kv_lens"], case.get("page", 0)
+    cu = torch.tensor(_cumsum(q_lens), dtype=torch.int32)
+    query = torch.randn(sum(q_lens), heads, head, generator=gen).to(dtype)
+    if page:
+        pages = [-(-k // page) for k in kv_lens]
+        total = sum(pages) + 2
+        key = torch.randn(total, page, kv_heads, head, generator=gen).to(dtype)
+        value = torch.randn(total, page, kv_heads, head, generator=gen).to(dtype)
+        order = torch.randperm(total, generator=gen).tolist()
+        table = torch.zeros(len(kv_lens), max(pages), dtype=torch.int32)
+        for s, n in enumerate(pages):
+            table[s, :n] = torch.tensor(order[sum(pages[:s]) : sum(pages[:s]) + n])
+        kv_start = cu
+    else:
+        kv_cu = torch.tensor(_cumsum(kv_lens), dtype=torch.int32)
+        key = torch.randn(int(kv_cu[-1]), kv_heads, head, generator=gen).to(dtype)
+        value = torch.randn(int(kv_cu[-1]), kv_heads, head, generator=gen).to(dtype)
+        table, kv_start = None, kv_cu
+    lens = torch.tensor(kv_lens, dtype=torch.int32)
+    return query, key, value, cu, kv_start, lens, table
+
+
+SIM_CASES = {
+    # Training (varlen, contiguous KV), GQA group 2, sequences crossing several segments.
+    "varlen_bf16_h64_group2": {
+        "dtype": torch.bfloat16, "heads": 4, "kv_heads": 2, "head": 64, "q_lens": [37, 1, 70], "kv_lens": [37, 1, 70],
+    },
+    # Decode and chunked prefill on a shuffled paged cache, group 3 (a padded row per tile), head 80, window.
+    "paged_fp16_h80_group3_window": {
+        "dtype": torch.float16, "heads": 6, "kv_heads": 2, "head": 80, "q_lens": [1, 5, 20], "kv_lens": [50, 40, 20],
+        "page": 16, "window": 24,
+    },
+    # A group wider than block_m (two head chunks), fp32, non-causal.
+    "mqa_fp32_h48_group20_noncausal": {
+        "dtype": torch.float32, "heads": 20, "kv_heads": 1, "head": 48, "q_lens": [9, 3], "kv_lens": [9, 3],
+        "causal": False,
+    },
+    # head 128, MQA group 4, decode rows whose context spans several segments.
+    "paged_bf16_h128_group4_decode": {
+        "dtype": torch.bfloat16, "heads": 4, "kv_heads": 1, "head": 128, "q_lens": [1, 1], "kv_lens": [100, 33],
+        "page": 16,
+    },
+}  # fmt: skip
+SIM_TILES = {"block_m": 16, "tile_n": 16, "seg": 32}
+
+
+def _triton_and_replay(case: dict, seed: int = 0, **replay):
+    from samepath.ascendc_fallback import simulate
+    from samepath.kernels.attention import _launch_forward
+    from samepath.kernels.config import AttentionConfig
+
+    query, key, value, cu, kv_start, lens, table = _attention_inputs(case, seed)
+    scale, causal, window = case["head"] ** -0.5, case.get("causal", True), case.get("window")
+    out = torch.empty_like(query)
+    config = AttentionConfig(block_m=SIM_TILES["block_m"], tile_n=SIM_TILES["tile_n"], seg=SIM_TILES["seg"])
+    lse = _launch_forward(query, key, value, cu, kv_start, lens, table, scale, causal, window, config, True, out, False)
+    replayed = simulate.simulate_forward(
+        query, key, value, cu, kv_start, lens, table, scale, causal, window, **{**SIM_TILES, **replay}
+    )
+    return (out, lse), replayed
+
+
+@pytest.mark.parametrize("name", list(SIM_CASES))
+def test_ascendc_schedule_replay_equals_the_triton_kernel(monkeypatch, name: str) -> None:
+    monkeypatch.delenv(loader.BACKEND_ENV, raising=False)
+    (out, lse), (sim_out, sim_lse) = _triton_and_replay(SIM_CASES[name])
+    assert torch.equal(sim_out, out)
+    assert torch.equal(sim_lse, lse)
+
+
+def test_schedule_replay_detects_a_different_schedule(monkeypatch) -> None:
+    """Negative controls: the numerics-v1 schedule (one state per item, no segments), another KV tile and
+    a missing accumulator rescale each give other bits."""
+    monkeypatch.delenv(loader.BACKEND_ENV, raising=False)
+    case = SIM_CASES["varlen_bf16_h64_group2"]
+    for replay in ({"seg": 4096}, {"tile_n": 32}, {"rescale_accumulator": False}):
+        (out, _), (sim_out, _) = _triton_and_replay(case, **replay)
+        assert not torch.equal(sim_out, out), replay
+
+
+def test_ascendc_formula_forms_stay_close_to_fp64(monkeypatch) -> None:
+    """The kernel's instruction forms (exp2 as exp(x ln 2), acc + P@V) on the same schedule: correct to
+    fp64 within the dtype's rounding (their device bits are proven only on an NPU)."""
+    from samepath.ascendc_fallback import simulate
+
+    monkeypatch.delenv(loader.BACKEND_ENV, raising=False)
+    case = SIM_CASES["mqa_fp32_h48_group20_noncausal"]
+    _, (forms, _) = _triton_and_replay(case, primitives=simulate.ASCENDC_FORMS)
+    query, key, value, cu, *_ = _attention_inputs(case, 0)
+    for start, end in zip(cu[:-1].tolist(), cu[1:].tolist(), strict=True):
+        q = query[start:end].double().transpose(0, 1)
+        k = key[start:end].double().transpose(0, 1).expand(q.shape[0], -1, -1)
+        v = value[start:end].double().transpose(0, 1).expand(q.shape[0], -1, -1)
+        ref = ((q @ k.transpose(1, 2)) * case["head"] ** -0.5).softmax(-1) @ v
+        assert (forms[start:end].double() - ref.transpose(0, 1)).abs().max() < 1e-5

@@ -1,27 +1,41 @@
-"""Which attention backend runs, and the Ascend C one's loader and Python entry point.
+"""Which attention backend runs, and the Ascend C one's build, loader and Python entry point.
 
 ``SAMEPATH_ATTENTION_BACKEND`` chooses the FlashAttention forward for every samepath caller:
 
 * ``triton`` (default): the Triton kernel of ``samepath/kernels/attention.py`` on every device.
 * ``ascendc``: the hand-written Ascend C kernel of ``csrc/flash_attention_fwd.cpp`` for NPU tensors,
-  with the formula of the Triton kernel (position-anchored KV tiles visited in ascending order by one
-  core, select ``-inf`` mask, fp32 online softmax in base 2, P cast to the input dtype before P @ V,
-  ``acc / l``) on the schedule of numerics version 1 (:data:`ASCENDC_SCHEDULE`: no GQA packing, no
-  KV segments).
+  on the Triton kernel's schedule of numerics version :data:`ASCENDC_SCHEDULE_VERSION` (GQA-packed query
+  tiles, KV tiles and fixed segments anchored at position 0, segments merged in ascending order;
+  ``simulate.py`` replays it bit for bit against the Triton kernel) and formula (select ``-inf`` mask,
+  fp32 online softmax in base 2, P cast to the input dtype before P @ V, ``acc / l``).
 
-The Ascend C backend is its own numerics: its bits equal the Triton-Ascend kernel's only where the
-instructions happen to agree, so trainer and rollout must both run it or both not. The choice is part
-of ``samepath.fingerprint()``, and asking for ``ascendc`` where it cannot run raises instead of falling
-back to Triton.
+The Ascend C backend is its own numerics: its instructions (exp2 as ``exp(x ln 2)``, the cube's
+accumulation, hardware row reductions) are not Triton-Ascend's, so trainer and rollout must both run
+it or both not. The choice is part of ``samepath.fingerprint()``, and asking for ``ascendc`` where it
+cannot run raises instead of falling back to Triton.
+
+Building: ``python -m samepath.ascendc_fallback build`` compiles the library once per machine into a
+cache directory keyed on the sources' hash, the SoC (read from the device), the CANN version and the
+torch / torch_npu versions, under a file lock, so concurrent processes (vLLM workers, trainer ranks)
+build it once. :func:`load` never runs CMake unless ``SAMEPATH_ASCENDC_ALLOW_BUILD=1``: a worker that
+finds no library for its key raises, naming the build command and the key.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
+import importlib.metadata
 import importlib.util
+import json
 import os
 import shutil
 import subprocess
+import tempfile
 import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -32,11 +46,13 @@ from samepath.ascendc_fallback import tiling
 BACKEND_ENV = "SAMEPATH_ATTENTION_BACKEND"
 BACKENDS = ("triton", "ascendc")
 DEFAULT_BACKEND = "triton"
-#: Where the built library is looked for (and built); default ``~/.cache/samepath/ascendc``.
+#: Root of the build cache (one subdirectory per build key); default ``~/.cache/samepath/ascendc``.
 BUILD_DIR_ENV = "SAMEPATH_ASCENDC_BUILD_DIR"
-#: SoC the kernel is compiled for when ``load()`` builds it (``npu-smi info`` shows the chip).
+#: Overrides the SoC read from the device (``torch.npu.get_device_name()``), e.g. ``Ascend910B3``.
 SOC_VERSION_ENV = "SAMEPATH_ASCENDC_SOC_VERSION"
-DEFAULT_SOC_VERSION = "Ascend910B3"
+#: ``1``: :func:`load` may run the CMake build itself when the library for its key is missing.
+ALLOW_BUILD_ENV = "SAMEPATH_ASCENDC_ALLOW_BUILD"
+BUILD_COMMAND = "python -m samepath.ascendc_fallback build"
 LIBRARY_NAME = "libsamepath_ascendc.so"
 SOURCE_DIR = Path(__file__).resolve().parent / "csrc"
 
@@ -47,11 +63,16 @@ ASCENDC_ATTENTION_FORMULA = {
     "dots": "cube matmuls through the Ascend C Matmul API, fp32 output",
     "log2": "AscendC::Log2",
     "row_reductions": "WholeReduceMax / WholeReduceSum over one tile row",
+    "segment_merge": "m = max(m_r, m_s); l_r * exp2(m_r - m) + l_s * exp2(m_s - m), acc likewise; "
+    "rows with m_s = -inf keep their state",
 }
 
-#: The Ascend C kernel keeps the schedule of samepath numerics version 1: the Triton kernel's GQA
-#: packing and fixed KV segments (version 2) are not ported to it.
-ASCENDC_SCHEDULE = "v1: one query head per program, block_m query rows, tile_n KV tiles, no KV segments"
+#: The samepath numerics version whose Triton schedule the Ascend C kernel replays.
+ASCENDC_SCHEDULE_VERSION = 2
+ASCENDC_SCHEDULE = (
+    "v2: GQA-packed query tiles (head_chunk = min(group, block_m)), tile_n KV tiles and seg KV segments "
+    "anchored at 0, segments merged in ascending order, serial per work item"
+)
 
 _lock = threading.Lock()
 _loaded_path: Path | None = None
@@ -78,14 +99,14 @@ def backend_fingerprint() -> dict[str, object]:
         return {
             "name": backend,
             "formula": ASCENDC_ATTENTION_FORMULA,
-            "numerics": "ascendc-fa-fwd-1",
+            "numerics": "ascendc-fa-fwd-2",
             "schedule": ASCENDC_SCHEDULE,
         }
     return {"name": backend}
 
 
-def build_dir() -> Path:
-    """Directory of the built ``libsamepath_ascendc.so`` (``SAMEPATH_ASCENDC_BUILD_DIR``)."""
+def build_root() -> Path:
+    """Root of the build cache (``SAMEPATH_ASCENDC_BUILD_DIR``, default ``~/.cache/samepath/ascendc``)."""
     configured = os.environ.get(BUILD_DIR_ENV)
     return Path(configured) if configured else Path.home() / ".cache" / "samepath" / "ascendc"
 
@@ -110,30 +131,213 @@ def missing_requirements() -> list[str]:
     return reasons
 
 
-def _build(directory: Path) -> Path:
+def check_schedule(numerics_version: int | None = None) -> None:
+    """Fail closed when the Triton kernel's schedule moved past the one the Ascend C kernel replays.
+
+    Raises:
+        RuntimeError: ``config.NUMERICS_VERSION`` (or ``numerics_version``) is not
+            :data:`ASCENDC_SCHEDULE_VERSION`.
+    """
+    if numerics_version is None:
+        from samepath.kernels.config import NUMERICS_VERSION as numerics_version
+    if numerics_version != ASCENDC_SCHEDULE_VERSION:
+        raise RuntimeError(
+            f"{BACKEND_ENV}=ascendc: the Ascend C kernel replays the schedule of samepath numerics version "
+            f"{ASCENDC_SCHEDULE_VERSION} ({ASCENDC_SCHEDULE}), but the Triton kernels are at version "
+            f"{numerics_version}: port the new schedule to csrc/ and prove it with simulate.py "
+            "(tests/test_ascendc_fallback.py) before using this backend"
+        )
+
+
+@dataclass(frozen=True)
+class BuildKey:
+    """Everything a built library depends on: a different value of any field is a different build."""
+
+    soc: str
+    cann: str
+    torch_npu: str
+    torch: str
+    sources: str
+
+    def digest(self) -> str:
+        """The key's short hash: the name of its directory in the build cache."""
+        payload = json.dumps(dataclasses.asdict(self), sort_keys=True)
+        return hashlib.sha256(payload.encode()).hexdigest()[:20]
+
+    def describe(self) -> str:
+        return (
+            f"SoC {self.soc}, CANN {self.cann}, torch_npu {self.torch_npu}, torch {self.torch}, "
+            f"sources {self.sources[:12]}"
+        )
+
+
+def source_digest(directory: Path = SOURCE_DIR) -> str:
+    """sha256 over the names and bytes of the kernel sources (``csrc/``), in name order."""
+    digest = hashlib.sha256()
+    for path in sorted(p for p in directory.iterdir() if p.is_file()):
+        digest.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
+    return digest.hexdigest()
+
+
+def cann_version(home: str | None = None) -> str:
+    """The CANN toolkit version under ``home`` (``ASCEND_HOME_PATH``), read from its version files.
+
+    Falls back to ``unknown@<resolved path>`` (still a different key for a different install).
+
+    Raises:
+        RuntimeError: ``home`` is unset or not a directory.
+    """
+    home = home or os.environ.get("ASCEND_HOME_PATH")
+    if not home or not Path(home).is_dir():
+        raise RuntimeError("CANN is not set up: ASCEND_HOME_PATH is unset or not a directory (source set_env.sh)")
+    root = Path(home).resolve()
+    candidates = [root / "version.cfg", *sorted(root.glob("*-linux/ascend_toolkit_install.info"))]
+    candidates += [root / "compiler" / "version.info", root / "runtime" / "version.info"]
+    for path in candidates:
+        if not path.is_file():
+            continue
+        for line in path.read_text(errors="replace").splitlines():
+            name, _, value = line.partition("=")
+            if name.strip().lower() in ("version", "toolkit_installed_version", "version_dir") and value.strip():
+                return value.strip().strip("[]:")
+    return f"unknown@{root}"
+
+
+def detect_soc() -> str:
+    """The SoC to compile for: ``SAMEPATH_ASCENDC_SOC_VERSION``, else ``torch.npu.get_device_name()``.
+
+    Raises:
+        RuntimeError: neither is available (no override, and torch_npu or an NPU is missing).
+    """
+    override = os.environ.get(SOC_VERSION_ENV, "").strip()
+    if override:
+        return override
+    reasons = missing_requirements()
+    if reasons:
+        raise RuntimeError(
+            f"cannot read the SoC from the device ({'; '.join(reasons)}); set {SOC_VERSION_ENV} to build anyway"
+        )
+    name = str(torch.npu.get_device_name(torch.npu.current_device())).strip()
+    if not name.startswith("Ascend"):
+        raise RuntimeError(f"torch.npu.get_device_name() returned {name!r}, not an Ascend SoC; set {SOC_VERSION_ENV}")
+    return name
+
+
+def _package_version(name: str) -> str:
+    try:
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return "not-installed"
+
+
+def current_build_key(soc: str | None = None) -> BuildKey:
+    """The build key of this process: SoC (``soc`` or :func:`detect_soc`), CANN, torch_npu, torch, sources."""
+    return BuildKey(
+        soc=soc or detect_soc(),
+        cann=cann_version(),
+        torch_npu=_package_version("torch_npu"),
+        torch=torch.__version__,
+        sources=source_digest(),
+    )
+
+
+def library_path(key: BuildKey, root: Path | None = None) -> Path:
+    """Where the library built for ``key`` lives."""
+    return (root or build_root()) / key.digest() / LIBRARY_NAME
+
+
+@contextmanager
+def file_lock(path: Path) -> Iterator[None]:
+    """An exclusive ``fcntl.flock`` on ``path`` (created if needed), held across processes until exit."""
+    import fcntl
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a+") as handle:
+        fcntl.flock(handle.fileno(), fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle.fileno(), fcntl.LOCK_UN)
+
+
+#: ``builder(directory, key)`` writes ``directory / LIBRARY_NAME``.
+Builder = Callable[[Path, BuildKey], None]
+
+
+def cmake_build(directory: Path, key: BuildKey) -> None:
+    """Configure and build ``csrc/`` with CMake for ``key.soc`` into ``directory``.
+
+    Raises:
+        RuntimeError: cmake is missing or a step fails (with the end of its output).
+    """
     cmake = shutil.which("cmake")
     if cmake is None:
-        raise RuntimeError(f"{BACKEND_ENV}=ascendc: {LIBRARY_NAME} is not built in {directory} and cmake is missing")
-    soc = os.environ.get(SOC_VERSION_ENV, DEFAULT_SOC_VERSION)
-    directory.mkdir(parents=True, exist_ok=True)
+        raise RuntimeError(f"building {LIBRARY_NAME} needs cmake on PATH")
+    build = directory / "build"
+    jobs = str(os.cpu_count() or 1)
     for command in (
-        [cmake, "-S", str(SOURCE_DIR), "-B", str(directory), f"-DSOC_VERSION={soc}", "-DCMAKE_BUILD_TYPE=Release"],
-        [cmake, "--build", str(directory), "-j", str(os.cpu_count() or 1)],
+        [cmake, "-S", str(SOURCE_DIR), "-B", str(build), f"-DSOC_VERSION={key.soc}", "-DCMAKE_BUILD_TYPE=Release"],
+        [cmake, "--build", str(build), "-j", jobs],
     ):
         result = subprocess.run(command, capture_output=True, text=True, check=False)
         if result.returncode != 0:
             raise RuntimeError(
-                f"{BACKEND_ENV}=ascendc: building the Ascend C attention failed ({' '.join(command)}):\n"
+                f"building the Ascend C attention failed ({' '.join(command)}):\n"
                 f"{result.stdout[-4000:]}\n{result.stderr[-4000:]}"
             )
-    return directory / LIBRARY_NAME
+    shutil.copy2(build / LIBRARY_NAME, directory / LIBRARY_NAME)
+
+
+def ensure_library(
+    key: BuildKey, *, allow_build: bool, root: Path | None = None, builder: Builder | None = None
+) -> Path:
+    """The library for ``key``, building it first (once, under a cross-process lock) when allowed.
+
+    A build runs in a temporary directory beside the cache entry and is renamed into place only when
+    it succeeded, so a reader sees a complete library or none.
+
+    Raises:
+        RuntimeError: the library is missing and ``allow_build`` is False (names the build command
+            and the key), or the build failed.
+    """
+    root = root or build_root()
+    path = library_path(key, root)
+    if path.is_file():
+        return path
+    with file_lock(root / f"{key.digest()}.lock"):
+        if path.is_file():
+            return path
+        if not allow_build:
+            raise RuntimeError(
+                f"{BACKEND_ENV}=ascendc: {LIBRARY_NAME} is not built for this machine ({key.describe()}; "
+                f"expected {path}). Run `{BUILD_COMMAND}` once before starting workers, or set "
+                f"{ALLOW_BUILD_ENV}=1 to let this process build it (minutes, with CMake and CANN)."
+            )
+        root.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(prefix=f"{key.digest()}.", dir=root))
+        try:
+            (builder or cmake_build)(staging, key)
+            if not (staging / LIBRARY_NAME).is_file():
+                raise RuntimeError(f"the build wrote no {LIBRARY_NAME} in {staging}")
+            (staging / "build_key.json").write_text(json.dumps(dataclasses.asdict(key), indent=1, sort_keys=True))
+            shutil.rmtree(path.parent, ignore_errors=True)  # an entry without a library is incomplete
+            os.replace(staging, path.parent)
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
+    return path
+
+
+def build(soc: str | None = None, *, root: Path | None = None, builder: Builder | None = None) -> Path:
+    """``python -m samepath.ascendc_fallback build``: the library for this machine, built if missing."""
+    check_schedule()
+    return ensure_library(current_build_key(soc), allow_build=True, root=root, builder=builder)
 
 
 def load() -> Path:
-    """Load the ``samepath_ascendc`` torch operators, building them with CMake first if needed.
+    """Load the ``samepath_ascendc`` torch operators built for this machine's key.
 
     Returns the library's path. Raises ``RuntimeError`` naming what is missing (CANN, torch_npu, an
-    NPU, a successful build); it never falls back to the Triton kernel.
+    NPU, the built library and the command that builds it); it never falls back to the Triton kernel.
     """
     global _loaded_path
     with _lock:
@@ -142,9 +346,9 @@ def load() -> Path:
         reasons = missing_requirements()
         if reasons:
             raise RuntimeError(f"{BACKEND_ENV}=ascendc needs CANN, torch_npu and an Ascend NPU: " + "; ".join(reasons))
-        path = build_dir() / LIBRARY_NAME
-        if not path.exists():
-            path = _build(build_dir())
+        check_schedule()
+        allow = os.environ.get(ALLOW_BUILD_ENV, "").strip() == "1"
+        path = ensure_library(current_build_key(), allow_build=allow)
         torch.ops.load_library(str(path))
         _loaded_path = path
         return path
@@ -177,6 +381,7 @@ def check_arguments(
     sliding_window: int | None,
     block_m: int,
     tile_n: int,
+    seg: int,
 ) -> None:
     """The checks ``flash_attention_fwd`` makes before loading anything: ``ValueError`` naming the argument."""
     if query.dim() != 3:
@@ -221,6 +426,8 @@ def check_arguments(
     if sliding_window is not None and (not isinstance(sliding_window, int) or sliding_window < 1 or not causal):
         raise ValueError(f"sliding_window must be None or a positive int with causal=True, got {sliding_window!r}")
     tiling.check_fits(int(head_size), block_m, tile_n, dtype)
+    if not isinstance(seg, int) or seg < tile_n or seg % tile_n:
+        raise ValueError(f"seg = {seg!r} must be a positive multiple of tile_n = {tile_n}")
     if block_table is not None and key.shape[1] > 0xFFFF:
         raise ValueError(f"key.shape[1] (page size) = {key.shape[1]} must be at most 65535")
 
@@ -239,6 +446,7 @@ def flash_attention_fwd(
     *,
     block_m: int,
     tile_n: int,
+    seg: int,
     store_lse: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The Ascend C FlashAttention forward: the Triton launcher's arguments, the same outputs.
@@ -253,7 +461,7 @@ def flash_attention_fwd(
         seq_lens: ``[num_seqs]`` KV length of each sequence; its queries are its last positions.
         block_table: ``[num_seqs(+), max_blocks]`` page ids, or None for contiguous KV.
         scale, causal, sliding_window: as in :func:`samepath.paged_attention`.
-        block_m, tile_n: the frozen tiles (``config.attention_config(...)`` for ``"npu"``).
+        block_m, tile_n, seg: the frozen tiles and KV segment (``config.attention_config(...)`` for ``"npu"``).
         store_lse: also return the base-2 log-sum-exp ``[num_tokens, num_heads]`` fp32 (``+inf`` for a
             row that sees no key), as the Triton kernel stores it for the backward.
 
@@ -277,6 +485,7 @@ def flash_attention_fwd(
         sliding_window,
         block_m,
         tile_n,
+        seg,
     )
     if query.device.type != "npu":
         raise RuntimeError(
@@ -296,6 +505,7 @@ def flash_attention_fwd(
         int(sliding_window or 0),
         int(block_m),
         int(tile_n),
+        int(seg),
         bool(store_lse),
     )
     return out, (lse if store_lse else None)
@@ -317,7 +527,7 @@ def launch_forward(
     out: torch.Tensor,
 ) -> torch.Tensor | None:
     """Drop-in for ``samepath.kernels.attention._launch_forward`` (same arguments, writes ``out``,
-    returns the lse or None) running the Ascend C kernel with ``config.block_m`` / ``config.tile_n``."""
+    returns the lse or None) running the Ascend C kernel with ``config.block_m`` / ``tile_n`` / ``seg``."""
     result, lse = flash_attention_fwd(
         query,
         key,
@@ -331,6 +541,7 @@ def launch_forward(
         sliding_window,
         block_m=config.block_m,
         tile_n=config.tile_n,
+        seg=config.seg,
         store_lse=store_lse,
     )
     out.copy_(result)
