@@ -21,10 +21,11 @@
 
 DEVICE=npu
 KIND=Ascend
-STAGE_ORDER=(setup bitwise bench tune)
-declare -A BUDGET=([setup]=45 [bitwise]=210 [bench]=165 [tune]=60)
+STAGE_ORDER=(setup ascendc bitwise bench tune)
+declare -A BUDGET=([setup]=45 [ascendc]=90 [bitwise]=190 [bench]=115 [tune]=40)
 declare -A ABOUT=(
   [setup]="npu-smi and versions (torch_npu, Triton-Ascend, CANN) into the log; wheels; samepath --no-deps"
+  [ascendc]="python -m samepath.ascendc_fallback build (SoC from the device), then its NPU tests (no build in them)"
   [bitwise]="bench/gpu_bitwise.py --device npu: training == prefill == chunked == decode, backward, split-K, logprobs, HF"
   [bench]="python -m bench --device npu --quick: min/median/max vs stock torch_npu ops, e2e, host time per layer"
   [tune]="bench/tune.py --device npu: numerics-neutral launch parameters, bf16, head 128"
@@ -54,6 +55,17 @@ PY
   } 2>&1 | tee -a "$LOG"
 }
 
+stage_ascendc() {
+  # Builds the Ascend C attention once into its keyed cache (the build that workers must not run), then the
+  # tests that need the NPU: the kernel against fp64 and batch invariance, loading without a build.
+  local t0=$(date +%s)
+  timeout "$LIMIT" $PY -m samepath.ascendc_fallback build 2>&1 | tee -a "$LOG" || return $?
+  local left=$(( LIMIT - ($(date +%s) - t0) ))
+  (( left > 5 )) || return 124
+  SAMEPATH_ASCENDC_ALLOW_BUILD=0 timeout "$left" $PY -m pytest -q -p no:cacheprovider tests/test_ascendc_fallback.py \
+    -k "ascendc_kernel" --junitxml "$OUT/ascendc.xml" 2>&1 | tee -a "$LOG"
+}
+
 stage_bitwise() {
   timeout "$LIMIT" $PY bench/gpu_bitwise.py --device npu --out "$OUT/bitwise.json" ${BITWISE_ARGS:-} 2>&1 | tee -a "$LOG"
 }
@@ -73,6 +85,7 @@ dry_setup() {
   shopt -u nullglob
   echo "  ok   setup: would install ${#wheels[@]} carried wheel(s) and samepath --no-deps; never torch / torch_npu"
 }
+dry_ascendc() { dry_entry "ascendc: python -m samepath.ascendc_fallback" $PY -m samepath.ascendc_fallback --help; }
 dry_bitwise() { dry_entry "bitwise: bench/gpu_bitwise.py" $PY bench/gpu_bitwise.py --device npu --out "$OUT/bitwise.json" ${BITWISE_ARGS:-} --dry-run; }
 dry_bench() { dry_entry "bench: python -m bench" $PY -m bench --device npu --quick --out "$OUT" ${BENCH_ARGS:-} --dry-run; }
 dry_tune() { dry_entry "tune: bench/tune.py" $PY bench/tune.py --device npu --dtypes bfloat16 --head-sizes 128 ${TUNE_ARGS:-} --out "$OUT/tuned-npu.json" --dry-run; }

@@ -132,6 +132,8 @@ std::tuple<at::Tensor, at::Tensor> FlashAttentionFwd(const at::Tensor& query, co
     at::Tensor lens = seqLens.to(at::kInt).contiguous();
     at::Tensor table = paged ? blockTable->to(at::kInt).contiguous() : qsl;
     TORCH_CHECK(blockM > 0 && tileN > 0 && seg > 0, "block_m, tile_n and seg must be positive");
+    TORCH_CHECK(key.size(-2) > 0 && query.size(1) % key.size(-2) == 0,
+                "num_heads (query.shape[1]) must be a multiple of num_kv_heads (key.shape[-2])");
     const uint32_t group = static_cast<uint32_t>(query.size(1) / key.size(-2));
     const uint32_t headChunk = sp::HeadChunk(group, static_cast<uint32_t>(blockM));
     const uint32_t blockQ = static_cast<uint32_t>(blockM) / headChunk;
