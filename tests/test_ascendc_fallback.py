@@ -1,10 +1,11 @@
-"""The Ascend C FlashAttention fallback: its tiling (C++ header vs Python), the backend switch, the build.
+"""The Ascend C FlashAttention fallback: tiling (C++ header vs Python), schedule replay, launch convention, loader.
 
 The kernel itself needs CANN and an Ascend NPU; everything without that dependency runs here: the
-tiling header is compiled with g++ into a driver whose output must equal ``tiling.py`` value for
-value, and both must reproduce the Triton launcher's program map (over blocks of ``block_m``
-queries: the Ascend C kernel keeps the numerics-v1 schedule, without GQA packing or KV segments),
-the v1 KV loop bounds and the visible set.
+tiling header is compiled with g++ into a driver whose output must equal ``tiling.py`` value for value
+(and the Triton launcher's packing and program map); ``simulate.py`` replays the kernel's steps on that
+tiling and must equal the Triton kernel bit for bit (with negative controls); the kernel's parameters,
+the host's launch and the CMake definitions are read from the sources; the build cache and its lock are
+exercised with a fake builder.
 """
 
 from __future__ import annotations
