@@ -28,6 +28,7 @@ import samepath
 from samepath.ascendc_fallback import loader, tiling
 from samepath.kernels.attention import _packing, _program_map
 from samepath.kernels.config import ATTENTION_TABLE
+from samepath.kernels.config import dtype_name as config_dtype_name
 
 CSRC = Path(tiling.__file__).resolve().parent / "csrc"
 
@@ -522,6 +523,79 @@ def test_cmake_refuses_to_configure_without_cann(tmp_path) -> None:
     assert "ASCEND_HOME_PATH" in result.stderr
 
 
+def _paged_copy(key: torch.Tensor, value: torch.Tensor, page_size: int, gen: torch.Generator):
+    """One sequence's packed ``[len, kv_heads, head]`` K and V as shuffled paged caches (unused slots NaN)
+    and their ``[1, pages]`` block table."""
+    pages = -(-key.shape[0] // page_size)
+    order = torch.randperm(pages + 2, generator=gen)[:pages]
+    caches = []
+    for packed in (key, value):
+        cache = torch.full((pages + 2, page_size, *packed.shape[1:]), float("nan"), dtype=packed.dtype)
+        for p in range(pages):
+            rows = packed[p * page_size : (p + 1) * page_size]
+            cache[order[p], : rows.shape[0]] = rows
+        caches.append(cache)
+    return caches[0], caches[1], order.to(torch.int32)[None, :]
+
+
+def _training_and_served(fwd, dtype, chunks, tiles, serve_seg, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """One GQA sequence through ``fwd`` (``loader.flash_attention_fwd``'s arguments, returns ``out``): as a
+    training call, and served in ``chunks`` (chunked prefill, then one-token decode steps) from a
+    shuffled paged cache with segment length ``serve_seg``."""
+    gen = torch.Generator().manual_seed(1)
+    heads, kv_heads, head, length = 8, 2, 128, sum(chunks)
+    q, k, v = (torch.randn(length, h, head, generator=gen).to(dtype) for h in (heads, kv_heads, kv_heads))
+    cu = torch.tensor([0, length], dtype=torch.int32, device=device)
+    trained = fwd(q.to(device), k.to(device), v.to(device), cu, cu, cu[1:], None, head**-0.5, **tiles)
+    key_cache, value_cache, table = (t.to(device) for t in _paged_copy(k, v, 16, gen))
+    rows, done = [], 0
+    for n in chunks:
+        one = torch.tensor([0, n], dtype=torch.int32, device=device)
+        lens = torch.tensor([done + n], dtype=torch.int32, device=device)
+        query = q[done : done + n].to(device)
+        rows.append(
+            fwd(query, key_cache, value_cache, one, one, lens, table, head**-0.5, **{**tiles, "seg": serve_seg})
+        )
+        done += n
+    return trained.cpu(), torch.cat(rows).cpu()
+
+
+def test_replayed_training_rows_equal_chunked_and_decode_rows() -> None:
+    """The kernel's schedule, replayed: training rows == chunked prefill / decode rows from a paged cache;
+    serving with another segment length differs (negative control)."""
+    from samepath.ascendc_fallback import simulate
+
+    def replay(*args, **tiles):
+        return simulate.simulate_forward(*args, **tiles)[0]
+
+    chunks = [17, 30, 15, *[1] * 8]
+    trained, served = _training_and_served(replay, torch.bfloat16, chunks, SIM_TILES, SIM_TILES["seg"], "cpu")
+    assert torch.equal(served, trained)
+    _, other = _training_and_served(replay, torch.bfloat16, chunks, SIM_TILES, 2 * SIM_TILES["seg"], "cpu")
+    assert not torch.equal(other, trained)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_ascendc_kernel_training_rows_equal_chunked_and_decode_rows(dtype: torch.dtype) -> None:
+    """On the NPU: the same, with the Ascend C kernel and the frozen NPU tiles (seg 256: the sequence crosses
+    a segment boundary)."""
+    reasons = loader.missing_requirements()
+    if reasons:
+        pytest.skip("needs CANN and an Ascend NPU: " + "; ".join(reasons))
+    cfg = ATTENTION_TABLE["npu", config_dtype_name(dtype), 128]
+    tiles = {"block_m": cfg.block_m, "tile_n": cfg.tile_n, "seg": cfg.seg}
+
+    def kernel(*args, **tiles):
+        return loader.flash_attention_fwd(*args, **tiles)[0]
+
+    chunks = [37, 100, 150, *[1] * 13]
+    npu = torch.device("npu")
+    trained, served = _training_and_served(kernel, dtype, chunks, tiles, cfg.seg, npu)
+    assert torch.equal(served, trained)
+    _, other = _training_and_served(kernel, dtype, chunks, tiles, 2 * cfg.seg, npu)
+    assert not torch.equal(other, trained)
+
+
 def test_ascendc_kernel_matches_fp64_and_is_batch_invariant() -> None:
     reasons = loader.missing_requirements()
     if reasons:
@@ -850,6 +924,16 @@ def test_ascendc_schedule_replay_equals_the_triton_kernel(monkeypatch, name: str
     (out, lse), (sim_out, sim_lse) = _triton_and_replay(SIM_CASES[name])
     assert torch.equal(sim_out, out)
     assert torch.equal(sim_lse, lse)
+
+
+def test_replay_does_not_depend_on_the_core_count(monkeypatch) -> None:
+    """How many vector cores share the work items moves no bit (each item is whole on one core)."""
+    monkeypatch.delenv(loader.BACKEND_ENV, raising=False)
+    case = SIM_CASES["paged_fp16_h80_group3_window"]
+    _, reference = _triton_and_replay(case, num_cores=1)
+    for cores in (2, 7, 40):
+        _, replayed = _triton_and_replay(case, num_cores=cores)
+        assert torch.equal(replayed[0], reference[0]) and torch.equal(replayed[1], reference[1])
 
 
 def test_schedule_replay_detects_a_different_schedule(monkeypatch) -> None:
