@@ -1,14 +1,22 @@
-"""The Ascend C FlashAttention forward: same schedule as samepath's Triton attention kernel.
+"""The Ascend C FlashAttention forward: the schedule of samepath's Triton attention kernel, in Ascend C.
 
-Selected with ``SAMEPATH_ATTENTION_BACKEND=ascendc`` (default ``triton``); see :mod:`.loader`.
-Sources and build: ``csrc/`` (CMake, needs CANN); tiling: :mod:`.tiling` and ``csrc/flash_attention_tiling.h``.
+Selected with ``SAMEPATH_ATTENTION_BACKEND=ascendc`` (default ``triton``); see :mod:`.loader`. Sources:
+``csrc/`` (CMake, needs CANN), built once per machine with ``python -m samepath.ascendc_fallback build``;
+tiling: :mod:`.tiling` and ``csrc/flash_attention_tiling.h``; the kernel's steps replayed in numpy:
+:mod:`.simulate`.
 """
 
 from samepath.ascendc_fallback.loader import (
     BACKEND_ENV,
     BACKENDS,
+    BUILD_COMMAND,
+    BuildKey,
     attention_backend,
     backend_fingerprint,
+    build,
+    check_schedule,
+    current_build_key,
+    ensure_library,
     flash_attention_fwd,
     launch_forward,
     load,
@@ -18,8 +26,14 @@ from samepath.ascendc_fallback.loader import (
 __all__ = [
     "BACKENDS",
     "BACKEND_ENV",
+    "BUILD_COMMAND",
+    "BuildKey",
     "attention_backend",
     "backend_fingerprint",
+    "build",
+    "check_schedule",
+    "current_build_key",
+    "ensure_library",
     "flash_attention_fwd",
     "launch_forward",
     "load",
