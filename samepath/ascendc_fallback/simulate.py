@@ -291,3 +291,139 @@ def simulate_forward(
     kernel.run()
     out = torch.from_numpy(kernel.out).to(query.dtype)
     return out, torch.from_numpy(kernel.lse)
+
+
+def _visible(pos_q: np.ndarray, pos_k: np.ndarray, seq_len: int, causal: bool, window: int) -> np.ndarray:
+    visible = pos_k[None, :] < seq_len
+    if causal:
+        visible = visible & (pos_k[None, :] <= pos_q[:, None])
+    if window:
+        visible = visible & (pos_q[:, None] - pos_k[None, :] < window)
+    return visible
+
+
+def simulate_backward(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    lse: torch.Tensor,
+    delta: torch.Tensor,
+    grad_out: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    scale: float,
+    causal: bool = True,
+    sliding_window: int | None = None,
+    *,
+    bwd_block_m: int,
+    bwd_block_n: int,
+    primitives: Primitives = TRITON_INTERPRETER,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The backward schedule an Ascend C backward must run, replayed in numpy: ``(dq, dk, dv)``.
+
+    dQ: work items (block of ``bwd_block_m // head_chunk`` queries, KV head, head chunk), GQA-packed as
+    the forward packs them, each folding its key tiles of ``bwd_block_n`` in ascending order:
+    ``S = Q K^T``, ``P = where(visible, exp2(S * qk_scale - lse), 0)``, ``dP = dO V^T``,
+    ``dS = P (dP - delta)``, ``dQ += cast(dS) K``; then ``dQ * scale`` and one cast. dK / dV: work items
+    (block of ``bwd_block_n`` keys, KV head), each folding its group's query heads in order and, per
+    head, its query tiles of ``bwd_block_m`` in ascending order: ``dV += cast(P^T) dO``,
+    ``dK += cast(dS^T) Q``; then ``dK * scale``. No atomics: every sum has one order. ``delta`` is
+    ``(dO * O).sum(-1)`` in fp32 (the launcher's torch op), ``lse`` the forward's base-2 lse.
+
+    Operand layouts are those of the Triton kernel's loads (K and V tiles read as ``[d, n]`` in dQ, Q as
+    ``[d, m]`` in dK / dV, transposes as views), so that with :data:`TRITON_INTERPRETER` the replay is
+    bitwise the Triton backward under the interpreter.
+    """
+    if query.dtype not in _DTYPES:
+        raise ValueError(f"query.dtype must be one of {list(_DTYPES)}, got {query.dtype}")
+    ops, dtype = primitives, query.dtype
+    num_tokens, num_heads, head_size = query.shape
+    num_kv_heads = key.shape[1]
+    group = num_heads // num_kv_heads
+    block_d = tiling.padded_head_size(head_size)
+    chunk = tiling.head_chunk(group, bwd_block_m)
+    block_q, num_chunks = bwd_block_m // chunk, -(-group // chunk)
+    qk_scale, sm_scale = np.float32(tiling.to_float32(scale * LOG2E)), np.float32(tiling.to_float32(scale))
+    window = sliding_window or 0
+    q, k, v, do = (_operand(t) for t in (query, key, value, grad_out))
+    lse_np, delta_np = lse.float().numpy(), delta.float().numpy()
+    cu = [int(x) for x in cu_seqlens.tolist()]
+    dq_out = np.zeros((num_tokens, num_heads, block_d), np.float32)
+    dk_out = np.zeros((num_tokens, num_kv_heads, block_d), np.float32)
+    dv_out = np.zeros((num_tokens, num_kv_heads, block_d), np.float32)
+
+    def rows_of(array: np.ndarray, tokens: np.ndarray, heads: np.ndarray, valid: np.ndarray) -> np.ndarray:
+        tile = np.zeros((tokens.shape[0], block_d), dtype=array.dtype)
+        tile[valid, :head_size] = array[tokens[valid], heads[valid]]
+        return tile
+
+    seqs, blocks, num_blocks = tiling.program_map(cu, block_q, num_tokens)
+    for item in range(num_blocks * num_kv_heads * num_chunks):
+        program, kv_head, c = tiling.decode_item(item, num_kv_heads * num_chunks, num_chunks)
+        seq, block = seqs[program], blocks[program]
+        start, seq_len = cu[seq], cu[seq + 1] - cu[seq]
+        r = np.arange(bwd_block_m)
+        head_in_group = c * chunk + r % chunk
+        offs_m = block * block_q + r // chunk
+        valid = (r < block_q * chunk) & (head_in_group < group) & (offs_m < seq_len)
+        heads = kv_head * group + head_in_group
+        tokens = start + offs_m
+        q_tile, do_tile = rows_of(q, tokens, heads, valid), rows_of(do, tokens, heads, valid)
+        lse_rows = np.where(valid, lse_np[np.where(valid, tokens, 0), np.where(valid, heads, 0)], np.float32(0))
+        delta_rows = np.where(valid, delta_np[np.where(valid, tokens, 0), np.where(valid, heads, 0)], np.float32(0))
+        kv_end = min(seq_len, (block + 1) * block_q) if causal else seq_len
+        kv_begin = max(0, block * block_q - window + 1) if window else 0
+        dq = np.zeros((bwd_block_m, block_d), np.float32)
+        for tile_start in range(kv_begin // bwd_block_n * bwd_block_n, kv_end, bwd_block_n):
+            offs_n = tile_start + np.arange(bwd_block_n)
+            kv_valid = offs_n < seq_len
+            kv_tokens = start + offs_n
+            kv_heads = np.full(bwd_block_n, kv_head)
+            k_t = np.ascontiguousarray(rows_of(k, kv_tokens, kv_heads, kv_valid).T)
+            v_t = np.ascontiguousarray(rows_of(v, kv_tokens, kv_heads, kv_valid).T)
+            scores = ops.dot(q_tile, k_t, np.zeros((bwd_block_m, bwd_block_n), np.float32))
+            visible = _visible(offs_m, offs_n, seq_len, causal, window) & valid[:, None]
+            p = np.where(visible, ops.exp2(scores * qk_scale - lse_rows[:, None]), np.float32(0))
+            dp = ops.dot(do_tile, v_t, np.zeros((bwd_block_m, bwd_block_n), np.float32))
+            ds = p * (dp - delta_rows[:, None])
+            dq = ops.dot(_cast(ds, dtype), k_t.T, dq)
+        dq = dq * sm_scale
+        dq_out[tokens[valid], heads[valid]] = dq[valid]
+
+    seqs, blocks, num_blocks = tiling.program_map(cu, bwd_block_n, num_tokens)
+    for item in range(num_blocks * num_kv_heads):
+        program, kv_head = divmod(item, num_kv_heads)
+        seq, block = seqs[program], blocks[program]
+        start, seq_len = cu[seq], cu[seq + 1] - cu[seq]
+        offs_n = block * bwd_block_n + np.arange(bwd_block_n)
+        kv_valid = offs_n < seq_len
+        kv_tokens = start + offs_n
+        kv_heads = np.full(bwd_block_n, kv_head)
+        k_tile, v_tile = rows_of(k, kv_tokens, kv_heads, kv_valid), rows_of(v, kv_tokens, kv_heads, kv_valid)
+        q_begin = block * bwd_block_n if causal else 0
+        q_end = min(seq_len, (block + 1) * bwd_block_n + window - 1) if window else seq_len
+        dk = np.zeros((bwd_block_n, block_d), np.float32)
+        dv = np.zeros((bwd_block_n, block_d), np.float32)
+        for g in range(group):
+            head = kv_head * group + g
+            for q_start in range(q_begin // bwd_block_m * bwd_block_m, q_end, bwd_block_m):
+                offs_m = q_start + np.arange(bwd_block_m)
+                row_valid = offs_m < seq_len
+                tokens = start + offs_m
+                heads = np.full(bwd_block_m, head)
+                q_t = np.ascontiguousarray(rows_of(q, tokens, heads, row_valid).T)
+                do_tile = rows_of(do, tokens, heads, row_valid)
+                safe = np.where(row_valid, tokens, 0)
+                lse_rows = np.where(row_valid, lse_np[safe, head], np.float32(0))
+                delta_rows = np.where(row_valid, delta_np[safe, head], np.float32(0))
+                scores_t = ops.dot(k_tile, q_t, np.zeros((bwd_block_n, bwd_block_m), np.float32))
+                visible_t = _visible(offs_m, offs_n, seq_len, causal, window).T & row_valid[None, :]
+                p_t = np.where(visible_t, ops.exp2(scores_t * qk_scale - lse_rows[None, :]), np.float32(0))
+                dv = ops.dot(_cast(p_t, dtype), do_tile, dv)
+                dp_t = ops.dot(v_tile, do_tile.T, np.zeros((bwd_block_n, bwd_block_m), np.float32))
+                ds_t = p_t * (dp_t - delta_rows[None, :])
+                dk = ops.dot(_cast(ds_t, dtype), q_t.T, dk)
+        dk = dk * sm_scale
+        dk_out[kv_tokens[kv_valid], kv_head] = dk[kv_valid]
+        dv_out[kv_tokens[kv_valid], kv_head] = dv[kv_valid]
+
+    return tuple(torch.from_numpy(t[..., :head_size].copy()).to(dtype) for t in (dq_out, dk_out, dv_out))
