@@ -54,6 +54,59 @@ int main() {
         }
         return 0;
     }
+    if (std::strcmp(mode, "qmask") == 0) {
+        long long count; std::scanf("%lld", &count);
+        for (long long i = 0; i < count; ++i) {
+            long long posK, qStart, seqLen, window; unsigned blockM, causal, hasWindow;
+            std::scanf("%lld %lld %u %lld %u %u %lld", &posK, &qStart, &blockM, &seqLen, &causal, &hasWindow, &window);
+            std::printf("%llu\n", (unsigned long long)MaskedQueries(posK, qStart, blockM, seqLen, causal, hasWindow,
+                                                                   window));
+        }
+        return 0;
+    }
+    if (std::strcmp(mode, "ranges") == 0) {
+        long long count; std::scanf("%lld", &count);
+        for (long long i = 0; i < count; ++i) {
+            long long seqLen, block, window; unsigned blockQ, blockN, causal, hasWindow;
+            std::scanf("%lld %lld %u %u %u %u %lld", &seqLen, &block, &blockQ, &blockN, &causal, &hasWindow, &window);
+            KvTileRange a = BwdKeyTiles(seqLen, block, blockQ, blockN, causal, hasWindow, window);
+            KvTileRange b = BwdQueryTiles(seqLen, block, blockN, blockQ, causal, hasWindow, window);
+            std::printf("%lld %lld %lld %lld\n", (long long)a.firstTileStart, (long long)a.kvEnd,
+                        (long long)b.firstTileStart, (long long)b.kvEnd);
+        }
+        return 0;
+    }
+    if (std::strcmp(mode, "bwd") == 0) {
+        FlashAttentionBwdParams p{};
+        for (int64_t& v : p.strides) { long long read; std::scanf("%lld", &read); v = read; }
+        unsigned qkBits, smBits;
+        std::scanf("%u %u %u %u %u %u %u %u %u %d %u %u %u %u %u", &p.numTokens, &p.numHeads, &p.numKvHeads,
+                   &p.headSize, &p.numSeqs, &p.blockM, &p.blockN, &p.dtype, &p.causal, &p.slidingWindow,
+                   &p.numCoresDq, &p.numCoresDkv, &p.ubCapacity, &qkBits, &smBits);
+        std::memcpy(&p.qkScale, &qkBits, 4);
+        std::memcpy(&p.smScale, &smBits, 4);
+        FlashAttentionBwdTiling t{};
+        int status = ComputeBwdTiling(p, &t);
+        std::printf("status %d\n", status);
+        if (status != kTilingOk) return 0;
+        for (int i = 0; i < 15; ++i) std::printf("field s%d %lld\n", i, (long long)t.strides[i]);
+        for (unsigned i = 0; i < kBWsCount; ++i) std::printf("field ws_offset[%u] %llu\n", i,
+                                                             (unsigned long long)t.wsOffset[i]);
+#define B(name, field) std::printf("field " name " %lld\n", (long long)t.field)
+        B("ws_bytes_per_core", wsBytesPerCore); B("num_tokens", numTokens); B("num_heads", numHeads);
+        B("num_kv_heads", numKvHeads); B("group", group); B("head_size", headSize); B("block_d", blockD);
+        B("block_m", blockM); B("block_n", blockN); B("head_chunk", headChunk); B("block_q", blockQ);
+        B("num_chunks", numChunks); B("items_per_block", itemsPerBlock); B("num_seqs", numSeqs);
+        B("num_programs_dq", numProgramsDq); B("num_programs_dkv", numProgramsDkv); B("num_cores_dq", numCoresDq);
+        B("num_cores_dkv", numCoresDkv); B("dtype", dtype); B("elem_bytes", elemBytes); B("causal", causal);
+        B("has_window", hasWindow); B("sliding_window", slidingWindow); B("ub_bytes", ubBytes);
+        B("ub_capacity", ubCapacity); B("row_bytes", rowBytes); B("copy_bytes", copyBytes); B("ub_row_gap", ubRowGap);
+        std::printf("field qk_scale %u\nfield sm_scale %u\n", FloatBits(t.qkScale), FloatBits(t.smScale));
+        for (unsigned i = 0; i < kBUbCount; ++i) {
+            std::printf("field ub_offset[%u] %u\nfield ub_size[%u] %u\n", i, t.ubOffset[i], i, t.ubSize[i]);
+        }
+        return 0;
+    }
     FlashAttentionParams p{};
     long long in[12];
     for (long long& v : in) std::scanf("%lld", &v);
@@ -1017,3 +1070,97 @@ def test_backward_replay_detects_a_different_schedule(monkeypatch) -> None:
     assert not torch.equal(dq, other_dq)
     (_, dk, dv), (_, other_dk, other_dv) = _triton_and_replayed_backward(case, bwd_block_m=32)
     assert not torch.equal(dk, other_dk) and not torch.equal(dv, other_dv)
+
+
+# ----------------------------------------------------------------------------------------------
+# The backward's tiling: C++ header vs Python
+# ----------------------------------------------------------------------------------------------
+
+
+def _bwd_params(**change) -> tiling.FlashAttentionBwdParams:
+    query, key = torch.empty(300, 6, 80), torch.empty(300, 2, 80)
+    strides = (*query.stride()[:2], *key.stride()[:2], *key.stride()[:2], *query.stride()[:2])
+    strides += (*query.stride()[:2], *key.stride()[:2], *key.stride()[:2], 6)
+    base = {
+        "num_tokens": 300, "num_heads": 6, "num_kv_heads": 2, "head_size": 80, "num_seqs": 3, "block_m": 16,
+        "block_n": 32, "dtype": "bfloat16", "causal": True, "sliding_window": 0, "num_cores_dq": 40,
+        "num_cores_dkv": 38, "qk_scale": 80**-0.5 * 1.4426950408889634, "sm_scale": 80**-0.5, "strides": strides,
+    }  # fmt: skip
+    return tiling.FlashAttentionBwdParams(**{**base, **change})
+
+
+def _cpp_bwd_tiling(exe: Path, p: tiling.FlashAttentionBwdParams) -> tuple[int, dict[str, int]]:
+    bits = [struct.unpack("<I", struct.pack("<f", x))[0] for x in (p.qk_scale, p.sm_scale)]
+    numbers = [*p.strides, p.num_tokens, p.num_heads, p.num_kv_heads, p.head_size, p.num_seqs, p.block_m, p.block_n]
+    numbers += [tiling.DTYPE_CODES[p.dtype], int(p.causal), p.sliding_window, p.num_cores_dq, p.num_cores_dkv]
+    numbers += [p.ub_capacity, *bits]
+    status, fields = None, {}
+    for line in _run(exe, "bwd " + " ".join(map(str, numbers)) + "\n"):
+        kind, *rest = line.split()
+        if kind == "status":
+            status = int(rest[0])
+        else:
+            fields[rest[0]] = int(rest[1])
+    return status, fields
+
+
+def _python_bwd_fields(p: tiling.FlashAttentionBwdParams) -> dict[str, int]:
+    fields = tiling.compute_bwd_tiling(p)
+    out = {f"s{i}": fields.pop(name) for i, name in enumerate(tiling.BWD_STRIDE_FIELDS)}
+    for name in ("qk_scale", "sm_scale"):
+        out[name] = struct.unpack("<I", struct.pack("<f", fields.pop(name)))[0]
+    return {**out, **fields}
+
+
+@pytest.mark.parametrize(
+    "change",
+    [{}, {"dtype": "float32", "head_size": 128, "block_m": 32}, {"num_heads": 20, "num_kv_heads": 1, "head_size": 64},
+     {"dtype": "float16", "sliding_window": 40, "block_n": 16, "ub_capacity": 248 * 1024}],
+    ids=["bf16_h80_group3", "fp32_h128_m32", "group20_h64", "fp16_window"],
+)  # fmt: skip
+def test_cpp_and_python_backward_tilings_are_identical(driver: Path, change: dict) -> None:
+    params = _bwd_params(**change)
+    status, cpp = _cpp_bwd_tiling(driver, params)
+    assert status == 0
+    assert cpp == _python_bwd_fields(params)
+    # Negative control: another key tile is told apart.
+    assert cpp != _python_bwd_fields(_bwd_params(**{**change, "block_n": 16 if params.block_n != 16 else 32}))
+
+
+@pytest.mark.parametrize(
+    ("change", "status", "argument"),
+    [({"head_size": 20}, 1, "head_size"), ({"block_m": 128}, 3, "block_m"), ({"block_n": 48}, 4, "block_n"),
+     ({"num_cores_dkv": 0}, 8, "num_cores"), ({"ub_capacity": 32 * 1024}, 9, "unified buffer"),
+     ({"causal": False, "sliding_window": 8}, 7, "sliding_window")],
+)  # fmt: skip
+def test_bad_backward_arguments_are_refused_by_both(driver: Path, change: dict, status: int, argument: str) -> None:
+    params = _bwd_params(**change)
+    assert _cpp_bwd_tiling(driver, params)[0] == status
+    with pytest.raises(ValueError, match=argument):
+        tiling.compute_bwd_tiling(params)
+
+
+def test_backward_ranges_and_masks_cpp_match_python(driver: Path) -> None:
+    rng = random.Random(11)
+    ranges, masks = [], []
+    for _ in range(2000):
+        seq_len, bq, bn = rng.randrange(1, 200), rng.choice([1, 2, 4, 16, 32]), rng.choice([16, 32, 64])
+        causal = rng.random() < 0.8
+        window = rng.choice([0, 1, 7, 50]) if causal else 0
+        ranges.append((seq_len, rng.randrange(0, 1 + seq_len // min(bq, bn)), bq, bn, causal, window))
+        masks.append((rng.randrange(0, 220), rng.randrange(0, 200), rng.choice([16, 32, 64]), seq_len, causal, window))
+    text = f"ranges {len(ranges)}\n" + "\n".join(
+        f"{s} {b} {q} {n} {int(c)} {int(w > 0)} {w}" for s, b, q, n, c, w in ranges
+    )
+    cpp = [tuple(int(x) for x in line.split()) for line in _run(driver, text)]
+    python = [
+        (*tiling.bwd_key_tiles(s, b, q, n, c, w), *tiling.bwd_query_tiles(s, b, n, q, c, w))
+        for s, b, q, n, c, w in ranges
+    ]
+    assert cpp == python
+    text = f"qmask {len(masks)}\n" + "\n".join(
+        f"{k} {q} {m} {s} {int(c)} {int(w > 0)} {w}" for k, q, m, s, c, w in masks
+    )
+    cpp = [int(v) for v in _run(driver, text)]
+    assert cpp == [tiling.masked_queries(k, q, m, s, c, w) for k, q, m, s, c, w in masks]
+    assert cpp != [tiling.masked_queries(k, q, m, s, not c, 0) for k, q, m, s, c, w in masks]  # negative control

@@ -293,13 +293,9 @@ def simulate_forward(
     return out, torch.from_numpy(kernel.lse)
 
 
-def _visible(pos_q: np.ndarray, pos_k: np.ndarray, seq_len: int, causal: bool, window: int) -> np.ndarray:
-    visible = pos_k[None, :] < seq_len
-    if causal:
-        visible = visible & (pos_k[None, :] <= pos_q[:, None])
-    if window:
-        visible = visible & (pos_q[:, None] - pos_k[None, :] < window)
-    return visible
+def _bits_to_mask(bits: list[int], width: int) -> np.ndarray:
+    """Rows of masked-position bits (the kernel's ``Duplicate`` masks) as a boolean "visible" array."""
+    return np.array([[not (b >> j & 1) for j in range(width)] for b in bits], dtype=bool).reshape(len(bits), width)
 
 
 def simulate_backward(
@@ -370,10 +366,9 @@ def simulate_backward(
         q_tile, do_tile = rows_of(q, tokens, heads, valid), rows_of(do, tokens, heads, valid)
         lse_rows = np.where(valid, lse_np[np.where(valid, tokens, 0), np.where(valid, heads, 0)], np.float32(0))
         delta_rows = np.where(valid, delta_np[np.where(valid, tokens, 0), np.where(valid, heads, 0)], np.float32(0))
-        kv_end = min(seq_len, (block + 1) * block_q) if causal else seq_len
-        kv_begin = max(0, block * block_q - window + 1) if window else 0
+        first, kv_end = tiling.bwd_key_tiles(seq_len, block, block_q, bwd_block_n, causal, window)
         dq = np.zeros((bwd_block_m, block_d), np.float32)
-        for tile_start in range(kv_begin // bwd_block_n * bwd_block_n, kv_end, bwd_block_n):
+        for tile_start in range(first, kv_end, bwd_block_n):
             offs_n = tile_start + np.arange(bwd_block_n)
             kv_valid = offs_n < seq_len
             kv_tokens = start + offs_n
@@ -381,7 +376,14 @@ def simulate_backward(
             k_t = np.ascontiguousarray(rows_of(k, kv_tokens, kv_heads, kv_valid).T)
             v_t = np.ascontiguousarray(rows_of(v, kv_tokens, kv_heads, kv_valid).T)
             scores = ops.dot(q_tile, k_t, np.zeros((bwd_block_m, bwd_block_n), np.float32))
-            visible = _visible(offs_m, offs_n, seq_len, causal, window) & valid[:, None]
+            full = (1 << bwd_block_n) - 1
+            bits = [
+                tiling.masked_columns(int(offs_m[i]), tile_start, bwd_block_n, seq_len, causal, window)
+                if valid[i]
+                else full
+                for i in range(bwd_block_m)
+            ]
+            visible = _bits_to_mask(bits, bwd_block_n)
             p = np.where(visible, ops.exp2(scores * qk_scale - lse_rows[:, None]), np.float32(0))
             dp = ops.dot(do_tile, v_t, np.zeros((bwd_block_m, bwd_block_n), np.float32))
             ds = p * (dp - delta_rows[:, None])
@@ -399,13 +401,12 @@ def simulate_backward(
         kv_tokens = start + offs_n
         kv_heads = np.full(bwd_block_n, kv_head)
         k_tile, v_tile = rows_of(k, kv_tokens, kv_heads, kv_valid), rows_of(v, kv_tokens, kv_heads, kv_valid)
-        q_begin = block * bwd_block_n if causal else 0
-        q_end = min(seq_len, (block + 1) * bwd_block_n + window - 1) if window else seq_len
+        first, q_end = tiling.bwd_query_tiles(seq_len, block, bwd_block_n, bwd_block_m, causal, window)
         dk = np.zeros((bwd_block_n, block_d), np.float32)
         dv = np.zeros((bwd_block_n, block_d), np.float32)
         for g in range(group):
             head = kv_head * group + g
-            for q_start in range(q_begin // bwd_block_m * bwd_block_m, q_end, bwd_block_m):
+            for q_start in range(first, q_end, bwd_block_m):
                 offs_m = q_start + np.arange(bwd_block_m)
                 row_valid = offs_m < seq_len
                 tokens = start + offs_m
@@ -416,7 +417,11 @@ def simulate_backward(
                 lse_rows = np.where(row_valid, lse_np[safe, head], np.float32(0))
                 delta_rows = np.where(row_valid, delta_np[safe, head], np.float32(0))
                 scores_t = ops.dot(k_tile, q_t, np.zeros((bwd_block_n, bwd_block_m), np.float32))
-                visible_t = _visible(offs_m, offs_n, seq_len, causal, window).T & row_valid[None, :]
+                bits = [
+                    tiling.masked_queries(int(offs_n[j]), q_start, bwd_block_m, seq_len, causal, window)
+                    for j in range(bwd_block_n)
+                ]
+                visible_t = _bits_to_mask(bits, bwd_block_m)
                 p_t = np.where(visible_t, ops.exp2(scores_t * qk_scale - lse_rows[None, :]), np.float32(0))
                 dv = ops.dot(_cast(p_t, dtype), do_tile, dv)
                 dp_t = ops.dot(v_tile, do_tile.T, np.zeros((bwd_block_n, bwd_block_m), np.float32))

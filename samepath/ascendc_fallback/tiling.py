@@ -489,3 +489,191 @@ def schedule(
             )
         cores.append(items)
     return cores
+
+
+# ----------------------------------------------------------------------------------------------
+# Backward (training: contiguous KV, keys at their queries' positions)
+# ----------------------------------------------------------------------------------------------
+
+BWD_UB_BUFFERS = ("q", "do", "k", "v", "s", "dp", "cast", "acc0", "acc1", "res", "out", "rows", "brcb")
+BWD_WS_BUFFERS = ("q", "do", "k", "v", "cast", "s", "dp", "res")
+BWD_STRIDE_FIELDS = (
+    "stride_q_tok",
+    "stride_q_head",
+    "stride_k_tok",
+    "stride_k_head",
+    "stride_v_tok",
+    "stride_v_head",
+    "stride_do_tok",
+    "stride_do_head",
+    "stride_dq_tok",
+    "stride_dq_head",
+    "stride_dk_tok",
+    "stride_dk_head",
+    "stride_dv_tok",
+    "stride_dv_head",
+    "stride_lse_tok",
+)
+
+
+def bwd_key_tiles(
+    seq_len: int, block: int, block_q: int, block_n: int, causal: bool, sliding_window: int
+) -> tuple[int, int]:
+    """``(first_tile_start, kv_end)`` of the key tiles one dQ item (``block_q`` queries) visits."""
+    kv_end = min(seq_len, (block + 1) * block_q) if causal else seq_len
+    kv_begin = max(0, block * block_q - sliding_window + 1) if sliding_window > 0 else 0
+    return kv_begin // block_n * block_n, kv_end
+
+
+def bwd_query_tiles(
+    seq_len: int, key_block: int, block_n: int, block_m: int, causal: bool, sliding_window: int
+) -> tuple[int, int]:
+    """``(first_tile_start, q_end)`` of the query tiles one dK/dV item visits, per head of its group."""
+    q_begin = key_block * block_n if causal else 0
+    q_end = min(seq_len, (key_block + 1) * block_n + sliding_window - 1) if sliding_window > 0 else seq_len
+    return q_begin // block_m * block_m, q_end
+
+
+def masked_queries(pos_k: int, q_start: int, block_m: int, seq_len: int, causal: bool, sliding_window: int) -> int:
+    """Bit ``i`` set: the query at ``q_start + i`` cannot see the key at ``pos_k`` (its P^T entry is 0)."""
+    bits = 0
+    for i in range(block_m):
+        pos_q = q_start + i
+        visible = pos_k < seq_len and pos_q < seq_len
+        if causal and pos_k > pos_q:
+            visible = False
+        if sliding_window > 0 and pos_q - pos_k >= sliding_window:
+            visible = False
+        if not visible:
+            bits |= 1 << i
+    return bits
+
+
+def bwd_ub_sizes(head_size: int, block_m: int, block_n: int, dtype: str) -> tuple[int, ...]:
+    """Unified-buffer regions of the backward kernels (``BwdUbSizes``), in ``BWD_UB_BUFFERS`` order."""
+    elem, d = elem_bytes(dtype), padded_head_size(head_size)
+    m, n = block_m, block_n
+    r = max(m, n)
+    return (
+        align_up(m * d * elem, UB_ALIGN),
+        align_up(m * d * elem, UB_ALIGN),
+        align_up(n * d * elem, UB_ALIGN),
+        align_up(n * d * elem, UB_ALIGN),
+        align_up(m * n * 4, UB_ALIGN),
+        align_up(m * n * 4, UB_ALIGN),
+        align_up(m * n * elem, UB_ALIGN),
+        align_up(r * d * 4, UB_ALIGN),
+        align_up(n * d * 4, UB_ALIGN),
+        align_up(r * d * 4, UB_ALIGN),
+        align_up(r * d * elem, UB_ALIGN),
+        2 * align_up(m * 4, UB_ALIGN),
+        2 * m * 32,
+    )
+
+
+@dataclass(frozen=True)
+class FlashAttentionBwdParams:
+    """What the host knows at a backward launch (``FlashAttentionBwdParams``). Strides in elements."""
+
+    num_tokens: int
+    num_heads: int
+    num_kv_heads: int
+    head_size: int
+    num_seqs: int
+    block_m: int
+    block_n: int
+    dtype: str
+    causal: bool
+    sliding_window: int
+    num_cores_dq: int
+    num_cores_dkv: int
+    qk_scale: float
+    sm_scale: float
+    strides: tuple[int, ...] = (0,) * len(BWD_STRIDE_FIELDS)
+    ub_capacity: int = UB_BYTES
+
+
+def compute_bwd_tiling(params: FlashAttentionBwdParams) -> dict[str, int | float]:
+    """``ComputeBwdTiling`` of the header as ``field -> value`` (arrays as ``name[i]``); raises
+    ``ValueError`` naming the bad argument."""
+    if not MIN_HEAD_SIZE <= params.head_size <= MAX_HEAD_SIZE or params.head_size % HEAD_SIZE_MULTIPLE:
+        raise ValueError(f"head_size = {params.head_size} is not supported by the Ascend C attention backward")
+    if params.num_kv_heads <= 0 or params.num_heads <= 0 or params.num_heads % params.num_kv_heads:
+        raise ValueError(
+            f"num_heads = {params.num_heads} must be a positive multiple of num_kv_heads = {params.num_kv_heads}"
+        )
+    for name in ("block_m", "block_n"):
+        value = getattr(params, name)
+        if value < 16 or value > MAX_TILE_N or value & (value - 1):
+            raise ValueError(f"{name} = {value} must be a power of two from 16 to {MAX_TILE_N} for the backward")
+    if params.dtype not in DTYPE_CODES:
+        raise ValueError(f"dtype must be one of {sorted(DTYPE_CODES)}, got {params.dtype!r}")
+    if params.sliding_window < 0 or (params.sliding_window > 0 and not params.causal):
+        raise ValueError(f"sliding_window = {params.sliding_window} must be 0 (none) or positive with causal attention")
+    if params.num_cores_dq <= 0 or params.num_cores_dkv <= 0:
+        raise ValueError("num_cores_dq and num_cores_dkv must be positive")
+    sizes = bwd_ub_sizes(params.head_size, params.block_m, params.block_n, params.dtype)
+    if sum(sizes) > params.ub_capacity:
+        raise ValueError(
+            f"block_m = {params.block_m}, block_n = {params.block_n} with head_size = {params.head_size} need "
+            f"{sum(sizes)} bytes of unified buffer per core, more than {params.ub_capacity}"
+        )
+    elem, d = elem_bytes(params.dtype), padded_head_size(params.head_size)
+    m, n = params.block_m, params.block_n
+    ws_sizes = (
+        m * d * elem,
+        m * d * elem,
+        n * d * elem,
+        n * d * elem,
+        m * n * elem,
+        m * n * 4,
+        m * n * 4,
+        max(m, n) * d * 4,
+    )
+    out: dict[str, int | float] = dict(zip(BWD_STRIDE_FIELDS, params.strides, strict=True))
+    ws = 0
+    for i, size in enumerate(ws_sizes):
+        out[f"ws_offset[{i}]"] = ws
+        ws += align_up(size, WORKSPACE_ALIGN)
+    group = params.num_heads // params.num_kv_heads
+    chunk = head_chunk(group, m)
+    out.update(
+        ws_bytes_per_core=ws,
+        num_tokens=params.num_tokens,
+        num_heads=params.num_heads,
+        num_kv_heads=params.num_kv_heads,
+        group=group,
+        head_size=params.head_size,
+        block_d=d,
+        block_m=m,
+        block_n=n,
+        head_chunk=chunk,
+        block_q=m // chunk,
+        num_chunks=-(-group // chunk),
+        items_per_block=params.num_kv_heads * -(-group // chunk),
+        num_seqs=params.num_seqs,
+        num_programs_dq=num_programs(params.num_tokens, params.num_seqs, m // chunk),
+        num_programs_dkv=num_programs(params.num_tokens, params.num_seqs, n),
+        num_cores_dq=params.num_cores_dq,
+        num_cores_dkv=params.num_cores_dkv,
+        dtype=DTYPE_CODES[params.dtype],
+        elem_bytes=elem,
+        causal=int(bool(params.causal)),
+        has_window=int(params.sliding_window > 0),
+        sliding_window=params.sliding_window,
+        qk_scale=to_float32(params.qk_scale),
+        sm_scale=to_float32(params.sm_scale),
+    )
+    offset = 0
+    for i, size in enumerate(sizes):
+        out[f"ub_offset[{i}]"] = offset
+        out[f"ub_size[{i}]"] = size
+        offset += size
+    out.update(
+        ub_bytes=offset,
+        ub_capacity=params.ub_capacity,
+        row_bytes=align_up(m * 4, UB_ALIGN),
+        copy_bytes=params.head_size * elem,
+        ub_row_gap=(d * elem - align_up(params.head_size * elem, UB_ALIGN)) // UB_ALIGN,
+    )
+    return out

@@ -501,6 +501,266 @@ SAMEPATH_TILING_FN int32_t ComputeTiling(const FlashAttentionParams& params, Fla
     return kTilingOk;
 }
 
+// ---------------------------------------------------------------------------------------------
+// Backward (training: contiguous KV, each sequence's keys are its queries' positions)
+// ---------------------------------------------------------------------------------------------
+
+// dQ kernel: the key tiles one block of blockQ queries visits, [firstTileStart, kvEnd) in steps of
+// blockN (the Triton dQ kernel's loop).
+SAMEPATH_TILING_FN KvTileRange BwdKeyTiles(int64_t seqLen, int64_t block, uint32_t blockQ, uint32_t blockN,
+                                           uint32_t causal, uint32_t hasWindow, int64_t slidingWindow)
+{
+    int64_t kvEnd = seqLen;
+    if (causal != 0u) {
+        const int64_t blockEnd = (block + 1) * static_cast<int64_t>(blockQ);
+        kvEnd = seqLen < blockEnd ? seqLen : blockEnd;
+    }
+    int64_t kvBegin = 0;
+    if (hasWindow != 0u) {
+        const int64_t begin = block * static_cast<int64_t>(blockQ) - slidingWindow + 1;
+        kvBegin = begin > 0 ? begin : 0;
+    }
+    KvTileRange range;
+    range.firstTileStart = kvBegin / blockN * blockN;
+    range.kvEnd = kvEnd;
+    return range;
+}
+
+// dK/dV kernel: the query tiles of blockM positions one block of blockN keys visits, for each head of
+// its group, [firstTileStart, kvEnd) in steps of blockM (the Triton dK/dV kernel's loop).
+SAMEPATH_TILING_FN KvTileRange BwdQueryTiles(int64_t seqLen, int64_t keyBlock, uint32_t blockN, uint32_t blockM,
+                                             uint32_t causal, uint32_t hasWindow, int64_t slidingWindow)
+{
+    const int64_t qBegin = causal != 0u ? keyBlock * static_cast<int64_t>(blockN) : 0;
+    int64_t qEnd = seqLen;
+    if (hasWindow != 0u) {
+        const int64_t end = (keyBlock + 1) * static_cast<int64_t>(blockN) + slidingWindow - 1;
+        qEnd = seqLen < end ? seqLen : end;
+    }
+    KvTileRange range;
+    range.firstTileStart = qBegin / blockM * blockM;
+    range.kvEnd = qEnd;
+    return range;
+}
+
+// Bit i set: the query at position qStart + i cannot see the key at posK (past the sequence on either
+// side, after the query when causal, outside the window); its P^T entry becomes 0 by select.
+SAMEPATH_TILING_FN uint64_t MaskedQueries(int64_t posK, int64_t qStart, uint32_t blockM, int64_t seqLen,
+                                          uint32_t causal, uint32_t hasWindow, int64_t slidingWindow)
+{
+    uint64_t bits = 0u;
+    for (uint32_t i = 0u; i < blockM; ++i) {
+        const int64_t posQ = qStart + i;
+        bool visible = posK < seqLen && posQ < seqLen;
+        if (causal != 0u && posK > posQ) {
+            visible = false;
+        }
+        if (hasWindow != 0u && posQ - posK >= slidingWindow) {
+            visible = false;
+        }
+        if (!visible) {
+            bits |= 1ull << i;
+        }
+    }
+    return bits;
+}
+
+// Unified-buffer regions of one vector core in the backward kernels (R = rows of the item's tile:
+// block_m for dQ, block_n for dK/dV; C = the other tile side).
+enum BwdUbBuffer : uint32_t {
+    kBUbQ = 0u,   // [block_m, block_d] Q (input dtype)
+    kBUbDo,       // [block_m, block_d] dO
+    kBUbK,        // [block_n, block_d] K
+    kBUbV,        // [block_n, block_d] V
+    kBUbS,        // [block_m * block_n] fp32 scores, then P
+    kBUbDp,       // [block_m * block_n] fp32 dP, then dS
+    kBUbCast,     // [block_m * block_n] P or dS in the input dtype
+    kBUbAcc0,     // [max(block_m, block_n), block_d] fp32 dQ or dK
+    kBUbAcc1,     // [block_n, block_d] fp32 dV
+    kBUbRes,      // [max(block_m, block_n), block_d] fp32 result of a cube matmul
+    kBUbOut,      // [max(block_m, block_n), block_d] a gradient in the input dtype
+    kBUbRows,     // lse, delta: 2 fp32 vectors of block_m
+    kBUbBrcb,     // lse, delta broadcast per row (dQ): 2 x [block_m, 8] fp32
+    kBUbCount
+};
+
+// Per-vector-core workspace regions of the backward kernels (cube operands and results).
+enum BwdWsBuffer : uint32_t { kBWsQ = 0u, kBWsDo, kBWsK, kBWsV, kBWsCast, kBWsS, kBWsDp, kBWsRes, kBWsCount };
+
+struct FlashAttentionBwdParams {
+    int64_t strides[15];  // q, k, v, dO, dQ, dK, dV (token, head) pairs, then lse/delta token stride
+    uint32_t numTokens;
+    uint32_t numHeads;
+    uint32_t numKvHeads;
+    uint32_t headSize;
+    uint32_t numSeqs;
+    uint32_t blockM;  // bwd_block_m: query rows of a tile
+    uint32_t blockN;  // bwd_block_n: keys of a tile
+    uint32_t dtype;
+    uint32_t causal;
+    int32_t slidingWindow;
+    uint32_t numCoresDq;   // vector cores of the dQ launch
+    uint32_t numCoresDkv;  // vector cores of the dK/dV launch
+    uint32_t ubCapacity;
+    float qkScale;  // scale * log2(e), rounded once
+    float smScale;  // scale, rounded once
+};
+
+struct FlashAttentionBwdTiling {
+    int64_t strides[15];
+    uint64_t wsOffset[kBWsCount];
+    uint64_t wsBytesPerCore;
+    uint32_t numTokens;
+    uint32_t numHeads;
+    uint32_t numKvHeads;
+    uint32_t group;
+    uint32_t headSize;
+    uint32_t blockD;
+    uint32_t blockM;
+    uint32_t blockN;
+    uint32_t headChunk;
+    uint32_t blockQ;
+    uint32_t numChunks;
+    uint32_t itemsPerBlock;  // dQ items per block of blockQ queries: numKvHeads * numChunks
+    uint32_t numSeqs;
+    uint32_t numProgramsDq;   // upper bound of blocks of blockQ queries
+    uint32_t numProgramsDkv;  // upper bound of blocks of blockN keys
+    uint32_t numCoresDq;
+    uint32_t numCoresDkv;
+    uint32_t dtype;
+    uint32_t elemBytes;
+    uint32_t causal;
+    uint32_t hasWindow;
+    int32_t slidingWindow;
+    float qkScale;
+    float smScale;
+    uint32_t ubOffset[kBUbCount];
+    uint32_t ubSize[kBUbCount];
+    uint32_t ubBytes;
+    uint32_t ubCapacity;
+    uint32_t rowBytes;
+    uint32_t copyBytes;
+    uint32_t ubRowGap;
+};
+
+SAMEPATH_TILING_FN void BwdUbSizes(uint32_t headSize, uint32_t blockM, uint32_t blockN, uint32_t dtype,
+                                   uint64_t* sizes)
+{
+    const uint64_t elem = ElemBytes(dtype);
+    const uint64_t d = PaddedHeadSize(headSize);
+    const uint64_t m = blockM;
+    const uint64_t n = blockN;
+    const uint64_t r = m > n ? m : n;
+    sizes[kBUbQ] = AlignUp(m * d * elem, kUbAlign);
+    sizes[kBUbDo] = AlignUp(m * d * elem, kUbAlign);
+    sizes[kBUbK] = AlignUp(n * d * elem, kUbAlign);
+    sizes[kBUbV] = AlignUp(n * d * elem, kUbAlign);
+    sizes[kBUbS] = AlignUp(m * n * 4u, kUbAlign);
+    sizes[kBUbDp] = AlignUp(m * n * 4u, kUbAlign);
+    sizes[kBUbCast] = AlignUp(m * n * elem, kUbAlign);
+    sizes[kBUbAcc0] = AlignUp(r * d * 4u, kUbAlign);
+    sizes[kBUbAcc1] = AlignUp(n * d * 4u, kUbAlign);
+    sizes[kBUbRes] = AlignUp(r * d * 4u, kUbAlign);
+    sizes[kBUbOut] = AlignUp(r * d * elem, kUbAlign);
+    sizes[kBUbRows] = 2u * AlignUp(m * 4u, kUbAlign);
+    sizes[kBUbBrcb] = 2u * m * 32u;
+}
+
+SAMEPATH_TILING_FN uint32_t BwdUbBytesNeeded(uint32_t headSize, uint32_t blockM, uint32_t blockN, uint32_t dtype)
+{
+    uint64_t sizes[kBUbCount];
+    BwdUbSizes(headSize, blockM, blockN, dtype, sizes);
+    uint64_t total = 0u;
+    for (uint32_t i = 0u; i < kBUbCount; ++i) {
+        total += sizes[i];
+    }
+    return total > 0xffffffffull ? 0xffffffffu : static_cast<uint32_t>(total);
+}
+
+// Fills `tiling` for the backward; returns kTilingOk or the TilingStatus naming the bad argument.
+SAMEPATH_TILING_FN int32_t ComputeBwdTiling(const FlashAttentionBwdParams& params, FlashAttentionBwdTiling* tiling)
+{
+    if (params.headSize < kMinHeadSize || params.headSize > kMaxHeadSize || params.headSize % kHeadSizeMultiple != 0u) {
+        return kBadHeadSize;
+    }
+    if (params.numKvHeads == 0u || params.numHeads == 0u || params.numHeads % params.numKvHeads != 0u) {
+        return kBadNumHeads;
+    }
+    if (params.blockM < 16u || !IsPowerOfTwo(params.blockM) || params.blockM > kMaxTileN) {
+        return kBadBlockM;
+    }
+    if (params.blockN < 16u || !IsPowerOfTwo(params.blockN) || params.blockN > kMaxTileN) {
+        return kBadTileN;
+    }
+    if (params.dtype != kFloat32 && params.dtype != kBFloat16 && params.dtype != kFloat16) {
+        return kBadDtype;
+    }
+    if (params.slidingWindow < 0 || (params.slidingWindow > 0 && params.causal == 0u)) {
+        return kBadSlidingWindow;
+    }
+    if (params.numCoresDq == 0u || params.numCoresDkv == 0u) {
+        return kBadNumCores;
+    }
+    if (BwdUbBytesNeeded(params.headSize, params.blockM, params.blockN, params.dtype) > params.ubCapacity) {
+        return kUbOverflow;
+    }
+    FlashAttentionBwdTiling& t = *tiling;
+    for (uint32_t i = 0u; i < 15u; ++i) {
+        t.strides[i] = params.strides[i];
+    }
+    const uint32_t elem = ElemBytes(params.dtype);
+    const uint32_t d = PaddedHeadSize(params.headSize);
+    const uint64_t m = params.blockM;
+    const uint64_t n = params.blockN;
+    const uint64_t r = m > n ? m : n;
+    const uint64_t wsSize[kBWsCount] = {m * d * elem, m * d * elem, n * d * elem, n * d * elem,
+                                        m * n * elem, m * n * 4u,   m * n * 4u,   r * d * 4u};
+    uint64_t ws = 0u;
+    for (uint32_t i = 0u; i < kBWsCount; ++i) {
+        t.wsOffset[i] = ws;
+        ws += AlignUp(wsSize[i], kWorkspaceAlign);
+    }
+    t.wsBytesPerCore = ws;
+    t.numTokens = params.numTokens;
+    t.numHeads = params.numHeads;
+    t.numKvHeads = params.numKvHeads;
+    t.group = params.numHeads / params.numKvHeads;
+    t.headSize = params.headSize;
+    t.blockD = d;
+    t.blockM = params.blockM;
+    t.blockN = params.blockN;
+    t.headChunk = HeadChunk(t.group, params.blockM);
+    t.blockQ = params.blockM / t.headChunk;
+    t.numChunks = (t.group + t.headChunk - 1u) / t.headChunk;
+    t.itemsPerBlock = params.numKvHeads * t.numChunks;
+    t.numSeqs = params.numSeqs;
+    t.numProgramsDq = NumPrograms(params.numTokens, params.numSeqs, t.blockQ);
+    t.numProgramsDkv = NumPrograms(params.numTokens, params.numSeqs, params.blockN);
+    t.numCoresDq = params.numCoresDq;
+    t.numCoresDkv = params.numCoresDkv;
+    t.dtype = params.dtype;
+    t.elemBytes = elem;
+    t.causal = params.causal != 0u ? 1u : 0u;
+    t.hasWindow = params.slidingWindow > 0 ? 1u : 0u;
+    t.slidingWindow = params.slidingWindow;
+    t.qkScale = params.qkScale;
+    t.smScale = params.smScale;
+    uint64_t sizes[kBUbCount];
+    BwdUbSizes(params.headSize, params.blockM, params.blockN, params.dtype, sizes);
+    uint32_t ub = 0u;
+    for (uint32_t i = 0u; i < kBUbCount; ++i) {
+        t.ubOffset[i] = ub;
+        t.ubSize[i] = static_cast<uint32_t>(sizes[i]);
+        ub += t.ubSize[i];
+    }
+    t.ubBytes = ub;
+    t.ubCapacity = params.ubCapacity;
+    t.rowBytes = static_cast<uint32_t>(AlignUp(m * 4u, kUbAlign));
+    t.copyBytes = params.headSize * elem;
+    t.ubRowGap = static_cast<uint32_t>((d * elem - AlignUp(params.headSize * elem, kUbAlign)) / kUbAlign);
+    return kTilingOk;
+}
+
 }  // namespace samepath_ascendc
 
 #endif  // SAMEPATH_ASCENDC_FLASH_ATTENTION_TILING_H
