@@ -1164,3 +1164,100 @@ def test_backward_ranges_and_masks_cpp_match_python(driver: Path) -> None:
     cpp = [int(v) for v in _run(driver, text)]
     assert cpp == [tiling.masked_queries(k, q, m, s, c, w) for k, q, m, s, c, w in masks]
     assert cpp != [tiling.masked_queries(k, q, m, s, not c, 0) for k, q, m, s, c, w in masks]  # negative control
+
+
+# ----------------------------------------------------------------------------------------------
+# The Ascend C backward: launch convention, routing, and (on an NPU) the kernels
+# ----------------------------------------------------------------------------------------------
+
+
+def _bwd_launch_problems(kernel: str, host: str, cmake: str) -> list[str]:
+    """The backward kernels' launch convention (as :func:`_launch_problems` for the forward)."""
+    problems = []
+    signature = re.search(r'extern "C" __global__ __aicore__ void NAME\((.*?)\)', kernel, re.S)
+    params = [p.split()[-1] for p in signature.group(1).replace("\\", " ").split(",")] if signature else []
+    if [p for p in params if "orkspace" in p.lower()] != ["workspace"] or params[-2:] != ["workspace", "tiling"]:
+        problems.append(f"backward kernel parameters {params}")
+    if "SetSysWorkspace" in kernel or "GetUserWorkspace(workspace)" not in kernel:
+        problems.append("backward workspace not taken with GetUserWorkspace")
+    library = re.search(r"ascendc_library\(samepath_ascendc_kernels STATIC([^)]*)\)", cmake)
+    if not library or "flash_attention_bwd.cpp" not in library.group(1):
+        problems.append("flash_attention_bwd.cpp is not in the kernel library")
+    kernels = set(re.findall(r"SAMEPATH_FLASH_ATTENTION_BWD_KERNEL\((samepath_\w+), \w+, \w+\)", kernel))
+    launched = set()
+    for prefix in ("dq", "dkv"):
+        args = re.search(prefix + r"Args\[\] = \{(.*?)\};", host, re.S)
+        names = [a.strip() for a in args.group(1).split(",")] if args else []
+        if len(names) != len(params) or names[-2:] != [f"{prefix}Workspace.data_ptr()", f"{prefix}Tiling.data_ptr()"]:
+            problems.append(f"host {prefix}Args {names} do not match the kernel's {params}")
+        for name, passed in re.findall(
+            r"ACLRT_LAUNCH_KERNEL\((\w+)\)\(\s*blockDim" + prefix.capitalize() + r", stream,(.*?)\);", host, re.S
+        ):
+            launched.add(name)
+            if re.findall(prefix + r"Args\[(\d+)\]", passed) != [str(i) for i in range(len(names))]:
+                problems.append(f"{name} is not launched with {prefix}Args in order")
+    if launched != kernels or len(kernels) != 6:
+        problems.append(f"launched {sorted(launched)}, defined {sorted(kernels)}")
+    return problems
+
+
+def test_backward_launch_convention_matches_the_generated_wrapper() -> None:
+    kernel = (CSRC / "flash_attention_bwd.cpp").read_text()
+    _, host, cmake = _sources()
+    assert _bwd_launch_problems(kernel, host, cmake) == []
+    # Negative controls: a swapped launch argument and a kernel left out of the library are reported.
+    swapped = host.replace("dqWorkspace.data_ptr(), dqTiling.data_ptr()", "dqTiling.data_ptr(), dqWorkspace.data_ptr()")
+    assert swapped != host and _bwd_launch_problems(kernel, swapped, cmake)
+    dropped = cmake.replace("${CMAKE_CURRENT_SOURCE_DIR}/flash_attention_bwd.cpp", "")
+    assert dropped != cmake and _bwd_launch_problems(kernel, host, dropped)
+
+
+def test_backend_switch_routes_the_backward(monkeypatch) -> None:
+    """With ``ascendc`` the trainer's backward goes to the Ascend C kernels (here: refuses CPU tensors)."""
+    from samepath.kernels.attention import _attention_backward
+    from samepath.kernels.config import AttentionConfig
+
+    q, k, v, cu, _, _ = _small_inputs()
+    config = AttentionConfig(block_m=16, tile_n=32, seg=64)
+    lse = torch.zeros(q.shape[:2])
+    monkeypatch.setenv(loader.BACKEND_ENV, "ascendc")
+    with pytest.raises(RuntimeError, match="NPU tensors only"):
+        _attention_backward(q, k, v, q, lse, q, cu, 0.125, True, None, config)
+    with pytest.raises(ValueError, match="block_n"):
+        _attention_backward(q, k, v, q, lse, q, cu, 0.125, True, None, AttentionConfig(16, 32, 64, bwd_block_n=128))
+    monkeypatch.setenv(loader.BACKEND_ENV, "triton")
+    dq, _, _ = _attention_backward(q, k, v, q, lse, q, cu, 0.125, True, None, config)
+    assert dq.shape == q.shape
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_ascendc_kernel_backward_matches_fp64_and_is_deterministic(monkeypatch, dtype: torch.dtype) -> None:
+    """On the NPU: the Ascend C backward's gradients are close to fp64 autograd and bitwise the same run to run."""
+    reasons = loader.missing_requirements()
+    if reasons:
+        pytest.skip("needs CANN and an Ascend NPU: " + "; ".join(reasons))
+    monkeypatch.setenv(loader.BACKEND_ENV, "ascendc")
+    gen = torch.Generator().manual_seed(5)
+    lengths, heads, kv_heads, head = [37, 70], 4, 2, 128
+    cu = torch.tensor(_cumsum(lengths), dtype=torch.int32)
+    q, k, v, grad = (torch.randn(sum(lengths), h, head, generator=gen) for h in (heads, kv_heads, kv_heads, heads))
+    npu = torch.device("npu")
+
+    def grads() -> list[torch.Tensor]:
+        inputs = [t.to(dtype).to(npu).requires_grad_() for t in (q, k, v)]
+        out = samepath.varlen_attention(*inputs, cu.to(npu))
+        out.backward(grad.to(dtype).to(npu))
+        return [t.grad.cpu() for t in inputs]
+
+    first, second = grads(), grads()
+    assert all(torch.equal(a, b) for a, b in zip(first, second, strict=True))
+    ref_inputs = [t.to(dtype).double().requires_grad_() for t in (q, k, v)]
+    for start, end in zip(cu[:-1].tolist(), cu[1:].tolist(), strict=True):
+        qs, ks, vs = (t[start:end].transpose(0, 1) for t in ref_inputs)
+        ks, vs = ks.repeat_interleave(heads // kv_heads, 0), vs.repeat_interleave(heads // kv_heads, 0)
+        scores = (qs @ ks.transpose(1, 2)) * head**-0.5
+        scores = scores.masked_fill(torch.ones_like(scores, dtype=torch.bool).triu(1), float("-inf"))
+        (scores.softmax(-1) @ vs).transpose(0, 1).backward(grad[start:end].to(dtype).double())
+    tolerance = 5e-2 if dtype == torch.bfloat16 else 1e-4
+    for name, got, ref in zip(("dq", "dk", "dv"), first, ref_inputs, strict=True):
+        assert (got.double() - ref.grad).abs().max() < tolerance, name

@@ -1,4 +1,4 @@
-"""The Ascend C FlashAttention forward: the schedule of samepath's Triton attention kernel, in Ascend C.
+"""The Ascend C FlashAttention forward and backward: the schedules of samepath's Triton attention kernels.
 
 Selected with ``SAMEPATH_ATTENTION_BACKEND=ascendc`` (default ``triton``); see :mod:`.loader`. Sources:
 ``csrc/`` (CMake, needs CANN), built once per machine with ``python -m samepath.ascendc_fallback build``;
@@ -12,6 +12,7 @@ from samepath.ascendc_fallback.loader import (
     BUILD_COMMAND,
     BuildKey,
     attention_backend,
+    attention_backward,
     backend_fingerprint,
     build,
     check_schedule,
@@ -29,6 +30,7 @@ __all__ = [
     "BUILD_COMMAND",
     "BuildKey",
     "attention_backend",
+    "attention_backward",
     "backend_fingerprint",
     "build",
     "check_schedule",

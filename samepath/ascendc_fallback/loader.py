@@ -74,6 +74,13 @@ ASCENDC_SCHEDULE = (
     "anchored at 0, segments merged in ascending order, serial per work item"
 )
 
+ASCENDC_BACKWARD_SCHEDULE = (
+    "ascendc-fa-bwd-1: dQ items (block of bwd_block_m // head_chunk queries, KV head, head chunk) over key tiles "
+    "of bwd_block_n ascending; dK/dV items (block of bwd_block_n keys, KV head) over the group's heads in order and "
+    "query tiles of bwd_block_m ascending; P = where(visible, exp2(S * qk_scale - lse), 0), dS = P * (dP - delta), "
+    "operands cast to the input dtype, sums in fp32 by a vector Add, no atomics"
+)
+
 _lock = threading.Lock()
 _loaded_path: Path | None = None
 
@@ -101,6 +108,7 @@ def backend_fingerprint() -> dict[str, object]:
             "formula": ASCENDC_ATTENTION_FORMULA,
             "numerics": "ascendc-fa-fwd-2",
             "schedule": ASCENDC_SCHEDULE,
+            "backward": ASCENDC_BACKWARD_SCHEDULE,
         }
     return {"name": backend}
 
@@ -546,3 +554,68 @@ def launch_forward(
     )
     out.copy_(result)
     return lse
+
+
+def attention_backward(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    grad_out: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    scale: float,
+    causal: bool,
+    sliding_window: int | None,
+    config,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Drop-in for ``samepath.kernels.attention._attention_backward`` running the Ascend C backward: the
+    dQ kernel, then the dK/dV kernel (``config.bwd_block_m`` / ``bwd_block_n``), deterministic.
+
+    ``delta = (grad_out * out).sum(-1)`` in fp32 is computed here with torch, as the Triton launcher does.
+
+    Raises:
+        ValueError: tiles or head size the kernels cannot run (named).
+        RuntimeError: not NPU tensors, or the Ascend C backend cannot run here (says what is missing).
+    """
+    head_size = query.shape[-1]
+    dtype = _dtype_name(query.dtype)
+    tiling.compute_bwd_tiling(
+        tiling.FlashAttentionBwdParams(
+            num_tokens=query.shape[0],
+            num_heads=query.shape[1],
+            num_kv_heads=key.shape[1],
+            head_size=head_size,
+            num_seqs=max(cu_seqlens.numel() - 1, 0),
+            block_m=config.bwd_block_m,
+            block_n=config.bwd_block_n,
+            dtype=dtype,
+            causal=causal,
+            sliding_window=sliding_window or 0,
+            num_cores_dq=1,
+            num_cores_dkv=1,
+            qk_scale=scale,
+            sm_scale=scale,
+        )
+    )
+    if query.device.type != "npu":
+        raise RuntimeError(
+            f"{BACKEND_ENV}=ascendc runs attention on Ascend NPU tensors only; got tensors on {query.device}"
+        )
+    load()
+    delta = (grad_out.float() * out.float()).sum(-1)
+    dq, dk, dv = torch.ops.samepath_ascendc.flash_attention_bwd(
+        query,
+        key,
+        value,
+        grad_out,
+        lse,
+        delta,
+        cu_seqlens,
+        float(scale),
+        bool(causal),
+        int(sliding_window or 0),
+        int(config.bwd_block_m),
+        int(config.bwd_block_n),
+    )
+    return dq, dk, dv

@@ -29,6 +29,7 @@ import triton
 import triton.language as tl
 
 from samepath.ascendc_fallback.loader import attention_backend
+from samepath.ascendc_fallback.loader import attention_backward as ascendc_attention_backward
 from samepath.ascendc_fallback.loader import launch_forward as ascendc_launch_forward
 from samepath.kernels import grid, ub_fit
 from samepath.kernels.config import (
@@ -1255,6 +1256,10 @@ class VarlenAttentionFunction(torch.autograd.Function):
 def _attention_backward(
     query, key, value, out, lse, grad_out, cu_seqlens, scale, causal, sliding_window, config, plan=None
 ):
+    if attention_backend() == "ascendc":  # SAMEPATH_ATTENTION_BACKEND: never a silent fallback
+        return ascendc_attention_backward(
+            query, key, value, out, lse, grad_out, cu_seqlens, scale, causal, sliding_window, config
+        )
     num_tokens, num_heads, head_size = query.shape
     num_kv_heads = key.shape[1]
     delta = (grad_out.float() * out.float()).sum(-1)
