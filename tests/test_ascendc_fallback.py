@@ -10,15 +10,17 @@ exercised with a fake builder.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
+import multiprocessing
 import os
 import random
 import re
 import shutil
 import struct
 import subprocess
-import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -849,55 +851,44 @@ def test_schedule_guard_fails_closed() -> None:
         loader.check_schedule(loader.ASCENDC_SCHEDULE_VERSION + 1)
 
 
-_RACER = r"""
-import contextlib, os, sys, time
-from pathlib import Path
-from samepath.ascendc_fallback import loader
-root, index, count, mode = Path(sys.argv[1]), sys.argv[2], int(sys.argv[3]), sys.argv[4]
-if mode == "nolock":
-    loader.file_lock = lambda path: contextlib.nullcontext()
-def builder(directory, key):
-    with open(root / "builds.log", "a") as log:
-        log.write(index + "\n")
+def _fake_build(directory: Path, key: loader.BuildKey) -> None:
+    with open(directory.parent.parent / "builds.log", "a") as log:
+        log.write(f"{os.getpid()}\n")
     time.sleep(1.0)
-    (directory / loader.LIBRARY_NAME).write_text(index)
-key = loader.BuildKey(soc="Ascend910B3", cann="8.3.RC1", torch_npu="2.8.0", torch="2.8.0", sources="cd" * 32)
-(root / f"ready{index}").touch()
-while len(list(root.glob("ready*"))) < count:
-    time.sleep(0.01)
-print(loader.ensure_library(key, allow_build=True, root=root / "cache", builder=builder))
-"""
+    (directory / loader.LIBRARY_NAME).write_text(str(os.getpid()))
 
 
-def _race(tmp_path: Path, mode: str, count: int = 3) -> tuple[list[str], list[str]]:
-    root = tmp_path / mode
+def _racer(root: Path, barrier, results, locked: bool) -> None:
+    if not locked:
+        loader.file_lock = lambda path: contextlib.nullcontext()
+    barrier.wait()
+    try:
+        results.put(str(loader.ensure_library(_KEY, allow_build=True, root=root / "cache", builder=_fake_build)))
+    except Exception as error:  # an unlocked racer may trip over another's rename
+        results.put(f"error: {error}")
+
+
+def _race(root: Path, locked: bool, count: int = 3) -> tuple[list[str], list[str]]:
+    """``count`` forked processes call ``ensure_library`` on an empty cache at the same moment."""
+    context = multiprocessing.get_context("fork")
     root.mkdir()
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
-    procs = [
-        subprocess.Popen(
-            [sys.executable, "-c", _RACER, str(root), str(i), str(count), mode],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            env=env,
-        )
-        for i in range(count)
-    ]
-    outputs = []
+    barrier, results = context.Barrier(count), context.Queue()
+    procs = [context.Process(target=_racer, args=(root, barrier, results, locked)) for _ in range(count)]
     for proc in procs:
-        out, err = proc.communicate(timeout=300)
-        assert proc.returncode == 0 or mode == "nolock", err  # unlocked racers may also trip over each other
-        outputs.append(out.strip())
+        proc.start()
+    outputs = [results.get(timeout=120) for _ in procs]
+    for proc in procs:
+        proc.join(timeout=120)
+        assert proc.exitcode == 0
     return (root / "builds.log").read_text().split(), outputs
 
 
-@pytest.mark.slow
 def test_concurrent_processes_build_once(tmp_path) -> None:
-    builds, paths = _race(tmp_path, "lock")
+    builds, paths = _race(tmp_path / "locked", locked=True)
     assert len(builds) == 1
     assert len(set(paths)) == 1 and Path(paths[0]).read_text() == builds[0]
     # Negative control: without the lock every process builds.
-    builds, _ = _race(tmp_path, "nolock")
+    builds, _ = _race(tmp_path / "unlocked", locked=False)
     assert len(builds) > 1
 
 
