@@ -8,6 +8,7 @@
 #   bash bench/npu_check.sh --dry-run                 # list stages and budgets; check every Python entry
 #   OUT=/some/dir bash bench/npu_check.sh             # the real run (default OUT bench/results/npu-<time>)
 #   STAGES="setup bitwise" bash bench/npu_check.sh    # a subset; BENCH_ARGS / TUNE_ARGS / BITWISE_ARGS add arguments
+#   STAGES="setup ascendc" ASCENDC_BUDGET=400 bash bench/npu_check.sh   # a first Ascend C build can take minutes
 #
 # Never installs torch, torch_npu or triton: samepath goes in with `pip install --no-deps
 # --no-build-isolation -e .` (PYTHONPATH if that fails); optional wheels come in a carried .whl/
@@ -22,7 +23,7 @@
 DEVICE=npu
 KIND=Ascend
 STAGE_ORDER=(setup ascendc bitwise bench tune)
-declare -A BUDGET=([setup]=45 [ascendc]=90 [bitwise]=190 [bench]=115 [tune]=40)
+declare -A BUDGET=([setup]=45 [ascendc]=${ASCENDC_BUDGET:-90} [bitwise]=190 [bench]=115 [tune]=40)
 declare -A ABOUT=(
   [setup]="npu-smi and versions (torch_npu, Triton-Ascend, CANN) into the log; wheels; samepath --no-deps"
   [ascendc]="python -m samepath.ascendc_fallback build (SoC from the device), then its NPU tests (no build in them)"
