@@ -1,0 +1,143 @@
+"""Softmax and last-dimension sum / mean on the row-reduction schedule, for :func:`samepath.batch_invariant`.
+
+Models call these inside their forward (a MoE router's ``softmax(-1)``, a norm's ``mean(-1)``,
+a pooled ``sum(-1)``); torch's CPU and CUDA kernels pick their reduction split from the shape, so
+a row's bits can depend on how many rows share the call. Inside :func:`samepath.batch_invariant`
+these ``aten`` ops run here instead, with the schedule of :mod:`samepath.kernels.logprobs`: one
+program per row, ``row_reduce_config(device).vocab_chunk`` columns per step, folded serially in
+ascending column order in fp32. A row's result never depends on the other rows.
+
+* ``aten::_softmax(x, dim=-1, half_to_float)``: ``exp(z - lse)`` with ``z = x.to(fp32)`` and the
+  lse of :func:`samepath.kernels.logprobs.row_lse` (the bits :func:`samepath.log_softmax` uses),
+  then one cast to ``x.dtype`` unless ``half_to_float`` (or fp32 input).
+* ``aten::sum.dim_IntList(x, [-1], keepdim, dtype=None)``: the fp32 sum of each row, each chunk
+  summed by ``tl.sum`` then added to the running total; one cast to the result dtype.
+* ``aten::mean.dim(x, [-1], keepdim, dtype=None)``: that sum, IEEE-divided by the row length in
+  fp32, one cast.
+
+Every other form — another or several dimensions, integer or fp64 tensors, an fp64 ``dtype=``,
+empty rows — goes to torch's own ``.out`` kernel unchanged (those overloads are not overridden).
+Backward stays aten's derivative formulas (the overrides sit below autograd).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import triton.language as tl
+
+from samepath.kernels import grid
+from samepath.kernels.config import SUPPORTED_DTYPES, register_formula, row_reduce_config
+from samepath.kernels.dispatch import SUPPORTED_DEVICE_TYPES, jit
+from samepath.kernels.logprobs import row_lse, row_offsets
+from samepath.kernels.matmul import register_override
+
+REDUCTIONS_FORMULA = {
+    "schedule": "one program per row; vocab_chunk columns per step, serially in ascending column order, fp32",
+    "softmax": "exp(z - lse), z = x.to(fp32), lse = the logprobs row_lse (temperature 1); one cast",
+    "sum": "running fp32 total += tl.sum(chunk), chunk tail masked to 0; one cast to the result dtype",
+    "mean": "the sum IEEE-divided (div_rn) by the row length in fp32; one cast",
+    "scope": "last dimension of fp32/bf16/fp16 tensors with an fp32/bf16/fp16 result; torch's .out kernel otherwise",
+}
+register_formula("reductions", REDUCTIONS_FORMULA)
+
+
+@jit
+def _softmax_kernel(X, row_offsets, Out, num_rows, stride_v, V, CHUNK: tl.constexpr):
+    offs = tl.arange(0, CHUNK)
+    for row in range(tl.program_id(0), num_rows, tl.num_programs(0)):
+        row_ptr = X + tl.load(row_offsets + row)
+        lse, _ = row_lse(row_ptr, stride_v, V, 1.0, CHUNK, False)
+        out_row = Out + tl.cast(row, tl.int64) * V
+        for start in range(0, V, CHUNK):
+            cols = start + offs
+            z = tl.load(row_ptr + cols.to(tl.int64) * stride_v, mask=cols < V, other=0.0).to(tl.float32)
+            tl.store(out_row + cols, tl.exp(z - lse).to(Out.dtype.element_ty), mask=cols < V)
+
+
+@jit
+def _row_sum_kernel(X, row_offsets, Out, num_rows, stride_v, V, MEAN: tl.constexpr, CHUNK: tl.constexpr):
+    offs = tl.arange(0, CHUNK)
+    for row in range(tl.program_id(0), num_rows, tl.num_programs(0)):
+        row_ptr = X + tl.load(row_offsets + row)
+        total = tl.full([], 0.0, tl.float32)
+        for start in range(0, V, CHUNK):
+            cols = start + offs
+            chunk = tl.load(row_ptr + cols.to(tl.int64) * stride_v, mask=cols < V, other=0.0).to(tl.float32)
+            total = total + tl.sum(chunk, 0)
+        if MEAN:
+            lanes = tl.arange(0, 16)
+            quotient = tl.math.div_rn(tl.where(lanes == 0, total, 0.0), tl.where(lanes == 0, V * 1.0, 1.0))
+            total = tl.sum(quotient, 0)
+        tl.store(Out + row, total.to(Out.dtype.element_ty))
+
+
+def _covered(x: torch.Tensor, dims: Sequence[int] | None, result_dtype: torch.dtype | None) -> bool:
+    """Whether samepath computes this call: one reduced dimension, the last, of a non-empty
+    floating tensor on a samepath device with a floating result."""
+    if x.dim() == 0 or x.numel() == 0 or x.dtype not in SUPPORTED_DTYPES:
+        return False
+    if x.device.type not in SUPPORTED_DEVICE_TYPES:
+        return False
+    if result_dtype is not None and result_dtype not in SUPPORTED_DTYPES:
+        return False
+    return dims is not None and len(dims) == 1 and dims[0] in (-1, x.dim() - 1)
+
+
+def _launch(kernel, x: torch.Tensor, out: torch.Tensor, **constexprs) -> None:
+    offsets = row_offsets(x)
+    rows = offsets.numel()
+    config = row_reduce_config(x.device)
+    kernel[(grid.num_programs(rows, x.device),)](
+        x, offsets, out, rows, x.stride(-1), x.shape[-1],
+        CHUNK=config.vocab_chunk, num_warps=config.num_warps, **constexprs,
+    )  # fmt: skip
+
+
+def _softmax_override(input: torch.Tensor, dim: int, half_to_float: bool) -> torch.Tensor:
+    out_dtype = torch.float32 if half_to_float else input.dtype
+    if not _covered(input, [dim], out_dtype):
+        out = torch.empty(0, dtype=out_dtype, device=input.device)
+        return torch.ops.aten._softmax.out(input, dim, half_to_float, out=out)
+    out = torch.empty(input.shape, dtype=out_dtype, device=input.device)
+    with torch.no_grad():
+        _launch(_softmax_kernel, input, out)
+    return out
+
+
+def _reduced_shape(x: torch.Tensor, keepdim: bool) -> tuple[int, ...]:
+    return (*x.shape[:-1], 1) if keepdim else tuple(x.shape[:-1])
+
+
+def _sum_override(
+    input: torch.Tensor, dim: Sequence[int] | None, keepdim: bool = False, *, dtype: torch.dtype | None = None
+) -> torch.Tensor:
+    if not _covered(input, dim, dtype):
+        integral = not (input.is_floating_point() or input.is_complex())
+        result_dtype = dtype if dtype is not None else (torch.int64 if integral else input.dtype)
+        out = torch.empty(0, dtype=result_dtype, device=input.device)
+        return torch.ops.aten.sum.IntList_out(input, dim, keepdim, dtype=dtype, out=out)
+    out = torch.empty(_reduced_shape(input, keepdim), dtype=dtype or input.dtype, device=input.device)
+    with torch.no_grad():
+        _launch(_row_sum_kernel, input, out, MEAN=False)
+    return out
+
+
+def _mean_override(
+    input: torch.Tensor, dim: Sequence[int] | None, keepdim: bool = False, *, dtype: torch.dtype | None = None
+) -> torch.Tensor:
+    if not _covered(input, dim, dtype):
+        out = torch.empty(0, dtype=dtype or input.dtype, device=input.device)
+        return torch.ops.aten.mean.out(input, dim, keepdim, dtype=dtype, out=out)
+    out = torch.empty(_reduced_shape(input, keepdim), dtype=dtype or input.dtype, device=input.device)
+    with torch.no_grad():
+        _launch(_row_sum_kernel, input, out, MEAN=True)
+    return out
+
+
+register_override("_softmax", _softmax_override)
+register_override("sum.dim_IntList", _sum_override)
+register_override("mean.dim", _mean_override)
+
+__all__ = ["REDUCTIONS_FORMULA"]
