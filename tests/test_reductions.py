@@ -67,10 +67,6 @@ def test_results_and_dtypes_follow_torch() -> None:
 @pytest.mark.parametrize(
     "call",
     [
-        lambda x: x.sum(0),
-        lambda x: x.sum((0, 1)),
-        lambda x: x.mean(0, keepdim=True),
-        lambda x: torch.softmax(x, 0),
         lambda x: x.double().sum(-1),
         lambda x: x.double().mean(-1),
         lambda x: x.sum(-1, dtype=torch.float64),
@@ -78,6 +74,8 @@ def test_results_and_dtypes_follow_torch() -> None:
         lambda x: torch.arange(12).reshape(3, 4).sum(-1),
         lambda x: x[:, :0].sum(-1),
         lambda x: x[:0].softmax(-1),
+        lambda x: torch.tensor(2.0).softmax(0),
+        lambda x: x.int().sum(0),
     ],
 )
 def test_uncovered_forms_are_torchs_own(call) -> None:
@@ -88,6 +86,56 @@ def test_uncovered_forms_are_torchs_own(call) -> None:
     assert got.dtype == want.dtype and torch.equal(got, want)
 
 
+@pytest.mark.parametrize(
+    ("shape", "call", "kept"),
+    [
+        ((9, 40), lambda x: torch.softmax(x, 0), 1),
+        ((4, 9, 16), lambda x: torch.softmax(x, 1), 0),
+        ((4, 9, 16), lambda x: torch.softmax(x, -2), 2),
+        ((9, 40), lambda x: x.mean(0, keepdim=True), 1),
+        ((4, 9, 16), lambda x: x.sum(1), 0),
+        ((4, 9, 16), lambda x: x.mean((-1, 1)), 0),
+        ((4, 9, 16), lambda x: x.sum((1, 2), keepdim=True), 0),
+        ((4, 9, 16), lambda x: x.sum(), None),
+        ((4, 9, 16), lambda x: torch.mean(x, dim=[]), None),
+    ],
+)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_other_dimensions_are_rows_too(shape, call, kept: int | None, dtype: torch.dtype) -> None:
+    """Any reduced dimension(s): close to torch's result in fp64, the same shape, a contiguous
+    softmax; the result for one index of a kept dimension does not depend on the others."""
+    x = _rows(shape[0], int(torch.tensor(shape[1:]).prod()), dtype, seed=len(shape)).reshape(shape)
+    with samepath.batch_invariant():
+        got = call(x)
+        part = call(x.narrow(kept, 1, 1)) if kept is not None else None
+    want = call(x.double())
+    assert got.shape == want.shape and got.dtype == dtype and got.is_contiguous()
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got.double(), want, rtol=tol, atol=tol * max(1.0, want.abs().max().item()))
+    if part is not None:
+        assert torch.equal(part, got.narrow(kept, 1, 1)), "one slice alone differs from that slice of the batch"
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_softmax_half_to_float(dtype: torch.dtype) -> None:
+    x = _rows(6, 500, dtype, seed=6)
+    with samepath.batch_invariant():
+        got = torch.ops.aten._softmax(x, -1, True)
+        alone = torch.ops.aten._softmax(x[3:4], -1, True)
+    assert got.dtype == torch.float32 and torch.equal(alone, got[3:4])
+    torch.testing.assert_close(got.double(), torch.softmax(x.double(), -1), rtol=1e-5, atol=1e-6)
+
+
+def test_long_vocabulary_rows() -> None:
+    """A 151936-wide vocabulary (Qwen's): rows invariant, close to fp64."""
+    x = _rows(3, 151936, torch.bfloat16, seed=7)
+    with samepath.batch_invariant():
+        full = torch.softmax(x, -1, dtype=torch.float32)
+        alone = torch.softmax(x[1:2], -1, dtype=torch.float32)
+    assert torch.equal(alone, full[1:2])
+    torch.testing.assert_close(full.double(), torch.softmax(x.double(), -1), rtol=1e-5, atol=1e-9)
+
+
 def test_backward_is_torchs_formula() -> None:
     x = _rows(4, 50, torch.float32, seed=4).requires_grad_()
     with samepath.batch_invariant():
@@ -95,6 +143,13 @@ def test_backward_is_torchs_formula() -> None:
     ref = x.detach().clone().requires_grad_()
     (torch.softmax(ref, -1)[:, 3].sum() + ref.mean(-1).sum()).backward()
     torch.testing.assert_close(x.grad, ref.grad, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("call", [lambda x: x.sum(2), lambda x: x.mean((0, 0)), lambda x: torch.softmax(x, -3)])
+def test_invalid_dimensions_raise_torchs_error(call) -> None:
+    x = _rows(2, 8, torch.float32, seed=8)
+    with samepath.batch_invariant(), pytest.raises((IndexError, RuntimeError)):
+        call(x)
 
 
 def test_negative_control_another_chunk_changes_bits(monkeypatch: pytest.MonkeyPatch) -> None:

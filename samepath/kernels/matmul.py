@@ -776,8 +776,7 @@ def batch_invariant() -> Iterator[None]:
     back exactly. Nesting is safe (reference counted). The registration is process-wide: other
     threads see the routing while any block is open. The other ops' modules add theirs:
     ``aten::_log_softmax`` (:mod:`samepath.kernels.logprobs`), ``aten::_softmax``,
-    ``aten::sum.dim_IntList`` and ``aten::mean.dim`` over the last dimension
-    (:mod:`samepath.kernels.reductions`).
+    ``aten::sum.dim_IntList`` and ``aten::mean.dim`` (:mod:`samepath.kernels.reductions`).
     """
     global _routing_depth, _routing_library
     with _routing_lock:

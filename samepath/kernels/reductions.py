@@ -1,4 +1,4 @@
-"""Softmax and last-dimension sum / mean on the row-reduction schedule, for :func:`samepath.batch_invariant`.
+"""Softmax, sum and mean on the row-reduction schedule, for :func:`samepath.batch_invariant`.
 
 Models call these inside their forward (a MoE router's ``softmax(-1)``, a norm's ``mean(-1)``,
 a pooled ``sum(-1)``); torch's CPU and CUDA kernels pick their reduction split from the shape, so
@@ -7,17 +7,22 @@ these ``aten`` ops run here instead, with the schedule of :mod:`samepath.kernels
 program per row, ``row_reduce_config(device).vocab_chunk`` columns per step, folded serially in
 ascending column order in fp32. A row's result never depends on the other rows.
 
-* ``aten::_softmax(x, dim=-1, half_to_float)``: ``exp(z - lse)`` with ``z = x.to(fp32)`` and the
-  lse of :func:`samepath.kernels.logprobs.row_lse` (the bits :func:`samepath.log_softmax` uses),
-  then one cast to ``x.dtype`` unless ``half_to_float`` (or fp32 input).
-* ``aten::sum.dim_IntList(x, [-1], keepdim, dtype=None)``: the fp32 sum of each row, each chunk
-  summed by ``tl.sum`` then added to the running total; one cast to the result dtype.
-* ``aten::mean.dim(x, [-1], keepdim, dtype=None)``: that sum, IEEE-divided by the row length in
-  fp32, one cast.
+A "row" is the reduced dimension (softmax, or a single reduced dimension of sum / mean: a strided
+view, no copy), or the reduced dimensions of a multi-dimension sum / mean flattened in row-major
+order (a copy; no dimensions means all of them).
 
-Every other form — another or several dimensions, integer or fp64 tensors, an fp64 ``dtype=``,
-empty rows — goes to torch's own ``.out`` kernel unchanged (those overloads are not overridden).
-Backward stays aten's derivative formulas (the overrides sit below autograd).
+* ``aten::_softmax(x, dim, half_to_float)``: ``exp(z - lse)`` with ``z = x.to(fp32)`` and the
+  lse of :func:`samepath.kernels.logprobs.row_lse` (the bits :func:`samepath.log_softmax` uses),
+  then one cast to ``x.dtype`` unless ``half_to_float`` (or fp32 input); contiguous output.
+* ``aten::sum.dim_IntList(x, dims, keepdim, dtype)``: the fp32 sum of each row, each chunk summed
+  by ``tl.sum`` then added to the running total; one cast to the result dtype.
+* ``aten::mean.dim(x, dims, keepdim, dtype)``: that sum, IEEE-divided by the row length in fp32,
+  one cast.
+
+Integer, bool and fp64 tensors, an fp64 or integer ``dtype=``, 0-dimensional or empty tensors and
+invalid dimensions go to torch's own ``.out`` kernel unchanged (those overloads are not
+overridden; torch raises its own errors). Backward stays aten's derivative formulas (the overrides
+sit below autograd).
 """
 
 from __future__ import annotations
@@ -38,7 +43,8 @@ REDUCTIONS_FORMULA = {
     "softmax": "exp(z - lse), z = x.to(fp32), lse = the logprobs row_lse (temperature 1); one cast",
     "sum": "running fp32 total += tl.sum(chunk), chunk tail masked to 0; one cast to the result dtype",
     "mean": "the sum IEEE-divided (div_rn) by the row length in fp32; one cast",
-    "scope": "last dimension of fp32/bf16/fp16 tensors with an fp32/bf16/fp16 result; torch's .out kernel otherwise",
+    "rows": "the reduced dimension (strided view), several reduced dimensions flattened row-major (copy)",
+    "scope": "non-empty fp32/bf16/fp16 tensors with an fp32/bf16/fp16 result; torch's .out kernel otherwise",
 }
 register_formula("reductions", REDUCTIONS_FORMULA)
 
@@ -73,67 +79,91 @@ def _row_sum_kernel(X, row_offsets, Out, num_rows, stride_v, V, MEAN: tl.constex
         tl.store(Out + row, total.to(Out.dtype.element_ty))
 
 
-def _covered(x: torch.Tensor, dims: Sequence[int] | None, result_dtype: torch.dtype | None) -> bool:
-    """Whether samepath computes this call: one reduced dimension, the last, of a non-empty
-    floating tensor on a samepath device with a floating result."""
+def _normalized_dims(x: torch.Tensor, dims: Sequence[int] | int | None) -> list[int] | None:
+    """The reduced dimensions, sorted and non-negative (``None``/``[]``: all), or ``None`` when
+    they are invalid (torch's own kernel then raises its error)."""
+    ndim = x.dim()
+    if dims is None or (not isinstance(dims, int) and len(dims) == 0):
+        return list(range(ndim))
+    wanted = [dims] if isinstance(dims, int) else list(dims)
+    if any(not -ndim <= d < ndim for d in wanted):
+        return None
+    normal = sorted(d % ndim for d in wanted)
+    return normal if len(set(normal)) == len(normal) else None
+
+
+def _covered(x: torch.Tensor, result_dtype: torch.dtype | None) -> bool:
+    """Whether samepath computes this call: a non-empty fp32/bf16/fp16 tensor of at least one
+    dimension on a samepath device, with an fp32/bf16/fp16 result."""
     if x.dim() == 0 or x.numel() == 0 or x.dtype not in SUPPORTED_DTYPES:
         return False
     if x.device.type not in SUPPORTED_DEVICE_TYPES:
         return False
-    if result_dtype is not None and result_dtype not in SUPPORTED_DTYPES:
-        return False
-    return dims is not None and len(dims) == 1 and dims[0] in (-1, x.dim() - 1)
+    return result_dtype is None or result_dtype in SUPPORTED_DTYPES
 
 
-def _launch(kernel, x: torch.Tensor, out: torch.Tensor, **constexprs) -> None:
-    offsets = row_offsets(x)
+def _as_rows(x: torch.Tensor, dims: list[int]) -> torch.Tensor:
+    """``x`` with the reduced dimensions last, flattened into one in row-major order: a view for
+    one dimension (any stride), a copy when several must be merged."""
+    if len(dims) == 1:
+        return x if dims[0] == x.dim() - 1 else x.movedim(dims[0], -1)
+    kept = [d for d in range(x.dim()) if d not in dims]
+    return x.permute(*kept, *dims).reshape(*[x.shape[d] for d in kept], -1)
+
+
+def _launch(kernel, rows_view: torch.Tensor, out: torch.Tensor, **constexprs) -> None:
+    offsets = row_offsets(rows_view)
     rows = offsets.numel()
-    config = row_reduce_config(x.device)
-    kernel[(grid.num_programs(rows, x.device),)](
-        x, offsets, out, rows, x.stride(-1), x.shape[-1],
+    config = row_reduce_config(rows_view.device)
+    kernel[(grid.num_programs(rows, rows_view.device),)](
+        rows_view, offsets, out, rows, rows_view.stride(-1), rows_view.shape[-1],
         CHUNK=config.vocab_chunk, num_warps=config.num_warps, **constexprs,
     )  # fmt: skip
 
 
 def _softmax_override(input: torch.Tensor, dim: int, half_to_float: bool) -> torch.Tensor:
     out_dtype = torch.float32 if half_to_float else input.dtype
-    if not _covered(input, [dim], out_dtype):
+    dims = _normalized_dims(input, dim) if input.dim() > 0 else None
+    if dims is None or not _covered(input, out_dtype):
         out = torch.empty(0, dtype=out_dtype, device=input.device)
         return torch.ops.aten._softmax.out(input, dim, half_to_float, out=out)
-    out = torch.empty(input.shape, dtype=out_dtype, device=input.device)
+    rows = _as_rows(input, dims)
+    out = torch.empty(rows.shape, dtype=out_dtype, device=input.device)
     with torch.no_grad():
-        _launch(_softmax_kernel, input, out)
+        _launch(_softmax_kernel, rows, out)
+    return out if dims[0] == input.dim() - 1 else out.movedim(-1, dims[0]).contiguous()
+
+
+def _reduce(input: torch.Tensor, dims: list[int], keepdim: bool, dtype: torch.dtype | None, mean: bool):
+    rows = _as_rows(input, dims)
+    out = torch.empty(rows.shape[:-1], dtype=dtype or input.dtype, device=input.device)
+    with torch.no_grad():
+        _launch(_row_sum_kernel, rows, out, MEAN=mean)
+    if keepdim:
+        out = out.reshape([1 if d in dims else size for d, size in enumerate(input.shape)])
     return out
-
-
-def _reduced_shape(x: torch.Tensor, keepdim: bool) -> tuple[int, ...]:
-    return (*x.shape[:-1], 1) if keepdim else tuple(x.shape[:-1])
 
 
 def _sum_override(
     input: torch.Tensor, dim: Sequence[int] | None, keepdim: bool = False, *, dtype: torch.dtype | None = None
 ) -> torch.Tensor:
-    if not _covered(input, dim, dtype):
+    dims = _normalized_dims(input, dim)
+    if dims is None or not _covered(input, dtype):
         integral = not (input.is_floating_point() or input.is_complex())
         result_dtype = dtype if dtype is not None else (torch.int64 if integral else input.dtype)
         out = torch.empty(0, dtype=result_dtype, device=input.device)
         return torch.ops.aten.sum.IntList_out(input, dim, keepdim, dtype=dtype, out=out)
-    out = torch.empty(_reduced_shape(input, keepdim), dtype=dtype or input.dtype, device=input.device)
-    with torch.no_grad():
-        _launch(_row_sum_kernel, input, out, MEAN=False)
-    return out
+    return _reduce(input, dims, keepdim, dtype, mean=False)
 
 
 def _mean_override(
     input: torch.Tensor, dim: Sequence[int] | None, keepdim: bool = False, *, dtype: torch.dtype | None = None
 ) -> torch.Tensor:
-    if not _covered(input, dim, dtype):
+    dims = _normalized_dims(input, dim)
+    if dims is None or not _covered(input, dtype):
         out = torch.empty(0, dtype=dtype or input.dtype, device=input.device)
         return torch.ops.aten.mean.out(input, dim, keepdim, dtype=dtype, out=out)
-    out = torch.empty(_reduced_shape(input, keepdim), dtype=dtype or input.dtype, device=input.device)
-    with torch.no_grad():
-        _launch(_row_sum_kernel, input, out, MEAN=True)
-    return out
+    return _reduce(input, dims, keepdim, dtype, mean=True)
 
 
 register_override("_softmax", _softmax_override)
