@@ -170,3 +170,18 @@ def test_formula_is_in_the_fingerprint() -> None:
     from samepath.kernels.config import OP_FORMULAS
 
     assert OP_FORMULAS["reductions"] == reductions.REDUCTIONS_FORMULA
+
+
+def test_column_reduction_does_not_depend_on_the_layout(monkeypatch: pytest.MonkeyPatch) -> None:
+    """sum / mean over a non-last dimension: the same bits for a column-major copy of the same
+    values, for one column alone; another reduced-row tile changes them (negative control)."""
+    x = _rows(300, 70, torch.float32, seed=9)
+    column_major = x.t().contiguous().t()
+    with samepath.batch_invariant():
+        got = x.sum(0)
+        assert torch.equal(column_major.sum(0), got)
+        assert torch.equal(x[:, 33:34].sum(0), got[33:34])
+        assert torch.equal(x.mean(0), column_major.mean(0))
+    monkeypatch.setattr(reductions, "COLUMN_TILE_R", 16)
+    with samepath.batch_invariant():
+        assert not torch.equal(x.sum(0), got), "a different reduced-row tile must change some column"

@@ -7,9 +7,12 @@ these ``aten`` ops run here instead, with the schedule of :mod:`samepath.kernels
 program per row, ``row_reduce_config(device).vocab_chunk`` columns per step, folded serially in
 ascending column order in fp32. A row's result never depends on the other rows.
 
-A "row" is the reduced dimension (softmax, or a single reduced dimension of sum / mean: a strided
-view, no copy), or the reduced dimensions of a multi-dimension sum / mean flattened in row-major
-order (a copy; no dimensions means all of them).
+A "row" is the reduced dimension (softmax: a strided view, no copy; sum / mean over the last
+dimension), or the reduced dimensions of a multi-dimension sum / mean flattened in row-major order
+(a copy; no dimensions means all of them). A sum / mean over one other dimension runs a column
+kernel instead (coalesced loads, as a bias gradient's ``sum(0)`` needs): ``COLUMN_TILE_C`` columns
+per program, ``COLUMN_TILE_R`` reduced rows folded per step by ``tl.sum`` over the tile, ascending,
+fp32. Either way a result depends only on its own values and frozen tile sizes.
 
 * ``aten::_softmax(x, dim, half_to_float)``: ``exp(z - lse)`` with ``z = x.to(fp32)`` and the
   lse of :func:`samepath.kernels.logprobs.row_lse` (the bits :func:`samepath.log_softmax` uses),
@@ -30,6 +33,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
+import triton
 import triton.language as tl
 
 from samepath.kernels import grid
@@ -44,6 +48,8 @@ REDUCTIONS_FORMULA = {
     "sum": "running fp32 total += tl.sum(chunk), chunk tail masked to 0; one cast to the result dtype",
     "mean": "the sum IEEE-divided (div_rn) by the row length in fp32; one cast",
     "rows": "the reduced dimension (strided view), several reduced dimensions flattened row-major (copy)",
+    "columns": "sum/mean over one non-last dimension: [A, R, C] view, 64 columns per program, 64 reduced rows "
+    "per step folded by tl.sum over the tile, ascending, fp32; mean IEEE-divides by R",
     "scope": "non-empty fp32/bf16/fp16 tensors with an fp32/bf16/fp16 result; torch's .out kernel otherwise",
 }
 register_formula("reductions", REDUCTIONS_FORMULA)
@@ -77,6 +83,34 @@ def _row_sum_kernel(X, row_offsets, Out, num_rows, stride_v, V, MEAN: tl.constex
             quotient = tl.math.div_rn(tl.where(lanes == 0, total, 0.0), tl.where(lanes == 0, V * 1.0, 1.0))
             total = tl.sum(quotient, 0)
         tl.store(Out + row, total.to(Out.dtype.element_ty))
+
+
+@jit
+def _column_sum_kernel(
+    X, Out, num_tiles, C, R, stride_a, stride_r, stride_c, MEAN: tl.constexpr,
+    TILE_R: tl.constexpr, TILE_C: tl.constexpr,
+):  # fmt: skip
+    """Sum (or mean) over the middle axis of a logical ``[A, R, C]`` view: a program takes ``TILE_C``
+    columns of one ``a``, folds ``TILE_R`` reduced rows at a time (``tl.sum`` over the tile's first
+    axis), serially in ascending order, in fp32."""
+    col_tiles = tl.cdiv(C, TILE_C)
+    rows = tl.arange(0, TILE_R)
+    for tile in range(tl.program_id(0), num_tiles, tl.num_programs(0)):
+        a = tile // col_tiles
+        cols = (tile % col_tiles) * TILE_C + tl.arange(0, TILE_C)
+        base = X + tl.cast(a, tl.int64) * stride_a + cols.to(tl.int64)[None, :] * stride_c
+        total = tl.zeros([TILE_C], tl.float32)
+        for start in range(0, R, TILE_R):
+            r = start + rows
+            mask = (r[:, None] < R) & (cols[None, :] < C)
+            total += tl.sum(tl.load(base + r.to(tl.int64)[:, None] * stride_r, mask=mask, other=0.0).to(tl.float32), 0)
+        if MEAN:
+            total = tl.math.div_rn(total, tl.zeros([TILE_C], tl.float32) + R)
+        tl.store(Out + tl.cast(a, tl.int64) * C + cols, total.to(Out.dtype.element_ty), mask=cols < C)
+
+
+#: The column kernel's tile: reduced rows folded per step, columns per program.
+COLUMN_TILE_R, COLUMN_TILE_C = 64, 64
 
 
 def _normalized_dims(x: torch.Tensor, dims: Sequence[int] | int | None) -> list[int] | None:
@@ -121,6 +155,20 @@ def _launch(kernel, rows_view: torch.Tensor, out: torch.Tensor, **constexprs) ->
     )  # fmt: skip
 
 
+def _launch_columns(x: torch.Tensor, dim: int, out: torch.Tensor, mean: bool) -> None:
+    """``x`` as the logical ``[A, R, C]`` of a reduction over ``dim`` (A and C the dimensions
+    before and after it, flattened; a view when those flatten, else a copy)."""
+    before, after = x.shape[:dim], x.shape[dim + 1 :]
+    view = x.reshape(int(torch.Size(before).numel()), x.shape[dim], int(torch.Size(after).numel()))
+    a_size, r_size, c_size = view.shape
+    num_tiles = a_size * triton.cdiv(c_size, COLUMN_TILE_C)
+    config = row_reduce_config(x.device)
+    _column_sum_kernel[(grid.num_programs(num_tiles, x.device),)](
+        view, out, num_tiles, c_size, r_size, view.stride(0), view.stride(1), view.stride(2), MEAN=mean,
+        TILE_R=COLUMN_TILE_R, TILE_C=COLUMN_TILE_C, num_warps=config.num_warps,
+    )  # fmt: skip
+
+
 def _softmax_override(input: torch.Tensor, dim: int, half_to_float: bool) -> torch.Tensor:
     out_dtype = torch.float32 if half_to_float else input.dtype
     dims = _normalized_dims(input, dim) if input.dim() > 0 else None
@@ -135,10 +183,13 @@ def _softmax_override(input: torch.Tensor, dim: int, half_to_float: bool) -> tor
 
 
 def _reduce(input: torch.Tensor, dims: list[int], keepdim: bool, dtype: torch.dtype | None, mean: bool):
-    rows = _as_rows(input, dims)
-    out = torch.empty(rows.shape[:-1], dtype=dtype or input.dtype, device=input.device)
+    kept_shape = [size for d, size in enumerate(input.shape) if d not in dims]
+    out = torch.empty(kept_shape, dtype=dtype or input.dtype, device=input.device)
     with torch.no_grad():
-        _launch(_row_sum_kernel, rows, out, MEAN=mean)
+        if len(dims) == 1 and dims[0] < input.dim() - 1:
+            _launch_columns(input, dims[0], out, mean)
+        else:
+            _launch(_row_sum_kernel, _as_rows(input, dims), out, MEAN=mean)
     if keepdim:
         out = out.reshape([1 if d in dims else size for d, size in enumerate(input.shape)])
     return out
