@@ -339,6 +339,15 @@ def _rotary() -> None:
     _backward(apply_rotary(q, k, cos, sin), (q, k))
 
 
+def _reductions() -> None:
+    from samepath.kernels.matmul import batch_invariant
+
+    with batch_invariant():
+        torch.softmax(_empty(4096, 128, dtype=torch.float32), -1)  # a MoE router
+        _empty(4096, 4096).mean(-1)
+        _empty(4096, 4096).sum(0)  # a bias gradient
+
+
 #: The report's workloads: a Qwen3-8B-like layer (hidden 4096, 32 query / 8 KV heads of 128,
 #: intermediate 12288, vocabulary 151936) in bf16, training and rollout.
 REPORT_CASES: tuple[ReportCase, ...] = (
@@ -362,6 +371,9 @@ REPORT_CASES: tuple[ReportCase, ...] = (
     ),
     ReportCase("silu-mul", "silu_mul fwd+bwd, 4096 x 12288", _silu_mul),
     ReportCase("rotary", "apply_rotary fwd+bwd, 4096 positions, 32 q / 8 KV heads, head 128", _rotary),
+    ReportCase(
+        "reductions", "batch_invariant softmax 4096 x 128 fp32, mean(-1) and sum(0) of 4096 x 4096", _reductions
+    ),
 )
 
 #: Constexpr arguments shown per kernel in the report (the ones that pick a variant or a tile).

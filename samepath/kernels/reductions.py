@@ -48,7 +48,7 @@ REDUCTIONS_FORMULA = {
     "sum": "running fp32 total += tl.sum(chunk), chunk tail masked to 0; one cast to the result dtype",
     "mean": "the sum IEEE-divided (div_rn) by the row length in fp32; one cast",
     "rows": "the reduced dimension (strided view), several reduced dimensions flattened row-major (copy)",
-    "columns": "sum/mean over one non-last dimension: [A, R, C] view, 64 columns per program, 64 reduced rows "
+    "columns": "sum/mean over one non-last dimension: [A, R, C] view, 32 columns per program, 128 reduced rows "
     "per step folded by tl.sum over the tile, ascending, fp32; mean IEEE-divides by R",
     "scope": "non-empty fp32/bf16/fp16 tensors with an fp32/bf16/fp16 result; torch's .out kernel otherwise",
 }
@@ -110,7 +110,7 @@ def _column_sum_kernel(
 
 
 #: The column kernel's tile: reduced rows folded per step, columns per program.
-COLUMN_TILE_R, COLUMN_TILE_C = 64, 64
+COLUMN_TILE_R, COLUMN_TILE_C = 128, 32
 
 
 def _normalized_dims(x: torch.Tensor, dims: Sequence[int] | int | None) -> list[int] | None:
