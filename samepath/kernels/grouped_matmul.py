@@ -1,0 +1,174 @@
+"""Grouped expert GEMM: every expert's rows of a routed MoE layer in one launch, with the bits of
+one :func:`samepath.linear` per expert.
+
+A MoE layer with ``E`` experts and top-``k`` routing has ``P = tokens * k`` (token, expert) pairs.
+:func:`expert_plan` sorts the pairs by expert on the device (no host synchronisation) and cuts
+each expert's pairs into tiles of ``block_m`` rows; :func:`grouped_linear` runs one program per
+(row tile, column tile): the tile's rows are gathered through the plan, multiplied by that
+expert's weight with the K loop of :func:`samepath.kernels.matmul` (:func:`_k_piece`: the same
+``block_k`` tiles, ``k_split`` pieces added in piece order, the tile shapes of the frozen matmul
+table), and stored at each pair's own row. So pair ``p``'s output row has exactly the bits of
+``linear(x[src(p)], weight[expert(p)])`` computed alone or inside any batch: the per-expert loop
+and this kernel agree bit for bit (``tests/test_moe_grouped.py``), and neither depends on how
+many tokens share the launch.
+
+The grid is the static upper bound ``(cdiv(P, block_m) + E) * cdiv(N, block_n)`` work items of a
+persistent loop; items past the plan's real tiles return at once.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from samepath.kernels import grid
+from samepath.kernels.checks import check_operands
+from samepath.kernels.config import MatmulConfig, matmul_config
+from samepath.kernels.dispatch import jit
+from samepath.kernels.matmul import DOT_PRECISION, _k_piece
+
+
+@jit
+def _grouped_matmul_kernel(
+    X, W, Out, Order, TileExpert, TileStart, TileRows,
+    num_work, N, K, src_div,
+    stride_xm, stride_xk, stride_we, stride_wn, stride_wk, stride_om, stride_on,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_SPLIT: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):  # fmt: skip
+    """Out[p] = X[p // src_div] @ W[expert(p)]^T for the pairs ``p`` of each row tile of the plan."""
+    tiles_n = tl.cdiv(N, BLOCK_N)
+    piece_k = tl.cdiv(tl.cdiv(K, K_SPLIT), BLOCK_K) * BLOCK_K
+    for work in range(tl.program_id(0), num_work, tl.num_programs(0)):
+        tile_m = work // tiles_n
+        pid_n = work % tiles_n
+        expert = tl.load(TileExpert + tile_m)
+        if expert >= 0:
+            offs = tl.arange(0, BLOCK_M)
+            m_valid = offs < tl.load(TileRows + tile_m)
+            pairs = tl.load(Order + tl.load(TileStart + tile_m) + offs, mask=m_valid, other=0).to(tl.int64)
+            cols = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
+            n_valid = cols < N
+            a_rows = X + (pairs // src_div)[:, None] * stride_xm
+            b_cols = W + tl.cast(expert, tl.int64) * stride_we + cols[None, :] * stride_wn
+            total = _k_piece(
+                a_rows, b_cols, m_valid, n_valid, 0, K, piece_k, stride_xk, stride_wk,
+                BLOCK_M, BLOCK_N, BLOCK_K, K_SPLIT, DOT_PRECISION,
+            )  # fmt: skip
+            for part in tl.static_range(1, K_SPLIT):
+                total = total + _k_piece(
+                    a_rows, b_cols, m_valid, n_valid, part, K, piece_k, stride_xk, stride_wk,
+                    BLOCK_M, BLOCK_N, BLOCK_K, K_SPLIT, DOT_PRECISION,
+                )  # fmt: skip
+            tl.store(
+                Out + pairs[:, None] * stride_om + cols[None, :] * stride_on,
+                total.to(Out.dtype.element_ty),
+                mask=m_valid[:, None] & n_valid[None, :],
+            )
+
+
+@dataclass(frozen=True)
+class ExpertPlan:
+    """Device tensors describing the row tiles of a routed layer (built by :func:`expert_plan`).
+
+    ``order`` ``[P]``: pair indices (``token * top_k + slot``) sorted by expert, stable; per row
+    tile ``t`` (``num_tiles`` of them, a static upper bound): ``tile_expert[t]`` (-1 past the real
+    tiles), ``tile_start[t]`` (its first position in ``order``), ``tile_rows[t]`` (valid rows).
+    """
+
+    order: torch.Tensor
+    tile_expert: torch.Tensor
+    tile_start: torch.Tensor
+    tile_rows: torch.Tensor
+    num_pairs: int
+    top_k: int
+    block_m: int
+
+    @property
+    def num_tiles(self) -> int:
+        return self.tile_expert.numel()
+
+
+def expert_plan(top_k_index: torch.Tensor, num_experts: int, block_m: int) -> ExpertPlan:
+    """The row tiles of ``top_k_index`` ``[tokens, top_k]`` (expert ids in ``[0, num_experts)``),
+    ``block_m`` rows per tile, computed with device ops only."""
+    top_k = top_k_index.shape[1]
+    flat = top_k_index.reshape(-1).to(torch.int64)
+    num_pairs = flat.numel()
+    device = flat.device
+    order = torch.argsort(flat, stable=True).to(torch.int32)
+    counts = torch.bincount(flat, minlength=num_experts)[:num_experts]
+    tiles_per_expert = (counts + block_m - 1) // block_m
+    tile_end = torch.cumsum(tiles_per_expert, 0)
+    first_pair = torch.cumsum(counts, 0) - counts
+    num_tiles = triton.cdiv(num_pairs, block_m) + num_experts
+    tile = torch.arange(num_tiles, device=device)
+    expert = torch.searchsorted(tile_end, tile, right=True)
+    real = expert < num_experts
+    expert = torch.where(real, expert, 0)
+    within = tile - (tile_end[expert] - tiles_per_expert[expert])
+    start = first_pair[expert] + within * block_m
+    rows = torch.clamp(counts[expert] - within * block_m, 0, block_m)
+    return ExpertPlan(
+        order=order,
+        tile_expert=torch.where(real, expert, -1).to(torch.int32),
+        tile_start=torch.where(real, start, 0).to(torch.int32),
+        tile_rows=torch.where(real, rows, 0).to(torch.int32),
+        num_pairs=num_pairs,
+        top_k=top_k,
+        block_m=block_m,
+    )
+
+
+def grouped_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    plan: ExpertPlan,
+    *,
+    rows_per_pair: bool,
+    config: MatmulConfig | None = None,
+) -> torch.Tensor:
+    """``out[p] = x[src(p)] @ weight[expert(p)].T`` for every pair ``p`` of ``plan``; not differentiable.
+
+    Args:
+        x: ``[tokens, K]`` (``rows_per_pair=False``: pair ``p`` reads row ``p // top_k``) or
+            ``[P, K]`` (``rows_per_pair=True``: row ``p``).
+        weight: ``[E, N, K]`` (Hugging Face's ``gate_up_proj`` / ``down_proj``, vLLM's ``w13`` / ``w2``).
+        plan: from :func:`expert_plan` with ``block_m`` equal to the config's.
+        config: the matmul tiles; default the frozen table's for ``x``'s dtype and device.
+
+    Returns:
+        ``[P, N]`` in ``x.dtype``, each row bit-identical to the per-expert :func:`samepath.linear`.
+    """
+    dtype, device = check_operands(x=x, weight=weight)
+    if x.dim() != 2 or weight.dim() != 3 or weight.shape[2] != x.shape[1]:
+        raise ValueError(
+            f"x must be [rows, K] and weight [E, N, K] with the same K, got {tuple(x.shape)} and {tuple(weight.shape)}"
+        )
+    expected_rows = plan.num_pairs if rows_per_pair else plan.num_pairs // max(plan.top_k, 1)
+    if x.shape[0] != expected_rows:
+        raise ValueError(f"x has {x.shape[0]} rows; the plan needs {expected_rows}")
+    cfg = config or matmul_config(dtype, device)
+    if plan.block_m != cfg.block_m:
+        raise ValueError(f"plan.block_m = {plan.block_m} differs from the config's block_m = {cfg.block_m}")
+    n, k = weight.shape[1], weight.shape[2]
+    out = torch.empty((plan.num_pairs, n), dtype=dtype, device=device)
+    if plan.num_pairs == 0 or n == 0:
+        return out
+    if k == 0:
+        return out.zero_()
+    num_work = plan.num_tiles * triton.cdiv(n, cfg.block_n)
+    _grouped_matmul_kernel[(grid.num_programs(num_work, device, uses_dot=True, persistent=True),)](
+        x, weight, out, plan.order, plan.tile_expert, plan.tile_start, plan.tile_rows,
+        num_work, n, k, 1 if rows_per_pair else plan.top_k,
+        *x.stride(), *weight.stride(), *out.stride(),
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, K_SPLIT=cfg.k_split,
+        DOT_PRECISION=DOT_PRECISION, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )  # fmt: skip
+    return out
+
+
+__all__ = ["ExpertPlan", "expert_plan", "grouped_linear"]
