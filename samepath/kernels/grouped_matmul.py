@@ -33,7 +33,7 @@ from samepath.kernels.matmul import DOT_PRECISION, _k_piece
 
 @jit
 def _grouped_matmul_kernel(
-    X, W, Out, Order, TileExpert, TileStart, TileRows,
+    X, W, Out, Order, TileExpert, TileStart, TileRows, Scratch,
     num_work, N, K, src_div,
     stride_xm, stride_xk, stride_we, stride_wn, stride_wk, stride_om, stride_on,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_SPLIT: tl.constexpr,
@@ -54,15 +54,30 @@ def _grouped_matmul_kernel(
             n_valid = cols < N
             a_rows = X + (pairs // src_div)[:, None] * stride_xm
             b_cols = W + tl.cast(expert, tl.int64) * stride_we + cols[None, :] * stride_wn
-            total = _k_piece(
-                a_rows, b_cols, m_valid, n_valid, 0, K, piece_k, stride_xk, stride_wk,
-                BLOCK_M, BLOCK_N, BLOCK_K, K_SPLIT, DOT_PRECISION,
-            )  # fmt: skip
-            for part in tl.static_range(1, K_SPLIT):
-                total = total + _k_piece(
-                    a_rows, b_cols, m_valid, n_valid, part, K, piece_k, stride_xk, stride_wk,
+            if K_SPLIT == 1:
+                total = _k_piece(
+                    a_rows, b_cols, m_valid, n_valid, 0, K, piece_k, stride_xk, stride_wk,
                     BLOCK_M, BLOCK_N, BLOCK_K, K_SPLIT, DOT_PRECISION,
                 )  # fmt: skip
+            else:
+                # The running sum of the pieces waits in this program's fp32 scratch tile while the
+                # next piece's K loop runs (one live accumulator; stored and reloaded exactly).
+                at = (
+                    Scratch
+                    + (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)[:, None]) * BLOCK_N
+                    + tl.arange(0, BLOCK_N)[None, :]
+                )
+                for part in range(0, K_SPLIT):
+                    acc = _k_piece(
+                        a_rows, b_cols, m_valid, n_valid, part, K, piece_k, stride_xk, stride_wk,
+                        BLOCK_M, BLOCK_N, BLOCK_K, K_SPLIT, DOT_PRECISION,
+                    )  # fmt: skip
+                    if part > 0:
+                        acc = tl.load(at) + acc
+                    tl.store(at, acc)
+                    tl.debug_barrier()
+                total = tl.load(at)
+                tl.debug_barrier()
             tl.store(
                 Out + pairs[:, None] * stride_om + cols[None, :] * stride_on,
                 total.to(Out.dtype.element_ty),
@@ -161,8 +176,14 @@ def grouped_linear(
     if k == 0:
         return out.zero_()
     num_work = plan.num_tiles * triton.cdiv(n, cfg.block_n)
-    _grouped_matmul_kernel[(grid.num_programs(num_work, device, uses_dot=True, persistent=True),)](
-        x, weight, out, plan.order, plan.tile_expert, plan.tile_start, plan.tile_rows,
+    programs = grid.num_programs(num_work, device, uses_dot=True, persistent=True)
+    scratch = (
+        torch.empty((programs, cfg.block_m, cfg.block_n), dtype=torch.float32, device=device)
+        if cfg.k_split > 1
+        else out
+    )
+    _grouped_matmul_kernel[(programs,)](
+        x, weight, out, plan.order, plan.tile_expert, plan.tile_start, plan.tile_rows, scratch,
         num_work, n, k, 1 if rows_per_pair else plan.top_k,
         *x.stride(), *weight.stride(), *out.stride(),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, K_SPLIT=cfg.k_split,
