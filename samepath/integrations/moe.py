@@ -19,9 +19,9 @@ from __future__ import annotations
 
 import torch
 
-from samepath.kernels.config import SUPPORTED_DTYPES, matmul_config
+from samepath.kernels.config import SUPPORTED_DTYPES
 from samepath.kernels.dispatch import SUPPORTED_DEVICE_TYPES
-from samepath.kernels.grouped_matmul import expert_plan, grouped_linear
+from samepath.kernels.grouped_matmul import combine_in_expert_order, routed_pair_outputs
 from samepath.kernels.swiglu import silu_mul
 
 
@@ -96,23 +96,11 @@ def _grouped_applies(hidden_states, gate_up_proj, down_proj, top_k_weights) -> b
 
 def _experts_grouped(hidden_states, gate_up_proj, down_proj, top_k_index, top_k_weights) -> torch.Tensor:
     """The loop's bits in two grouped launches: pairs sorted by expert, each pair's rows through
-    its expert's projections (:func:`samepath.kernels.grouped_matmul.grouped_linear`), then each
-    token's weighted outputs added in ascending expert order in the activation dtype — the adds
-    ``index_add_`` makes when the loop visits the experts in order."""
-    tokens, top_k = top_k_index.shape
-    config = matmul_config(hidden_states.dtype, hidden_states.device)
-    plan = expert_plan(top_k_index, gate_up_proj.shape[0], config.block_m)
-    gate_up = grouped_linear(hidden_states, gate_up_proj, plan, rows_per_pair=False, config=config)
-    gate, up = gate_up.chunk(2, dim=-1)
-    expert_out = grouped_linear(silu_mul(gate, up), down_proj, plan, rows_per_pair=True, config=config)
-    expert_out = expert_out * top_k_weights.reshape(-1, 1)
-    by_expert = torch.argsort(top_k_index, dim=1, stable=True)
-    rows = (torch.arange(tokens, device=by_expert.device)[:, None] * top_k + by_expert).reshape(-1)
-    ordered = expert_out.to(hidden_states.dtype)[rows].view(tokens, top_k, -1)
-    out = torch.zeros_like(hidden_states)
-    for slot in range(top_k):
-        out = out + ordered[:, slot]
-    return out
+    its expert's projections (:func:`samepath.kernels.grouped_matmul.routed_pair_outputs`), then
+    each token's weighted outputs added in ascending expert order in the activation dtype — the
+    adds ``index_add_`` makes when the loop visits the experts in order."""
+    pairs = routed_pair_outputs(hidden_states, gate_up_proj, down_proj, top_k_index, top_k_weights)
+    return combine_in_expert_order(pairs, top_k_index)
 
 
 def _experts_loop(hidden_states, gate_up_proj, down_proj, top_k_index, top_k_weights) -> torch.Tensor:

@@ -29,6 +29,7 @@ from samepath.kernels.checks import check_operands
 from samepath.kernels.config import MatmulConfig, matmul_config
 from samepath.kernels.dispatch import jit
 from samepath.kernels.matmul import DOT_PRECISION, _k_piece
+from samepath.kernels.swiglu import silu_mul
 
 
 @jit
@@ -107,15 +108,17 @@ class ExpertPlan:
         return self.tile_expert.numel()
 
 
-def expert_plan(top_k_index: torch.Tensor, num_experts: int, block_m: int) -> ExpertPlan:
-    """The row tiles of ``top_k_index`` ``[tokens, top_k]`` (expert ids in ``[0, num_experts)``),
-    ``block_m`` rows per tile, computed with device ops only."""
+def expert_plan(top_k_index: torch.Tensor, num_experts: int, block_m: int, first_expert: int = 0) -> ExpertPlan:
+    """The row tiles of ``top_k_index`` ``[tokens, top_k]`` for experts ``first_expert ..
+    first_expert + num_experts - 1`` (an expert-parallel rank's; pairs routed elsewhere get no
+    tile), ``block_m`` rows per tile, computed with device ops only."""
     top_k = top_k_index.shape[1]
-    flat = top_k_index.reshape(-1).to(torch.int64)
+    flat = top_k_index.reshape(-1).to(torch.int64) - first_expert
+    flat = torch.where((flat >= 0) & (flat < num_experts), flat, num_experts)
     num_pairs = flat.numel()
     device = flat.device
     order = torch.argsort(flat, stable=True).to(torch.int32)
-    counts = torch.bincount(flat, minlength=num_experts)[:num_experts]
+    counts = torch.bincount(flat, minlength=num_experts + 1)[:num_experts]
     tiles_per_expert = (counts + block_m - 1) // block_m
     tile_end = torch.cumsum(tiles_per_expert, 0)
     first_pair = torch.cumsum(counts, 0) - counts
@@ -192,4 +195,39 @@ def grouped_linear(
     return out
 
 
-__all__ = ["ExpertPlan", "expert_plan", "grouped_linear"]
+def routed_pair_outputs(
+    hidden_states: torch.Tensor,
+    gate_up_proj: torch.Tensor,
+    down_proj: torch.Tensor,
+    top_k_index: torch.Tensor,
+    top_k_weights: torch.Tensor,
+    first_expert: int = 0,
+) -> torch.Tensor:
+    """Each (token, slot) pair's weighted SwiGLU expert output, ``[tokens * top_k, hidden]`` in
+    ``hidden_states.dtype``: ``(down(silu(gate) * up) * weight).to(dtype)`` with the per-expert
+    linear's bits, for the experts ``first_expert .. first_expert + E - 1`` of the given weights
+    (``E = gate_up_proj.shape[0]``); rows of pairs routed to other experts are 0."""
+    config = matmul_config(hidden_states.dtype, hidden_states.device)
+    plan = expert_plan(top_k_index, gate_up_proj.shape[0], config.block_m, first_expert)
+    gate_up = grouped_linear(hidden_states, gate_up_proj, plan, rows_per_pair=False, config=config)
+    gate, up = gate_up.chunk(2, dim=-1)
+    expert_out = grouped_linear(silu_mul(gate, up), down_proj, plan, rows_per_pair=True, config=config)
+    weighted = (expert_out * top_k_weights.reshape(-1, 1)).to(hidden_states.dtype)
+    local = top_k_index.reshape(-1, 1) - first_expert
+    return torch.where((local >= 0) & (local < gate_up_proj.shape[0]), weighted, 0)
+
+
+def combine_in_expert_order(pair_outputs: torch.Tensor, top_k_index: torch.Tensor) -> torch.Tensor:
+    """``[tokens, hidden]``: each token's ``top_k`` pair outputs added in ascending expert order in
+    their dtype, starting from 0 — the adds of a per-expert loop with ``index_add_``."""
+    tokens, top_k = top_k_index.shape
+    by_expert = torch.argsort(top_k_index, dim=1, stable=True)
+    rows = (torch.arange(tokens, device=by_expert.device)[:, None] * top_k + by_expert).reshape(-1)
+    ordered = pair_outputs[rows].view(tokens, top_k, -1)
+    out = torch.zeros((tokens, pair_outputs.shape[-1]), dtype=pair_outputs.dtype, device=pair_outputs.device)
+    for slot in range(top_k):
+        out = out + ordered[:, slot]
+    return out
+
+
+__all__ = ["ExpertPlan", "combine_in_expert_order", "expert_plan", "grouped_linear", "routed_pair_outputs"]
