@@ -1,7 +1,8 @@
 """samepath: bit-identical log-probabilities between the RL rollout engine and the trainer.
 
 The public surface is small: the kernels (one schedule for every caller), the
-:func:`batch_invariant` context that routes torch's own matmuls and log-softmax to them, and
+:func:`batch_invariant` context that routes torch's own matmuls, (log-)softmax, sum and mean
+to them, and
 :func:`fingerprint` / :func:`assert_same_numerics` to compare numerics between processes.
 See docs/numerics.md for the contract.
 """

@@ -72,6 +72,17 @@ the matching slice of the unsharded one and the input gradient is the same tenso
 applied inside the TP region to a rank's heads only, like Qwen3's per-head q/k norms, get a
 partial gradient per rank; summing those is the trainer's business and is not covered here.)
 
+**Expert parallelism** (a MoE layer's ``E`` experts split into ``k`` contiguous blocks of
+``E/k``, rank ``r`` holding experts ``r*E/k .. (r+1)*E/k - 1``; tokens and routing replicated).
+Each rank computes the weighted output of every (token, slot) pair routed to its experts with the
+grouped kernel (:func:`samepath.kernels.grouped_matmul.routed_pair_outputs`: a pair's row has the
+bits of its expert's linear whatever else is in the launch), the ranks ``all_gather`` those rows
+as raw bits, every rank takes each pair's row from the rank that owns its expert (a selection, no
+arithmetic), and each token's pairs are added in ascending expert order in the activation dtype
+(:func:`samepath.kernels.grouped_matmul.combine_in_expert_order`) — the one-process layer's adds.
+So EP = k equals EP = 1 bit for bit for every k, and a trainer and a rollout on different expert
+layouts agree (:func:`expert_parallel_experts`; forward only).
+
 **S is part of the numerics.** Trainer and rollout must agree on it:
 :func:`tensor_parallel_numerics` is the TP-dependent entry of the fingerprint, and
 :func:`assert_same_numerics_across_group` exchanges every rank's fingerprint and S with
@@ -96,6 +107,7 @@ from samepath.kernels.config import (
     tensor_parallel_numerics,
 )
 from samepath.kernels.dispatch import jit
+from samepath.kernels.grouped_matmul import combine_in_expert_order, routed_pair_outputs
 from samepath.kernels.logprobs import (
     IGNORE_INDEX,
     check_labels,
@@ -599,6 +611,52 @@ def column_parallel_linear(
 
 
 # ----------------------------------------------------------------------------------------------
+# Expert parallelism
+# ----------------------------------------------------------------------------------------------
+
+
+def expert_parallel_experts(
+    hidden_states: torch.Tensor,
+    gate_up_local: torch.Tensor,
+    down_local: torch.Tensor,
+    top_k_index: torch.Tensor,
+    top_k_weights: torch.Tensor,
+    num_experts: int,
+    group: dist.ProcessGroup | None = None,
+) -> torch.Tensor:
+    """A routed SwiGLU MoE layer over ``k`` expert-parallel ranks, bit-identical to the
+    one-process :func:`samepath.integrations.moe.experts_forward` (see the module docstring).
+
+    A collective: every rank of ``group`` calls it with the same ``hidden_states`` ``[tokens, H]``,
+    ``top_k_index`` / ``top_k_weights`` ``[tokens, top_k]`` and its own experts' weights
+    ``gate_up_local`` ``[E/k, 2I, H]`` and ``down_local`` ``[E/k, H, I]`` (rank ``r`` holds experts
+    ``r*E/k`` to ``(r+1)*E/k - 1``). Returns ``[tokens, H]`` in ``hidden_states.dtype`` on every
+    rank. Forward only: raises ``NotImplementedError`` when autograd would record the call.
+    """
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    if not isinstance(num_experts, int) or num_experts < 1 or num_experts % world:
+        raise ValueError(f"num_experts = {num_experts!r} must be a positive multiple of the group size {world}")
+    local = num_experts // world
+    if gate_up_local.dim() != 3 or gate_up_local.shape[0] != local or down_local.shape[0] != local:
+        raise ValueError(
+            f"gate_up_local {tuple(gate_up_local.shape)} and down_local {tuple(down_local.shape)} must hold this "
+            f"rank's {local} experts (num_experts {num_experts} over {world} ranks)"
+        )
+    if hidden_states.dim() != 2 or top_k_index.shape != top_k_weights.shape:
+        raise ValueError("hidden_states must be [tokens, H] and top_k_index / top_k_weights both [tokens, top_k]")
+    tensors = (hidden_states, gate_up_local, down_local, top_k_weights)
+    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+        raise NotImplementedError("expert_parallel_experts is forward only (no backward yet); call it under no_grad")
+    pairs = routed_pair_outputs(hidden_states, gate_up_local, down_local, top_k_index, top_k_weights, rank * local)
+    bits = pairs.contiguous().view(torch.uint8)  # raw bytes: every backend moves them exactly
+    gathered = [torch.empty_like(bits) for _ in range(world)]
+    dist.all_gather(gathered, bits, group=group)
+    owner = top_k_index.reshape(-1).to(torch.int64) // local
+    rows = torch.stack(gathered)[owner, torch.arange(owner.numel(), device=owner.device)]
+    return combine_in_expert_order(rows.view(pairs.dtype), top_k_index)
+
+
+# ----------------------------------------------------------------------------------------------
 # S in the fingerprint
 # ----------------------------------------------------------------------------------------------
 
@@ -634,6 +692,7 @@ __all__ = [
     "assert_same_numerics_across_group",
     "column_parallel_linear",
     "column_sharded_linear",
+    "expert_parallel_experts",
     "merge_shard_lse",
     "row_parallel_linear",
     "shard_lse",

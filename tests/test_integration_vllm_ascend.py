@@ -372,6 +372,9 @@ def _fake_tree(drop: str | None = None) -> dict[str, types.ModuleType]:
     attention.fences = []
     attention.record_attention_compute_start = lambda: attention.fences.append(1)
     modules["vllm_ascend.ascend_forward_context"]._EXTRA_CTX = types.SimpleNamespace(capturing=False)
+    prefetched: list[torch.Tensor] = []
+    prefetch = types.SimpleNamespace(maybe_prefetch_mlp_weight_postprocess=prefetched.append, calls=prefetched)
+    modules["vllm_ascend.utils"].get_weight_prefetch_method = lambda: prefetch
     backend = types.ModuleType("vllm.v1.attention.backend")
     backend.AttentionType = types.SimpleNamespace(DECODER="decoder")
     modules["vllm.v1.attention.backend"] = backend
@@ -416,6 +419,17 @@ def test_missing_module_and_v2_runner(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "1")
     with pytest.raises(vllm_ascend.UnsupportedVllmAscendError, match="VLLM_USE_V2_MODEL_RUNNER"):
         vllm_ascend.check_compatibility("0.23.0", _fake_tree().__getitem__)
+
+
+@pytest.mark.parametrize("value", ["1", " 1", "2"])
+def test_engine_batch_invariant_mode_is_refused(monkeypatch: pytest.MonkeyPatch, value: str) -> None:
+    """vllm-ascend's VLLM_BATCH_INVARIANT registers aten::mm / sum / softmax itself: refused, named."""
+    monkeypatch.delenv("VLLM_USE_V2_MODEL_RUNNER", raising=False)
+    monkeypatch.setenv("VLLM_BATCH_INVARIANT", value)
+    with pytest.raises(vllm_ascend.UnsupportedVllmAscendError, match=r"VLLM_BATCH_INVARIANT.*unset"):
+        vllm_ascend.check_compatibility("0.23.0", _fake_tree().__getitem__)
+    monkeypatch.setenv("VLLM_BATCH_INVARIANT", "0")
+    vllm_ascend.check_compatibility("0.23.0", _fake_tree().__getitem__)
 
 
 @pytest.fixture
@@ -546,8 +560,14 @@ def test_patched_ops_fake_tree(fake_vllm_ascend, monkeypatch: pytest.MonkeyPatch
     assert torch.equal(s, want_s) and torch.equal(y, want_y)
     assert torch.equal(s, x + residual), "the residual sum is rounded once, in the model dtype"
     assert torch.equal(norm.forward_oot(x), samepath.rms_norm(x, norm.weight, 1e-6))
-    norm.bias = torch.zeros(96, dtype=torch.bfloat16)
-    assert norm.forward_oot(x, residual) == "stock", "a norm with a bias keeps vllm-ascend's op"
+    prefetched = tree["vllm_ascend.utils"].get_weight_prefetch_method().calls
+    assert len(prefetched) == 1 and prefetched[0] is not x, "the norm without residual keeps the prefetch step"
+    norm.bias = torch.randn(96, generator=gen).to(torch.bfloat16)
+    with pytest.raises(NotImplementedError, match=r"norm bias.*SAMEPATH_ALLOW_UNCOVERED"):
+        norm.forward_oot(x, residual)
+    monkeypatch.setenv("SAMEPATH_ALLOW_UNCOVERED", "rms_norm")
+    assert norm.forward_oot(x, residual) == "stock", "opted out: vllm-ascend's op runs"
+    monkeypatch.delenv("SAMEPATH_ALLOW_UNCOVERED")
 
     act = tree["vllm_ascend.ops.activation"].AscendSiluAndMul()
     assert torch.equal(act.forward_oot(x), samepath.swiglu(x))
@@ -575,3 +595,16 @@ def test_patched_ops_fake_tree(fake_vllm_ascend, monkeypatch: pytest.MonkeyPatch
     sampler = tree["vllm.v1.sample.sampler"].Sampler
     logits = torch.randn(3, 1000, generator=gen)
     assert torch.equal(sampler.compute_logprobs(logits), samepath.log_softmax(logits))
+
+
+def test_vllm_install_refuses_engine_batch_invariant_mode(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The vLLM plugin refuses vLLM's own VLLM_BATCH_INVARIANT too, before patching anything."""
+    from samepath.integrations import _vllm_common
+    from samepath.integrations import vllm as vllm_plugin
+
+    if vllm_plugin.installed():
+        pytest.skip("samepath's vLLM plugin is already installed in this process")
+    monkeypatch.setenv("VLLM_BATCH_INVARIANT", "1")
+    with pytest.raises(_vllm_common.EngineBatchInvariantModeError, match="vLLM's own batch-invariant mode"):
+        vllm_plugin.install()
+    assert not vllm_plugin.installed() and not vllm_plugin.INSTALLED

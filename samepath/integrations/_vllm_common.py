@@ -3,6 +3,7 @@
 * :class:`Patcher` and :func:`apply_patch_groups`: reversible class-attribute patches under
   :func:`samepath.batch_invariant`.
 * :func:`claim` / :func:`release`: at most one vLLM integration installed per process.
+* :func:`check_engine_batch_invariant_mode`: vLLM's own batch-invariant mode is refused.
 * :func:`compute_logprobs`: the sampler's log-probs.
 * :class:`StepCache`: values derived from one step's attention metadata, built by the first
   layer that sees that metadata object and reused by the others.
@@ -40,6 +41,35 @@ FINGERPRINT_ENV_VAR = "SAMEPATH_EXPECT_FINGERPRINT"
 #: ``step`` (default): the first attention layer of each step checks the metadata's values (one
 #: device-to-host copy per step, skipped while a CUDA graph is captured); ``off``: never.
 VALIDATE_ENV_VAR = "SAMEPATH_VLLM_VALIDATE"
+#: vLLM's (and vllm-ascend's) own batch-invariant mode; vLLM reads it as ``bool(int(value))``.
+ENGINE_BATCH_INVARIANT_ENV_VAR = "VLLM_BATCH_INVARIANT"
+
+
+class EngineBatchInvariantModeError(RuntimeError):
+    """vLLM's own batch-invariant mode is on in a process where samepath is being installed."""
+
+
+def check_engine_batch_invariant_mode(engine: str) -> None:
+    """Refuse ``VLLM_BATCH_INVARIANT`` set to anything but ``0``.
+
+    That mode registers the engine's own kernels for ``aten::mm`` / ``addmm`` / ``matmul`` (and on
+    vllm-ascend ``aten::sum`` / ``softmax`` and its own ``npu_add_rms_norm``) on the dispatch keys
+    that :func:`samepath.batch_invariant` uses, so whichever library registers last would decide
+    the rollout's numerics. samepath makes the rollout batch-invariant itself.
+
+    Raises:
+        EngineBatchInvariantModeError: the variable is set to a non-zero value.
+    """
+    value = os.environ.get(ENGINE_BATCH_INVARIANT_ENV_VAR, "").strip()
+    if value in ("", "0"):
+        return
+    raise EngineBatchInvariantModeError(
+        f"{ENGINE_BATCH_INVARIANT_ENV_VAR}={value} turns on {engine}'s own batch-invariant mode, which registers "
+        "its kernels for aten::mm / addmm / matmul (vllm-ascend also aten::sum, softmax and npu_add_rms_norm) on "
+        "the same dispatch keys as samepath.batch_invariant(): whichever registers last would win and the rollout "
+        f"would not follow samepath's numerics. samepath already makes the rollout batch-invariant: unset "
+        f"{ENGINE_BATCH_INVARIANT_ENV_VAR} (or unset {ENV_VAR} to run {engine}'s mode without samepath)."
+    )
 
 
 def enabled_by_env() -> bool:

@@ -99,6 +99,7 @@ from samepath.integrations._vllm_common import (
     StepCache,
     apply_patch_groups,
     apply_rotary,
+    check_engine_batch_invariant_mode,
     claim,
     compute_logprobs,
     has_dense_weight,
@@ -136,11 +137,18 @@ def install() -> None:
 
     Must run before the model is built (vLLM binds CustomOp forwards and repacks linear weights
     at construction / load time); the entry point guarantees that in every process.
+
+    Raises:
+        EngineBatchInvariantModeError: ``VLLM_BATCH_INVARIANT`` is on (see
+            :func:`~samepath.integrations._vllm_common.check_engine_batch_invariant_mode`); nothing
+            is patched then.
+        samepath.NumericsMismatchError: ``SAMEPATH_EXPECT_FINGERPRINT`` is another samepath's.
     """
     global _stack, _expected_fingerprint, _tensor_parallel_checked
     with _lock:
         if _stack is not None:
             return
+        check_engine_batch_invariant_mode("vLLM")
         expected = os.environ.get(FINGERPRINT_ENV_VAR) or None
         if expected and tensor_parallel_size_of(expected, MAX_TENSOR_PARALLEL_SIZE) is None:
             assert_same_numerics(expected)  # another samepath version or table: refused now

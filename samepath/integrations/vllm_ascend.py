@@ -29,11 +29,13 @@ What :func:`install` replaces:
   :func:`samepath.write_kv_cache`), so vllm-ascend's KV-sharing and KV-transfer fences stay intact.
   Decoder self-attention only; ALiBi, sinks, a quantized KV cache, Hamming-sparse attention and
   graph capture are refused with a clear error. Encoder / cross attention keep vllm-ascend's path.
-* **RMSNorm** — ``AscendRMSNorm.forward_oot``: ``npu_add_rms_norm`` (fused add + norm) becomes
-  ``s = x + residual`` rounded to the model dtype, then the norm of ``s``
-  (:func:`samepath.rms_norm` with ``residual``, Hugging Face's rounding); ``npu_rms_norm``
-  becomes :func:`samepath.rms_norm`. Norms with a bias (anti-outlier quantization) keep
-  vllm-ascend's op.
+* **RMSNorm** — ``AscendRMSNorm.forward_oot``: the fused add + norm (``torch.ops._C_ascend.
+  npu_add_rms_norm_bias``, vllm-ascend's default when its custom ops are built, or
+  ``npu_add_rms_norm``) becomes ``s = x + residual`` rounded to the model dtype, then the norm of
+  ``s`` (:func:`samepath.rms_norm` with ``residual``, Hugging Face's rounding); ``npu_rms_norm``
+  becomes :func:`samepath.rms_norm`, followed by vllm-ascend's MLP weight-prefetch post-process
+  step as in the original. Norms with a bias (anti-outlier quantization), without a weight or with
+  a partial variance are refused at their first call (``SAMEPATH_ALLOW_UNCOVERED`` opts out).
 * **Rotary** — ``AscendRotaryEmbedding.forward_oot``, ``AscendYaRNRotaryEmbedding.forward_oot`` and
   vLLM's ``RotaryEmbeddingBase.forward`` (llama3, linear, dynamic NTK, longrope, which vllm-ascend
   does not override): cos/sin from :func:`samepath.rotary_cos_sin` with Hugging Face's parameters
@@ -52,6 +54,10 @@ What :func:`install` replaces:
 * **Sampler log-probs** — vLLM's ``Sampler.compute_logprobs`` (``AscendSampler`` inherits it):
   :func:`samepath.log_softmax` of the raw logits in fp32 (``raw_logprobs``, temperature 1). The
   trainer's equal is ``samepath.logprobs(logits, tokens)``.
+
+``VLLM_BATCH_INVARIANT=1`` (vllm-ascend's own batch-invariant mode) is refused: its ``aten::mm`` /
+``matmul`` / ``sum`` / ``softmax`` registrations and its ``npu_add_rms_norm`` patch would collide
+with samepath's, and whichever registered last would win.
 
 Limits: eager mode only (``enforce_eager=True``: ACL graphs replay captured kernels, and
 vllm-ascend's compile passes fuse qk-norm + rope and add + RMSNorm behind the patched ops), vLLM's
@@ -81,9 +87,11 @@ import torch
 
 from samepath.integrations._vllm_common import (
     FINGERPRINT_ENV_VAR,
+    EngineBatchInvariantModeError,
     Patcher,
     StepCache,
     apply_patch_groups,
+    check_engine_batch_invariant_mode,
     claim,
     compute_logprobs,
     has_dense_weight,
@@ -124,6 +132,7 @@ REQUIRED_API: dict[str, tuple[str, ...]] = {
     ),
     "vllm_ascend.ascend_forward_context": ("_EXTRA_CTX",),
     "vllm_ascend.ops.layernorm": ("AscendRMSNorm.forward_oot",),
+    "vllm_ascend.utils": ("get_weight_prefetch_method",),
     "vllm_ascend.ops.activation": ("AscendSiluAndMul.forward_oot",),
     "vllm_ascend.ops.rotary_embedding": ("AscendRotaryEmbedding.forward_oot",),
     "vllm_ascend.ops.linear": (
@@ -198,7 +207,9 @@ def check_compatibility(
 
     Raises:
         UnsupportedVllmAscendError: vllm-ascend is missing, its major.minor is not in
-            :data:`SUPPORTED_VERSIONS`, V2 model runner is on, or a class, method or
+            :data:`SUPPORTED_VERSIONS`, ``VLLM_BATCH_INVARIANT`` (vllm-ascend's own batch-invariant
+            mode, whose ``aten`` registrations would collide with samepath's) or the V2 model
+            runner is on, or a class, method or
             ``AscendMetadata`` field of :data:`REQUIRED_API` / :data:`METADATA_FIELDS` is absent
             (every missing name is listed).
     """
@@ -211,6 +222,10 @@ def check_compatibility(
             f"samepath's vllm-ascend integration supports vllm-ascend {supported} (written against "
             f"{SOURCE_REF}); found {version}. Unset SAMEPATH_VLLM or install a supported vllm-ascend."
         )
+    try:
+        check_engine_batch_invariant_mode("vllm-ascend")
+    except EngineBatchInvariantModeError as exc:
+        raise UnsupportedVllmAscendError(str(exc)) from None
     if os.environ.get("VLLM_USE_V2_MODEL_RUNNER", "0").strip().lower() not in ("", "0", "false"):
         raise UnsupportedVllmAscendError(
             "samepath's vllm-ascend integration covers vLLM's V1 model runner only; unset VLLM_USE_V2_MODEL_RUNNER"
@@ -605,21 +620,49 @@ def _patch_attention(patcher: _Patcher) -> bool:
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 
 
+def _norm_variant(norm: Any, x: torch.Tensor) -> str | None:
+    """Why samepath's norm does not implement this ``AscendRMSNorm`` call, or ``None``."""
+    if getattr(norm, "bias", None) is not None:
+        return "a norm bias (anti-outlier quantization: npu_add_rms_norm_bias with a bias)"
+    if not getattr(norm, "has_weight", True):
+        return "a norm without a weight"
+    if getattr(norm, "variance_size_override", None) is not None:
+        return "variance over part of the hidden size (variance_size_override)"
+    if x.dtype not in _FLOATS or norm.weight.dtype != x.dtype:
+        return f"input {x.dtype} with weight {norm.weight.dtype}"
+    return None
+
+
 def _patch_rms_norm(patcher: _Patcher) -> bool:
+    """``AscendRMSNorm.forward_oot``: vllm-ascend's default path is
+    ``torch.ops._C_ascend.npu_add_rms_norm_bias`` (custom ops built) or ``npu_add_rms_norm`` with a
+    residual, ``npu_rms_norm`` without; both become :func:`samepath.rms_norm`. Without a residual,
+    vllm-ascend's weight-prefetch post-process step runs after the norm as in the original. A norm
+    samepath does not implement (:func:`_norm_variant`) raises ``NotImplementedError`` at its first
+    call, unless ``SAMEPATH_ALLOW_UNCOVERED`` names ``rms_norm`` / ``AscendRMSNorm`` / ``all``:
+    then vllm-ascend's op runs (off samepath's contract)."""
     from vllm_ascend.ops.layernorm import AscendRMSNorm
 
+    from samepath.integrations.audit import ALLOW_ENV_VAR, allowed_names
+
+    prefetch_method = getattr(optional_module("vllm_ascend.utils"), "get_weight_prefetch_method", lambda: None)
+
     def forward_oot(self, x: torch.Tensor, residual: torch.Tensor | None = None):
-        plain = (
-            getattr(self, "has_weight", True)
-            and getattr(self, "bias", None) is None
-            and getattr(self, "variance_size_override", None) is None
-            and x.dtype in _FLOATS
-            and self.weight.dtype == x.dtype
-        )
-        if not plain:
+        variant = _norm_variant(self, x)
+        if variant is not None:
+            if not {"all", "rms_norm", "AscendRMSNorm"} & set(allowed_names()):
+                raise NotImplementedError(
+                    f"samepath's vllm-ascend RMSNorm does not implement {variant}; the rollout would run "
+                    f"vllm-ascend's op and differ from the trainer. Set {ALLOW_ENV_VAR}=rms_norm to run it "
+                    "anyway (off samepath's contract), or unset SAMEPATH_VLLM."
+                )
             return _original(AscendRMSNorm, "forward_oot")(self, x, residual)
         if residual is None:
-            return rms_norm(x, self.weight.data, self.variance_epsilon)
+            out = rms_norm(x, self.weight.data, self.variance_epsilon)
+            prefetch = prefetch_method()
+            if prefetch is not None:
+                prefetch.maybe_prefetch_mlp_weight_postprocess(out)
+            return out
         if residual.shape[0] != x.shape[0]:  # sequence-parallel: this rank's chunk, as vllm-ascend takes it
             residual = torch.ops.vllm.maybe_chunk_residual(x, residual)
         return rms_norm(x, self.weight.data, self.variance_epsilon, residual=residual)

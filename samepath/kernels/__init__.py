@@ -4,6 +4,7 @@ from samepath.kernels.attention import paged_attention, varlen_attention, write_
 from samepath.kernels.config import AttentionConfig, MatmulConfig, attention_config, fingerprint, matmul_config
 from samepath.kernels.logprobs import log_softmax, token_logprobs
 from samepath.kernels.matmul import batch_invariant, linear, matmul, register_override
+from samepath.kernels.reductions import REDUCTIONS_FORMULA  # noqa: F401  (registers softmax / sum / mean overrides)
 from samepath.kernels.rms_norm import rms_norm
 from samepath.kernels.rotary import apply_rotary, rotary_cos_sin
 from samepath.kernels.swiglu import silu_mul, swiglu

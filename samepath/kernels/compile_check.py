@@ -339,6 +339,25 @@ def _rotary() -> None:
     _backward(apply_rotary(q, k, cos, sin), (q, k))
 
 
+def _moe_grouped() -> None:
+    from samepath.kernels.grouped_matmul import expert_plan, grouped_linear
+
+    tokens, experts, top_k = 4096, 128, 8
+    index = torch.arange(tokens * top_k).reshape(tokens, top_k) % experts
+    plan = expert_plan(index, experts, config_module.matmul_config(torch.bfloat16, "cuda").block_m)
+    gate_up = grouped_linear(_empty(tokens, 2048), _empty(experts, 1536, 2048), plan, rows_per_pair=False)
+    grouped_linear(gate_up[:, :768].contiguous(), _empty(experts, 2048, 768), plan, rows_per_pair=True)
+
+
+def _reductions() -> None:
+    from samepath.kernels.matmul import batch_invariant
+
+    with batch_invariant():
+        torch.softmax(_empty(4096, 128, dtype=torch.float32), -1)  # a MoE router
+        _empty(4096, 4096).mean(-1)
+        _empty(4096, 4096).sum(0)  # a bias gradient
+
+
 #: The report's workloads: a Qwen3-8B-like layer (hidden 4096, 32 query / 8 KV heads of 128,
 #: intermediate 12288, vocabulary 151936) in bf16, training and rollout.
 REPORT_CASES: tuple[ReportCase, ...] = (
@@ -362,6 +381,14 @@ REPORT_CASES: tuple[ReportCase, ...] = (
     ),
     ReportCase("silu-mul", "silu_mul fwd+bwd, 4096 x 12288", _silu_mul),
     ReportCase("rotary", "apply_rotary fwd+bwd, 4096 positions, 32 q / 8 KV heads, head 128", _rotary),
+    ReportCase(
+        "moe-grouped",
+        "grouped expert GEMMs, 4096 tokens x top-8 of 128 experts, hidden 2048, intermediate 768",
+        _moe_grouped,
+    ),
+    ReportCase(
+        "reductions", "batch_invariant softmax 4096 x 128 fp32, mean(-1) and sum(0) of 4096 x 4096", _reductions
+    ),
 )
 
 #: Constexpr arguments shown per kernel in the report (the ones that pick a variant or a tile).

@@ -290,6 +290,10 @@ DISTRIBUTED_FORMULA = {
     "one cast == matmul(dY, W, k_slices=S); dW_r = dY_r^T @ X, db_r = 1^T @ dY_r, plain kernel",
     "vocab_parallel_backward": "no collective; per shard token_logprobs' backward kernel with the merged lse: "
     "((onehot - exp(z - lse)) * g) / T, 0 for ignore_index rows",
+    "expert_parallel": "E/k contiguous experts per rank; each (token, slot) pair's weighted expert output "
+    "computed by its expert's rank with the per-expert linear's bits, all_gather of the raw bits, each pair's "
+    "row taken from its owner, each token's pairs added in ascending expert order in the activation dtype "
+    "== the one-process experts",
 }
 register_formula("distributed", DISTRIBUTED_FORMULA)
 

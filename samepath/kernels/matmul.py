@@ -774,7 +774,9 @@ def batch_invariant() -> Iterator[None]:
     kernel unchanged. ``addmm``'s ``beta``/``alpha`` are honoured (applied in fp32 after the K
     loop). On exit of the outermost block the registrations are destroyed and torch's kernels are
     back exactly. Nesting is safe (reference counted). The registration is process-wide: other
-    threads see the routing while any block is open.
+    threads see the routing while any block is open. The other ops' modules add theirs:
+    ``aten::_log_softmax`` (:mod:`samepath.kernels.logprobs`), ``aten::_softmax``,
+    ``aten::sum.dim_IntList`` and ``aten::mean.dim`` (:mod:`samepath.kernels.reductions`).
     """
     global _routing_depth, _routing_library
     with _routing_lock:

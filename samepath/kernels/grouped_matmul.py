@@ -1,0 +1,233 @@
+"""Grouped expert GEMM: every expert's rows of a routed MoE layer in one launch, with the bits of
+one :func:`samepath.linear` per expert.
+
+A MoE layer with ``E`` experts and top-``k`` routing has ``P = tokens * k`` (token, expert) pairs.
+:func:`expert_plan` sorts the pairs by expert on the device (no host synchronisation) and cuts
+each expert's pairs into tiles of ``block_m`` rows; :func:`grouped_linear` runs one program per
+(row tile, column tile): the tile's rows are gathered through the plan, multiplied by that
+expert's weight with the K loop of :func:`samepath.kernels.matmul` (:func:`_k_piece`: the same
+``block_k`` tiles, ``k_split`` pieces added in piece order, the tile shapes of the frozen matmul
+table), and stored at each pair's own row. So pair ``p``'s output row has exactly the bits of
+``linear(x[src(p)], weight[expert(p)])`` computed alone or inside any batch: the per-expert loop
+and this kernel agree bit for bit (``tests/test_moe_grouped.py``), and neither depends on how
+many tokens share the launch.
+
+The grid is the static upper bound ``(cdiv(P, block_m) + E) * cdiv(N, block_n)`` work items of a
+persistent loop; items past the plan's real tiles return at once.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from samepath.kernels import grid
+from samepath.kernels.checks import check_operands
+from samepath.kernels.config import MatmulConfig, matmul_config
+from samepath.kernels.dispatch import jit
+from samepath.kernels.matmul import DOT_PRECISION, _k_piece
+from samepath.kernels.swiglu import silu_mul
+
+
+@jit
+def _grouped_matmul_kernel(
+    X, W, Out, Order, TileExpert, TileStart, TileRows, Scratch,
+    num_work, N, K, src_div,
+    stride_xm, stride_xk, stride_we, stride_wn, stride_wk, stride_om, stride_on,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_SPLIT: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):  # fmt: skip
+    """Out[p] = X[p // src_div] @ W[expert(p)]^T for the pairs ``p`` of each row tile of the plan."""
+    tiles_n = tl.cdiv(N, BLOCK_N)
+    piece_k = tl.cdiv(tl.cdiv(K, K_SPLIT), BLOCK_K) * BLOCK_K
+    for work in range(tl.program_id(0), num_work, tl.num_programs(0)):
+        tile_m = work // tiles_n
+        pid_n = work % tiles_n
+        expert = tl.load(TileExpert + tile_m)
+        if expert >= 0:
+            offs = tl.arange(0, BLOCK_M)
+            m_valid = offs < tl.load(TileRows + tile_m)
+            pairs = tl.load(Order + tl.load(TileStart + tile_m) + offs, mask=m_valid, other=0).to(tl.int64)
+            cols = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
+            n_valid = cols < N
+            a_rows = X + (pairs // src_div)[:, None] * stride_xm
+            b_cols = W + tl.cast(expert, tl.int64) * stride_we + cols[None, :] * stride_wn
+            if K_SPLIT == 1:
+                total = _k_piece(
+                    a_rows, b_cols, m_valid, n_valid, 0, K, piece_k, stride_xk, stride_wk,
+                    BLOCK_M, BLOCK_N, BLOCK_K, K_SPLIT, DOT_PRECISION,
+                )  # fmt: skip
+            else:
+                # The running sum of the pieces waits in this program's fp32 scratch tile while the
+                # next piece's K loop runs (one live accumulator; stored and reloaded exactly).
+                at = (
+                    Scratch
+                    + (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)[:, None]) * BLOCK_N
+                    + tl.arange(0, BLOCK_N)[None, :]
+                )
+                for part in range(0, K_SPLIT):
+                    acc = _k_piece(
+                        a_rows, b_cols, m_valid, n_valid, part, K, piece_k, stride_xk, stride_wk,
+                        BLOCK_M, BLOCK_N, BLOCK_K, K_SPLIT, DOT_PRECISION,
+                    )  # fmt: skip
+                    if part > 0:
+                        acc = tl.load(at) + acc
+                    tl.store(at, acc)
+                    tl.debug_barrier()
+                total = tl.load(at)
+                tl.debug_barrier()
+            tl.store(
+                Out + pairs[:, None] * stride_om + cols[None, :] * stride_on,
+                total.to(Out.dtype.element_ty),
+                mask=m_valid[:, None] & n_valid[None, :],
+            )
+
+
+@dataclass(frozen=True)
+class ExpertPlan:
+    """Device tensors describing the row tiles of a routed layer (built by :func:`expert_plan`).
+
+    ``order`` ``[P]``: pair indices (``token * top_k + slot``) sorted by expert, stable; per row
+    tile ``t`` (``num_tiles`` of them, a static upper bound): ``tile_expert[t]`` (-1 past the real
+    tiles), ``tile_start[t]`` (its first position in ``order``), ``tile_rows[t]`` (valid rows).
+    """
+
+    order: torch.Tensor
+    tile_expert: torch.Tensor
+    tile_start: torch.Tensor
+    tile_rows: torch.Tensor
+    num_pairs: int
+    top_k: int
+    block_m: int
+
+    @property
+    def num_tiles(self) -> int:
+        return self.tile_expert.numel()
+
+
+def expert_plan(top_k_index: torch.Tensor, num_experts: int, block_m: int, first_expert: int = 0) -> ExpertPlan:
+    """The row tiles of ``top_k_index`` ``[tokens, top_k]`` for experts ``first_expert ..
+    first_expert + num_experts - 1`` (an expert-parallel rank's; pairs routed elsewhere get no
+    tile), ``block_m`` rows per tile, computed with device ops only."""
+    top_k = top_k_index.shape[1]
+    flat = top_k_index.reshape(-1).to(torch.int64) - first_expert
+    flat = torch.where((flat >= 0) & (flat < num_experts), flat, num_experts)
+    num_pairs = flat.numel()
+    device = flat.device
+    order = torch.argsort(flat, stable=True).to(torch.int32)
+    counts = torch.bincount(flat, minlength=num_experts + 1)[:num_experts]
+    tiles_per_expert = (counts + block_m - 1) // block_m
+    tile_end = torch.cumsum(tiles_per_expert, 0)
+    first_pair = torch.cumsum(counts, 0) - counts
+    num_tiles = triton.cdiv(num_pairs, block_m) + num_experts
+    tile = torch.arange(num_tiles, device=device)
+    expert = torch.searchsorted(tile_end, tile, right=True)
+    real = expert < num_experts
+    expert = torch.where(real, expert, 0)
+    within = tile - (tile_end[expert] - tiles_per_expert[expert])
+    start = first_pair[expert] + within * block_m
+    rows = torch.clamp(counts[expert] - within * block_m, 0, block_m)
+    return ExpertPlan(
+        order=order,
+        tile_expert=torch.where(real, expert, -1).to(torch.int32),
+        tile_start=torch.where(real, start, 0).to(torch.int32),
+        tile_rows=torch.where(real, rows, 0).to(torch.int32),
+        num_pairs=num_pairs,
+        top_k=top_k,
+        block_m=block_m,
+    )
+
+
+def grouped_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    plan: ExpertPlan,
+    *,
+    rows_per_pair: bool,
+    config: MatmulConfig | None = None,
+) -> torch.Tensor:
+    """``out[p] = x[src(p)] @ weight[expert(p)].T`` for every pair ``p`` of ``plan``; not differentiable.
+
+    Args:
+        x: ``[tokens, K]`` (``rows_per_pair=False``: pair ``p`` reads row ``p // top_k``) or
+            ``[P, K]`` (``rows_per_pair=True``: row ``p``).
+        weight: ``[E, N, K]`` (Hugging Face's ``gate_up_proj`` / ``down_proj``, vLLM's ``w13`` / ``w2``).
+        plan: from :func:`expert_plan` with ``block_m`` equal to the config's.
+        config: the matmul tiles; default the frozen table's for ``x``'s dtype and device.
+
+    Returns:
+        ``[P, N]`` in ``x.dtype``, each row bit-identical to the per-expert :func:`samepath.linear`.
+    """
+    dtype, device = check_operands(x=x, weight=weight)
+    if x.dim() != 2 or weight.dim() != 3 or weight.shape[2] != x.shape[1]:
+        raise ValueError(
+            f"x must be [rows, K] and weight [E, N, K] with the same K, got {tuple(x.shape)} and {tuple(weight.shape)}"
+        )
+    expected_rows = plan.num_pairs if rows_per_pair else plan.num_pairs // max(plan.top_k, 1)
+    if x.shape[0] != expected_rows:
+        raise ValueError(f"x has {x.shape[0]} rows; the plan needs {expected_rows}")
+    cfg = config or matmul_config(dtype, device)
+    if plan.block_m != cfg.block_m:
+        raise ValueError(f"plan.block_m = {plan.block_m} differs from the config's block_m = {cfg.block_m}")
+    n, k = weight.shape[1], weight.shape[2]
+    out = torch.empty((plan.num_pairs, n), dtype=dtype, device=device)
+    if plan.num_pairs == 0 or n == 0:
+        return out
+    if k == 0:
+        return out.zero_()
+    num_work = plan.num_tiles * triton.cdiv(n, cfg.block_n)
+    programs = grid.num_programs(num_work, device, uses_dot=True, persistent=True)
+    scratch = (
+        torch.empty((programs, cfg.block_m, cfg.block_n), dtype=torch.float32, device=device)
+        if cfg.k_split > 1
+        else out
+    )
+    _grouped_matmul_kernel[(programs,)](
+        x, weight, out, plan.order, plan.tile_expert, plan.tile_start, plan.tile_rows, scratch,
+        num_work, n, k, 1 if rows_per_pair else plan.top_k,
+        *x.stride(), *weight.stride(), *out.stride(),
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, K_SPLIT=cfg.k_split,
+        DOT_PRECISION=DOT_PRECISION, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )  # fmt: skip
+    return out
+
+
+def routed_pair_outputs(
+    hidden_states: torch.Tensor,
+    gate_up_proj: torch.Tensor,
+    down_proj: torch.Tensor,
+    top_k_index: torch.Tensor,
+    top_k_weights: torch.Tensor,
+    first_expert: int = 0,
+) -> torch.Tensor:
+    """Each (token, slot) pair's weighted SwiGLU expert output, ``[tokens * top_k, hidden]`` in
+    ``hidden_states.dtype``: ``(down(silu(gate) * up) * weight).to(dtype)`` with the per-expert
+    linear's bits, for the experts ``first_expert .. first_expert + E - 1`` of the given weights
+    (``E = gate_up_proj.shape[0]``); rows of pairs routed to other experts are 0."""
+    config = matmul_config(hidden_states.dtype, hidden_states.device)
+    plan = expert_plan(top_k_index, gate_up_proj.shape[0], config.block_m, first_expert)
+    gate_up = grouped_linear(hidden_states, gate_up_proj, plan, rows_per_pair=False, config=config)
+    gate, up = gate_up.chunk(2, dim=-1)
+    expert_out = grouped_linear(silu_mul(gate, up), down_proj, plan, rows_per_pair=True, config=config)
+    weighted = (expert_out * top_k_weights.reshape(-1, 1)).to(hidden_states.dtype)
+    local = top_k_index.reshape(-1, 1) - first_expert
+    return torch.where((local >= 0) & (local < gate_up_proj.shape[0]), weighted, 0)
+
+
+def combine_in_expert_order(pair_outputs: torch.Tensor, top_k_index: torch.Tensor) -> torch.Tensor:
+    """``[tokens, hidden]``: each token's ``top_k`` pair outputs added in ascending expert order in
+    their dtype, starting from 0 — the adds of a per-expert loop with ``index_add_``."""
+    tokens, top_k = top_k_index.shape
+    by_expert = torch.argsort(top_k_index, dim=1, stable=True)
+    rows = (torch.arange(tokens, device=by_expert.device)[:, None] * top_k + by_expert).reshape(-1)
+    ordered = pair_outputs[rows].view(tokens, top_k, -1)
+    out = torch.zeros((tokens, pair_outputs.shape[-1]), dtype=pair_outputs.dtype, device=pair_outputs.device)
+    for slot in range(top_k):
+        out = out + ordered[:, slot]
+    return out
+
+
+__all__ = ["ExpertPlan", "combine_in_expert_order", "expert_plan", "grouped_linear", "routed_pair_outputs"]
