@@ -4,6 +4,7 @@ gradients bitwise independent of the batch around a sequence; a negative control
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 
 import pytest
 import torch
@@ -118,3 +119,23 @@ def test_negative_control_other_kv_tiles_change_dq() -> None:
     changed = _sequence_grads(LENS, [3, 2, 0, 1], torch.float32, seed=11, config=other)
     assert _mismatches(full, changed) == [3, 2, 0]
     assert [i for i in changed if not torch.equal(full[i][0], changed[i][0])] == [3, 2, 0]
+
+
+@pytest.mark.skipif(
+    importlib.util.find_spec("triton.backends.ascend") is not None,
+    reason="Triton-Ascend replaces upstream Triton, which compiles for CUDA",
+)
+def test_sm90_build_orders_the_dq_sums_through_l2() -> None:
+    """The compiled (sm_90) backward keeps the protocol's memory ordering: counter atomics with
+    acquire-release semantics at GPU scope, and the fp32 dQ sums read and written through L2
+    (``.cg``), never from an SM's non-coherent L1."""
+    from samepath.kernels.compile_check import compile_launch, record_launches
+
+    config = ATTENTION_TABLE["cuda", "bfloat16", 128]
+    batch = make_batch([40], 4, 1, 128, torch.bfloat16, seed=5)
+    with record_launches() as launches:
+        _grads(batch, torch.randn(batch.query.shape, generator=torch.Generator().manual_seed(6)), config=config)
+    (launch,) = [launch for launch in launches if launch.name == "_attention_bwd_kernel"]
+    ptx = compile_launch(launch).asm["ptx"]
+    assert "atom.global.gpu.acq_rel.add" in ptx
+    assert "ld.global.cg" in ptx and "st.global.cg" in ptx
