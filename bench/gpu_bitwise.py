@@ -215,6 +215,15 @@ def check_backward(device) -> list[dict]:
             first = _grads(varlen_attention, [q, k, v], g, cu)
             second = _grads(varlen_attention, [q, k, v], g, cu)
             results.append(dict(check=f"backward attention {tag} D={head}: run == run", bad_rows=_same(first, second)))
+            # The batch reversed: each sequence's gradient rows keep their bits (dQ order is per sequence).
+            order = list(reversed(range(len(lens))))
+            starts = [sum(lens[:i]) for i in range(len(lens))]
+            index = torch.cat([torch.arange(starts[i], starts[i] + lens[i]) for i in order]).to(device)
+            leaves = [t.detach()[index].requires_grad_(True) for t in (q, k, v)]
+            flipped = _grads(varlen_attention, leaves, g[index], _cu([lens[i] for i in order], device))
+            back = [torch.empty_like(t).index_copy_(0, index, t) for t in flipped]
+            check = f"backward attention {tag} D={head}: reversed batch"
+            results.append(dict(check=check, bad_rows=_same(first, back)))
             cfg = attention_config(head, dtype, device)
             other = dataclasses.replace(cfg, tile_n=cfg.tile_n // 2)
             third = _grads(varlen_attention, [q, k, v], g, cu, config=other)

@@ -112,8 +112,7 @@ def test_kernels_compile_for_hopper(dtype: torch.dtype) -> None:
     assert {name for name, _, _, _ in seen} == {
         "_attention_fwd_kernel",
         "_attention_merge_kernel",
-        "_attention_bwd_dq_kernel",
-        "_attention_bwd_dkdv_kernel",
+        "_attention_bwd_kernel",
         "_write_kv_cache_kernel",
     }
 

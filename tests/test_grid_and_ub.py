@@ -31,8 +31,7 @@ from samepath.kernels.matmul import matmul
 #: Every samepath kernel; each must be launched through the grid adapter.
 ALL_KERNELS = {
     "_attention_fwd_kernel",
-    "_attention_bwd_dq_kernel",
-    "_attention_bwd_dkdv_kernel",
+    "_attention_bwd_kernel",
     "_attention_merge_kernel",
     "_write_kv_cache_kernel",
     "_matmul_kernel",
@@ -367,6 +366,11 @@ def test_a_tile_that_cannot_fit_raises_naming_the_argument() -> None:
     # The cube's L1 is checked too: long K and V tiles of a wide head overflow it, not the UB.
     with pytest.raises(ValueError, match=r"^config does not fit .*524288-byte L1 buffer"):
         ub_fit.check_attention(AttentionConfig(block_m=16, tile_n=256), 256, torch.float32)
+    # The backward holds dK and dV of a KV tile across its loop: long backward KV tiles of a wide
+    # head overflow the UB while the forward's tiles fit.
+    with pytest.raises(ValueError, match=r"^config does not fit .*_attention_bwd_kernel .*bwd_block_n=64.*UB"):
+        ub_fit.check_attention(AttentionConfig(block_m=16, tile_n=32, bwd_block_n=64), 256, torch.float32)
+    assert ub_fit.check_attention(AttentionConfig(block_m=16, tile_n=32), 256, torch.float32) <= ub_fit.UB_BYTES
     with pytest.raises(ValueError, match="dtype"):
         ub_fit.check_matmul(MATMUL_TABLE["npu", "float32"], torch.float64)
     with pytest.raises(ValueError, match="hidden"):

@@ -67,8 +67,14 @@ ASCENDC_ATTENTION_FORMULA = {
     "rows with m_s = -inf keep their state",
 }
 
-#: The samepath numerics version whose Triton schedule the Ascend C kernel replays.
+#: The samepath numerics version whose Triton forward schedule the Ascend C forward replays, and the
+#: versions whose forward is that schedule (version 3 changed only the backward).
 ASCENDC_SCHEDULE_VERSION = 2
+FORWARD_SCHEDULE_VERSIONS = (2, 3)
+#: The numerics version whose Triton backward schedule (a dQ pass, then a dK/dV pass) the Ascend C
+#: backward replays. Version 3 replaced it with a one-pass backward: the Ascend C backward is refused
+#: (:func:`check_backward_schedule`) until it is ported.
+ASCENDC_BACKWARD_SCHEDULE_VERSION = 2
 ASCENDC_SCHEDULE = (
     "v2: GQA-packed query tiles (head_chunk = min(group, block_m)), tile_n KV tiles and seg KV segments "
     "anchored at 0, segments merged in ascending order, serial per work item"
@@ -140,15 +146,15 @@ def missing_requirements() -> list[str]:
 
 
 def check_schedule(numerics_version: int | None = None) -> None:
-    """Fail closed when the Triton kernel's schedule moved past the one the Ascend C kernel replays.
+    """Fail closed when the Triton forward's schedule moved past the one the Ascend C forward replays.
 
     Raises:
-        RuntimeError: ``config.NUMERICS_VERSION`` (or ``numerics_version``) is not
-            :data:`ASCENDC_SCHEDULE_VERSION`.
+        RuntimeError: ``config.NUMERICS_VERSION`` (or ``numerics_version``) is not one of
+            :data:`FORWARD_SCHEDULE_VERSIONS`.
     """
     if numerics_version is None:
         from samepath.kernels.config import NUMERICS_VERSION as numerics_version
-    if numerics_version != ASCENDC_SCHEDULE_VERSION:
+    if numerics_version not in FORWARD_SCHEDULE_VERSIONS:
         raise RuntimeError(
             f"{BACKEND_ENV}=ascendc: the Ascend C kernel replays the schedule of samepath numerics version "
             f"{ASCENDC_SCHEDULE_VERSION} ({ASCENDC_SCHEDULE}), but the Triton kernels are at version "
@@ -333,6 +339,26 @@ def ensure_library(
         finally:
             shutil.rmtree(staging, ignore_errors=True)
     return path
+
+
+def check_backward_schedule(numerics_version: int | None = None) -> None:
+    """Fail closed when the Triton backward's schedule is not the one the Ascend C backward replays.
+
+    Raises:
+        RuntimeError: ``config.NUMERICS_VERSION`` (or ``numerics_version``) is not
+            :data:`ASCENDC_BACKWARD_SCHEDULE_VERSION` (today: version 3's one-pass backward).
+    """
+    if numerics_version is None:
+        from samepath.kernels.config import NUMERICS_VERSION as numerics_version
+    if numerics_version != ASCENDC_BACKWARD_SCHEDULE_VERSION:
+        raise RuntimeError(
+            f"{BACKEND_ENV}=ascendc: the Ascend C backward replays the two-pass backward of samepath numerics "
+            f"version {ASCENDC_BACKWARD_SCHEDULE_VERSION} ({ASCENDC_BACKWARD_SCHEDULE}), but the Triton backward is "
+            f"at version {numerics_version} (one pass per KV tile, dQ partials added in ascending KV-tile order): "
+            "training on this backend is refused until csrc/flash_attention_bwd.cpp is ported to that schedule "
+            "and replayed by simulate.py. The Ascend C forward (rollout, no-grad passes) is unaffected; unset "
+            f"{BACKEND_ENV} to train with the Triton kernels"
+        )
 
 
 def build(soc: str | None = None, *, root: Path | None = None, builder: Builder | None = None) -> Path:
@@ -572,11 +598,13 @@ def attention_backward(
     """Drop-in for ``samepath.kernels.attention._attention_backward`` running the Ascend C backward: the
     dQ kernel, then the dK/dV kernel (``config.bwd_block_m`` / ``bwd_block_n``), deterministic.
 
-    ``delta = (grad_out * out).sum(-1)`` in fp32 is computed here with torch, as the Triton launcher does.
+    ``delta = (grad_out * out).sum(-1)`` in fp32 is computed here by samepath's row sum, as the Triton launcher does.
 
     Raises:
         ValueError: tiles or head size the kernels cannot run (named).
-        RuntimeError: not NPU tensors, or the Ascend C backend cannot run here (says what is missing).
+        RuntimeError: the Triton backward's schedule is not the one this kernel replays
+            (:func:`check_backward_schedule`), not NPU tensors, or the Ascend C backend cannot run here
+            (says what is missing).
     """
     head_size = query.shape[-1]
     dtype = _dtype_name(query.dtype)
@@ -598,12 +626,15 @@ def attention_backward(
             sm_scale=scale,
         )
     )
+    check_backward_schedule()
     if query.device.type != "npu":
         raise RuntimeError(
             f"{BACKEND_ENV}=ascendc runs attention on Ascend NPU tensors only; got tensors on {query.device}"
         )
     load()
-    delta = (grad_out.float() * out.float()).sum(-1)
+    from samepath.kernels.reductions import row_sum
+
+    delta = row_sum(grad_out.float() * out.float())
     dq, dk, dv = torch.ops.samepath_ascendc.flash_attention_bwd(
         query,
         key,

@@ -40,6 +40,7 @@ from samepath.kernels.config import (
     padded_head_size,
 )
 from samepath.kernels.dispatch import device_kind, jit
+from samepath.kernels.reductions import row_sum
 
 LOG2E = 1.4426950408889634
 #: fp32 inputs are multiplied in full fp32 (no TF32) so results stay close to the fp64 reference.
@@ -408,7 +409,7 @@ def _attention_merge_kernel(
 
 
 @jit
-def _attention_bwd_dq_kernel(
+def _attention_bwd_kernel(
     Q,
     K,
     V,
@@ -416,6 +417,10 @@ def _attention_bwd_dq_kernel(
     Lse,
     Delta,
     dQ,
+    dK,
+    dV,
+    DqAcc,
+    Sync,
     cu_seqlens,
     program_seq,
     program_block,
@@ -434,6 +439,12 @@ def _attention_bwd_dq_kernel(
     stride_do_head,
     stride_dq_tok,
     stride_dq_head,
+    stride_dk_tok,
+    stride_dk_head,
+    stride_dv_tok,
+    stride_dv_head,
+    stride_acc_tok,
+    stride_acc_head,
     stride_lse_tok,
     HEAD_SIZE: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -447,117 +458,26 @@ def _attention_bwd_dq_kernel(
     HAS_WINDOW: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
-    """dQ for one GQA-packed query tile (``BLOCK_Q`` queries x ``HEAD_CHUNK`` heads of one KV group,
-    packed as the forward packs them, so each K/V tile is read once per group): a serial loop over
-    its KV tiles, no atomics."""
-    items_per_block = num_kv_heads * NUM_CHUNKS
-    num_work = tl.load(num_blocks) * items_per_block
-    for work in range(tl.program_id(0), num_work, tl.num_programs(0)):
-        rest = work % items_per_block
-        chunk = rest % NUM_CHUNKS
-        kv_head = rest // NUM_CHUNKS
-        seq = tl.load(program_seq + work // items_per_block)
-        block = tl.load(program_block + work // items_per_block)
-        start = tl.load(cu_seqlens + seq)
-        seq_len = tl.load(cu_seqlens + seq + 1) - start
+    """One pass of the backward. A work item is one KV tile (``BLOCK_N`` keys of one KV head of
+    one sequence): it keeps dK and dV in registers while it visits the GQA-packed query tiles that
+    see it (head chunks in order, query blocks ascending), computing per pair ``S``, ``dP``,
+    ``dV += P^T dO``, ``dK += dS^T Q`` and the dQ partial ``dS K`` — five tile matmuls.
 
-        offs_r = tl.arange(0, BLOCK_M)
-        offs_d = tl.arange(0, BLOCK_D)
-        head_in_group = chunk * HEAD_CHUNK + offs_r % HEAD_CHUNK
-        offs_m = block * BLOCK_Q + offs_r // HEAD_CHUNK
-        row_valid = (offs_r < BLOCK_Q * HEAD_CHUNK) & (head_in_group < GROUP) & (offs_m < seq_len)
-        head = kv_head * GROUP + head_in_group
-        d_valid = offs_d < HEAD_SIZE
-        rows = (start + offs_m).to(tl.int64)
-        qd_mask = row_valid[:, None] & d_valid[None, :]
-        q = tl.load(
-            Q + rows[:, None] * stride_q_tok + head[:, None] * stride_q_head + offs_d[None, :], mask=qd_mask, other=0.0
-        )
-        do = tl.load(
-            dOut + rows[:, None] * stride_do_tok + head[:, None] * stride_do_head + offs_d[None, :],
-            mask=qd_mask,
-            other=0.0,
-        )
-        lse = tl.load(Lse + rows * stride_lse_tok + head, mask=row_valid, other=0.0)
-        delta = tl.load(Delta + rows * stride_lse_tok + head, mask=row_valid, other=0.0)
-
-        kv_end = seq_len
-        if CAUSAL:
-            kv_end = tl.minimum(seq_len, (block + 1) * BLOCK_Q)
-        kv_begin = 0
-        if HAS_WINDOW:
-            kv_begin = tl.maximum(0, block * BLOCK_Q - sliding_window + 1)
-
-        dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-        for tile_start in range((kv_begin // BLOCK_N) * BLOCK_N, kv_end, BLOCK_N):
-            offs_n = tile_start + tl.arange(0, BLOCK_N)
-            kv_rows = (start + offs_n).to(tl.int64)
-            kd_mask = (offs_n < seq_len)[None, :] & d_valid[:, None]
-            k_t = tl.load(
-                K + kv_rows[None, :] * stride_k_tok + kv_head * stride_k_head + offs_d[:, None], mask=kd_mask, other=0.0
-            )
-            v_t = tl.load(
-                V + kv_rows[None, :] * stride_v_tok + kv_head * stride_v_head + offs_d[:, None], mask=kd_mask, other=0.0
-            )
-            scores = tl.dot(q, k_t, input_precision=DOT_PRECISION)
-            visible = _visible(offs_m, offs_n, seq_len, sliding_window, CAUSAL, HAS_WINDOW) & row_valid[:, None]
-            p = tl.where(visible, tl.exp2(scores * qk_scale - lse[:, None]), 0.0)
-            dp = tl.dot(do, v_t, input_precision=DOT_PRECISION)
-            ds = p * (dp - delta[:, None])
-            dq = tl.dot(ds.to(k_t.dtype), tl.trans(k_t), dq, input_precision=DOT_PRECISION)
-
-        dq = dq * sm_scale
-        tl.store(
-            dQ + rows[:, None] * stride_dq_tok + head[:, None] * stride_dq_head + offs_d[None, :],
-            dq.to(dQ.dtype.element_ty),
-            mask=qd_mask,
-        )
-
-
-@jit
-def _attention_bwd_dkdv_kernel(
-    Q,
-    K,
-    V,
-    dOut,
-    Lse,
-    Delta,
-    dK,
-    dV,
-    cu_seqlens,
-    program_seq,
-    program_block,
-    num_blocks,
-    num_kv_heads,
-    qk_scale,
-    sm_scale,
-    sliding_window,
-    stride_q_tok,
-    stride_q_head,
-    stride_k_tok,
-    stride_k_head,
-    stride_v_tok,
-    stride_v_head,
-    stride_do_tok,
-    stride_do_head,
-    stride_dk_tok,
-    stride_dk_head,
-    stride_dv_tok,
-    stride_dv_head,
-    stride_lse_tok,
-    HEAD_SIZE: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    GROUP: tl.constexpr,
-    CAUSAL: tl.constexpr,
-    HAS_WINDOW: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
-):
-    """dK, dV for one block of keys of one KV head: serial loops over its query heads, then its
-    query blocks, so every sum has one order and no atomics are needed."""
+    dQ partials are summed in ascending KV-tile order with no atomics on data: ``Sync[1 + t]``
+    (``t`` one per packed query tile) counts the KV tiles that have added theirs to the fp32 row
+    sums in ``DqAcc``; KV tile ``j`` waits until the count is ``j - first`` (``first`` the lowest
+    KV tile that visits the query tile), adds, and releases. The first contributor writes its
+    partial, the last one scales, casts and writes dQ. Items are taken in ascending order from the
+    ticket counter ``Sync[0]``, and item ``j`` only waits for item ``j - 1`` of its sequence and
+    head, taken earlier by a running program: the lowest unfinished item never waits, so no grid
+    size, residency or dispatch order can deadlock (and the interpreter, which runs programs one
+    after the other, takes every item in program 0)."""
+    offs_r = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_valid = offs_d < HEAD_SIZE
     num_work = tl.load(num_blocks) * num_kv_heads
-    for work in range(tl.program_id(0), num_work, tl.num_programs(0)):
+    work = tl.atomic_add(Sync, 1)
+    while work < num_work:
         kv_head = work % num_kv_heads
         seq = tl.load(program_seq + work // num_kv_heads)
         block = tl.load(program_block + work // num_kv_heads)
@@ -565,8 +485,6 @@ def _attention_bwd_dkdv_kernel(
         seq_len = tl.load(cu_seqlens + seq + 1) - start
 
         offs_n = block * BLOCK_N + tl.arange(0, BLOCK_N)
-        offs_d = tl.arange(0, BLOCK_D)
-        d_valid = offs_d < HEAD_SIZE
         kv_rows = (start + offs_n).to(tl.int64)
         kd_mask = (offs_n < seq_len)[:, None] & d_valid[None, :]
         k = tl.load(
@@ -582,35 +500,65 @@ def _attention_bwd_dkdv_kernel(
         q_end = seq_len
         if HAS_WINDOW:
             q_end = tl.minimum(seq_len, (block + 1) * BLOCK_N + sliding_window - 1)
+        last_tile = (seq_len - 1) // BLOCK_N
 
         dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
         dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
-        for g in range(GROUP):
-            head = kv_head * GROUP + g
-            for q_tile in range((q_begin // BLOCK_M) * BLOCK_M, q_end, BLOCK_M):
-                offs_m = q_tile + tl.arange(0, BLOCK_M)
-                row_valid = offs_m < seq_len
+        for chunk in range(NUM_CHUNKS):
+            head_in_group = chunk * HEAD_CHUNK + offs_r % HEAD_CHUNK
+            head = kv_head * GROUP + head_in_group
+            for q_block in range(q_begin // BLOCK_Q, tl.cdiv(q_end, BLOCK_Q)):
+                offs_m = q_block * BLOCK_Q + offs_r // HEAD_CHUNK
+                row_valid = (offs_r < BLOCK_Q * HEAD_CHUNK) & (head_in_group < GROUP) & (offs_m < seq_len)
                 rows = (start + offs_m).to(tl.int64)
-                qd_mask = d_valid[:, None] & row_valid[None, :]
-                q_t = tl.load(
-                    Q + rows[None, :] * stride_q_tok + head * stride_q_head + offs_d[:, None], mask=qd_mask, other=0.0
+                qd_mask = row_valid[:, None] & d_valid[None, :]
+                q = tl.load(
+                    Q + rows[:, None] * stride_q_tok + head[:, None] * stride_q_head + offs_d[None, :],
+                    mask=qd_mask,
+                    other=0.0,
                 )
                 do = tl.load(
-                    dOut + rows[:, None] * stride_do_tok + head * stride_do_head + offs_d[None, :],
-                    mask=row_valid[:, None] & d_valid[None, :],
+                    dOut + rows[:, None] * stride_do_tok + head[:, None] * stride_do_head + offs_d[None, :],
+                    mask=qd_mask,
                     other=0.0,
                 )
                 lse = tl.load(Lse + rows * stride_lse_tok + head, mask=row_valid, other=0.0)
                 delta = tl.load(Delta + rows * stride_lse_tok + head, mask=row_valid, other=0.0)
 
-                scores_t = tl.dot(k, q_t, input_precision=DOT_PRECISION)
-                visible_t = tl.trans(_visible(offs_m, offs_n, seq_len, sliding_window, CAUSAL, HAS_WINDOW))
-                visible_t = visible_t & row_valid[None, :]
-                p_t = tl.where(visible_t, tl.exp2(scores_t * qk_scale - lse[None, :]), 0.0)
-                dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=DOT_PRECISION)
-                dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
-                ds_t = p_t * (dp_t - delta[None, :])
-                dk = tl.dot(ds_t.to(q_t.dtype), tl.trans(q_t), dk, input_precision=DOT_PRECISION)
+                scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+                visible = _visible(offs_m, offs_n, seq_len, sliding_window, CAUSAL, HAS_WINDOW) & row_valid[:, None]
+                p = tl.where(visible, tl.exp2(scores * qk_scale - lse[:, None]), 0.0)
+                dv = tl.dot(tl.trans(p.to(do.dtype)), do, dv, input_precision=DOT_PRECISION)
+                dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
+                ds = (p * (dp - delta[:, None])).to(q.dtype)
+                dk = tl.dot(tl.trans(ds), q, dk, input_precision=DOT_PRECISION)
+                dq = tl.dot(ds, k, input_precision=DOT_PRECISION)
+
+                # The KV tiles that visit this query tile are first..last, one contiguous range.
+                first = 0
+                if HAS_WINDOW:
+                    first = tl.maximum(0, q_block * BLOCK_Q - sliding_window + 1) // BLOCK_N
+                last = last_tile
+                if CAUSAL:
+                    last = tl.minimum(last_tile, ((q_block + 1) * BLOCK_Q - 1) // BLOCK_N)
+                q_tile = ((start + q_block * BLOCK_Q).to(tl.int64) * num_kv_heads + kv_head) * NUM_CHUNKS + chunk
+                sync = Sync + 1 + q_tile
+                while tl.atomic_add(sync, 0) != block - first:
+                    pass
+                tl.debug_barrier()
+                acc_ptrs = DqAcc + rows[:, None] * stride_acc_tok + head[:, None] * stride_acc_head + offs_d[None, :]
+                if block > first:
+                    dq = tl.load(acc_ptrs, mask=qd_mask, other=0.0, cache_modifier=".cg") + dq
+                if block == last:
+                    tl.store(
+                        dQ + rows[:, None] * stride_dq_tok + head[:, None] * stride_dq_head + offs_d[None, :],
+                        (dq * sm_scale).to(dQ.dtype.element_ty),
+                        mask=qd_mask,
+                    )
+                else:
+                    tl.store(acc_ptrs, dq, mask=qd_mask, cache_modifier=".cg")
+                    tl.debug_barrier()
+                    tl.atomic_add(sync, 1)
 
         dk = dk * sm_scale
         tl.store(
@@ -623,6 +571,7 @@ def _attention_bwd_dkdv_kernel(
             dv.to(dV.dtype.element_ty),
             mask=kd_mask,
         )
+        work = tl.atomic_add(Sync, 1)
 
 
 @jit
@@ -1256,37 +1205,33 @@ class VarlenAttentionFunction(torch.autograd.Function):
 def _attention_backward(
     query, key, value, out, lse, grad_out, cu_seqlens, scale, causal, sliding_window, config, plan=None
 ):
+    """dQ, dK, dV in one launch of :func:`_attention_bwd_kernel` (one item per KV tile and KV head).
+
+    Workspace, O(tokens): the fp32 dQ row sums (``[tokens, heads, head_size]``) and one int32
+    counter per packed query tile (plus the ticket counter), zeroed here on the device."""
     if attention_backend() == "ascendc":  # SAMEPATH_ATTENTION_BACKEND: never a silent fallback
         return ascendc_attention_backward(
             query, key, value, out, lse, grad_out, cu_seqlens, scale, causal, sliding_window, config
         )
     num_tokens, num_heads, head_size = query.shape
     num_kv_heads = key.shape[1]
-    delta = (grad_out.float() * out.float()).sum(-1)
+    delta = row_sum(grad_out.float() * out.float())
     dq = torch.empty_like(query)
     dk = torch.empty_like(key)
     dv = torch.empty_like(value)
     num_seqs = cu_seqlens.numel() - 1
     if num_tokens == 0 or num_seqs == 0:
         return dq.zero_(), dk.zero_(), dv.zero_()
-    common = dict(
-        HEAD_SIZE=head_size,
-        BLOCK_D=padded_head_size(head_size),
-        BLOCK_M=config.bwd_block_m,
-        BLOCK_N=config.bwd_block_n,
-        GROUP=num_heads // num_kv_heads,
-        CAUSAL=causal,
-        HAS_WINDOW=sliding_window is not None,
-        DOT_PRECISION=DOT_PRECISION,
-        num_warps=config.num_warps,
-        num_stages=config.num_stages,
-    )
-    window = sliding_window or 0
-    pack = _packing(num_heads // num_kv_heads, config.bwd_block_m)
-    maps = _program_map if plan is None else lambda _cu, block, _n: plan.program_map(block)
-    program_seq, program_block, num_blocks = maps(cu_seqlens, pack.block_q, num_tokens)
-    programs = grid.num_programs(program_seq.numel() * num_kv_heads * pack.num_chunks, query.device, uses_dot=True)
-    _attention_bwd_dq_kernel[(programs,)](
+    group = num_heads // num_kv_heads
+    pack = _packing(group, config.bwd_block_m)
+    dq_acc = torch.empty((num_tokens, num_heads, head_size), dtype=torch.float32, device=query.device)
+    sync = torch.zeros(1 + num_tokens * num_kv_heads * pack.num_chunks, dtype=torch.int32, device=query.device)
+    if plan is None:
+        program_seq, program_block, num_blocks = _program_map(cu_seqlens, config.bwd_block_n, num_tokens)
+    else:
+        program_seq, program_block, num_blocks = plan.program_map(config.bwd_block_n)
+    programs = grid.num_programs(program_seq.numel() * num_kv_heads, query.device, uses_dot=True)
+    _attention_bwd_kernel[(programs,)](
         query,
         key,
         value,
@@ -1294,6 +1239,10 @@ def _attention_backward(
         lse,
         delta,
         dq,
+        dk,
+        dv,
+        dq_acc,
+        sync,
         cu_seqlens,
         program_seq,
         program_block,
@@ -1301,7 +1250,7 @@ def _attention_backward(
         num_kv_heads,
         scale * LOG2E,
         scale,
-        window,
+        sliding_window or 0,
         query.stride(0),
         query.stride(1),
         key.stride(0),
@@ -1312,45 +1261,26 @@ def _attention_backward(
         grad_out.stride(1),
         dq.stride(0),
         dq.stride(1),
-        lse.stride(0),
-        BLOCK_Q=pack.block_q,
-        HEAD_CHUNK=pack.head_chunk,
-        NUM_CHUNKS=pack.num_chunks,
-        **common,
-    )
-    program_seq, program_block, num_blocks = maps(cu_seqlens, config.bwd_block_n, num_tokens)
-    programs = grid.num_programs(program_seq.numel() * num_kv_heads, query.device, uses_dot=True)
-    _attention_bwd_dkdv_kernel[(programs,)](
-        query,
-        key,
-        value,
-        grad_out,
-        lse,
-        delta,
-        dk,
-        dv,
-        cu_seqlens,
-        program_seq,
-        program_block,
-        num_blocks,
-        num_kv_heads,
-        scale * LOG2E,
-        scale,
-        window,
-        query.stride(0),
-        query.stride(1),
-        key.stride(0),
-        key.stride(1),
-        value.stride(0),
-        value.stride(1),
-        grad_out.stride(0),
-        grad_out.stride(1),
         dk.stride(0),
         dk.stride(1),
         dv.stride(0),
         dv.stride(1),
+        dq_acc.stride(0),
+        dq_acc.stride(1),
         lse.stride(0),
-        **common,
+        HEAD_SIZE=head_size,
+        BLOCK_D=padded_head_size(head_size),
+        BLOCK_M=config.bwd_block_m,
+        BLOCK_Q=pack.block_q,
+        BLOCK_N=config.bwd_block_n,
+        GROUP=group,
+        HEAD_CHUNK=pack.head_chunk,
+        NUM_CHUNKS=pack.num_chunks,
+        CAUSAL=causal,
+        HAS_WINDOW=sliding_window is not None,
+        DOT_PRECISION=DOT_PRECISION,
+        num_warps=config.num_warps,
+        num_stages=config.num_stages,
     )
     return dq, dk, dv
 

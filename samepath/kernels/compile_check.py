@@ -422,6 +422,8 @@ def compile_report(
                     "num_stages": compiled.metadata.num_stages,
                     "mma": _mma(ptx),
                     "wgmma": _mma(ptx) == "wgmma",
+                    # Also mma.sync: a kernel whose dots with M < 64 fall back (the backward's).
+                    "mma_sync": "mma.sync" in ptx,
                 }
             shown = {k: _jsonable(v) for k, v in launch.kwargs.items() if _SHOWN_CONSTEXPRS.match(k)}
             kernels.append(

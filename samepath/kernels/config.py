@@ -24,7 +24,9 @@ from samepath.kernels.dispatch import device_kind
 #: in ``k_split`` pieces (CUDA); RMSNorm dweight as a two-level reduction; the Hugging Face rotary
 #: module computes cos/sin with rotary_cos_sin from the config (not from its inv_freq buffer, which
 #: ``model.to(dtype)`` rounds); rope types beyond default and llama3.
-NUMERICS_VERSION = 2
+#: 3: the attention backward is one pass per KV tile (GQA-packed query tiles, dK/dV in registers,
+#: dQ partials added in ascending KV-tile order through fp32 row sums).
+NUMERICS_VERSION = 3
 
 #: dtypes the kernels accept, by the name used in the table.
 SUPPORTED_DTYPES: dict[torch.dtype, str] = {
@@ -55,6 +57,8 @@ ATTENTION_FORMULA = {
     "acc likewise; a segment with m_s = -inf is skipped by select",
     "query_tile": "GQA-packed: row r = (query r // head_chunk, head r % head_chunk of one KV group), "
     "head_chunk = min(group, block_m)",
+    "backward": "one item per KV tile: dK, dV in fp32 registers over GQA-packed query tiles (head chunks, then "
+    "query blocks ascending); dQ = scale * (fp32 sum of dot(dS, K) partials in ascending KV-tile order)",
 }
 
 
@@ -66,9 +70,9 @@ class AttentionConfig:
     ``tile_n`` KV positions form one tile and ``seg`` positions (a multiple of ``tile_n``) one
     segment, both anchored at sequence position 0. A segment's softmax state starts fresh and the
     segments are merged in ascending order. Every caller — training, prefill, chunked prefill,
-    decode — uses the same triple, which is what makes their rows bit-identical. ``bwd_block_m`` /
-    ``bwd_block_n`` size the backward kernels (determinism only: the backward has no second caller
-    to match).
+    decode — uses the same triple, which is what makes their rows bit-identical. The backward's
+    query tiles have ``bwd_block_m`` GQA-packed rows and its KV tiles ``bwd_block_n`` keys; they fix
+    the order of its sums (determinism only: the backward has no second caller to match).
     """
 
     block_m: int
@@ -101,8 +105,9 @@ def _attention_rows() -> dict[tuple[str, str, int], AttentionConfig]:
             rows["cpu", dtype, block_d] = AttentionConfig(block_m=16, tile_n=32, seg=64)
             # CUDA: 16-bit inputs get 64-row query tiles (Hopper's wgmma needs M >= 64), with 8
             # warps so that the segment's and the running accumulators stay in registers (no spills
-            # for sm_90). fp32 dots are IEEE (no tensor cores) and keep small tiles, as do 256-wide
-            # heads (registers and shared memory).
+            # for sm_90). The backward's 64-key tiles put its dK/dV dots on wgmma; 32 packed query
+            # rows keep its registers below spilling (64 spill). fp32 dots are IEEE (no tensor
+            # cores) and keep small tiles, as do 256-wide heads (registers and shared memory).
             small = dtype == "float32" or block_d == 256
             rows["cuda", dtype, block_d] = AttentionConfig(
                 block_m=16 if small else 64,
@@ -111,7 +116,7 @@ def _attention_rows() -> dict[tuple[str, str, int], AttentionConfig]:
                 num_warps=4 if small else 8,
                 num_stages=2 if small else 3,
                 bwd_block_m=16 if small else 32,
-                bwd_block_n=16 if small else 32,
+                bwd_block_n=16 if small else 64,
             )
             # Ascend (Triton-Ascend): cube units work on 16x16 fractals; tiles sized for ~192 KB UB.
             rows["npu", dtype, block_d] = AttentionConfig(

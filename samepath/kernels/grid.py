@@ -15,7 +15,9 @@ any ``1 <= P <= num_work``:
   (``triton.runtime.driver.active.utils.get_device_properties(index)``), cached per device.
 
 Kernels use the loop ``for work in range(tl.program_id(0), num_work, tl.num_programs(0))`` over
-one flattened axis; with ``P = num_work`` its trip count is 1.
+one flattened axis; with ``P = num_work`` its trip count is 1. The attention backward, whose items
+wait on earlier items, takes item numbers from an atomic ticket counter instead (in ascending
+order, so any ``P`` finishes); its bits do not depend on ``P`` either.
 """
 
 from __future__ import annotations

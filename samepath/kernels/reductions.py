@@ -217,8 +217,20 @@ def _mean_override(
     return _reduce(input, dims, keepdim, dtype, mean=True)
 
 
+def row_sum(x: torch.Tensor) -> torch.Tensor:
+    """fp32 sum over the last dimension of an fp32/bf16/fp16 tensor on this module's row schedule,
+    whether or not :func:`samepath.batch_invariant` is active (the attention backward's
+    ``delta = rowsum(dO * O)`` uses it, so its bits never depend on the caller's context)."""
+    out = torch.empty(x.shape[:-1], dtype=torch.float32, device=x.device)
+    if out.numel() == 0 or x.shape[-1] == 0:
+        return out.zero_()
+    with torch.no_grad():
+        _launch(_row_sum_kernel, x, out, MEAN=False)
+    return out
+
+
 register_override("_softmax", _softmax_override)
 register_override("sum.dim_IntList", _sum_override)
 register_override("mean.dim", _mean_override)
 
-__all__ = ["REDUCTIONS_FORMULA"]
+__all__ = ["REDUCTIONS_FORMULA", "row_sum"]

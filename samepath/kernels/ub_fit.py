@@ -143,36 +143,25 @@ def attention_merge_buffers(block_rows: int, head_size: int, dtype: object) -> l
     ]
 
 
-def attention_dq_buffers(block_m: int, block_n: int, head_size: int, dtype: object) -> list[Buffer]:
-    """``_attention_bwd_dq_kernel`` in one KV tile of its loop."""
-    dt, d = _dtype(dtype), padded_head_size(head_size)
-    return [
-        Buffer("q and dout", (2, block_m, d), dt, memory="l1"),
-        Buffer("k^T and v^T", (2, d, block_n), dt, copies=2, memory="l1"),
-        Buffer("ds cast (dot operand)", (block_m, block_n), dt, memory="l1"),
-        Buffer("lse and delta", (2, block_m), "float32"),
-        Buffer("scores and dp (dot results)", (2, block_m, block_n), "float32"),
-        Buffer("visible", (block_m, block_n), "int1"),
-        Buffer("p and ds", (2, block_m, block_n), "float32"),
-        Buffer("ds cast (dot operand)", (block_m, block_n), dt),
-        Buffer("dq and the ds.k dot result", (2, block_m, d), "float32"),
-        *_cast("dq cast", (block_m, d), dt),
-    ]
-
-
-def attention_dkdv_buffers(block_m: int, block_n: int, head_size: int, dtype: object) -> list[Buffer]:
-    """``_attention_bwd_dkdv_kernel`` in one query tile of its inner loop."""
+def attention_backward_buffers(block_m: int, block_n: int, head_size: int, dtype: object) -> list[Buffer]:
+    """``_attention_bwd_kernel`` in one query tile of its inner loop: the KV tile and its dK/dV
+    accumulators held across the loop, the five dots of one (query tile, KV tile) pair, and the dQ
+    partial added to the fp32 row sums loaded from global memory."""
     dt, d = _dtype(dtype), padded_head_size(head_size)
     return [
         Buffer("k and v", (2, block_n, d), dt, memory="l1"),
-        Buffer("q^T and dout", (2, d, block_m), dt, copies=2, memory="l1"),
-        Buffer("p^T and ds^T casts (dot operands)", (2, block_n, block_m), dt, memory="l1"),
+        Buffer("q and dout", (2, block_m, d), dt, copies=2, memory="l1"),
+        Buffer("p and ds casts (dot operands)", (2, block_m, block_n), dt, memory="l1"),
+        Buffer("packed rows: query index, head, token row", (3, block_m), "int32"),
         Buffer("lse and delta", (2, block_m), "float32", copies=2),
-        Buffer("scores^T and dp^T (dot results)", (2, block_n, block_m), "float32"),
-        Buffer("visible^T", (block_n, block_m), "int1"),
-        Buffer("p^T and ds^T", (2, block_n, block_m), "float32"),
-        Buffer("p^T and ds^T casts (dot operands)", (2, block_n, block_m), dt),
+        Buffer("scores and dp (dot results)", (2, block_m, block_n), "float32"),
+        Buffer("visible", (block_m, block_n), "int1"),
+        Buffer("p and ds", (2, block_m, block_n), "float32"),
+        Buffer("p and ds casts (dot operands)", (2, block_m, block_n), dt),
         Buffer("dk, dv and their dot results", (4, block_n, d), "float32"),
+        Buffer("dq partial (ds.k dot result) and its sum", (2, block_m, d), "float32"),
+        Buffer("dq row sums loaded", (block_m, d), "float32", copies=2),
+        *_cast("dq cast", (block_m, d), dt),
         *_cast("dk and dv casts", (2, block_n, d), dt),
     ]
 
@@ -291,14 +280,9 @@ def check_attention(config: AttentionConfig, head_size: int, dtype: object, argu
             f"_attention_merge_kernel ({MERGE_BLOCK_ROWS} rows, {shape})",
         ),
         check_fits(
-            attention_dq_buffers(config.bwd_block_m, config.bwd_block_n, head_size, dt),
+            attention_backward_buffers(config.bwd_block_m, config.bwd_block_n, head_size, dt),
             argument,
-            f"_attention_bwd_dq_kernel (bwd_block_m={config.bwd_block_m}, bwd_block_n={config.bwd_block_n}, {shape})",
-        ),
-        check_fits(
-            attention_dkdv_buffers(config.bwd_block_m, config.bwd_block_n, head_size, dt),
-            argument,
-            f"_attention_bwd_dkdv_kernel (bwd_block_m={config.bwd_block_m}, bwd_block_n={config.bwd_block_n}, {shape})",
+            f"_attention_bwd_kernel (bwd_block_m={config.bwd_block_m}, bwd_block_n={config.bwd_block_n}, {shape})",
         ),
     )
 
