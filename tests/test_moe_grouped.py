@@ -66,16 +66,33 @@ def test_grouped_rows_do_not_depend_on_the_batch() -> None:
             assert torch.equal(part, full[rows])
 
 
-def test_a_recorded_forward_takes_the_loop_with_the_same_bits() -> None:
-    hidden_states, gate_up, down, index, weights = _layer(23, 32, 24, 4, 2, torch.float32, seed=4)
-    with samepath.batch_invariant():
-        with torch.no_grad():
-            rollout = moe.experts_forward(hidden_states, gate_up, down, index, weights)
-        gate_up.requires_grad_()
-        trainer = moe.experts_forward(hidden_states, gate_up, down, index, weights)
-        trainer.sum().backward()
-    assert trainer.grad_fn is not None and gate_up.grad is not None
-    assert torch.equal(trainer.detach(), rollout)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_grouped_backward_is_close_to_fp64_and_deterministic(dtype: torch.dtype) -> None:
+    """A forward autograd records: the loop's forward bits, gradients for the hidden states, both
+    projections and the routing weights close to fp64 autograd, bitwise the same run to run."""
+    layer = _layer(23, 32, 24, 4, 2, dtype, seed=4)
+    grad_out = torch.randn(23, 32, generator=torch.Generator().manual_seed(9)).to(dtype)
+
+    def run():
+        leaves = [t.detach().clone().requires_grad_() if i != 3 else t for i, t in enumerate(layer)]
+        with samepath.batch_invariant():
+            out = moe.experts_forward(*leaves)
+            out.backward(grad_out)
+        return out.detach(), [t.grad for i, t in enumerate(leaves) if i != 3]
+
+    out, grads = run()
+    again = run()
+    with samepath.batch_invariant(), torch.no_grad():
+        assert torch.equal(out, moe._experts_loop(*layer)), "the recorded forward must have the loop's bits"
+    assert torch.equal(out, again[0]) and all(torch.equal(a, b) for a, b in zip(grads, again[1], strict=True))
+    ref_leaves = [t.detach().double().requires_grad_() if i != 3 else t for i, t in enumerate(layer)]
+    _reference(*ref_leaves).backward(grad_out.double())
+    tol = 1e-4 if dtype == torch.float32 else 5e-2
+    for name, got, leaf in zip(
+        ("hidden", "gate_up", "down", "weights"), grads, [ref_leaves[i] for i in (0, 1, 2, 4)], strict=True
+    ):
+        scale = max(1.0, leaf.grad.abs().max().item())
+        torch.testing.assert_close(got.double(), leaf.grad, rtol=tol, atol=tol * scale, msg=name)
 
 
 @pytest.mark.parametrize("k_split", [1, 2, 3])

@@ -9,10 +9,10 @@ same bits whichever engine computes it and however many other tokens share the b
 * :func:`experts_forward` is transformers' eager experts loop on samepath kernels: experts in
   ascending order, each expert's tokens through one batch-invariant linear per projection,
   :func:`samepath.silu_mul` with Hugging Face's rounding, the weighted output added into each
-  token's row with ``index_add_`` (per token, in expert order). Calls that autograd does not
-  record (the rollout, no-grad trainer passes) compute the same bits with two grouped launches
-  (:mod:`samepath.kernels.grouped_matmul`) and no host synchronisation; a recorded forward runs
-  the loop, whose backward is the linear layers'.
+  token's row with ``index_add_`` (per token, in expert order). It runs as two grouped launches
+  (:mod:`samepath.kernels.grouped_matmul`, no host synchronisation) with the loop's bits; a
+  forward autograd records gets a grouped backward too (deterministic; its gradients are not the
+  loop's bits, which nothing compares).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import torch
 
 from samepath.kernels.config import SUPPORTED_DTYPES
 from samepath.kernels.dispatch import SUPPORTED_DEVICE_TYPES
-from samepath.kernels.grouped_matmul import combine_in_expert_order, routed_pair_outputs
+from samepath.kernels.grouped_matmul import GroupedExpertsFunction, combine_in_expert_order, routed_pair_outputs
 from samepath.kernels.swiglu import silu_mul
 
 
@@ -79,19 +79,12 @@ def experts_forward(
             f"top_k_index {tuple(top_k_index.shape)} and top_k_weights {tuple(top_k_weights.shape)} must both be "
             f"[tokens={hidden_states.shape[0]}, top_k]"
         )
-    if _grouped_applies(hidden_states, gate_up_proj, down_proj, top_k_weights):
-        return _experts_grouped(hidden_states, gate_up_proj, down_proj, top_k_index, top_k_weights)
-    return _experts_loop(hidden_states, gate_up_proj, down_proj, top_k_index, top_k_weights)
-
-
-def _grouped_applies(hidden_states, gate_up_proj, down_proj, top_k_weights) -> bool:
-    """The grouped kernel runs the forward-only calls (rollout, no-grad trainer passes) of supported
-    dtypes and devices; a forward that autograd records goes through the loop, whose backward is
-    the linear layers' (both give the same forward bits)."""
     tensors = (hidden_states, gate_up_proj, down_proj, top_k_weights)
+    if not all(t.dtype in SUPPORTED_DTYPES and t.device.type in SUPPORTED_DEVICE_TYPES for t in tensors[:3]):
+        return _experts_loop(hidden_states, gate_up_proj, down_proj, top_k_index, top_k_weights)
     if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
-        return False
-    return all(t.dtype in SUPPORTED_DTYPES and t.device.type in SUPPORTED_DEVICE_TYPES for t in tensors[:3])
+        return GroupedExpertsFunction.apply(hidden_states, gate_up_proj, down_proj, top_k_index, top_k_weights)
+    return _experts_grouped(hidden_states, gate_up_proj, down_proj, top_k_index, top_k_weights)
 
 
 def _experts_grouped(hidden_states, gate_up_proj, down_proj, top_k_index, top_k_weights) -> torch.Tensor:
@@ -104,6 +97,8 @@ def _experts_grouped(hidden_states, gate_up_proj, down_proj, top_k_index, top_k_
 
 
 def _experts_loop(hidden_states, gate_up_proj, down_proj, top_k_index, top_k_weights) -> torch.Tensor:
+    """The reference definition (transformers' eager loop on samepath's linear): the grouped paths
+    equal it bit for bit in the forward (``tests/test_moe_grouped.py``)."""
     out = torch.zeros_like(hidden_states)
     for expert in range(gate_up_proj.shape[0]):
         top_k_pos, token_idx = torch.where(top_k_index.T == expert)

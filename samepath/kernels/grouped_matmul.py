@@ -29,7 +29,7 @@ from samepath.kernels.checks import check_operands
 from samepath.kernels.config import MatmulConfig, matmul_config
 from samepath.kernels.dispatch import jit
 from samepath.kernels.matmul import DOT_PRECISION, _k_piece
-from samepath.kernels.swiglu import silu_mul
+from samepath.kernels.swiglu import silu_mul, silu_mul_backward
 
 
 @jit
@@ -86,19 +86,64 @@ def _grouped_matmul_kernel(
             )
 
 
+@jit
+def _grouped_weight_grad_kernel(
+    dY, X, dW, Order, ExpertStart, ExpertCount,
+    num_work, N, K, src_div,
+    stride_dym, stride_dyn, stride_xm, stride_xk, stride_we, stride_wn, stride_wk,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_P: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):  # fmt: skip
+    """dW[e] = sum over the pairs p of expert e of dY[p]^T X[p // src_div]: one program per
+    (expert, N tile, K tile), the expert's pairs folded ``BLOCK_P`` at a time in plan order, fp32."""
+    tiles_n = tl.cdiv(N, BLOCK_N)
+    tiles_k = tl.cdiv(K, BLOCK_K)
+    for work in range(tl.program_id(0), num_work, tl.num_programs(0)):
+        expert = work // (tiles_n * tiles_k)
+        pid_n = (work // tiles_k) % tiles_n
+        pid_k = work % tiles_k
+        start = tl.load(ExpertStart + expert)
+        count = tl.load(ExpertCount + expert)
+        cols_n = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
+        cols_k = (pid_k * BLOCK_K + tl.arange(0, BLOCK_K)).to(tl.int64)
+        acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+        for p0 in range(0, count, BLOCK_P):
+            offs = p0 + tl.arange(0, BLOCK_P)
+            valid = offs < count
+            pairs = tl.load(Order + start + offs, mask=valid, other=0).to(tl.int64)
+            dy = tl.load(
+                dY + pairs[:, None] * stride_dym + cols_n[None, :] * stride_dyn,
+                mask=valid[:, None] & (cols_n < N)[None, :],
+                other=0.0,
+            )
+            x = tl.load(
+                X + (pairs // src_div)[:, None] * stride_xm + cols_k[None, :] * stride_xk,
+                mask=valid[:, None] & (cols_k < K)[None, :],
+                other=0.0,
+            )
+            acc = tl.dot(tl.trans(dy), x, acc, input_precision=DOT_PRECISION)
+        tl.store(
+            dW + tl.cast(expert, tl.int64) * stride_we + cols_n[:, None] * stride_wn + cols_k[None, :] * stride_wk,
+            acc.to(dW.dtype.element_ty),
+            mask=(cols_n < N)[:, None] & (cols_k < K)[None, :],
+        )
+
+
 @dataclass(frozen=True)
 class ExpertPlan:
     """Device tensors describing the row tiles of a routed layer (built by :func:`expert_plan`).
 
     ``order`` ``[P]``: pair indices (``token * top_k + slot``) sorted by expert, stable; per row
     tile ``t`` (``num_tiles`` of them, a static upper bound): ``tile_expert[t]`` (-1 past the real
-    tiles), ``tile_start[t]`` (its first position in ``order``), ``tile_rows[t]`` (valid rows).
+    tiles), ``tile_start[t]`` (its first position in ``order``), ``tile_rows[t]`` (valid rows); per
+    expert ``e``: ``expert_start[e]`` (its first position in ``order``) and ``expert_count[e]``.
     """
 
     order: torch.Tensor
     tile_expert: torch.Tensor
     tile_start: torch.Tensor
     tile_rows: torch.Tensor
+    expert_start: torch.Tensor
+    expert_count: torch.Tensor
     num_pairs: int
     top_k: int
     block_m: int
@@ -135,6 +180,8 @@ def expert_plan(top_k_index: torch.Tensor, num_experts: int, block_m: int, first
         tile_expert=torch.where(real, expert, -1).to(torch.int32),
         tile_start=torch.where(real, start, 0).to(torch.int32),
         tile_rows=torch.where(real, rows, 0).to(torch.int32),
+        expert_start=first_pair.to(torch.int32),
+        expert_count=counts.to(torch.int32),
         num_pairs=num_pairs,
         top_k=top_k,
         block_m=block_m,
@@ -195,6 +242,35 @@ def grouped_linear(
     return out
 
 
+def grouped_weight_grad(
+    grad_out: torch.Tensor,
+    x: torch.Tensor,
+    plan: ExpertPlan,
+    num_experts: int,
+    *,
+    rows_per_pair: bool,
+    config: MatmulConfig | None = None,
+) -> torch.Tensor:
+    """The weight gradient of :func:`grouped_linear`: ``dW[e] = sum_{p of e} grad_out[p]^T x[src(p)]``,
+    ``[E, N, K]`` in ``x.dtype``; each expert's pairs folded in plan order in fp32, one cast.
+    Deterministic (no atomics); experts without pairs get zeros."""
+    dtype, device = check_operands(grad_out=grad_out, x=x)
+    cfg = config or matmul_config(dtype, device)
+    n, k = grad_out.shape[1], x.shape[1]
+    grad = torch.empty((num_experts, n, k), dtype=dtype, device=device)
+    if grad.numel() == 0:
+        return grad
+    num_work = num_experts * triton.cdiv(n, cfg.block_m) * triton.cdiv(k, cfg.block_n)
+    _grouped_weight_grad_kernel[(grid.num_programs(num_work, device, uses_dot=True, persistent=True),)](
+        grad_out, x, grad, plan.order, plan.expert_start, plan.expert_count,
+        num_work, n, k, 1 if rows_per_pair else plan.top_k,
+        *grad_out.stride(), *x.stride(), *grad.stride(),
+        BLOCK_N=cfg.block_m, BLOCK_K=cfg.block_n, BLOCK_P=cfg.block_k,
+        DOT_PRECISION=DOT_PRECISION, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )  # fmt: skip
+    return grad
+
+
 def routed_pair_outputs(
     hidden_states: torch.Tensor,
     gate_up_proj: torch.Tensor,
@@ -230,4 +306,60 @@ def combine_in_expert_order(pair_outputs: torch.Tensor, top_k_index: torch.Tenso
     return out
 
 
-__all__ = ["ExpertPlan", "combine_in_expert_order", "expert_plan", "grouped_linear", "routed_pair_outputs"]
+class GroupedExpertsFunction(torch.autograd.Function):
+    """Routed SwiGLU experts with a grouped backward: the forward is :func:`routed_pair_outputs`
+    then :func:`combine_in_expert_order` (the per-expert loop's bits); the backward runs grouped
+    launches too (dX of both projections, :func:`grouped_weight_grad` for their weights, samepath's
+    SiLU·mul backward), deterministic: each token's input gradient sums its pairs in ascending
+    expert order in fp32, each weight gradient folds its expert's pairs in plan order."""
+
+    @staticmethod
+    def forward(ctx, hidden_states, gate_up_proj, down_proj, top_k_index, top_k_weights):  # type: ignore[override]
+        config = matmul_config(hidden_states.dtype, hidden_states.device)
+        plan = expert_plan(top_k_index, gate_up_proj.shape[0], config.block_m)
+        gate_up = grouped_linear(hidden_states, gate_up_proj, plan, rows_per_pair=False, config=config)
+        gate, up = gate_up.chunk(2, dim=-1)
+        act = silu_mul(gate, up)
+        expert_out = grouped_linear(act, down_proj, plan, rows_per_pair=True, config=config)
+        weighted = expert_out * top_k_weights.reshape(-1, 1)
+        ctx.save_for_backward(hidden_states, gate_up_proj, down_proj, top_k_index, top_k_weights, gate_up, act)
+        ctx.expert_out = expert_out
+        ctx.plan, ctx.config = plan, config
+        return combine_in_expert_order(weighted.to(hidden_states.dtype), top_k_index)
+
+    @staticmethod
+    def backward(ctx, grad_out):  # type: ignore[override]
+        hidden_states, gate_up_proj, down_proj, top_k_index, top_k_weights, gate_up, act = ctx.saved_tensors
+        expert_out, plan, config = ctx.expert_out, ctx.plan, ctx.config
+        num_experts, top_k = gate_up_proj.shape[0], top_k_index.shape[1]
+        weight_dtype = torch.promote_types(expert_out.dtype, top_k_weights.dtype)
+        grad_pairs = grad_out.repeat_interleave(top_k, dim=0).to(weight_dtype)
+        grad_expert_out = (grad_pairs * top_k_weights.reshape(-1, 1)).to(expert_out.dtype)
+        from samepath.kernels.reductions import row_sum
+
+        grad_weights = row_sum(grad_pairs * expert_out.to(weight_dtype)).reshape(top_k_index.shape)
+        grad_act = grouped_linear(grad_expert_out, down_proj.transpose(1, 2), plan, rows_per_pair=True, config=config)
+        grad_down = grouped_weight_grad(grad_expert_out, act, plan, num_experts, rows_per_pair=True, config=config)
+        gate, up = gate_up.chunk(2, dim=-1)
+        grad_gate_up = torch.empty_like(gate_up)
+        grad_gate, grad_up = grad_gate_up.chunk(2, dim=-1)
+        silu_mul_backward(gate, up, grad_act, grad_gate, grad_up)
+        grad_x_pairs = grouped_linear(
+            grad_gate_up, gate_up_proj.transpose(1, 2), plan, rows_per_pair=True, config=config
+        )
+        grad_hidden = combine_in_expert_order(grad_x_pairs.float(), top_k_index).to(hidden_states.dtype)
+        grad_gate_up_proj = grouped_weight_grad(
+            grad_gate_up, hidden_states, plan, num_experts, rows_per_pair=False, config=config
+        )
+        return grad_hidden, grad_gate_up_proj, grad_down, None, grad_weights.to(top_k_weights.dtype)
+
+
+__all__ = [
+    "ExpertPlan",
+    "GroupedExpertsFunction",
+    "combine_in_expert_order",
+    "expert_plan",
+    "grouped_linear",
+    "grouped_weight_grad",
+    "routed_pair_outputs",
+]

@@ -118,6 +118,14 @@ def _launch(gate2, up2, grad2, out, grad_up) -> None:
     )
 
 
+def silu_mul_backward(
+    gate: torch.Tensor, up: torch.Tensor, grad_out: torch.Tensor, grad_gate: torch.Tensor, grad_up: torch.Tensor
+) -> None:
+    """:func:`silu_mul`'s backward into preallocated ``grad_gate`` / ``grad_up`` (``[M, I]``, any
+    strides): the kernel :class:`SiluMulFunction` runs."""
+    _launch(gate, up, grad_out, grad_gate, grad_up)
+
+
 class SiluMulFunction(torch.autograd.Function):
     """Autograd for :func:`silu_mul` on ``[M, I]`` views (any strides)."""
 
