@@ -44,10 +44,11 @@ def _exercise_every_kernel(dtype: torch.dtype) -> None:
     lp, entropy = samepath.token_logprobs(logits, torch.tensor([1, 5, 999]), 0.7, return_entropy=True)
     (lp.sum() + entropy.sum()).backward()
     samepath.log_softmax(logits).sum().backward()
-    from samepath.kernels.grouped_matmul import expert_plan, grouped_linear
+    from samepath.kernels.grouped_matmul import expert_plan, grouped_linear, grouped_weight_grad
 
     plan = expert_plan(torch.tensor([[0, 2], [1, 2], [2, 0]]), 3, matmul_config.block_m)
-    grouped_linear(x.detach()[:3], rand(3, 40, 48).detach(), plan, rows_per_pair=False, config=matmul_config)
+    pairs = grouped_linear(x.detach()[:3], rand(3, 40, 48).detach(), plan, rows_per_pair=False, config=matmul_config)
+    grouped_weight_grad(pairs, x.detach()[:3], plan, 3, rows_per_pair=False, config=matmul_config)
     with samepath.batch_invariant():  # aten softmax / sum / mean: row, row-sum and column kernels
         torch.softmax(logits.detach(), -1)
         logits.detach().mean(-1)
@@ -71,7 +72,13 @@ def test_every_kernel_lowers_for_ascend(dtype: torch.dtype) -> None:
     assert set(results.values()) <= {"mlir", "binary"}
     assert len(results) >= 12, sorted(results)
     assert {"_matmul_kernel", "_matmul_reduce_kernel", "_rms_norm_fwd_kernel", "_silu_mul_kernel"} <= set(results)
-    assert {"_softmax_kernel", "_row_sum_kernel", "_column_sum_kernel", "_grouped_matmul_kernel"} <= set(results)
+    assert {
+        "_softmax_kernel",
+        "_row_sum_kernel",
+        "_column_sum_kernel",
+        "_grouped_matmul_kernel",
+        "_grouped_weight_grad_kernel",
+    } <= set(results)
 
 
 def test_chunked_rms_norm_lowers_for_ascend(monkeypatch) -> None:

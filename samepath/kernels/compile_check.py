@@ -340,13 +340,14 @@ def _rotary() -> None:
 
 
 def _moe_grouped() -> None:
-    from samepath.kernels.grouped_matmul import expert_plan, grouped_linear
+    from samepath.kernels.grouped_matmul import GroupedExpertsFunction
 
     tokens, experts, top_k = 4096, 128, 8
     index = torch.arange(tokens * top_k).reshape(tokens, top_k) % experts
-    plan = expert_plan(index, experts, config_module.matmul_config(torch.bfloat16, "cuda").block_m)
-    gate_up = grouped_linear(_empty(tokens, 2048), _empty(experts, 1536, 2048), plan, rows_per_pair=False)
-    grouped_linear(gate_up[:, :768].contiguous(), _empty(experts, 2048, 768), plan, rows_per_pair=True)
+    hidden, weights = _empty(tokens, 2048, grad=True), _empty(tokens, top_k, grad=True)
+    gate_up, down = _empty(experts, 1536, 2048, grad=True), _empty(experts, 2048, 768, grad=True)
+    out = GroupedExpertsFunction.apply(hidden, gate_up, down, index, weights)
+    _backward((out,), (hidden, gate_up, down, weights))
 
 
 def _reductions() -> None:
@@ -383,7 +384,7 @@ REPORT_CASES: tuple[ReportCase, ...] = (
     ReportCase("rotary", "apply_rotary fwd+bwd, 4096 positions, 32 q / 8 KV heads, head 128", _rotary),
     ReportCase(
         "moe-grouped",
-        "grouped expert GEMMs, 4096 tokens x top-8 of 128 experts, hidden 2048, intermediate 768",
+        "grouped expert GEMMs fwd+bwd, 4096 tokens x top-8 of 128 experts, hidden 2048, intermediate 768",
         _moe_grouped,
     ),
     ReportCase(
