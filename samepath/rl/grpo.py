@@ -383,14 +383,14 @@ def run_grpo(
     group_size: int = 4,
     new_tokens: int = 4,
     seed: int = 0,
-    sync_weights: bool = True,
+    sync_steps: int | None = None,
     on_step: Callable[[StepMetrics], None] | None = None,
 ) -> list[StepMetrics]:
     """Run ``steps`` GRPO steps; return each step's :class:`StepMetrics`.
 
-    The rollout is sent the trainer's weights before the first step and after every update
-    (``sync_weights=False`` skips the pushes after the first: a rollout that keeps old weights, the
-    negative control). Sampling at the trainer's temperature, seeded ``seed + step``.
+    The rollout is sent the trainer's weights before the first step and after every update — or,
+    with ``sync_steps=k``, after the first ``k`` updates only: from step ``k + 1`` on it keeps old
+    weights (the negative control). Sampling at the trainer's temperature, seeded ``seed + step``.
     """
     if steps < 1:
         raise ValueError(f"steps must be at least 1, got {steps}")
@@ -398,6 +398,8 @@ def run_grpo(
         raise ValueError(f"group_size must be at least 2 (advantages are normalised within a group), got {group_size}")
     if new_tokens < 1:
         raise ValueError(f"new_tokens must be at least 1, got {new_tokens}")
+    if sync_steps is not None and sync_steps < 0:
+        raise ValueError(f"sync_steps must be None or >= 0, got {sync_steps}")
     check_pairing(trainer, rollout)
     prompts = [p for p in task.prompts() for _ in range(group_size)]
     weights = trainer.rollout_state_dict()
@@ -412,7 +414,7 @@ def run_grpo(
         change = _max_change(weights, new_weights)
         metrics = step_metrics(step, rollout_lp, trainer_lp, float(rewards.mean()), loss, change)
         weights = new_weights
-        if sync_weights:
+        if sync_steps is None or step < sync_steps:
             rollout.load_weights(weights)
         history.append(metrics)
         if on_step is not None:

@@ -28,7 +28,7 @@ RESULT_PREFIX = "SAMEPATH_RESULT "
 
 @dataclass
 class TrainCheckSpec:
-    """One run of the loop. ``sync_weights=False`` keeps the rollout on the first step's weights."""
+    """One run of the loop (``sync_steps``: see :func:`samepath.rl.run_grpo`)."""
 
     steps: int = 3
     rollout: str = "hf"
@@ -40,7 +40,7 @@ class TrainCheckSpec:
     temperature: float = 1.0
     seed: int = 0
     numerics: str = "samepath"
-    sync_weights: bool = True
+    sync_steps: int | None = None
     tie_word_embeddings: bool = False
     device: str = "cpu"
 
@@ -70,7 +70,7 @@ def run_in_process(spec: TrainCheckSpec, on_step: Callable[[StepMetrics], None] 
                 spec.group_size,
                 spec.new_tokens,
                 seed=spec.seed,
-                sync_weights=spec.sync_weights,
+                sync_steps=spec.sync_steps,
                 on_step=on_step,
             )
 
