@@ -765,7 +765,7 @@ def test_rl_loop_vllm_weight_sync_stays_bit_identical():
     from samepath.rl.train_check import TrainCheckSpec, run_in_child
 
     spec = TrainCheckSpec(
-        steps=4, rollout="vllm", prompts=2, group_size=2, new_tokens=3, sync_steps=2, tie_word_embeddings=True
+        steps=4, rollout="vllm", prompts=1, group_size=2, new_tokens=2, sync_steps=2, tie_word_embeddings=True
     )
     history = run_in_child(spec)
     assert [m.step for m in history] == [0, 1, 2, 3]
