@@ -777,6 +777,29 @@ def test_rl_loop_vllm_weight_sync_stays_bit_identical():
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("reset", [True, False], ids=["reset", "no-reset"])
+def test_rl_loop_vllm_prefix_cache_is_reset_after_a_weight_push(reset):
+    """40-token prompts: their first 32-token block is cached by step 0 and hit at step 1. With the
+    reset after the push, step 1 is bit-identical; without it (the negative control) the cached
+    block's KV comes from the old weights and step 1 differs."""
+    from samepath.rl.train_check import TrainCheckSpec, run_in_child
+
+    spec = TrainCheckSpec(
+        steps=2,
+        rollout="vllm",
+        prompts=1,
+        group_size=2,
+        new_tokens=2,
+        min_prompt_len=40,
+        max_prompt_len=40,
+        reset_prefix_cache=reset,
+    )
+    history = run_in_child(spec)
+    assert history[0].bitwise_equal and history[0].weight_change > 0
+    assert history[1].bitwise_equal is reset
+
+
+@pytest.mark.slow
 def test_train_check_rollout_vllm(tmp_path, capsys):
     out = tmp_path / "train.json"
     argv = ["train-check", "--rollout", "vllm", "--steps", "2", "--prompts", "1", "--group-size", "2"]

@@ -28,7 +28,9 @@ RESULT_PREFIX = "SAMEPATH_RESULT "
 
 @dataclass
 class TrainCheckSpec:
-    """One run of the loop (``sync_steps``: see :func:`samepath.rl.run_grpo`)."""
+    """One run of the loop (``sync_steps``: see :func:`samepath.rl.run_grpo`; prompts of
+    ``min_prompt_len`` to ``max_prompt_len`` tokens; ``reset_prefix_cache``: see
+    :class:`samepath.rl.vllm_engine.VLLMRollout`)."""
 
     steps: int = 3
     rollout: str = "hf"
@@ -41,6 +43,9 @@ class TrainCheckSpec:
     seed: int = 0
     numerics: str = "samepath"
     sync_steps: int | None = None
+    min_prompt_len: int = 3
+    max_prompt_len: int = 7
+    reset_prefix_cache: bool = True
     tie_word_embeddings: bool = False
     device: str = "cpu"
 
@@ -49,7 +54,8 @@ def run_in_process(spec: TrainCheckSpec, on_step: Callable[[StepMetrics], None] 
     """Run ``spec`` here (the vLLM engine too, when ``spec.rollout == "vllm"``)."""
     from samepath.check.harness import DEFAULT_MODEL_CONFIG, build_default_model, load_model
 
-    task = CopyTask(DEFAULT_MODEL_CONFIG["vocab_size"], spec.prompts, seed=spec.seed)
+    vocab = DEFAULT_MODEL_CONFIG["vocab_size"]
+    task = CopyTask(vocab, spec.prompts, spec.min_prompt_len, spec.max_prompt_len, seed=spec.seed)
     with tempfile.TemporaryDirectory(prefix="samepath-train-check-") as directory:
         build_default_model(directory, seed=0, tie_word_embeddings=spec.tie_word_embeddings)
         with numerics(spec.numerics):
@@ -59,7 +65,14 @@ def run_in_process(spec: TrainCheckSpec, on_step: Callable[[StepMetrics], None] 
                 from samepath.rl.vllm_engine import VLLMRollout
 
                 batch = spec.prompts * spec.group_size
-                rollout = VLLMRollout(directory, trainer.rollout_dtype, seed=spec.seed, max_num_seqs=batch)
+                rollout = VLLMRollout(
+                    directory,
+                    trainer.rollout_dtype,
+                    seed=spec.seed,
+                    max_model_len=spec.max_prompt_len + spec.new_tokens + 32,
+                    max_num_seqs=batch,
+                    reset_prefix_cache=spec.reset_prefix_cache,
+                )
             else:
                 rollout = HFRollout.for_trainer(trainer)
             return run_grpo(

@@ -23,7 +23,10 @@ import torch
 class VLLMRollout:
     """A ``vllm.LLM`` on ``model_dir`` (Hugging Face layout, token ids in, no tokenizer) serving
     ``weight_dtype`` weights; log-probs are vLLM's ``processed_logprobs`` (after the temperature
-    division), the same quantity as ``samepath.logprobs(logits, tokens, temperature)``."""
+    division), the same quantity as ``samepath.logprobs(logits, tokens, temperature)``.
+
+    ``reset_prefix_cache=False`` keeps the prefix cache across weight pushes: a negative control
+    only (prompt blocks cached under the old weights then serve the next step)."""
 
     def __init__(
         self,
@@ -32,6 +35,7 @@ class VLLMRollout:
         seed: int = 0,
         max_model_len: int = 256,
         max_num_seqs: int = 16,
+        reset_prefix_cache: bool = True,
         **engine_args,
     ) -> None:
         from vllm import LLM
@@ -40,6 +44,7 @@ class VLLMRollout:
         if weight_dtype not in names:
             raise ValueError(f"weight_dtype must be one of {', '.join(map(str, names))}, got {weight_dtype}")
         self.weight_dtype = weight_dtype
+        self.reset_prefix_cache = reset_prefix_cache
         options = dict(
             model=model_dir,
             skip_tokenizer_init=True,
@@ -58,7 +63,7 @@ class VLLMRollout:
 
     def load_weights(self, weights: dict[str, torch.Tensor]) -> None:
         """Push ``weights`` (Hugging Face names) through vLLM's in-place reload, then drop the
-        prefix cache."""
+        prefix cache (unless built with ``reset_prefix_cache=False``)."""
         for name, tensor in weights.items():
             if tensor.dtype != self.weight_dtype:
                 raise ValueError(f"weight {name} is {tensor.dtype}; this rollout serves {self.weight_dtype}")
@@ -68,7 +73,8 @@ class VLLMRollout:
             yield from items
 
         self.llm.collective_rpc("reload_weights", kwargs=dict(weights_iterator=iterate(), is_checkpoint_format=True))
-        self.llm.reset_prefix_cache()
+        if self.reset_prefix_cache:
+            self.llm.reset_prefix_cache()
 
     def generate(
         self, prompts: list[list[int]], new_tokens: int, temperature: float, seed: int
