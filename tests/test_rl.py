@@ -217,8 +217,18 @@ def test_train_check_bad_input(argv, fragment, capsys):
 def test_train_check_exit_status_and_json(tmp_path):
     out = tmp_path / "train.json"
     argv = ["train-check", "--steps", "1", "--prompts", "1", "--group-size", "2", "--new-tokens", "2"]
-    status, text = _cli([*argv, "--json", str(out)])
+    argv += ["--json", str(out)]
+    png = tmp_path / "drift.png"
+    try:
+        import matplotlib  # noqa: F401
+
+        argv += ["--plot", str(png)]
+    except ImportError:
+        png = None
+    status, text = _cli(argv)
     report = json.loads(out.read_text())
+    if png is not None:
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert status == 0, text
     assert report["exit_status"] == 0 and report["bit_identical"] is True
     steps = report["runs"]["samepath"]["steps"]

@@ -141,6 +141,7 @@ def format_table(stock: list[StepMetrics], patched: list[StepMetrics]) -> str:
 def plot(stock: list[StepMetrics], patched: list[StepMetrics], path: str) -> None:
     """A PNG of max |Δlogp| per step, stock and samepath (needs matplotlib)."""
     import matplotlib
+    import matplotlib.ticker
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -149,6 +150,8 @@ def plot(stock: list[StepMetrics], patched: list[StepMetrics], path: str) -> Non
     for name, history in (("stock", stock), ("samepath", patched)):
         ax.plot([m.step for m in history], [m.max_abs_diff for m in history], marker="o", label=name)
     ax.set_yscale("symlog", linthresh=1e-8)
+    ax.set_ylim(bottom=0)
+    ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
     ax.set_xlabel("RL step")
     ax.set_ylabel("max |Δlogp| rollout vs trainer")
     ax.legend()
