@@ -26,7 +26,10 @@ def _import_or_skip(name: str):
     try:
         return importlib.import_module(name)
     except Exception as exc:  # any import failure means "not available here"
-        pytest.skip(f"{name} does not import on this machine ({type(exc).__name__}: {exc})")
+        reason = f"{name} does not import on this machine ({type(exc).__name__}: {exc})"
+        if os.environ.get("SAMEPATH_REQUIRE_VERL") == "1":  # nox -s verl: a skip would hide a broken install
+            pytest.fail(reason)
+        pytest.skip(reason)
 
 
 @pytest.fixture
