@@ -256,3 +256,22 @@ def test_stale_rollout_is_reported():
     assert history[0].bitwise_equal and history[1].bitwise_equal
     assert all(m.weight_change > 0 for m in history)
     assert not history[2].bitwise_equal and history[2].max_abs_diff > 0
+
+
+def test_train_check_exits_1_when_a_samepath_step_differs(monkeypatch, tmp_path):
+    """The exit status follows samepath's steps: one step that differs gives 1 (the loop is
+    replaced by recorded metrics; the loop itself is exercised above)."""
+    from samepath.rl import train_check
+
+    lp = torch.tensor([[-1.0, -2.0]])
+
+    def fake_run(spec):
+        return [step_metrics(0, lp, lp), step_metrics(1, lp, lp + 1e-3, weight_change=0.1)]
+
+    monkeypatch.setattr(train_check, "run", fake_run)
+    out = tmp_path / "r.json"
+    status, text = _cli(["train-check", "--steps", "2", "--json", str(out)])
+    assert status == 1 and "NOT bit-identical" in text
+    report = json.loads(out.read_text())
+    assert report["exit_status"] == 1 and report["bit_identical"] is False
+    assert [s["bitwise_equal"] for s in report["runs"]["samepath"]["steps"]] == [True, False]
