@@ -36,6 +36,25 @@ def tune(session: nox.Session) -> None:
     session.run("python", "bench/tune.py", *session.posargs)
 
 
+@nox.session
+def verl(session: nox.Session) -> None:
+    """verl's own code paths on samepath (tests/test_integration_verl.py): its logprobs_from_logits,
+    the FSDP engine's temperature scaling and remove-padding inputs, and calculate_debug_metrics
+    over single checks and samepath.rl's steps. verl is installed without its dependencies (they
+    include vLLM and flash-attn builds), with the light ones its imported modules need."""
+    session.install(TORCH, "-e", ".[hf]", "pytest")
+    session.install("--no-deps", "verl==0.9.1")
+    session.install("ray", "tensordict", "omegaconf", "codetiming", "orjson", "accelerate", "peft", "datasets")
+    session.run(
+        "python",
+        "-m",
+        "pytest",
+        "tests/test_integration_verl.py",
+        *session.posargs,
+        env={"SAMEPATH_REQUIRE_VERL": "1"},  # what does not import fails instead of skipping
+    )
+
+
 #: Tests that run under Triton-Ascend: its interpreter for the consistency tests, and the lowering
 #: of every kernel to Triton-Ascend's MLIR (tests/test_ascend.py). HF/vLLM tests need upstream Triton.
 ASCEND_TESTS = [

@@ -26,7 +26,10 @@ def _import_or_skip(name: str):
     try:
         return importlib.import_module(name)
     except Exception as exc:  # any import failure means "not available here"
-        pytest.skip(f"{name} does not import on this machine ({type(exc).__name__}: {exc})")
+        reason = f"{name} does not import on this machine ({type(exc).__name__}: {exc})"
+        if os.environ.get("SAMEPATH_REQUIRE_VERL") == "1":  # nox -s verl: a skip would hide a broken install
+            pytest.fail(reason)
+        pytest.skip(reason)
 
 
 @pytest.fixture
@@ -239,3 +242,50 @@ def test_importing_with_samepath_verl_set_patches_every_process_that_imports_ver
     check = check.split("assert tf.")[0] + "print('untouched')\n"
     done = subprocess.run([sys.executable, "-c", check], env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0 and "untouched" in done.stdout, done.stderr[-3000:]
+
+
+def test_verl_metrics_are_zero_at_every_rl_step_of_samepath_rl():
+    """samepath.rl's GRPO loop (HF generate rollout synced by state-dict copy, fp32-master trainer):
+    verl's own ``calculate_debug_metrics`` on each step's rollout and trainer log-probs reports
+    ``rollout_probs_diff_max/mean/std`` = 0 at every synced step; at the step after the pushes
+    stop (the negative control) its max is nonzero."""
+    debug_metrics = _import_or_skip("verl.utils.debug.metrics")
+    transformers = _import_or_skip("transformers")
+    from verl import DataProto
+
+    from samepath.check.harness import DEFAULT_MODEL_CONFIG
+    from samepath.rl import CopyTask, HFRollout, Trainer, numerics, run_grpo
+
+    pairs = []
+
+    class RecordingTrainer(Trainer):
+        def step(self, prompts, completions, rollout_logprobs, advantages):
+            trainer_logprobs, loss = super().step(prompts, completions, rollout_logprobs, advantages)
+            pairs.append((completions, rollout_logprobs, trainer_logprobs))
+            return trainer_logprobs, loss
+
+    config = {**DEFAULT_MODEL_CONFIG, "num_hidden_layers": 1, "vocab_size": 128, "hidden_size": 32}
+    config |= {"intermediate_size": 48, "head_dim": 16, "tie_word_embeddings": True}
+    torch.manual_seed(0)
+    model = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**config))
+    task = CopyTask(config["vocab_size"], num_prompts=2, min_len=2, max_len=4, seed=1)
+    with numerics("samepath"):
+        trainer = RecordingTrainer(model, "fp32_master")
+        run_grpo(trainer, HFRollout.for_trainer(trainer), task, steps=4, group_size=2, new_tokens=3, sync_steps=2)
+    reports = []
+    for completions, rollout_logprobs, trainer_logprobs in pairs:
+        batch = DataProto.from_dict(
+            tensors={
+                # verl's agent loop carries vLLM's log-probs as Python floats into fp32.
+                "rollout_log_probs": torch.tensor(rollout_logprobs.tolist(), dtype=torch.float32),
+                "old_log_probs": trainer_logprobs,
+                "responses": completions,
+                "response_mask": torch.ones_like(completions),
+            }
+        )
+        reports.append(debug_metrics.calculate_debug_metrics(batch))
+    for step, report in enumerate(reports[:3]):
+        assert report["training/rollout_probs_diff_valid"] == 1
+        for stat in ("max", "mean", "std"):
+            assert report[f"training/rollout_probs_diff_{stat}"] == 0.0, (step, report)
+    assert reports[3]["training/rollout_probs_diff_max"] > 0, reports[3]

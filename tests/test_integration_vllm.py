@@ -754,3 +754,55 @@ def test_vllm_decode_step_host_work(monkeypatch, validate):
     assert abs(long.total - short.total) <= 4, (short.ops, long.ops)
     assert long.reads == short.reads == deep.reads, (short.ops, long.ops, deep.ops)
     assert short.reads <= (12 if validate == "step" else 0), short.ops  # paged_attention(validate=True): 9
+
+
+def test_rl_loop_vllm_weight_sync_stays_bit_identical():
+    """samepath.rl's GRPO loop with vLLM in-process as the rollout (a child process holding the
+    engine and the fp32-master trainer, tied embeddings): the weights go in through vLLM's
+    ``reload_weights`` after each update, and steps 0-2 are bit-identical with the weights changing
+    every step. The negative control is in the same run: after the second update no more weights
+    are pushed, so at step 3 vLLM samples with the previous weights and must differ."""
+    from samepath.rl.train_check import TrainCheckSpec, run_in_child
+
+    spec = TrainCheckSpec(
+        steps=4, rollout="vllm", prompts=1, group_size=2, new_tokens=2, sync_steps=2, tie_word_embeddings=True
+    )
+    history = run_in_child(spec)
+    assert [m.step for m in history] == [0, 1, 2, 3]
+    for m in history[:3]:
+        assert m.bitwise_equal, f"step {m.step}: vLLM and trainer log-probs differ (max |Δ| {m.max_abs_diff})"
+        assert m.ratio_min == m.ratio_max == 1.0 and m.k3_kl == 0.0 and m.rollout_probs_diff_max == 0.0
+    assert all(m.weight_change > 0 for m in history)
+    assert not history[3].bitwise_equal and history[3].max_abs_diff > 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("reset", [True, False], ids=["reset", "no-reset"])
+def test_rl_loop_vllm_prefix_cache_is_reset_after_a_weight_push(reset):
+    """40-token prompts: their first 32-token block is cached by step 0 and hit at step 1. With the
+    reset after the push, step 1 is bit-identical; without it (the negative control) the cached
+    block's KV comes from the old weights and step 1 differs."""
+    from samepath.rl.train_check import TrainCheckSpec, run_in_child
+
+    spec = TrainCheckSpec(
+        steps=2,
+        rollout="vllm",
+        prompts=1,
+        group_size=2,
+        new_tokens=2,
+        min_prompt_len=40,
+        max_prompt_len=40,
+        reset_prefix_cache=reset,
+    )
+    history = run_in_child(spec)
+    assert history[0].bitwise_equal and history[0].weight_change > 0
+    assert history[1].bitwise_equal is reset
+
+
+@pytest.mark.slow
+def test_train_check_rollout_vllm(tmp_path, capsys):
+    out = tmp_path / "train.json"
+    argv = ["train-check", "--rollout", "vllm", "--steps", "2", "--prompts", "1", "--group-size", "2"]
+    assert main([*argv, "--new-tokens", "2", "--json", str(out)]) == 0, capsys.readouterr()
+    report = json.loads(out.read_text())
+    assert report["bit_identical"] and all(s["bitwise_equal"] for s in report["runs"]["samepath"]["steps"])

@@ -42,3 +42,15 @@ def test_the_snippet_without_position_ids_is_refused() -> None:
             exec(compile(snippet, str(README), "exec"), {})
     finally:
         integrations.unpatch_all()
+
+
+@pytest.mark.slow
+def test_the_rl_snippet_runs_and_every_step_is_bit_identical() -> None:
+    """The README's samepath.rl snippet: three GRPO steps on the default-shaped Qwen3."""
+    text = README.read_text(encoding="utf-8")
+    section = text[text.index("## RL through training") :]
+    match = re.search(r"```python\n(.*?)```", section, re.DOTALL)
+    assert match, "the README's RL section has no python block"
+    namespace: dict = {}
+    exec(compile(match.group(1), str(README), "exec"), namespace)
+    assert len(namespace["history"]) == 3 and all(m.weight_change > 0 for m in namespace["history"])

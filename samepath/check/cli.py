@@ -1,5 +1,5 @@
-"""The ``samepath`` command line: ``samepath check``, ``samepath doctor`` and ``samepath audit``
-(also ``python -m samepath``).
+"""The ``samepath`` command line: ``samepath check``, ``samepath doctor``, ``samepath audit`` and
+``samepath train-check`` (also ``python -m samepath``).
 
 Exit status: see :data:`EXIT_STATUS_HELP` (also printed by ``--help``).
 """
@@ -17,7 +17,7 @@ EXIT_OK, EXIT_DIFFERS, EXIT_BAD_INPUT, EXIT_ERROR = 0, 1, 2, 3
 
 EXIT_STATUS_HELP = """exit status:
   0  samepath's rollout and trainer are bit-identical (check: every log-prob equal; doctor: no module
-     differs; audit: every module covered or neutral)
+     differs; audit: every module covered or neutral; train-check: at every step)
   1  they are not (audit: some module is uncovered)
   2  bad input (one line on stderr, found before any model runs)
   3  an unexpected error (set SAMEPATH_DEBUG=1 for the traceback)"""
@@ -67,7 +67,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--version", action="version", version=f"samepath {samepath.__version__} (numerics {samepath.fingerprint()})"
     )
-    sub = parser.add_subparsers(dest="command", metavar="{check,doctor,audit}", parser_class=_Parser)
+    sub = parser.add_subparsers(dest="command", metavar="{check,doctor,audit,train-check}", parser_class=_Parser)
     check = sub.add_parser(
         "check",
         epilog=EXIT_STATUS_HELP,
@@ -134,7 +134,125 @@ def build_parser() -> argparse.ArgumentParser:
         "--dtype", default="bfloat16", help="float32, bfloat16 or float16 (default: %(default)s)", metavar="DTYPE"
     )
     audit.add_argument("--json", metavar="OUT", help="also write the report as JSON to OUT ('-' for stdout)")
+    _train_check_parser(sub)
     return parser
+
+
+def _train_check_parser(sub) -> None:
+    train = sub.add_parser(
+        "train-check",
+        epilog=EXIT_STATUS_HELP,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        help="N GRPO steps: rollout vs trainer log-probs at every step, stock and with samepath",
+        description="Train the embedded default model (a tiny random-weight Qwen3) for N GRPO steps on a toy task "
+        "(samepath.rl): sample groups with the rollout engine, update the trainer, push the new weights to the "
+        "rollout, and compare the rollout's log-probs with the trainer's at every step — stock kernels on both "
+        "sides, then samepath. Exit status 0 only when samepath's are bit-identical at every step.",
+    )
+    train.add_argument("--steps", type=int, default=3, help="RL steps (default: %(default)s)")
+    train.add_argument(
+        "--rollout",
+        default="hf",
+        help="rollout engine: hf (Hugging Face generate on a separate model, state-dict sync; the default) or vllm "
+        "(vLLM in-process with the trainer, in a child process per run; weights through vLLM's reload_weights)",
+    )
+    train.add_argument(
+        "--precision",
+        default="fp32_master",
+        help="trainer precision: fp32_master (fp32 master weights, forward on their bf16 cast under autocast; the "
+        "default) or bf16 (bf16 weights)",
+    )
+    train.add_argument("--prompts", type=int, default=2, help="prompts per step (default: %(default)s)")
+    train.add_argument("--group-size", type=int, default=4, help="samples per prompt (default: %(default)s)")
+    train.add_argument("--new-tokens", type=int, default=4, help="tokens per completion (default: %(default)s)")
+    train.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate (default: %(default)s)")
+    train.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (default: %(default)s)")
+    train.add_argument(
+        "--tie-embeddings", action="store_true", help="the default model with its lm_head tied to the embedding"
+    )
+    train.add_argument("--seed", type=int, default=0, help="seed of the prompts and sampling (default: %(default)s)")
+    train.add_argument("--device", default=None, help="torch device (default: cuda when available, else cpu)")
+    train.add_argument("--json", metavar="OUT", help="also write the report as JSON to OUT ('-' for stdout)")
+    train.add_argument("--plot", metavar="OUT.png", help="write a PNG of max |Δlogp| per step (needs matplotlib)")
+    train.add_argument(
+        "--progress", choices=("auto", "on", "off"), default="auto", help="progress on stderr (auto: when a terminal)"
+    )
+
+
+def run_train_check(args: argparse.Namespace) -> int:
+    """``samepath train-check``: the loop stock, then with samepath; exit 0 iff samepath's rollout and
+    trainer log-probs are bit-identical at every step."""
+    import samepath
+    from samepath.check.harness import CheckInputError
+    from samepath.check.report import SCHEMA_VERSION
+    from samepath.rl.grpo import PRECISIONS
+    from samepath.rl.train_check import TrainCheckSpec, format_table, plot, run
+
+    for flag, value, least in (("--steps", args.steps, 1), ("--prompts", args.prompts, 1)):
+        if value < least:
+            raise CheckInputError(f"{flag} must be at least {least}, got {value}")
+    if args.group_size < 2:
+        raise CheckInputError(f"--group-size must be at least 2 (advantages are per group), got {args.group_size}")
+    if args.new_tokens < 1:
+        raise CheckInputError(f"--new-tokens must be at least 1, got {args.new_tokens}")
+    if not args.temperature > 0:
+        raise CheckInputError(f"--temperature must be > 0 (the loop samples), got {args.temperature}")
+    if not args.lr > 0:
+        raise CheckInputError(f"--lr must be > 0, got {args.lr}")
+    if args.precision not in PRECISIONS:
+        raise CheckInputError(f"unknown --precision {args.precision!r}; choose {' or '.join(PRECISIONS)}")
+    args.batch, args.dtype = 1, "bfloat16"  # for _validate
+    if args.rollout == "vllm" and args.device not in (None, "cpu"):
+        raise CheckInputError("--rollout vllm runs vLLM's own device; leave --device unset")
+    _, device = _validate(args)
+    _transformers_or_fail()
+    spec = dict(
+        steps=args.steps,
+        rollout=args.rollout,
+        precision=args.precision,
+        prompts=args.prompts,
+        group_size=args.group_size,
+        new_tokens=args.new_tokens,
+        lr=args.lr,
+        temperature=args.temperature,
+        seed=args.seed,
+        tie_word_embeddings=args.tie_embeddings,
+        device=str(device),
+    )
+    runs = {}
+    for name in ("stock", "samepath"):
+        if _show_progress(args):
+            print(f"samepath train-check: {name}, {args.steps} steps ...", file=sys.stderr, flush=True)
+        runs[name] = run(TrainCheckSpec(**spec, numerics=name))
+    identical = all(m.bitwise_equal for m in runs["samepath"])
+    status = EXIT_OK if identical else EXIT_DIFFERS
+    if args.json != "-":
+        print(format_table(runs["stock"], runs["samepath"]))
+        verdict = "bit-identical at every step: importance ratio exactly 1.0" if identical else "NOT bit-identical"
+        print(f"samepath: rollout ({args.rollout}) vs trainer ({args.precision}) log-probs {verdict}.")
+    if args.json:
+        _write_json(
+            args.json,
+            {
+                "schema_version": SCHEMA_VERSION,
+                "tool": "samepath train-check",
+                "samepath_version": samepath.__version__,
+                "fingerprint": samepath.fingerprint(),
+                "model": "embedded-default",
+                "settings": spec,
+                "runs": {
+                    name: {"bit_identical": all(m.bitwise_equal for m in h), "steps": [m.to_json() for m in h]}
+                    for name, h in runs.items()
+                },
+                "bit_identical": identical,
+                "exit_status": status,
+            },
+        )
+    if args.plot:
+        plot(runs["stock"], runs["samepath"], args.plot)
+        if args.json != "-":
+            print(f"plot written to {args.plot}")
+    return status
 
 
 def run_audit(args: argparse.Namespace) -> int:
@@ -404,8 +522,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     try:
         with _quiet_transformers():
-            runner = {"check": run_check, "doctor": run_doctor, "audit": run_audit}[args.command]
-            return runner(args)
+            runner = {"check": run_check, "doctor": run_doctor, "audit": run_audit, "train-check": run_train_check}
+            return runner[args.command](args)
     except CheckInputError as exc:
         print(f"samepath {args.command}: error: {exc}", file=sys.stderr)
         return EXIT_BAD_INPUT

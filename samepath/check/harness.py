@@ -84,10 +84,11 @@ class LoadedModel:
 DTYPES_BY_TORCH = {v: k for k, v in DTYPES.items()}
 
 
-def build_default_model(directory: str, seed: int = 0) -> None:
-    """Write the embedded default model (random-weight Qwen3, fp32) to ``directory``."""
+def build_default_model(directory: str, seed: int = 0, tie_word_embeddings: bool = False) -> None:
+    """Write the embedded default model (random-weight Qwen3, fp32) to ``directory`` (with
+    ``tie_word_embeddings``, its lm_head is the embedding matrix)."""
     transformers = _transformers()
-    config = transformers.Qwen3Config(**DEFAULT_MODEL_CONFIG)
+    config = transformers.Qwen3Config(**{**DEFAULT_MODEL_CONFIG, "tie_word_embeddings": tie_word_embeddings})
     torch.manual_seed(seed)
     model = transformers.Qwen3ForCausalLM(config).eval()
     with torch.no_grad():  # random init of this size gives near-uniform logits; spread them out

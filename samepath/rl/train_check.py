@@ -1,0 +1,181 @@
+"""``samepath train-check``: N GRPO steps on the embedded default model, stock and with samepath.
+
+Each run starts from the same random weights (the embedded default Qwen3, fp32, saved with
+``save_pretrained`` and loaded back) and runs :func:`samepath.rl.run_grpo` with the rollout
+engine and trainer precision asked for: "stock" with the frameworks' own kernels on both sides,
+"samepath" under ``patch_all()`` (and samepath's vLLM plugin). A vLLM run happens in a fresh
+child process (``python -m samepath.rl.train_check SPEC_JSON``), vLLM in-process there with the
+trainer, since vLLM keeps process-global state; the child prints one ``SAMEPATH_RESULT {json}``
+line with the per-step metrics.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+
+import torch
+
+from samepath.rl.grpo import CopyTask, HFRollout, StepMetrics, Trainer, numerics, run_grpo
+
+RESULT_PREFIX = "SAMEPATH_RESULT "
+
+
+@dataclass
+class TrainCheckSpec:
+    """One run of the loop (``sync_steps``: see :func:`samepath.rl.run_grpo`; prompts of
+    ``min_prompt_len`` to ``max_prompt_len`` tokens; ``reset_prefix_cache``: see
+    :class:`samepath.rl.vllm_engine.VLLMRollout`)."""
+
+    steps: int = 3
+    rollout: str = "hf"
+    precision: str = "fp32_master"
+    prompts: int = 2
+    group_size: int = 4
+    new_tokens: int = 4
+    lr: float = 1e-3
+    temperature: float = 1.0
+    seed: int = 0
+    numerics: str = "samepath"
+    sync_steps: int | None = None
+    min_prompt_len: int = 3
+    max_prompt_len: int = 7
+    reset_prefix_cache: bool = True
+    tie_word_embeddings: bool = False
+    device: str = "cpu"
+
+
+def run_in_process(spec: TrainCheckSpec, on_step: Callable[[StepMetrics], None] | None = None) -> list[StepMetrics]:
+    """Run ``spec`` here (the vLLM engine too, when ``spec.rollout == "vllm"``)."""
+    from samepath.check.harness import DEFAULT_MODEL_CONFIG, build_default_model, load_model
+
+    vocab = DEFAULT_MODEL_CONFIG["vocab_size"]
+    task = CopyTask(vocab, spec.prompts, spec.min_prompt_len, spec.max_prompt_len, seed=spec.seed)
+    with tempfile.TemporaryDirectory(prefix="samepath-train-check-") as directory:
+        build_default_model(directory, seed=0, tie_word_embeddings=spec.tie_word_embeddings)
+        with numerics(spec.numerics):
+            model = load_model(directory, torch.float32).model.to(spec.device)
+            trainer = Trainer(model, spec.precision, lr=spec.lr, temperature=spec.temperature)
+            if spec.rollout == "vllm":
+                from samepath.rl.vllm_engine import VLLMRollout
+
+                batch = spec.prompts * spec.group_size
+                rollout = VLLMRollout(
+                    directory,
+                    trainer.rollout_dtype,
+                    seed=spec.seed,
+                    max_model_len=spec.max_prompt_len + spec.new_tokens + 32,
+                    max_num_seqs=batch,
+                    reset_prefix_cache=spec.reset_prefix_cache,
+                )
+            else:
+                rollout = HFRollout.for_trainer(trainer)
+            return run_grpo(
+                trainer,
+                rollout,
+                task,
+                spec.steps,
+                spec.group_size,
+                spec.new_tokens,
+                seed=spec.seed,
+                sync_steps=spec.sync_steps,
+                on_step=on_step,
+            )
+
+
+def run_in_child(spec: TrainCheckSpec, timeout: float = 1800.0) -> list[StepMetrics]:
+    """Run ``spec`` in a fresh Python process (vLLM engine core in that process); raise
+    ``RuntimeError`` with the child's stderr tail on failure."""
+    env = dict(os.environ)
+    env.update(
+        SAMEPATH_VLLM="1" if spec.numerics == "samepath" else "0",
+        VLLM_ENABLE_V1_MULTIPROCESSING="0",
+        TOKENIZERS_PARALLELISM="false",
+    )
+    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    env.pop("SAMEPATH_EXPECT_FINGERPRINT", None)
+    try:
+        proc = subprocess.run(
+            [sys.executable, "-m", "samepath.rl.train_check", json.dumps(asdict(spec))],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
+    except subprocess.TimeoutExpired:
+        raise RuntimeError(f"the training run did not finish within {timeout:g} s") from None
+    lines = [line for line in proc.stdout.splitlines() if line.startswith(RESULT_PREFIX)]
+    if proc.returncode != 0 or not lines:
+        raise RuntimeError(f"the training run failed (exit status {proc.returncode}):\n{proc.stderr[-6000:]}")
+    return [StepMetrics(**m) for m in json.loads(lines[-1].removeprefix(RESULT_PREFIX))]
+
+
+def run(spec: TrainCheckSpec, on_step: Callable[[StepMetrics], None] | None = None) -> list[StepMetrics]:
+    """A vLLM run in a child process, a Hugging Face one here."""
+    return run_in_child(spec) if spec.rollout == "vllm" else run_in_process(spec, on_step)
+
+
+def format_table(stock: list[StepMetrics], patched: list[StepMetrics]) -> str:
+    """Per step: tokens bitwise equal, max |Δlogp|, the ratio's range and k3 KL, stock vs samepath,
+    and how much the update moved the weights the rollout is sent."""
+
+    def cells(m: StepMetrics) -> str:
+        equal = f"{m.equal_tokens}/{m.tokens}"
+        return f"{equal:>7} {m.max_abs_diff:>10.3g} {m.ratio_min:>8.6f}..{m.ratio_max:<8.6f} {m.k3_kl:>9.3g}"
+
+    head = f"{'equal':>7} {'max|Δlogp|':>10} {'ratio min..max':^18} {'k3 KL':>9}"
+    lines = [
+        f"{'':4}  {'stock':^48}  {'samepath':^48}  {'':>9}",
+        f"{'step':4}  {head}  {head}  {'max |Δw|':>9}",
+    ]
+    for s, p in zip(stock, patched, strict=True):
+        lines.append(f"{p.step:>4}  {cells(s)}  {cells(p)}  {p.weight_change:>9.3g}")
+    return "\n".join(lines)
+
+
+def plot(stock: list[StepMetrics], patched: list[StepMetrics], path: str) -> None:
+    """A PNG of max |Δlogp| per step, stock and samepath (needs matplotlib)."""
+    import matplotlib
+    import matplotlib.ticker
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    for name, history in (("stock", stock), ("samepath", patched)):
+        ax.plot([m.step for m in history], [m.max_abs_diff for m in history], marker="o", label=name)
+    ax.set_yscale("symlog", linthresh=1e-8)
+    ax.set_ylim(bottom=0)
+    ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
+    ax.set_xlabel("RL step")
+    ax.set_ylabel("max |Δlogp| rollout vs trainer")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def _child(spec: TrainCheckSpec) -> list[dict]:
+    if spec.rollout == "vllm" and spec.numerics == "samepath":
+        from samepath.integrations import vllm_plugin
+
+        vllm_plugin.register()
+    return [m.to_json() for m in run_in_process(spec)]
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    spec = TrainCheckSpec(**json.loads(argv[0]))
+    print(RESULT_PREFIX + json.dumps(_child(spec)), flush=True)
+
+
+if __name__ == "__main__":
+    main()
+
+
+__all__ = ["TrainCheckSpec", "format_table", "plot", "run", "run_in_child", "run_in_process"]
