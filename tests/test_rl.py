@@ -61,8 +61,9 @@ def assert_on_policy(history, steps: int) -> None:
         assert m.ratio_min == m.ratio_max == 1.0
         assert m.max_abs_diff == m.mean_abs_diff == m.k3_kl == 0.0
         assert m.rollout_probs_diff_max == m.rollout_probs_diff_mean == 0.0
+        # AdamW without weight decay: a weight moves only when the policy gradient is nonzero. (The
+        # loss value itself is -mean(advantages) at ratio 1, zero up to rounding: not asserted.)
         assert m.weight_change > 0, f"step {m.step}: the update changed no weight the rollout is sent"
-    assert any(m.loss != 0 for m in history)
 
 
 def test_fp32_master_tied_embeddings_three_steps_bit_identical():
