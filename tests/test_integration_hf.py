@@ -34,6 +34,12 @@ def tiny_model(arch: str, dtype: torch.dtype, seed: int = 0) -> torch.nn.Module:
     elif arch == "llama":
         config = transformers.LlamaConfig(head_dim=16, **common)
         cls = transformers.LlamaForCausalLM
+    elif arch == "mistral":  # Mistral v0.2+ / Nemo: no sliding window
+        config = transformers.MistralConfig(head_dim=32, sliding_window=None, **common)
+        cls = transformers.MistralForCausalLM
+    elif arch == "phi3":  # fused qkv_proj and gate_up_proj
+        config = transformers.Phi3Config(**common)
+        cls = transformers.Phi3ForCausalLM
     else:
         raise AssertionError(arch)
     torch.manual_seed(seed)
@@ -308,3 +314,29 @@ def test_tensor_parallel_numerics_slices_the_row_parallel_linears():
     with pytest.raises(ValueError, match="tensor_parallel_size"):
         with tensor_parallel_numerics(model, 0):
             pass
+
+
+FAMILY_CASES = [
+    # The families beyond Llama/Qwen: each in fp32 and bf16, left-padded, sampled; -m slow adds fp32.
+    ("mistral", torch.bfloat16),
+    pytest.param("mistral", torch.float32, marks=pytest.mark.slow),
+    ("phi3", torch.bfloat16),
+    pytest.param("phi3", torch.float32, marks=pytest.mark.slow),
+]
+
+
+@pytest.mark.parametrize("arch,dtype", FAMILY_CASES, ids=str)
+def test_model_family_generate_equals_trainer(arch, dtype) -> None:
+    """patch_all(model) accepts the family (audited: every module covered), generate's sampled
+    log-probs from a left-padded batch equal the trainer's forward bit for bit, and the negative
+    control — the same harness with the trainer's layer-1 norm eps changed, a deliberate one-sided
+    difference — reports a mismatch."""
+    model = tiny_model(arch, dtype)
+    prompts = random_prompts([6, 2, 9], seed=21)
+    with integrations.patched(model):
+        generated, rollout_lp = rollout(model, prompts, 5, temperature=0.8)
+        assert torch.equal(trainer_padded(model, prompts, generated, 0.8), rollout_lp)
+        assert torch.equal(trainer_packed(model, prompts, generated, 0.8), rollout_lp)
+        trainer = copy.deepcopy(model)
+        trainer.model.layers[1].input_layernorm.variance_epsilon = 0.1
+        assert not torch.equal(trainer_padded(trainer, prompts, generated, 0.8), rollout_lp)

@@ -12,7 +12,8 @@ the device (:func:`cached_batch_layout`) and reused by every layer. Training (no
 :func:`samepath.kernels.attention.packed_attention`.
 
 Per model type (``config.model_type``), Liger-style: ``{Prefix}RMSNorm.forward`` →
-:func:`samepath.rms_norm`, ``{Prefix}MLP.forward`` → :func:`samepath.silu_mul`, the module's
+:func:`samepath.rms_norm`, ``{Prefix}MLP.forward`` → :func:`samepath.silu_mul` (Phi-3's fused
+``gate_up_proj``: :func:`samepath.kernels.swiglu.swiglu`, vLLM's layout), the module's
 ``apply_rotary_pos_emb`` → :func:`samepath.apply_rotary`, ``{Prefix}RotaryEmbedding.forward`` →
 :func:`samepath.rotary_cos_sin` (every rope type :mod:`samepath.integrations.formulas` resolves);
 MoE experts through ``ExpertsInterface``.
@@ -38,7 +39,7 @@ from samepath.integrations.moe import experts_forward
 from samepath.kernels.attention import LaunchPlan, packed_attention, varlen_attention
 from samepath.kernels.rms_norm import rms_norm
 from samepath.kernels.rotary import apply_rotary, rotary_cos_sin
-from samepath.kernels.swiglu import silu_mul
+from samepath.kernels.swiglu import silu_mul, swiglu
 
 #: The name models use in ``attn_implementation=`` / ``experts_implementation=``.
 IMPLEMENTATION = "samepath"
@@ -49,7 +50,12 @@ MODEL_TYPES: dict[str, tuple[str, str]] = {
     "qwen2": ("transformers.models.qwen2.modeling_qwen2", "Qwen2"),
     "qwen3": ("transformers.models.qwen3.modeling_qwen3", "Qwen3"),
     "qwen3_moe": ("transformers.models.qwen3_moe.modeling_qwen3_moe", "Qwen3Moe"),
+    "mistral": ("transformers.models.mistral.modeling_mistral", "Mistral"),
+    "phi3": ("transformers.models.phi3.modeling_phi3", "Phi3"),
 }
+
+#: model types whose ``{Prefix}MLP`` has one fused ``gate_up_proj`` (gate first, then up: vLLM's layout).
+FUSED_GATE_UP: frozenset[str] = frozenset({"phi3"})
 
 
 class Patcher:
@@ -389,6 +395,16 @@ def _mlp_forward(self: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
     return self.down_proj(silu_mul(self.gate_proj(x), self.up_proj(x)))
 
 
+def _fused_mlp_forward(self: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    if self.config.hidden_act not in ("silu", "swish"):
+        raise ValueError(f"samepath's MLP patch implements SiLU·mul, not hidden_act={self.config.hidden_act!r}")
+    return self.down_proj(swiglu(self.gate_up_proj(x)))
+
+
+#: The MLP forwards samepath installs (``FUSED_GATE_UP`` types get the fused one).
+MLP_FORWARDS = (_mlp_forward, _fused_mlp_forward)
+
+
 def _apply_rotary_pos_emb(
     q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, unsqueeze_dim: int = 1
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -421,7 +437,7 @@ def apply_to_model_type(model_type: str, patcher: Patcher) -> None:
     patcher.set(getattr(modeling, f"{prefix}RMSNorm"), "forward", _rms_norm_forward)
     mlp = getattr(modeling, f"{prefix}MLP", None)
     if mlp is not None:
-        patcher.set(mlp, "forward", _mlp_forward)
+        patcher.set(mlp, "forward", _fused_mlp_forward if model_type in FUSED_GATE_UP else _mlp_forward)
     patcher.set(modeling, "apply_rotary_pos_emb", _apply_rotary_pos_emb)
     patcher.set(getattr(modeling, f"{prefix}RotaryEmbedding"), "forward", _rotary_embedding_forward)
 
