@@ -340,3 +340,43 @@ def test_model_family_generate_equals_trainer(arch, dtype) -> None:
         trainer = copy.deepcopy(model)
         trainer.model.layers[1].input_layernorm.variance_epsilon = 0.1
         assert not torch.equal(trainer_padded(trainer, prompts, generated, 0.8), rollout_lp)
+
+
+def windowed_model(arch: str, window: int, dtype: torch.dtype = torch.bfloat16) -> torch.nn.Module:
+    """Two layers, the second windowed: qwen2 with use_sliding_window (layers from
+    max_window_layers on), or mistral (every layer windowed)."""
+    common = {key: value for key, value in DEFAULT_MODEL_CONFIG.items() if key != "head_dim"}
+    if arch == "qwen2":
+        config = transformers.Qwen2Config(
+            head_dim=32, use_sliding_window=True, sliding_window=window, max_window_layers=1, **common
+        )
+        cls = transformers.Qwen2ForCausalLM
+    else:
+        config = transformers.MistralConfig(head_dim=32, sliding_window=window, **common)
+        cls = transformers.MistralForCausalLM
+    torch.manual_seed(1)
+    model = cls(config).to(dtype).eval()
+    with torch.no_grad():
+        for param in model.parameters():
+            param.mul_(4.0 if param.dim() == 1 else 2.0)
+    return model
+
+
+@pytest.mark.parametrize("arch", ["qwen2", pytest.param("mistral", marks=pytest.mark.slow)])
+def test_sliding_window_layers_generate_with_a_cache(arch) -> None:
+    """A windowed layer with Hugging Face's sliding-window cache: while every row fits the window
+    (the cache may drop left padding, never a real token) generate's sampled log-probs equal the
+    trainer's bit for bit; once a row outgrows it the cache has dropped its first positions and
+    samepath refuses, saying why, instead of attending from the wrong place."""
+    from samepath.integrations.hf import SlidingWindowCacheError
+
+    prompts = random_prompts([9, 3, 6], seed=31)
+    model = windowed_model(arch, window=16)
+    with integrations.patched(model):
+        generated, rollout_lp = rollout(model, prompts, 6, temperature=0.9)  # 15 tokens at most
+        assert torch.equal(trainer_padded(model, prompts, generated, 0.9), rollout_lp)
+        assert torch.equal(trainer_packed(model, prompts, generated, 0.9), rollout_lp)
+        narrow = windowed_model(arch, window=8)
+        narrow.set_attn_implementation("samepath")
+        with pytest.raises(SlidingWindowCacheError, match=r"sliding_window=8\) with a KV cache only while"):
+            rollout(narrow, prompts, 6, temperature=0.9)

@@ -267,6 +267,46 @@ def cached_batch_layout(
     return layout
 
 
+class SlidingWindowCacheError(ValueError):
+    """A sliding-window layer's KV cache has dropped real tokens of a row: samepath's kernel anchors
+    KV tiles at each sequence's position 0, so it needs every real token's keys."""
+
+
+#: Per (mask, position_ids) of a forward: whether every row's real tokens are all in its keys.
+_WINDOW_CACHE: collections.OrderedDict[tuple, tuple[tuple, bool]] = collections.OrderedDict()
+
+
+def _window_keys_complete(
+    attention_mask: torch.Tensor | None, position_ids: torch.Tensor | None, batch: int, q_len: int, kv_len: int
+) -> bool:
+    """Whether a windowed layer's cached keys still hold every real token of every row: the row's
+    real keys (its mask, or all ``kv_len`` without one) number ``position_ids[:, -1] + 1`` (the
+    rollout counts positions from the first real token). Hugging Face's sliding-window cache keeps
+    only the last ``sliding_window - 1`` tokens, so this holds while a row has not outgrown the
+    window (its left padding may have been dropped). One host read per forward (memoised on the
+    mask and position_ids tensors every layer of the forward shares)."""
+    if position_ids is None:
+        return False
+    key = (id(attention_mask), id(position_ids), batch, q_len, kv_len)
+    entry = _WINDOW_CACHE.get(key)
+    if entry is not None:
+        (mask_source, positions_source), complete = entry
+        if _same_source(mask_source, attention_mask) and _same_source(positions_source, position_ids):
+            return complete
+    device = position_ids.device
+    if attention_mask is None:
+        present = torch.full((batch,), kv_len, device=device, dtype=torch.int64)
+    else:
+        present = attention_mask[:, -kv_len:].to(device=device, dtype=torch.int64).sum(1)
+    needed = position_ids.expand(batch, -1)[:, -1].to(torch.int64) + 1
+    complete = bool((present == needed).all())
+    if not torch.compiler.is_compiling():
+        _WINDOW_CACHE[key] = ((_source(attention_mask), _source(position_ids)), complete)
+        while len(_WINDOW_CACHE) > _LAYOUT_CACHE_SIZE:
+            _WINDOW_CACHE.popitem(last=False)
+    return complete
+
+
 #: Keyword arguments transformers passes along to an attention function that do not change what
 #: it computes (model-level flags); any other unknown keyword is refused, never ignored.
 _NEUTRAL_ATTENTION_KWARGS = frozenset(
@@ -326,6 +366,10 @@ def attention_forward(
     (:func:`cached_batch_layout`); a layer's call reads nothing from the device on the host (unless
     transformers passes ``cu_seq_lens_*``, which are compared with the layout's).
 
+    A sliding-window layer with a KV cache runs while the cache still holds every real token of
+    each row (:func:`_window_keys_complete`: a sequence no longer than the window, however much
+    left padding the cache dropped); past that it raises :class:`SlidingWindowCacheError`.
+
     Raises :class:`UnsupportedAttentionError` for dropout > 0, a ``softcap``, sinks (``s_aux``),
     ``output_attentions=True``, ``cu_seq_lens_*`` other than the sequences it cuts out itself, or
     any keyword it does not know.
@@ -338,10 +382,18 @@ def attention_forward(
     batch, num_heads, q_len, head_size = query.shape
     kv_len, num_kv_heads = key.shape[2], key.shape[1]
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
-    if sliding_window is not None and q_len != kv_len:
-        raise ValueError(
-            "samepath's Hugging Face attention does not support sliding-window layers with a KV cache yet "
-            "(the cache may have dropped the sequence's first positions)"
+    if (
+        sliding_window is not None
+        and q_len != kv_len
+        and not _window_keys_complete(attention_mask, kwargs.get("position_ids"), batch, q_len, kv_len)
+    ):
+        raise SlidingWindowCacheError(
+            f"samepath's Hugging Face attention ({type(module).__name__}) runs a sliding-window layer "
+            f"(sliding_window={sliding_window}) with a KV cache only while every row's tokens are all in the "
+            "cache: Hugging Face's sliding-window cache has dropped the first positions of a row longer than the "
+            "window (or no position_ids were passed to check it), and samepath's kernel needs them to anchor the "
+            "row's KV tiles at its position 0. Keep prompt + new tokens within sliding_window, or roll out with "
+            "vLLM + samepath's plugin (paged cache, every position kept)"
         )
     scale = scaling if scaling is not None else head_size**-0.5
     layout = cached_batch_layout(attention_mask, kwargs.get("position_ids"), batch, q_len, kv_len, query.device)
