@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from samepath.kernels.attention import paged_attention, varlen_attention, write_kv_cache
+from samepath.kernels.attention import packed_attention, paged_attention, varlen_attention, write_kv_cache
 
 
 def _qkv(tokens=8, heads=4, kv_heads=2, head_size=64, dtype=torch.float32):
@@ -205,4 +205,20 @@ def test_paged_unvalidated_metadata_stays_inside_the_buffers(bad: str, split_kv:
     assert torch.equal(out[:2], good[:2]), "the untouched sequence changed"
     assert torch.isnan(_guard_of(out)).all(), "a row past the output was written"
     for view in (q, kc, vc):
+        assert torch.isnan(_guard_of(view)).all()
+
+
+def test_packed_unvalidated_kv_lengths_stay_inside_the_keys() -> None:
+    """packed_attention (Hugging Face generate's path): a cu_seqlens_kv running past the keys reads
+    nothing past them under validate=False; the sequence that fits keeps its exact rows."""
+    q = _guarded((4, 4, 64))
+    k, v = _guarded((10, 2, 64)), _guarded((10, 2, 64))
+    cu_q = torch.tensor([0, 2, 4], dtype=torch.int32)
+    good = packed_attention(q, k, v, cu_q, torch.tensor([0, 5, 10], dtype=torch.int32), 0.125)
+    bad = torch.tensor([0, 5, 10 + 40], dtype=torch.int32)
+    with pytest.raises(ValueError, match="cu_seqlens_kv"):
+        packed_attention(q, k, v, cu_q, bad, 0.125)
+    out = packed_attention(q, k, v, cu_q, bad, 0.125, validate=False)
+    assert torch.isfinite(out).all() and torch.equal(out[:2], good[:2])
+    for view in (q, k, v):
         assert torch.isnan(_guard_of(view)).all()
