@@ -208,6 +208,7 @@ def test_vllm_logprobs_equal_trainer(model_dirs, hf_patched, arch, dtype, temper
         pytest.param("qwen3", "bfloat16", id="qwen3-bf16"),
         pytest.param("qwen3", "float32", id="qwen3-fp32", marks=pytest.mark.slow),
         pytest.param("qwen3_moe", "bfloat16", id="moe-bf16", marks=pytest.mark.slow),
+        pytest.param("phi3", "bfloat16", id="phi3-bf16", marks=pytest.mark.slow),
     ],
 )
 def test_stock_vllm_differs(model_dirs, hf_patched, arch, dtype):
