@@ -31,6 +31,11 @@ FAMILIES = {
     ),
     "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM, dict(sliding_window=None)),
     "phi3": (transformers.Phi3Config, transformers.Phi3ForCausalLM, {}),
+    "mixtral": (
+        transformers.MixtralConfig,
+        transformers.MixtralForCausalLM,
+        dict(sliding_window=None, num_local_experts=4, num_experts_per_tok=2),
+    ),
 }
 
 
@@ -86,7 +91,7 @@ def test_audit_reports_full_coverage_for_each_family(arch, tmp_path):
     assert report.model_type == arch
     ops = {e.op for e in report.entries if e.status == audit.COVERED}
     assert {"attention", "rms_norm", "rotary", "linear"} <= ops
-    assert ("experts" in ops) == (arch == "qwen3_moe")
+    assert ("experts" in ops) == (arch in ("qwen3_moe", "mixtral"))
 
 
 def test_audit_cli_names_what_is_not_covered(tmp_path, capsys):
@@ -279,7 +284,6 @@ def test_both_sides_cover_the_same_model_types():
 
 
 REFUSED_CONFIGS = {
-    "mixtral": dict(num_local_experts=4, num_experts_per_tok=2),
     "olmo2": {},
     "granite": dict(logits_scaling=8.0, residual_multiplier=0.5, embedding_multiplier=12.0),
     "gemma2": dict(attn_logit_softcapping=50.0),
@@ -287,7 +291,7 @@ REFUSED_CONFIGS = {
     "gpt_oss": {},
     "deepseek_v3": {},
 }
-BUILT = ("mixtral", "olmo2", "granite")  # cheap to build: patch_all(model) is run on them too
+BUILT = ("olmo2", "granite")  # cheap to build: patch_all(model) is run on them too
 
 
 @pytest.mark.parametrize("model_type", list(REFUSED_CONFIGS))

@@ -40,6 +40,11 @@ def tiny_model(arch: str, dtype: torch.dtype, seed: int = 0) -> torch.nn.Module:
     elif arch == "phi3":  # fused qkv_proj and gate_up_proj
         config = transformers.Phi3Config(**common)
         cls = transformers.Phi3ForCausalLM
+    elif arch == "mixtral":  # routing weights kept in fp32
+        config = transformers.MixtralConfig(
+            head_dim=32, sliding_window=None, num_local_experts=4, num_experts_per_tok=2, **common
+        )
+        cls = transformers.MixtralForCausalLM
     else:
         raise AssertionError(arch)
     torch.manual_seed(seed)
@@ -322,6 +327,8 @@ FAMILY_CASES = [
     pytest.param("mistral", torch.float32, marks=pytest.mark.slow),
     ("phi3", torch.bfloat16),
     pytest.param("phi3", torch.float32, marks=pytest.mark.slow),
+    pytest.param("mixtral", torch.bfloat16, marks=pytest.mark.slow),
+    pytest.param("mixtral", torch.float32, marks=pytest.mark.slow),
 ]
 
 

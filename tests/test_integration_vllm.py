@@ -76,6 +76,11 @@ def model_dirs(tmp_path_factory):
                 cls = transformers.MistralForCausalLM
             elif arch == "phi3":  # fused qkv_proj / gate_up_proj
                 config, cls = transformers.Phi3Config(**DEFAULT_MODEL_CONFIG), transformers.Phi3ForCausalLM
+            elif arch == "mixtral":  # routing weights kept in fp32
+                config = transformers.MixtralConfig(
+                    **DEFAULT_MODEL_CONFIG, sliding_window=None, num_local_experts=4, num_experts_per_tok=2
+                )
+                cls = transformers.MixtralForCausalLM
             else:
                 config, cls = transformers.Qwen3Config(**DEFAULT_MODEL_CONFIG), transformers.Qwen3ForCausalLM
             torch.manual_seed(0)
@@ -184,6 +189,7 @@ CASES = [
     pytest.param("mistral", "bfloat16", 1.0, id="mistral-bf16-sampled", marks=pytest.mark.slow),
     pytest.param("phi3", "bfloat16", 0.7, id="phi3-bf16-T0.7", marks=pytest.mark.slow),
     pytest.param("phi3", "float32", 0.0, id="phi3-fp32-greedy", marks=pytest.mark.slow),
+    pytest.param("mixtral", "bfloat16", 1.0, id="mixtral-bf16-sampled", marks=pytest.mark.slow),
 ]
 
 

@@ -289,6 +289,10 @@ VLLM_STRUCTURE: dict[str, tuple[str, tuple[str, ...]]] = {
         "vllm.model_executor.models.llama",
         ("LlamaModel", "LlamaDecoderLayer", "vllm.model_executor.models.phi3:Phi3ForCausalLM"),
     ),
+    "mixtral": (
+        "vllm.model_executor.models.mixtral",
+        ("MixtralForCausalLM", "MixtralModel", "MixtralDecoderLayer", "MixtralMoE"),
+    ),
 }
 
 #: model_type -> (module, attention class, MLP classes) in vLLM: the attention module's own code
@@ -305,6 +309,7 @@ VLLM_ATTENTION_MLP: dict[str, tuple[str, str, tuple[str, ...]]] = {
         ("vllm.model_executor.models.llama:LlamaMLP",),
     ),
     "phi3": ("vllm.model_executor.models.llama", "LlamaAttention", ("LlamaMLP",)),
+    "mixtral": ("vllm.model_executor.models.mixtral", "MixtralAttention", ()),
 }
 
 

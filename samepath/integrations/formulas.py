@@ -32,17 +32,14 @@ FAMILIES: dict[str, dict[str, Any]] = {
     "mistral": {"norm": "rms_norm", "qk_norm": False, "mlp": "silu_mul", "moe": None},
     # Llama's modules with fused q/k/v and gate/up projections (vLLM: phi3.py, a LlamaForCausalLM).
     "phi3": {"norm": "rms_norm", "qk_norm": False, "mlp": "silu_mul", "moe": None},
+    # Mistral's attention with top-k softmax experts whose routing weights stay in fp32 (vLLM: mixtral.py).
+    "mixtral": {"norm": "rms_norm", "qk_norm": False, "mlp": None, "moe": "softmax_topk_fp32"},
 }
 
 #: model_type -> why samepath refuses it, the same words on every side (``patch_all(model)``, the
 #: vLLM plugin's load audit, ``samepath check``/``audit``). Decided from what each architecture's
 #: modules compute in transformers 5 and vLLM, not from its name.
 REFUSED: dict[str, str] = {
-    "mixtral": (
-        "Mixtral's router keeps the renormalised top-k routing weights in fp32 (Hugging Face's MixtralTopKRouter "
-        "does not cast them to the model dtype), while the routing samepath runs on both sides (Qwen3-MoE's "
-        "TopKRouter, vLLM's fused MoE) casts them first; the experts' sums would differ"
-    ),
     "olmo2": (
         "vLLM runs Olmo2ForCausalLM through its Transformers backend, which samepath's vLLM plugin does not patch, "
         "and Olmo2RMSNorm multiplies by the weight in fp32 before the cast (samepath's norm casts first, as "
@@ -165,6 +162,13 @@ def rope_formula(config: Any) -> RopeFormula:
     return RopeFormula(rotary_dim=rotary_dim, head_size=head_size, base=float(base), scaling=scaling)
 
 
+def routing_weights_fp32(config: Any) -> bool:
+    """Whether the model's MoE routing weights stay in fp32 (Mixtral) instead of being cast to the
+    activations' dtype (Qwen3-MoE) before they scale the experts' outputs."""
+    family = FAMILIES.get(getattr(config, "model_type", None))
+    return family is not None and family["moe"] == "softmax_topk_fp32"
+
+
 def model_formulas(config: Any) -> dict[str, Any]:
     """The per-model formula choices of a Hugging Face config (see the module docstring).
 
@@ -193,8 +197,21 @@ def model_formulas(config: Any) -> dict[str, Any]:
         }
         if getattr(config, "shared_expert_intermediate_size", 0):
             raise UnsupportedModelError("shared experts are not supported")
-    # qwen2 windows only with use_sliding_window; mistral and phi3 whenever sliding_window is set.
-    sliding = bool(getattr(config, "use_sliding_window", model_type in ("mistral", "phi3")))
+    elif family["moe"] == "softmax_topk_fp32":
+        moe = {
+            "routing": "fp32 softmax, top-k, renormalisation, weights kept in fp32 (HF MixtralTopKRouter)",
+            "num_experts": int(config.num_local_experts),
+            "top_k": int(config.num_experts_per_tok),
+            "renormalize": True,
+            "experts": "ascending expert order, index_add per token",
+        }
+        if getattr(config, "router_jitter_noise", 0.0):
+            raise UnsupportedModelError(
+                f"router_jitter_noise={config.router_jitter_noise} (random noise on the trainer's router in "
+                "train mode only) is not supported"
+            )
+    # qwen2 windows only with use_sliding_window; mistral, phi3 and mixtral whenever sliding_window is set.
+    sliding = bool(getattr(config, "use_sliding_window", model_type in ("mistral", "phi3", "mixtral")))
     return {
         "model_type": model_type,
         "rope": rope_formula(config).to_json(),
@@ -224,5 +241,6 @@ __all__ = [
     "UnsupportedModelError",
     "model_formulas",
     "rope_formula",
+    "routing_weights_fp32",
     "unsupported_reason",
 ]

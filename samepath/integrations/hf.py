@@ -52,6 +52,7 @@ MODEL_TYPES: dict[str, tuple[str, str]] = {
     "qwen3_moe": ("transformers.models.qwen3_moe.modeling_qwen3_moe", "Qwen3Moe"),
     "mistral": ("transformers.models.mistral.modeling_mistral", "Mistral"),
     "phi3": ("transformers.models.phi3.modeling_phi3", "Phi3"),
+    "mixtral": ("transformers.models.mixtral.modeling_mixtral", "Mixtral"),
 }
 
 #: model types whose ``{Prefix}MLP`` has one fused ``gate_up_proj`` (gate first, then up: vLLM's layout).
