@@ -387,3 +387,26 @@ def test_sliding_window_layers_generate_with_a_cache(arch) -> None:
         narrow.set_attn_implementation("samepath")
         with pytest.raises(SlidingWindowCacheError, match=r"sliding_window=8\) with a KV cache only while"):
             rollout(narrow, prompts, 6, temperature=0.9)
+
+
+def test_mixtral_routing_keeps_fp32_weights() -> None:
+    """What the vLLM side must reproduce for Mixtral: samepath's router with fp32 weights
+    (routing_weights_fp32) gives the bits of Hugging Face's Mixtral MoE block; the Qwen-MoE
+    routing (weights cast to bf16) — the deliberate one-sided difference — does not."""
+    from samepath.integrations.formulas import routing_weights_fp32
+    from samepath.integrations.moe import experts_forward, topk_softmax_routing
+
+    model = tiny_model("mixtral", torch.bfloat16)
+    assert routing_weights_fp32(model.config) and not routing_weights_fp32(tiny_model("qwen3", torch.float32).config)
+    block = model.model.layers[0].mlp
+    hidden = torch.randn(13, model.config.hidden_size, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
+    with integrations.patched(model), torch.no_grad():
+        expected = block(hidden[None])[0]
+        logits = torch.nn.functional.linear(hidden, block.gate.weight)
+        experts = block.experts
+        outputs = {}
+        for dtype in (torch.float32, torch.bfloat16):
+            index, weights = topk_softmax_routing(logits, 2, True, dtype)
+            outputs[dtype] = experts_forward(hidden, experts.gate_up_proj, experts.down_proj, index, weights)
+    assert torch.equal(outputs[torch.float32], expected)
+    assert not torch.equal(outputs[torch.bfloat16], expected)
