@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from samepath.kernels.attention import paged_attention, varlen_attention, write_kv_cache
+from samepath.kernels.attention import packed_attention, paged_attention, varlen_attention, write_kv_cache
 
 
 def _qkv(tokens=8, heads=4, kv_heads=2, head_size=64, dtype=torch.float32):
@@ -135,3 +135,90 @@ def test_write_kv_cache_never_writes_past_the_caches(past: int) -> None:
     assert torch.equal(kc[0, 2], key[0]) and torch.equal(vc[1, 3], value[2])
     assert torch.count_nonzero(buffer[2:]) == 0, "an out-of-range slot was written past the cache"
     assert torch.count_nonzero(kc.flatten(0, 1).abs().sum((-1, -2))) == 2
+
+
+def _guarded(shape: tuple[int, ...], dtype: torch.dtype = torch.float32, guard: int = 64) -> torch.Tensor:
+    """Fresh random values in a view whose storage continues with NaN rows: a read past the view
+    turns the output NaN, and a write past it shows up in the guard."""
+    buffer = torch.full((shape[0] + guard, *shape[1:]), float("nan"), dtype=dtype)
+    buffer[: shape[0]] = torch.randn(shape, dtype=dtype)
+    return buffer[: shape[0]]
+
+
+def _guard_of(view: torch.Tensor, guard: int = 64) -> torch.Tensor:
+    return torch.as_strided(view, (view.shape[0] + guard, *view.shape[1:]), view.stride())[view.shape[0] :]
+
+
+@pytest.mark.parametrize(
+    "cu",
+    [[0, 5, 8 + 20], [0, 5, 10**6], [0, 6, 3], [3, 5, 8], [0, -4, 8]],
+    ids=["past-T", "far-past-T", "decreasing", "not-from-0", "negative"],
+)
+def test_varlen_unvalidated_metadata_stays_inside_the_buffers(cu: list[int]) -> None:
+    """``validate=False`` trusts cu_seqlens for the results only: whatever it holds, the kernel
+    reads no row outside query/key/value (the NaN guards stay out of the output)."""
+    q, k, v = _guarded((8, 4, 64)), _guarded((8, 2, 64)), _guarded((8, 2, 64))
+    cu_seqlens = torch.tensor(cu, dtype=torch.int32)
+    with pytest.raises(ValueError, match="cu_seqlens"):
+        varlen_attention(q, k, v, cu_seqlens)
+    with torch.no_grad():
+        out = varlen_attention(q, k, v, cu_seqlens, validate=False)
+    assert out.shape == q.shape
+    if cu[1] >= 0 and cu == sorted(cu) and cu[0] == 0:
+        # The rows of the sequence that fits are exact; the rest are finite garbage.
+        first = varlen_attention(q[: cu[1]], k[: cu[1]], v[: cu[1]], torch.tensor(cu[:2], dtype=torch.int32))
+        assert torch.equal(out[: cu[1]], first)
+        assert torch.isfinite(out).all()
+    for view in (q, k, v):
+        assert torch.isnan(_guard_of(view)).all()
+
+
+@pytest.mark.parametrize("split_kv", [False, True], ids=["serial", "split"])
+@pytest.mark.parametrize(
+    "bad",
+    ["page-past-cache", "negative-page", "seq-past-table", "query-past-T"],
+)
+def test_paged_unvalidated_metadata_stays_inside_the_buffers(bad: str, split_kv: bool) -> None:
+    """``validate=False`` trusts the block table, seq_lens and query_start_loc for the results
+    only: a page id outside the caches, a length past the table or query rows past the query are
+    neither read nor written, so the output is finite and nothing past it changes."""
+    page_size, pages = 16, 4
+    q = _guarded((3, 4, 64))
+    kc, vc = _guarded((pages, page_size, 2, 64)), _guarded((pages, page_size, 2, 64))
+    table = torch.tensor([[0, 1], [2, 3]], dtype=torch.int32)
+    qsl = torch.tensor([0, 2, 3], dtype=torch.int32)
+    seq_lens = torch.tensor([20, 30], dtype=torch.int32)
+    good = paged_attention(q, kc, vc, table, qsl, seq_lens, 0.125, split_kv=split_kv)
+    if bad == "page-past-cache":
+        table[1, 1] = 1000
+    elif bad == "negative-page":
+        table[1, 1] = -7
+    elif bad == "seq-past-table":
+        seq_lens[1] = 10**6
+    else:
+        qsl[2] = 40
+    with pytest.raises(ValueError):
+        paged_attention(q, kc, vc, table, qsl, seq_lens, 0.125)
+    out = _guarded((3, 4, 64))
+    paged_attention(q, kc, vc, table, qsl, seq_lens, 0.125, out=out, validate=False, split_kv=split_kv)
+    assert torch.isfinite(out).all()
+    assert torch.equal(out[:2], good[:2]), "the untouched sequence changed"
+    assert torch.isnan(_guard_of(out)).all(), "a row past the output was written"
+    for view in (q, kc, vc):
+        assert torch.isnan(_guard_of(view)).all()
+
+
+def test_packed_unvalidated_kv_lengths_stay_inside_the_keys() -> None:
+    """packed_attention (Hugging Face generate's path): a cu_seqlens_kv running past the keys reads
+    nothing past them under validate=False; the sequence that fits keeps its exact rows."""
+    q = _guarded((4, 4, 64))
+    k, v = _guarded((10, 2, 64)), _guarded((10, 2, 64))
+    cu_q = torch.tensor([0, 2, 4], dtype=torch.int32)
+    good = packed_attention(q, k, v, cu_q, torch.tensor([0, 5, 10], dtype=torch.int32), 0.125)
+    bad = torch.tensor([0, 5, 10 + 40], dtype=torch.int32)
+    with pytest.raises(ValueError, match="cu_seqlens_kv"):
+        packed_attention(q, k, v, cu_q, bad, 0.125)
+    out = packed_attention(q, k, v, cu_q, bad, 0.125, validate=False)
+    assert torch.isfinite(out).all() and torch.equal(out[:2], good[:2])
+    for view in (q, k, v):
+        assert torch.isnan(_guard_of(view)).all()

@@ -29,6 +29,13 @@ FAMILIES = {
         transformers.Qwen3MoeForCausalLM,
         dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True),
     ),
+    "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM, dict(sliding_window=None)),
+    "phi3": (transformers.Phi3Config, transformers.Phi3ForCausalLM, {}),
+    "mixtral": (
+        transformers.MixtralConfig,
+        transformers.MixtralForCausalLM,
+        dict(sliding_window=None, num_local_experts=4, num_experts_per_tok=2),
+    ),
 }
 
 
@@ -84,16 +91,16 @@ def test_audit_reports_full_coverage_for_each_family(arch, tmp_path):
     assert report.model_type == arch
     ops = {e.op for e in report.entries if e.status == audit.COVERED}
     assert {"attention", "rms_norm", "rotary", "linear"} <= ops
-    assert ("experts" in ops) == (arch == "qwen3_moe")
+    assert ("experts" in ops) == (arch in ("qwen3_moe", "mixtral"))
 
 
 def test_audit_cli_names_what_is_not_covered(tmp_path, capsys):
-    """A model type samepath covers on neither side (mistral): exit 1, the type named."""
-    config = transformers.MistralConfig(**{k: v for k, v in DEFAULT_MODEL_CONFIG.items()})
-    transformers.MistralForCausalLM(config).save_pretrained(tmp_path)
+    """A model type samepath refuses on both sides (granite): exit 1, the type and the reason named."""
+    config = transformers.GraniteConfig(**{k: v for k, v in DEFAULT_MODEL_CONFIG.items() if k != "head_dim"})
+    transformers.GraniteForCausalLM(config).save_pretrained(tmp_path)
     assert main(["audit", "--model", str(tmp_path)]) == 1
     out = capsys.readouterr().out
-    assert "model_type 'mistral' is not covered" in out and "MistralRMSNorm" in out
+    assert "model_type 'granite' is not supported: Granite's embedding_multiplier" in out and "GraniteRMSNorm" in out
     assert main(["audit", "--model", str(tmp_path / "nope")]) == 2
 
 
@@ -108,10 +115,10 @@ def test_patch_all_refuses_a_custom_module_and_names_it():
 
 
 def test_patch_all_refuses_a_model_type_covered_on_one_side_only():
-    """gemma2 / mistral: no Hugging Face patches and no vLLM plugin rules — refused on both sides."""
-    config = transformers.MistralConfig(**DEFAULT_MODEL_CONFIG)
-    with pytest.raises(audit.UncoveredOpsError, match="model_type 'mistral'"):
-        integrations.patch_all(transformers.MistralForCausalLM(config).eval())
+    """olmo2: no Hugging Face patches and no vLLM plugin rules — refused on both sides, with the reason."""
+    config = transformers.Olmo2Config(**DEFAULT_MODEL_CONFIG)
+    with pytest.raises(audit.UncoveredOpsError, match="model_type 'olmo2' is not supported: vLLM runs Olmo2"):
+        integrations.patch_all(transformers.Olmo2ForCausalLM(config).eval())
 
 
 @pytest.mark.parametrize("how", ["argument", "env"])
@@ -274,3 +281,56 @@ def test_both_sides_cover_the_same_model_types():
     from samepath.integrations.formulas import FAMILIES as formula_families
 
     assert set(hf.MODEL_TYPES) == set(formula_families) == set(audit.VLLM_STRUCTURE) == set(audit.VLLM_ATTENTION_MLP)
+
+
+REFUSED_CONFIGS = {
+    "olmo2": {},
+    "granite": dict(logits_scaling=8.0, residual_multiplier=0.5, embedding_multiplier=12.0),
+    "gemma2": dict(attn_logit_softcapping=50.0),
+    "gemma3_text": {},
+    "gpt_oss": {},
+    "deepseek_v3": {},
+}
+BUILT = ("olmo2", "granite")  # cheap to build: patch_all(model) is run on them too
+
+
+@pytest.mark.parametrize("model_type", list(REFUSED_CONFIGS))
+def test_refused_families_give_one_reason_everywhere(model_type, tmp_path, capsys):
+    """A family samepath does not implement on both sides is refused with the same reason by the
+    formulas (what the vLLM plugin's load audit raises), patch_all(model) and `samepath check`
+    (exit 2 from the config, before any weights load)."""
+    from samepath.integrations.formulas import REFUSED
+
+    small = {k: v for k, v in DEFAULT_MODEL_CONFIG.items() if k != "head_dim"}
+    config = transformers.AutoConfig.for_model(model_type, **small, **REFUSED_CONFIGS[model_type])
+    reason = REFUSED[model_type]
+    with pytest.raises(UnsupportedModelError) as refused:
+        model_formulas(config)
+    assert reason in str(refused.value)
+    if model_type in BUILT:
+        model = transformers.AutoModelForCausalLM.from_config(config).eval()
+        with pytest.raises(audit.UncoveredOpsError) as refused:
+            integrations.patch_all(model)
+        assert reason in str(refused.value)
+        assert not integrations.enabled()
+    config.save_pretrained(tmp_path)
+    assert main(["check", "--model", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert reason in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("arch", ["mistral", "phi3"])
+def test_new_families_are_accepted_by_the_cli_and_refuse_their_extras(arch, tmp_path):
+    """What patch_all(model) accepts the CLI loads; a config extra that vLLM's Mistral would run
+    and samepath does not (llama_4_scaling) is refused by both, naming it."""
+    from samepath.check.harness import CheckInputError, load_model
+
+    tiny(arch).save_pretrained(tmp_path / "ok")
+    assert load_model(str(tmp_path / "ok"), torch.float32).model_type == arch
+    if arch == "mistral":
+        extra = dict(llama_4_scaling={"original_max_position_embeddings": 64, "beta": 0.1})
+        tiny(arch, **extra).save_pretrained(tmp_path / "bad")
+        with pytest.raises(CheckInputError, match="llama_4_scaling"):
+            load_model(str(tmp_path / "bad"), torch.float32)
+        with pytest.raises(audit.UncoveredOpsError, match="llama_4_scaling"):
+            integrations.patch_all(tiny(arch, **extra))

@@ -34,6 +34,17 @@ def tiny_model(arch: str, dtype: torch.dtype, seed: int = 0) -> torch.nn.Module:
     elif arch == "llama":
         config = transformers.LlamaConfig(head_dim=16, **common)
         cls = transformers.LlamaForCausalLM
+    elif arch == "mistral":  # Mistral v0.2+ / Nemo: no sliding window
+        config = transformers.MistralConfig(head_dim=32, sliding_window=None, **common)
+        cls = transformers.MistralForCausalLM
+    elif arch == "phi3":  # fused qkv_proj and gate_up_proj
+        config = transformers.Phi3Config(**common)
+        cls = transformers.Phi3ForCausalLM
+    elif arch == "mixtral":  # routing weights kept in fp32
+        config = transformers.MixtralConfig(
+            head_dim=32, sliding_window=None, num_local_experts=4, num_experts_per_tok=2, **common
+        )
+        cls = transformers.MixtralForCausalLM
     else:
         raise AssertionError(arch)
     torch.manual_seed(seed)
@@ -308,3 +319,94 @@ def test_tensor_parallel_numerics_slices_the_row_parallel_linears():
     with pytest.raises(ValueError, match="tensor_parallel_size"):
         with tensor_parallel_numerics(model, 0):
             pass
+
+
+FAMILY_CASES = [
+    # The families beyond Llama/Qwen: each in fp32 and bf16, left-padded, sampled; -m slow adds fp32.
+    ("mistral", torch.bfloat16),
+    pytest.param("mistral", torch.float32, marks=pytest.mark.slow),
+    ("phi3", torch.bfloat16),
+    pytest.param("phi3", torch.float32, marks=pytest.mark.slow),
+    pytest.param("mixtral", torch.bfloat16, marks=pytest.mark.slow),
+    pytest.param("mixtral", torch.float32, marks=pytest.mark.slow),
+]
+
+
+@pytest.mark.parametrize("arch,dtype", FAMILY_CASES, ids=str)
+def test_model_family_generate_equals_trainer(arch, dtype) -> None:
+    """patch_all(model) accepts the family (audited: every module covered), generate's sampled
+    log-probs from a left-padded batch equal the trainer's forward bit for bit, and the negative
+    control — the same harness with the trainer's layer-1 norm eps changed, a deliberate one-sided
+    difference — reports a mismatch."""
+    model = tiny_model(arch, dtype)
+    prompts = random_prompts([6, 2, 9], seed=21)
+    with integrations.patched(model):
+        generated, rollout_lp = rollout(model, prompts, 5, temperature=0.8)
+        assert torch.equal(trainer_padded(model, prompts, generated, 0.8), rollout_lp)
+        assert torch.equal(trainer_packed(model, prompts, generated, 0.8), rollout_lp)
+        trainer = copy.deepcopy(model)
+        trainer.model.layers[1].input_layernorm.variance_epsilon = 0.1
+        assert not torch.equal(trainer_padded(trainer, prompts, generated, 0.8), rollout_lp)
+
+
+def windowed_model(arch: str, window: int, dtype: torch.dtype = torch.bfloat16) -> torch.nn.Module:
+    """Two layers, the second windowed: qwen2 with use_sliding_window (layers from
+    max_window_layers on), or mistral (every layer windowed)."""
+    common = {key: value for key, value in DEFAULT_MODEL_CONFIG.items() if key != "head_dim"}
+    if arch == "qwen2":
+        config = transformers.Qwen2Config(
+            head_dim=32, use_sliding_window=True, sliding_window=window, max_window_layers=1, **common
+        )
+        cls = transformers.Qwen2ForCausalLM
+    else:
+        config = transformers.MistralConfig(head_dim=32, sliding_window=window, **common)
+        cls = transformers.MistralForCausalLM
+    torch.manual_seed(1)
+    model = cls(config).to(dtype).eval()
+    with torch.no_grad():
+        for param in model.parameters():
+            param.mul_(4.0 if param.dim() == 1 else 2.0)
+    return model
+
+
+@pytest.mark.parametrize("arch", ["qwen2", pytest.param("mistral", marks=pytest.mark.slow)])
+def test_sliding_window_layers_generate_with_a_cache(arch) -> None:
+    """A windowed layer with Hugging Face's sliding-window cache: while every row fits the window
+    (the cache may drop left padding, never a real token) generate's sampled log-probs equal the
+    trainer's bit for bit; once a row outgrows it the cache has dropped its first positions and
+    samepath refuses, saying why, instead of attending from the wrong place."""
+    from samepath.integrations.hf import SlidingWindowCacheError
+
+    prompts = random_prompts([9, 3, 6], seed=31)
+    model = windowed_model(arch, window=16)
+    with integrations.patched(model):
+        generated, rollout_lp = rollout(model, prompts, 6, temperature=0.9)  # 15 tokens at most
+        assert torch.equal(trainer_padded(model, prompts, generated, 0.9), rollout_lp)
+        assert torch.equal(trainer_packed(model, prompts, generated, 0.9), rollout_lp)
+        narrow = windowed_model(arch, window=8)
+        narrow.set_attn_implementation("samepath")
+        with pytest.raises(SlidingWindowCacheError, match=r"sliding_window=8\) with a KV cache only while"):
+            rollout(narrow, prompts, 6, temperature=0.9)
+
+
+def test_mixtral_routing_keeps_fp32_weights() -> None:
+    """What the vLLM side must reproduce for Mixtral: samepath's router with fp32 weights
+    (routing_weights_fp32) gives the bits of Hugging Face's Mixtral MoE block; the Qwen-MoE
+    routing (weights cast to bf16) — the deliberate one-sided difference — does not."""
+    from samepath.integrations.formulas import routing_weights_fp32
+    from samepath.integrations.moe import experts_forward, topk_softmax_routing
+
+    model = tiny_model("mixtral", torch.bfloat16)
+    assert routing_weights_fp32(model.config) and not routing_weights_fp32(tiny_model("qwen3", torch.float32).config)
+    block = model.model.layers[0].mlp
+    hidden = torch.randn(13, model.config.hidden_size, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
+    with integrations.patched(model), torch.no_grad():
+        expected = block(hidden[None])[0]
+        logits = torch.nn.functional.linear(hidden, block.gate.weight)
+        experts = block.experts
+        outputs = {}
+        for dtype in (torch.float32, torch.bfloat16):
+            index, weights = topk_softmax_routing(logits, 2, True, dtype)
+            outputs[dtype] = experts_forward(hidden, experts.gate_up_proj, experts.down_proj, index, weights)
+    assert torch.equal(outputs[torch.float32], expected)
+    assert not torch.equal(outputs[torch.bfloat16], expected)

@@ -71,6 +71,16 @@ def model_dirs(tmp_path_factory):
             if arch == "qwen3_moe":
                 config = transformers.Qwen3MoeConfig(**DEFAULT_MODEL_CONFIG, **MOE_CONFIG)
                 cls = transformers.Qwen3MoeForCausalLM
+            elif arch == "mistral":  # no window (Mistral v0.2+): vLLM and HF both attend everything
+                config = transformers.MistralConfig(**DEFAULT_MODEL_CONFIG, sliding_window=None)
+                cls = transformers.MistralForCausalLM
+            elif arch == "phi3":  # fused qkv_proj / gate_up_proj
+                config, cls = transformers.Phi3Config(**DEFAULT_MODEL_CONFIG), transformers.Phi3ForCausalLM
+            elif arch == "mixtral":  # routing weights kept in fp32
+                config = transformers.MixtralConfig(
+                    **DEFAULT_MODEL_CONFIG, sliding_window=None, num_local_experts=4, num_experts_per_tok=2
+                )
+                cls = transformers.MixtralForCausalLM
             else:
                 config, cls = transformers.Qwen3Config(**DEFAULT_MODEL_CONFIG), transformers.Qwen3ForCausalLM
             torch.manual_seed(0)
@@ -176,6 +186,10 @@ CASES = [
     pytest.param("qwen3", "bfloat16", 0.7, id="qwen3-bf16-T0.7", marks=pytest.mark.slow),
     pytest.param("qwen3_moe", "bfloat16", 1.0, id="moe-bf16-sampled", marks=pytest.mark.slow),
     pytest.param("qwen3_moe", "float32", 0.0, id="moe-fp32-greedy", marks=pytest.mark.slow),
+    pytest.param("mistral", "bfloat16", 1.0, id="mistral-bf16-sampled", marks=pytest.mark.slow),
+    pytest.param("phi3", "bfloat16", 0.7, id="phi3-bf16-T0.7", marks=pytest.mark.slow),
+    pytest.param("phi3", "float32", 0.0, id="phi3-fp32-greedy", marks=pytest.mark.slow),
+    pytest.param("mixtral", "bfloat16", 1.0, id="mixtral-bf16-sampled", marks=pytest.mark.slow),
 ]
 
 
@@ -200,6 +214,7 @@ def test_vllm_logprobs_equal_trainer(model_dirs, hf_patched, arch, dtype, temper
         pytest.param("qwen3", "bfloat16", id="qwen3-bf16"),
         pytest.param("qwen3", "float32", id="qwen3-fp32", marks=pytest.mark.slow),
         pytest.param("qwen3_moe", "bfloat16", id="moe-bf16", marks=pytest.mark.slow),
+        pytest.param("phi3", "bfloat16", id="phi3-bf16", marks=pytest.mark.slow),
     ],
 )
 def test_stock_vllm_differs(model_dirs, hf_patched, arch, dtype):
@@ -649,27 +664,28 @@ def test_vllm_rope_variant_rollout_equals_trainer(llama_dirs, hf_patched, varian
         assert torch.equal(r, a) and torch.equal(r, p)
 
 
-def _mistral_dir(tmp_path) -> str:
+def _granite_dir(tmp_path) -> str:
     torch.manual_seed(0)
-    transformers.MistralForCausalLM(transformers.MistralConfig(**DEFAULT_MODEL_CONFIG)).save_pretrained(tmp_path)
+    config = transformers.GraniteConfig(**{k: v for k, v in DEFAULT_MODEL_CONFIG.items() if k != "head_dim"})
+    transformers.GraniteForCausalLM(config).save_pretrained(tmp_path)
     return str(tmp_path)
 
 
 def test_vllm_refuses_a_model_type_covered_on_one_side_only(tmp_path):
-    """mistral: vLLM would run it (as a Llama variant) but samepath's Hugging Face side has no
-    patches for it, so the plugin refuses it at load, naming the type and the unknown layers."""
-    spec = VLLMRolloutSpec(model=_mistral_dir(tmp_path), dtype="bfloat16", batches=[[[1, 2, 3]]], new_tokens=2)
+    """granite: vLLM runs it natively, but its multipliers are model-class ops samepath does not
+    own, so the plugin refuses it at load with the reason patch_all(model) and the CLI give."""
+    spec = VLLMRolloutSpec(model=_granite_dir(tmp_path), dtype="bfloat16", batches=[[[1, 2, 3]]], new_tokens=2)
     with pytest.raises(RuntimeError) as refused:
         run_vllm_rollout(spec)
     message = str(refused.value)
-    assert "UncoveredOpsError" in message and "model_type 'mistral'" in message
-    assert "MistralForCausalLM" in message
+    assert "UncoveredOpsError" in message and "model_type 'granite' is not supported" in message
+    assert "GraniteForCausalLM" in message
 
 
 @pytest.mark.slow
 def test_vllm_opt_out_runs_and_is_in_the_fingerprint(tmp_path):
     spec = VLLMRolloutSpec(
-        model=_mistral_dir(tmp_path),
+        model=_granite_dir(tmp_path),
         dtype="bfloat16",
         batches=[[[1, 2, 3]]],
         new_tokens=2,

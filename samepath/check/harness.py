@@ -102,6 +102,7 @@ def load_model(directory: str, dtype: torch.dtype) -> LoadedModel:
     directory holds a decoder-only causal LM of a model type samepath patches."""
     transformers = _transformers()
     from samepath.integrations import hf
+    from samepath.integrations.formulas import UnsupportedModelError, model_formulas, unsupported_reason
 
     if not os.path.isdir(directory):
         raise CheckInputError(f"model directory {directory!r} does not exist")
@@ -116,9 +117,13 @@ def load_model(directory: str, dtype: torch.dtype) -> LoadedModel:
         raise CheckInputError(f"{directory!r} holds a {model_type!r} encoder-decoder model, not a decoder-only LM")
     if model_type not in hf.MODEL_TYPES:
         raise CheckInputError(
-            f"{directory!r} holds a {model_type!r} model, a type samepath does not patch "
-            f"(supported model types: {', '.join(sorted(hf.MODEL_TYPES))})"
+            f"{directory!r} holds a {model_type!r} model, a type samepath does not patch: "
+            f"{unsupported_reason(model_type)}"
         )
+    try:  # the refusals patch_all(model) and the vLLM plugin would raise, before any weights load
+        model_formulas(config)
+    except UnsupportedModelError as exc:
+        raise CheckInputError(f"{directory!r} holds a model samepath refuses: {exc}") from None
     check_model_head_size(config)
     try:
         model = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=dtype, local_files_only=True)

@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from samepath.integrations.formulas import routing_weights_fp32
 from samepath.integrations.moe import experts_forward, topk_softmax_routing
 from samepath.kernels.logprobs import log_softmax
 from samepath.kernels.matmul import batch_invariant
@@ -370,14 +371,26 @@ def _moe_op(
     w2: torch.Tensor,
     top_k: int,
     renormalize: bool,
+    weights_fp32: bool,
 ) -> torch.Tensor:
-    index, weights = topk_softmax_routing(router_logits, top_k, renormalize, hidden_states.dtype)
+    dtype = torch.float32 if weights_fp32 else hidden_states.dtype
+    index, weights = topk_softmax_routing(router_logits, top_k, renormalize, dtype)
     return experts_forward(hidden_states, w13, w2, index, weights)
 
 
 @_moe_op.register_fake
-def _(hidden_states, router_logits, w13, w2, top_k, renormalize):
+def _(hidden_states, router_logits, w13, w2, top_k, renormalize, weights_fp32):
     return torch.empty_like(hidden_states)
+
+
+def loading_model_routing_fp32() -> bool:
+    """For the model whose weights vLLM is loading now (its current ``VllmConfig``): whether its MoE
+    routing weights stay in fp32 (:func:`samepath.integrations.formulas.routing_weights_fp32`).
+    Recorded on each MoE layer at weight loading; the load audit compares it with the config."""
+    from vllm.config import get_current_vllm_config
+
+    model_config = getattr(get_current_vllm_config(), "model_config", None)
+    return model_config is not None and routing_weights_fp32(model_config.hf_config)
 
 
 def moe(
@@ -387,11 +400,14 @@ def moe(
     w2: torch.Tensor,
     top_k: int,
     renormalize: bool,
+    weights_fp32: bool = False,
 ) -> torch.Tensor:
     """Hugging Face's top-k softmax router and expert loop (:mod:`samepath.integrations.moe`) on
     ``[E, 2I, H]`` / ``[E, H, I]`` expert weights, an opaque op inside a compiled region (its
-    per-expert token counts are data-dependent)."""
+    per-expert token counts are data-dependent). ``weights_fp32``: the routing weights stay in
+    fp32 (Mixtral's router) instead of being cast to the activations' dtype."""
     if not torch.compiler.is_compiling():
-        index, weights = topk_softmax_routing(router_logits, top_k, renormalize, hidden_states.dtype)
+        dtype = torch.float32 if weights_fp32 else hidden_states.dtype
+        index, weights = topk_softmax_routing(router_logits, top_k, renormalize, dtype)
         return experts_forward(hidden_states, w13, w2, index, weights)
-    return _moe_op(hidden_states, router_logits, w13, w2, top_k, renormalize)
+    return _moe_op(hidden_states, router_logits, w13, w2, top_k, renormalize, weights_fp32)

@@ -241,7 +241,7 @@ def _hf_entry(
         ok = kind.forward is hf._rms_norm_forward
         return _entry(name, module, "rms_norm", COVERED if ok else UNCOVERED, "samepath.rms_norm" if ok else "stock")
     if family_class(module, "MLP"):
-        ok = kind.forward is hf._mlp_forward
+        ok = kind.forward in hf.MLP_FORWARDS
         return _entry(name, module, "silu_mul", COVERED if ok else UNCOVERED, "samepath.silu_mul" if ok else "stock")
     if family_class(module, "RotaryEmbedding"):
         ok = kind.forward is hf._rotary_embedding_forward
@@ -273,7 +273,8 @@ def _hf_entry(
 # vLLM
 # ----------------------------------------------------------------------------------------------
 
-#: model_type -> (vLLM models module, class names whose own code is structure only).
+#: model_type -> (vLLM models module, class names whose own code is structure only); a name
+#: ``"module:Class"`` is looked up in that other module.
 VLLM_STRUCTURE: dict[str, tuple[str, tuple[str, ...]]] = {
     "llama": ("vllm.model_executor.models.llama", ("LlamaForCausalLM", "LlamaModel", "LlamaDecoderLayer")),
     "qwen2": ("vllm.model_executor.models.qwen2", ("Qwen2ForCausalLM", "Qwen2Model", "Qwen2DecoderLayer")),
@@ -281,6 +282,16 @@ VLLM_STRUCTURE: dict[str, tuple[str, tuple[str, ...]]] = {
     "qwen3_moe": (
         "vllm.model_executor.models.qwen3_moe",
         ("Qwen3MoeForCausalLM", "Qwen3MoeModel", "Qwen3MoeDecoderLayer", "Qwen3MoeSparseMoeBlock"),
+    ),
+    "mistral": ("vllm.model_executor.models.mistral", ("MistralForCausalLM", "MistralModel", "MistralDecoderLayer")),
+    # vLLM's Phi3ForCausalLM is a LlamaForCausalLM (fused qkv / gate_up weights loaded into Llama's modules).
+    "phi3": (
+        "vllm.model_executor.models.llama",
+        ("LlamaModel", "LlamaDecoderLayer", "vllm.model_executor.models.phi3:Phi3ForCausalLM"),
+    ),
+    "mixtral": (
+        "vllm.model_executor.models.mixtral",
+        ("MixtralForCausalLM", "MixtralModel", "MixtralDecoderLayer", "MixtralMoE"),
     ),
 }
 
@@ -291,17 +302,30 @@ VLLM_ATTENTION_MLP: dict[str, tuple[str, str, tuple[str, ...]]] = {
     "qwen2": ("vllm.model_executor.models.qwen2", "Qwen2Attention", ("Qwen2MLP",)),
     "qwen3": ("vllm.model_executor.models.qwen3", "Qwen3Attention", ("Qwen3MLP",)),  # qwen2.Qwen2MLP there
     "qwen3_moe": ("vllm.model_executor.models.qwen3_moe", "Qwen3MoeAttention", ("Qwen3MoeMLP",)),
+    # MistralAttention: LlamaAttention's forward plus llama_4_scaling, which the formulas refuse.
+    "mistral": (
+        "vllm.model_executor.models.mistral",
+        "MistralAttention",
+        ("vllm.model_executor.models.llama:LlamaMLP",),
+    ),
+    "phi3": ("vllm.model_executor.models.llama", "LlamaAttention", ("LlamaMLP",)),
+    "mixtral": ("vllm.model_executor.models.mixtral", "MixtralAttention", ()),
 }
 
 
 def _named_classes(module_name: str, names: Sequence[str]) -> tuple[type, ...]:
     import importlib
 
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError:
-        return ()
-    return tuple(c for c in (getattr(module, n, None) for n in names) if c is not None)
+    found = []
+    for name in names:
+        where, _, cls = name.rpartition(":")
+        try:
+            module = importlib.import_module(where or module_name)
+        except ImportError:
+            continue
+        if getattr(module, cls, None) is not None:
+            found.append(getattr(module, cls))
+    return tuple(found)
 
 
 def audit_vllm_model(model: torch.nn.Module, hf_config: Any) -> AuditReport:

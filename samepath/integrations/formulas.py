@@ -28,7 +28,70 @@ FAMILIES: dict[str, dict[str, Any]] = {
     "qwen2": {"norm": "rms_norm", "qk_norm": False, "mlp": "silu_mul", "moe": None},
     "qwen3": {"norm": "rms_norm", "qk_norm": True, "mlp": "silu_mul", "moe": None},
     "qwen3_moe": {"norm": "rms_norm", "qk_norm": True, "mlp": "silu_mul", "moe": "softmax_topk"},
+    # Llama's modules (vLLM: mistral.py, a LlamaModel) with the config's sliding window.
+    "mistral": {"norm": "rms_norm", "qk_norm": False, "mlp": "silu_mul", "moe": None},
+    # Llama's modules with fused q/k/v and gate/up projections (vLLM: phi3.py, a LlamaForCausalLM).
+    "phi3": {"norm": "rms_norm", "qk_norm": False, "mlp": "silu_mul", "moe": None},
+    # Mistral's attention with top-k softmax experts whose routing weights stay in fp32 (vLLM: mixtral.py).
+    "mixtral": {"norm": "rms_norm", "qk_norm": False, "mlp": None, "moe": "softmax_topk_fp32"},
 }
+
+#: model_type -> why samepath refuses it, the same words on every side (``patch_all(model)``, the
+#: vLLM plugin's load audit, ``samepath check``/``audit``). Decided from what each architecture's
+#: modules compute in transformers 5 and vLLM, not from its name.
+REFUSED: dict[str, str] = {
+    "olmo2": (
+        "vLLM runs Olmo2ForCausalLM through its Transformers backend, which samepath's vLLM plugin does not patch, "
+        "and Olmo2RMSNorm multiplies by the weight in fp32 before the cast (samepath's norm casts first, as "
+        "Llama's does); the q/k norms over all heads are not in samepath's vLLM coverage either"
+    ),
+    "granite": (
+        "Granite's embedding_multiplier, residual_multiplier and logits_scaling are elementwise ops of the model "
+        "classes that samepath does not run: vLLM multiplies the logits by 1/logits_scaling where Hugging Face "
+        "divides (the same bits only for a power of two), and vLLM's torch.compile may fuse "
+        "residual + h * residual_multiplier without Hugging Face's rounding between the multiply and the add"
+    ),
+    "gemma2": (
+        "Gemma 2 uses attention logit soft-capping (refused by samepath's attention), final logit soft-capping, "
+        "(1 + weight) RMSNorm, a GELU-tanh MLP and alternating sliding-window layers; none is implemented"
+    ),
+    "gemma3": (
+        "Gemma 3 uses per-layer-type rope (local and global bases), (1 + weight) RMSNorm with q/k norms, a "
+        "GELU-tanh MLP and alternating sliding-window layers; none is implemented"
+    ),
+    "gemma3_text": (
+        "Gemma 3 uses per-layer-type rope (local and global bases), (1 + weight) RMSNorm with q/k norms, a "
+        "GELU-tanh MLP and alternating sliding-window layers; none is implemented"
+    ),
+    "gpt_oss": (
+        "GPT-OSS uses attention sinks (s_aux, refused by samepath's attention) and clamped SwiGLU experts with "
+        "biases; neither is implemented"
+    ),
+    "deepseek_v2": (
+        "DeepSeek-V2 uses multi-head latent attention (low-rank compressed KV with rope on a slice of each head) "
+        "and grouped top-k routing with shared experts; neither is implemented"
+    ),
+    "deepseek_v3": (
+        "DeepSeek-V3 uses multi-head latent attention (low-rank compressed KV with rope on a slice of each head) "
+        "and sigmoid grouped top-k routing with shared experts; neither is implemented"
+    ),
+    "gpt2": (
+        "GPT-2 is not Llama-shaped: LayerNorm, a GELU MLP, learned absolute positions and Conv1D projections; "
+        "none is implemented"
+    ),
+}
+
+
+def unsupported_reason(model_type: object) -> str:
+    """Why samepath refuses ``model_type`` (one message for the API, the vLLM plugin and the CLI)."""
+    supported = ", ".join(sorted(FAMILIES))
+    if model_type in REFUSED:
+        return f"model_type {model_type!r} is not supported: {REFUSED[model_type]} (supported: {supported})"
+    return (
+        f"model_type {model_type!r} is not covered by samepath on both the trainer and the rollout side "
+        f"(supported: {supported})"
+    )
+
 
 _ACTIVATIONS = ("silu", "swish")
 
@@ -99,6 +162,13 @@ def rope_formula(config: Any) -> RopeFormula:
     return RopeFormula(rotary_dim=rotary_dim, head_size=head_size, base=float(base), scaling=scaling)
 
 
+def routing_weights_fp32(config: Any) -> bool:
+    """Whether the model's MoE routing weights stay in fp32 (Mixtral) instead of being cast to the
+    activations' dtype (Qwen3-MoE) before they scale the experts' outputs."""
+    family = FAMILIES.get(getattr(config, "model_type", None))
+    return family is not None and family["moe"] == "softmax_topk_fp32"
+
+
 def model_formulas(config: Any) -> dict[str, Any]:
     """The per-model formula choices of a Hugging Face config (see the module docstring).
 
@@ -107,11 +177,11 @@ def model_formulas(config: Any) -> dict[str, Any]:
     """
     model_type = getattr(config, "model_type", None)
     if model_type not in FAMILIES:
-        raise UnsupportedModelError(
-            f"model_type {model_type!r} is not covered by samepath on both the trainer and the rollout side "
-            f"(supported: {', '.join(sorted(FAMILIES))})"
-        )
+        raise UnsupportedModelError(unsupported_reason(model_type))
     family = FAMILIES[model_type]
+    for key in ("llama_4_scaling", "ada_rms_norm_t_cond"):  # vLLM's Mistral-only extras
+        if getattr(config, key, None):
+            raise UnsupportedModelError(f"{key} ({model_type}) is not supported")
     act = getattr(config, "hidden_act", "silu")
     if act not in _ACTIVATIONS:
         raise UnsupportedModelError(f"hidden_act={act!r} is not supported (samepath implements SiLU·mul)")
@@ -127,7 +197,21 @@ def model_formulas(config: Any) -> dict[str, Any]:
         }
         if getattr(config, "shared_expert_intermediate_size", 0):
             raise UnsupportedModelError("shared experts are not supported")
-    sliding = bool(getattr(config, "use_sliding_window", False))
+    elif family["moe"] == "softmax_topk_fp32":
+        moe = {
+            "routing": "fp32 softmax, top-k, renormalisation, weights kept in fp32 (HF MixtralTopKRouter)",
+            "num_experts": int(config.num_local_experts),
+            "top_k": int(config.num_experts_per_tok),
+            "renormalize": True,
+            "experts": "ascending expert order, index_add per token",
+        }
+        if getattr(config, "router_jitter_noise", 0.0):
+            raise UnsupportedModelError(
+                f"router_jitter_noise={config.router_jitter_noise} (random noise on the trainer's router in "
+                "train mode only) is not supported"
+            )
+    # qwen2 windows only with use_sliding_window; mistral, phi3 and mixtral whenever sliding_window is set.
+    sliding = bool(getattr(config, "use_sliding_window", model_type in ("mistral", "phi3", "mixtral")))
     return {
         "model_type": model_type,
         "rope": rope_formula(config).to_json(),
@@ -150,4 +234,13 @@ def model_formulas(config: Any) -> dict[str, Any]:
     }
 
 
-__all__ = ["FAMILIES", "RopeFormula", "UnsupportedModelError", "model_formulas", "rope_formula"]
+__all__ = [
+    "FAMILIES",
+    "REFUSED",
+    "RopeFormula",
+    "UnsupportedModelError",
+    "model_formulas",
+    "rope_formula",
+    "routing_weights_fp32",
+    "unsupported_reason",
+]

@@ -12,7 +12,8 @@ the device (:func:`cached_batch_layout`) and reused by every layer. Training (no
 :func:`samepath.kernels.attention.packed_attention`.
 
 Per model type (``config.model_type``), Liger-style: ``{Prefix}RMSNorm.forward`` →
-:func:`samepath.rms_norm`, ``{Prefix}MLP.forward`` → :func:`samepath.silu_mul`, the module's
+:func:`samepath.rms_norm`, ``{Prefix}MLP.forward`` → :func:`samepath.silu_mul` (Phi-3's fused
+``gate_up_proj``: :func:`samepath.kernels.swiglu.swiglu`, vLLM's layout), the module's
 ``apply_rotary_pos_emb`` → :func:`samepath.apply_rotary`, ``{Prefix}RotaryEmbedding.forward`` →
 :func:`samepath.rotary_cos_sin` (every rope type :mod:`samepath.integrations.formulas` resolves);
 MoE experts through ``ExpertsInterface``.
@@ -38,7 +39,7 @@ from samepath.integrations.moe import experts_forward
 from samepath.kernels.attention import LaunchPlan, packed_attention, varlen_attention
 from samepath.kernels.rms_norm import rms_norm
 from samepath.kernels.rotary import apply_rotary, rotary_cos_sin
-from samepath.kernels.swiglu import silu_mul
+from samepath.kernels.swiglu import silu_mul, swiglu
 
 #: The name models use in ``attn_implementation=`` / ``experts_implementation=``.
 IMPLEMENTATION = "samepath"
@@ -49,7 +50,13 @@ MODEL_TYPES: dict[str, tuple[str, str]] = {
     "qwen2": ("transformers.models.qwen2.modeling_qwen2", "Qwen2"),
     "qwen3": ("transformers.models.qwen3.modeling_qwen3", "Qwen3"),
     "qwen3_moe": ("transformers.models.qwen3_moe.modeling_qwen3_moe", "Qwen3Moe"),
+    "mistral": ("transformers.models.mistral.modeling_mistral", "Mistral"),
+    "phi3": ("transformers.models.phi3.modeling_phi3", "Phi3"),
+    "mixtral": ("transformers.models.mixtral.modeling_mixtral", "Mixtral"),
 }
+
+#: model types whose ``{Prefix}MLP`` has one fused ``gate_up_proj`` (gate first, then up: vLLM's layout).
+FUSED_GATE_UP: frozenset[str] = frozenset({"phi3"})
 
 
 class Patcher:
@@ -261,6 +268,46 @@ def cached_batch_layout(
     return layout
 
 
+class SlidingWindowCacheError(ValueError):
+    """A sliding-window layer's KV cache has dropped real tokens of a row: samepath's kernel anchors
+    KV tiles at each sequence's position 0, so it needs every real token's keys."""
+
+
+#: Per (mask, position_ids) of a forward: whether every row's real tokens are all in its keys.
+_WINDOW_CACHE: collections.OrderedDict[tuple, tuple[tuple, bool]] = collections.OrderedDict()
+
+
+def _window_keys_complete(
+    attention_mask: torch.Tensor | None, position_ids: torch.Tensor | None, batch: int, q_len: int, kv_len: int
+) -> bool:
+    """Whether a windowed layer's cached keys still hold every real token of every row: the row's
+    real keys (its mask, or all ``kv_len`` without one) number ``position_ids[:, -1] + 1`` (the
+    rollout counts positions from the first real token). Hugging Face's sliding-window cache keeps
+    only the last ``sliding_window - 1`` tokens, so this holds while a row has not outgrown the
+    window (its left padding may have been dropped). One host read per forward (memoised on the
+    mask and position_ids tensors every layer of the forward shares)."""
+    if position_ids is None:
+        return False
+    key = (id(attention_mask), id(position_ids), batch, q_len, kv_len)
+    entry = _WINDOW_CACHE.get(key)
+    if entry is not None:
+        (mask_source, positions_source), complete = entry
+        if _same_source(mask_source, attention_mask) and _same_source(positions_source, position_ids):
+            return complete
+    device = position_ids.device
+    if attention_mask is None:
+        present = torch.full((batch,), kv_len, device=device, dtype=torch.int64)
+    else:
+        present = attention_mask[:, -kv_len:].to(device=device, dtype=torch.int64).sum(1)
+    needed = position_ids.expand(batch, -1)[:, -1].to(torch.int64) + 1
+    complete = bool((present == needed).all())
+    if not torch.compiler.is_compiling():
+        _WINDOW_CACHE[key] = ((_source(attention_mask), _source(position_ids)), complete)
+        while len(_WINDOW_CACHE) > _LAYOUT_CACHE_SIZE:
+            _WINDOW_CACHE.popitem(last=False)
+    return complete
+
+
 #: Keyword arguments transformers passes along to an attention function that do not change what
 #: it computes (model-level flags); any other unknown keyword is refused, never ignored.
 _NEUTRAL_ATTENTION_KWARGS = frozenset(
@@ -320,6 +367,10 @@ def attention_forward(
     (:func:`cached_batch_layout`); a layer's call reads nothing from the device on the host (unless
     transformers passes ``cu_seq_lens_*``, which are compared with the layout's).
 
+    A sliding-window layer with a KV cache runs while the cache still holds every real token of
+    each row (:func:`_window_keys_complete`: a sequence no longer than the window, however much
+    left padding the cache dropped); past that it raises :class:`SlidingWindowCacheError`.
+
     Raises :class:`UnsupportedAttentionError` for dropout > 0, a ``softcap``, sinks (``s_aux``),
     ``output_attentions=True``, ``cu_seq_lens_*`` other than the sequences it cuts out itself, or
     any keyword it does not know.
@@ -332,10 +383,18 @@ def attention_forward(
     batch, num_heads, q_len, head_size = query.shape
     kv_len, num_kv_heads = key.shape[2], key.shape[1]
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
-    if sliding_window is not None and q_len != kv_len:
-        raise ValueError(
-            "samepath's Hugging Face attention does not support sliding-window layers with a KV cache yet "
-            "(the cache may have dropped the sequence's first positions)"
+    if (
+        sliding_window is not None
+        and q_len != kv_len
+        and not _window_keys_complete(attention_mask, kwargs.get("position_ids"), batch, q_len, kv_len)
+    ):
+        raise SlidingWindowCacheError(
+            f"samepath's Hugging Face attention ({type(module).__name__}) runs a sliding-window layer "
+            f"(sliding_window={sliding_window}) with a KV cache only while every row's tokens are all in the "
+            "cache: Hugging Face's sliding-window cache has dropped the first positions of a row longer than the "
+            "window (or no position_ids were passed to check it), and samepath's kernel needs them to anchor the "
+            "row's KV tiles at its position 0. Keep prompt + new tokens within sliding_window, or roll out with "
+            "vLLM + samepath's plugin (paged cache, every position kept)"
         )
     scale = scaling if scaling is not None else head_size**-0.5
     layout = cached_batch_layout(attention_mask, kwargs.get("position_ids"), batch, q_len, kv_len, query.device)
@@ -389,6 +448,16 @@ def _mlp_forward(self: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
     return self.down_proj(silu_mul(self.gate_proj(x), self.up_proj(x)))
 
 
+def _fused_mlp_forward(self: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    if self.config.hidden_act not in ("silu", "swish"):
+        raise ValueError(f"samepath's MLP patch implements SiLU·mul, not hidden_act={self.config.hidden_act!r}")
+    return self.down_proj(swiglu(self.gate_up_proj(x)))
+
+
+#: The MLP forwards samepath installs (``FUSED_GATE_UP`` types get the fused one).
+MLP_FORWARDS = (_mlp_forward, _fused_mlp_forward)
+
+
 def _apply_rotary_pos_emb(
     q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, unsqueeze_dim: int = 1
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -421,7 +490,7 @@ def apply_to_model_type(model_type: str, patcher: Patcher) -> None:
     patcher.set(getattr(modeling, f"{prefix}RMSNorm"), "forward", _rms_norm_forward)
     mlp = getattr(modeling, f"{prefix}MLP", None)
     if mlp is not None:
-        patcher.set(mlp, "forward", _mlp_forward)
+        patcher.set(mlp, "forward", _fused_mlp_forward if model_type in FUSED_GATE_UP else _mlp_forward)
     patcher.set(modeling, "apply_rotary_pos_emb", _apply_rotary_pos_emb)
     patcher.set(getattr(modeling, f"{prefix}RotaryEmbedding"), "forward", _rotary_embedding_forward)
 

@@ -5,7 +5,8 @@ same bits whichever engine computes it and however many other tokens share the b
 
 * :func:`topk_softmax_routing` is Hugging Face's top-k softmax router (Qwen2-MoE / Qwen3-MoE /
   Mixtral ``TopKRouter``): softmax of the router logits in fp32, top-k, optional renormalisation
-  by the sum of the k weights, cast to the activation dtype. Each step is a per-row torch op.
+  by the sum of the k weights, cast to ``dtype`` (the activations' dtype; fp32 for Mixtral, whose
+  router keeps the weights in fp32). Each step is a per-row torch op.
 * :func:`experts_forward` is transformers' eager experts loop on samepath kernels: experts in
   ascending order, each expert's tokens through one batch-invariant linear per projection,
   :func:`samepath.silu_mul` with Hugging Face's rounding, the weighted output added into each
@@ -35,7 +36,8 @@ def topk_softmax_routing(
             same whether the logits arrive in the model dtype or already widened to fp32).
         top_k: experts per token.
         renormalize: divide the k weights by their sum (``norm_topk_prob``).
-        dtype: the activations' dtype; the weights are cast to it, as Hugging Face does.
+        dtype: the routing weights' dtype: the activations' for Qwen-MoE routers, fp32 for
+            Mixtral's (each as its Hugging Face router does).
 
     Returns:
         ``(top_k_index [tokens, top_k] int64, top_k_weights [tokens, top_k] in dtype)``.

@@ -104,6 +104,7 @@ from samepath.integrations._vllm_common import (
     compute_logprobs,
     has_dense_weight,
     linear,
+    loading_model_routing_fp32,
     moe,
     optional_module,
     release,
@@ -696,6 +697,7 @@ def _patch_moe(patcher: _Patcher) -> bool:
             )
         super(method_cls, self).process_weights_after_loading(layer)
         layer.samepath_experts = True
+        layer.samepath_routing_fp32 = loading_model_routing_fp32()
         return None
 
     def apply_quant_method(self, hidden_states, router_logits, shared_experts_input, input_ids=None, **kwargs):
@@ -710,6 +712,7 @@ def _patch_moe(patcher: _Patcher) -> bool:
             experts.w2_weight,
             self.router.top_k,
             bool(self.router.renormalize),
+            bool(getattr(experts, "samepath_routing_fp32", False)),
         )
         return None, out
 
@@ -853,6 +856,11 @@ def classify_module(name: str, module: torch.nn.Module, formulas: dict | None, h
             _check_plain_routing(module)
         except NotImplementedError as exc:
             return _entry(name, module, "moe", UNCOVERED, str(exc))
+        if formulas is not None and formulas["moe"] is not None:
+            want_fp32 = "kept in fp32" in formulas["moe"]["routing"]
+            if bool(getattr(experts, "samepath_routing_fp32", False)) != want_fp32:
+                detail = f"routing weights {'not ' if want_fp32 else ''}kept in fp32, unlike the config's router"
+                return _entry(name, module, "moe", UNCOVERED, detail)
         return _entry(name, module, "moe", COVERED, "samepath.integrations.moe routing and experts")
     if kind is LogitsProcessor:
         if module.soft_cap is not None or module.scale != 1.0:

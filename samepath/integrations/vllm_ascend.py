@@ -95,6 +95,7 @@ from samepath.integrations._vllm_common import (
     claim,
     compute_logprobs,
     has_dense_weight,
+    loading_model_routing_fp32,
     optional_module,
     release,
 )
@@ -836,6 +837,7 @@ def _patch_moe(patcher: _Patcher) -> bool:
         # What vllm-ascend runs first, then nothing: w13 [E, 2I, H] / w2 [E, H, I] stay as loaded.
         super(UnquantizedFusedMoEMethod, self).process_weights_after_loading(layer)
         layer.samepath_experts = True
+        layer.samepath_routing_fp32 = loading_model_routing_fp32()
         return None
 
     def apply(
@@ -853,7 +855,8 @@ def _patch_moe(patcher: _Patcher) -> bool:
                 self, layer, x, use_grouped_topk, top_k, router_logits, renormalize, **kwargs
             )
         _check_plain_routing(layer, {"use_grouped_topk": use_grouped_topk, **kwargs})
-        index, weights = topk_softmax_routing(router_logits, top_k, bool(renormalize), x.dtype)
+        dtype = torch.float32 if getattr(layer, "samepath_routing_fp32", False) else x.dtype
+        index, weights = topk_softmax_routing(router_logits, top_k, bool(renormalize), dtype)
         return FusedExpertsResult(routed_out=experts_forward(x, layer.w13_weight, layer.w2_weight, index, weights))
 
     _set(patcher, owner, "process_weights_after_loading", process_weights_after_loading)

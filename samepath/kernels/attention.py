@@ -75,19 +75,25 @@ def _kv_tile_offsets(
     stride_k_pos,
     stride_v_page,
     stride_v_pos,
+    kv_rows,
     PAGE_SIZE: tl.constexpr,
     PAGED: tl.constexpr,
 ):
-    """Element offsets of KV positions ``offs_n`` in K and in V. Paged: the tile's page ids are
-    gathered from the block table once and serve both caches; contiguous: packed rows."""
+    """Element offsets of KV positions ``offs_n`` in K and in V, and which of them lie inside the
+    caches (``kv_rows``: the pages of a paged cache, the rows of contiguous K/V). Paged: the tile's
+    page ids are gathered from the block table once and serve both caches; contiguous: packed rows.
+    ``kv_len`` never exceeds the block table's columns (the launcher's cap), so the gather stays
+    inside the table."""
     if PAGED:
         page = tl.load(block_table + seq * stride_table_seq + offs_n // PAGE_SIZE, mask=offs_n < kv_len, other=0)
         page = page.to(tl.int64)
         slot = (offs_n % PAGE_SIZE).to(tl.int64)
-        return page * stride_k_page + slot * stride_k_pos, page * stride_v_page + slot * stride_v_pos
+        inside = (page >= 0) & (page < kv_rows)
+        return page * stride_k_page + slot * stride_k_pos, page * stride_v_page + slot * stride_v_pos, inside
     else:
         rows = (kv_start + offs_n).to(tl.int64)
-        return rows * stride_k_pos, rows * stride_v_pos
+        inside = (rows >= 0) & (rows < kv_rows)
+        return rows * stride_k_pos, rows * stride_v_pos, inside
 
 
 @jit
@@ -103,6 +109,7 @@ def _segment_state(
     seq,
     kv_start,
     block_table,
+    kv_rows,
     qk_scale,
     sliding_window,
     stride_table_seq,
@@ -123,7 +130,9 @@ def _segment_state(
     DOT_PRECISION: tl.constexpr,
 ):
     """The online-softmax state ``(m, l, acc)`` of one KV segment, from a fresh ``(-inf, 0, 0)``:
-    the tiles starting at ``tile_begin, tile_begin + TILE_N, ... < tile_end``, in ascending order."""
+    the tiles starting at ``tile_begin, tile_begin + TILE_N, ... < tile_end``, in ascending order.
+    A key whose address falls outside the caches (only with unchecked metadata) is neither read
+    nor visible."""
     offs_d = tl.arange(0, BLOCK_D)
     d_valid = offs_d < HEAD_SIZE
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
@@ -131,8 +140,7 @@ def _segment_state(
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     for tile_start in range(tile_begin, tile_end, TILE_N):
         offs_n = tile_start + tl.arange(0, TILE_N)
-        kv_valid = offs_n < kv_len
-        k_rows, v_rows = _kv_tile_offsets(
+        k_rows, v_rows, inside = _kv_tile_offsets(
             offs_n,
             kv_len,
             seq,
@@ -143,16 +151,18 @@ def _segment_state(
             stride_k_pos,
             stride_v_page,
             stride_v_pos,
+            kv_rows,
             PAGE_SIZE,
             PAGED,
         )
+        kv_valid = (offs_n < kv_len) & inside
         k = tl.load(
             K + k_rows[None, :] + kv_head * stride_k_head + offs_d[:, None],
             mask=kv_valid[None, :] & d_valid[:, None],
             other=0.0,
         )
         scores = tl.dot(q, k, input_precision=DOT_PRECISION)
-        visible = _visible(pos_q, offs_n, kv_len, sliding_window, CAUSAL, HAS_WINDOW)
+        visible = _visible(pos_q, offs_n, kv_len, sliding_window, CAUSAL, HAS_WINDOW) & inside[None, :]
         scores = tl.where(visible, scores * qk_scale, float("-inf"))
 
         m_new = tl.maximum(m_i, tl.max(scores, 1))
@@ -239,6 +249,11 @@ def _attention_fwd_kernel(
     program_seq,
     program_block,
     num_blocks,
+    num_programs_mapped,
+    num_seqs,
+    num_q_rows,
+    kv_rows,
+    max_kv_len,
     num_kv_heads,
     num_segments,
     qk_scale,
@@ -280,12 +295,19 @@ def _attention_fwd_kernel(
     KV positions are cut into segments of ``SEG`` positions anchored at position 0; each segment's
     softmax state starts fresh. ``SPLIT``: the item is one segment, whose state is written to
     ``PartM/PartL/PartAcc`` for :func:`_attention_merge_kernel`; otherwise the item folds its
-    segments into the running state serially, with the same merge."""
+    segments into the running state serially, with the same merge.
+
+    Memory safety whatever the metadata (``validate=False`` trusts it for the results only): the
+    work count is capped by the program map's length (``num_programs_mapped``), the sequence index
+    by ``num_seqs``, a KV length by ``max_kv_len`` (the block table's span, or the contiguous
+    keys); query rows outside ``[0, num_q_rows)`` are neither read nor written, and keys outside
+    the caches are masked (:func:`_segment_state`). For consistent metadata none of these bounds
+    binds, so they change no bit."""
     num_heads = num_kv_heads * GROUP
     items_per_block = num_kv_heads * NUM_CHUNKS
     if SPLIT:
         items_per_block = items_per_block * num_segments
-    num_work = tl.load(num_blocks) * items_per_block
+    num_work = tl.minimum(tl.load(num_blocks), num_programs_mapped) * items_per_block
     for work in range(tl.program_id(0), num_work, tl.num_programs(0)):
         rest = work % items_per_block
         segment = 0
@@ -294,12 +316,12 @@ def _attention_fwd_kernel(
             rest = rest // num_segments
         chunk = rest % NUM_CHUNKS
         kv_head = rest // NUM_CHUNKS
-        seq = tl.load(program_seq + work // items_per_block)
+        seq = tl.minimum(tl.maximum(tl.load(program_seq + work // items_per_block), 0), num_seqs - 1)
         block = tl.load(program_block + work // items_per_block)
 
         q_start = tl.load(query_start_loc + seq)
         q_len = tl.load(query_start_loc + seq + 1) - q_start
-        kv_len = tl.load(seq_lens + seq)
+        kv_len = tl.minimum(tl.load(seq_lens + seq), max_kv_len)
         kv_start = tl.load(kv_start_loc + seq)
         context = kv_len - q_len
 
@@ -307,10 +329,11 @@ def _attention_fwd_kernel(
         offs_d = tl.arange(0, BLOCK_D)
         head_in_group = chunk * HEAD_CHUNK + offs_r % HEAD_CHUNK
         offs_m = block * BLOCK_Q + offs_r // HEAD_CHUNK
+        q_rows = (q_start + offs_m).to(tl.int64)
         row_valid = (offs_r < BLOCK_Q * HEAD_CHUNK) & (head_in_group < GROUP) & (offs_m < q_len)
+        row_valid = row_valid & (q_rows >= 0) & (q_rows < num_q_rows)
         head = kv_head * GROUP + head_in_group
         pos_q = context + offs_m
-        q_rows = (q_start + offs_m).to(tl.int64)
         q = tl.load(
             Q + q_rows[:, None] * stride_q_tok + head[:, None] * stride_q_head + offs_d[None, :],
             mask=row_valid[:, None] & (offs_d < HEAD_SIZE)[None, :],
@@ -332,7 +355,7 @@ def _attention_fwd_kernel(
             tile_begin = tl.maximum(seg_start, first_tile_start)
             tile_end = tl.minimum(seg_start + SEG, kv_end)
             m_i, l_i, acc = _segment_state(
-                q, pos_q, tile_begin, tile_end, K, V, kv_head, kv_len, seq, kv_start, block_table,
+                q, pos_q, tile_begin, tile_end, K, V, kv_head, kv_len, seq, kv_start, block_table, kv_rows,
                 qk_scale, sliding_window, stride_table_seq, stride_k_page, stride_k_pos, stride_k_head,
                 stride_v_page, stride_v_pos, stride_v_head, HEAD_SIZE, BLOCK_D, BLOCK_M, TILE_N,
                 PAGE_SIZE, PAGED, CAUSAL, HAS_WINDOW, DOT_PRECISION,
@@ -353,7 +376,7 @@ def _attention_fwd_kernel(
                 tile_begin = tl.maximum(seg_start, first_tile_start)
                 tile_end = tl.minimum(seg_start + SEG, kv_end)
                 m_i, l_i, acc = _segment_state(
-                    q, pos_q, tile_begin, tile_end, K, V, kv_head, kv_len, seq, kv_start, block_table,
+                    q, pos_q, tile_begin, tile_end, K, V, kv_head, kv_len, seq, kv_start, block_table, kv_rows,
                     qk_scale, sliding_window, stride_table_seq, stride_k_page, stride_k_pos, stride_k_head,
                     stride_v_page, stride_v_pos, stride_v_head, HEAD_SIZE, BLOCK_D, BLOCK_M, TILE_N,
                     PAGE_SIZE, PAGED, CAUSAL, HAS_WINDOW, DOT_PRECISION,
@@ -857,12 +880,14 @@ def _launch_forward(
         page_size = key.shape[1]
         table, stride_table = block_table, block_table.stride(0)
         max_kv_len = block_table.shape[1] * page_size
+        kv_rows = key.shape[0]
     else:
         k_strides = (0, *key.stride()[:2])
         v_strides = (0, *value.stride()[:2])
         page_size = 1
         table, stride_table = query_start_loc, 0
         max_kv_len = key.shape[0]
+        kv_rows = key.shape[0]
     num_segments = _num_segments(max_kv_len, config.seg)
     rows = num_tokens * num_heads
     if split_kv is None:
@@ -891,6 +916,11 @@ def _launch_forward(
         program_seq,
         program_block,
         num_blocks,
+        program_seq.numel(),
+        num_seqs,
+        num_tokens,
+        kv_rows,
+        max_kv_len,
         num_kv_heads,
         num_segments,
         scale * LOG2E,
@@ -985,7 +1015,14 @@ def paged_attention(
             ``tile_n`` gives different bits).
         validate: check metadata values (costs a device-to-host copy; integrations may turn it
             off after the first call). With ``validate=False`` and a ``plan`` a call reads
-            nothing from the device on the host.
+            nothing from the device on the host. ``validate=False`` trusts the *values* of
+            ``query_start_loc``, ``seq_lens`` and ``block_table`` for the result only: for
+            inconsistent values the output is unspecified (but finite for finite inputs), while
+            memory stays safe whatever they hold — the kernel reads no query row outside
+            ``query``, no page outside the caches (page ids outside ``[0, num_blocks)`` count as
+            invisible keys), no block-table column past its width (a ``seq_lens`` entry past the
+            table's span is capped at it), and writes only rows of ``out``. Shapes, dtypes and
+            devices are checked either way.
         split_kv: how the fixed KV segments are executed: one program each plus a merge kernel
             (``True``), serially in each program (``False``), or chosen from the shapes (``None``).
             Both give the same bits; only the speed differs.
@@ -1307,7 +1344,14 @@ def varlen_attention(
         cu_seqlens: ``[num_seqs + 1]`` int, cumulative sequence lengths starting at 0. Each
             sequence's positions start at 0 at its first token.
         scale: softmax scale, default ``head_size ** -0.5``.
-        causal, sliding_window, config, validate: as in :func:`paged_attention`.
+        causal, sliding_window, config: as in :func:`paged_attention`.
+        validate: check that ``cu_seqlens`` starts at 0, never decreases and ends at
+            ``total_tokens`` (one device-to-host copy). ``validate=False`` trusts those values
+            for the result only: the forward kernel reads and writes no row outside
+            ``query``/``key``/``value``/the output whatever ``cu_seqlens`` holds (a sequence
+            running past ``total_tokens`` is cut there), and the output rows of inconsistent
+            metadata are unspecified. The backward kernels trust it fully: differentiate only
+            through validated (or otherwise known-good) metadata.
         plan: a :class:`LaunchPlan` of ``cu_seqlens`` (forward and backward reuse its maps).
 
     Returns:
@@ -1361,7 +1405,10 @@ def packed_attention(
         query: ``[total_q, num_heads, head_size]``.
         key, value: ``[total_kv, num_kv_heads, head_size]``.
         cu_seqlens_q, cu_seqlens_kv: ``[num_seqs + 1]`` int cumulative lengths from 0.
-        scale, causal, sliding_window, config, validate, split_kv: as in :func:`paged_attention`.
+        scale, causal, sliding_window, config, split_kv: as in :func:`paged_attention`.
+        validate: check both cumulative lengths (one device-to-host copy). ``validate=False``
+            trusts their values for the result only; no row outside ``query``, ``key``,
+            ``value`` or the output is read or written whatever they hold.
         plan: a :class:`LaunchPlan` of ``cu_seqlens_q`` and ``cu_seqlens_kv``.
 
     Returns:

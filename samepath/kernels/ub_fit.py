@@ -114,6 +114,7 @@ def attention_forward_buffers(block_m: int, tile_n: int, head_size: int, dtype: 
         Buffer("p cast (dot operand)", (block_m, tile_n), dt, memory="l1"),
         Buffer("page ids (one gather for k and v)", (tile_n,), "int32", copies=2),
         Buffer("kv positions", (tile_n,), "int32"),
+        Buffer("keys inside the caches", (tile_n,), "int1"),
         Buffer("k and v row offsets (gathered)", (2, tile_n), "int64"),
         Buffer("packed rows: query index, head, token row", (3, block_m), "int32"),
         Buffer("running m, l across segments", (2, block_m), "float32"),
