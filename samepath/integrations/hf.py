@@ -274,6 +274,11 @@ _NEUTRAL_ATTENTION_KWARGS = frozenset(
 )
 
 
+#: Keywords that say nothing when ``None`` (verl's fused-kernel forward passes ``cache_position=None``
+#: explicitly, and transformers hands it on to the attention function); refused with a value.
+_NEUTRAL_WHEN_NONE = frozenset({"cache_position"})
+
+
 class UnsupportedAttentionError(ValueError):
     """transformers asked samepath's attention for a feature it does not implement (softcap, sinks,
     dropout, attention weights, an unknown keyword): refused rather than dropped."""
@@ -298,6 +303,7 @@ def _check_attention_kwargs(
             problems.append(f"{name} that differs from the sequences position_ids / the mask delimit")
     known = {"softcap", "s_aux", "output_attentions", "position_ids", "cu_seq_lens_q", "cu_seq_lens_k"}
     known |= {"max_length_q", "max_length_k"} | _NEUTRAL_ATTENTION_KWARGS
+    known |= {name for name in _NEUTRAL_WHEN_NONE if kwargs.get(name) is None}
     problems += [f"unknown keyword {name}={kwargs[name]!r}" for name in sorted(set(kwargs) - known)]
     if problems:
         raise UnsupportedAttentionError(

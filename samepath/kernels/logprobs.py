@@ -670,7 +670,10 @@ class LinearTokenLogprobsFunction(torch.autograd.Function):
             )
             grad_hidden[part] = matmul(dlogits, weight)
             partial = matmul(dlogits.t(), rows, out_dtype=torch.float32)
-            grad_weight = partial if grad_weight is None else grad_weight + partial
+            if grad_weight is None:
+                grad_weight = partial
+            else:
+                grad_weight += partial  # in place: the same fp32 sum in the same order
         if grad_weight is None:
             grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
         return grad_hidden, grad_weight.to(weight.dtype), *none
