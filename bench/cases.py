@@ -973,7 +973,7 @@ def plan(ops: list[str], device: torch.device, dtype: torch.dtype, quick: bool, 
             # (rows, hidden, vocab, token_chunk): on the CPU a small token chunk so that the tiny
             # sizes still cut the rows into several chunks
             if cpu:
-                shapes = [(32, 16, 256, 8)] if quick else [(64, 64, 4096, 16)]
+                shapes = [(32 if op == "lm_head_logprobs" else 64, 16, 256, 8)] if quick else [(64, 64, 4096, 16)]
             else:
                 shapes = [(4096, 4096, VOCAB, LM_HEAD_TOKEN_CHUNK)]
                 if not quick:
