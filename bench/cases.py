@@ -747,8 +747,9 @@ def _tiny_model(size: E2ESize, dtype, device):
 
 @contextlib.contextmanager
 def _samepath_for(impl: str) -> Iterator[None]:
-    """``patch_all()`` around the samepath side of an end-to-end case; stock otherwise."""
-    if impl != "samepath":
+    """``patch_all()`` around the samepath sides of an end-to-end case (``samepath`` and the
+    baselines named ``samepath, ...``); stock otherwise."""
+    if not impl.startswith("samepath"):
         yield
         return
     from samepath import integrations
@@ -850,6 +851,18 @@ def e2e_cases(size: E2ESize, dtype, device) -> list[Case]:
 
         return run
 
+    def fused_trainer(d):
+        from samepath.integrations.hf import causal_lm_logprobs
+
+        model.train()
+        model.zero_grad(set_to_none=True)
+        positions = (d["mask"].cumsum(1) - 1).clamp(min=0)
+        lp = causal_lm_logprobs(
+            model, d["ids"], attention_mask=d["mask"], position_ids=positions, temperature=TEMPERATURE
+        )[:, width - 1 :]
+        (-lp.mean()).backward()
+        return lp.detach()
+
     def forward(d):
         model.eval()
         with torch.no_grad():
@@ -879,6 +892,16 @@ def e2e_cases(size: E2ESize, dtype, device) -> list[Case]:
             make_trainer,
             trainer(ours_logprobs),
             {stock_name: trainer(stock_logprobs)},
+            tokens=size.batch * (width + size.new_tokens),
+            context=_samepath_for,
+            repeat_scale=0.25,
+        ),
+        Case(
+            "e2e",
+            f"trainer fwd+bwd {width + size.new_tokens} tok/seq, fused lm_head (causal_lm_logprobs), {label}",
+            make_trainer,
+            fused_trainer,
+            {stock_name: trainer(stock_logprobs), "samepath, full logits (model(...).logits)": trainer(ours_logprobs)},
             tokens=size.batch * (width + size.new_tokens),
             context=_samepath_for,
             repeat_scale=0.25,

@@ -183,6 +183,9 @@ def test_end_to_end_rows_include_host_time_per_layer(quick_run: dict) -> None:
     e2e = [row for row in quick_run["rows"] if row["op"] == "e2e"]
     configs = " | ".join(row["config"] for row in e2e)
     assert "rollout generate" in configs and "trainer fwd+bwd" in configs
+    fused = [row for row in e2e if "fused lm_head (causal_lm_logprobs)" in row["config"]]
+    full_logits = "samepath, full logits (model(...).logits)"
+    assert {row["baseline"] for row in fused} == {"stock HF (sdpa, torch ops)", full_logits}
     host = [row for row in e2e if row["config"].startswith("host time per attention layer")]
     assert len(host) == 2 and all("host ms" in row["measures"] for row in host)
     # one layer (CPU quick), two timed calls: a trainer forward calls each attention layer once
