@@ -2,8 +2,12 @@
 its FSDP engine's temperature scaling on samepath's schedule; run against the installed verl.
 
 Skipped, with the reason, where verl (and what its modules import: ray, tensordict, omegaconf, ...)
-is not installed. To run it here: a separate venv, e.g. ``/work/venv-verl`` with a ``.pth`` onto
-``/work/venv``'s site-packages and ``pip install --no-deps verl`` plus its light dependencies.
+is not installed. To run it here: a separate venv with a ``.pth`` onto the project venv's
+site-packages and ``pip install --no-deps verl==0.9.1`` plus what its modules import (ray,
+tensordict, pyvers, omegaconf, antlr4-python3-runtime, codetiming, msgpack, protobuf, requests,
+urllib3, certifi, charset-normalizer, idna, jsonschema, jsonschema-specifications, referencing,
+rpds-py, attrs, cloudpickle, peft, accelerate, datasets, multiprocess, dill, xxhash, pandas,
+pyarrow, orjson), then ``PYTHONPATH=. <venv>/bin/python -m pytest tests/test_integration_verl.py``.
 """
 
 from __future__ import annotations

@@ -26,7 +26,6 @@ What :func:`install` replaces (every original recorded; :func:`uninstall` restor
   fp32 copy ``[tokens, vocab]`` (verl's bf16 division already copies; this one is twice as large).
   The automodel, torchtitan and Megatron engines divide inline (``logits / temperature`` or
   ``logits.div_``) and are not covered: use the FSDP engine or temperature 1.
-
 * **The fused lm_head** (``actor_rollout_ref.model.use_fused_kernels=True``) — verl's model
   forward then hands the last hidden states and ``lm_head.weight`` to
   ``FusedLinearForPPO.forward`` (``verl.utils.experimental.torch_functional``; impl_backend
@@ -48,7 +47,9 @@ exact. Its numerics are the rollout engine's: samepath's vLLM / vllm-ascend samp
 ``tests/test_integration_verl.py`` runs verl's own trainer path (``FSDPEngineWithLMHead``'s
 ``prepare_model_inputs`` / ``prepare_model_outputs`` under bf16 autocast, ``no_padding_2_padding``)
 and verl's ``calculate_debug_metrics``: ``training/rollout_probs_diff_max`` / ``_mean`` / ``_std``
-are exactly 0 against samepath's rollout log-probs, and not 0 without :func:`install`.
+are exactly 0 against samepath's rollout log-probs, and not 0 without :func:`install` — with
+``use_fused_kernels`` off, and on (verl's own ``patch_forward_with_backends``, backends ``torch``
+and ``triton``).
 
 Worker processes: with ``SAMEPATH_VERL=1`` in the environment, importing this module calls
 :func:`register` (``samepath.integrations.patch_all()`` and :func:`install`), so naming it in
@@ -59,7 +60,8 @@ Recipe (verl + vLLM / vllm-ascend + FSDP): see docs/integrations.md. In short, t
 runtime environment (``+ray_kwargs.ray_init.runtime_env.env_vars.NAME=value``):
 ``SAMEPATH_VERL=1``, ``VERL_USE_EXTERNAL_MODULES=samepath.integrations.verl``, ``SAMEPATH_VLLM=1``
 and ``SAMEPATH_EXPECT_FINGERPRINT`` = the trainer's ``samepath.fingerprint()``; and
-``actor_rollout_ref.actor.strategy=fsdp2``, ``actor_rollout_ref.model.use_fused_kernels=False``,
+``actor_rollout_ref.actor.strategy=fsdp2``, ``actor_rollout_ref.model.use_fused_kernels=True`` (the
+fused lm_head above; ``False`` computes full logits, equally bit-identical),
 ``actor_rollout_ref.model.use_liger=False``, ``actor_rollout_ref.rollout.calculate_log_probs=True``,
 ``actor_rollout_ref.rollout.logprobs_mode=processed_logprobs`` (vLLM then reports the log-probs
 at the sampling temperature, which the trainer computes) and
