@@ -12,7 +12,9 @@ What it restores, per kernel:
 * attention — one query head per tile row block (:func:`unpacked_heads`: ``head_chunk = 1``, so a
   KV group's heads are separate programs that each read the K/V tiles), no KV segments and no
   split (one segment longer than any sequence, run serially), and the old tiles (CUDA 16-bit:
-  ``block_m = 32``, ``tile_n = 64``, 4 warps, 2 stages);
+  ``block_m = 32``, ``tile_n = 64``, 4 warps, 2 stages); the backward is the library's current
+  backward kernel run with unpacked heads and the old backward tiles (not a copy of an older
+  backward kernel);
 * matmul — the old tiles (CUDA 16-bit: 64 x 64 x 64, fp32: 64 x 32 x 32; 4 warps), K in one piece
   (``k_split = 1``), no GROUP_M swizzle (``group_m = 1``) and one program per output tile
   (:func:`non_persistent_matmul`);
