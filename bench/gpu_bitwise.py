@@ -471,6 +471,10 @@ def check_hf(device) -> list[dict]:
                 results.append(
                     dict(check=f"{name}: generate == trainer (patch_all)", bad_rows=bad_rows(rollout_lp, trainer_lp))
                 )
+                fused_lp = harness.trainer_forward(model, prompts, generated, 0.7, fused=True)
+                results.append(
+                    dict(check=f"{name}: generate == fused lm_head trainer", bad_rows=bad_rows(rollout_lp, fused_lp))
+                )
                 with _half_tiles(size["head"], dtype, device):
                     perturbed = harness.trainer_forward(model, prompts, generated, 0.7)
                 results.append(

@@ -147,3 +147,17 @@ def test_fused_lm_head_under_autocast_multiplies_what_the_linear_multiplies() ->
     expected = samepath.logprobs(samepath.linear(hidden.bfloat16(), weight.bfloat16()), labels, 0.7)
     assert torch.equal(fused, expected)
     assert not torch.equal(fused_lm_head_logprobs(hidden, weight, labels, 0.7), expected)  # fp32 operands
+
+
+def test_check_harness_rollout_equals_the_fused_trainer(patched) -> None:
+    """``samepath check``'s harness as the rollout (left-padded ``generate``, sampled) and its
+    trainer through the fused lm_head (``trainer_forward(fused=True)``, right-padded): equal.
+    Negative control: the fused trainer at a temperature one fp32 ulp above."""
+    from samepath.check import harness
+
+    model = harness.load_default_model(torch.float32, seed=2).model
+    prompts = harness.random_prompts(3, model.config.vocab_size, seed=3)
+    generated, rollout_lp = harness.rollout_hf(model, prompts, 4, 0.9, seed=4)
+    assert torch.equal(harness.trainer_forward(model, prompts, generated, 0.9, fused=True), rollout_lp)
+    off = torch.nextafter(torch.tensor(0.9), torch.tensor(2.0)).item()
+    assert not torch.equal(harness.trainer_forward(model, prompts, generated, off, fused=True), rollout_lp)
