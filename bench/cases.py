@@ -29,9 +29,11 @@ import torch
 import torch.nn.functional as F
 
 import samepath
+from bench import old_schedule
 from bench.baselines import VLLM_SEGMENTS, Baselines
-from bench.timing import Timing
+from bench.timing import Timing, measure_peak_memory
 from samepath.kernels.attention import paged_attention, varlen_attention
+from samepath.kernels.logprobs import LM_HEAD_TOKEN_CHUNK, linear_token_logprobs
 
 #: Op groups, in the order they run (``--ops`` takes a comma-separated subset).
 OPS = (
@@ -39,9 +41,11 @@ OPS = (
     "varlen_fwdbwd",
     "chunked_prefill",
     "paged_decode",
+    "paged_decode_gqa",
     "linear",
     "token_logprobs",
     "lm_head_logprobs",
+    "lm_head_memory",
     "rms_norm",
     "swiglu",
     "rotary",
@@ -53,7 +57,9 @@ SAMEPATH_CALLS = (
     "varlen_attention(validate=True) as integrations/hf.py; "
     "paged_attention(validate=True) as integrations/vllm.py; "
     "token_logprobs(validate=False) as integrations/verl.py; "
-    "linear / rms_norm / silu_mul / apply_rotary as integrations/hf.py"
+    "linear_token_logprobs(validate=False) (the fused lm_head) as integrations/verl.py's use_fused_kernels path; "
+    "linear / rms_norm / silu_mul / apply_rotary as integrations/hf.py; "
+    f"'{old_schedule.LABEL}': the same kernels on the schedule before issue 14 (bench/old_schedule.py)"
 )
 
 VOCAB = 151936  # Qwen2/Qwen3's padded vocabulary
@@ -196,7 +202,11 @@ def varlen_case(op: str, lens: list[int], heads: int, kv_heads: int, head: int, 
 
         return run
 
-    baselines: dict[str, Callable[[dict], object]] = {}
+    def old(d):
+        with torch.set_grad_enabled(backward), old_schedule.unpacked_heads():
+            return finish(d, old_schedule.varlen_attention(d["q"], d["k"], d["v"], d["cu"], scale))
+
+    baselines: dict[str, Callable[[dict], object]] = {old_schedule.LABEL: old}
     for name, backend in found.sdpa.items():
         native = backend.gqa_native
         baselines[name] = per_sequence(
@@ -295,7 +305,10 @@ def paged_case(
 
         mask_kwargs["attn_mask"] = causal_lower_right(chunk, span)
 
-    baselines: dict[str, Callable[[dict], object]] = {}
+    def old(d):
+        return old_schedule.paged_attention(d["q"], d["kc"], d["vc"], table, qsl, seq_lens, scale)
+
+    baselines: dict[str, Callable[[dict], object]] = {f"{old_schedule.LABEL}, paged": old}
     for name, backend in found.sdpa.items():
         native = backend.gqa_native
 
@@ -430,7 +443,10 @@ def linear_case(m: int, k: int, n: int, dtype, device, found: Baselines) -> Case
         return {"x": _randn((m, k), dtype, device, gen), "w": _randn((n, k), dtype, device, gen) * k**-0.5}
 
     blas = "cuBLAS" if device.type == "cuda" else "CPU BLAS"
-    baselines = {f"torch F.linear ({blas})": lambda d: F.linear(d["x"], d["w"])}
+    baselines = {
+        old_schedule.LABEL: lambda d: old_schedule.linear(d["x"], d["w"]),
+        f"torch F.linear ({blas})": lambda d: F.linear(d["x"], d["w"]),
+    }
     if found.vllm_bi is not None and hasattr(found.vllm_bi, "matmul_persistent"):
         baselines["vLLM batch-invariant matmul"] = lambda d: found.vllm_bi.matmul_persistent(d["x"], d["w"].t())
     return Case(
@@ -471,11 +487,7 @@ def logprobs_case(rows: int, vocab: int, dtype, device, found: Baselines) -> Cas
     )
 
 
-def lm_head_logprobs_case(rows: int, hidden: int, vocab: int, dtype, device, found: Baselines) -> Case:
-    """The trainer's loss head, forward + backward: lm_head matmul then token log-probs (T = 1),
-    against the same in torch and Liger's fused linear cross-entropy (which never materialises
-    the logits)."""
-
+def _lm_head_inputs(rows: int, hidden: int, vocab: int, dtype, device) -> Callable[[int], dict]:
     def make(seed: int) -> dict:
         gen = _generator(seed, device)
         h = _randn((rows, hidden), dtype, device, gen).requires_grad_(True)
@@ -483,30 +495,127 @@ def lm_head_logprobs_case(rows: int, hidden: int, vocab: int, dtype, device, fou
         labels = torch.randint(0, vocab, (rows,), generator=gen, device=gen.device).to(device)
         return {"h": h, "w": w, "labels": labels}
 
+    return make
+
+
+def _lm_head_sides(found: Baselines, token_chunk: int) -> tuple[Callable, dict[str, Callable]]:
+    """The trainer's loss head, forward + backward at T = 1: samepath's fused lm_head + token
+    log-probs (``token_chunk`` rows of logits at a time), and what it replaces: the unfused pair
+    on samepath's kernels (the old schedule: full logits), the same in torch, and Liger's fused
+    linear cross-entropy where it runs."""
+
     def grads(d, loss):
         return torch.autograd.grad(loss, (d["h"], d["w"]))
 
     def ours(d):
-        lp = samepath.token_logprobs(samepath.linear(d["h"], d["w"]), d["labels"], 1.0, validate=False)
+        lp = linear_token_logprobs(d["h"], d["w"], d["labels"], 1.0, token_chunk=token_chunk, validate=False)
         return grads(d, -lp.mean())
+
+    def unfused(d):
+        return grads(d, -old_schedule.lm_head_logprobs(d["h"], d["w"], d["labels"], 1.0).mean())
 
     def stock(d):
         lp = torch.log_softmax(F.linear(d["h"], d["w"]).float(), -1).gather(-1, d["labels"][:, None])
         return grads(d, -lp.mean())
 
-    baselines = {"F.linear + log_softmax + gather (fp32)": stock}
+    baselines = {
+        f"{old_schedule.LABEL}: unfused linear + token_logprobs": unfused,
+        "F.linear + log_softmax + gather (fp32)": stock,
+    }
     if found.liger is not None:
         baselines["Liger fused linear cross-entropy"] = lambda d: grads(
             d, found.liger.liger_fused_linear_cross_entropy(d["h"], d["w"], d["labels"])
         )
+    return ours, baselines
+
+
+def lm_head_logprobs_case(
+    rows: int, hidden: int, vocab: int, token_chunk: int, dtype, device, found: Baselines
+) -> Case:
+    """Time of the trainer's loss head, forward + backward (see :func:`_lm_head_sides`)."""
+    ours, baselines = _lm_head_sides(found, token_chunk)
     return Case(
         "lm_head_logprobs",
-        f"fwd+bwd rows={rows} hidden={hidden} V={vocab}",
-        make,
+        f"fwd+bwd rows={rows} hidden={hidden} V={vocab} token_chunk={token_chunk}",
+        _lm_head_inputs(rows, hidden, vocab, dtype, device),
         ours,
         baselines,
-        flops=3 * 2.0 * rows * hidden * vocab,
+        flops=4 * 2.0 * rows * hidden * vocab,  # the fused path recomputes the logits in the backward
         repeat_scale=0.5,
+    )
+
+
+def lm_head_memory_case(rows: int, hidden: int, vocab: int, token_chunk: int, dtype, device, found: Baselines) -> Case:
+    """Peak memory of the trainer's loss head, forward + backward: the fused lm_head holds
+    ``token_chunk`` rows of logits (and their gradient) at a time, the unfused paths all ``rows``.
+    The row's "ms" columns are MiB and its speedup the ratio of the peaks (baseline / samepath)."""
+    ours, baselines = _lm_head_sides(found, token_chunk)
+    element = torch.empty((), dtype=dtype).element_size()
+    logits_mib = rows * vocab * element / 2**20
+    chunk_mib = min(rows, token_chunk) * vocab * element / 2**20
+    return Case(
+        "lm_head_memory",
+        f"fwd+bwd rows={rows} hidden={hidden} V={vocab} token_chunk={token_chunk}: "
+        f"[rows, V] logits {logits_mib:.3g} MiB, one chunk {chunk_mib:.3g} MiB ({dtype_label(dtype)})",
+        _lm_head_inputs(rows, hidden, vocab, dtype, device),
+        ours,
+        baselines,
+        timer=measure_peak_memory,
+        what="peak MiB of tensors allocated by one fwd+bwd call (not ms; speedup = memory ratio)",
+    )
+
+
+def dtype_label(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def gqa_decode_case(batch: int, context: int, heads: int, kv_heads: int, head: int, dtype, device) -> Case:
+    """Paged decode of ``heads`` query heads over ``kv_heads`` KV heads (samepath's column) against
+    the same kernel over ``heads`` KV heads, one per query head (baseline column), and the grouped
+    cache on the old, unpacked schedule. Packing runs one program per KV group, so the grouped
+    decode reads each K/V tile once per KV head: it should take well under the ungrouped one."""
+    span = context + 1
+    pages = (span + PAGE_SIZE - 1) // PAGE_SIZE
+    scale = head**-0.5
+    perm = torch.randperm(batch * pages, generator=torch.Generator().manual_seed(4321)).to(device)
+    table = perm.view(batch, pages).to(torch.int32)
+    qsl = torch.arange(0, batch + 1, dtype=torch.int32, device=device)
+    seq_lens = torch.full((batch,), span, dtype=torch.int32, device=device)
+
+    def make(seed: int) -> dict:
+        gen = _generator(seed, device)
+
+        def cache(kv: int) -> torch.Tensor:
+            dense = _randn((batch, pages * PAGE_SIZE, kv, head), dtype, device, gen)
+            dense[:, span:] = 0
+            out = torch.empty(batch * pages, PAGE_SIZE, kv, head, dtype=dtype, device=device)
+            out[perm] = dense.view(batch * pages, PAGE_SIZE, kv, head)
+            return out
+
+        d = {"q": _randn((batch, heads, head), dtype, device, gen)}
+        d["kc"], d["vc"], d["kc_all"], d["vc_all"] = cache(kv_heads), cache(kv_heads), cache(heads), cache(heads)
+        return d
+
+    def grouped(d):
+        return paged_attention(d["q"], d["kc"], d["vc"], table, qsl, seq_lens, scale, validate=True)
+
+    def ungrouped(d):
+        return paged_attention(d["q"], d["kc_all"], d["vc_all"], table, qsl, seq_lens, scale, validate=True)
+
+    def old(d):
+        return old_schedule.paged_attention(d["q"], d["kc"], d["vc"], table, qsl, seq_lens, scale)
+
+    element = torch.empty((), dtype=dtype).element_size()
+    return Case(
+        "paged_decode_gqa",
+        f"B={batch} ctx={span} D={head} page={PAGE_SIZE}: samepath H={heads}/{kv_heads} (GQA-packed)",
+        make,
+        grouped,
+        {
+            f"samepath paged, H={heads}/{heads} (one KV head per query head)": ungrouped,
+            f"{old_schedule.LABEL}, paged, H={heads}/{kv_heads} (unpacked heads)": old,
+        },
+        bytes=2 * batch * span * kv_heads * head * element,
     )
 
 
@@ -523,6 +632,7 @@ def rms_norm_case(rows: int, hidden: int, dtype, device, found: Baselines) -> Ca
         return d["w"] * h.to(d["x"].dtype)
 
     baselines = {
+        old_schedule.LABEL: lambda d: old_schedule.rms_norm(d["x"], d["w"], eps),
         "eager math (HF RMSNorm)": hf_eager,
         "torch F.rms_norm": lambda d: F.rms_norm(d["x"], (hidden,), d["w"], eps),
     }
@@ -637,8 +747,9 @@ def _tiny_model(size: E2ESize, dtype, device):
 
 @contextlib.contextmanager
 def _samepath_for(impl: str) -> Iterator[None]:
-    """``patch_all()`` around the samepath side of an end-to-end case; stock otherwise."""
-    if impl != "samepath":
+    """``patch_all()`` around the samepath sides of an end-to-end case (``samepath`` and the
+    baselines named ``samepath, ...``); stock otherwise."""
+    if not impl.startswith("samepath"):
         yield
         return
     from samepath import integrations
@@ -740,6 +851,18 @@ def e2e_cases(size: E2ESize, dtype, device) -> list[Case]:
 
         return run
 
+    def fused_trainer(d):
+        from samepath.integrations.hf import causal_lm_logprobs
+
+        model.train()
+        model.zero_grad(set_to_none=True)
+        positions = (d["mask"].cumsum(1) - 1).clamp(min=0)
+        lp = causal_lm_logprobs(
+            model, d["ids"], attention_mask=d["mask"], position_ids=positions, temperature=TEMPERATURE
+        )[:, width - 1 :]
+        (-lp.mean()).backward()
+        return lp.detach()
+
     def forward(d):
         model.eval()
         with torch.no_grad():
@@ -769,6 +892,16 @@ def e2e_cases(size: E2ESize, dtype, device) -> list[Case]:
             make_trainer,
             trainer(ours_logprobs),
             {stock_name: trainer(stock_logprobs)},
+            tokens=size.batch * (width + size.new_tokens),
+            context=_samepath_for,
+            repeat_scale=0.25,
+        ),
+        Case(
+            "e2e",
+            f"trainer fwd+bwd {width + size.new_tokens} tok/seq, fused lm_head (causal_lm_logprobs), {label}",
+            make_trainer,
+            fused_trainer,
+            {stock_name: trainer(stock_logprobs), "samepath, full logits (model(...).logits)": trainer(ours_logprobs)},
             tokens=size.batch * (width + size.new_tokens),
             context=_samepath_for,
             repeat_scale=0.25,
@@ -839,6 +972,13 @@ def plan(ops: list[str], device: torch.device, dtype: torch.dtype, quick: bool, 
                 h, hk, d = 32, 8, 128
             for b, ctx in shapes:
                 yield paged_case(op, b, ctx, 1, h, hk, d, *args)
+        elif op == "paged_decode_gqa":
+            # 8 query heads over 2 KV heads against 8 over 8 (decode, one query per sequence)
+            if cpu:
+                b, ctx, d = (2, 31, 16) if quick else (2, 127, 64)
+            else:
+                b, ctx, d = (64, 2047, 128) if quick else (128, 4095, 128)
+            yield gqa_decode_case(b, ctx, 8, 2, d, dtype, device)
         elif op == "linear":
             if cpu:
                 shapes = [(4, 64, 64)] if quick else [(1, 256, 256), (64, 256, 256)]
@@ -852,13 +992,18 @@ def plan(ops: list[str], device: torch.device, dtype: torch.dtype, quick: bool, 
             rows = ([1] if quick else [4]) if cpu else ([1024] if quick else [256, 4096])
             for r in rows:
                 yield logprobs_case(r, 4096 if cpu and quick else VOCAB, *args)
-        elif op == "lm_head_logprobs":
+        elif op in ("lm_head_logprobs", "lm_head_memory"):
+            # (rows, hidden, vocab, token_chunk): on the CPU a small token chunk so that the tiny
+            # sizes still cut the rows into several chunks
             if cpu:
-                shapes = [(4, 32, 512)] if quick else [(16, 64, 4096)]
+                shapes = [(32 if op == "lm_head_logprobs" else 64, 16, 256, 8)] if quick else [(64, 64, 4096, 16)]
             else:
-                shapes = [(4096, 4096, VOCAB)] if quick else [(1024, 4096, VOCAB), (8192, 4096, VOCAB)]
-            for r, hidden, vocab in shapes:
-                yield lm_head_logprobs_case(r, hidden, vocab, *args)
+                shapes = [(4096, 4096, VOCAB, LM_HEAD_TOKEN_CHUNK)]
+                if not quick:
+                    shapes += [(16384, 4096, VOCAB, LM_HEAD_TOKEN_CHUNK)]
+            build = lm_head_logprobs_case if op == "lm_head_logprobs" else lm_head_memory_case
+            for r, hidden, vocab, chunk in shapes:
+                yield build(r, hidden, vocab, chunk, *args)
         elif op == "rms_norm":
             if cpu:
                 shapes = [(4, 256)] if quick else [(64, 1024)]

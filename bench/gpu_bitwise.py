@@ -405,6 +405,58 @@ def _hf_model(arch: str, dtype: torch.dtype, device, size: dict):
     return model
 
 
+def check_lm_head(device) -> list[dict]:
+    """The fused lm_head + log-probs (the trainer's ``causal_lm_logprobs`` / verl's fused path) ==
+    ``token_logprobs(linear(h, w))`` (the rollout's logits), forward; its hidden gradient == the
+    unfused one; its weight gradient == the fp32 per-chunk partials summed in chunk order (the
+    running sum taken in place by the matmul's epilogue). Negative control: a temperature one
+    fp32 ulp above."""
+    from samepath.kernels.logprobs import linear_token_logprobs
+    from samepath.kernels.matmul import matmul
+
+    results = []
+    gen = torch.Generator().manual_seed(11)
+    rows, hidden, vocab = SIZE["rows"], SIZE["hidden"], SIZE["vocab"]
+    chunk = max(1, rows // 3 + 1)  # three chunks, the last one short
+    for dtype in (torch.bfloat16, torch.float32):
+        tag = _name(dtype)
+        h = torch.randn(rows, hidden, generator=gen).to(device, dtype)
+        w = (torch.randn(vocab, hidden, generator=gen) * hidden**-0.5).to(device, dtype)
+        labels = torch.randint(0, vocab, (rows,), generator=gen).to(device)
+        g = torch.randn(rows, generator=gen).to(device)
+        h1, w1 = h.clone().requires_grad_(), w.clone().requires_grad_()
+        logits = samepath.linear(h1, w1)
+        logits.retain_grad()
+        unfused = samepath.token_logprobs(logits, labels, 0.7)
+        unfused.backward(g)
+        h2, w2 = h.clone().requires_grad_(), w.clone().requires_grad_()
+        fused = linear_token_logprobs(h2, w2, labels, 0.7, token_chunk=chunk)
+        fused.backward(g)
+        results.append(dict(check=f"fused lm_head {tag}: == logprobs(linear)", bad_rows=bad_rows(fused, unfused)))
+        results.append(dict(check=f"fused lm_head {tag}: dhidden == unfused", bad_rows=bad_rows(h2.grad, h1.grad)))
+        dlogits = logits.grad
+        total = None
+        for start in range(0, rows, chunk):
+            part = matmul(dlogits[start : start + chunk].t(), h[start : start + chunk], out_dtype=torch.float32)
+            total = part if total is None else total + part
+        results.append(
+            dict(
+                check=f"fused lm_head {tag}: dweight == chunk-ordered fp32 partials",
+                bad_rows=bad_rows(w2.grad, total.to(dtype)),
+            )
+        )
+        ulp = torch.nextafter(torch.tensor(0.7), torch.tensor(2.0)).item()
+        results.append(
+            dict(
+                check=f"fused lm_head {tag}: negative control, temperature one fp32 ulp above",
+                bad_rows=bad_rows(linear_token_logprobs(h, w, labels, ulp, token_chunk=chunk), unfused.detach()),
+                expect_diff=True,
+            )
+        )
+        del logits, dlogits, h1, w1, h2, w2
+    return results
+
+
 def check_hf(device) -> list[dict]:
     """HF generate (left-padded, KV cache, sampled) == trainer forward (right-padded), patched."""
     try:
@@ -427,6 +479,10 @@ def check_hf(device) -> list[dict]:
                 trainer_lp = harness.trainer_forward(model, prompts, generated, 0.7)
                 results.append(
                     dict(check=f"{name}: generate == trainer (patch_all)", bad_rows=bad_rows(rollout_lp, trainer_lp))
+                )
+                fused_lp = harness.trainer_forward(model, prompts, generated, 0.7, fused=True)
+                results.append(
+                    dict(check=f"{name}: generate == fused lm_head trainer", bad_rows=bad_rows(rollout_lp, fused_lp))
                 )
                 with _half_tiles(size["head"], dtype, device):
                     perturbed = harness.trainer_forward(model, prompts, generated, 0.7)
@@ -496,6 +552,7 @@ CHECKS: dict[str, Callable[[torch.device], list[dict]]] = {
     "attention": check_attention,
     "hf": check_hf,
     "rest": check_rest,
+    "lm_head": check_lm_head,
     "split_k": check_split_k,
     "backward": check_backward,
     "vllm": check_vllm,

@@ -22,7 +22,7 @@ STAGE_ORDER=(setup bitwise bench tune)
 declare -A BUDGET=([setup]=45 [bitwise]=210 [bench]=165 [tune]=60)
 declare -A ABOUT=(
   [setup]="machine and versions into the log; carried wheels; samepath --no-deps (no torch install)"
-  [bitwise]="bench/gpu_bitwise.py: training == prefill == chunked == decode, backward, split-K, logprobs, HF, vLLM"
+  [bitwise]="bench/gpu_bitwise.py: training == prefill == chunked == decode, backward, split-K, logprobs, fused lm_head, HF, vLLM"
   [bench]="python -m bench --quick: min/median/max vs every importable baseline, e2e, host time per layer"
   [tune]="bench/tune.py: numerics-neutral num_warps/num_stages, bf16, head 128"
 )

@@ -6,12 +6,14 @@ from __future__ import annotations
 import math
 import statistics
 import time
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 #: On a device, the rotation covers at least twice the L2 and at least this many bytes ...
 DEVICE_ROTATION_MIN_BYTES = 64 * 2**20
@@ -189,3 +191,78 @@ def median_ms(
 ) -> float:
     """The median of :func:`measure`."""
     return measure(fn, input_sets, device, warmup, repeats).median_ms
+
+
+class _LiveTensors(TorchDispatchMode):
+    """Counts the bytes of the tensors that ops allocate while it is active, and their peak.
+
+    Every op output that is not a view owns its storage (a view keeps its base alive through
+    ``_base``), so the bytes are added when such a tensor appears and removed when it dies."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.live = 0
+        self.peak = 0
+        self._seen: set[int] = set()
+
+    def _release(self, key: int, size: int) -> None:
+        self._seen.discard(key)
+        self.live -= size
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        inputs = {id(a) for a in torch.utils._pytree.tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor)}
+        for tensor in torch.utils._pytree.tree_leaves(out):
+            if not isinstance(tensor, torch.Tensor) or tensor._base is not None:
+                continue
+            key = id(tensor)
+            if key in self._seen or key in inputs:  # in-place and out= ops return an input
+                continue
+            size = tensor.untyped_storage().nbytes()
+            self._seen.add(key)
+            self.live += size
+            self.peak = max(self.peak, self.live)
+            weakref.finalize(tensor, self._release, key, size)
+        return out
+
+
+def peak_allocated_bytes(fn: Callable[[], object], device: torch.device) -> int:
+    """Peak bytes of tensors allocated during ``fn()`` above what was allocated before it (the
+    result's tensors included while they are alive): ``torch.cuda.max_memory_allocated`` on CUDA,
+    dispatch-level accounting of the tensors ops create elsewhere (the CPU: torch's allocations
+    only, not the interpreter's numpy scratch)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        base = torch.cuda.memory_allocated(device)
+        result = fn()
+        torch.cuda.synchronize(device)
+        del result
+        return torch.cuda.max_memory_allocated(device) - base
+    with _LiveTensors() as mode:
+        result = fn()
+        del result
+    return mode.peak
+
+
+def measure_peak_memory(
+    fn: Callable[[Any], object],
+    input_sets: Sequence[Any],
+    device: torch.device,
+    warmup: int,
+    repeats: int,
+) -> Timing:
+    """Min / median / max over ``repeats`` calls of :func:`peak_allocated_bytes`, in MiB (carried
+    in :class:`Timing`'s fields: rows measured this way say so in their ``measures`` column).
+    The warm-up calls run on a device only (first-call workspaces, e.g. cuBLAS's, are not the
+    op's); the CPU has none to pay."""
+    n = len(input_sets)
+    if device.type == "cpu":
+        warmup = 0
+    for i in range(warmup):
+        fn(input_sets[i % n])
+    peaks = sorted(
+        peak_allocated_bytes(lambda inputs=input_sets[(warmup + i) % n]: fn(inputs), device) / 2**20
+        for i in range(max(repeats, 1))
+    )
+    return Timing(peaks[0], statistics.median(peaks), peaks[-1], len(peaks))

@@ -223,6 +223,7 @@ def _qkv(batch: int = 1, length: int = 5):
         ({"dropout": 0.1}, "dropout=0.1"),
         ({"output_attentions": True}, "output_attentions"),
         ({"window_offset": 3}, "unknown keyword window_offset"),
+        ({"cache_position": torch.arange(5)}, "unknown keyword cache_position"),
         ({"cu_seq_lens_q": torch.tensor([0, 2, 5])}, "cu_seq_lens_q"),
     ],
     ids=lambda v: str(v)[:20],
@@ -252,6 +253,7 @@ def test_attention_accepts_what_transformers_passes():
         cu_seq_lens_k=torch.tensor([0, 5]),
         max_length_q=5,
         max_length_k=5,
+        cache_position=None,  # verl's fused-kernel forward passes it explicitly
     )
     assert torch.equal(got, want)
 

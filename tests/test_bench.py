@@ -83,6 +83,57 @@ def test_quick_bench_rows_have_min_median_max_of_several_calls(quick_run: dict) 
     assert decode and all("gather pages" in name or "paged" in name for name in decode), decode
 
 
+def test_quick_bench_times_the_old_schedule_in_the_same_run(quick_run: dict) -> None:
+    """Attention (packed and paged) and RMSNorm are each compared with the pre-issue-14 schedule
+    (bench/old_schedule.py), as a ratio in the same run."""
+    from bench import old_schedule
+
+    for op in ("varlen_fwd", "paged_decode", "rms_norm"):
+        old = [row for row in quick_run["rows"] if row["op"] == op and row["baseline"].startswith(old_schedule.LABEL)]
+        assert len(old) == 1 and math.isfinite(old[0]["speedup"]), op
+
+
+def test_old_schedule_overrides_are_scoped_and_change_no_default() -> None:
+    """The bench's old-schedule overrides restore the library on exit and leave the fingerprint,
+    and the packing / tiling / grid functions, as they were."""
+    from bench import old_schedule
+
+    attention, rms_norm, matmul_module = (
+        old_schedule.attention_module,
+        old_schedule.rms_norm_module,
+        old_schedule.matmul_module,
+    )
+    assert attention.__name__ == "samepath.kernels.attention" and rms_norm.__name__ == "samepath.kernels.rms_norm"
+    before = samepath.fingerprint()
+    packing, tiling, grid = attention._packing, rms_norm._tiling, matmul_module.grid
+    with old_schedule.unpacked_heads(), old_schedule.one_row_per_norm_program(), old_schedule.non_persistent_matmul():
+        assert attention._packing(4, 16).head_chunk == 1 and rms_norm._tiling(128, torch.device("cpu")).rows == 1
+        assert matmul_module.grid.num_programs(1000, "cpu", persistent=True) == 1000
+    assert (attention._packing, rms_norm._tiling, matmul_module.grid) == (packing, tiling, grid)
+    assert attention._packing(4, 16).head_chunk == 4
+    assert samepath.fingerprint() == before
+    assert old_schedule.attention_config(128, torch.bfloat16, torch.device("cpu")).seg >= 1 << 20
+
+
+def test_quick_bench_gqa_decode_and_lm_head_memory_rows(tmp_path: Path) -> None:
+    """The paged decode of 8 query heads over 2 KV heads is timed against 8 over 8 (and the unpacked
+    old schedule) — a ratio the bench reports, not asserted here; the fused lm_head's peak memory
+    is measured against the unfused paths, and is below theirs (it never holds [rows, vocab])."""
+    args = ["--device", "cpu", "--quick", "--ops", "paged_decode_gqa,lm_head_memory"]
+    result = run([*args, "--warmup", "0", "--repeats", "2", "--out", str(tmp_path), "--no-png"])
+    rows = result["rows"]
+    gqa = [row for row in rows if row["op"] == "paged_decode_gqa"]
+    assert {row["baseline"].split(", paged")[0] for row in gqa} >= {"samepath old schedule (pre-issue-14)"}
+    assert any("H=8/8" in row["baseline"] for row in gqa) and all("H=8/2" in row["config"] for row in gqa)
+    assert all(math.isfinite(row["speedup"]) and row["note"] == "" for row in gqa)
+    memory = [row for row in rows if row["op"] == "lm_head_memory"]
+    assert len(memory) >= 2 and all("peak MiB" in row["measures"] for row in memory)
+    for row in memory:
+        assert 0 < row["samepath_ms"] < row["baseline_ms"], row
+        assert row["samepath_min_ms"] == row["samepath_max_ms"]  # the CPU accounting is exact
+    assert "lm_head_memory" in result["paths"]["txt"].read_text()
+
+
 def test_every_optional_baseline_is_timed_or_listed_with_its_reason(quick_run: dict) -> None:
     head, missing = quick_run["header"], quick_run["missing"]
     assert missing.startswith("Baselines not importable / not applicable: ")
@@ -132,6 +183,9 @@ def test_end_to_end_rows_include_host_time_per_layer(quick_run: dict) -> None:
     e2e = [row for row in quick_run["rows"] if row["op"] == "e2e"]
     configs = " | ".join(row["config"] for row in e2e)
     assert "rollout generate" in configs and "trainer fwd+bwd" in configs
+    fused = [row for row in e2e if "fused lm_head (causal_lm_logprobs)" in row["config"]]
+    full_logits = "samepath, full logits (model(...).logits)"
+    assert {row["baseline"] for row in fused} == {"stock HF (sdpa, torch ops)", full_logits}
     host = [row for row in e2e if row["config"].startswith("host time per attention layer")]
     assert len(host) == 2 and all("host ms" in row["measures"] for row in host)
     # one layer (CPU quick), two timed calls: a trainer forward calls each attention layer once

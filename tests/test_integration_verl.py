@@ -2,8 +2,12 @@
 its FSDP engine's temperature scaling on samepath's schedule; run against the installed verl.
 
 Skipped, with the reason, where verl (and what its modules import: ray, tensordict, omegaconf, ...)
-is not installed. To run it here: a separate venv, e.g. ``/work/venv-verl`` with a ``.pth`` onto
-``/work/venv``'s site-packages and ``pip install --no-deps verl`` plus its light dependencies.
+is not installed. To run it here: a separate venv with a ``.pth`` onto the project venv's
+site-packages and ``pip install --no-deps verl==0.9.1`` plus what its modules import (ray,
+tensordict, pyvers, omegaconf, antlr4-python3-runtime, codetiming, msgpack, protobuf, requests,
+urllib3, certifi, charset-normalizer, idna, jsonschema, jsonschema-specifications, referencing,
+rpds-py, attrs, cloudpickle, peft, accelerate, datasets, multiprocess, dill, xxhash, pandas,
+pyarrow, orjson), then ``PYTHONPATH=. <venv>/bin/python -m pytest tests/test_integration_verl.py``.
 """
 
 from __future__ import annotations
@@ -124,12 +128,18 @@ def test_fsdp_temperature_is_divided_in_fp32_as_the_rollout_does(verl_tf):
 TEMPERATURE = 0.7
 
 
-def _verl_actor_log_probs(engine, model, prompts: list[list[int]], responses: torch.Tensor) -> torch.Tensor:
+def _verl_actor_log_probs(
+    engine, model, prompts: list[list[int]], responses: torch.Tensor, fused_backend: str | None = None
+) -> torch.Tensor:
     """``old_log_probs`` ``[B, R]`` as verl's FSDP actor computes them: the left/right-padded batch
     made jagged by ``left_right_2_no_padding``, ``FSDPEngineWithLMHead.prepare_model_inputs`` (packed,
     remove-padding), the model under bf16 autocast, ``prepare_model_outputs`` (temperature scaling,
     ``logprobs_from_logits``) and ``no_padding_2_padding`` — run with a stand-in for the engine
-    object (no FSDP wrapping, no Ulysses, no static padding), since ``forward_step`` needs a GPU."""
+    object (no FSDP wrapping, no Ulysses, no static padding), since ``forward_step`` needs a GPU.
+
+    ``fused_backend`` (``"torch"`` / ``"triton"``): verl's ``use_fused_kernels=True`` path instead —
+    the model's forward replaced by verl's ``patch_forward_with_backends`` (undone afterwards), which
+    hands the hidden states and ``lm_head.weight`` to ``FusedLinearForPPO`` / ``linear_cross_entropy``."""
     from tensordict import TensorDict
     from verl.utils import tensordict_utils as tu
     from verl.utils.model import compute_position_id_with_mask
@@ -155,6 +165,8 @@ def _verl_actor_log_probs(engine, model, prompts: list[list[int]], responses: to
     )
     data = left_right_2_no_padding(data)
     tu.assign_non_tensor_data(data, "temperature", TEMPERATURE)
+    if fused_backend is not None:
+        tu.assign_non_tensor_data(data, "use_fused_kernels", True)
 
     class Engine:
         pad_to_length = False
@@ -169,9 +181,21 @@ def _verl_actor_log_probs(engine, model, prompts: list[list[int]], responses: to
 
     stand_in = Engine()
     inputs, output_args = engine.FSDPEngineWithLMHead.prepare_model_inputs(stand_in, data)
-    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
-        raw = model(**inputs, use_cache=False)
-        outputs = engine.FSDPEngineWithLMHead.prepare_model_outputs(stand_in, raw, output_args, data, None)
+    cls = type(model)
+    forward = vars(cls)["forward"]
+    try:
+        if fused_backend is not None:
+            from verl.models.transformers.monkey_patch import patch_forward_with_backends
+
+            patch_forward_with_backends(model, use_fused_kernels=True, fused_kernels_backend=fused_backend)
+            assert cls.forward is not forward
+        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+            raw = model(**inputs, use_cache=False)
+            outputs = engine.FSDPEngineWithLMHead.prepare_model_outputs(stand_in, raw, output_args, data, None)
+    finally:
+        cls.forward = forward
+    if fused_backend is not None:
+        assert getattr(raw, "logits", None) is None  # the fused path computed no logits
     data["attention_mask"] = attention_mask
     return no_padding_2_padding(outputs["log_probs"], data)
 
@@ -218,6 +242,78 @@ def test_verl_rollout_probs_diff_metrics_are_zero_with_samepath_on_both_sides(ve
     for stat in ("max", "mean", "std"):
         assert patched[f"training/rollout_probs_diff_{stat}"] == 0.0, patched
     assert unpatched["training/rollout_probs_diff_max"] > 0, unpatched
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_verl_fused_kernels_path_equals_the_rollout_with_samepath(verl_tf, backend):
+    """verl's ``use_fused_kernels=True`` trainer path (its model forward hands the hidden states to
+    ``FusedLinearForPPO`` for the torch backend, ``linear_cross_entropy`` for triton): with
+    :func:`install` it runs samepath's fused lm_head + logprobs, so verl's debug metrics report
+    ``rollout_probs_diff`` = 0 against samepath's rollout, without [tokens, vocab] logits. Negative
+    control: verl's own fused torch path (bf16 log-probs) differs. Skipped without verl."""
+    engine = _import_or_skip("verl.workers.engine.fsdp.transformer_impl")
+    debug_metrics = _import_or_skip("verl.utils.debug.metrics")
+    _import_or_skip("transformers")
+    from verl import DataProto
+
+    from samepath import integrations
+    from samepath.check import harness
+    from samepath.integrations import verl as sp_verl
+
+    model = harness.load_default_model(torch.bfloat16, seed=3).model
+    prompts = harness.random_prompts(3, model.config.vocab_size, seed=4, min_len=3, max_len=7)
+    was_enabled = integrations.enabled()
+    integrations.patch_all()
+    try:
+        responses, rollout = harness.rollout_hf(model, prompts, 4, TEMPERATURE, seed=5)
+        rollout_log_probs = torch.tensor(rollout.tolist(), dtype=torch.float32)
+
+        def metrics(chosen: str) -> dict:
+            old = _verl_actor_log_probs(engine, model, prompts, responses, fused_backend=chosen)
+            batch = DataProto.from_dict(
+                tensors={
+                    "rollout_log_probs": rollout_log_probs,
+                    "old_log_probs": old.float(),
+                    "responses": responses,
+                    "response_mask": torch.ones_like(responses),
+                }
+            )
+            return debug_metrics.calculate_debug_metrics(batch)
+
+        with sp_verl.installed_for():
+            fused = importlib.import_module("verl.utils.experimental.torch_functional").FusedLinearForPPO
+            assert fused.forward is sp_verl.fused_linear_for_ppo_forward
+            kernel = importlib.import_module("verl.utils.kernel.linear_cross_entropy")
+            assert kernel.linear_cross_entropy is sp_verl.linear_cross_entropy
+            patched = metrics(backend)
+        assert fused.forward is sp_verl.originals()["FusedLinearForPPO.forward"]
+        assert kernel.linear_cross_entropy is sp_verl.originals()["linear_cross_entropy"]
+        unpatched = metrics("torch")  # verl's own chunked torch path; its triton kernel needs CUDA
+    finally:
+        if not was_enabled:
+            integrations.unpatch_all()
+    assert patched["training/rollout_probs_diff_valid"] == 1
+    for stat in ("max", "mean", "std"):
+        assert patched[f"training/rollout_probs_diff_{stat}"] == 0.0, patched
+    assert unpatched["training/rollout_probs_diff_max"] > 0, unpatched
+
+
+def test_verl_linear_cross_entropy_refuses_what_it_does_not_compute():
+    """Runs without verl: the replacements themselves."""
+    from samepath.integrations import verl as sp_verl
+    from samepath.kernels.matmul import linear
+
+    hidden, weight = torch.randn(3, 16), torch.randn(40, 16)
+    labels = torch.randint(0, 40, (3,))
+    with pytest.raises(ValueError, match="reduction must be 'none'"):
+        sp_verl.linear_cross_entropy(hidden, weight, labels, 1.0, "mean")
+    with pytest.raises(ValueError, match="dist_process_group must be None"):
+        sp_verl.linear_cross_entropy(hidden, weight, labels, 1.0, "none", object())
+    with pytest.raises(ValueError, match="one temperature for the batch"):
+        sp_verl.fused_linear_for_ppo_forward(None, hidden, weight, labels, torch.full((3,), 0.7))
+    lp, entropy = sp_verl.linear_cross_entropy(hidden, weight, labels, 0.7)
+    expected = token_logprobs(linear(hidden, weight), labels, 0.7, return_entropy=True)
+    assert torch.equal(lp, expected[0]) and torch.equal(entropy, expected[1])
 
 
 def test_importing_with_samepath_verl_set_patches_every_process_that_imports_verl():

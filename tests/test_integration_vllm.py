@@ -158,6 +158,26 @@ def trainer_logprobs(
     return alone, padded
 
 
+def fused_trainer_logprobs(model_dir: str, dtype: str, all_prompts, results, temperature: float) -> list[torch.Tensor]:
+    """The patched HF trainer through the fused lm_head (``causal_lm_logprobs``: no ``[tokens,
+    vocab]`` logits), one right-padded batch; each sequence's completion log-probs."""
+    from samepath.integrations.hf import causal_lm_logprobs
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        model_dir, dtype=getattr(torch, dtype), attn_implementation="samepath"
+    ).eval()
+    seqs = [p + r.tokens for p, r in zip(all_prompts, results, strict=True)]
+    width = max(map(len, seqs))
+    ids = torch.zeros(len(seqs), width, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for row, seq in enumerate(seqs):
+        ids[row, : len(seq)] = torch.tensor(seq)
+        mask[row, : len(seq)] = 1
+    with torch.no_grad():
+        lp = causal_lm_logprobs(model, ids, attention_mask=mask, temperature=temperature)
+    return [lp[row, len(p) - 1 : len(s) - 1] for row, (p, s) in enumerate(zip(all_prompts, seqs, strict=True))]
+
+
 def rollout_logprobs(results) -> list[torch.Tensor]:
     # vLLM hands back Python floats converted from its fp32 tensor: exact in fp32.
     return [torch.tensor(r.logprobs, dtype=torch.float32) for r in results]
@@ -206,6 +226,16 @@ def test_vllm_logprobs_equal_trainer(model_dirs, hf_patched, arch, dtype, temper
     for r, a, p in zip(rollout, alone, padded, strict=True):
         assert torch.equal(r, a), (r, a)
         assert torch.equal(r, p), (r, p)
+    if arch == "qwen3" and dtype == "bfloat16" and temperature == 0.0:  # the CI case
+        # The trainer without logits: the fused lm_head + log-probs equals vLLM's rollout, whose
+        # logits come from vLLM's LogitsProcessor on samepath's lm_head matmul. Negative control:
+        # the same fused trainer at a temperature one fp32 ulp above.
+        fused = fused_trainer_logprobs(model_dir, dtype, all_prompts, results, 1.0)
+        for r, f in zip(rollout, fused, strict=True):
+            assert torch.equal(r, f), (r, f)
+        off = torch.nextafter(torch.tensor(1.0), torch.tensor(2.0)).item()
+        perturbed = fused_trainer_logprobs(model_dir, dtype, all_prompts, results, off)
+        assert not all(torch.equal(r, f) for r, f in zip(rollout, perturbed, strict=True))
 
 
 @pytest.mark.parametrize(

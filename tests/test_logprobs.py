@@ -461,6 +461,20 @@ def test_linear_token_logprobs_equal_logprobs_of_the_linear(dtype: torch.dtype) 
     again = linear_token_logprobs(h3, w3, labels, 0.7, return_entropy=True, config=cfg, token_chunk=16)
     torch.autograd.backward(again, (g_lp, g_h))
     assert torch.equal(w3.grad, w2.grad)
+    # ... exactly the fp32 partials of the unfused backward's dlogits, summed in chunk order, one cast
+    h4, w4 = hidden.clone(), weight.clone().requires_grad_()
+    logits = linear(h4, w4)
+    logits.retain_grad()
+    lp4, ent4 = token_logprobs(logits, labels, 0.7, return_entropy=True, config=cfg)
+    torch.autograd.backward((lp4, ent4), (g_lp, g_h))
+    dlogits, rows = logits.grad.reshape(-1, 600), hidden.reshape(-1, 64)
+    partials = [matmul(dlogits[c : c + 16].t(), rows[c : c + 16], out_dtype=torch.float32) for c in range(0, 39, 16)]
+    assert torch.equal(w2.grad, (partials[0] + partials[1] + partials[2]).to(dtype))
+    # a frozen lm_head (hidden-only gradient) gives the same hidden gradient
+    h5 = hidden.clone().requires_grad_()
+    frozen = linear_token_logprobs(h5, weight, labels, 0.7, return_entropy=True, config=cfg, token_chunk=16)
+    torch.autograd.backward(frozen, (g_lp, g_h))
+    assert torch.equal(h5.grad, h1.grad)
     h64, w64 = hidden.double().requires_grad_(), weight.double().requires_grad_()
     z = (h64 @ w64.t()) / 0.7
     logp = z.log_softmax(-1)

@@ -283,10 +283,17 @@ class _StepCallback:
 
 
 def trainer_forward(
-    model: torch.nn.Module, prompts: list[list[int]], generated: torch.Tensor, temperature: float
+    model: torch.nn.Module,
+    prompts: list[list[int]],
+    generated: torch.Tensor,
+    temperature: float,
+    *,
+    fused: bool = False,
 ) -> torch.Tensor:
     """The trainer's log-probs of the generated tokens: one right-padded forward of prompt +
-    completion (positions from 0 in every row), no cache. ``[B, new_tokens]``."""
+    completion (positions from 0 in every row), no cache. ``[B, new_tokens]``. With ``fused``,
+    through the fused lm_head + log-probs (:func:`samepath.integrations.hf.causal_lm_logprobs`, no
+    ``[tokens, vocab]`` logits; needs the patched model) instead of the model's logits."""
     pad = pad_token_id(model)
     device = next(model.parameters()).device
     seqs = [torch.tensor(p + g.tolist()) for p, g in zip(prompts, generated, strict=True)]
@@ -296,9 +303,15 @@ def trainer_forward(
     for row, seq in enumerate(seqs):
         ids[row, : len(seq)] = seq
         mask[row, : len(seq)] = 1
+    n = generated.shape[1]
+    if fused:
+        from samepath.integrations.hf import causal_lm_logprobs
+
+        with torch.no_grad():
+            lp = causal_lm_logprobs(model, ids.to(device), attention_mask=mask.to(device), temperature=temperature)
+        return torch.stack([lp[row, len(prompt) - 1 : len(prompt) - 1 + n] for row, prompt in enumerate(prompts)]).cpu()
     with torch.no_grad():
         logits = model(input_ids=ids.to(device), attention_mask=mask.to(device), use_cache=False).logits
-    n = generated.shape[1]
     rows = []
     for row, (prompt, seq) in enumerate(zip(prompts, seqs, strict=True)):
         start = len(prompt) - 1

@@ -19,6 +19,11 @@ Per model type (``config.model_type``), Liger-style: ``{Prefix}RMSNorm.forward``
 MoE experts through ``ExpertsInterface``.
 Linear layers and the lm_head go through :func:`samepath.batch_invariant` (entered by
 ``patch_all``). Every replacement is recorded by :class:`Patcher` and undone by ``unpatch_all``.
+
+The trainer's log-probs without ``[tokens, vocab]`` logits: :func:`causal_lm_logprobs` runs the
+model's decoder and the fused lm_head + token log-probs (:func:`fused_lm_head_logprobs`,
+:func:`samepath.kernels.logprobs.linear_token_logprobs`), forward and backward, with the bits of
+``samepath.logprobs(model(...).logits, ...)`` and so of the rollout.
 """
 
 from __future__ import annotations
@@ -37,6 +42,7 @@ import torch
 from samepath.integrations.formulas import UnsupportedModelError, rope_formula
 from samepath.integrations.moe import experts_forward
 from samepath.kernels.attention import LaunchPlan, packed_attention, varlen_attention
+from samepath.kernels.logprobs import IGNORE_INDEX, LM_HEAD_TOKEN_CHUNK, linear_token_logprobs
 from samepath.kernels.rms_norm import rms_norm
 from samepath.kernels.rotary import apply_rotary, rotary_cos_sin
 from samepath.kernels.swiglu import silu_mul, swiglu
@@ -315,6 +321,11 @@ _NEUTRAL_ATTENTION_KWARGS = frozenset(
 )
 
 
+#: Keywords that say nothing when ``None`` (verl's fused-kernel forward passes ``cache_position=None``
+#: explicitly, and transformers hands it on to the attention function); refused with a value.
+_NEUTRAL_WHEN_NONE = frozenset({"cache_position"})
+
+
 class UnsupportedAttentionError(ValueError):
     """transformers asked samepath's attention for a feature it does not implement (softcap, sinks,
     dropout, attention weights, an unknown keyword): refused rather than dropped."""
@@ -339,6 +350,7 @@ def _check_attention_kwargs(
             problems.append(f"{name} that differs from the sequences position_ids / the mask delimit")
     known = {"softcap", "s_aux", "output_attentions", "position_ids", "cu_seq_lens_q", "cu_seq_lens_k"}
     known |= {"max_length_q", "max_length_k"} | _NEUTRAL_ATTENTION_KWARGS
+    known |= {name for name in _NEUTRAL_WHEN_NONE if kwargs.get(name) is None}
     problems += [f"unknown keyword {name}={kwargs[name]!r}" for name in sorted(set(kwargs) - known)]
     if problems:
         raise UnsupportedAttentionError(
@@ -582,3 +594,123 @@ def tensor_parallel_numerics(model: torch.nn.Module, tensor_parallel_size: int) 
                 del module.forward
             else:
                 module.forward = forward
+
+
+# ----------------------------------------------------------------------------------------------
+# The trainer's log-probs through the fused lm_head
+# ----------------------------------------------------------------------------------------------
+
+
+def fused_lm_head_logprobs(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    temperature: float = 1.0,
+    *,
+    return_entropy: bool = False,
+    ignore_index: int | None = IGNORE_INDEX,
+    token_chunk: int = LM_HEAD_TOKEN_CHUNK,
+    validate: bool = True,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """:func:`samepath.kernels.logprobs.linear_token_logprobs` of ``hidden @ weight.T``, with the
+    operands the unfused lm_head call ``F.linear(hidden, weight)`` would multiply: under
+    ``torch.autocast`` both are cast to the autocast dtype first (differentiably), as autocast casts
+    a linear's operands. The result (fp32 ``[...]`` log-probs, and the entropy) has the bits of
+    ``samepath.logprobs(F.linear(hidden, weight), labels, temperature)`` computed with samepath's
+    matmul — the rollout's logits — without ever holding more than ``token_chunk`` rows of logits.
+    """
+    device_type = hidden.device.type
+    if torch.is_autocast_enabled(device_type):
+        dtype = torch.get_autocast_dtype(device_type)
+        hidden, weight = hidden.to(dtype), weight.to(dtype)
+    return linear_token_logprobs(
+        hidden,
+        weight,
+        labels,
+        temperature,
+        return_entropy=return_entropy,
+        ignore_index=ignore_index,
+        token_chunk=token_chunk,
+        validate=validate,
+    )
+
+
+def _lm_head_weight(model: torch.nn.Module) -> torch.Tensor:
+    """The ``[vocab, hidden]`` weight of a supported causal LM whose logits are exactly
+    ``lm_head(last_hidden_state)``; ``ValueError`` otherwise."""
+    config = getattr(model, "config", None)
+    model_type = getattr(config, "model_type", None)
+    if model_type not in MODEL_TYPES:
+        raise ValueError(
+            f"causal_lm_logprobs takes a Hugging Face causal LM of model_type {', '.join(sorted(MODEL_TYPES))} "
+            f"(logits = lm_head(last hidden state)), got model_type={model_type!r}"
+        )
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if not isinstance(head, torch.nn.Linear) or head.bias is not None:
+        raise ValueError(
+            f"model's lm_head must be an nn.Linear without bias for the fused path, got {type(head).__name__}"
+            + ("" if head is None or getattr(head, "bias", None) is None else " with a bias")
+        )
+    return head.weight
+
+
+def causal_lm_logprobs(
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    *,
+    attention_mask: torch.Tensor | None = None,
+    position_ids: torch.Tensor | None = None,
+    labels: torch.Tensor | None = None,
+    temperature: float = 1.0,
+    return_entropy: bool = False,
+    token_chunk: int = LM_HEAD_TOKEN_CHUNK,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """The trainer's next-token log-probs of a patched Hugging Face causal LM, without logits.
+
+    Runs the model's decoder (``model.model``) on ``input_ids`` ``[B, L]`` and feeds its last
+    hidden states to the fused lm_head + token log-probs over fixed chunks of ``token_chunk``
+    tokens (:func:`fused_lm_head_logprobs`): no ``[B, L, vocab]`` logits exist, forward or backward
+    (the backward recomputes one chunk of logits at a time). Differentiable in every parameter.
+
+    Entry ``[b, j]`` of the ``[B, L - 1]`` fp32 result is ``log p(labels[b, j + 1])`` given the
+    tokens up to ``j``, at ``temperature`` (``labels`` defaults to ``input_ids``; its ``-100`` entries, and
+    the positions whose next token is padding in ``attention_mask``, give 0 and no gradient).
+    Bit-identical to ``samepath.logprobs(model(...).logits[:, :-1], labels[:, 1:], temperature)``
+    of the same patched model, which is what samepath's rollouts (``generate`` with
+    ``output_logits=True``, vLLM's sampler) compute; the hidden-state gradient is the unfused
+    one bit for bit, the lm_head weight's gradient sums fp32 per-chunk partials in chunk order
+    (deterministic, other bits than the unfused one). With ``return_entropy``, also the fp32
+    entropy of each position's distribution at ``temperature``.
+
+    Pass ``attention_mask`` and ``position_ids`` as for the model's own forward (left-padded rows
+    need ``position_ids`` counted from their first real token; packed rows restart them).
+    Supported: the model types of :data:`MODEL_TYPES` with a bias-free ``nn.Linear`` lm_head
+    (``ValueError`` otherwise, and for ``labels`` / ``attention_mask`` not shaped like
+    ``input_ids``).
+    """
+    weight = _lm_head_weight(model)
+    if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
+        raise ValueError("input_ids must be a [batch, length] tensor")
+    target = input_ids if labels is None else labels
+    if not isinstance(target, torch.Tensor) or target.shape != input_ids.shape:
+        got = tuple(target.shape) if isinstance(target, torch.Tensor) else type(target).__name__
+        raise ValueError(f"labels must have input_ids' shape {tuple(input_ids.shape)}, got {got}")
+    if attention_mask is not None and attention_mask.shape != input_ids.shape:
+        raise ValueError(
+            f"attention_mask must have input_ids' shape {tuple(input_ids.shape)}, got {tuple(attention_mask.shape)}"
+        )
+    next_tokens = target[:, 1:]
+    if attention_mask is not None:
+        next_tokens = torch.where(attention_mask[:, 1:].to(torch.bool), next_tokens, IGNORE_INDEX)
+    decoder = model.get_decoder()
+    hidden = decoder(
+        input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
+    ).last_hidden_state
+    return fused_lm_head_logprobs(
+        hidden[:, :-1],
+        weight,
+        next_tokens,
+        temperature,
+        return_entropy=return_entropy,
+        token_chunk=token_chunk,
+    )

@@ -26,6 +26,18 @@ What :func:`install` replaces (every original recorded; :func:`uninstall` restor
   fp32 copy ``[tokens, vocab]`` (verl's bf16 division already copies; this one is twice as large).
   The automodel, torchtitan and Megatron engines divide inline (``logits / temperature`` or
   ``logits.div_``) and are not covered: use the FSDP engine or temperature 1.
+* **The fused lm_head** (``actor_rollout_ref.model.use_fused_kernels=True``) — verl's model
+  forward then hands the last hidden states and ``lm_head.weight`` to
+  ``FusedLinearForPPO.forward`` (``verl.utils.experimental.torch_functional``; impl_backend
+  ``torch`` or ``liger``) or to ``linear_cross_entropy`` (``verl.utils.kernel.linear_cross_entropy``;
+  impl_backend ``triton``), never computing ``[tokens, vocab]`` logits. Both are replaced by
+  samepath's fused lm_head + token log-probs and entropy
+  (:func:`fused_linear_for_ppo_forward`, :func:`linear_cross_entropy`, both
+  :func:`samepath.integrations.hf.fused_lm_head_logprobs`): fp32 log-probs with the bits of
+  ``samepath.logprobs(lm_head logits, labels, T)`` — what the vLLM rollout reports with
+  ``logprobs_mode=processed_logprobs`` — and memory for only a fixed chunk of logits rows.
+  The temperature is the Python float verl passes (a per-sample temperature is refused by verl
+  itself on this path).
 
 The rollout's ``calculate_log_probs`` path needs no patch in verl: with
 ``actor_rollout_ref.rollout.calculate_log_probs=True`` verl asks vLLM for the sampled token's
@@ -35,7 +47,9 @@ exact. Its numerics are the rollout engine's: samepath's vLLM / vllm-ascend samp
 ``tests/test_integration_verl.py`` runs verl's own trainer path (``FSDPEngineWithLMHead``'s
 ``prepare_model_inputs`` / ``prepare_model_outputs`` under bf16 autocast, ``no_padding_2_padding``)
 and verl's ``calculate_debug_metrics``: ``training/rollout_probs_diff_max`` / ``_mean`` / ``_std``
-are exactly 0 against samepath's rollout log-probs, and not 0 without :func:`install`.
+are exactly 0 against samepath's rollout log-probs, and not 0 without :func:`install` — with
+``use_fused_kernels`` off, and on (verl's own ``patch_forward_with_backends``, backends ``torch``
+and ``triton``).
 
 Worker processes: with ``SAMEPATH_VERL=1`` in the environment, importing this module calls
 :func:`register` (``samepath.integrations.patch_all()`` and :func:`install`), so naming it in
@@ -46,7 +60,8 @@ Recipe (verl + vLLM / vllm-ascend + FSDP): see docs/integrations.md. In short, t
 runtime environment (``+ray_kwargs.ray_init.runtime_env.env_vars.NAME=value``):
 ``SAMEPATH_VERL=1``, ``VERL_USE_EXTERNAL_MODULES=samepath.integrations.verl``, ``SAMEPATH_VLLM=1``
 and ``SAMEPATH_EXPECT_FINGERPRINT`` = the trainer's ``samepath.fingerprint()``; and
-``actor_rollout_ref.actor.strategy=fsdp2``, ``actor_rollout_ref.model.use_fused_kernels=False``,
+``actor_rollout_ref.actor.strategy=fsdp2``, ``actor_rollout_ref.model.use_fused_kernels=True`` (the
+fused lm_head above; ``False`` computes full logits, equally bit-identical),
 ``actor_rollout_ref.model.use_liger=False``, ``actor_rollout_ref.rollout.calculate_log_probs=True``,
 ``actor_rollout_ref.rollout.logprobs_mode=processed_logprobs`` (vLLM then reports the log-probs
 at the sampling temperature, which the trainer computes) and
@@ -66,14 +81,18 @@ from typing import Any
 
 import torch
 
-from samepath.integrations.hf import Patcher
+from samepath.integrations.hf import Patcher, fused_lm_head_logprobs
 from samepath.kernels.logprobs import token_logprobs
 
 #: (module, attribute) of the originals this integration replaces, by the name verl defines them.
 TARGETS = (
     ("verl.utils.torch_functional", "logprobs_from_logits"),
     ("verl.workers.engine.fsdp.transformer_impl", "_scale_logits_by_temperature"),
+    ("verl.utils.kernel.linear_cross_entropy", "linear_cross_entropy"),
 )
+
+#: (module, class, method) of the methods this integration replaces on the class itself.
+METHOD_TARGETS = (("verl.utils.experimental.torch_functional", "FusedLinearForPPO", "forward"),)
 
 #: Set to ``1`` to make importing this module call :func:`register` (worker processes).
 ENV_VAR = "SAMEPATH_VERL"
@@ -101,9 +120,70 @@ def scale_logits_by_temperature(
     return logits.to(torch.float32) / temperature.to(torch.float32).clamp(min=1e-8)
 
 
+def _python_temperature(temperature: Any) -> float:
+    if isinstance(temperature, torch.Tensor):
+        if temperature.numel() != 1:
+            raise ValueError(
+                "samepath's fused lm_head takes one temperature for the batch (verl's fused path does too), "
+                f"got a tensor of shape {tuple(temperature.shape)}"
+            )
+        return float(temperature.item())
+    return temperature
+
+
+def fused_linear_for_ppo_forward(
+    self: Any,
+    hidden_states: torch.Tensor,
+    vocab_weights: torch.Tensor,
+    input_ids: torch.Tensor,
+    temperature: float = 1.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """verl's ``FusedLinearForPPO.forward`` on samepath: ``(log_probs, entropy)``, fp32, of
+    ``input_ids`` under ``softmax(hidden_states @ vocab_weights.T / temperature)``, computed over
+    fixed token and vocabulary chunks without ``[tokens, vocab]`` logits (forward and backward).
+    Bit-identical to ``samepath.logprobs(samepath.linear(hidden_states, vocab_weights), input_ids,
+    temperature)`` — the rollout's log-probs. ``self``'s chunk size and backend are not used:
+    samepath's token chunk is fixed (and neutral)."""
+    del self
+    return fused_lm_head_logprobs(
+        hidden_states,
+        vocab_weights,
+        input_ids.to(torch.int64),
+        _python_temperature(temperature),
+        return_entropy=True,
+        ignore_index=None,
+        validate=False,
+    )
+
+
+def linear_cross_entropy(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    temperature: float = 1.0,
+    reduction: str = "none",
+    dist_process_group: Any = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """verl's ``linear_cross_entropy`` (the ``triton`` fused-kernel backend) on samepath: as
+    :func:`fused_linear_for_ppo_forward`. Only ``reduction="none"`` without a process group (the
+    unsharded vocabulary), which is how verl's model forward calls it; ``ValueError`` otherwise."""
+    if reduction != "none":
+        raise ValueError(
+            f"samepath's linear_cross_entropy returns per-token values: reduction must be 'none', got {reduction!r}"
+        )
+    if dist_process_group is not None:
+        raise ValueError(
+            "samepath's linear_cross_entropy does not shard the vocabulary: dist_process_group must be None "
+            "(vocabulary-parallel log-probs: samepath.distributed)"
+        )
+    return fused_linear_for_ppo_forward(None, hidden, weight, labels, temperature)
+
+
 _REPLACEMENTS = {
     "logprobs_from_logits": logprobs_from_logits,
     "_scale_logits_by_temperature": scale_logits_by_temperature,
+    "linear_cross_entropy": linear_cross_entropy,
+    "FusedLinearForPPO.forward": fused_linear_for_ppo_forward,
 }
 
 
@@ -122,6 +202,18 @@ def originals() -> dict[str, Any]:
                     value = original
         if value is not None:
             found[attr] = value
+    for module_name, cls_name, method in METHOD_TARGETS:
+        try:
+            cls = getattr(importlib.import_module(module_name), cls_name)
+        except Exception:
+            continue
+        value = vars(cls).get(method)
+        if _patcher is not None:
+            for owner, name, _present, original in _patcher._originals:
+                if owner is cls and name == method:
+                    value = original
+        if value is not None:
+            found[f"{cls_name}.{method}"] = value
     return found
 
 
@@ -158,8 +250,15 @@ def install() -> dict[str, int]:
         patcher = Patcher()
         counts: dict[str, int] = {}
         try:
+            methods = {f"{cls}.{method}": (module, cls, method) for module, cls, method in METHOD_TARGETS}
             for attr, original in found.items():
-                counts[attr] = _bound_everywhere(patcher, original, _REPLACEMENTS[attr])
+                if attr in methods:
+                    module_name, cls_name, method = methods[attr]
+                    cls = getattr(importlib.import_module(module_name), cls_name)
+                    patcher.set(cls, method, _REPLACEMENTS[attr])
+                    counts[attr] = 1
+                else:
+                    counts[attr] = _bound_everywhere(patcher, original, _REPLACEMENTS[attr])
         except BaseException:
             patcher.restore()
             raise
@@ -208,11 +307,14 @@ def register() -> None:
 
 __all__ = [
     "ENV_VAR",
+    "METHOD_TARGETS",
     "TARGETS",
     "enabled_by_env",
+    "fused_linear_for_ppo_forward",
     "install",
     "installed",
     "installed_for",
+    "linear_cross_entropy",
     "logprobs_from_logits",
     "originals",
     "register",

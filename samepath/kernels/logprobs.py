@@ -51,6 +51,7 @@ from samepath.kernels.config import (
     row_reduce_config,
 )
 from samepath.kernels.dispatch import SUPPORTED_DEVICE_TYPES, device_kind, jit
+from samepath.kernels.matmul import _launch as _launch_matmul
 from samepath.kernels.matmul import matmul, register_override
 
 #: The label value whose rows return 0 and get no gradient (PyTorch's and HF's convention).
@@ -650,7 +651,8 @@ class LinearTokenLogprobsFunction(torch.autograd.Function):
         none = (None,) * 6
         if grad_lp is None and (grad_h is None or ent is None):
             return None, None, *none
-        grad_hidden = torch.empty_like(hidden2d, memory_format=torch.contiguous_format)
+        want_hidden, want_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        grad_hidden = torch.empty_like(hidden2d, memory_format=torch.contiguous_format) if want_hidden else None
         grad_weight = None
         for start in range(0, hidden2d.shape[0], ctx.chunk):
             part = slice(start, start + ctx.chunk)
@@ -668,12 +670,25 @@ class LinearTokenLogprobsFunction(torch.autograd.Function):
                 ctx.ignore_index,
                 ctx.config,
             )
-            grad_hidden[part] = matmul(dlogits, weight)
-            partial = matmul(dlogits.t(), rows, out_dtype=torch.float32)
-            grad_weight = partial if grad_weight is None else grad_weight + partial
-        if grad_weight is None:
+            if want_hidden:
+                grad_hidden[part] = matmul(dlogits, weight)
+            if not want_weight:
+                continue
+            if grad_weight is None:
+                grad_weight = matmul(dlogits.t(), rows, out_dtype=torch.float32)
+            else:
+                # running sum + this chunk's fp32 partial, added in fp32 in the kernel's epilogue
+                # (the running sum as its bias) and written back in place: the sum
+                # ``grad_weight + partial`` without a second [V, H] fp32 buffer.
+                running = grad_weight.unsqueeze(0)
+                _launch_matmul(dlogits.t().unsqueeze(0), rows.unsqueeze(0), running, running)
+        if want_weight and grad_weight is None:
             grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
-        return grad_hidden, grad_weight.to(weight.dtype), *none
+        return (
+            grad_hidden if want_hidden else None,
+            grad_weight.to(weight.dtype) if want_weight else None,
+            *none,
+        )
 
 
 def linear_token_logprobs(
