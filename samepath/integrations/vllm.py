@@ -99,16 +99,19 @@ from samepath.integrations._vllm_common import (
     StepCache,
     apply_patch_groups,
     apply_rotary,
+    check_processed_sampling,
     claim,
     compute_logprobs,
     has_dense_weight,
     linear,
+    min_p_mask,
     moe,
     optional_module,
     release,
     rms_norm,
     rotary_cos_sin,
     swiglu,
+    top_k_top_p,
     validate_metadata,
 )
 from samepath.kernels.attention import LaunchPlan, paged_attention, write_kv_cache
@@ -125,6 +128,9 @@ INSTALLED: list[str] = []
 _Patcher = Patcher
 _compute_logprobs = compute_logprobs
 _has_dense_weight = has_dense_weight
+_top_k_top_p = top_k_top_p
+_min_p_mask = min_p_mask
+_check_processed_sampling = check_processed_sampling
 
 
 def installed() -> bool:
@@ -722,6 +728,37 @@ def _patch_sampler(patcher: _Patcher) -> bool:
     return True
 
 
+def _patch_sampling_edits(patcher: _Patcher) -> bool:
+    """vLLM's top-k / top-p step (``apply_top_k_top_p``, looked up by name in
+    ``topk_topp_sampler`` by the native and CPU samplers) and its min-p processor on samepath's
+    :func:`~samepath.kernels.sampling.sampling_keep_mask`, the functions the trainer's
+    :func:`samepath.processed_logprobs` runs; and the request-time refusal of every other edit in
+    a processed logprobs mode (``InputProcessor._validate_params``)."""
+    from vllm.v1.engine.input_processor import InputProcessor
+    from vllm.v1.sample.logits_processor.builtin import MinPLogitsProcessor
+    from vllm.v1.sample.ops import topk_topp_sampler
+
+    def min_p_apply(self, logits):
+        if not self.min_p_count:
+            return logits
+        return _min_p_mask(logits, self.min_p)
+
+    original_validate = InputProcessor._validate_params
+
+    def validate_params(self, params, supported_tasks):
+        from vllm import SamplingParams
+
+        result = original_validate(self, params, supported_tasks)
+        if isinstance(params, SamplingParams):
+            _check_processed_sampling(params, self.vllm_config)
+        return result
+
+    patcher.set(topk_topp_sampler, "apply_top_k_top_p", _top_k_top_p)
+    patcher.set(MinPLogitsProcessor, "apply", min_p_apply)
+    patcher.set(InputProcessor, "_validate_params", validate_params)
+    return True
+
+
 # ----------------------------------------------------------------------------------------------
 # Coverage audit at model load
 # ----------------------------------------------------------------------------------------------
@@ -929,6 +966,7 @@ _PATCH_GROUPS = [
     ("row_parallel", _patch_row_parallel),
     ("moe", _patch_moe),
     ("sampler_logprobs", _patch_sampler),
+    ("sampling_edits", _patch_sampling_edits),
     ("model_audit", _patch_model_loader),
 ]
 

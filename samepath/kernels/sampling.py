@@ -1,0 +1,289 @@
+"""Sampling-time logit edits with one definition for the rollout and the trainer.
+
+A rollout engine that reports *processed* log-probs (vLLM's ``logprobs_mode="processed_logprobs"``)
+reports the log-softmax of the logits after its sampling edits; the trainer must apply the very
+same edits to its own logits, bit for bit. samepath defines the edits it supports here, and its
+vLLM plugin runs vLLM's edit steps through these functions, so both sides execute one definition:
+
+* :func:`sampling_keep_mask` — which tokens min-p, top-k and top-p keep, per row;
+* :func:`processed_logprobs` — the trainer's equal of vLLM's processed log-probs: stop tokens
+  masked while ``min_tokens`` is unmet, the temperature division, min-p, then top-k / top-p,
+  then :func:`samepath.token_logprobs`.
+
+The keep rule of one row ``z`` (fp32 logits after the temperature), with ``s`` its values sorted in
+descending order (``torch.sort``: the sorted values do not depend on how ties are ordered) and
+``e_j = exp(s_j - s_0)`` computed in the kernel::
+
+    keep_j  = j < k  and  e_j >= min_p                        # a prefix of the sorted row
+    mass    = fp32 sum of e_j over kept j, chunk by chunk in ascending order
+    run_j   = fp32 running sum of kept e, chunk by chunk: carry + cumsum(chunk)
+    n       = #keep                        if top_p >= 1
+              min(#keep, 1 + #{j kept: run_j < top_p * mass})   otherwise
+    token i is kept  iff  z_i >= s_{max(n, 1) - 1}            # ties with the last kept value are kept
+
+``k`` disabled is the vocabulary size, ``min_p`` disabled is 0 and ``top_p`` disabled is 1. One
+program reduces one row in ``vocab_chunk`` columns per step (the row-reduction table, so the
+bits follow the fingerprint), so a row's mask never depends on the other rows of the batch.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+import triton.language as tl
+
+from samepath.kernels import grid
+from samepath.kernels.config import RowReduceConfig, register_formula
+from samepath.kernels.dispatch import jit
+from samepath.kernels.logprobs import (
+    IGNORE_INDEX,
+    MIN_TEMPERATURE,
+    check_labels,
+    check_logits,
+    resolve_config,
+    token_logprobs,
+)
+
+SAMPLING_FORMULA = {
+    "schedule": "one program per row over the row sorted in descending order, vocab_chunk columns per step",
+    "weights": "e = exp(s - s[0]) in fp32 (s[0] the row max; an all -inf row keeps everything)",
+    "keep": "position j < k and e >= min_p; mass = fp32 sum of kept e, chunks in ascending order",
+    "top_p": "run = carry + cumsum(kept e) per chunk; n = min(#keep, 1 + #(run < top_p * mass)); top_p >= 1: n = #keep",
+    "threshold": "tokens with z >= s[max(n, 1) - 1] are kept (ties kept), the others become -inf",
+    "order": "stop tokens (min_tokens) -inf, fp32 division by the temperature tensor, min-p, then top-k/top-p",
+}
+register_formula("sampling", SAMPLING_FORMULA)
+
+#: Rows whose sorted copy exists at once in :func:`sampling_keep_mask` (a memory bound; bit-neutral,
+#: every row is computed alone).
+ROW_CHUNK = 1024
+
+
+@jit
+def _kept_count_kernel(
+    Sorted,
+    TopK,
+    TopP,
+    MinP,
+    Kept,
+    num_rows,
+    V,
+    CHUNK: tl.constexpr,
+    TOP_P: tl.constexpr,
+):
+    offs = tl.arange(0, CHUNK)
+    for row in range(tl.program_id(0), num_rows, tl.num_programs(0)):
+        base = Sorted + tl.cast(row, tl.int64) * V
+        top = tl.load(base)
+        shift = tl.where(top == float("-inf"), 0.0, top)
+        k = tl.load(TopK + row)
+        min_p = tl.load(MinP + row)
+        kept = tl.full([], 0, tl.int32)
+        mass = tl.full([], 0.0, tl.float32)
+        for start in range(0, V, CHUNK):
+            cols = start + offs
+            s = tl.load(base + cols, mask=cols < V, other=float("-inf"))
+            e = tl.exp(s - shift)
+            keep = (cols < V) & (cols < k) & (e >= min_p)
+            kept += tl.sum(keep.to(tl.int32), 0)
+            mass += tl.sum(tl.where(keep, e, 0.0), 0)
+        if TOP_P:
+            p = tl.load(TopP + row)
+            limit = p * mass
+            below = tl.full([], 0, tl.int32)
+            carry = tl.full([], 0.0, tl.float32)
+            for start in range(0, V, CHUNK):
+                cols = start + offs
+                s = tl.load(base + cols, mask=cols < V, other=float("-inf"))
+                e = tl.exp(s - shift)
+                keep = (cols < V) & (cols < k) & (e >= min_p)
+                run = carry + tl.cumsum(tl.where(keep, e, 0.0), 0)
+                below += tl.sum(((run < limit) & keep).to(tl.int32), 0)
+                carry = tl.max(run, 0)
+            kept = tl.where(p >= 1.0, kept, tl.minimum(kept, below + 1))
+        tl.store(Kept + row, tl.maximum(kept, 1))
+
+
+def _row_param(value, rows: int, dtype: torch.dtype, device: torch.device, disabled, name: str) -> torch.Tensor:
+    if value is None:
+        return torch.full((rows,), disabled, dtype=dtype, device=device)
+    if isinstance(value, torch.Tensor):
+        if value.numel() != rows:
+            raise ValueError(f"{name} must hold one value per row ({rows}), got shape {tuple(value.shape)}")
+        return value.reshape(rows).to(device=device, dtype=dtype)
+    return torch.full((rows,), value, dtype=dtype, device=device)
+
+
+@torch.no_grad()
+def sampling_keep_mask(
+    logits: torch.Tensor,
+    *,
+    top_k: int | torch.Tensor | None = None,
+    top_p: float | torch.Tensor | None = None,
+    min_p: float | torch.Tensor | None = None,
+    config: RowReduceConfig | None = None,
+) -> torch.Tensor:
+    """Which tokens min-p, top-k and top-p keep: a bool ``[..., V]`` mask (module docstring rule).
+
+    Args:
+        logits: ``[..., V]`` fp32 logits *after* the temperature division (the values sampled from).
+        top_k: keep the ``top_k`` largest (and their ties); an int, or one int per row; values
+            ``<= 0`` or ``>= V`` keep everything.
+        top_p: keep the smallest prefix of the sorted row whose mass reaches ``top_p`` (and the
+            ties of its last token); a float in ``(0, 1]`` or one fp32 value per row; ``>= 1``
+            keeps everything.
+        min_p: keep tokens whose probability is at least ``min_p`` times the largest one; a float
+            in ``[0, 1]`` or one fp32 value per row; 0 keeps everything.
+        config: row-reduction config instead of the frozen table (tests only: other bits).
+
+    Rows are independent: a row's mask never depends on the batch it is computed in. At least one
+    token of every row is kept. Not differentiable (a mask).
+    """
+    check_logits(logits)
+    if logits.dtype != torch.float32:
+        raise ValueError(f"logits must be float32 (the tempered fp32 logits), got {logits.dtype}")
+    vocab = logits.shape[-1]
+    rows = logits.numel() // vocab
+    device = logits.device
+    cfg = resolve_config(config, device)
+    k = _row_param(top_k, rows, torch.int32, device, vocab, "top_k")
+    k = torch.where((k <= 0) | (k > vocab), vocab, k)
+    p = _row_param(top_p, rows, torch.float32, device, 1.0, "top_p")
+    mp = _row_param(min_p, rows, torch.float32, device, 0.0, "min_p")
+    flat = logits.reshape(rows, vocab)
+    keep = torch.empty((rows, vocab), dtype=torch.bool, device=device)
+    has_top_p = top_p is not None
+    for start in range(0, rows, ROW_CHUNK):
+        part = slice(start, min(start + ROW_CHUNK, rows))
+        block = flat[part]
+        ordered = torch.sort(block, dim=-1, descending=True).values.contiguous()
+        count = ordered.shape[0]
+        kept = torch.empty(count, dtype=torch.int32, device=device)
+        if count:
+            _kept_count_kernel[(grid.num_programs(count, device),)](
+                ordered,
+                k[part].contiguous(),
+                p[part].contiguous(),
+                mp[part].contiguous(),
+                kept,
+                count,
+                vocab,
+                CHUNK=cfg.vocab_chunk,
+                TOP_P=has_top_p,
+                num_warps=cfg.num_warps,
+            )
+        threshold = ordered.gather(1, (kept.to(torch.int64) - 1).unsqueeze(1))
+        keep[part] = block >= threshold
+    return keep.reshape(logits.shape)
+
+
+def _check_unit_float(value, name: str, low: float, low_open: bool) -> float | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"{name} must be a float or None, got {value!r}")
+    value = float(value)
+    bad_low = value <= low if low_open else value < low
+    if not math.isfinite(value) or bad_low or value > 1.0:
+        interval = f"({low:g}, 1]" if low_open else f"[{low:g}, 1]"
+        raise ValueError(f"{name} must be in {interval} (vLLM's range), got {value!r}")
+    return value
+
+
+def processed_logprobs(
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    temperature: float = 1.0,
+    *,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    min_p: float | None = None,
+    min_tokens: int = 0,
+    stop_token_ids: Sequence[int] = (),
+    generated: torch.Tensor | None = None,
+    ignore_index: int | None = IGNORE_INDEX,
+    validate: bool = True,
+) -> torch.Tensor:
+    """The trainer's equal of vLLM's ``processed_logprobs`` (with samepath's vLLM plugin): fp32
+    ``log p(label)`` under the distribution the rollout sampled from.
+
+    vLLM's order, each step samepath's definition (the plugin runs vLLM's steps through the same
+    functions): the logits widened to fp32; while fewer than ``min_tokens`` tokens were generated,
+    the ``stop_token_ids`` set to ``-inf``; the IEEE fp32 division by the temperature; min-p; top-k
+    and top-p (:func:`sampling_keep_mask`, dropped tokens ``-inf``); then
+    :func:`samepath.token_logprobs` at temperature 1.
+
+    Args:
+        logits: ``[..., V]`` the trainer's raw logits (fp32 / bf16 / fp16) at the positions that
+            predict ``labels``.
+        labels: ``[...]`` the sampled tokens (int32/int64), ``ignore_index`` for padding.
+        temperature: the request's temperature. Below vLLM's 1e-5 (0: greedy) the request is
+            greedy as in vLLM: no division, and ``top_k`` / ``top_p`` / ``min_p`` are ignored
+            (vLLM resets them for greedy requests).
+        top_k: the request's ``top_k``; ``None``, 0 or -1: off (vLLM's values for off).
+        top_p: the request's ``top_p`` in ``(0, 1]``; ``None`` or 1: off.
+        min_p: the request's ``min_p`` in ``[0, 1]``; ``None`` or 0: off.
+        min_tokens: the request's ``min_tokens``.
+        stop_token_ids: the tokens vLLM masks while ``min_tokens`` is unmet: its
+            ``SamplingParams.all_stop_token_ids`` — ``stop_token_ids`` plus the EOS token and the
+            generation config's ``eos_token_id`` (also with ``ignore_eos=True``).
+        generated: ``[...]`` int, how many tokens the request had generated before each label
+            (``labels``' shape); default: ``labels``' last dimension is the response from its
+            first token (0, 1, 2, ...).
+        ignore_index, validate: as :func:`samepath.token_logprobs`.
+
+    Returns:
+        ``[...]`` fp32 log-probs, bit-identical to what vLLM reports with the same parameters;
+        differentiable in ``logits`` (dropped tokens get no gradient).
+    """
+    check_logits(logits)
+    check_labels(labels, logits, logits.shape[-1], ignore_index, validate=validate)
+    vocab = logits.shape[-1]
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)):
+        raise ValueError(f"temperature must be a float >= 0, got {temperature!r}")
+    temperature = float(temperature)
+    if not math.isfinite(temperature) or temperature < 0:
+        raise ValueError(f"temperature must be a finite float >= 0 (0: greedy), got {temperature!r}")
+    if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < -1):
+        raise ValueError(f"top_k must be an int >= -1 (0 or -1: off) or None, got {top_k!r}")
+    top_p = _check_unit_float(top_p, "top_p", 0.0, True)
+    min_p = _check_unit_float(min_p, "min_p", 0.0, False)
+    if isinstance(min_tokens, bool) or not isinstance(min_tokens, int) or min_tokens < 0:
+        raise ValueError(f"min_tokens must be an int >= 0, got {min_tokens!r}")
+    stops = list(stop_token_ids)
+    if any(isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab for t in stops):
+        raise ValueError(f"stop_token_ids must be token ids in [0, {vocab}), got {stops!r}")
+    if generated is not None and (
+        not isinstance(generated, torch.Tensor)
+        or generated.dtype not in (torch.int32, torch.int64)
+        or generated.shape != labels.shape
+    ):
+        got = f"{generated.dtype} {tuple(generated.shape)}" if isinstance(generated, torch.Tensor) else generated
+        raise ValueError(f"generated must be an int tensor of labels' shape {tuple(labels.shape)}, got {got}")
+
+    z = logits.float()
+    if min_tokens > 0 and stops:
+        if generated is None:
+            steps = labels.shape[-1] if labels.dim() else 1
+            generated = torch.arange(steps, device=logits.device).expand(labels.shape)
+        unmet = (generated.to(logits.device) < min_tokens).unsqueeze(-1)
+        is_stop = torch.zeros(vocab, dtype=torch.bool, device=logits.device)
+        is_stop[stops] = True
+        z = z.masked_fill(unmet & is_stop, float("-inf"))
+    greedy = temperature < MIN_TEMPERATURE
+    if not greedy:
+        # A temperature tensor, not a Python number: vLLM divides by its fp32 temperature tensor
+        # (torch on CUDA would multiply by the reciprocal of a Python scalar).
+        z = z / torch.full((1,), temperature, dtype=torch.float32, device=logits.device)
+        if min_p:
+            z = z.masked_fill(~sampling_keep_mask(z.detach(), min_p=min_p), float("-inf"))
+        if (top_k is not None and 0 < top_k < vocab) or (top_p is not None and top_p < 1.0):
+            k = top_k if top_k is not None and top_k > 0 else None
+            p = top_p if top_p is not None and top_p < 1.0 else None
+            z = z.masked_fill(~sampling_keep_mask(z.detach(), top_k=k, top_p=p), float("-inf"))
+    return token_logprobs(z, labels, 1.0, ignore_index=ignore_index, validate=False)
+
+
+__all__ = ["SAMPLING_FORMULA", "processed_logprobs", "sampling_keep_mask"]
