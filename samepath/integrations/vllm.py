@@ -51,6 +51,15 @@ What :func:`install` replaces (every original recorded; :func:`uninstall` restor
   the trainer's equal is ``samepath.logprobs(logits, tokens, temperature)``. Under tensor
   parallelism vLLM gathers the vocabulary-parallel logits first, so these log-probs are unsharded.
   The draw itself is vLLM's: it decides *which* token is drawn, not the log-prob samepath reports.
+* **Sampling edits** — vLLM's top-k / top-p step (``topk_topp_sampler.apply_top_k_top_p``) and its
+  ``MinPLogitsProcessor.apply`` run :func:`samepath.sampling_keep_mask`, the function the trainer's
+  :func:`samepath.processed_logprobs` runs (with the stop-token mask of ``min_tokens`` and the
+  temperature division, which are vLLM's own exact ops): the processed log-probs of a request with
+  ``min_tokens``, ``min_p``, ``top_k``, ``top_p`` equal ``processed_logprobs`` with the same
+  parameters. In a processed logprobs mode, ``InputProcessor._validate_params`` refuses every other
+  edit at request time (:func:`samepath.integrations._vllm_common.check_processed_sampling`:
+  penalties, logit bias, allowed token ids, bad words, structured outputs, the thinking budget,
+  custom logits processors, speculative decoding, watermarking, the V2 model runner).
 
 * **Coverage audit at load** — every model loader's ``load_model`` runs :func:`check_loaded_model`
   on the model it built: :func:`samepath.integrations.audit.audit_vllm_model` classifies every
