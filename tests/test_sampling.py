@@ -303,3 +303,16 @@ def test_processed_modes_accept_what_the_trainer_reproduces_and_refuse_engine_fe
 
 def test_the_rule_is_in_the_fingerprint():
     assert "top_p" in OP_FORMULAS["sampling"]
+
+
+def test_an_integration_without_samepaths_masks_refuses_top_k_top_p_min_p():
+    """vllm-ascend's sampler runs its own top-k / top-p / min-p kernels: there they are refused too."""
+    for name, value in [("top_k", 5), ("top_p", 0.9), ("min_p", 0.1)]:
+        plain = _params(top_k=0, top_p=1.0, min_p=0.0)
+        setattr(plain, name, value)
+        with pytest.raises(ValueError, match=rf"{name}={value}"):
+            check_processed_sampling(plain, _engine("processed_logprobs"), sampling_masks=False)
+        check_processed_sampling(plain, _engine("processed_logprobs"))
+        check_processed_sampling(plain, _engine("raw_logprobs"), sampling_masks=False)
+    off = _params(top_k=-1, top_p=1.0, min_p=0.0)
+    check_processed_sampling(off, _engine("processed_logprobs"), sampling_masks=False)

@@ -163,7 +163,7 @@ _UNREPRODUCED_PARAMS = (
 )
 
 
-def check_processed_sampling(params: Any, vllm_config: Any) -> None:
+def check_processed_sampling(params: Any, vllm_config: Any, *, sampling_masks: bool = True) -> None:
     """Refuse (``ValueError`` naming each parameter) a request whose processed log-probs the
     trainer's :func:`samepath.processed_logprobs` cannot reproduce, when the engine reports
     processed log-probs (``logprobs_mode`` ``processed_logprobs`` / ``processed_logits``).
@@ -171,7 +171,9 @@ def check_processed_sampling(params: Any, vllm_config: Any) -> None:
     Reproduced: temperature (and greedy), ``min_tokens`` with the stop tokens, ``min_p``,
     ``top_k``, ``top_p``. Refused: penalties, logit bias, allowed token ids, bad words,
     structured outputs, the thinking-token budget, custom logits processors, speculative decoding,
-    watermarking and vLLM's V2 model runner (samepath does not patch its sampler). Raw modes
+    watermarking and vLLM's V2 model runner (samepath does not patch its sampler). With
+    ``sampling_masks=False`` (an integration whose sampler's top-k / top-p / min-p steps are not
+    samepath's, e.g. vllm-ascend's) ``top_k``, ``top_p`` and ``min_p`` are refused too. Raw modes
     report the log-probs before every edit and are never refused."""
     mode = str(getattr(vllm_config.model_config, "logprobs_mode", "raw_logprobs"))
     if mode not in PROCESSED_MODES:
@@ -181,6 +183,13 @@ def check_processed_sampling(params: Any, vllm_config: Any) -> None:
         value = getattr(params, name, off)
         if value is not off and value != off and value not in ({}, []):
             problems.append(f"{name}={value!r} ({what})")
+    if not sampling_masks:
+        if getattr(params, "top_k", 0) not in (0, -1, None):
+            problems.append(f"top_k={params.top_k!r}")
+        if getattr(params, "top_p", 1.0) not in (1.0, None):
+            problems.append(f"top_p={params.top_p!r}")
+        if getattr(params, "min_p", 0.0) not in (0.0, None):
+            problems.append(f"min_p={params.min_p!r}")
     if getattr(vllm_config.model_config, "logits_processors", None):
         problems.append("the engine's custom logits_processors")
     if getattr(vllm_config, "speculative_config", None) is not None:
@@ -195,8 +204,8 @@ def check_processed_sampling(params: Any, vllm_config: Any) -> None:
             f"{'; '.join(problems)}: the reported log-probs would silently differ from "
             "samepath.processed_logprobs. Drop these settings, or start vLLM with "
             "logprobs_mode='raw_logprobs' (log-probs before any edit; the trainer's equal is "
-            "samepath.logprobs(logits, tokens)); samepath reproduces temperature, min_tokens, min_p, "
-            "top_k and top_p"
+            "samepath.logprobs(logits, tokens)); samepath reproduces temperature, min_tokens"
+            + (", min_p, top_k and top_p" if sampling_masks else " (this integration: not top_k, top_p, min_p)")
         )
 
 
