@@ -145,6 +145,11 @@ def test_min_tokens_masks_the_stop_tokens_while_unmet():
     masked[0, :3, 7] = float("-inf")
     masked[1, :1, 7] = float("-inf")
     assert torch.equal(got, samepath.logprobs(masked, labels, 0.9))
+    # one row without a leading dimension: its first token
+    one = samepath.processed_logprobs(logits[0, 0], labels[0, 0], 0.9, min_tokens=1, stop_token_ids=[7])
+    assert torch.equal(
+        one, samepath.logprobs(logits[0, 0].index_fill(0, torch.tensor([7]), float("-inf")), labels[0, 0], 0.9)
+    )
     # negative control: without min_tokens the stop token's log-prob is not masked away
     assert not torch.equal(samepath.processed_logprobs(logits, labels, 0.9), got)
 

@@ -236,7 +236,9 @@ def processed_logprobs(
 
     Returns:
         ``[...]`` fp32 log-probs, bit-identical to what vLLM reports with the same parameters;
-        differentiable in ``logits`` (dropped tokens get no gradient).
+        differentiable in ``logits`` (dropped tokens get no gradient). Rows are independent:
+        calling it on chunks of rows gives the same bits and bounds the fp32 ``[rows, V]`` copies
+        it holds (the widened logits, the edited ones, a sorted block of up to 1024 rows).
     """
     check_logits(logits)
     check_labels(labels, logits, logits.shape[-1], ignore_index, validate=validate)
@@ -263,26 +265,40 @@ def processed_logprobs(
         got = f"{generated.dtype} {tuple(generated.shape)}" if isinstance(generated, torch.Tensor) else generated
         raise ValueError(f"generated must be an int tensor of labels' shape {tuple(labels.shape)}, got {got}")
 
-    z = logits.float()
-    if min_tokens > 0 and stops:
-        if generated is None:
-            steps = labels.shape[-1] if labels.dim() else 1
-            generated = torch.arange(steps, device=logits.device).expand(labels.shape)
-        unmet = (generated.to(logits.device) < min_tokens).unsqueeze(-1)
-        is_stop = torch.zeros(vocab, dtype=torch.bool, device=logits.device)
-        is_stop[stops] = True
-        z = z.masked_fill(unmet & is_stop, float("-inf"))
+    x = logits.float()
     greedy = temperature < MIN_TEMPERATURE
-    if not greedy:
-        # A temperature tensor, not a Python number: vLLM divides by its fp32 temperature tensor
-        # (torch on CUDA would multiply by the reciprocal of a Python scalar).
-        z = z / torch.full((1,), temperature, dtype=torch.float32, device=logits.device)
-        if min_p:
-            z = z.masked_fill(~sampling_keep_mask(z.detach(), min_p=min_p), float("-inf"))
-        if (top_k is not None and 0 < top_k < vocab) or (top_p is not None and top_p < 1.0):
-            k = top_k if top_k is not None and top_k > 0 else None
+    # A temperature tensor, not a Python number: vLLM divides by its fp32 temperature tensor (torch
+    # on CUDA would multiply by the reciprocal of a Python scalar).
+    divisor = None if greedy else torch.full((1,), temperature, dtype=torch.float32, device=logits.device)
+    drop = None
+    with torch.no_grad():
+        if min_tokens > 0 and stops:
+            if generated is None and labels.dim() == 0:
+                generated = torch.zeros((), dtype=torch.int64, device=logits.device)
+            elif generated is None:
+                generated = torch.arange(labels.shape[-1], device=logits.device).expand(labels.shape)
+            is_stop = torch.zeros(vocab, dtype=torch.bool, device=logits.device)
+            is_stop[stops] = True
+            drop = (generated.to(logits.device) < min_tokens).unsqueeze(-1) & is_stop
+        if not greedy:
+            z = x if drop is None else x.masked_fill(drop, float("-inf"))
+            z = z / divisor
+            edits = []
+            if min_p:
+                edits.append(dict(min_p=min_p))
+            k = top_k if top_k is not None and 0 < top_k < vocab else None
             p = top_p if top_p is not None and top_p < 1.0 else None
-            z = z.masked_fill(~sampling_keep_mask(z.detach(), top_k=k, top_p=p), float("-inf"))
+            if k is not None or p is not None:
+                edits.append(dict(top_k=k, top_p=p))
+            for edit in edits:
+                dropped = ~sampling_keep_mask(z, **edit)
+                z = z.masked_fill(dropped, float("-inf"))
+                drop = dropped if drop is None else drop | dropped
+            del z
+    # The same values with autograd: the kept entries are x / T (the same division), the rest -inf.
+    z = x if greedy else x / divisor
+    if drop is not None:
+        z = z.masked_fill(drop, float("-inf"))
     return token_logprobs(z, labels, 1.0, ignore_index=ignore_index, validate=False)
 
 
