@@ -823,8 +823,8 @@ def test_vllm_sampling_edits_equal_processed_logprobs(tmp_path, hf_patched):
             config = json.loads(path.read_text())
             config["eos_token_id"] = EOS
             path.write_text(json.dumps(config))
-    first, _ = prompts()
-    batch = first[: len(SAMPLING_REQUESTS)]
+    gen = torch.Generator().manual_seed(4)
+    batch = [torch.randint(1, VOCAB, (n,), generator=gen).tolist() for n in (5, 9, 1, 12, 17, 3, 8)]
     spec = VLLMRolloutSpec(
         model=str(model_dir),
         dtype="bfloat16",
