@@ -801,18 +801,20 @@ SAMPLING_REQUESTS = [
     {"top_k": 20, "top_p": 0.8, "min_p": 0.02, "min_tokens": 3},
     {},
     {"temperature": 0.0, "min_tokens": 4},
+    {"repetition_penalty": 1.3, "presence_penalty": 0.4, "frequency_penalty": 0.3, "top_p": 0.95},
 ]
 #: The edit each request's negative control leaves out on the trainer side.
-SAMPLING_DROPPED = ["top_p", "top_k", "min_tokens", "min_p", "top_p", None, "min_tokens"]
+SAMPLING_DROPPED = ["top_p", "top_k", "min_tokens", "min_p", "top_p", None, "min_tokens", "repetition_penalty"]
 
 
 def test_vllm_sampling_edits_equal_processed_logprobs(tmp_path, hf_patched):
     """vLLM's processed log-probs under top-p 0.9, top-k, min_tokens on a model with an EOS token
     (its generation config's ``eos_token_id``, masked while min_tokens is unmet even with
-    ``ignore_eos``), min-p and all of them together equal ``samepath.processed_logprobs`` on the
-    trainer's logits with the same parameters, bit for bit. Negative control per edit: the trainer
-    without that edit differs. Edits samepath does not reproduce (penalties, logit bias) are
-    refused when the request is made, naming the parameter."""
+    ``ignore_eos``), min-p, all of them together, and repetition / presence / frequency penalties
+    equal ``samepath.processed_logprobs`` on the trainer's logits with the same parameters, bit for
+    bit. Negative control per edit: the trainer without that edit differs. Edits samepath does not
+    reproduce (allowed token ids, logit bias) are refused when the request is made, naming the
+    parameter."""
     from samepath.check.harness import build_default_model
 
     model_dir = tmp_path / "with_eos"
@@ -824,7 +826,7 @@ def test_vllm_sampling_edits_equal_processed_logprobs(tmp_path, hf_patched):
             config["eos_token_id"] = EOS
             path.write_text(json.dumps(config))
     gen = torch.Generator().manual_seed(4)
-    batch = [torch.randint(1, VOCAB, (n,), generator=gen).tolist() for n in (5, 9, 1, 12, 17, 3, 8)]
+    batch = [torch.randint(1, VOCAB, (n,), generator=gen).tolist() for n in (5, 9, 1, 12, 17, 3, 8, 6)]
     spec = VLLMRolloutSpec(
         model=str(model_dir),
         dtype="bfloat16",
@@ -832,10 +834,10 @@ def test_vllm_sampling_edits_equal_processed_logprobs(tmp_path, hf_patched):
         new_tokens=NEW_TOKENS,
         temperature=SAMPLING_TEMPERATURE,
         sampling=SAMPLING_REQUESTS,
-        probe_refusals=[{"repetition_penalty": 1.2}, {"logit_bias": {3: 1.5}}],
+        probe_refusals=[{"allowed_token_ids": [1, 2, 3]}, {"logit_bias": {3: 1.5}}],
     )
     result = run_vllm_rollout(spec)
-    assert result.refusals[0] and "repetition_penalty=1.2" in result.refusals[0], result.refusals
+    assert result.refusals[0] and "allowed_token_ids=[1, 2, 3]" in result.refusals[0], result.refusals
     assert result.refusals[1] and "logit_bias=" in result.refusals[1], result.refusals
     assert "raw_logprobs" in result.refusals[0]
 
@@ -854,10 +856,12 @@ def test_vllm_sampling_edits_equal_processed_logprobs(tmp_path, hf_patched):
         kwargs = {"temperature": SAMPLING_TEMPERATURE, **params}
         if "min_tokens" in kwargs:
             kwargs["stop_token_ids"] = [EOS]
+        if "repetition_penalty" in kwargs:
+            kwargs["prompt_token_ids"] = prompt
         trainer = samepath.processed_logprobs(logits, labels, **kwargs)
         print(f"\n[sampling {params}] vLLM vs processed_logprobs: {fraction_equal([got], [trainer])}")
         assert torch.equal(got, trainer), (params, got, trainer)
         if dropped is not None:
-            control = {k: v for k, v in kwargs.items() if k != dropped}
+            control = {k: v for k, v in kwargs.items() if k != dropped and not k.endswith("penalty")}
             without = samepath.processed_logprobs(logits, labels, **control)
             assert not torch.equal(got, without), f"dropping {dropped} changed nothing for {params}"

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import samepath
-from samepath.integrations._vllm_common import check_processed_sampling, min_p_mask, top_k_top_p
+from samepath.integrations._vllm_common import check_processed_sampling, min_p_mask, penalties, top_k_top_p
 from samepath.kernels.config import OP_FORMULAS, RowReduceConfig
 
 
@@ -273,9 +273,6 @@ def _params(**overrides):
 @pytest.mark.parametrize(
     "overrides",
     [
-        dict(repetition_penalty=1.2),
-        dict(presence_penalty=0.5),
-        dict(frequency_penalty=-0.5),
         dict(logit_bias={3: 1.0}),
         dict(allowed_token_ids=[1, 2]),
         dict(bad_words=["x"]),
@@ -312,7 +309,7 @@ def test_the_rule_is_in_the_fingerprint():
 
 def test_an_integration_without_samepaths_masks_refuses_top_k_top_p_min_p():
     """vllm-ascend's sampler runs its own top-k / top-p / min-p kernels: there they are refused too."""
-    for name, value in [("top_k", 5), ("top_p", 0.9), ("min_p", 0.1)]:
+    for name, value in [("top_k", 5), ("top_p", 0.9), ("min_p", 0.1), ("repetition_penalty", 1.2)]:
         plain = _params(top_k=0, top_p=1.0, min_p=0.0)
         setattr(plain, name, value)
         with pytest.raises(ValueError, match=rf"{name}={value}"):
@@ -321,3 +318,55 @@ def test_an_integration_without_samepaths_masks_refuses_top_k_top_p_min_p():
         check_processed_sampling(plain, _engine("raw_logprobs"), sampling_masks=False)
     off = _params(top_k=-1, top_p=1.0, min_p=0.0)
     check_processed_sampling(off, _engine("processed_logprobs"), sampling_masks=False)
+
+
+def test_penalties_follow_the_history_of_each_position_and_equal_vllms_step():
+    """Penalties at position t see the prompt and labels[:t]: the trainer's function equals the
+    plugin's vLLM step run on each decode step's history (vLLM's metadata layout: prompts padded
+    with V, outputs as lists), bit for bit; without the penalties the log-probs differ (negative
+    control); an fp64 evaluation of the same rule is close."""
+    vocab, steps = 40, 6
+    prompt = [3, 5, 5, 9]
+    labels = torch.tensor([5, 7, 7, 3, 20, 7])
+    logits = _logits(steps, vocab, seed=11)
+    logits[torch.arange(steps), labels] = logits.amax(-1) + 2.0  # the sampled tokens stay in the top-p set
+    logits = logits.to(torch.bfloat16)
+    kw = dict(presence_penalty=0.4, frequency_penalty=0.3, repetition_penalty=1.3, prompt_token_ids=prompt)
+    trainer = samepath.processed_logprobs(logits, labels, 0.8, top_p=0.99, **kw)
+    assert torch.isfinite(trainer).all()
+    for t in range(steps):
+        metadata = SimpleNamespace(
+            no_penalties=False,
+            prompt_token_ids=torch.tensor([[*prompt, vocab]]),
+            presence_penalties=torch.tensor([0.4]),
+            frequency_penalties=torch.tensor([0.3]),
+            repetition_penalties=torch.tensor([1.3]),
+        )
+        z = penalties(logits[t : t + 1].float(), metadata, [[*labels[:t].tolist(), -1]])
+        z = top_k_top_p(z.div_(torch.tensor([[0.8]])), None, torch.tensor([0.99]))
+        with samepath.batch_invariant():
+            rollout = torch.log_softmax(z, -1)[0, labels[t]]
+        assert torch.equal(rollout, trainer[t]), t
+    assert not torch.equal(samepath.processed_logprobs(logits, labels, 0.8, top_p=0.99), trainer)
+
+    x = logits.double()
+    reference = []
+    for t in range(steps):
+        counts = torch.bincount(labels[:t], minlength=vocab).double()
+        seen = (counts > 0) | torch.isin(torch.arange(vocab), torch.tensor(prompt))
+        z = torch.where(seen, torch.where(x[t] > 0, x[t] / 1.3, x[t] * 1.3), x[t]) - 0.3 * counts - 0.4 * (counts > 0)
+        reference.append(torch.log_softmax(z / 0.8, -1)[labels[t]])
+    plain = samepath.processed_logprobs(logits, labels, 0.8, **kw)
+    assert torch.allclose(plain.double(), torch.stack(reference), atol=5e-6, rtol=0)
+
+
+def test_penalties_need_one_response_and_its_prompt():
+    logits = _logits(6, 20, seed=12)
+    with pytest.raises(ValueError, match="one response"):
+        samepath.processed_logprobs(logits.view(2, 3, 20), torch.zeros(2, 3, dtype=torch.int64), repetition_penalty=1.1)
+    with pytest.raises(ValueError, match="prompt_token_ids"):
+        samepath.processed_logprobs(logits, torch.zeros(6, dtype=torch.int64), presence_penalty=0.5)
+    with pytest.raises(ValueError, match="repetition_penalty"):
+        samepath.processed_logprobs(
+            logits, torch.zeros(6, dtype=torch.int64), repetition_penalty=0.0, prompt_token_ids=[]
+        )

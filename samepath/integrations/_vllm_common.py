@@ -4,7 +4,7 @@
   :func:`samepath.batch_invariant`.
 * :func:`claim` / :func:`release`: at most one vLLM integration installed per process.
 * :func:`compute_logprobs`: the sampler's log-probs.
-* :func:`top_k_top_p`, :func:`min_p_mask`: vLLM's top-k / top-p and min-p steps on
+* :func:`penalties`, :func:`top_k_top_p`, :func:`min_p_mask`: vLLM's penalty, top-k / top-p and min-p steps on
   :func:`samepath.kernels.sampling.sampling_keep_mask` (what :func:`samepath.processed_logprobs` runs).
 * :func:`check_processed_sampling`: the request-time refusal of edits the trainer cannot reproduce.
 * :class:`StepCache`: values derived from one step's attention metadata, built by the first
@@ -34,6 +34,7 @@ from samepath.kernels.matmul import linear as _kernel_linear
 from samepath.kernels.rms_norm import rms_norm as _kernel_rms_norm
 from samepath.kernels.rotary import apply_rotary as _kernel_apply_rotary
 from samepath.kernels.rotary import rotary_cos_sin as _kernel_rotary_cos_sin
+from samepath.kernels.sampling import apply_penalties as _kernel_apply_penalties
 from samepath.kernels.sampling import sampling_keep_mask
 from samepath.kernels.swiglu import swiglu as _kernel_swiglu
 
@@ -146,15 +147,43 @@ def min_p_mask(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
     return logits.masked_fill_(~keep, float("-inf"))
 
 
+def penalties(logits: torch.Tensor, sampling_metadata: Any, output_token_ids: list[list[int]]) -> torch.Tensor:
+    """vLLM's ``Sampler.apply_penalties`` on :func:`samepath.kernels.sampling.apply_penalties`:
+    the prompt tokens (``prompt_token_ids``, padded with the vocabulary size) and the output so far
+    (``output_token_ids``; -1 placeholders and padding count as nothing) per request."""
+    if sampling_metadata.no_penalties:
+        return logits
+    rows, vocab = logits.shape
+    device = logits.device
+    prompt = sampling_metadata.prompt_token_ids.to(device=device, dtype=torch.int64).clamp(0, vocab)
+    in_prompt = torch.zeros(rows, vocab + 1, dtype=torch.bool, device=device).scatter_(1, prompt, True)
+    width = max((len(tokens) for tokens in output_token_ids), default=0)
+    padded = [
+        [t if 0 <= t < vocab else vocab for t in tokens] + [vocab] * (width - len(tokens))
+        for tokens in output_token_ids
+    ]
+    counts = torch.zeros(rows, vocab + 1, dtype=torch.int32, device=device)
+    if width:
+        out = torch.tensor(padded, dtype=torch.int64).to(device)
+        counts.scatter_add_(1, out, torch.ones_like(out, dtype=torch.int32))
+    counts = counts[:, :vocab]
+    seen = in_prompt[:, :vocab] | (counts > 0)
+    return _kernel_apply_penalties(
+        logits,
+        seen,
+        counts,
+        sampling_metadata.presence_penalties[:rows].to(torch.float32),
+        sampling_metadata.frequency_penalties[:rows].to(torch.float32),
+        sampling_metadata.repetition_penalties[:rows].to(torch.float32),
+    )
+
+
 #: vLLM's logprobs modes whose values come after the sampler's logit edits.
 PROCESSED_MODES = ("processed_logprobs", "processed_logits")
 
 #: Request parameters whose logit edits samepath does not reproduce on the trainer side:
 #: (attribute, value meaning "off", what to say).
 _UNREPRODUCED_PARAMS = (
-    ("presence_penalty", 0.0, "presence penalty"),
-    ("frequency_penalty", 0.0, "frequency penalty"),
-    ("repetition_penalty", 1.0, "repetition penalty"),
     ("logit_bias", None, "logit bias"),
     ("allowed_token_ids", None, "allowed token ids"),
     ("bad_words", None, "bad words"),
@@ -168,8 +197,9 @@ def check_processed_sampling(params: Any, vllm_config: Any, *, sampling_masks: b
     trainer's :func:`samepath.processed_logprobs` cannot reproduce, when the engine reports
     processed log-probs (``logprobs_mode`` ``processed_logprobs`` / ``processed_logits``).
 
-    Reproduced: temperature (and greedy), ``min_tokens`` with the stop tokens, ``min_p``,
-    ``top_k``, ``top_p``. Refused: penalties, logit bias, allowed token ids, bad words,
+    Reproduced: temperature (and greedy), ``min_tokens`` with the stop tokens, the presence /
+    frequency / repetition penalties, ``min_p``, ``top_k``, ``top_p``. Refused: logit bias,
+    allowed token ids, bad words,
     structured outputs, the thinking-token budget, custom logits processors, speculative decoding,
     watermarking and vLLM's V2 model runner (samepath does not patch its sampler). With
     ``sampling_masks=False`` (an integration whose sampler's top-k / top-p / min-p steps are not
@@ -184,6 +214,9 @@ def check_processed_sampling(params: Any, vllm_config: Any, *, sampling_masks: b
         if value is not off and value != off and value not in ({}, []):
             problems.append(f"{name}={value!r} ({what})")
     if not sampling_masks:
+        for name, off in (("presence_penalty", 0.0), ("frequency_penalty", 0.0), ("repetition_penalty", 1.0)):
+            if getattr(params, name, off) not in (off, None):
+                problems.append(f"{name}={getattr(params, name)!r}")
         if getattr(params, "top_k", 0) not in (0, -1, None):
             problems.append(f"top_k={params.top_k!r}")
         if getattr(params, "top_p", 1.0) not in (1.0, None):
@@ -205,7 +238,11 @@ def check_processed_sampling(params: Any, vllm_config: Any, *, sampling_masks: b
             "samepath.processed_logprobs. Drop these settings, or start vLLM with "
             "logprobs_mode='raw_logprobs' (log-probs before any edit; the trainer's equal is "
             "samepath.logprobs(logits, tokens)); samepath reproduces temperature, min_tokens"
-            + (", min_p, top_k and top_p" if sampling_masks else " (this integration: not top_k, top_p, min_p)")
+            + (
+                ", penalties, min_p, top_k and top_p"
+                if sampling_masks
+                else " (this integration: not penalties, top_k, top_p, min_p)"
+            )
         )
 
 

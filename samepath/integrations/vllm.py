@@ -51,14 +51,16 @@ What :func:`install` replaces (every original recorded; :func:`uninstall` restor
   the trainer's equal is ``samepath.logprobs(logits, tokens, temperature)``. Under tensor
   parallelism vLLM gathers the vocabulary-parallel logits first, so these log-probs are unsharded.
   The draw itself is vLLM's: it decides *which* token is drawn, not the log-prob samepath reports.
-* **Sampling edits** — vLLM's top-k / top-p step (``topk_topp_sampler.apply_top_k_top_p``) and its
-  ``MinPLogitsProcessor.apply`` run :func:`samepath.sampling_keep_mask`, the function the trainer's
-  :func:`samepath.processed_logprobs` runs (with the stop-token mask of ``min_tokens`` and the
-  temperature division, which are vLLM's own exact ops): the processed log-probs of a request with
-  ``min_tokens``, ``min_p``, ``top_k``, ``top_p`` equal ``processed_logprobs`` with the same
-  parameters. In a processed logprobs mode, ``InputProcessor._validate_params`` refuses every other
-  edit at request time (:func:`samepath.integrations._vllm_common.check_processed_sampling`:
-  penalties, logit bias, allowed token ids, bad words, structured outputs, the thinking budget,
+* **Sampling edits** — vLLM's ``Sampler.apply_penalties`` runs
+  :func:`samepath.kernels.sampling.apply_penalties`, its top-k / top-p step
+  (``topk_topp_sampler.apply_top_k_top_p``) and ``MinPLogitsProcessor.apply`` run
+  :func:`samepath.sampling_keep_mask`: the functions the trainer's :func:`samepath.processed_logprobs`
+  runs (with the stop-token mask of ``min_tokens`` and the temperature division, which are vLLM's
+  own exact ops), so the processed log-probs of a request with ``min_tokens``, penalties,
+  ``min_p``, ``top_k``, ``top_p`` equal ``processed_logprobs`` with the same parameters. In a
+  processed logprobs mode, ``InputProcessor._validate_params`` refuses every other edit at
+  request time (:func:`samepath.integrations._vllm_common.check_processed_sampling`:
+  logit bias, allowed token ids, bad words, structured outputs, the thinking budget,
   custom logits processors, speculative decoding, watermarking, the V2 model runner).
 
 * **Coverage audit at load** — every model loader's ``load_model`` runs :func:`check_loaded_model`
@@ -116,6 +118,7 @@ from samepath.integrations._vllm_common import (
     min_p_mask,
     moe,
     optional_module,
+    penalties,
     release,
     rms_norm,
     rotary_cos_sin,
@@ -139,6 +142,7 @@ _compute_logprobs = compute_logprobs
 _has_dense_weight = has_dense_weight
 _top_k_top_p = top_k_top_p
 _min_p_mask = min_p_mask
+_penalties = penalties
 _check_processed_sampling = check_processed_sampling
 
 
@@ -762,6 +766,9 @@ def _patch_sampling_edits(patcher: _Patcher) -> bool:
             _check_processed_sampling(params, self.vllm_config)
         return result
 
+    from vllm.v1.sample.sampler import Sampler
+
+    patcher.set(Sampler, "apply_penalties", staticmethod(_penalties))
     patcher.set(topk_topp_sampler, "apply_top_k_top_p", _top_k_top_p)
     patcher.set(MinPLogitsProcessor, "apply", min_p_apply)
     patcher.set(InputProcessor, "_validate_params", validate_params)

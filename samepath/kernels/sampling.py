@@ -6,9 +6,10 @@ same edits to its own logits, bit for bit. samepath defines the edits it support
 vLLM plugin runs vLLM's edit steps through these functions, so both sides execute one definition:
 
 * :func:`sampling_keep_mask` — which tokens min-p, top-k and top-p keep, per row;
+* :func:`apply_penalties` — repetition, frequency and presence penalties, elementwise;
 * :func:`processed_logprobs` — the trainer's equal of vLLM's processed log-probs: stop tokens
-  masked while ``min_tokens`` is unmet, the temperature division, min-p, then top-k / top-p,
-  then :func:`samepath.token_logprobs`.
+  masked while ``min_tokens`` is unmet, the penalties, the temperature division, min-p, then
+  top-k / top-p, then :func:`samepath.token_logprobs`.
 
 The keep rule of one row ``z`` (fp32 logits after the temperature), with ``s`` its values sorted in
 descending order (``torch.sort``: the sorted values do not depend on how ties are ordered) and
@@ -52,7 +53,8 @@ SAMPLING_FORMULA = {
     "keep": "position j < k and e >= min_p; mass = fp32 sum of kept e, chunks in ascending order",
     "top_p": "run = carry + cumsum(kept e) per chunk; n = min(#keep, 1 + #(run < top_p * mass)); top_p >= 1: n = #keep",
     "threshold": "tokens with z >= s[max(n, 1) - 1] are kept (ties kept), the others become -inf",
-    "order": "stop tokens (min_tokens) -inf, fp32 division by the temperature tensor, min-p, then top-k/top-p",
+    "penalties": "z = where(seen, where(z > 0, z / rep, z * rep), z); z -= freq * count; z -= presence * (count > 0)",
+    "order": "stop tokens (min_tokens) -inf, penalties, fp32 division by the temperature tensor, min-p, top-k/top-p",
 }
 register_formula("sampling", SAMPLING_FORMULA)
 
@@ -179,6 +181,32 @@ def sampling_keep_mask(
     return keep.reshape(logits.shape)
 
 
+def apply_penalties(
+    logits: torch.Tensor,
+    seen: torch.Tensor,
+    output_counts: torch.Tensor,
+    presence_penalty: torch.Tensor,
+    frequency_penalty: torch.Tensor,
+    repetition_penalty: torch.Tensor,
+) -> torch.Tensor:
+    """Repetition, frequency and presence penalties on fp32 ``[R, V]`` logits, out of place.
+
+    ``seen`` ``[R, V]`` bool: the token occurs in the prompt or the output so far;
+    ``output_counts`` ``[R, V]`` int: its occurrences in the output so far; the penalties one fp32
+    value per row (``[R]``, off: 0, 0, 1). Elementwise IEEE ops in this order, the rule both sides
+    run::
+
+        z = where(seen, where(z > 0, z / repetition, z * repetition), z)
+        z = z - frequency * float(count)
+        z = z - presence * float(count > 0)
+    """
+    rep = repetition_penalty.reshape(-1, 1)
+    z = torch.where(seen, torch.where(logits > 0, logits / rep, logits * rep), logits)
+    counts = output_counts.to(torch.float32)
+    z = z - frequency_penalty.reshape(-1, 1) * counts
+    return z - presence_penalty.reshape(-1, 1) * (output_counts > 0).to(torch.float32)
+
+
 def _check_unit_float(value, name: str, low: float, low_open: bool) -> float | None:
     if value is None:
         return None
@@ -192,6 +220,23 @@ def _check_unit_float(value, name: str, low: float, low_open: bool) -> float | N
     return value
 
 
+def _penalty_history(
+    labels: torch.Tensor, prompt: list[int], vocab: int, ignore_index: int | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(seen, counts)`` ``[T, V]`` of one response: the prompt's tokens and ``labels[:t]``."""
+    steps, device = labels.shape[0], labels.device
+    tokens = labels.to(torch.int64)
+    if ignore_index is not None:
+        tokens = torch.where(tokens == ignore_index, vocab, tokens)
+    onehot = torch.zeros(steps, vocab + 1, dtype=torch.int32, device=device)
+    onehot.scatter_(1, tokens.clamp(0, vocab).unsqueeze(1), 1)
+    counts = (torch.cumsum(onehot, 0) - onehot)[:, :vocab]
+    in_prompt = torch.zeros(vocab, dtype=torch.bool, device=device)
+    if prompt:
+        in_prompt[torch.tensor(prompt, dtype=torch.int64, device=device)] = True
+    return in_prompt | (counts > 0), counts
+
+
 def processed_logprobs(
     logits: torch.Tensor,
     labels: torch.Tensor,
@@ -203,6 +248,10 @@ def processed_logprobs(
     min_tokens: int = 0,
     stop_token_ids: Sequence[int] = (),
     generated: torch.Tensor | None = None,
+    presence_penalty: float = 0.0,
+    frequency_penalty: float = 0.0,
+    repetition_penalty: float = 1.0,
+    prompt_token_ids: Sequence[int] | None = None,
     ignore_index: int | None = IGNORE_INDEX,
     validate: bool = True,
 ) -> torch.Tensor:
@@ -211,7 +260,8 @@ def processed_logprobs(
 
     vLLM's order, each step samepath's definition (the plugin runs vLLM's steps through the same
     functions): the logits widened to fp32; while fewer than ``min_tokens`` tokens were generated,
-    the ``stop_token_ids`` set to ``-inf``; the IEEE fp32 division by the temperature; min-p; top-k
+    the ``stop_token_ids`` set to ``-inf``; the penalties (:func:`apply_penalties`, over the
+    prompt and the response so far); the IEEE fp32 division by the temperature; min-p; top-k
     and top-p (:func:`sampling_keep_mask`, dropped tokens ``-inf``); then
     :func:`samepath.token_logprobs` at temperature 1.
 
@@ -232,6 +282,12 @@ def processed_logprobs(
         generated: ``[...]`` int, how many tokens the request had generated before each label
             (``labels``' shape); default: ``labels``' last dimension is the response from its
             first token (0, 1, 2, ...).
+        presence_penalty, frequency_penalty, repetition_penalty: the request's penalties (off: 0,
+            0, 1). With any of them on, ``labels`` must be one response ``[T]`` from its first
+            token (``generated`` not given; padding labelled ``ignore_index`` at the end) and
+            ``prompt_token_ids`` its prompt: the history of position ``t`` is the prompt and
+            ``labels[:t]``.
+        prompt_token_ids: the request's prompt (for the penalties).
         ignore_index, validate: as :func:`samepath.token_logprobs`.
 
     Returns:
@@ -265,6 +321,29 @@ def processed_logprobs(
         got = f"{generated.dtype} {tuple(generated.shape)}" if isinstance(generated, torch.Tensor) else generated
         raise ValueError(f"generated must be an int tensor of labels' shape {tuple(labels.shape)}, got {got}")
 
+    penalties = []
+    for name, value in (
+        ("presence_penalty", presence_penalty),
+        ("frequency_penalty", frequency_penalty),
+        ("repetition_penalty", repetition_penalty),
+    ):
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(float(value)):
+            raise ValueError(f"{name} must be a finite float, got {value!r}")
+        penalties.append(float(value))
+    if penalties[2] <= 0:
+        raise ValueError(f"repetition_penalty must be > 0, got {repetition_penalty!r}")
+    penalized = penalties != [0.0, 0.0, 1.0]
+    if penalized:
+        if labels.dim() != 1 or generated is not None:
+            raise ValueError(
+                "penalties need one response: labels [T] from its first token and no generated= "
+                f"(got labels of shape {tuple(labels.shape)}{', generated' if generated is not None else ''})"
+            )
+        if prompt_token_ids is None or any(
+            isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab for t in prompt_token_ids
+        ):
+            raise ValueError(f"prompt_token_ids must be the prompt's token ids in [0, {vocab}) with penalties")
+
     x = logits.float()
     greedy = temperature < MIN_TEMPERATURE
     # A temperature tensor, not a Python number: vLLM divides by its fp32 temperature tensor (torch
@@ -280,9 +359,16 @@ def processed_logprobs(
             is_stop = torch.zeros(vocab, dtype=torch.bool, device=logits.device)
             is_stop[stops] = True
             drop = (generated.to(logits.device) < min_tokens).unsqueeze(-1) & is_stop
-        if not greedy:
+        if penalized:
+            seen, counts = _penalty_history(labels, list(prompt_token_ids), vocab, ignore_index)
+            rows = labels.shape[0]
+            values = [torch.full((rows,), v, dtype=torch.float32, device=logits.device) for v in penalties]
+        if not greedy or penalized:
             z = x if drop is None else x.masked_fill(drop, float("-inf"))
-            z = z / divisor
+            if penalized:
+                z = apply_penalties(z, seen, counts, *values)
+            if not greedy:
+                z = z / divisor
             edits = []
             if min_p:
                 edits.append(dict(min_p=min_p))
@@ -290,16 +376,21 @@ def processed_logprobs(
             p = top_p if top_p is not None and top_p < 1.0 else None
             if k is not None or p is not None:
                 edits.append(dict(top_k=k, top_p=p))
-            for edit in edits:
+            for edit in edits if not greedy else ():
                 dropped = ~sampling_keep_mask(z, **edit)
                 z = z.masked_fill(dropped, float("-inf"))
                 drop = dropped if drop is None else drop | dropped
             del z
-    # The same values with autograd: the kept entries are x / T (the same division), the rest -inf.
-    z = x if greedy else x / divisor
+    # The same values with autograd: the kept entries are x (penalised) / T by the same ops, the
+    # rest -inf.
+    z = x
+    if penalized:
+        z = apply_penalties(z if drop is None else z.masked_fill(drop, float("-inf")), seen, counts, *values)
+    if not greedy:
+        z = z / divisor
     if drop is not None:
         z = z.masked_fill(drop, float("-inf"))
     return token_logprobs(z, labels, 1.0, ignore_index=ignore_index, validate=False)
 
 
-__all__ = ["SAMPLING_FORMULA", "processed_logprobs", "sampling_keep_mask"]
+__all__ = ["SAMPLING_FORMULA", "apply_penalties", "processed_logprobs", "sampling_keep_mask"]
