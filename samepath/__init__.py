@@ -3,8 +3,8 @@
 The public surface is small: the kernels (one schedule for every caller), the
 :func:`batch_invariant` context that routes torch's own matmuls and log-softmax to them, and
 :func:`fingerprint` / :func:`assert_same_numerics` to compare numerics between processes;
-:func:`processed_logprobs` reproduces a rollout's sampling edits (min_tokens, penalties, min-p,
-top-k, top-p) for processed log-probs.
+:func:`processed_logprobs` reproduces a rollout's sampling edits (allowed tokens, min_tokens,
+logit bias, penalties, min-p, top-k, top-p) for processed log-probs.
 See docs/numerics.md for the contract.
 """
 

@@ -802,9 +802,12 @@ SAMPLING_REQUESTS = [
     {},
     {"temperature": 0.0, "min_tokens": 4},
     {"repetition_penalty": 1.3, "presence_penalty": 0.4, "frequency_penalty": 0.3, "top_p": 0.95},
+    {"allowed_token_ids": list(range(0, VOCAB, 3)), "logit_bias": {3: 2.5, 30: -1.25}},
 ]
 #: The edit each request's negative control leaves out on the trainer side.
-SAMPLING_DROPPED = ["top_p", "top_k", "min_tokens", "min_p", "top_p", None, "min_tokens", "repetition_penalty"]
+SAMPLING_DROPPED = [
+    "top_p", "top_k", "min_tokens", "min_p", "top_p", None, "min_tokens", "repetition_penalty", "allowed_token_ids"
+]  # fmt: skip
 
 
 def test_vllm_sampling_edits_equal_processed_logprobs(tmp_path, hf_patched):
@@ -812,9 +815,9 @@ def test_vllm_sampling_edits_equal_processed_logprobs(tmp_path, hf_patched):
     (its generation config's ``eos_token_id``, masked while min_tokens is unmet even with
     ``ignore_eos``), min-p, all of them together, and repetition / presence / frequency penalties
     equal ``samepath.processed_logprobs`` on the trainer's logits with the same parameters, bit for
-    bit. Negative control per edit: the trainer without that edit differs. Edits samepath does not
-    reproduce (allowed token ids, logit bias) are refused when the request is made, naming the
-    parameter."""
+    bit, and so do allowed token ids with a logit bias. Negative control per edit: the trainer
+    without that edit differs. Edits samepath does not reproduce (bad words, the thinking budget)
+    are refused when the request is made, naming the parameter."""
     from samepath.check.harness import build_default_model
 
     model_dir = tmp_path / "with_eos"
@@ -826,7 +829,7 @@ def test_vllm_sampling_edits_equal_processed_logprobs(tmp_path, hf_patched):
             config["eos_token_id"] = EOS
             path.write_text(json.dumps(config))
     gen = torch.Generator().manual_seed(4)
-    batch = [torch.randint(1, VOCAB, (n,), generator=gen).tolist() for n in (5, 9, 1, 12, 17, 3, 8, 6)]
+    batch = [torch.randint(1, VOCAB, (n,), generator=gen).tolist() for n in (5, 9, 1, 12, 17, 3, 8, 6, 4)]
     spec = VLLMRolloutSpec(
         model=str(model_dir),
         dtype="bfloat16",
@@ -834,12 +837,12 @@ def test_vllm_sampling_edits_equal_processed_logprobs(tmp_path, hf_patched):
         new_tokens=NEW_TOKENS,
         temperature=SAMPLING_TEMPERATURE,
         sampling=SAMPLING_REQUESTS,
-        probe_refusals=[{"allowed_token_ids": [1, 2, 3]}, {"logit_bias": {3: 1.5}}],
+        probe_refusals=[{"bad_words": ["x"]}, {"thinking_token_budget": 4}],
     )
     result = run_vllm_rollout(spec)
-    assert result.refusals[0] and "allowed_token_ids=[1, 2, 3]" in result.refusals[0], result.refusals
-    assert result.refusals[1] and "logit_bias=" in result.refusals[1], result.refusals
-    assert "raw_logprobs" in result.refusals[0]
+    for refusal, name in zip(result.refusals, ["bad_words=['x']", "thinking_token_budget=4"], strict=True):
+        assert refusal and "samepath cannot reproduce" in refusal and name in refusal, result.refusals
+        assert "raw_logprobs" in refusal
 
     model = transformers.AutoModelForCausalLM.from_pretrained(
         str(model_dir), dtype=torch.bfloat16, attn_implementation="samepath"

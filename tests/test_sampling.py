@@ -273,8 +273,6 @@ def _params(**overrides):
 @pytest.mark.parametrize(
     "overrides",
     [
-        dict(logit_bias={3: 1.0}),
-        dict(allowed_token_ids=[1, 2]),
         dict(bad_words=["x"]),
         dict(structured_outputs=object()),
         dict(thinking_token_budget=8),
@@ -370,3 +368,29 @@ def test_penalties_need_one_response_and_its_prompt():
         samepath.processed_logprobs(
             logits, torch.zeros(6, dtype=torch.int64), repetition_penalty=0.0, prompt_token_ids=[]
         )
+
+
+def test_allowed_token_ids_and_logit_bias():
+    """Tokens outside allowed_token_ids are -inf before everything, biases are one fp32 addition
+    each (vLLM's ``logits[rows, ids] += bias``), in vLLM's order; without them the log-probs differ."""
+    logits = _logits(5, 30, seed=13).to(torch.bfloat16)
+    labels = torch.tensor([2, 4, 2, 9, 4])
+    kw = dict(allowed_token_ids=[2, 4, 9, 11], logit_bias={4: 1.5, 11: -3.25}, min_tokens=2, stop_token_ids=[9])
+    got = samepath.processed_logprobs(logits, labels, 0.9, top_p=0.9, **kw)
+    z = logits.float()
+    z[:, [0, 1, 3, 5, 6, 7, 8, 10, *range(12, 30)]] = float("-inf")
+    z[:2, 9] = float("-inf")
+    z[:, 4] += torch.tensor(1.5)
+    z[:, 11] += torch.tensor(-3.25)
+    z = z / torch.tensor([0.9])
+    z = top_k_top_p(z, None, torch.full((5,), 0.9))
+    with samepath.batch_invariant():
+        want = torch.log_softmax(z, -1).gather(1, labels[:, None])[:, 0]
+    assert torch.equal(got, want)
+    assert not torch.equal(
+        samepath.processed_logprobs(logits, labels, 0.9, top_p=0.9, min_tokens=2, stop_token_ids=[9]), got
+    )
+    with pytest.raises(ValueError, match="allowed_token_ids"):
+        samepath.processed_logprobs(logits, labels, allowed_token_ids=[])
+    with pytest.raises(ValueError, match="logit_bias"):
+        samepath.processed_logprobs(logits, labels, logit_bias={99: 1.0})

@@ -128,6 +128,13 @@ def run_vllm_rollout(spec: VLLMRolloutSpec, timeout: float = 1800.0) -> VLLMRoll
     )
 
 
+def _from_json(params: dict) -> dict:
+    """``SamplingParams`` overrides back from JSON (which made ``logit_bias``'s token ids strings)."""
+    if "logit_bias" in params:
+        return params | {"logit_bias": {int(t): b for t, b in params["logit_bias"].items()}}
+    return params
+
+
 def _child(spec: VLLMRolloutSpec) -> dict:
     if spec.samepath and not spec.entry_point:
         from samepath.integrations import vllm_plugin
@@ -166,7 +173,7 @@ def _child(spec: VLLMRolloutSpec) -> dict:
         top_k=0,
         top_p=1.0,
     )
-    overrides = iter(spec.sampling)
+    overrides = iter([_from_json(o) for o in spec.sampling])
     requests = []
     for batch in spec.batches:
         params = [SamplingParams(**(defaults | next(overrides, {}))) for _ in batch]
@@ -182,8 +189,7 @@ def _child(spec: VLLMRolloutSpec) -> dict:
             )
     refusals = []
     for probe in spec.probe_refusals:
-        if "logit_bias" in probe:  # JSON made the token ids strings
-            probe = probe | {"logit_bias": {int(t): b for t, b in probe["logit_bias"].items()}}
+        probe = _from_json(probe)
         try:
             prompt = [TokensPrompt(prompt_token_ids=spec.batches[0][0])]
             llm.generate(prompt, SamplingParams(**(defaults | probe)), use_tqdm=False)

@@ -184,8 +184,6 @@ PROCESSED_MODES = ("processed_logprobs", "processed_logits")
 #: Request parameters whose logit edits samepath does not reproduce on the trainer side:
 #: (attribute, value meaning "off", what to say).
 _UNREPRODUCED_PARAMS = (
-    ("logit_bias", None, "logit bias"),
-    ("allowed_token_ids", None, "allowed token ids"),
     ("bad_words", None, "bad words"),
     ("structured_outputs", None, "structured outputs (the grammar's token mask)"),
     ("thinking_token_budget", None, "the thinking-token budget"),
@@ -197,9 +195,9 @@ def check_processed_sampling(params: Any, vllm_config: Any, *, sampling_masks: b
     trainer's :func:`samepath.processed_logprobs` cannot reproduce, when the engine reports
     processed log-probs (``logprobs_mode`` ``processed_logprobs`` / ``processed_logits``).
 
-    Reproduced: temperature (and greedy), ``min_tokens`` with the stop tokens, the presence /
-    frequency / repetition penalties, ``min_p``, ``top_k``, ``top_p``. Refused: logit bias,
-    allowed token ids, bad words,
+    Reproduced: temperature (and greedy), ``allowed_token_ids``, ``min_tokens`` with the stop
+    tokens, ``logit_bias``, the presence / frequency / repetition penalties, ``min_p``, ``top_k``,
+    ``top_p``. Refused: bad words,
     structured outputs, the thinking-token budget, custom logits processors, speculative decoding,
     watermarking and vLLM's V2 model runner (samepath does not patch its sampler). With
     ``sampling_masks=False`` (an integration whose sampler's top-k / top-p / min-p steps are not
@@ -239,9 +237,9 @@ def check_processed_sampling(params: Any, vllm_config: Any, *, sampling_masks: b
             "logprobs_mode='raw_logprobs' (log-probs before any edit; the trainer's equal is "
             "samepath.logprobs(logits, tokens)); samepath reproduces temperature, min_tokens"
             + (
-                ", penalties, min_p, top_k and top_p"
+                ", allowed_token_ids, logit_bias, penalties, min_p, top_k and top_p"
                 if sampling_masks
-                else " (this integration: not penalties, top_k, top_p, min_p)"
+                else ", allowed_token_ids and logit_bias (this integration: not penalties, top_k, top_p, min_p)"
             )
         )
 

@@ -56,11 +56,12 @@ What :func:`install` replaces (every original recorded; :func:`uninstall` restor
   (``topk_topp_sampler.apply_top_k_top_p``) and ``MinPLogitsProcessor.apply`` run
   :func:`samepath.sampling_keep_mask`: the functions the trainer's :func:`samepath.processed_logprobs`
   runs (with the stop-token mask of ``min_tokens`` and the temperature division, which are vLLM's
-  own exact ops), so the processed log-probs of a request with ``min_tokens``, penalties,
+  own exact ops, as are its allowed-token mask and logit-bias addition), so the processed log-probs
+  of a request with ``allowed_token_ids``, ``min_tokens``, ``logit_bias``, penalties,
   ``min_p``, ``top_k``, ``top_p`` equal ``processed_logprobs`` with the same parameters. In a
   processed logprobs mode, ``InputProcessor._validate_params`` refuses every other edit at
   request time (:func:`samepath.integrations._vllm_common.check_processed_sampling`:
-  logit bias, allowed token ids, bad words, structured outputs, the thinking budget,
+  bad words, structured outputs, the thinking budget,
   custom logits processors, speculative decoding, watermarking, the V2 model runner).
 
 * **Coverage audit at load** — every model loader's ``load_model`` runs :func:`check_loaded_model`
@@ -761,10 +762,9 @@ def _patch_sampling_edits(patcher: _Patcher) -> bool:
     def validate_params(self, params, supported_tasks):
         from vllm import SamplingParams
 
-        result = original_validate(self, params, supported_tasks)
         if isinstance(params, SamplingParams):
             _check_processed_sampling(params, self.vllm_config)
-        return result
+        return original_validate(self, params, supported_tasks)
 
     from vllm.v1.sample.sampler import Sampler
 

@@ -54,7 +54,10 @@ SAMPLING_FORMULA = {
     "top_p": "run = carry + cumsum(kept e) per chunk; n = min(#keep, 1 + #(run < top_p * mass)); top_p >= 1: n = #keep",
     "threshold": "tokens with z >= s[max(n, 1) - 1] are kept (ties kept), the others become -inf",
     "penalties": "z = where(seen, where(z > 0, z / rep, z * rep), z); z -= freq * count; z -= presence * (count > 0)",
-    "order": "stop tokens (min_tokens) -inf, penalties, fp32 division by the temperature tensor, min-p, top-k/top-p",
+    "order": (
+        "allowed token ids and stop tokens (min_tokens) -inf, logit bias added, penalties, fp32 division by the "
+        "temperature tensor, min-p, top-k/top-p"
+    ),
 }
 register_formula("sampling", SAMPLING_FORMULA)
 
@@ -252,6 +255,8 @@ def processed_logprobs(
     frequency_penalty: float = 0.0,
     repetition_penalty: float = 1.0,
     prompt_token_ids: Sequence[int] | None = None,
+    logit_bias: dict[int, float] | None = None,
+    allowed_token_ids: Sequence[int] | None = None,
     ignore_index: int | None = IGNORE_INDEX,
     validate: bool = True,
 ) -> torch.Tensor:
@@ -259,11 +264,12 @@ def processed_logprobs(
     ``log p(label)`` under the distribution the rollout sampled from.
 
     vLLM's order, each step samepath's definition (the plugin runs vLLM's steps through the same
-    functions): the logits widened to fp32; while fewer than ``min_tokens`` tokens were generated,
-    the ``stop_token_ids`` set to ``-inf``; the penalties (:func:`apply_penalties`, over the
-    prompt and the response so far); the IEEE fp32 division by the temperature; min-p; top-k
-    and top-p (:func:`sampling_keep_mask`, dropped tokens ``-inf``); then
-    :func:`samepath.token_logprobs` at temperature 1.
+    functions): the logits widened to fp32; tokens outside ``allowed_token_ids`` set to ``-inf``;
+    while fewer than ``min_tokens`` tokens were generated, the ``stop_token_ids`` set to ``-inf``;
+    ``logit_bias`` added (one fp32 addition per biased token, as vLLM's); the penalties
+    (:func:`apply_penalties`, over the prompt and the response so far); the IEEE fp32 division by
+    the temperature; min-p; top-k and top-p (:func:`sampling_keep_mask`, dropped tokens
+    ``-inf``); then :func:`samepath.token_logprobs` at temperature 1.
 
     Args:
         logits: ``[..., V]`` the trainer's raw logits (fp32 / bf16 / fp16) at the positions that
@@ -288,6 +294,9 @@ def processed_logprobs(
             ``prompt_token_ids`` its prompt: the history of position ``t`` is the prompt and
             ``labels[:t]``.
         prompt_token_ids: the request's prompt (for the penalties).
+        logit_bias: the request's ``SamplingParams.logit_bias`` (token id -> bias, as vLLM holds
+            it: ``SamplingParams.from_optional`` clamps biases to [-100, 100]).
+        allowed_token_ids: the request's ``allowed_token_ids`` (``None``: all).
         ignore_index, validate: as :func:`samepath.token_logprobs`.
 
     Returns:
@@ -344,6 +353,22 @@ def processed_logprobs(
         ):
             raise ValueError(f"prompt_token_ids must be the prompt's token ids in [0, {vocab}) with penalties")
 
+    for name, ids in (("logit_bias", list(logit_bias or {})), ("allowed_token_ids", list(allowed_token_ids or []))):
+        if any(isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab for t in ids):
+            raise ValueError(f"{name} must hold token ids in [0, {vocab}), got {ids!r}")
+    if allowed_token_ids is not None and not list(allowed_token_ids):
+        raise ValueError("allowed_token_ids must not be empty (None: all tokens)")
+    bias = None
+    if logit_bias:
+        if any(
+            isinstance(b, bool) or not isinstance(b, (int, float)) or not math.isfinite(b) for b in logit_bias.values()
+        ):
+            raise ValueError(f"logit_bias values must be finite floats, got {logit_bias!r}")
+        index = torch.tensor(list(logit_bias), dtype=torch.int64, device=logits.device)
+        has_bias = torch.zeros(vocab, dtype=torch.bool, device=logits.device).index_fill_(0, index, True)
+        values = torch.tensor(list(logit_bias.values()), dtype=torch.float32, device=logits.device)
+        bias = (has_bias, torch.zeros(vocab, dtype=torch.float32, device=logits.device).index_copy_(0, index, values))
+
     x = logits.float()
     greedy = temperature < MIN_TEMPERATURE
     # A temperature tensor, not a Python number: vLLM divides by its fp32 temperature tensor (torch
@@ -351,6 +376,10 @@ def processed_logprobs(
     divisor = None if greedy else torch.full((1,), temperature, dtype=torch.float32, device=logits.device)
     drop = None
     with torch.no_grad():
+        if allowed_token_ids is not None:
+            allowed = torch.zeros(vocab, dtype=torch.bool, device=logits.device)
+            allowed[torch.tensor(list(allowed_token_ids), dtype=torch.int64, device=logits.device)] = True
+            drop = (~allowed).expand(logits.shape)
         if min_tokens > 0 and stops:
             if generated is None and labels.dim() == 0:
                 generated = torch.zeros((), dtype=torch.int64, device=logits.device)
@@ -358,13 +387,15 @@ def processed_logprobs(
                 generated = torch.arange(labels.shape[-1], device=logits.device).expand(labels.shape)
             is_stop = torch.zeros(vocab, dtype=torch.bool, device=logits.device)
             is_stop[stops] = True
-            drop = (generated.to(logits.device) < min_tokens).unsqueeze(-1) & is_stop
+            unmet = (generated.to(logits.device) < min_tokens).unsqueeze(-1) & is_stop
+            drop = unmet if drop is None else drop | unmet
         if penalized:
             seen, counts = _penalty_history(labels, list(prompt_token_ids), vocab, ignore_index)
             rows = labels.shape[0]
             values = [torch.full((rows,), v, dtype=torch.float32, device=logits.device) for v in penalties]
-        if not greedy or penalized:
-            z = x if drop is None else x.masked_fill(drop, float("-inf"))
+        if not greedy or penalized or bias is not None:
+            z = x if bias is None else torch.where(bias[0], x + bias[1], x)
+            z = z if drop is None else z.masked_fill(drop, float("-inf"))
             if penalized:
                 z = apply_penalties(z, seen, counts, *values)
             if not greedy:
@@ -383,7 +414,7 @@ def processed_logprobs(
             del z
     # The same values with autograd: the kept entries are x (penalised) / T by the same ops, the
     # rest -inf.
-    z = x
+    z = x if bias is None else torch.where(bias[0], x + bias[1], x)
     if penalized:
         z = apply_penalties(z if drop is None else z.masked_fill(drop, float("-inf")), seen, counts, *values)
     if not greedy:
