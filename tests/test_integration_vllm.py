@@ -862,7 +862,7 @@ def test_vllm_sampling_edits_equal_processed_logprobs(tmp_path, hf_patched):
         if "repetition_penalty" in kwargs:
             kwargs["prompt_token_ids"] = prompt
         trainer = samepath.processed_logprobs(logits, labels, **kwargs)
-        print(f"\n[sampling {params}] vLLM vs processed_logprobs: {fraction_equal([got], [trainer])}")
+        print(f"\n[sampling {sorted(params)}] vLLM vs processed_logprobs: {fraction_equal([got], [trainer])}")
         assert torch.equal(got, trainer), (params, got, trainer)
         if dropped is not None:
             control = {k: v for k, v in kwargs.items() if k != dropped and not k.endswith("penalty")}
