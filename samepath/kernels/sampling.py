@@ -7,9 +7,10 @@ vLLM plugin runs vLLM's edit steps through these functions, so both sides execut
 
 * :func:`sampling_keep_mask` — which tokens min-p, top-k and top-p keep, per row;
 * :func:`apply_penalties` — repetition, frequency and presence penalties, elementwise;
-* :func:`processed_logprobs` — the trainer's equal of vLLM's processed log-probs: stop tokens
-  masked while ``min_tokens`` is unmet, the penalties, the temperature division, min-p, then
-  top-k / top-p, then :func:`samepath.token_logprobs`.
+* :func:`processed_logprobs` — the trainer's equal of vLLM's processed log-probs: tokens outside
+  ``allowed_token_ids`` and (while ``min_tokens`` is unmet) stop tokens masked, ``logit_bias``
+  added, the penalties, the temperature division, min-p, then top-k / top-p, then
+  :func:`samepath.token_logprobs`.
 
 The keep rule of one row ``z`` (fp32 logits after the temperature), with ``s`` its values sorted in
 descending order (``torch.sort``: the sorted values do not depend on how ties are ordered) and
