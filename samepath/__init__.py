@@ -3,7 +3,9 @@
 The public surface is small: the kernels (one schedule for every caller), the
 :func:`batch_invariant` context that routes torch's own matmuls, (log-)softmax, sum and mean
 to them, and
-:func:`fingerprint` / :func:`assert_same_numerics` to compare numerics between processes.
+:func:`fingerprint` / :func:`assert_same_numerics` to compare numerics between processes;
+:func:`processed_logprobs` reproduces a rollout's sampling edits (allowed tokens, min_tokens,
+logit bias, penalties, min-p, top-k, top-p) for processed log-probs.
 See docs/numerics.md for the contract.
 """
 
@@ -15,6 +17,7 @@ from samepath.kernels.logprobs import linear_token_logprobs, log_softmax, token_
 from samepath.kernels.matmul import batch_invariant, linear, matmul
 from samepath.kernels.rms_norm import rms_norm
 from samepath.kernels.rotary import apply_rotary, rotary_cos_sin
+from samepath.kernels.sampling import processed_logprobs, sampling_keep_mask
 from samepath.kernels.swiglu import silu_mul, swiglu
 
 __version__ = "0.1.0"
@@ -52,8 +55,10 @@ __all__ = [
     "logprobs",
     "matmul",
     "paged_attention",
+    "processed_logprobs",
     "rms_norm",
     "rotary_cos_sin",
+    "sampling_keep_mask",
     "silu_mul",
     "swiglu",
     "token_logprobs",

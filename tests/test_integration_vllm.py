@@ -379,6 +379,39 @@ def test_install_and_uninstall_restore_vllm():
     assert not samepath_vllm.installed()
 
 
+def test_vllm_sampler_runs_samepaths_sampling_edits():
+    """With the plugin installed, vLLM's own top-k/top-p sampler (``TopKTopPSampler`` in the
+    processed_logprobs mode, the CPU path that also draws) and its min-p processor run samepath's
+    step functions: the processed log-probs it returns equal ``samepath.processed_logprobs`` per
+    request; uninstall restores vLLM's functions."""
+    from vllm.v1.sample.logits_processor.builtin import MinPLogitsProcessor
+    from vllm.v1.sample.ops import topk_topp_sampler
+
+    from samepath.integrations import vllm as samepath_vllm
+
+    originals = (topk_topp_sampler.apply_top_k_top_p, MinPLogitsProcessor.apply)
+    samepath_vllm.install()
+    try:
+        assert "sampling_edits" in samepath_vllm.INSTALLED
+        assert MinPLogitsProcessor.apply is not originals[1]
+        sampler = topk_topp_sampler.TopKTopPSampler("processed_logprobs")
+        gen = torch.Generator().manual_seed(5)
+        logits = (torch.randn(3, VOCAB, generator=gen) * 3).to(torch.bfloat16)
+        temperature = torch.tensor([0.7, 1.0, 1.2])
+        k = torch.tensor([VOCAB, 8, 30], dtype=torch.int32)
+        p = torch.tensor([0.9, 1.0, 0.75])
+        sampled, processed = sampler(logits.float() / temperature[:, None], {}, k, p)
+        requests = [dict(top_p=0.9), dict(top_k=8), dict(top_k=30, top_p=0.75)]
+        for row, (request, t) in enumerate(zip(requests, temperature.tolist(), strict=True)):
+            label = sampled[row : row + 1].long()
+            want = samepath.processed_logprobs(logits[row : row + 1], label, t, **request)
+            assert torch.equal(processed[row : row + 1].gather(1, label[:, None])[:, 0], want), request
+            assert torch.isfinite(want).all()
+    finally:
+        samepath_vllm.uninstall()
+    assert (topk_topp_sampler.apply_top_k_top_p, MinPLogitsProcessor.apply) == originals
+
+
 def _gpu_backend_case(impl_cls, metadata_cls, dtype: torch.dtype):
     """A decode, a chunked prefill over a cached prefix and a fresh prefill through a CUDA backend's
     patched ``do_kv_cache_update`` + ``forward`` on CPU tensors; each sequence's rows against the
@@ -852,3 +885,84 @@ def test_train_check_rollout_vllm(tmp_path, capsys):
     assert main([*argv, "--new-tokens", "2", "--json", str(out)]) == 0, capsys.readouterr()
     report = json.loads(out.read_text())
     assert report["bit_identical"] and all(s["bitwise_equal"] for s in report["runs"]["samepath"]["steps"])
+
+
+EOS = 7
+SAMPLING_TEMPERATURE = 0.8
+#: One request per supported edit (vLLM's SamplingParams overrides), all in one mixed batch; the
+#: greedy one makes vLLM take its mixed greedy/random path.
+SAMPLING_REQUESTS = [
+    {"top_p": 0.9},
+    {"top_k": 5},
+    {"min_tokens": 6},
+    {"min_p": 0.1},
+    {"top_k": 20, "top_p": 0.8, "min_p": 0.02, "min_tokens": 3},
+    {},
+    {"temperature": 0.0, "min_tokens": 4},
+    {"repetition_penalty": 1.3, "presence_penalty": 0.4, "frequency_penalty": 0.3, "top_p": 0.95},
+    {"allowed_token_ids": list(range(0, VOCAB, 3)), "logit_bias": {3: 2.5, 30: -1.25}},
+]
+#: The edit each request's negative control leaves out on the trainer side.
+SAMPLING_DROPPED = [
+    "top_p", "top_k", "min_tokens", "min_p", "top_p", None, "min_tokens", "repetition_penalty", "allowed_token_ids"
+]  # fmt: skip
+
+
+def test_vllm_sampling_edits_equal_processed_logprobs(tmp_path, hf_patched):
+    """vLLM's processed log-probs under top-p 0.9, top-k, min_tokens on a model with an EOS token
+    (its generation config's ``eos_token_id``, masked while min_tokens is unmet even with
+    ``ignore_eos``), min-p, all of them together, and repetition / presence / frequency penalties
+    equal ``samepath.processed_logprobs`` on the trainer's logits with the same parameters, bit for
+    bit, and so do allowed token ids with a logit bias. Negative control per edit: the trainer
+    without that edit differs. Edits samepath does not reproduce (bad words, the thinking budget)
+    are refused when the request is made, naming the parameter."""
+    from samepath.check.harness import build_default_model
+
+    model_dir = tmp_path / "with_eos"
+    build_default_model(str(model_dir))
+    for name in ("config.json", "generation_config.json"):
+        path = model_dir / name
+        if path.exists():
+            config = json.loads(path.read_text())
+            config["eos_token_id"] = EOS
+            path.write_text(json.dumps(config))
+    gen = torch.Generator().manual_seed(4)
+    batch = [torch.randint(1, VOCAB, (n,), generator=gen).tolist() for n in (5, 9, 1, 12, 17, 3, 8, 6, 4)]
+    spec = VLLMRolloutSpec(
+        model=str(model_dir),
+        dtype="bfloat16",
+        batches=[batch],
+        new_tokens=NEW_TOKENS,
+        temperature=SAMPLING_TEMPERATURE,
+        sampling=SAMPLING_REQUESTS,
+        probe_refusals=[{"bad_words": ["x"]}, {"thinking_token_budget": 4}],
+    )
+    result = run_vllm_rollout(spec)
+    for refusal, name in zip(result.refusals, ["bad_words=['x']", "thinking_token_budget=4"], strict=True):
+        assert refusal and "samepath cannot reproduce" in refusal and name in refusal, result.refusals
+        assert "raw_logprobs" in refusal
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        str(model_dir), dtype=torch.bfloat16, attn_implementation="samepath"
+    ).eval()
+    rollout = rollout_logprobs(result.requests)
+    for prompt, request, got, params, dropped in zip(
+        batch, result.requests, rollout, SAMPLING_REQUESTS, SAMPLING_DROPPED, strict=True
+    ):
+        assert len(request.tokens) == NEW_TOKENS
+        seq = torch.tensor(prompt + request.tokens)
+        with torch.no_grad():
+            logits = model(input_ids=seq[None], use_cache=False).logits[0, len(prompt) - 1 : -1]
+        labels = seq[len(prompt) :]
+        kwargs = {"temperature": SAMPLING_TEMPERATURE, **params}
+        if "min_tokens" in kwargs:
+            kwargs["stop_token_ids"] = [EOS]
+        if "repetition_penalty" in kwargs:
+            kwargs["prompt_token_ids"] = prompt
+        trainer = samepath.processed_logprobs(logits, labels, **kwargs)
+        print(f"\n[sampling {sorted(params)}] vLLM vs processed_logprobs: {fraction_equal([got], [trainer])}")
+        assert torch.equal(got, trainer), (params, got, trainer)
+        if dropped is not None:
+            control = {k: v for k, v in kwargs.items() if k != dropped and not k.endswith("penalty")}
+            without = samepath.processed_logprobs(logits, labels, **control)
+            assert not torch.equal(got, without), f"dropping {dropped} changed nothing for {params}"

@@ -437,6 +437,11 @@ def fake_vllm_ascend(monkeypatch: pytest.MonkeyPatch):
     if HAVE_VLLM_ASCEND or importlib.util.find_spec("vllm") is not None:
         pytest.skip("the fake module tree would shadow the installed vLLM / vllm-ascend")
     tree = _fake_tree()
+    processor = types.ModuleType("vllm.v1.engine.input_processor")
+    processor.InputProcessor = type(
+        "InputProcessor", (), {"_validate_params": lambda self, params, supported_tasks: None}
+    )
+    tree[processor.__name__] = processor
     for name, module in tree.items():
         monkeypatch.setitem(sys.modules, name, module)
     monkeypatch.delenv("VLLM_USE_V2_MODEL_RUNNER", raising=False)
@@ -466,7 +471,21 @@ def test_install_uninstall_fake_tree(fake_vllm_ascend, step128, monkeypatch: pyt
     vllm_ascend.install()
     vllm_ascend.install()
     assert vllm_ascend.installed()
-    assert vllm_ascend.INSTALLED == ["attention", "rms_norm", "rotary", "silu_mul", "linear", "moe", "sampler_logprobs"]
+    assert vllm_ascend.INSTALLED == [
+        "attention", "rms_norm", "rotary", "silu_mul", "linear", "moe", "sampler_logprobs", "sampling_refusals"
+    ]  # fmt: skip
+    # vllm-ascend's own top-p kernel is not samepath's: a processed-logprobs request with top_p is refused
+    processor = fake_vllm_ascend["vllm.v1.engine.input_processor"].InputProcessor()
+    processor.vllm_config = types.SimpleNamespace(
+        model_config=types.SimpleNamespace(logprobs_mode="processed_logprobs", logits_processors=None),
+        speculative_config=None,
+        use_v2_model_runner=False,
+    )
+    request = types.SimpleNamespace(top_p=0.9, top_k=0, min_p=0.0, min_tokens=0)
+    with pytest.raises(ValueError, match=r"top_p=0.9"):
+        processor._validate_params(request, ())
+    processor.vllm_config.model_config.logprobs_mode = "raw_logprobs"
+    processor._validate_params(request, ())
     patched = _attributes(fake_vllm_ascend)
     changed = {name for name in stock if patched[name] is not stock[name]}
     assert {

@@ -22,6 +22,13 @@ def _use_snippet() -> str:
     return match.group(1)
 
 
+def _processed_snippet() -> str:
+    text = README.read_text(encoding="utf-8")
+    blocks = [b for b in re.findall(r"```python\n(.*?)```", text, re.DOTALL) if "processed_logprobs(" in b]
+    assert len(blocks) == 1, "the README needs one processed_logprobs block"
+    return blocks[0]
+
+
 def test_the_use_snippet_runs_and_its_logdiff_is_zero() -> None:
     namespace: dict = {}
     try:
@@ -29,6 +36,8 @@ def test_the_use_snippet_runs_and_its_logdiff_is_zero() -> None:
     finally:
         integrations.unpatch_all()
     assert namespace["rollout_lp"].shape == (2, 6)
+    # the processed-log-probs snippet runs on the same names
+    exec(compile(_processed_snippet(), str(README), "exec"), namespace | {"eos_id": 2})
 
 
 def test_the_snippet_without_position_ids_is_refused() -> None:

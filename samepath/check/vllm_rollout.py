@@ -9,7 +9,9 @@ of prompt tokens served from the prefix cache, plus the child's ``samepath.finge
 
 Log-probs are vLLM's ``processed_logprobs``: the log-softmax of the fp32 logits after the
 temperature division — the same quantity as ``samepath.logprobs(logits, tokens, temperature)``
-on the trainer side (at temperature 1 and for greedy requests, the raw logits' log-softmax).
+on the trainer side (at temperature 1 and for greedy requests, the raw logits' log-softmax) —
+and, for requests with ``sampling`` overrides (min_tokens, min_p, top_k, top_p), after those
+edits too: ``samepath.processed_logprobs`` with the same parameters.
 With ``samepath=True`` the child sets ``SAMEPATH_VLLM=1`` and calls the plugin's ``register()``
 itself, so the entry point need not be installed (``entry_point=True`` leaves that to vLLM's
 plugin loader instead, with the engine core in its own process).
@@ -52,6 +54,12 @@ class VLLMRolloutSpec:
     #: Extra environment variables for the child (e.g. ``VLLM_CPU_OMP_THREADS_BIND``).
     env: dict = field(default_factory=dict)
     engine_args: dict = field(default_factory=dict)
+    #: Per-prompt ``SamplingParams`` overrides, in the order of the prompts across ``batches``
+    #: (e.g. ``{"top_p": 0.9}``, ``{"min_tokens": 4, "ignore_eos": False}``); missing: the defaults.
+    sampling: list[dict] = field(default_factory=list)
+    #: ``SamplingParams`` overrides each tried on the first prompt after the batches; the result
+    #: records the ``ValueError`` vLLM raised at request time (``None`` if it accepted the request).
+    probe_refusals: list[dict] = field(default_factory=list)
 
 
 @dataclass
@@ -69,6 +77,8 @@ class VLLMRolloutResult:
     #: ``samepath.kernels.config.model_fingerprint`` of the model vLLM loaded (when the engine ran
     #: in the child's own process, i.e. not with ``entry_point=True``)
     model_fingerprint: str | None = None
+    #: per ``probe_refusals`` entry, the message of the error vLLM raised, or ``None``
+    refusals: list[str | None] = field(default_factory=list)
 
 
 def entry_point_installed() -> bool:
@@ -113,7 +123,16 @@ def run_vllm_rollout(spec: VLLMRolloutSpec, timeout: float = 1800.0) -> VLLMRoll
         raise RuntimeError(f"the vLLM rollout failed (exit status {proc.returncode}):\n{proc.stderr[-6000:]}")
     document = json.loads(lines[-1].removeprefix(RESULT_PREFIX))
     requests = [VLLMRequestResult(**r) for r in document["requests"]]
-    return VLLMRolloutResult(requests, document["fingerprint"], document.get("model_fingerprint"))
+    return VLLMRolloutResult(
+        requests, document["fingerprint"], document.get("model_fingerprint"), document.get("refusals", [])
+    )
+
+
+def _from_json(params: dict) -> dict:
+    """``SamplingParams`` overrides back from JSON (which made ``logit_bias``'s token ids strings)."""
+    if "logit_bias" in params:
+        return params | {"logit_bias": {int(t): b for t, b in params["logit_bias"].items()}}
+    return params
 
 
 def _child(spec: VLLMRolloutSpec) -> dict:
@@ -142,19 +161,22 @@ def _child(spec: VLLMRolloutSpec) -> dict:
         **({"distributed_executor_backend": "mp"} if spec.tensor_parallel_size > 1 else {}),
         **({"enforce_eager": True} | spec.engine_args),
     )
-    params = SamplingParams(
+    defaults = dict(
         logprobs=0,
         detokenize=False,
         # ignore_eos fixes the length. Not min_tokens: while it is unmet vLLM sets the stop tokens'
-        # logits to -inf before the processed log-softmax, which the trainer does not.
+        # logits to -inf before the processed log-softmax (samepath.processed_logprobs does too;
+        # samepath.logprobs does not).
         ignore_eos=True,
         max_tokens=spec.new_tokens,
         temperature=spec.temperature,
         top_k=0,
         top_p=1.0,
     )
+    overrides = iter([_from_json(o) for o in spec.sampling])
     requests = []
     for batch in spec.batches:
+        params = [SamplingParams(**(defaults | next(overrides, {}))) for _ in batch]
         for out in llm.generate([TokensPrompt(prompt_token_ids=p) for p in batch], params, use_tqdm=False):
             completion = out.outputs[0]
             tokens = list(completion.token_ids)
@@ -165,6 +187,15 @@ def _child(spec: VLLMRolloutSpec) -> dict:
                     "cached_tokens": out.num_cached_tokens or 0,
                 }
             )
+    refusals = []
+    for probe in spec.probe_refusals:
+        probe = _from_json(probe)
+        try:
+            prompt = [TokensPrompt(prompt_token_ids=spec.batches[0][0])]
+            llm.generate(prompt, SamplingParams(**(defaults | probe)), use_tqdm=False)
+            refusals.append(None)
+        except ValueError as exc:
+            refusals.append(str(exc))
     fingerprint = model_fingerprint = None
     if spec.samepath:
         import samepath
@@ -177,7 +208,12 @@ def _child(spec: VLLMRolloutSpec) -> dict:
             model_fingerprint = None if loaded is None else model_hash(loaded)
         except ValueError:  # a model the user opted in off samepath's formulas
             model_fingerprint = None
-    return {"requests": requests, "fingerprint": fingerprint, "model_fingerprint": model_fingerprint}
+    return {
+        "requests": requests,
+        "fingerprint": fingerprint,
+        "model_fingerprint": model_fingerprint,
+        "refusals": refusals,
+    }
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -51,6 +51,18 @@ What :func:`install` replaces (every original recorded; :func:`uninstall` restor
   the trainer's equal is ``samepath.logprobs(logits, tokens, temperature)``. Under tensor
   parallelism vLLM gathers the vocabulary-parallel logits first, so these log-probs are unsharded.
   The draw itself is vLLM's: it decides *which* token is drawn, not the log-prob samepath reports.
+* **Sampling edits** — vLLM's ``Sampler.apply_penalties`` runs
+  :func:`samepath.kernels.sampling.apply_penalties`, its top-k / top-p step
+  (``topk_topp_sampler.apply_top_k_top_p``) and ``MinPLogitsProcessor.apply`` run
+  :func:`samepath.sampling_keep_mask`: the functions the trainer's :func:`samepath.processed_logprobs`
+  runs (with the stop-token mask of ``min_tokens`` and the temperature division, which are vLLM's
+  own exact ops, as are its allowed-token mask and logit-bias addition), so the processed log-probs
+  of a request with ``allowed_token_ids``, ``min_tokens``, ``logit_bias``, penalties,
+  ``min_p``, ``top_k``, ``top_p`` equal ``processed_logprobs`` with the same parameters. In a
+  processed logprobs mode, ``InputProcessor._validate_params`` refuses every other edit at
+  request time (:func:`samepath.integrations._vllm_common.check_processed_sampling`:
+  bad words, structured outputs, the thinking budget,
+  custom logits processors, speculative decoding, watermarking, the V2 model runner).
 
 * **Coverage audit at load** — every model loader's ``load_model`` runs :func:`check_loaded_model`
   on the model it built: :func:`samepath.integrations.audit.audit_vllm_model` classifies every
@@ -100,17 +112,21 @@ from samepath.integrations._vllm_common import (
     apply_patch_groups,
     apply_rotary,
     check_engine_batch_invariant_mode,
+    check_processed_sampling,
     claim,
     compute_logprobs,
     has_dense_weight,
     linear,
     loading_model_routing_fp32,
+    min_p_mask,
     moe,
     optional_module,
+    penalties,
     release,
     rms_norm,
     rotary_cos_sin,
     swiglu,
+    top_k_top_p,
     validate_metadata,
 )
 from samepath.kernels.attention import LaunchPlan, paged_attention, write_kv_cache
@@ -127,6 +143,10 @@ INSTALLED: list[str] = []
 _Patcher = Patcher
 _compute_logprobs = compute_logprobs
 _has_dense_weight = has_dense_weight
+_top_k_top_p = top_k_top_p
+_min_p_mask = min_p_mask
+_penalties = penalties
+_check_processed_sampling = check_processed_sampling
 
 
 def installed() -> bool:
@@ -733,6 +753,39 @@ def _patch_sampler(patcher: _Patcher) -> bool:
     return True
 
 
+def _patch_sampling_edits(patcher: _Patcher) -> bool:
+    """vLLM's top-k / top-p step (``apply_top_k_top_p``, looked up by name in
+    ``topk_topp_sampler`` by the native and CPU samplers) and its min-p processor on samepath's
+    :func:`~samepath.kernels.sampling.sampling_keep_mask`, the functions the trainer's
+    :func:`samepath.processed_logprobs` runs; and the request-time refusal of every other edit in
+    a processed logprobs mode (``InputProcessor._validate_params``)."""
+    from vllm.v1.engine.input_processor import InputProcessor
+    from vllm.v1.sample.logits_processor.builtin import MinPLogitsProcessor
+    from vllm.v1.sample.ops import topk_topp_sampler
+
+    def min_p_apply(self, logits):
+        if not self.min_p_count:
+            return logits
+        return _min_p_mask(logits, self.min_p)
+
+    original_validate = InputProcessor._validate_params
+
+    def validate_params(self, params, supported_tasks):
+        from vllm import SamplingParams
+
+        if isinstance(params, SamplingParams):
+            _check_processed_sampling(params, self.vllm_config)
+        return original_validate(self, params, supported_tasks)
+
+    from vllm.v1.sample.sampler import Sampler
+
+    patcher.set(Sampler, "apply_penalties", staticmethod(_penalties))
+    patcher.set(topk_topp_sampler, "apply_top_k_top_p", _top_k_top_p)
+    patcher.set(MinPLogitsProcessor, "apply", min_p_apply)
+    patcher.set(InputProcessor, "_validate_params", validate_params)
+    return True
+
+
 # ----------------------------------------------------------------------------------------------
 # Coverage audit at model load
 # ----------------------------------------------------------------------------------------------
@@ -945,6 +998,7 @@ _PATCH_GROUPS = [
     ("row_parallel", _patch_row_parallel),
     ("moe", _patch_moe),
     ("sampler_logprobs", _patch_sampler),
+    ("sampling_edits", _patch_sampling_edits),
     ("model_audit", _patch_model_loader),
 ]
 

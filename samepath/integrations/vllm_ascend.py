@@ -92,6 +92,7 @@ from samepath.integrations._vllm_common import (
     StepCache,
     apply_patch_groups,
     check_engine_batch_invariant_mode,
+    check_processed_sampling,
     claim,
     compute_logprobs,
     has_dense_weight,
@@ -876,6 +877,28 @@ def _patch_sampler(patcher: _Patcher) -> bool:
     return True
 
 
+def _patch_sampling_refusals(patcher: _Patcher) -> bool:
+    """In a processed logprobs mode, refuse at request time every sampling edit the trainer's
+    ``samepath.processed_logprobs`` would not reproduce here: vllm-ascend's top-k / top-p / min-p
+    steps are its own NPU kernels, not samepath's, so those are refused too (only temperature and
+    ``min_tokens`` are reproduced)."""
+    owner = getattr(optional_module("vllm.v1.engine.input_processor"), "InputProcessor", None)
+    if owner is None:  # older vLLM: the same hook on Processor
+        owner = getattr(optional_module("vllm.v1.engine.processor"), "Processor", None)
+    if owner is None or not hasattr(owner, "_validate_params"):
+        return False
+    original_validate = owner._validate_params
+
+    def validate_params(self, params, supported_tasks):
+        result = original_validate(self, params, supported_tasks)
+        if hasattr(params, "top_p"):  # SamplingParams, not PoolingParams
+            check_processed_sampling(params, self.vllm_config, sampling_masks=False)
+        return result
+
+    _set(patcher, owner, "_validate_params", validate_params)
+    return True
+
+
 _PATCH_GROUPS = [
     ("attention", _patch_attention),
     ("rms_norm", _patch_rms_norm),
@@ -884,6 +907,7 @@ _PATCH_GROUPS = [
     ("linear", _patch_linear),
     ("moe", _patch_moe),
     ("sampler_logprobs", _patch_sampler),
+    ("sampling_refusals", _patch_sampling_refusals),
 ]
 
 __all__ = [
