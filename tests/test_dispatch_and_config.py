@@ -92,7 +92,7 @@ def test_config_lookup_and_validation() -> None:
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
 def test_kernels_compile_for_hopper(dtype: torch.dtype) -> None:
     """Every kernel, as actually launched (paged and contiguous, forward and backward, sliding
-    window, KV segments serial and split with their merge, cache write), compiles to a cubin for
+    window, KV segments serial and split with their merge, cache write, the backward's row sum), compiles to a cubin for
     sm_90 with the device tile table."""
     batch = make_batch([20, 9], 4, 2, 80, dtype, seed=1)
     cuda_config = config_module.ATTENTION_TABLE["cuda", config_module.dtype_name(dtype), 128]
@@ -114,6 +114,7 @@ def test_kernels_compile_for_hopper(dtype: torch.dtype) -> None:
         "_attention_merge_kernel",
         "_attention_bwd_kernel",
         "_write_kv_cache_kernel",
+        "_row_sum_kernel",  # the backward's delta = rowsum(dO * O)
     }
 
 
