@@ -23,6 +23,7 @@ from samepath.kernels.config import (
     AttentionConfig,
     MatmulConfig,
     RowReduceConfig,
+    matmul_config,
     padded_head_size,
 )
 from samepath.kernels.dispatch import DualJITFunction
@@ -47,6 +48,12 @@ ALL_KERNELS = {
     "_rotary_kernel",
     "_shard_lse_kernel",
     "_merge_kernel",
+    "_row_sum_kernel",
+    "_softmax_kernel",
+    "_column_sum_kernel",
+    "_grouped_matmul_kernel",
+    "_grouped_weight_grad_kernel",
+    "_kept_count_kernel",
 }
 
 
@@ -236,6 +243,24 @@ def _run_every_kernel(dtype: torch.dtype, seed: int, attention_config: Attention
     lse = torch.randn(4, 120, generator=gen)
     zlab = torch.where(torch.rand(4, 120, generator=gen) < 0.25, float("-inf"), torch.randn(4, 120, generator=gen))
     results["merge_shard_lse"] = (merge_shard_lse(lse, zlab, torch.randint(0, 400, (120,), generator=gen), 100),)
+
+    rows = torch.randn(20, 300, generator=gen).to(dtype)
+    with samepath.batch_invariant():  # softmax, row sums and a 10-tile column sum
+        results["reductions"] = (torch.softmax(rows, -1), rows.sum(-1), rows.sum(0))
+    from samepath.kernels.grouped_matmul import expert_plan, grouped_linear, grouped_weight_grad
+    from samepath.kernels.sampling import sampling_keep_mask
+
+    index = torch.stack([torch.randperm(3, generator=gen)[:2] for _ in range(10)])
+    block_m = matmul_config(dtype, "cpu").block_m
+    plan = expert_plan(index, 3, block_m)
+    pairs = grouped_linear(
+        torch.randn(10, 40, generator=gen).to(dtype), rand(3, 64, 40).detach(), plan, rows_per_pair=False
+    )
+    results["grouped"] = (
+        pairs,
+        grouped_weight_grad(pairs, torch.randn(20, 40, generator=gen).to(dtype), plan, 3, rows_per_pair=True),
+    )
+    results["keep_mask"] = (sampling_keep_mask(rows.float(), top_k=50, top_p=0.9, min_p=0.01),)
     return {name: tuple(t.detach() for t in tensors) for name, tensors in results.items()}
 
 
