@@ -29,6 +29,8 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
+import types
 from importlib.metadata import entry_points
 
 import pytest
@@ -354,6 +356,53 @@ def test_install_refuses_a_different_fingerprint(monkeypatch):
     with pytest.raises(samepath.NumericsMismatchError):
         vllm_plugin.register()
     assert not samepath_vllm.installed()
+
+
+def test_install_pins_vllms_v1_model_runner(monkeypatch):
+    """vLLM 0.32 defaults to its V2 model runner wherever Triton has a driver (every CUDA GPU), whose
+    sampler samepath does not patch: install sets VLLM_USE_V2_MODEL_RUNNER=0 when it is unset (vLLM
+    then resolves it to the V1 runner) and uninstall removes it; asked for, V2 is refused before
+    anything is patched; a config that runs V2 anyway is refused by the load gate before loading."""
+    import vllm.envs
+    from vllm.model_executor.model_loader.base_loader import BaseModelLoader
+    from vllm.v1.sample.sampler import Sampler
+
+    from samepath.integrations import vllm as samepath_vllm
+    from samepath.integrations import vllm_plugin
+    from samepath.integrations._vllm_common import MODEL_RUNNER_ENV_VAR, ModelRunnerError
+
+    loads = []
+
+    class RecordingLoader(BaseModelLoader):
+        def download_model(self, model_config):
+            pass
+
+        def load_weights(self, model, model_config):
+            pass
+
+        def load_model(self, vllm_config, model_config, prefix=""):
+            loads.append(vllm_config)
+            return torch.nn.Identity()
+
+    monkeypatch.delenv(samepath_vllm.FINGERPRINT_ENV_VAR, raising=False)
+    monkeypatch.delenv(MODEL_RUNNER_ENV_VAR, raising=False)
+    original = Sampler.compute_logprobs
+    samepath_vllm.install()
+    try:
+        assert os.environ[MODEL_RUNNER_ENV_VAR] == "0"
+        assert vllm.envs.environment_variables[MODEL_RUNNER_ENV_VAR]() is False
+        with pytest.raises(ModelRunnerError, match="V2 model runner"):
+            RecordingLoader.load_model(object(), types.SimpleNamespace(use_v2_model_runner=True), None)
+        assert loads == []
+    finally:
+        samepath_vllm.uninstall()
+    assert MODEL_RUNNER_ENV_VAR not in os.environ
+
+    monkeypatch.setenv(MODEL_RUNNER_ENV_VAR, "1")
+    monkeypatch.setenv(samepath_vllm.ENV_VAR, "1")
+    with pytest.raises(ModelRunnerError, match=f"{MODEL_RUNNER_ENV_VAR}='1'"):
+        vllm_plugin.register()
+    assert not samepath_vllm.installed() and Sampler.compute_logprobs is original
 
 
 def test_install_and_uninstall_restore_vllm():

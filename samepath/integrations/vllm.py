@@ -63,6 +63,11 @@ What :func:`install` replaces (every original recorded; :func:`uninstall` restor
   request time (:func:`samepath.integrations._vllm_common.check_processed_sampling`:
   bad words, structured outputs, the thinking budget,
   custom logits processors, speculative decoding, watermarking, the V2 model runner).
+* **Model runner** — samepath patches the V1 model runner's sampler. vLLM 0.32 picks its V2
+  runner by default wherever Triton has a driver (every CUDA GPU), and the V2 sampler computes
+  even the raw log-probs with its own kernel: :func:`install` sets ``VLLM_USE_V2_MODEL_RUNNER=0``
+  when it is unset (the engine core and workers inherit it), refuses it set to anything else, and
+  the load gate refuses a config that runs the V2 runner anyway (watermarking, HiSparse).
 
 * **Coverage audit at load** — every model loader's ``load_model`` runs :func:`check_loaded_model`
   on the model it built: :func:`samepath.integrations.audit.audit_vllm_model` classifies every
@@ -113,6 +118,8 @@ from samepath.integrations._vllm_common import (
     apply_rotary,
     check_engine_batch_invariant_mode,
     check_processed_sampling,
+    check_v1_model_runner,
+    check_v1_model_runner_env,
     claim,
     compute_logprobs,
     has_dense_weight,
@@ -122,6 +129,7 @@ from samepath.integrations._vllm_common import (
     moe,
     optional_module,
     penalties,
+    pin_v1_model_runner,
     release,
     rms_norm,
     rotary_cos_sin,
@@ -163,6 +171,10 @@ def install() -> None:
         EngineBatchInvariantModeError: ``VLLM_BATCH_INVARIANT`` is on (see
             :func:`~samepath.integrations._vllm_common.check_engine_batch_invariant_mode`); nothing
             is patched then.
+        ModelRunnerError: ``VLLM_USE_V2_MODEL_RUNNER`` asks for the V2 model runner, whose sampler
+            samepath does not patch; nothing is patched then. Unset, it is set to ``0`` for this
+            process and the engine's children (:func:`~samepath.integrations._vllm_common.pin_v1_model_runner`),
+            and removed again by :func:`uninstall`.
         samepath.NumericsMismatchError: ``SAMEPATH_EXPECT_FINGERPRINT`` is another samepath's.
     """
     global _stack, _expected_fingerprint, _tensor_parallel_checked
@@ -170,6 +182,7 @@ def install() -> None:
         if _stack is not None:
             return
         check_engine_batch_invariant_mode("vLLM")
+        check_v1_model_runner_env("vLLM")
         expected = os.environ.get(FINGERPRINT_ENV_VAR) or None
         if expected and tensor_parallel_size_of(expected, MAX_TENSOR_PARALLEL_SIZE) is None:
             assert_same_numerics(expected)  # another samepath version or table: refused now
@@ -182,6 +195,7 @@ def install() -> None:
             raise
         stack.callback(release, "vllm")
         stack.callback(_step_plans.clear)
+        stack.callback(pin_v1_model_runner())
         _stack = stack
         logger.info("samepath installed in vLLM (pid %d): %s; fingerprint %s", os.getpid(), INSTALLED, fingerprint())
 
@@ -948,7 +962,9 @@ def check_loaded_model(model: torch.nn.Module, hf_config: Any, side: str = "vllm
 
 def _patch_model_loader(patcher: _Patcher, side: str = "vllm") -> bool:
     """Every vLLM model loader's ``load_model`` (``BaseModelLoader`` and the subclasses that
-    override it) runs :func:`check_loaded_model` on the model it returns, once."""
+    override it) refuses the V2 model runner's config before loading
+    (:func:`~samepath.integrations._vllm_common.check_v1_model_runner`) and runs
+    :func:`check_loaded_model` on the model it returns, once."""
     loader_module = optional_module("vllm.model_executor.model_loader")
     base_module = optional_module("vllm.model_executor.model_loader.base_loader")
     if loader_module is None or base_module is None:
@@ -956,6 +972,7 @@ def _patch_model_loader(patcher: _Patcher, side: str = "vllm") -> bool:
 
     def wrap(original):
         def load_model(self, *args, **kwargs):
+            check_v1_model_runner(kwargs.get("vllm_config", args[0] if args else None), "vLLM")
             model = original(self, *args, **kwargs)
             model_config = kwargs.get("model_config", args[1] if len(args) > 1 else None)
             if model_config is not None and not getattr(model, "_samepath_audited", False):

@@ -61,7 +61,8 @@ with samepath's, and whichever registered last would win.
 
 Limits: eager mode only (``enforce_eager=True``: ACL graphs replay captured kernels, and
 vllm-ascend's compile passes fuse qk-norm + rope and add + RMSNorm behind the patched ops), vLLM's
-V1 model runner (``VLLM_USE_V2_MODEL_RUNNER`` unset: the V2 runner has its own log-prob kernel),
+V1 model runner (``VLLM_USE_V2_MODEL_RUNNER`` set to anything but ``0`` is refused; unset, install sets
+it to ``0``: the V2 runner has its own log-prob kernel),
 no prefill/decode context parallelism (those impl classes override ``forward_impl``) and not the
 310P path (``vllm_ascend._310p``, NZ caches). None of this has run on an NPU yet: the metadata
 translation and the numerics are tested on the CPU (``tests/test_integration_vllm_ascend.py``);
@@ -88,16 +89,19 @@ import torch
 from samepath.integrations._vllm_common import (
     FINGERPRINT_ENV_VAR,
     EngineBatchInvariantModeError,
+    ModelRunnerError,
     Patcher,
     StepCache,
     apply_patch_groups,
     check_engine_batch_invariant_mode,
     check_processed_sampling,
+    check_v1_model_runner_env,
     claim,
     compute_logprobs,
     has_dense_weight,
     loading_model_routing_fp32,
     optional_module,
+    pin_v1_model_runner,
     release,
 )
 from samepath.integrations.moe import experts_forward, topk_softmax_routing
@@ -228,10 +232,10 @@ def check_compatibility(
         check_engine_batch_invariant_mode("vllm-ascend")
     except EngineBatchInvariantModeError as exc:
         raise UnsupportedVllmAscendError(str(exc)) from None
-    if os.environ.get("VLLM_USE_V2_MODEL_RUNNER", "0").strip().lower() not in ("", "0", "false"):
-        raise UnsupportedVllmAscendError(
-            "samepath's vllm-ascend integration covers vLLM's V1 model runner only; unset VLLM_USE_V2_MODEL_RUNNER"
-        )
+    try:
+        check_v1_model_runner_env("vllm-ascend")
+    except ModelRunnerError as exc:
+        raise UnsupportedVllmAscendError(str(exc)) from None
     missing = []
     for module_name, paths in REQUIRED_API.items():
         try:
@@ -502,6 +506,7 @@ def install() -> None:
         stack.callback(_ORIGINALS.clear)
         stack.callback(release, "vllm_ascend")
         stack.callback(_step_inputs.clear)
+        stack.callback(pin_v1_model_runner())
         _stack = stack
         logger.info(
             "samepath installed in vllm-ascend (pid %d): %s; fingerprint %s", os.getpid(), INSTALLED, fingerprint()
