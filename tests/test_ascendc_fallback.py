@@ -87,11 +87,13 @@ int main() {
         for (unsigned i = 0; i < kBWsCount; ++i) std::printf("field ws_offset[%u] %llu\n", i,
                                                              (unsigned long long)t.wsOffset[i]);
 #define B(name, field) std::printf("field " name " %lld\n", (long long)t.field)
-        B("ws_bytes_per_core", wsBytesPerCore); B("num_dq_tiles", numDqTiles); B("num_tokens", numTokens); B("num_heads", numHeads);
+        B("ws_bytes_per_core", wsBytesPerCore); B("num_dq_tiles", numDqTiles); B("num_tokens", numTokens);
+        B("num_heads", numHeads);
         B("num_kv_heads", numKvHeads); B("group", group); B("head_size", headSize); B("block_d", blockD);
         B("block_m", blockM); B("block_n", blockN); B("head_chunk", headChunk); B("block_q", blockQ);
         B("num_chunks", numChunks); B("num_seqs", numSeqs); B("num_programs", numPrograms);
-        B("num_items", numItems); B("num_cores", numCores); B("dtype", dtype); B("elem_bytes", elemBytes); B("causal", causal);
+        B("num_items", numItems); B("num_cores", numCores); B("dtype", dtype); B("elem_bytes", elemBytes);
+        B("causal", causal);
         B("has_window", hasWindow); B("sliding_window", slidingWindow); B("ub_bytes", ubBytes);
         B("ub_capacity", ubCapacity); B("row_bytes", rowBytes); B("copy_bytes", copyBytes); B("ub_row_gap", ubRowGap);
         std::printf("field qk_scale %u\nfield sm_scale %u\n", FloatBits(t.qkScale), FloatBits(t.smScale));
@@ -719,9 +721,46 @@ def _launch_problems(kernel: str, host: str, cmake: str) -> list[str]:
         or "at::empty({sysBytes + userBytes}" not in host
     ):
         problems.append("the workspace is not the platform's system workspace plus the user workspace")
-    ub = re.search(r"GetCoreMemSize\(platform_ascendc::CoreMemType::UB, (\w+)\)", host)
-    if not ub or f"params.ubCapacity = static_cast<uint32_t>({ub.group(1)});" not in host:
-        problems.append("the unified-buffer budget does not come from the platform")
+    problems += _shared_host_problems(host, "FlashAttentionFwd", "tilingDevice", "workspace", kernel)
+    return problems
+
+
+def _function(source: str, name: str) -> str:
+    """The body of the top-level C++ function ``name`` (up to the next line that is a lone ``}``)."""
+    match = re.search(r"\b" + name + r"\((.*?)\n\}\n", source, re.S)
+    return match.group(1) if match else ""
+
+
+def _shared_host_problems(host: str, function: str, tiling: str, workspace: str, kernel: str) -> list[str]:
+    """The host conventions both launches share: the unified-buffer budget from the platform, the one
+    workspace as the platform's system workspace plus the per-core staging, and a tiling buffer holding
+    one TCubeTiling per matmul object the kernel registers, in that order."""
+    problems = []
+    body = _function(host, function)
+    ub = _function(host, "UbCapacity")
+    if "GetCoreMemSize(platform_ascendc::CoreMemType::UB, ubCapacity)" not in ub or (
+        "params.ubCapacity = UbCapacity(platform);" not in body
+    ):
+        problems.append(f"{function}: the unified-buffer budget does not come from the platform")
+    launch_ws = _function(host, "LaunchWorkspace")
+    if not re.search(r"sysBytes = .*GetLibApiWorkSpaceSize\(\)", launch_ws) or (
+        "at::empty({sysBytes + userBytes}" not in launch_ws
+    ):
+        problems.append("the workspace is not the platform's system workspace plus the user workspace")
+    if not re.search(
+        rf"at::Tensor {workspace} = LaunchWorkspace\(platform, tiling.wsBytesPerCore, params.numCores", body
+    ):
+        problems.append(f"{function}: {workspace} is not LaunchWorkspace(...) for its tiling and cores")
+    cubes = re.search(rf"at::Tensor {tiling} =\s*TilingBuffer\(.*?\{{(\{{.*?\}})\}}, query.device\(\)\)", body, re.S)
+    written = len(re.findall(r"\{[^{}]*\}", cubes.group(1))) if cubes else 0
+    read = re.search(r"ReadTilingBuffer<sp::\w+, (\d+)>\(tilingGm, &tiling, cubes\)", kernel)
+    registered = re.search(r"REGIST_MATMUL_OBJ\(&pipe, GetSysWorkSpacePtr\(\), (.*?)\);", kernel)
+    objects = len(re.findall(r"&cubes\[(\d)\]", registered.group(1))) if registered else -1
+    if not read or not written or int(read.group(1)) != written or objects != written:
+        problems.append(
+            f"{function}: host writes {written} cube tilings, kernel reads {read and read.group(1)} "
+            f"for {objects} matmul objects"
+        )
     return problems
 
 
@@ -746,8 +785,12 @@ def test_launch_convention_check_catches_the_previous_layouts() -> None:
         "workspace.data_ptr(), tilingDevice.data_ptr()", "tilingDevice.data_ptr(), workspace.data_ptr()"
     )
     assert swapped != host and _launch_problems(kernel, swapped, cmake)
-    fixed_ub = host.replace("params.ubCapacity = static_cast<uint32_t>(ubCapacity);", "params.ubCapacity = 196608;")
+    fixed_ub = host.replace("params.ubCapacity = UbCapacity(platform);", "params.ubCapacity = 196608;", 1)
     assert fixed_ub != host and _launch_problems(kernel, fixed_ub, cmake)
+    no_sys = host.replace("return at::empty({sysBytes + userBytes}", "return at::empty({userBytes}")
+    assert no_sys != host and _launch_problems(kernel, no_sys, cmake)
+    one_cube = host.replace("{{m, n, d, false, true}, {m, d, n, false, false}}", "{{m, n, d, false, true}}")
+    assert one_cube != host and _launch_problems(kernel, one_cube, cmake)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -1196,8 +1239,21 @@ def test_backward_ranges_cpp_match_python(driver: Path) -> None:
         causal = rng.random() < 0.8
         window = rng.choice([0, 1, 7, 50]) if causal else 0
         kv_heads, chunks = rng.choice([1, 2, 8]), rng.choice([1, 2])
-        ranges.append((seq_len, rng.randrange(0, 1 + seq_len // min(bq, bn)), bq, bn, causal, window,
-                       rng.randrange(0, 500), kv_heads, rng.randrange(kv_heads), chunks, rng.randrange(chunks)))
+        ranges.append(
+            (
+                seq_len,
+                rng.randrange(0, 1 + seq_len // min(bq, bn)),
+                bq,
+                bn,
+                causal,
+                window,
+                rng.randrange(0, 500),
+                kv_heads,
+                rng.randrange(kv_heads),
+                chunks,
+                rng.randrange(chunks),
+            )
+        )
     text = f"ranges {len(ranges)}\n" + "\n".join(
         f"{s} {b} {q} {n} {int(c)} {int(w > 0)} {w} {st} {kh} {h} {nc} {ch}"
         for s, b, q, n, c, w, st, kh, h, nc, ch in ranges
@@ -1206,8 +1262,9 @@ def test_backward_ranges_cpp_match_python(driver: Path) -> None:
     python = []
     for s, b, q, n, c, w, st, kh, h, nc, ch in ranges:
         first, last = tiling.dq_contributors(b, q, n, s, c, w)
-        python.append((*tiling.bwd_query_blocks(s, b, n, q, c, w), first, last + 1,
-                       tiling.dq_tile_index(st, b, q, kh, h, nc, ch)))
+        python.append(
+            (*tiling.bwd_query_blocks(s, b, n, q, c, w), first, last + 1, tiling.dq_tile_index(st, b, q, kh, h, nc, ch))
+        )
     assert cpp == python
     for s, _, q, n, c, w, *_ in ranges[:300]:
         for qb in range(-(-s // q)):
@@ -1222,7 +1279,7 @@ def test_backward_ranges_cpp_match_python(driver: Path) -> None:
 
 
 def _bwd_launch_problems(kernel: str, host: str, cmake: str) -> list[str]:
-    """The backward kernels' launch convention (as :func:`_launch_problems` for the forward)."""
+    """The backward kernel's launch convention, as :func:`_launch_problems` checks the forward's."""
     problems = []
     signature = re.search(r'extern "C" __global__ __aicore__ void NAME\((.*?)\)', kernel, re.S)
     params = [p.split()[-1] for p in signature.group(1).replace("\\", " ").split(",")] if signature else []
@@ -1230,24 +1287,26 @@ def _bwd_launch_problems(kernel: str, host: str, cmake: str) -> list[str]:
         problems.append(f"backward kernel parameters {params}")
     if "SetSysWorkspace" in kernel or "GetUserWorkspace(workspace)" not in kernel:
         problems.append("backward workspace not taken with GetUserWorkspace")
+    if "REGIST_MATMUL_OBJ(&pipe, GetSysWorkSpacePtr()" not in kernel:
+        problems.append("backward matmuls not on GetSysWorkSpacePtr()")
+    if re.search(r"\bAtomic|SetAtomicAdd|atomic_", kernel):
+        problems.append("the backward uses atomics")
     library = re.search(r"ascendc_library\(samepath_ascendc_kernels STATIC([^)]*)\)", cmake)
     if not library or "flash_attention_bwd.cpp" not in library.group(1):
         problems.append("flash_attention_bwd.cpp is not in the kernel library")
-    kernels = set(re.findall(r"SAMEPATH_FLASH_ATTENTION_BWD_KERNEL\((samepath_\w+), \w+, \w+\)", kernel))
+    kernels = set(re.findall(r"SAMEPATH_FLASH_ATTENTION_BWD_KERNEL\((samepath_\w+), \w+\)", kernel))
+    args = re.search(r"bwdArgs\[\] = \{(.*?)\};", host, re.S)
+    names = [a.strip() for a in args.group(1).split(",")] if args else []
+    if len(names) != len(params) or names[-2:] != ["bwdWorkspace.data_ptr()", "bwdTiling.data_ptr()"]:
+        problems.append(f"host bwdArgs {names} do not match the kernel's {params}")
     launched = set()
-    for prefix in ("dq", "dkv"):
-        args = re.search(prefix + r"Args\[\] = \{(.*?)\};", host, re.S)
-        names = [a.strip() for a in args.group(1).split(",")] if args else []
-        if len(names) != len(params) or names[-2:] != [f"{prefix}Workspace.data_ptr()", f"{prefix}Tiling.data_ptr()"]:
-            problems.append(f"host {prefix}Args {names} do not match the kernel's {params}")
-        for name, passed in re.findall(
-            r"ACLRT_LAUNCH_KERNEL\((\w+)\)\(\s*blockDim" + prefix.capitalize() + r", stream,(.*?)\);", host, re.S
-        ):
-            launched.add(name)
-            if re.findall(prefix + r"Args\[(\d+)\]", passed) != [str(i) for i in range(len(names))]:
-                problems.append(f"{name} is not launched with {prefix}Args in order")
-    if launched != kernels or len(kernels) != 6:
+    for name, passed in re.findall(r"ACLRT_LAUNCH_KERNEL\((\w+)\)\(\s*blockDimBwd, stream,(.*?)\);", host, re.S):
+        launched.add(name)
+        if re.findall(r"bwdArgs\[(\d+)\]", passed) != [str(i) for i in range(len(names))]:
+            problems.append(f"{name} is not launched with bwdArgs in order")
+    if launched != kernels or len(kernels) != 3:
         problems.append(f"launched {sorted(launched)}, defined {sorted(kernels)}")
+    problems += _shared_host_problems(host, "FlashAttentionBwd", "bwdTiling", "bwdWorkspace", kernel)
     return problems
 
 
@@ -1255,11 +1314,16 @@ def test_backward_launch_convention_matches_the_generated_wrapper() -> None:
     kernel = (CSRC / "flash_attention_bwd.cpp").read_text()
     _, host, cmake = _sources()
     assert _bwd_launch_problems(kernel, host, cmake) == []
-    # Negative controls: a swapped launch argument and a kernel left out of the library are reported.
-    swapped = host.replace("dqWorkspace.data_ptr(), dqTiling.data_ptr()", "dqTiling.data_ptr(), dqWorkspace.data_ptr()")
+    # Negative controls: a swapped launch argument, a kernel left out of the library, a matmul tiling the
+    # host does not write, and an atomic are each reported.
+    swapped = host.replace("bwdWorkspace.data_ptr(),", "bwdTiling.data_ptr(),", 1)
     assert swapped != host and _bwd_launch_problems(kernel, swapped, cmake)
     dropped = cmake.replace("${CMAKE_CURRENT_SOURCE_DIR}/flash_attention_bwd.cpp", "")
     assert dropped != cmake and _bwd_launch_problems(kernel, host, dropped)
+    fewer = host.replace("{n, d, m, true, false}, ", "")
+    assert fewer != host and _bwd_launch_problems(kernel, fewer, cmake)
+    atomic = kernel.replace("counter.SetValue(0, turn + 1);", "SetAtomicAdd<int32_t>();")
+    assert atomic != kernel and _bwd_launch_problems(atomic, host, cmake)
 
 
 def test_backend_switch_routes_the_backward(monkeypatch) -> None:
