@@ -1,4 +1,11 @@
-"""The Ascend C FlashAttention forward replayed in numpy, step by step as ``csrc/flash_attention_fwd.cpp`` computes.
+"""The Ascend C FlashAttention replayed in numpy, step by step as ``csrc/flash_attention_fwd.cpp`` and
+``csrc/flash_attention_bwd.cpp`` compute.
+
+:func:`simulate_forward` replays the forward; :func:`simulate_backward` the one-pass backward of numerics
+version 3 (KV-tile work items on interleaved vector cores, dQ partials added in ascending KV-tile order
+under per-tile turn counters), bitwise the Triton backward under the interpreter; :func:`replay_delta`
+the row-sum kernel's ``delta``; :func:`simulate_backward_two_pass` numerics 2's backward, kept as a
+negative control.
 
 Without an NPU the kernel cannot run, but its schedule can: this module walks the same work items, in
 the same order, through the same tiling (:mod:`.tiling`, checked value for value against the C++

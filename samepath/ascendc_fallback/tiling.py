@@ -1,4 +1,7 @@
-"""The Ascend C FlashAttention forward's tiling, in Python: the same numbers as ``csrc/flash_attention_tiling.h``.
+"""The Ascend C FlashAttention's tiling, in Python: the same numbers as ``csrc/flash_attention_tiling.h``.
+
+The forward's is described here; the backward's (numerics version 3's one-pass schedule) is at the end
+(:func:`compute_bwd_tiling`, :func:`bwd_query_blocks`, :func:`dq_contributors`, :func:`dq_tile_index`).
 
 The kernel runs the schedule of samepath's Triton attention kernel (``samepath/kernels/attention.py``,
 numerics version 2, its serial-segment form):
