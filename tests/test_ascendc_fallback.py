@@ -486,6 +486,14 @@ def test_frozen_npu_tiles_fit_the_unified_buffer() -> None:
         for head_size in {block_d, max(16, block_d // 2 + 8)}:
             tiling.check_fits(head_size, cfg.block_m, cfg.tile_n, dtype)
             assert tiling.ub_bytes_needed(head_size, cfg.block_m, cfg.tile_n, dtype) <= tiling.UB_BYTES
+            # The backward's tiles too (one-pass kernel: K/V, dK/dV and the dQ row sums in the UB).
+            tiling.compute_bwd_tiling(
+                tiling.FlashAttentionBwdParams(
+                    num_tokens=64, num_heads=8, num_kv_heads=2, head_size=head_size, num_seqs=2,
+                    block_m=cfg.bwd_block_m, block_n=cfg.bwd_block_n, dtype=dtype, causal=True, sliding_window=0,
+                    num_cores=40, qk_scale=0.1, sm_scale=0.1,
+                )
+            )  # fmt: skip
     with pytest.raises(ValueError, match="tile_n = 64 with head_size = 256"):
         tiling.check_fits(256, 16, 64, "float32")
 
@@ -551,7 +559,14 @@ def test_switch_routes_every_attention_caller_and_changes_the_fingerprint(monkey
     triton_fingerprint = samepath.fingerprint()
     reference = samepath.varlen_attention(q, k, v, cu)
     monkeypatch.setenv(loader.BACKEND_ENV, "ascendc")
-    assert samepath.fingerprint() != triton_fingerprint
+    ascendc_fingerprint = samepath.fingerprint()
+    assert ascendc_fingerprint != triton_fingerprint
+    assert loader.backend_fingerprint()["backward_numerics_version"] == NUMERICS_VERSION
+    # The backward's schedule is part of it: another Ascend C backward is another fingerprint.
+    monkeypatch.setattr(loader, "ASCENDC_BACKWARD_SCHEDULE", loader.ASCENDC_BACKWARD_SCHEDULE + " (changed)")
+    assert samepath.fingerprint() != ascendc_fingerprint
+    monkeypatch.undo()
+    monkeypatch.setenv(loader.BACKEND_ENV, "ascendc")
     with pytest.raises(RuntimeError, match="NPU tensors only"):
         samepath.varlen_attention(q, k, v, cu)
     monkeypatch.setenv(loader.BACKEND_ENV, "triton")
