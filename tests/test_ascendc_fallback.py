@@ -1154,6 +1154,17 @@ def test_backward_replay_detects_another_schedule(monkeypatch) -> None:
         replay(dq_order="descending", num_cores=2)
 
 
+def test_backward_replay_with_the_kernel_forms_stays_close(monkeypatch) -> None:
+    """The kernel's instruction forms (exp2 as exp(x ln 2), acc + dot) on the same schedule: the same
+    gradient as the Triton backward within fp32 rounding (their device bits are proven only on an NPU)."""
+    from samepath.ascendc_fallback import simulate
+
+    monkeypatch.delenv(loader.BACKEND_ENV, raising=False)
+    expected, replay = _triton_and_replayed_backward("fp32_h80_group2_window")
+    for got, want in zip(replay(primitives=simulate.ASCENDC_FORMS), expected, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+
+
 def test_delta_replay_is_the_row_sum_kernel() -> None:
     """``replay_delta`` is bitwise ``reductions.row_sum`` (the launchers' delta); another chunk is not."""
     from samepath.ascendc_fallback import simulate
