@@ -1,4 +1,4 @@
-// Tiling of samepath's Ascend C FlashAttention forward: plain C++17, no CANN headers.
+// Tiling of samepath's Ascend C FlashAttention forward and backward: plain C++17, no CANN headers.
 //
 // One header for three users: the host binding (g++ / the CANN host compiler), the kernel
 // (bisheng, which defines SAMEPATH_TILING_FN as `__aicore__ inline` before including it), and the
@@ -10,7 +10,7 @@
 // KV positions cut into segments of seg positions and tiles of tile_n positions, both anchored at
 // position 0 of the sequence; a segment's softmax state starts fresh, its tiles are folded in
 // ascending order, and the segments are merged in ascending order, all by the one core that owns the
-// work item.
+// work item. The backward's section (at the end) is the one-pass schedule of numerics version 3.
 #ifndef SAMEPATH_ASCENDC_FLASH_ATTENTION_TILING_H
 #define SAMEPATH_ASCENDC_FLASH_ATTENTION_TILING_H
 
