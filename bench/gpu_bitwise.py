@@ -9,8 +9,9 @@ claims where the kernels are compiled, for fp32 / bf16 / fp16 and head sizes 64,
 * ``attention``: every row of ``varlen_attention`` (trainer) equals the row ``paged_attention``
   (rollout) returns for that token under one-shot prefill, chunked prefill (random chunks, then
   decode steps) and token-by-token decode, with shuffled batches and page sizes 16 / 128;
-* ``backward``: gradients of attention, linear, rms_norm, silu_mul and token_logprobs are equal
-  run to run;
+* ``attention_backward``: ``varlen_attention``'s gradients are equal run to run and with the batch
+  reversed (on the Ascend C backward when ``SAMEPATH_ATTENTION_BACKEND=ascendc``);
+* ``backward``: gradients of linear, rms_norm, silu_mul and token_logprobs are equal run to run;
 * ``split_k``: ``matmul(k_slices=S)`` equals the fp32 shard partials summed in rank order (what a
   TP-S row-parallel layer computes), and its rows do not depend on the batch;
 * ``rest``: ``linear``, ``token_logprobs``, ``log_softmax`` and ``rms_norm`` rows do not depend on
@@ -197,11 +198,12 @@ def _same(a: list[torch.Tensor], b: list[torch.Tensor]) -> int:
     return sum(not torch.equal(x, y) for x, y in zip(a, b, strict=True))
 
 
-def check_backward(device) -> list[dict]:
-    """Gradients equal run to run (no atomics, no order that depends on scheduling)."""
+def check_attention_backward(device) -> list[dict]:
+    """``varlen_attention``'s gradients equal run to run and with the batch reversed (no atomics, no order
+    that depends on scheduling), on the backend ``SAMEPATH_ATTENTION_BACKEND`` selects (the Ascend C
+    backward under ``ascendc``); negative control: half the forward's KV tile."""
     results = []
     lens = SIZE["bwd_lens"]
-    rows, hidden = SIZE["rows"], SIZE["hidden"]
     for dtype in DTYPES:
         tag = _name(dtype)
         for head in HEAD_SIZES:
@@ -234,6 +236,15 @@ def check_backward(device) -> list[dict]:
                     expect_diff=True,
                 )
             )
+    return results
+
+
+def check_backward(device) -> list[dict]:
+    """Gradients of linear, rms_norm, silu_mul and token_logprobs equal run to run."""
+    results = []
+    rows, hidden = SIZE["rows"], SIZE["hidden"]
+    for dtype in DTYPES:
+        tag = _name(dtype)
         gen = torch.Generator().manual_seed(11)
         x = torch.randn(rows, hidden, generator=gen).to(device, dtype).requires_grad_(True)
         w = (torch.randn(hidden // 2, hidden, generator=gen) * hidden**-0.5).to(device, dtype).requires_grad_(True)
@@ -554,6 +565,7 @@ CHECKS: dict[str, Callable[[torch.device], list[dict]]] = {
     "rest": check_rest,
     "lm_head": check_lm_head,
     "split_k": check_split_k,
+    "attention_backward": check_attention_backward,
     "backward": check_backward,
     "vllm": check_vllm,
 }

@@ -56,25 +56,17 @@ int main() {
         }
         return 0;
     }
-    if (std::strcmp(mode, "qmask") == 0) {
-        long long count; std::scanf("%lld", &count);
-        for (long long i = 0; i < count; ++i) {
-            long long posK, qStart, seqLen, window; unsigned blockM, causal, hasWindow;
-            std::scanf("%lld %lld %u %lld %u %u %lld", &posK, &qStart, &blockM, &seqLen, &causal, &hasWindow, &window);
-            std::printf("%llu\n", (unsigned long long)MaskedQueries(posK, qStart, blockM, seqLen, causal, hasWindow,
-                                                                   window));
-        }
-        return 0;
-    }
     if (std::strcmp(mode, "ranges") == 0) {
         long long count; std::scanf("%lld", &count);
         for (long long i = 0; i < count; ++i) {
-            long long seqLen, block, window; unsigned blockQ, blockN, causal, hasWindow;
-            std::scanf("%lld %lld %u %u %u %u %lld", &seqLen, &block, &blockQ, &blockN, &causal, &hasWindow, &window);
-            KvTileRange a = BwdKeyTiles(seqLen, block, blockQ, blockN, causal, hasWindow, window);
-            KvTileRange b = BwdQueryTiles(seqLen, block, blockN, blockQ, causal, hasWindow, window);
-            std::printf("%lld %lld %lld %lld\n", (long long)a.firstTileStart, (long long)a.kvEnd,
-                        (long long)b.firstTileStart, (long long)b.kvEnd);
+            long long seqLen, block, window, start; unsigned blockQ, blockN, causal, hasWindow, kvHeads, kvHead, chunks,
+                chunk;
+            std::scanf("%lld %lld %u %u %u %u %lld %lld %u %u %u %u", &seqLen, &block, &blockQ, &blockN, &causal,
+                       &hasWindow, &window, &start, &kvHeads, &kvHead, &chunks, &chunk);
+            BlockRange a = BwdQueryBlocks(seqLen, block, blockN, blockQ, causal, hasWindow, window);
+            BlockRange b = DqContributors(block, blockQ, blockN, seqLen, causal, hasWindow, window);
+            std::printf("%lld %lld %lld %lld %lld\n", (long long)a.begin, (long long)a.end, (long long)b.begin,
+                        (long long)b.end, (long long)DqTileIndex(start, block, blockQ, kvHeads, kvHead, chunks, chunk));
         }
         return 0;
     }
@@ -82,25 +74,26 @@ int main() {
         FlashAttentionBwdParams p{};
         for (int64_t& v : p.strides) { long long read; std::scanf("%lld", &read); v = read; }
         unsigned qkBits, smBits;
-        std::scanf("%u %u %u %u %u %u %u %u %u %d %u %u %u %u %u", &p.numTokens, &p.numHeads, &p.numKvHeads,
+        std::scanf("%u %u %u %u %u %u %u %u %u %d %u %u %u %u", &p.numTokens, &p.numHeads, &p.numKvHeads,
                    &p.headSize, &p.numSeqs, &p.blockM, &p.blockN, &p.dtype, &p.causal, &p.slidingWindow,
-                   &p.numCoresDq, &p.numCoresDkv, &p.ubCapacity, &qkBits, &smBits);
+                   &p.numCores, &p.ubCapacity, &qkBits, &smBits);
         std::memcpy(&p.qkScale, &qkBits, 4);
         std::memcpy(&p.smScale, &smBits, 4);
         FlashAttentionBwdTiling t{};
         int status = ComputeBwdTiling(p, &t);
         std::printf("status %d\n", status);
         if (status != kTilingOk) return 0;
-        for (int i = 0; i < 15; ++i) std::printf("field s%d %lld\n", i, (long long)t.strides[i]);
+        for (unsigned i = 0; i < kBwdStrideCount; ++i) std::printf("field s%u %lld\n", i, (long long)t.strides[i]);
         for (unsigned i = 0; i < kBWsCount; ++i) std::printf("field ws_offset[%u] %llu\n", i,
                                                              (unsigned long long)t.wsOffset[i]);
 #define B(name, field) std::printf("field " name " %lld\n", (long long)t.field)
-        B("ws_bytes_per_core", wsBytesPerCore); B("num_tokens", numTokens); B("num_heads", numHeads);
+        B("ws_bytes_per_core", wsBytesPerCore); B("num_dq_tiles", numDqTiles); B("num_tokens", numTokens);
+        B("num_heads", numHeads);
         B("num_kv_heads", numKvHeads); B("group", group); B("head_size", headSize); B("block_d", blockD);
         B("block_m", blockM); B("block_n", blockN); B("head_chunk", headChunk); B("block_q", blockQ);
-        B("num_chunks", numChunks); B("items_per_block", itemsPerBlock); B("num_seqs", numSeqs);
-        B("num_programs_dq", numProgramsDq); B("num_programs_dkv", numProgramsDkv); B("num_cores_dq", numCoresDq);
-        B("num_cores_dkv", numCoresDkv); B("dtype", dtype); B("elem_bytes", elemBytes); B("causal", causal);
+        B("num_chunks", numChunks); B("num_seqs", numSeqs); B("num_programs", numPrograms);
+        B("num_items", numItems); B("num_cores", numCores); B("dtype", dtype); B("elem_bytes", elemBytes);
+        B("causal", causal);
         B("has_window", hasWindow); B("sliding_window", slidingWindow); B("ub_bytes", ubBytes);
         B("ub_capacity", ubCapacity); B("row_bytes", rowBytes); B("copy_bytes", copyBytes); B("ub_row_gap", ubRowGap);
         std::printf("field qk_scale %u\nfield sm_scale %u\n", FloatBits(t.qkScale), FloatBits(t.smScale));
@@ -493,6 +486,14 @@ def test_frozen_npu_tiles_fit_the_unified_buffer() -> None:
         for head_size in {block_d, max(16, block_d // 2 + 8)}:
             tiling.check_fits(head_size, cfg.block_m, cfg.tile_n, dtype)
             assert tiling.ub_bytes_needed(head_size, cfg.block_m, cfg.tile_n, dtype) <= tiling.UB_BYTES
+            # The backward's tiles too (one-pass kernel: K/V, dK/dV and the dQ row sums in the UB).
+            tiling.compute_bwd_tiling(
+                tiling.FlashAttentionBwdParams(
+                    num_tokens=64, num_heads=8, num_kv_heads=2, head_size=head_size, num_seqs=2,
+                    block_m=cfg.bwd_block_m, block_n=cfg.bwd_block_n, dtype=dtype, causal=True, sliding_window=0,
+                    num_cores=40, qk_scale=0.1, sm_scale=0.1,
+                )
+            )  # fmt: skip
     with pytest.raises(ValueError, match="tile_n = 64 with head_size = 256"):
         tiling.check_fits(256, 16, 64, "float32")
 
@@ -558,7 +559,14 @@ def test_switch_routes_every_attention_caller_and_changes_the_fingerprint(monkey
     triton_fingerprint = samepath.fingerprint()
     reference = samepath.varlen_attention(q, k, v, cu)
     monkeypatch.setenv(loader.BACKEND_ENV, "ascendc")
-    assert samepath.fingerprint() != triton_fingerprint
+    ascendc_fingerprint = samepath.fingerprint()
+    assert ascendc_fingerprint != triton_fingerprint
+    assert loader.backend_fingerprint()["backward_numerics_version"] == NUMERICS_VERSION
+    # The backward's schedule is part of it: another Ascend C backward is another fingerprint.
+    monkeypatch.setattr(loader, "ASCENDC_BACKWARD_SCHEDULE", loader.ASCENDC_BACKWARD_SCHEDULE + " (changed)")
+    assert samepath.fingerprint() != ascendc_fingerprint
+    monkeypatch.undo()
+    monkeypatch.setenv(loader.BACKEND_ENV, "ascendc")
     with pytest.raises(RuntimeError, match="NPU tensors only"):
         samepath.varlen_attention(q, k, v, cu)
     monkeypatch.setenv(loader.BACKEND_ENV, "triton")
@@ -728,9 +736,46 @@ def _launch_problems(kernel: str, host: str, cmake: str) -> list[str]:
         or "at::empty({sysBytes + userBytes}" not in host
     ):
         problems.append("the workspace is not the platform's system workspace plus the user workspace")
-    ub = re.search(r"GetCoreMemSize\(platform_ascendc::CoreMemType::UB, (\w+)\)", host)
-    if not ub or f"params.ubCapacity = static_cast<uint32_t>({ub.group(1)});" not in host:
-        problems.append("the unified-buffer budget does not come from the platform")
+    problems += _shared_host_problems(host, "FlashAttentionFwd", "tilingDevice", "workspace", kernel)
+    return problems
+
+
+def _function(source: str, name: str) -> str:
+    """The body of the top-level C++ function ``name`` (up to the next line that is a lone ``}``)."""
+    match = re.search(r"\b" + name + r"\((.*?)\n\}\n", source, re.S)
+    return match.group(1) if match else ""
+
+
+def _shared_host_problems(host: str, function: str, tiling: str, workspace: str, kernel: str) -> list[str]:
+    """The host conventions both launches share: the unified-buffer budget from the platform, the one
+    workspace as the platform's system workspace plus the per-core staging, and a tiling buffer holding
+    one TCubeTiling per matmul object the kernel registers, in that order."""
+    problems = []
+    body = _function(host, function)
+    ub = _function(host, "UbCapacity")
+    if "GetCoreMemSize(platform_ascendc::CoreMemType::UB, ubCapacity)" not in ub or (
+        "params.ubCapacity = UbCapacity(platform);" not in body
+    ):
+        problems.append(f"{function}: the unified-buffer budget does not come from the platform")
+    launch_ws = _function(host, "LaunchWorkspace")
+    if not re.search(r"sysBytes = .*GetLibApiWorkSpaceSize\(\)", launch_ws) or (
+        "at::empty({sysBytes + userBytes}" not in launch_ws
+    ):
+        problems.append("the workspace is not the platform's system workspace plus the user workspace")
+    if not re.search(
+        rf"at::Tensor {workspace} = LaunchWorkspace\(platform, tiling.wsBytesPerCore, params.numCores", body
+    ):
+        problems.append(f"{function}: {workspace} is not LaunchWorkspace(...) for its tiling and cores")
+    cubes = re.search(rf"at::Tensor {tiling} =\s*TilingBuffer\(.*?\{{(\{{.*?\}})\}}, query.device\(\)\)", body, re.S)
+    written = len(re.findall(r"\{[^{}]*\}", cubes.group(1))) if cubes else 0
+    read = re.search(r"ReadTilingBuffer<sp::\w+, (\d+)>\(tilingGm, &tiling, cubes\)", kernel)
+    registered = re.search(r"REGIST_MATMUL_OBJ\(&pipe, GetSysWorkSpacePtr\(\), (.*?)\);", kernel)
+    objects = len(re.findall(r"&cubes\[(\d)\]", registered.group(1))) if registered else -1
+    if not read or not written or int(read.group(1)) != written or objects != written:
+        problems.append(
+            f"{function}: host writes {written} cube tilings, kernel reads {read and read.group(1)} "
+            f"for {objects} matmul objects"
+        )
     return problems
 
 
@@ -755,8 +800,12 @@ def test_launch_convention_check_catches_the_previous_layouts() -> None:
         "workspace.data_ptr(), tilingDevice.data_ptr()", "tilingDevice.data_ptr(), workspace.data_ptr()"
     )
     assert swapped != host and _launch_problems(kernel, swapped, cmake)
-    fixed_ub = host.replace("params.ubCapacity = static_cast<uint32_t>(ubCapacity);", "params.ubCapacity = 196608;")
+    fixed_ub = host.replace("params.ubCapacity = UbCapacity(platform);", "params.ubCapacity = 196608;", 1)
     assert fixed_ub != host and _launch_problems(kernel, fixed_ub, cmake)
+    no_sys = host.replace("return at::empty({sysBytes + userBytes}", "return at::empty({userBytes}")
+    assert no_sys != host and _launch_problems(kernel, no_sys, cmake)
+    one_cube = host.replace("{{m, n, d, false, true}, {m, d, n, false, false}}", "{{m, n, d, false, true}}")
+    assert one_cube != host and _launch_problems(kernel, one_cube, cmake)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -1020,12 +1069,29 @@ def test_ascendc_formula_forms_stay_close_to_fp64(monkeypatch) -> None:
 # ----------------------------------------------------------------------------------------------
 
 
-def _triton_and_replayed_backward(case: dict):
-    """The Triton backward's ``(dq, dk, dv)`` for ``case`` and a function replaying it with changed tiles."""
+_BWD_RESULTS: dict[str, tuple] = {}
+
+BWD_CASES = {
+    "fp32_h64_group2": {"dtype": torch.float32, "heads": 4, "kv_heads": 2, "head": 64, "lens": [37, 20]},
+    "bf16_h80_group4_window": {
+        "dtype": torch.bfloat16, "heads": 4, "kv_heads": 1, "head": 80, "lens": [33, 5, 18], "window": 20,
+    },
+    "fp16_h128_mha_noncausal": {"dtype": torch.float16, "heads": 2, "kv_heads": 2, "head": 128, "lens": [21, 3],
+                                "causal": False},
+    "bf16_h64_group20_two_chunks": {"dtype": torch.bfloat16, "heads": 20, "kv_heads": 1, "head": 64, "lens": [7, 19]},
+    "fp32_h80_group2_window": {"dtype": torch.float32, "heads": 4, "kv_heads": 2, "head": 80, "lens": [50],
+                               "window": 17},
+}  # fmt: skip
+
+
+def _triton_and_replayed_backward(name: str):
+    """The Triton backward's ``(dq, dk, dv)`` for ``BWD_CASES[name]`` (once per case) and a function replaying
+    the Ascend C backward with changed tiles or order."""
     from samepath.ascendc_fallback import simulate
     from samepath.kernels.attention import _attention_backward, _launch_forward
-    from samepath.kernels.config import AttentionConfig
+    from samepath.kernels.config import AttentionConfig, row_reduce_config
 
+    case = BWD_CASES[name]
     gen = torch.Generator().manual_seed(3)
     dtype, head, lens = case["dtype"], case["head"], case["lens"]
     q, k, v, grad = (
@@ -1037,30 +1103,88 @@ def _triton_and_replayed_backward(case: dict):
     config = AttentionConfig(block_m=16, tile_n=32, seg=64, bwd_block_m=16, bwd_block_n=16)
     out = torch.empty_like(q)
     lse = _launch_forward(q, k, v, cu, cu, cu[1:] - cu[:-1], None, scale, causal, window, config, True, out)
-    expected = _attention_backward(q, k, v, out, lse, grad, cu, scale, causal, window, config)
-    delta = (grad.float() * out.float()).sum(-1)
+    if name not in _BWD_RESULTS:
+        _BWD_RESULTS[name] = _attention_backward(q, k, v, out, lse, grad, cu, scale, causal, window, config)
+    delta = simulate.replay_delta(grad, out, row_reduce_config("cpu").vocab_chunk)
 
-    def replayed(**change):
+    def replayed(two_pass: bool = False, **change):
         tiles = {"bwd_block_m": 16, "bwd_block_n": 16, **change}
-        return simulate.simulate_backward(q, k, v, lse, delta, grad, cu, scale, causal, window, **tiles)
+        run = simulate.simulate_backward_two_pass if two_pass else simulate.simulate_backward
+        return run(q, k, v, lse, delta, grad, cu, scale, causal, window, **tiles)
 
-    return expected, replayed
+    return _BWD_RESULTS[name], replayed
 
 
-def test_backward_replay_is_the_two_pass_schedule_so_the_backend_refuses_training(monkeypatch) -> None:
-    """The Ascend C backward replays numerics version 2's two-pass backward; the Triton backward is
-    version 3's one-pass schedule, whose sums run in another order: the replay differs, and
-    ``check_backward_schedule`` refuses the Ascend C backward (fail closed) until it is ported."""
+@pytest.mark.parametrize("name", list(BWD_CASES))
+def test_backward_replay_equals_the_triton_backward(monkeypatch, name: str) -> None:
+    """The one-pass Ascend C backward, replayed step by step, is bitwise the Triton backward (numerics 3)."""
     monkeypatch.delenv(loader.BACKEND_ENV, raising=False)
-    case = {"dtype": torch.float32, "heads": 4, "kv_heads": 2, "head": 64, "lens": [37, 20]}
-    (dq, dk, dv), replay = _triton_and_replayed_backward(case)
-    replayed = replay()
-    assert not torch.equal(dq, replayed[0]) and not torch.equal(dk, replayed[1])
-    for got, want in zip(replayed, (dq, dk, dv), strict=True):
-        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)  # the same gradient, other roundings
-    loader.check_backward_schedule(loader.ASCENDC_BACKWARD_SCHEDULE_VERSION)
-    with pytest.raises(RuntimeError, match=r"refused until csrc/flash_attention_bwd\.cpp is ported"):
-        loader.check_backward_schedule()
+    expected, replay = _triton_and_replayed_backward(name)
+    for grad_name, got, want in zip(("dq", "dk", "dv"), replay(), expected, strict=True):
+        assert torch.equal(got, want), grad_name
+
+
+def test_backward_replay_does_not_depend_on_the_core_count(monkeypatch) -> None:
+    """The dQ turns order the partials whatever the cores interleave: 1, 2 or 7 cores, the same bits."""
+    monkeypatch.delenv(loader.BACKEND_ENV, raising=False)
+    expected, replay = _triton_and_replayed_backward("bf16_h80_group4_window")
+    for cores in (1, 2, 7):
+        assert all(torch.equal(a, b) for a, b in zip(replay(num_cores=cores), expected, strict=True)), cores
+
+
+def test_backward_replay_detects_another_schedule(monkeypatch) -> None:
+    """Negative controls: numerics 2's two-pass order, another KV tile, another query tile, and dQ partials
+    summed from the last KV tile down each give other bits (and the same gradient within rounding)."""
+    monkeypatch.delenv(loader.BACKEND_ENV, raising=False)
+    (dq, dk, dv), replay = _triton_and_replayed_backward("fp32_h64_group2")
+    two_pass = replay(two_pass=True)
+    assert not torch.equal(two_pass[0], dq) and not torch.equal(two_pass[1], dk)
+    other_tile = replay(bwd_block_n=32)  # other dQ partials; dK/dV still sum the same query tiles
+    assert not torch.equal(other_tile[0], dq)
+    other_rows = replay(bwd_block_m=32)  # other query tiles: other dK/dV sums
+    assert not torch.equal(other_rows[1], dk) and not torch.equal(other_rows[2], dv)
+    # From the last KV tile down works only when every item has its own core (items are taken ascending).
+    descending = replay(dq_order="descending", num_cores=4096)
+    assert not torch.equal(descending[0], dq)
+    assert torch.equal(descending[1], dk) and torch.equal(descending[2], dv)  # only dQ's order changed
+    for got in (two_pass, other_tile, other_rows, descending):
+        for a, b in zip(got, (dq, dk, dv), strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    with pytest.raises(RuntimeError, match="deadlocked"):  # and the replay sees the cores wait for each other
+        replay(dq_order="descending", num_cores=2)
+
+
+def test_backward_replay_with_the_kernel_forms_stays_close(monkeypatch) -> None:
+    """The kernel's instruction forms (exp2 as exp(x ln 2), acc + dot) on the same schedule: the same
+    gradient as the Triton backward within fp32 rounding (their device bits are proven only on an NPU)."""
+    from samepath.ascendc_fallback import simulate
+
+    monkeypatch.delenv(loader.BACKEND_ENV, raising=False)
+    expected, replay = _triton_and_replayed_backward("fp32_h80_group2_window")
+    for got, want in zip(replay(primitives=simulate.ASCENDC_FORMS), expected, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+
+
+def test_delta_replay_is_the_row_sum_kernel() -> None:
+    """``replay_delta`` is bitwise ``reductions.row_sum`` (the launchers' delta); another chunk is not."""
+    from samepath.ascendc_fallback import simulate
+    from samepath.kernels.config import row_reduce_config
+    from samepath.kernels.reductions import row_sum
+
+    gen = torch.Generator().manual_seed(8)
+    grad, out = (torch.randn(40, 3, 80, generator=gen).to(torch.bfloat16) for _ in range(2))
+    expected = row_sum(grad.float() * out.float())
+    assert torch.equal(simulate.replay_delta(grad, out, row_reduce_config("cpu").vocab_chunk), expected)
+    assert not torch.equal(simulate.replay_delta(grad, out, 8), expected)
+
+
+def test_backward_schedule_guard_accepts_numerics_3_and_refuses_a_future_version() -> None:
+    assert loader.ASCENDC_BACKWARD_SCHEDULE_VERSION == NUMERICS_VERSION == 3
+    loader.check_backward_schedule()
+    loader.check_backward_schedule(3)
+    for other in (2, 4):
+        with pytest.raises(RuntimeError, match="training on this backend is refused"):
+            loader.check_backward_schedule(other)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -1071,11 +1195,11 @@ def test_backward_replay_is_the_two_pass_schedule_so_the_backend_refuses_trainin
 def _bwd_params(**change) -> tiling.FlashAttentionBwdParams:
     query, key = torch.empty(300, 6, 80), torch.empty(300, 2, 80)
     strides = (*query.stride()[:2], *key.stride()[:2], *key.stride()[:2], *query.stride()[:2])
-    strides += (*query.stride()[:2], *key.stride()[:2], *key.stride()[:2], 6)
+    strides += (*query.stride()[:2], *key.stride()[:2], *key.stride()[:2], *query.stride()[:2], 6)
     base = {
         "num_tokens": 300, "num_heads": 6, "num_kv_heads": 2, "head_size": 80, "num_seqs": 3, "block_m": 16,
-        "block_n": 32, "dtype": "bfloat16", "causal": True, "sliding_window": 0, "num_cores_dq": 40,
-        "num_cores_dkv": 38, "qk_scale": 80**-0.5 * 1.4426950408889634, "sm_scale": 80**-0.5, "strides": strides,
+        "block_n": 32, "dtype": "bfloat16", "causal": True, "sliding_window": 0, "num_cores": 40,
+        "qk_scale": 80**-0.5 * 1.4426950408889634, "sm_scale": 80**-0.5, "strides": strides,
     }  # fmt: skip
     return tiling.FlashAttentionBwdParams(**{**base, **change})
 
@@ -1083,7 +1207,7 @@ def _bwd_params(**change) -> tiling.FlashAttentionBwdParams:
 def _cpp_bwd_tiling(exe: Path, p: tiling.FlashAttentionBwdParams) -> tuple[int, dict[str, int]]:
     bits = [struct.unpack("<I", struct.pack("<f", x))[0] for x in (p.qk_scale, p.sm_scale)]
     numbers = [*p.strides, p.num_tokens, p.num_heads, p.num_kv_heads, p.head_size, p.num_seqs, p.block_m, p.block_n]
-    numbers += [tiling.DTYPE_CODES[p.dtype], int(p.causal), p.sliding_window, p.num_cores_dq, p.num_cores_dkv]
+    numbers += [tiling.DTYPE_CODES[p.dtype], int(p.causal), p.sliding_window, p.num_cores]
     numbers += [p.ub_capacity, *bits]
     status, fields = None, {}
     for line in _run(exe, "bwd " + " ".join(map(str, numbers)) + "\n"):
@@ -1121,7 +1245,7 @@ def test_cpp_and_python_backward_tilings_are_identical(driver: Path, change: dic
 @pytest.mark.parametrize(
     ("change", "status", "argument"),
     [({"head_size": 20}, 1, "head_size"), ({"block_m": 128}, 3, "block_m"), ({"block_n": 48}, 4, "block_n"),
-     ({"num_cores_dkv": 0}, 8, "num_cores"), ({"ub_capacity": 32 * 1024}, 9, "unified buffer"),
+     ({"num_cores": 0}, 8, "num_cores"), ({"ub_capacity": 32 * 1024}, 9, "unified buffer"),
      ({"causal": False, "sliding_window": 8}, 7, "sliding_window")],
 )  # fmt: skip
 def test_bad_backward_arguments_are_refused_by_both(driver: Path, change: dict, status: int, argument: str) -> None:
@@ -1131,30 +1255,48 @@ def test_bad_backward_arguments_are_refused_by_both(driver: Path, change: dict, 
         tiling.compute_bwd_tiling(params)
 
 
-def test_backward_ranges_and_masks_cpp_match_python(driver: Path) -> None:
+def test_backward_ranges_cpp_match_python(driver: Path) -> None:
+    """``BwdQueryBlocks``, ``DqContributors`` and ``DqTileIndex`` against tiling.py, and the one-pass
+    invariant the dQ turns rest on: KV tile ``j`` visits query block ``b`` exactly when ``first <= j <= last``."""
     rng = random.Random(11)
-    ranges, masks = [], []
+    ranges = []
     for _ in range(2000):
-        seq_len, bq, bn = rng.randrange(1, 200), rng.choice([1, 2, 4, 16, 32]), rng.choice([16, 32, 64])
+        seq_len, bq, bn = rng.randrange(1, 200), rng.choice([1, 2, 4, 16]), rng.choice([16, 32, 64])
         causal = rng.random() < 0.8
         window = rng.choice([0, 1, 7, 50]) if causal else 0
-        ranges.append((seq_len, rng.randrange(0, 1 + seq_len // min(bq, bn)), bq, bn, causal, window))
-        masks.append((rng.randrange(0, 220), rng.randrange(0, 200), rng.choice([16, 32, 64]), seq_len, causal, window))
+        kv_heads, chunks = rng.choice([1, 2, 8]), rng.choice([1, 2])
+        ranges.append(
+            (
+                seq_len,
+                rng.randrange(0, 1 + seq_len // min(bq, bn)),
+                bq,
+                bn,
+                causal,
+                window,
+                rng.randrange(0, 500),
+                kv_heads,
+                rng.randrange(kv_heads),
+                chunks,
+                rng.randrange(chunks),
+            )
+        )
     text = f"ranges {len(ranges)}\n" + "\n".join(
-        f"{s} {b} {q} {n} {int(c)} {int(w > 0)} {w}" for s, b, q, n, c, w in ranges
+        f"{s} {b} {q} {n} {int(c)} {int(w > 0)} {w} {st} {kh} {h} {nc} {ch}"
+        for s, b, q, n, c, w, st, kh, h, nc, ch in ranges
     )
     cpp = [tuple(int(x) for x in line.split()) for line in _run(driver, text)]
-    python = [
-        (*tiling.bwd_key_tiles(s, b, q, n, c, w), *tiling.bwd_query_tiles(s, b, n, q, c, w))
-        for s, b, q, n, c, w in ranges
-    ]
+    python = []
+    for s, b, q, n, c, w, st, kh, h, nc, ch in ranges:
+        first, last = tiling.dq_contributors(b, q, n, s, c, w)
+        python.append(
+            (*tiling.bwd_query_blocks(s, b, n, q, c, w), first, last + 1, tiling.dq_tile_index(st, b, q, kh, h, nc, ch))
+        )
     assert cpp == python
-    text = f"qmask {len(masks)}\n" + "\n".join(
-        f"{k} {q} {m} {s} {int(c)} {int(w > 0)} {w}" for k, q, m, s, c, w in masks
-    )
-    cpp = [int(v) for v in _run(driver, text)]
-    assert cpp == [tiling.masked_queries(k, q, m, s, c, w) for k, q, m, s, c, w in masks]
-    assert cpp != [tiling.masked_queries(k, q, m, s, not c, 0) for k, q, m, s, c, w in masks]  # negative control
+    for s, _, q, n, c, w, *_ in ranges[:300]:
+        for qb in range(-(-s // q)):
+            visitors = [j for j in range(-(-s // n)) if qb in range(*tiling.bwd_query_blocks(s, j, n, q, c, w))]
+            first, last = tiling.dq_contributors(qb, q, n, s, c, w)
+            assert visitors == list(range(first, last + 1))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -1163,7 +1305,7 @@ def test_backward_ranges_and_masks_cpp_match_python(driver: Path) -> None:
 
 
 def _bwd_launch_problems(kernel: str, host: str, cmake: str) -> list[str]:
-    """The backward kernels' launch convention (as :func:`_launch_problems` for the forward)."""
+    """The backward kernel's launch convention, as :func:`_launch_problems` checks the forward's."""
     problems = []
     signature = re.search(r'extern "C" __global__ __aicore__ void NAME\((.*?)\)', kernel, re.S)
     params = [p.split()[-1] for p in signature.group(1).replace("\\", " ").split(",")] if signature else []
@@ -1171,24 +1313,26 @@ def _bwd_launch_problems(kernel: str, host: str, cmake: str) -> list[str]:
         problems.append(f"backward kernel parameters {params}")
     if "SetSysWorkspace" in kernel or "GetUserWorkspace(workspace)" not in kernel:
         problems.append("backward workspace not taken with GetUserWorkspace")
+    if "REGIST_MATMUL_OBJ(&pipe, GetSysWorkSpacePtr()" not in kernel:
+        problems.append("backward matmuls not on GetSysWorkSpacePtr()")
+    if re.search(r"\bAtomic|SetAtomicAdd|atomic_", kernel):
+        problems.append("the backward uses atomics")
     library = re.search(r"ascendc_library\(samepath_ascendc_kernels STATIC([^)]*)\)", cmake)
     if not library or "flash_attention_bwd.cpp" not in library.group(1):
         problems.append("flash_attention_bwd.cpp is not in the kernel library")
-    kernels = set(re.findall(r"SAMEPATH_FLASH_ATTENTION_BWD_KERNEL\((samepath_\w+), \w+, \w+\)", kernel))
+    kernels = set(re.findall(r"SAMEPATH_FLASH_ATTENTION_BWD_KERNEL\((samepath_\w+), \w+\)", kernel))
+    args = re.search(r"bwdArgs\[\] = \{(.*?)\};", host, re.S)
+    names = [a.strip() for a in args.group(1).split(",")] if args else []
+    if len(names) != len(params) or names[-2:] != ["bwdWorkspace.data_ptr()", "bwdTiling.data_ptr()"]:
+        problems.append(f"host bwdArgs {names} do not match the kernel's {params}")
     launched = set()
-    for prefix in ("dq", "dkv"):
-        args = re.search(prefix + r"Args\[\] = \{(.*?)\};", host, re.S)
-        names = [a.strip() for a in args.group(1).split(",")] if args else []
-        if len(names) != len(params) or names[-2:] != [f"{prefix}Workspace.data_ptr()", f"{prefix}Tiling.data_ptr()"]:
-            problems.append(f"host {prefix}Args {names} do not match the kernel's {params}")
-        for name, passed in re.findall(
-            r"ACLRT_LAUNCH_KERNEL\((\w+)\)\(\s*blockDim" + prefix.capitalize() + r", stream,(.*?)\);", host, re.S
-        ):
-            launched.add(name)
-            if re.findall(prefix + r"Args\[(\d+)\]", passed) != [str(i) for i in range(len(names))]:
-                problems.append(f"{name} is not launched with {prefix}Args in order")
-    if launched != kernels or len(kernels) != 6:
+    for name, passed in re.findall(r"ACLRT_LAUNCH_KERNEL\((\w+)\)\(\s*blockDimBwd, stream,(.*?)\);", host, re.S):
+        launched.add(name)
+        if re.findall(r"bwdArgs\[(\d+)\]", passed) != [str(i) for i in range(len(names))]:
+            problems.append(f"{name} is not launched with bwdArgs in order")
+    if launched != kernels or len(kernels) != 3:
         problems.append(f"launched {sorted(launched)}, defined {sorted(kernels)}")
+    problems += _shared_host_problems(host, "FlashAttentionBwd", "bwdTiling", "bwdWorkspace", kernel)
     return problems
 
 
@@ -1196,16 +1340,21 @@ def test_backward_launch_convention_matches_the_generated_wrapper() -> None:
     kernel = (CSRC / "flash_attention_bwd.cpp").read_text()
     _, host, cmake = _sources()
     assert _bwd_launch_problems(kernel, host, cmake) == []
-    # Negative controls: a swapped launch argument and a kernel left out of the library are reported.
-    swapped = host.replace("dqWorkspace.data_ptr(), dqTiling.data_ptr()", "dqTiling.data_ptr(), dqWorkspace.data_ptr()")
+    # Negative controls: a swapped launch argument, a kernel left out of the library, a matmul tiling the
+    # host does not write, and an atomic are each reported.
+    swapped = host.replace("bwdWorkspace.data_ptr(),", "bwdTiling.data_ptr(),", 1)
     assert swapped != host and _bwd_launch_problems(kernel, swapped, cmake)
     dropped = cmake.replace("${CMAKE_CURRENT_SOURCE_DIR}/flash_attention_bwd.cpp", "")
     assert dropped != cmake and _bwd_launch_problems(kernel, host, dropped)
+    fewer = host.replace("{n, d, m, true, false}, ", "")
+    assert fewer != host and _bwd_launch_problems(kernel, fewer, cmake)
+    atomic = kernel.replace("counter.SetValue(0, turn + 1);", "SetAtomicAdd<int32_t>();")
+    assert atomic != kernel and _bwd_launch_problems(atomic, host, cmake)
 
 
 def test_backend_switch_routes_the_backward(monkeypatch) -> None:
-    """With ``ascendc`` the trainer's backward goes to the Ascend C kernels, which refuse while their
-    schedule is not the Triton backward's (and, ported, would refuse CPU tensors)."""
+    """With ``ascendc`` the trainer's backward goes to the Ascend C kernel: it checks its tiles, refuses a
+    Triton backward of another numerics version, and refuses CPU tensors (never a silent Triton fallback)."""
     from samepath.kernels.attention import _attention_backward
     from samepath.kernels.config import AttentionConfig
 
@@ -1213,13 +1362,13 @@ def test_backend_switch_routes_the_backward(monkeypatch) -> None:
     config = AttentionConfig(block_m=16, tile_n=32, seg=64)
     lse = torch.zeros(q.shape[:2])
     monkeypatch.setenv(loader.BACKEND_ENV, "ascendc")
-    with pytest.raises(RuntimeError, match="training on this backend is refused"):
-        _attention_backward(q, k, v, q, lse, q, cu, 0.125, True, None, config)
-    monkeypatch.setattr(loader, "ASCENDC_BACKWARD_SCHEDULE_VERSION", NUMERICS_VERSION)
     with pytest.raises(RuntimeError, match="NPU tensors only"):
         _attention_backward(q, k, v, q, lse, q, cu, 0.125, True, None, config)
     with pytest.raises(ValueError, match="block_n"):
         _attention_backward(q, k, v, q, lse, q, cu, 0.125, True, None, AttentionConfig(16, 32, 64, bwd_block_n=128))
+    monkeypatch.setattr(loader, "ASCENDC_BACKWARD_SCHEDULE_VERSION", NUMERICS_VERSION + 1)
+    with pytest.raises(RuntimeError, match="training on this backend is refused"):
+        _attention_backward(q, k, v, q, lse, q, cu, 0.125, True, None, config)
     monkeypatch.setenv(loader.BACKEND_ENV, "triton")
     dq, _, _ = _attention_backward(q, k, v, q, lse, q, cu, 0.125, True, None, config)
     assert dq.shape == q.shape

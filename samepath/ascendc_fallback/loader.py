@@ -1,9 +1,12 @@
 """Which attention backend runs, and the Ascend C one's build, loader and Python entry point.
 
-``SAMEPATH_ATTENTION_BACKEND`` chooses the FlashAttention forward for every samepath caller:
+``SAMEPATH_ATTENTION_BACKEND`` chooses the FlashAttention forward for every samepath caller, and the
+training backward (``varlen_attention``'s autograd):
 
 * ``triton`` (default): the Triton kernel of ``samepath/kernels/attention.py`` on every device.
-* ``ascendc``: the hand-written Ascend C kernel of ``csrc/flash_attention_fwd.cpp`` for NPU tensors,
+* ``ascendc``: the hand-written Ascend C kernels of ``csrc/flash_attention_fwd.cpp`` (and, for the backward,
+  ``csrc/flash_attention_bwd.cpp``, numerics version :data:`ASCENDC_BACKWARD_SCHEDULE_VERSION`'s one-pass
+  schedule, replayed by ``simulate.simulate_backward``) for NPU tensors,
   on the Triton kernel's schedule of numerics version :data:`ASCENDC_SCHEDULE_VERSION` (GQA-packed query
   tiles, KV tiles and fixed segments anchored at position 0, segments merged in ascending order;
   ``simulate.py`` replays it bit for bit against the Triton kernel) and formula (select ``-inf`` mask,
@@ -71,20 +74,22 @@ ASCENDC_ATTENTION_FORMULA = {
 #: versions whose forward is that schedule (version 3 changed only the backward).
 ASCENDC_SCHEDULE_VERSION = 2
 FORWARD_SCHEDULE_VERSIONS = (2, 3)
-#: The numerics version whose Triton backward schedule (a dQ pass, then a dK/dV pass) the Ascend C
-#: backward replays. Version 3 replaced it with a one-pass backward: the Ascend C backward is refused
-#: (:func:`check_backward_schedule`) until it is ported.
-ASCENDC_BACKWARD_SCHEDULE_VERSION = 2
+#: The numerics version whose Triton backward schedule (``_attention_bwd_kernel``, one pass per KV tile) the
+#: Ascend C backward replays (``simulate.simulate_backward``); any other version is refused for training
+#: (:func:`check_backward_schedule`) until the new schedule is ported.
+ASCENDC_BACKWARD_SCHEDULE_VERSION = 3
 ASCENDC_SCHEDULE = (
     "v2: GQA-packed query tiles (head_chunk = min(group, block_m)), tile_n KV tiles and seg KV segments "
     "anchored at 0, segments merged in ascending order, serial per work item"
 )
 
 ASCENDC_BACKWARD_SCHEDULE = (
-    "ascendc-fa-bwd-1: dQ items (block of bwd_block_m // head_chunk queries, KV head, head chunk) over key tiles "
-    "of bwd_block_n ascending; dK/dV items (block of bwd_block_n keys, KV head) over the group's heads in order and "
-    "query tiles of bwd_block_m ascending; P = where(visible, exp2(S * qk_scale - lse), 0), dS = P * (dP - delta), "
-    "operands cast to the input dtype, sums in fp32 by a vector Add, no atomics"
+    "ascendc-fa-bwd-2 (numerics v3 one pass): one item per KV tile of bwd_block_n keys and KV head, items "
+    "round-robin over vector cores in ascending order; each visits its GQA-packed query tiles (bwd_block_m rows, "
+    "head chunks in order, query blocks ascending); P = where(visible, exp2(S * qk_scale - lse), 0), "
+    "dV += cast(P)^T dO, dS = cast(P * (dP - delta)), dK += dS^T Q in fp32 by a vector Add; dQ partials dS K added "
+    "to fp32 row sums in ascending KV-tile order under one turn counter per packed query tile (no atomics); "
+    "delta = reductions.row_sum(dO * O)"
 )
 
 _lock = threading.Lock()
@@ -115,6 +120,7 @@ def backend_fingerprint() -> dict[str, object]:
             "numerics": "ascendc-fa-fwd-2",
             "schedule": ASCENDC_SCHEDULE,
             "backward": ASCENDC_BACKWARD_SCHEDULE,
+            "backward_numerics_version": ASCENDC_BACKWARD_SCHEDULE_VERSION,
         }
     return {"name": backend}
 
@@ -346,18 +352,17 @@ def check_backward_schedule(numerics_version: int | None = None) -> None:
 
     Raises:
         RuntimeError: ``config.NUMERICS_VERSION`` (or ``numerics_version``) is not
-            :data:`ASCENDC_BACKWARD_SCHEDULE_VERSION` (today: version 3's one-pass backward).
+            :data:`ASCENDC_BACKWARD_SCHEDULE_VERSION` (numerics 3's one-pass backward).
     """
     if numerics_version is None:
         from samepath.kernels.config import NUMERICS_VERSION as numerics_version
     if numerics_version != ASCENDC_BACKWARD_SCHEDULE_VERSION:
         raise RuntimeError(
-            f"{BACKEND_ENV}=ascendc: the Ascend C backward replays the two-pass backward of samepath numerics "
-            f"version {ASCENDC_BACKWARD_SCHEDULE_VERSION} ({ASCENDC_BACKWARD_SCHEDULE}), but the Triton backward is "
-            f"at version {numerics_version} (one pass per KV tile, dQ partials added in ascending KV-tile order): "
-            "training on this backend is refused until csrc/flash_attention_bwd.cpp is ported to that schedule "
-            "and replayed by simulate.py. The Ascend C forward (rollout, no-grad passes) is unaffected; unset "
-            f"{BACKEND_ENV} to train with the Triton kernels"
+            f"{BACKEND_ENV}=ascendc: the Ascend C backward replays the backward of samepath numerics version "
+            f"{ASCENDC_BACKWARD_SCHEDULE_VERSION} ({ASCENDC_BACKWARD_SCHEDULE}), but the Triton backward is at "
+            f"version {numerics_version}: training on this backend is refused until csrc/flash_attention_bwd.cpp "
+            "is ported to that schedule and replayed by simulate.py. The Ascend C forward (rollout, no-grad "
+            f"passes) is unaffected; unset {BACKEND_ENV} to train with the Triton kernels"
         )
 
 
@@ -595,8 +600,9 @@ def attention_backward(
     sliding_window: int | None,
     config,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Drop-in for ``samepath.kernels.attention._attention_backward`` running the Ascend C backward: the
-    dQ kernel, then the dK/dV kernel (``config.bwd_block_m`` / ``bwd_block_n``), deterministic.
+    """Drop-in for ``samepath.kernels.attention._attention_backward`` running the Ascend C backward: one launch
+    of the one-pass kernel (``config.bwd_block_m`` / ``bwd_block_n``), deterministic (dQ partials added in
+    ascending KV-tile order, no atomics on data).
 
     ``delta = (grad_out * out).sum(-1)`` in fp32 is computed here by samepath's row sum, as the Triton launcher does.
 
@@ -620,8 +626,7 @@ def attention_backward(
             dtype=dtype,
             causal=causal,
             sliding_window=sliding_window or 0,
-            num_cores_dq=1,
-            num_cores_dkv=1,
+            num_cores=1,
             qk_scale=scale,
             sm_scale=scale,
         )

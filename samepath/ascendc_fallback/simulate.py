@@ -1,4 +1,11 @@
-"""The Ascend C FlashAttention forward replayed in numpy, step by step as ``csrc/flash_attention_fwd.cpp`` computes.
+"""The Ascend C FlashAttention replayed in numpy, step by step as ``csrc/flash_attention_fwd.cpp`` and
+``csrc/flash_attention_bwd.cpp`` compute.
+
+:func:`simulate_forward` replays the forward; :func:`simulate_backward` the one-pass backward of numerics
+version 3 (KV-tile work items on interleaved vector cores, dQ partials added in ascending KV-tile order
+under per-tile turn counters), bitwise the Triton backward under the interpreter; :func:`replay_delta`
+the row-sum kernel's ``delta``; :func:`simulate_backward_two_pass` numerics 2's backward, kept as a
+negative control.
 
 Without an NPU the kernel cannot run, but its schedule can: this module walks the same work items, in
 the same order, through the same tiling (:mod:`.tiling`, checked value for value against the C++
@@ -298,7 +305,36 @@ def _bits_to_mask(bits: list[int], width: int) -> np.ndarray:
     return np.array([[not (b >> j & 1) for j in range(width)] for b in bits], dtype=bool).reshape(len(bits), width)
 
 
-def simulate_backward(
+def _two_pass_key_tiles(seq_len, block, block_q, block_n, causal, sliding_window):
+    """Numerics 2's dQ pass: ``(first_tile_start, kv_end)`` of the key tiles one block of queries visits."""
+    kv_end = min(seq_len, (block + 1) * block_q) if causal else seq_len
+    kv_begin = max(0, block * block_q - sliding_window + 1) if sliding_window > 0 else 0
+    return kv_begin // block_n * block_n, kv_end
+
+
+def _two_pass_query_tiles(seq_len, key_block, block_n, block_m, causal, sliding_window):
+    """Numerics 2's dK/dV pass: ``(first_tile_start, q_end)`` of the query tiles one key block visits."""
+    q_begin = key_block * block_n if causal else 0
+    q_end = min(seq_len, (key_block + 1) * block_n + sliding_window - 1) if sliding_window > 0 else seq_len
+    return q_begin // block_m * block_m, q_end
+
+
+def _masked_queries(pos_k, q_start, block_m, seq_len, causal, sliding_window):
+    """Bit ``i`` set: the query at ``q_start + i`` cannot see the key at ``pos_k``."""
+    bits = 0
+    for i in range(block_m):
+        pos_q = q_start + i
+        visible = pos_k < seq_len and pos_q < seq_len
+        if causal and pos_k > pos_q:
+            visible = False
+        if sliding_window > 0 and pos_q - pos_k >= sliding_window:
+            visible = False
+        if not visible:
+            bits |= 1 << i
+    return bits
+
+
+def simulate_backward_two_pass(
     query: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,
@@ -314,7 +350,10 @@ def simulate_backward(
     bwd_block_n: int,
     primitives: Primitives = TRITON_INTERPRETER,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The backward schedule an Ascend C backward must run, replayed in numpy: ``(dq, dk, dv)``.
+    """Numerics version 2's two-pass backward (a dQ pass, then a dK/dV pass), replayed in numpy: ``(dq, dk, dv)``.
+
+    Kept as the negative control of :func:`simulate_backward`: the Triton backward of numerics 3 sums in
+    another order, so this replay must differ from it.
 
     dQ: work items (block of ``bwd_block_m // head_chunk`` queries, KV head, head chunk), GQA-packed as
     the forward packs them, each folding its key tiles of ``bwd_block_n`` in ascending order:
@@ -366,7 +405,7 @@ def simulate_backward(
         q_tile, do_tile = rows_of(q, tokens, heads, valid), rows_of(do, tokens, heads, valid)
         lse_rows = np.where(valid, lse_np[np.where(valid, tokens, 0), np.where(valid, heads, 0)], np.float32(0))
         delta_rows = np.where(valid, delta_np[np.where(valid, tokens, 0), np.where(valid, heads, 0)], np.float32(0))
-        first, kv_end = tiling.bwd_key_tiles(seq_len, block, block_q, bwd_block_n, causal, window)
+        first, kv_end = _two_pass_key_tiles(seq_len, block, block_q, bwd_block_n, causal, window)
         dq = np.zeros((bwd_block_m, block_d), np.float32)
         for tile_start in range(first, kv_end, bwd_block_n):
             offs_n = tile_start + np.arange(bwd_block_n)
@@ -401,7 +440,7 @@ def simulate_backward(
         kv_tokens = start + offs_n
         kv_heads = np.full(bwd_block_n, kv_head)
         k_tile, v_tile = rows_of(k, kv_tokens, kv_heads, kv_valid), rows_of(v, kv_tokens, kv_heads, kv_valid)
-        first, q_end = tiling.bwd_query_tiles(seq_len, block, bwd_block_n, bwd_block_m, causal, window)
+        first, q_end = _two_pass_query_tiles(seq_len, block, bwd_block_n, bwd_block_m, causal, window)
         dk = np.zeros((bwd_block_n, block_d), np.float32)
         dv = np.zeros((bwd_block_n, block_d), np.float32)
         for g in range(group):
@@ -418,7 +457,7 @@ def simulate_backward(
                 delta_rows = np.where(row_valid, delta_np[safe, head], np.float32(0))
                 scores_t = ops.dot(k_tile, q_t, np.zeros((bwd_block_n, bwd_block_m), np.float32))
                 bits = [
-                    tiling.masked_queries(int(offs_n[j]), q_start, bwd_block_m, seq_len, causal, window)
+                    _masked_queries(int(offs_n[j]), q_start, bwd_block_m, seq_len, causal, window)
                     for j in range(bwd_block_n)
                 ]
                 visible_t = _bits_to_mask(bits, bwd_block_m)
@@ -432,3 +471,217 @@ def simulate_backward(
         dv_out[kv_tokens[kv_valid], kv_head] = dv[kv_valid]
 
     return tuple(torch.from_numpy(t[..., :head_size].copy()).to(dtype) for t in (dq_out, dk_out, dv_out))
+
+
+def replay_delta(grad_out: torch.Tensor, out: torch.Tensor, chunk: int) -> torch.Tensor:
+    """``delta = rowsum(dO * O)`` as samepath's row-sum kernel computes it (``reductions.row_sum``): the
+    fp32 product, then per row ``0 + tl.sum(chunk)`` over ``chunk`` columns at a time (zero-padded),
+    chunks in ascending order. ``[tokens, heads]`` fp32."""
+    product = (grad_out.float() * out.float()).numpy()
+    rows = product.reshape(-1, product.shape[-1])
+    total = np.zeros(rows.shape[0], np.float32)
+    for start in range(0, rows.shape[1], chunk):
+        padded = np.zeros((rows.shape[0], chunk), np.float32)
+        width = min(chunk, rows.shape[1] - start)
+        padded[:, :width] = rows[:, start : start + width]
+        total = np.array([total[r] + np.sum(padded[r], axis=0) for r in range(rows.shape[0])], np.float32)
+    return torch.from_numpy(total.reshape(product.shape[:-1]))
+
+
+class _BackwardKernel:
+    """One launch of the one-pass backward: inputs, tiling, the dQ row sums and turn counters, and the
+    kernel's steps as methods. :meth:`item` is a generator that yields the turn it waits for before each
+    dQ partial, so that :meth:`run` can interleave the cores as the device may."""
+
+    def __init__(self, t, q, k, v, do, lse, delta, cu, ops, dtype, dq_order):
+        self.t, self.q, self.k, self.v, self.do, self.lse, self.delta = t, q, k, v, do, lse, delta
+        self.cu, self.ops, self.dtype, self.dq_order = cu, ops, dtype, dq_order
+        num_tokens, num_heads = q.shape[:2]
+        self.qk_scale, self.sm_scale = np.float32(t["qk_scale"]), np.float32(t["sm_scale"])
+        self.dq_acc = np.zeros((num_tokens, num_heads, t["block_d"]), np.float32)
+        self.turns = np.zeros(tiling.dq_tile_count(num_tokens, t["num_kv_heads"], t["num_chunks"]), np.int64)
+        self.dq = np.zeros((num_tokens, num_heads, t["block_d"]), np.float32)
+        self.dk = np.zeros((num_tokens, t["num_kv_heads"], t["block_d"]), np.float32)
+        self.dv = np.zeros_like(self.dk)
+        self.dq_order_log: dict[int, list[int]] = {}
+        self.partials = 0
+
+    def rows(self, array, tokens, heads, valid):
+        """A tile gathered as the kernel stages it: rows that do not exist and columns past head_size are 0."""
+        tile = np.zeros((tokens.shape[0], self.t["block_d"]), dtype=array.dtype)
+        tile[valid, : self.t["head_size"]] = array[tokens[valid], heads[valid]]
+        return tile
+
+    def item(self, item: int):
+        t, ops, dtype = self.t, self.ops, self.dtype
+        m, n, block_q, chunk_size = t["block_m"], t["block_n"], t["block_q"], t["head_chunk"]
+        program, kv_head = divmod(item, t["num_kv_heads"])
+        seq, block = self.seqs[program], self.blocks[program]
+        start, seq_len = self.cu[seq], self.cu[seq + 1] - self.cu[seq]
+        causal, window = bool(t["causal"]), t["sliding_window"]
+        offs_n = block * n + np.arange(n)
+        kv_valid = offs_n < seq_len
+        kv_tokens = start + offs_n
+        kv_heads = np.full(n, kv_head)
+        k_tile = self.rows(self.k, kv_tokens, kv_heads, kv_valid)
+        v_tile = self.rows(self.v, kv_tokens, kv_heads, kv_valid)
+        dk = np.zeros((n, t["block_d"]), np.float32)
+        dv = np.zeros((n, t["block_d"]), np.float32)
+        q_blocks = tiling.bwd_query_blocks(seq_len, block, n, block_q, causal, window)
+        r = np.arange(m)
+        for chunk in range(t["num_chunks"]):
+            head_in_group = chunk * chunk_size + r % chunk_size
+            heads = kv_head * t["group"] + head_in_group
+            for q_block in range(*q_blocks):
+                offs_m = q_block * block_q + r // chunk_size
+                valid = (r < block_q * chunk_size) & (head_in_group < t["group"]) & (offs_m < seq_len)
+                tokens = start + offs_m
+                q_tile, do_tile = self.rows(self.q, tokens, heads, valid), self.rows(self.do, tokens, heads, valid)
+                safe_t, safe_h = np.where(valid, tokens, 0), np.where(valid, heads, 0)
+                lse_rows = np.where(valid, self.lse[safe_t, safe_h], np.float32(0))
+                delta_rows = np.where(valid, self.delta[safe_t, safe_h], np.float32(0))
+                # Cube: S = Q K^T. Vector: P = where(visible, exp2(S * qk_scale - lse), 0).
+                scores = ops.dot(q_tile, k_tile.T, np.zeros((m, n), np.float32))
+                full = (1 << n) - 1
+                bits = [
+                    tiling.masked_columns(int(offs_m[i]), block * n, n, seq_len, causal, window) if valid[i] else full
+                    for i in range(m)
+                ]
+                p = np.where(_bits_to_mask(bits, n), ops.exp2(scores * self.qk_scale - lse_rows[:, None]), 0)
+                p = p.astype(np.float32)
+                # Cube: dV += cast(P)^T dO; dP = dO V^T. Vector: dS = cast(P (dP - delta)).
+                dv = ops.dot(_cast(p, dtype).T, do_tile, dv)
+                dp = ops.dot(do_tile, v_tile.T, np.zeros((m, n), np.float32))
+                ds = _cast(p * (dp - delta_rows[:, None]), dtype)
+                # Cube: dK += dS^T Q; the dQ partial dS K.
+                dk = ops.dot(ds.T, q_tile, dk)
+                partial = ops.dot(ds, k_tile, np.zeros((m, t["block_d"]), np.float32))
+                first, last = tiling.dq_contributors(q_block, block_q, n, seq_len, causal, window)
+                if self.dq_order == "descending":
+                    first, last = last, first
+                turn = abs(block - first)
+                tile = tiling.dq_tile_index(start, q_block, block_q, t["num_kv_heads"], kv_head, t["num_chunks"], chunk)
+                while self.turns[tile] != turn:
+                    yield tile
+                self.dq_order_log.setdefault(tile, []).append(block)
+                self.partials += 1
+                rows_t, rows_h = tokens[valid], heads[valid]
+                if block != first:
+                    partial = np.where(valid[:, None], self.dq_acc[safe_t, safe_h], np.float32(0)) + partial
+                if block == last:
+                    self.dq[rows_t, rows_h] = (partial * self.sm_scale)[valid]
+                else:
+                    self.dq_acc[rows_t, rows_h] = partial[valid]
+                    self.turns[tile] += 1
+        self.dk[kv_tokens[kv_valid], kv_head] = (dk * self.sm_scale)[kv_valid]
+        self.dv[kv_tokens[kv_valid], kv_head] = dv[kv_valid]
+
+    def run(self, num_cores: int) -> None:
+        """Every core runs its items (``core, core + num_cores, ...``) in ascending order; a core whose
+        next dQ partial is not its turn waits while the others go on. The lowest unfinished item never
+        waits, so this ends for any ``num_cores``; a sweep in which no core moves is a deadlock (raised)."""
+        t = self.t
+        self.seqs, self.blocks, num_blocks = tiling.program_map(self.cu, t["block_n"], t["num_tokens"])
+        queues = [iter(tiling.core_items(num_blocks * t["num_kv_heads"], num_cores, c)) for c in range(num_cores)]
+        running: list = [None] * num_cores
+        while True:
+            progressed, alive = False, False
+            for core in range(num_cores):
+                if running[core] is None:
+                    item = next(queues[core], None)
+                    if item is None:
+                        continue
+                    running[core] = self.item(item)
+                    progressed = True
+                alive = True
+                before = self.partials
+                try:
+                    next(running[core])
+                except StopIteration:
+                    running[core] = None
+                    progressed = True
+                    continue
+                progressed = progressed or self.partials != before
+            if not alive:
+                return
+            if not progressed:
+                raise RuntimeError("the one-pass backward's dQ turns deadlocked")
+
+
+def simulate_backward(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    lse: torch.Tensor,
+    delta: torch.Tensor,
+    grad_out: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    scale: float,
+    causal: bool = True,
+    sliding_window: int | None = None,
+    *,
+    bwd_block_m: int,
+    bwd_block_n: int,
+    num_cores: int = 3,
+    primitives: Primitives = TRITON_INTERPRETER,
+    dq_order: str = "ascending",
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The one-pass backward (numerics version 3) as ``csrc/flash_attention_bwd.cpp`` runs it: ``(dq, dk, dv)``.
+
+    A work item is one KV tile (``bwd_block_n`` keys of one KV head of one sequence, numbered by
+    :func:`.tiling.program_map` over blocks of ``bwd_block_n``); ``num_cores`` vector cores take the items
+    round-robin, each in ascending order. An item stages K and V, then visits the GQA-packed query tiles
+    that see it (head chunks in order, query blocks of ``block_q`` ascending), and per tile: the cube's
+    ``S = Q K^T`` (fp32), the vector's ``P = where(visible, exp2(S * qk_scale - lse), 0)``, ``dV += cast(P)^T dO``,
+    ``dP = dO V^T``, ``dS = cast(P (dP - delta))``, ``dK += dS^T Q`` and the dQ partial ``dS K``. dQ: the
+    query tile's fp32 row sums take the partials in ascending KV-tile order, ordered by one turn counter
+    per packed query tile (a KV tile waits until the counter equals its distance from the first KV tile
+    that visits the query tile, adds, and advances it; no atomics on data); the last one scales by
+    ``scale``, casts and stores dQ. dK is scaled, dK and dV cast once.
+
+    ``delta`` is :func:`replay_delta` / ``reductions.row_sum`` of ``dO * O``, ``lse`` the forward's base-2 lse.
+    ``num_cores`` moves no bit; ``dq_order="descending"`` (partials summed from the last KV tile down)
+    exists for negative controls. With :data:`TRITON_INTERPRETER` the replay is bitwise the Triton
+    backward (``_attention_bwd_kernel``) under the interpreter.
+
+    Raises:
+        ValueError: an argument the kernel's tiling refuses (named).
+    """
+    if query.dtype not in _DTYPES:
+        raise ValueError(f"query.dtype must be one of {list(_DTYPES)}, got {query.dtype}")
+    if dq_order not in ("ascending", "descending"):
+        raise ValueError(f"dq_order must be 'ascending' or 'descending', got {dq_order!r}")
+    num_tokens, num_heads, head_size = query.shape
+    cu = [int(x) for x in cu_seqlens.tolist()]
+    t = tiling.compute_bwd_tiling(
+        tiling.FlashAttentionBwdParams(
+            num_tokens=num_tokens,
+            num_heads=num_heads,
+            num_kv_heads=key.shape[1],
+            head_size=head_size,
+            num_seqs=len(cu) - 1,
+            block_m=bwd_block_m,
+            block_n=bwd_block_n,
+            dtype=_DTYPES[query.dtype],
+            causal=causal,
+            sliding_window=sliding_window or 0,
+            num_cores=num_cores,
+            qk_scale=scale * LOG2E,
+            sm_scale=scale,
+        )
+    )
+    kernel = _BackwardKernel(
+        t,
+        *(_operand(x) for x in (query, key, value, grad_out)),
+        lse.float().numpy(),
+        delta.float().numpy(),
+        cu,
+        primitives,
+        query.dtype,
+        dq_order,
+    )
+    kernel.run(num_cores)
+    for tile, blocks in kernel.dq_order_log.items():
+        if blocks != sorted(blocks, reverse=dq_order == "descending"):
+            raise AssertionError(f"dQ tile {tile} took its partials in the order {blocks}")
+    return tuple(torch.from_numpy(x[..., :head_size].copy()).to(query.dtype) for x in (kernel.dq, kernel.dk, kernel.dv))

@@ -1,4 +1,7 @@
-"""The Ascend C FlashAttention forward's tiling, in Python: the same numbers as ``csrc/flash_attention_tiling.h``.
+"""The Ascend C FlashAttention's tiling, in Python: the same numbers as ``csrc/flash_attention_tiling.h``.
+
+The forward's is described here; the backward's (numerics version 3's one-pass schedule) is at the end
+(:func:`compute_bwd_tiling`, :func:`bwd_query_blocks`, :func:`dq_contributors`, :func:`dq_tile_index`).
 
 The kernel runs the schedule of samepath's Triton attention kernel (``samepath/kernels/attention.py``,
 numerics version 2, its serial-segment form):
@@ -492,10 +495,13 @@ def schedule(
 
 
 # ----------------------------------------------------------------------------------------------
-# Backward (training: contiguous KV, keys at their queries' positions)
+# Backward (training: contiguous KV, keys at their queries' positions): the one-pass schedule of the
+# Triton ``_attention_bwd_kernel`` (numerics version 3)
 # ----------------------------------------------------------------------------------------------
 
-BWD_UB_BUFFERS = ("q", "do", "k", "v", "s", "dp", "cast", "acc0", "acc1", "res", "out", "rows", "brcb")
+#: int32 words of one dQ turn counter (one 64-byte cache line, ``kSyncWords``).
+SYNC_WORDS = 16
+BWD_UB_BUFFERS = ("q", "do", "k", "v", "s", "dp", "cast", "dk", "dv", "res", "dq", "out", "rows", "brcb")
 BWD_WS_BUFFERS = ("q", "do", "k", "v", "cast", "s", "dp", "res")
 BWD_STRIDE_FIELDS = (
     "stride_q_tok",
@@ -512,45 +518,46 @@ BWD_STRIDE_FIELDS = (
     "stride_dk_head",
     "stride_dv_tok",
     "stride_dv_head",
+    "stride_acc_tok",
+    "stride_acc_head",
     "stride_lse_tok",
 )
 
 
-def bwd_key_tiles(
-    seq_len: int, block: int, block_q: int, block_n: int, causal: bool, sliding_window: int
+def bwd_query_blocks(
+    seq_len: int, key_block: int, block_n: int, block_q: int, causal: bool, sliding_window: int
 ) -> tuple[int, int]:
-    """``(first_tile_start, kv_end)`` of the key tiles one dQ item (``block_q`` queries) visits."""
-    kv_end = min(seq_len, (block + 1) * block_q) if causal else seq_len
-    kv_begin = max(0, block * block_q - sliding_window + 1) if sliding_window > 0 else 0
-    return kv_begin // block_n * block_n, kv_end
-
-
-def bwd_query_tiles(
-    seq_len: int, key_block: int, block_n: int, block_m: int, causal: bool, sliding_window: int
-) -> tuple[int, int]:
-    """``(first_tile_start, q_end)`` of the query tiles one dK/dV item visits, per head of its group."""
+    """``[begin, end)`` of the query blocks (``block_q`` queries) KV tile ``key_block`` visits (``BwdQueryBlocks``)."""
     q_begin = key_block * block_n if causal else 0
     q_end = min(seq_len, (key_block + 1) * block_n + sliding_window - 1) if sliding_window > 0 else seq_len
-    return q_begin // block_m * block_m, q_end
+    return q_begin // block_q, -(-q_end // block_q)
 
 
-def masked_queries(pos_k: int, q_start: int, block_m: int, seq_len: int, causal: bool, sliding_window: int) -> int:
-    """Bit ``i`` set: the query at ``q_start + i`` cannot see the key at ``pos_k`` (its P^T entry is 0)."""
-    bits = 0
-    for i in range(block_m):
-        pos_q = q_start + i
-        visible = pos_k < seq_len and pos_q < seq_len
-        if causal and pos_k > pos_q:
-            visible = False
-        if sliding_window > 0 and pos_q - pos_k >= sliding_window:
-            visible = False
-        if not visible:
-            bits |= 1 << i
-    return bits
+def dq_contributors(
+    q_block: int, block_q: int, block_n: int, seq_len: int, causal: bool, sliding_window: int
+) -> tuple[int, int]:
+    """``(first, last)`` KV tiles whose dQ partials query block ``q_block`` sums, in that (ascending) order
+    (``DqContributors``, whose ``end`` is ``last + 1``)."""
+    first = max(0, q_block * block_q - sliding_window + 1) // block_n if sliding_window > 0 else 0
+    last_tile = (seq_len - 1) // block_n
+    last = min(last_tile, ((q_block + 1) * block_q - 1) // block_n) if causal else last_tile
+    return first, last
+
+
+def dq_tile_index(
+    start: int, q_block: int, block_q: int, num_kv_heads: int, kv_head: int, num_chunks: int, chunk: int
+) -> int:
+    """The turn counter of one packed query tile (``DqTileIndex``; the Triton kernel's ``Sync[1 + q_tile]``)."""
+    return ((start + q_block * block_q) * num_kv_heads + kv_head) * num_chunks + chunk
+
+
+def dq_tile_count(num_tokens: int, num_kv_heads: int, num_chunks: int) -> int:
+    """Turn counters one launch needs (``DqTileCount``)."""
+    return num_tokens * num_kv_heads * num_chunks
 
 
 def bwd_ub_sizes(head_size: int, block_m: int, block_n: int, dtype: str) -> tuple[int, ...]:
-    """Unified-buffer regions of the backward kernels (``BwdUbSizes``), in ``BWD_UB_BUFFERS`` order."""
+    """Unified-buffer regions of the backward kernel (``BwdUbSizes``), in ``BWD_UB_BUFFERS`` order."""
     elem, d = elem_bytes(dtype), padded_head_size(head_size)
     m, n = block_m, block_n
     r = max(m, n)
@@ -562,9 +569,10 @@ def bwd_ub_sizes(head_size: int, block_m: int, block_n: int, dtype: str) -> tupl
         align_up(m * n * 4, UB_ALIGN),
         align_up(m * n * 4, UB_ALIGN),
         align_up(m * n * elem, UB_ALIGN),
-        align_up(r * d * 4, UB_ALIGN),
+        align_up(n * d * 4, UB_ALIGN),
         align_up(n * d * 4, UB_ALIGN),
         align_up(r * d * 4, UB_ALIGN),
+        align_up(m * d * 4, UB_ALIGN),
         align_up(r * d * elem, UB_ALIGN),
         2 * align_up(m * 4, UB_ALIGN),
         2 * m * 32,
@@ -585,8 +593,7 @@ class FlashAttentionBwdParams:
     dtype: str
     causal: bool
     sliding_window: int
-    num_cores_dq: int
-    num_cores_dkv: int
+    num_cores: int
     qk_scale: float
     sm_scale: float
     strides: tuple[int, ...] = (0,) * len(BWD_STRIDE_FIELDS)
@@ -610,8 +617,10 @@ def compute_bwd_tiling(params: FlashAttentionBwdParams) -> dict[str, int | float
         raise ValueError(f"dtype must be one of {sorted(DTYPE_CODES)}, got {params.dtype!r}")
     if params.sliding_window < 0 or (params.sliding_window > 0 and not params.causal):
         raise ValueError(f"sliding_window = {params.sliding_window} must be 0 (none) or positive with causal attention")
-    if params.num_cores_dq <= 0 or params.num_cores_dkv <= 0:
-        raise ValueError("num_cores_dq and num_cores_dkv must be positive")
+    if params.num_cores <= 0:
+        raise ValueError(f"num_cores = {params.num_cores} must be positive")
+    if len(params.strides) != len(BWD_STRIDE_FIELDS):
+        raise ValueError(f"strides must have {len(BWD_STRIDE_FIELDS)} entries ({', '.join(BWD_STRIDE_FIELDS)})")
     sizes = bwd_ub_sizes(params.head_size, params.block_m, params.block_n, params.dtype)
     if sum(sizes) > params.ub_capacity:
         raise ValueError(
@@ -637,8 +646,11 @@ def compute_bwd_tiling(params: FlashAttentionBwdParams) -> dict[str, int | float
         ws += align_up(size, WORKSPACE_ALIGN)
     group = params.num_heads // params.num_kv_heads
     chunk = head_chunk(group, m)
+    chunks = -(-group // chunk)
+    programs = num_programs(params.num_tokens, params.num_seqs, n)
     out.update(
         ws_bytes_per_core=ws,
+        num_dq_tiles=dq_tile_count(params.num_tokens, params.num_kv_heads, chunks),
         num_tokens=params.num_tokens,
         num_heads=params.num_heads,
         num_kv_heads=params.num_kv_heads,
@@ -649,13 +661,11 @@ def compute_bwd_tiling(params: FlashAttentionBwdParams) -> dict[str, int | float
         block_n=n,
         head_chunk=chunk,
         block_q=m // chunk,
-        num_chunks=-(-group // chunk),
-        items_per_block=params.num_kv_heads * -(-group // chunk),
+        num_chunks=chunks,
         num_seqs=params.num_seqs,
-        num_programs_dq=num_programs(params.num_tokens, params.num_seqs, m // chunk),
-        num_programs_dkv=num_programs(params.num_tokens, params.num_seqs, n),
-        num_cores_dq=params.num_cores_dq,
-        num_cores_dkv=params.num_cores_dkv,
+        num_programs=programs,
+        num_items=programs * params.num_kv_heads,
+        num_cores=params.num_cores,
         dtype=DTYPE_CODES[params.dtype],
         elem_bytes=elem,
         causal=int(bool(params.causal)),

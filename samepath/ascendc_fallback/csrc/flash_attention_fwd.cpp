@@ -37,17 +37,16 @@
 
 #define SAMEPATH_TILING_FN __aicore__ inline
 #include "flash_attention_tiling.h"
+#include "kernel_common.h"
 
 using namespace AscendC;
 using namespace matmul;
+using namespace samepath_ascendc_kernel;
 namespace sp = samepath_ascendc;
 
 namespace {
 
-constexpr float kLn2 = 0.693147180559945309f;
 constexpr float kFltMax = 3.40282346638528859812e+38f;
-constexpr uint32_t kFp32PerRepeat = 64u;  // 256-byte vector repeat
-constexpr uint32_t kFp32PerBlock = 8u;    // 32-byte block
 
 __aicore__ inline float FloatFromBits(uint32_t bits)
 {
@@ -57,22 +56,6 @@ __aicore__ inline float FloatFromBits(uint32_t bits)
     } v;
     v.u = bits;
     return v.f;
-}
-
-template <HardEvent EVENT>
-__aicore__ inline void WaitPipe()
-{
-    event_t id = static_cast<event_t>(GetTPipePtr()->FetchEventID(EVENT));
-    SetFlag<EVENT>(id);
-    WaitFlag<EVENT>(id);
-}
-
-__aicore__ inline void CopyTilingWords(uint32_t* dst, GM_ADDR src, uint32_t bytes)
-{
-    __gm__ uint32_t* words = reinterpret_cast<__gm__ uint32_t*>(src);
-    for (uint32_t i = 0; i < bytes / sizeof(uint32_t); ++i) {
-        dst[i] = words[i];
-    }
 }
 
 template <typename T>
@@ -212,13 +195,7 @@ private:
         WaitPipe<HardEvent::MTE3_S>();
     }
 
-    __aicore__ inline void Exp2(const LocalTensor<float>& x, uint32_t count)
-    {
-        Muls(x, x, kLn2, count);
-        PipeBarrier<PIPE_V>();
-        Exp(x, x, count);
-        PipeBarrier<PIPE_V>();
-    }
+    __aicore__ inline void Exp2(const LocalTensor<float>& x, uint32_t count) { Exp2InPlace(x, count); }
 
     // dst[r, :] = src[r, :] op rowValue[r] for a [block_m, block_d] fp32 tile; rowBrcb holds each row's
     // value in a 32-byte block (Brcb), read with block stride 0.
@@ -508,18 +485,13 @@ __aicore__ inline void RunFlashAttentionFwd(GM_ADDR query, GM_ADDR key, GM_ADDR 
     }
     // Tiling buffer: FlashAttentionTiling, then the TCubeTiling of Q@K^T, then that of P@V.
     sp::FlashAttentionTiling tiling;
-    TCubeTiling qkTiling;
-    TCubeTiling pvTiling;
-    CopyTilingWords(reinterpret_cast<uint32_t*>(&tiling), tilingGm, sizeof(sp::FlashAttentionTiling));
-    CopyTilingWords(reinterpret_cast<uint32_t*>(&qkTiling), tilingGm + sizeof(sp::FlashAttentionTiling),
-                    sizeof(TCubeTiling));
-    CopyTilingWords(reinterpret_cast<uint32_t*>(&pvTiling),
-                    tilingGm + sizeof(sp::FlashAttentionTiling) + sizeof(TCubeTiling), sizeof(TCubeTiling));
+    TCubeTiling cubes[2];
+    ReadTilingBuffer<sp::FlashAttentionTiling, 2>(tilingGm, &tiling, cubes);
 
     TPipe pipe;
     FlashAttentionFwd<T> op;
     // On the cube core this runs the matmul server until the vector cores end; only they go on.
-    REGIST_MATMUL_OBJ(&pipe, GetSysWorkSpacePtr(), op.qkMm, &qkTiling, op.pvMm, &pvTiling);
+    REGIST_MATMUL_OBJ(&pipe, GetSysWorkSpacePtr(), op.qkMm, &cubes[0], op.pvMm, &cubes[1]);
     if ASCEND_IS_AIC {
         return;
     }

@@ -1,11 +1,13 @@
-// Host side of samepath's Ascend C FlashAttention forward: the torch operator
-// samepath_ascendc::flash_attention_fwd (PrivateUse1 = NPU), its tiling, and the launch on the
-// current torch_npu stream, and the backward samepath_ascendc::flash_attention_bwd (dQ, then dK/dV). Arguments are those of the Triton launcher `_launch_forward` with the
-// frozen tiles (block_m, tile_n, seg). The unified-buffer budget and core counts come from the platform
+// Host side of samepath's Ascend C FlashAttention: the torch operators samepath_ascendc::flash_attention_fwd
+// and samepath_ascendc::flash_attention_bwd (PrivateUse1 = NPU), their tilings, and their launches on the
+// current torch_npu stream. Arguments are those of the Triton launchers `_launch_forward` (with the frozen
+// tiles block_m, tile_n, seg) and `_attention_backward` (bwd_block_m, bwd_block_n; one launch of the
+// one-pass backward). The unified-buffer budget and core counts come from the platform
 // (PlatformAscendC), the workspace is one buffer: the platform's system workspace, then the per-core
 // staging areas (the kernel's second-to-last argument, as the HAVE_WORKSPACE launch wrapper expects).
 #include <cstdint>
 #include <cstring>
+#include <initializer_list>
 #include <string>
 #include <tuple>
 #include <vector>
@@ -20,12 +22,9 @@
 #include "torch_npu/csrc/core/npu/NPUStream.h"
 #include "torch_npu/csrc/framework/OpCommand.h"
 
-#include "aclrtlaunch_samepath_flash_attention_bwd_dkdv_bf16.h"
-#include "aclrtlaunch_samepath_flash_attention_bwd_dkdv_fp16.h"
-#include "aclrtlaunch_samepath_flash_attention_bwd_dkdv_fp32.h"
-#include "aclrtlaunch_samepath_flash_attention_bwd_dq_bf16.h"
-#include "aclrtlaunch_samepath_flash_attention_bwd_dq_fp16.h"
-#include "aclrtlaunch_samepath_flash_attention_bwd_dq_fp32.h"
+#include "aclrtlaunch_samepath_flash_attention_bwd_bf16.h"
+#include "aclrtlaunch_samepath_flash_attention_bwd_fp16.h"
+#include "aclrtlaunch_samepath_flash_attention_bwd_fp32.h"
 #include "aclrtlaunch_samepath_flash_attention_fwd_bf16.h"
 #include "aclrtlaunch_samepath_flash_attention_fwd_fp16.h"
 #include "aclrtlaunch_samepath_flash_attention_fwd_fp32.h"
@@ -74,14 +73,26 @@ matmul_tiling::DataType MatmulDataType(uint32_t code)
     }
 }
 
-// Tiling of one fixed-shape cube matmul C[m, n] = A[m, k] @ B (B given as [n, k] when transB).
-void CubeTiling(platform_ascendc::PlatformAscendC* platform, uint32_t dtype, int32_t m, int32_t n, int32_t k,
-                bool transB, uint8_t* dst)
+// One fixed-shape cube matmul C[m, n] = A[m, k] @ B[k, n], A given as [k, m] when transA, B as [n, k]
+// when transB.
+struct CubeShape {
+    int32_t m;
+    int32_t n;
+    int32_t k;
+    bool transA;
+    bool transB;
+};
+
+// Tiling of one cube matmul into `dst` (sizeof(TCubeTiling) bytes).
+void CubeTiling(platform_ascendc::PlatformAscendC* platform, uint32_t dtype, const CubeShape& shape, uint8_t* dst)
 {
     using namespace matmul_tiling;
+    const int32_t m = shape.m;
+    const int32_t n = shape.n;
+    const int32_t k = shape.k;
     MatmulApiTiling api(*platform);
-    api.SetAType(TPosition::GM, CubeFormat::ND, MatmulDataType(dtype), false);
-    api.SetBType(TPosition::GM, CubeFormat::ND, MatmulDataType(dtype), transB);
+    api.SetAType(TPosition::GM, CubeFormat::ND, MatmulDataType(dtype), shape.transA);
+    api.SetBType(TPosition::GM, CubeFormat::ND, MatmulDataType(dtype), shape.transB);
     api.SetCType(TPosition::GM, CubeFormat::ND, DataType::DT_FLOAT);
     api.SetOrgShape(m, n, k);
     api.SetShape(m, n, k);
@@ -91,6 +102,49 @@ void CubeTiling(platform_ascendc::PlatformAscendC* platform, uint32_t dtype, int
     TORCH_CHECK(api.GetTiling(tiling) != -1, "no cube tiling for a [", m, ", ", k, "] x [", k, ", ", n, "] matmul");
     TORCH_CHECK(tiling.GetDataSize() == sizeof(TCubeTiling), "host and kernel TCubeTiling sizes differ");
     tiling.SaveToBuffer(dst, tiling.GetDataSize());
+}
+
+// The tiling buffer of one launch on `device`: the kernel's tiling struct, then the TCubeTiling of each
+// matmul object in REGIST_MATMUL_OBJ order (kernel_common.h: ReadTilingBuffer).
+at::Tensor TilingBuffer(platform_ascendc::PlatformAscendC* platform, const void* tiling, size_t tilingSize,
+                        uint32_t dtype, std::initializer_list<CubeShape> cubes, const at::Device& device)
+{
+    const size_t bytes = tilingSize + cubes.size() * sizeof(TCubeTiling);
+    at::Tensor host = at::empty({static_cast<int64_t>(bytes)}, at::TensorOptions().dtype(at::kByte));
+    uint8_t* data = host.data_ptr<uint8_t>();
+    std::memcpy(data, tiling, tilingSize);
+    size_t offset = tilingSize;
+    for (const CubeShape& shape : cubes) {
+        CubeTiling(platform, dtype, shape, data + offset);
+        offset += sizeof(TCubeTiling);
+    }
+    return host.to(device);
+}
+
+// The one workspace of a launch (second-to-last kernel argument): the system workspace the Matmul API
+// needs (its size from the platform), then wsBytesPerCore of staging for each of `numCores` vector cores.
+at::Tensor LaunchWorkspace(platform_ascendc::PlatformAscendC* platform, uint64_t wsBytesPerCore, uint32_t numCores,
+                           const at::TensorOptions& options)
+{
+    const int64_t sysBytes = static_cast<int64_t>(platform->GetLibApiWorkSpaceSize());
+    const int64_t userBytes = static_cast<int64_t>(wsBytesPerCore) * numCores;
+    return at::empty({sysBytes + userBytes}, options.dtype(at::kByte));
+}
+
+platform_ascendc::PlatformAscendC* Platform()
+{
+    auto* platform = platform_ascendc::PlatformAscendCManager::GetInstance();
+    TORCH_CHECK(platform != nullptr, "samepath_ascendc: no Ascend C platform information (is CANN installed?)");
+    return platform;
+}
+
+// The unified buffer of one vector core, from the platform.
+uint32_t UbCapacity(platform_ascendc::PlatformAscendC* platform)
+{
+    uint64_t ubCapacity = 0;
+    platform->GetCoreMemSize(platform_ascendc::CoreMemType::UB, ubCapacity);
+    TORCH_CHECK(ubCapacity > 0, "samepath_ascendc: the platform reports no unified buffer");
+    return static_cast<uint32_t>(ubCapacity);
 }
 
 // `_program_map` with device ops (no host sync): (program_seq, program_block, num_blocks).
@@ -182,12 +236,8 @@ std::tuple<at::Tensor, at::Tensor> FlashAttentionFwd(const at::Tensor& query, co
     params.slidingWindow = static_cast<int32_t>(slidingWindow);
     params.qkScale = static_cast<float>(scale * kLog2e);
 
-    auto* platform = platform_ascendc::PlatformAscendCManager::GetInstance();
-    TORCH_CHECK(platform != nullptr, "samepath_ascendc: no Ascend C platform information (is CANN installed?)");
-    uint64_t ubCapacity = 0;
-    platform->GetCoreMemSize(platform_ascendc::CoreMemType::UB, ubCapacity);
-    TORCH_CHECK(ubCapacity > 0, "samepath_ascendc: the platform reports no unified buffer");
-    params.ubCapacity = static_cast<uint32_t>(ubCapacity);
+    auto* platform = Platform();
+    params.ubCapacity = UbCapacity(platform);
     const uint32_t items = sp::NumPrograms(params.numTokens, params.numSeqs, blockQ) * itemsPerBlock;
     const uint32_t blockDim = sp::LaunchBlockDim(items, platform->GetCoreNumAic());
     params.numCores = blockDim * sp::kVectorCoresPerCube;
@@ -196,22 +246,13 @@ std::tuple<at::Tensor, at::Tensor> FlashAttentionFwd(const at::Tensor& query, co
     const int32_t status = sp::ComputeTiling(params, &tiling);
     TORCH_CHECK(status == sp::kTilingOk, "samepath_ascendc.flash_attention_fwd: unsupported ", StatusArgument(status));
 
-    const size_t tilingBytes = sizeof(sp::FlashAttentionTiling) + 2 * sizeof(TCubeTiling);
-    at::Tensor tilingHost = at::empty({static_cast<int64_t>(tilingBytes)}, at::TensorOptions().dtype(at::kByte));
-    uint8_t* host = tilingHost.data_ptr<uint8_t>();
-    std::memcpy(host, &tiling, sizeof(tiling));
     const int32_t m = static_cast<int32_t>(tiling.blockM);
     const int32_t n = static_cast<int32_t>(tiling.tileN);
     const int32_t d = static_cast<int32_t>(tiling.blockD);
-    CubeTiling(platform, tiling.dtype, m, n, d, true, host + sizeof(tiling));
-    CubeTiling(platform, tiling.dtype, m, d, n, false, host + sizeof(tiling) + sizeof(TCubeTiling));
-    at::Tensor tilingDevice = tilingHost.to(query.device());
-
-    // One workspace: the system workspace the Matmul API needs (its size from the platform), then
-    // wsBytesPerCore of staging for every vector core.
-    const int64_t sysBytes = static_cast<int64_t>(platform->GetLibApiWorkSpaceSize());
-    const int64_t userBytes = static_cast<int64_t>(tiling.wsBytesPerCore) * params.numCores;
-    at::Tensor workspace = at::empty({sysBytes + userBytes}, query.options().dtype(at::kByte));
+    // S = Q @ K^T, then P @ V.
+    at::Tensor tilingDevice = TilingBuffer(platform, &tiling, sizeof(tiling), tiling.dtype,
+                                           {{m, n, d, false, true}, {m, d, n, false, false}}, query.device());
+    at::Tensor workspace = LaunchWorkspace(platform, tiling.wsBytesPerCore, params.numCores, query.options());
 
     void* args[] = {query.data_ptr(),     key.data_ptr(),       value.data_ptr(),      out.data_ptr(),
                     storeLse ? lse.data_ptr() : out.data_ptr(),   qsl.data_ptr(),        kvsl.data_ptr(),
@@ -240,29 +281,6 @@ std::tuple<at::Tensor, at::Tensor> FlashAttentionFwd(const at::Tensor& query, co
     });
     cmd.Run();
     return {out, lse};
-}
-
-uint32_t UbCapacity(platform_ascendc::PlatformAscendC* platform)
-{
-    uint64_t ubCapacity = 0;
-    platform->GetCoreMemSize(platform_ascendc::CoreMemType::UB, ubCapacity);
-    TORCH_CHECK(ubCapacity > 0, "samepath_ascendc: the platform reports no unified buffer");
-    return static_cast<uint32_t>(ubCapacity);
-}
-
-// The tiling buffer of one backward launch: FlashAttentionBwdTiling, then the cube tilings of
-// mmT ([rows, d] x [cols, d]^T) and mmN ([rows, cols] x [cols, d]).
-at::Tensor BwdTilingBuffer(platform_ascendc::PlatformAscendC* platform, const sp::FlashAttentionBwdTiling& tiling,
-                           int32_t rows, int32_t cols, const at::Device& device)
-{
-    const size_t bytes = sizeof(tiling) + 2 * sizeof(TCubeTiling);
-    at::Tensor host = at::empty({static_cast<int64_t>(bytes)}, at::TensorOptions().dtype(at::kByte));
-    uint8_t* data = host.data_ptr<uint8_t>();
-    std::memcpy(data, &tiling, sizeof(tiling));
-    const int32_t d = static_cast<int32_t>(tiling.blockD);
-    CubeTiling(platform, tiling.dtype, rows, cols, d, true, data + sizeof(tiling));
-    CubeTiling(platform, tiling.dtype, rows, d, cols, false, data + sizeof(tiling) + sizeof(TCubeTiling));
-    return host.to(device);
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> FlashAttentionBwd(
@@ -296,22 +314,19 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> FlashAttentionBwd(
     at::Tensor cu = cuSeqlens.to(at::kInt).contiguous();
     at::Tensor lseC = lse.to(at::kFloat).contiguous();
     at::Tensor deltaC = delta.to(at::kFloat).contiguous();
+    // The fp32 dQ row sums, and one turn counter per packed query tile (zero: no KV tile has added yet).
+    at::Tensor dqAcc = at::empty({numTokens, query.size(1), query.size(2)}, query.options().dtype(at::kFloat));
 
-    const uint32_t group = static_cast<uint32_t>(query.size(1) / key.size(1));
-    const uint32_t headChunk = sp::HeadChunk(group, static_cast<uint32_t>(blockM));
-    const uint32_t blockQ = static_cast<uint32_t>(blockM) / headChunk;
-    const uint32_t itemsPerBlock = static_cast<uint32_t>(key.size(1)) * ((group + headChunk - 1u) / headChunk);
-    at::Tensor dqSeq, dqBlock, dqBlocks, kvSeq, kvBlock, kvBlocks;
-    std::tie(dqSeq, dqBlock, dqBlocks) = ProgramMap(cu, blockQ, numTokens);
+    at::Tensor kvSeq, kvBlock, kvBlocks;
     std::tie(kvSeq, kvBlock, kvBlocks) = ProgramMap(cu, blockN, numTokens);
 
     sp::FlashAttentionBwdParams params{};
-    const at::Tensor* strided[7] = {&query, &key, &value, &gradOut, &dq, &dk, &dv};
-    for (int i = 0; i < 7; ++i) {
+    const at::Tensor* strided[8] = {&query, &key, &value, &gradOut, &dq, &dk, &dv, &dqAcc};
+    for (int i = 0; i < 8; ++i) {
         params.strides[2 * i] = strided[i]->stride(0);
         params.strides[2 * i + 1] = strided[i]->stride(1);
     }
-    params.strides[14] = lseC.stride(0);
+    params.strides[16] = lseC.stride(0);
     params.numTokens = static_cast<uint32_t>(numTokens);
     params.numHeads = static_cast<uint32_t>(query.size(1));
     params.numKvHeads = static_cast<uint32_t>(key.size(1));
@@ -325,84 +340,57 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> FlashAttentionBwd(
     params.qkScale = static_cast<float>(scale * kLog2e);
     params.smScale = static_cast<float>(scale);
 
-    auto* platform = platform_ascendc::PlatformAscendCManager::GetInstance();
-    TORCH_CHECK(platform != nullptr, "samepath_ascendc: no Ascend C platform information (is CANN installed?)");
+    auto* platform = Platform();
     params.ubCapacity = UbCapacity(platform);
-    const uint32_t aic = platform->GetCoreNumAic();
-    const uint32_t blockDimDq =
-        sp::LaunchBlockDim(sp::NumPrograms(params.numTokens, params.numSeqs, blockQ) * itemsPerBlock, aic);
-    const uint32_t blockDimDkv =
-        sp::LaunchBlockDim(sp::NumPrograms(params.numTokens, params.numSeqs, params.blockN) * params.numKvHeads, aic);
-    params.numCoresDq = blockDimDq * sp::kVectorCoresPerCube;
-    params.numCoresDkv = blockDimDkv * sp::kVectorCoresPerCube;
+    // blockDim <= cube cores: every vector core of the launch is resident, which the dQ turns rely on.
+    const uint32_t items = sp::NumPrograms(params.numTokens, params.numSeqs, params.blockN) * params.numKvHeads;
+    const uint32_t blockDimBwd = sp::LaunchBlockDim(items, platform->GetCoreNumAic());
+    params.numCores = blockDimBwd * sp::kVectorCoresPerCube;
 
     sp::FlashAttentionBwdTiling tiling{};
     const int32_t status = sp::ComputeBwdTiling(params, &tiling);
     TORCH_CHECK(status == sp::kTilingOk, "samepath_ascendc.flash_attention_bwd: unsupported ", StatusArgument(status));
+    at::Tensor sync = at::zeros({static_cast<int64_t>(tiling.numDqTiles * sp::kSyncWords)},
+                                query.options().dtype(at::kInt));
     const int32_t m = static_cast<int32_t>(tiling.blockM);
     const int32_t n = static_cast<int32_t>(tiling.blockN);
-    at::Tensor dqTiling = BwdTilingBuffer(platform, tiling, m, n, query.device());
-    at::Tensor dkvTiling = BwdTilingBuffer(platform, tiling, n, m, query.device());
+    const int32_t d = static_cast<int32_t>(tiling.blockD);
+    // mmT: [M, d] x [N, d]^T; mmTA: [M, N]^T x [M, d]; mmN: [M, N] x [N, d].
+    at::Tensor bwdTiling =
+        TilingBuffer(platform, &tiling, sizeof(tiling), tiling.dtype,
+                     {{m, n, d, false, true}, {n, d, m, true, false}, {m, d, n, false, false}}, query.device());
+    at::Tensor bwdWorkspace = LaunchWorkspace(platform, tiling.wsBytesPerCore, params.numCores, query.options());
 
-    const int64_t sysBytes = static_cast<int64_t>(platform->GetLibApiWorkSpaceSize());
-    at::Tensor dqWorkspace = at::empty({sysBytes + static_cast<int64_t>(tiling.wsBytesPerCore) * params.numCoresDq},
-                                       query.options().dtype(at::kByte));
-    at::Tensor dkvWorkspace = at::empty({sysBytes + static_cast<int64_t>(tiling.wsBytesPerCore) * params.numCoresDkv},
-                                        query.options().dtype(at::kByte));
-
-    void* dqArgs[] = {query.data_ptr(), key.data_ptr(),   value.data_ptr(),    gradOut.data_ptr(),
-                      lseC.data_ptr(),  deltaC.data_ptr(), dq.data_ptr(),      dk.data_ptr(),
-                      dv.data_ptr(),    cu.data_ptr(),     dqSeq.data_ptr(),   dqBlock.data_ptr(),
-                      dqBlocks.data_ptr(), dqWorkspace.data_ptr(), dqTiling.data_ptr()};
-    void* dkvArgs[] = {query.data_ptr(), key.data_ptr(),   value.data_ptr(),    gradOut.data_ptr(),
-                       lseC.data_ptr(),  deltaC.data_ptr(), dq.data_ptr(),      dk.data_ptr(),
-                       dv.data_ptr(),    cu.data_ptr(),     kvSeq.data_ptr(),   kvBlock.data_ptr(),
-                       kvBlocks.data_ptr(), dkvWorkspace.data_ptr(), dkvTiling.data_ptr()};
+    void* bwdArgs[] = {query.data_ptr(),  key.data_ptr(),    value.data_ptr(),        gradOut.data_ptr(),
+                       lseC.data_ptr(),   deltaC.data_ptr(), dq.data_ptr(),           dk.data_ptr(),
+                       dv.data_ptr(),     dqAcc.data_ptr(),  sync.data_ptr(),         cu.data_ptr(),
+                       kvSeq.data_ptr(),  kvBlock.data_ptr(), kvBlocks.data_ptr(),    bwdWorkspace.data_ptr(),
+                       bwdTiling.data_ptr()};
     const uint32_t dtype = tiling.dtype;
     aclrtStream stream = c10_npu::getCurrentNPUStream().stream();
-    at_npu::native::OpCommand dqCmd;
-    dqCmd.Name("samepath_flash_attention_bwd_dq");
-    dqCmd.SetCustomHandler([=]() -> int {
+    at_npu::native::OpCommand cmd;
+    cmd.Name("samepath_flash_attention_bwd");
+    cmd.SetCustomHandler([=]() -> int {
         uint32_t ret;
         if (dtype == sp::kBFloat16) {
-            ret = ACLRT_LAUNCH_KERNEL(samepath_flash_attention_bwd_dq_bf16)(
-                blockDimDq, stream, dqArgs[0], dqArgs[1], dqArgs[2], dqArgs[3], dqArgs[4], dqArgs[5], dqArgs[6],
-                dqArgs[7], dqArgs[8], dqArgs[9], dqArgs[10], dqArgs[11], dqArgs[12], dqArgs[13], dqArgs[14]);
+            ret = ACLRT_LAUNCH_KERNEL(samepath_flash_attention_bwd_bf16)(
+                blockDimBwd, stream, bwdArgs[0], bwdArgs[1], bwdArgs[2], bwdArgs[3], bwdArgs[4], bwdArgs[5],
+                bwdArgs[6], bwdArgs[7], bwdArgs[8], bwdArgs[9], bwdArgs[10], bwdArgs[11], bwdArgs[12], bwdArgs[13],
+                bwdArgs[14], bwdArgs[15], bwdArgs[16]);
         } else if (dtype == sp::kFloat16) {
-            ret = ACLRT_LAUNCH_KERNEL(samepath_flash_attention_bwd_dq_fp16)(
-                blockDimDq, stream, dqArgs[0], dqArgs[1], dqArgs[2], dqArgs[3], dqArgs[4], dqArgs[5], dqArgs[6],
-                dqArgs[7], dqArgs[8], dqArgs[9], dqArgs[10], dqArgs[11], dqArgs[12], dqArgs[13], dqArgs[14]);
+            ret = ACLRT_LAUNCH_KERNEL(samepath_flash_attention_bwd_fp16)(
+                blockDimBwd, stream, bwdArgs[0], bwdArgs[1], bwdArgs[2], bwdArgs[3], bwdArgs[4], bwdArgs[5],
+                bwdArgs[6], bwdArgs[7], bwdArgs[8], bwdArgs[9], bwdArgs[10], bwdArgs[11], bwdArgs[12], bwdArgs[13],
+                bwdArgs[14], bwdArgs[15], bwdArgs[16]);
         } else {
-            ret = ACLRT_LAUNCH_KERNEL(samepath_flash_attention_bwd_dq_fp32)(
-                blockDimDq, stream, dqArgs[0], dqArgs[1], dqArgs[2], dqArgs[3], dqArgs[4], dqArgs[5], dqArgs[6],
-                dqArgs[7], dqArgs[8], dqArgs[9], dqArgs[10], dqArgs[11], dqArgs[12], dqArgs[13], dqArgs[14]);
+            ret = ACLRT_LAUNCH_KERNEL(samepath_flash_attention_bwd_fp32)(
+                blockDimBwd, stream, bwdArgs[0], bwdArgs[1], bwdArgs[2], bwdArgs[3], bwdArgs[4], bwdArgs[5],
+                bwdArgs[6], bwdArgs[7], bwdArgs[8], bwdArgs[9], bwdArgs[10], bwdArgs[11], bwdArgs[12], bwdArgs[13],
+                bwdArgs[14], bwdArgs[15], bwdArgs[16]);
         }
         return static_cast<int>(ret);
     });
-    dqCmd.Run();
-    at_npu::native::OpCommand dkvCmd;
-    dkvCmd.Name("samepath_flash_attention_bwd_dkdv");
-    dkvCmd.SetCustomHandler([=]() -> int {
-        uint32_t ret;
-        if (dtype == sp::kBFloat16) {
-            ret = ACLRT_LAUNCH_KERNEL(samepath_flash_attention_bwd_dkdv_bf16)(
-                blockDimDkv, stream, dkvArgs[0], dkvArgs[1], dkvArgs[2], dkvArgs[3], dkvArgs[4], dkvArgs[5],
-                dkvArgs[6], dkvArgs[7], dkvArgs[8], dkvArgs[9], dkvArgs[10], dkvArgs[11], dkvArgs[12], dkvArgs[13],
-                dkvArgs[14]);
-        } else if (dtype == sp::kFloat16) {
-            ret = ACLRT_LAUNCH_KERNEL(samepath_flash_attention_bwd_dkdv_fp16)(
-                blockDimDkv, stream, dkvArgs[0], dkvArgs[1], dkvArgs[2], dkvArgs[3], dkvArgs[4], dkvArgs[5],
-                dkvArgs[6], dkvArgs[7], dkvArgs[8], dkvArgs[9], dkvArgs[10], dkvArgs[11], dkvArgs[12], dkvArgs[13],
-                dkvArgs[14]);
-        } else {
-            ret = ACLRT_LAUNCH_KERNEL(samepath_flash_attention_bwd_dkdv_fp32)(
-                blockDimDkv, stream, dkvArgs[0], dkvArgs[1], dkvArgs[2], dkvArgs[3], dkvArgs[4], dkvArgs[5],
-                dkvArgs[6], dkvArgs[7], dkvArgs[8], dkvArgs[9], dkvArgs[10], dkvArgs[11], dkvArgs[12], dkvArgs[13],
-                dkvArgs[14]);
-        }
-        return static_cast<int>(ret);
-    });
-    dkvCmd.Run();
+    cmd.Run();
     return {dq, dk, dv};
 }
 

@@ -1,4 +1,4 @@
-// Tiling of samepath's Ascend C FlashAttention forward: plain C++17, no CANN headers.
+// Tiling of samepath's Ascend C FlashAttention forward and backward: plain C++17, no CANN headers.
 //
 // One header for three users: the host binding (g++ / the CANN host compiler), the kernel
 // (bisheng, which defines SAMEPATH_TILING_FN as `__aicore__ inline` before including it), and the
@@ -10,7 +10,7 @@
 // KV positions cut into segments of seg positions and tiles of tile_n positions, both anchored at
 // position 0 of the sequence; a segment's softmax state starts fresh, its tiles are folded in
 // ascending order, and the segments are merged in ascending order, all by the one core that owns the
-// work item.
+// work item. The backward's section (at the end) is the one-pass schedule of numerics version 3.
 #ifndef SAMEPATH_ASCENDC_FLASH_ATTENTION_TILING_H
 #define SAMEPATH_ASCENDC_FLASH_ATTENTION_TILING_H
 
@@ -502,33 +502,22 @@ SAMEPATH_TILING_FN int32_t ComputeTiling(const FlashAttentionParams& params, Fla
 }
 
 // ---------------------------------------------------------------------------------------------
-// Backward (training: contiguous KV, each sequence's keys are its queries' positions)
+// Backward (training: contiguous KV, each sequence's keys are its queries' positions), the one-pass
+// schedule of the Triton `_attention_bwd_kernel` (numerics version 3)
 // ---------------------------------------------------------------------------------------------
 
-// dQ kernel: the key tiles one block of blockQ queries visits, [firstTileStart, kvEnd) in steps of
-// blockN (the Triton dQ kernel's loop).
-SAMEPATH_TILING_FN KvTileRange BwdKeyTiles(int64_t seqLen, int64_t block, uint32_t blockQ, uint32_t blockN,
-                                           uint32_t causal, uint32_t hasWindow, int64_t slidingWindow)
-{
-    int64_t kvEnd = seqLen;
-    if (causal != 0u) {
-        const int64_t blockEnd = (block + 1) * static_cast<int64_t>(blockQ);
-        kvEnd = seqLen < blockEnd ? seqLen : blockEnd;
-    }
-    int64_t kvBegin = 0;
-    if (hasWindow != 0u) {
-        const int64_t begin = block * static_cast<int64_t>(blockQ) - slidingWindow + 1;
-        kvBegin = begin > 0 ? begin : 0;
-    }
-    KvTileRange range;
-    range.firstTileStart = kvBegin / blockN * blockN;
-    range.kvEnd = kvEnd;
-    return range;
-}
+// Words of one dQ turn counter: one 64-byte cache line each, so that a core's DataCacheCleanAndInvalid
+// of its counter never writes back a neighbour's.
+constexpr uint32_t kSyncWords = 16u;
 
-// dK/dV kernel: the query tiles of blockM positions one block of blockN keys visits, for each head of
-// its group, [firstTileStart, kvEnd) in steps of blockM (the Triton dK/dV kernel's loop).
-SAMEPATH_TILING_FN KvTileRange BwdQueryTiles(int64_t seqLen, int64_t keyBlock, uint32_t blockN, uint32_t blockM,
+struct BlockRange {
+    int64_t begin;  // first block
+    int64_t end;    // one past the last block
+};
+
+// The query blocks of blockQ queries that the KV tile keyBlock (blockN keys) visits, for every head
+// chunk of its group: [begin, end) (the Triton kernel's `range(q_begin // BLOCK_Q, cdiv(q_end, BLOCK_Q))`).
+SAMEPATH_TILING_FN BlockRange BwdQueryBlocks(int64_t seqLen, int64_t keyBlock, uint32_t blockN, uint32_t blockQ,
                                              uint32_t causal, uint32_t hasWindow, int64_t slidingWindow)
 {
     const int64_t qBegin = causal != 0u ? keyBlock * static_cast<int64_t>(blockN) : 0;
@@ -537,79 +526,98 @@ SAMEPATH_TILING_FN KvTileRange BwdQueryTiles(int64_t seqLen, int64_t keyBlock, u
         const int64_t end = (keyBlock + 1) * static_cast<int64_t>(blockN) + slidingWindow - 1;
         qEnd = seqLen < end ? seqLen : end;
     }
-    KvTileRange range;
-    range.firstTileStart = qBegin / blockM * blockM;
-    range.kvEnd = qEnd;
+    BlockRange range;
+    range.begin = qBegin / blockQ;
+    range.end = (qEnd + blockQ - 1) / blockQ;
     return range;
 }
 
-// Bit i set: the query at position qStart + i cannot see the key at posK (past the sequence on either
-// side, after the query when causal, outside the window); its P^T entry becomes 0 by select.
-SAMEPATH_TILING_FN uint64_t MaskedQueries(int64_t posK, int64_t qStart, uint32_t blockM, int64_t seqLen,
-                                          uint32_t causal, uint32_t hasWindow, int64_t slidingWindow)
+// The KV tiles that visit query block qBlock, [begin, end) with end = last + 1: one contiguous range.
+// Their dQ partials are added in this order; tile `begin` writes the row sums, tile `end - 1` stores dQ.
+SAMEPATH_TILING_FN BlockRange DqContributors(int64_t qBlock, uint32_t blockQ, uint32_t blockN, int64_t seqLen,
+                                             uint32_t causal, uint32_t hasWindow, int64_t slidingWindow)
 {
-    uint64_t bits = 0u;
-    for (uint32_t i = 0u; i < blockM; ++i) {
-        const int64_t posQ = qStart + i;
-        bool visible = posK < seqLen && posQ < seqLen;
-        if (causal != 0u && posK > posQ) {
-            visible = false;
-        }
-        if (hasWindow != 0u && posQ - posK >= slidingWindow) {
-            visible = false;
-        }
-        if (!visible) {
-            bits |= 1ull << i;
-        }
+    int64_t first = 0;
+    if (hasWindow != 0u) {
+        const int64_t begin = qBlock * static_cast<int64_t>(blockQ) - slidingWindow + 1;
+        first = (begin > 0 ? begin : 0) / blockN;
     }
-    return bits;
+    const int64_t lastTile = (seqLen - 1) / blockN;
+    int64_t last = lastTile;
+    if (causal != 0u) {
+        const int64_t visible = ((qBlock + 1) * static_cast<int64_t>(blockQ) - 1) / blockN;
+        last = visible < lastTile ? visible : lastTile;
+    }
+    BlockRange range;
+    range.begin = first;
+    range.end = last + 1;
+    return range;
 }
 
-// Unified-buffer regions of one vector core in the backward kernels (R = rows of the item's tile:
-// block_m for dQ, block_n for dK/dV; C = the other tile side).
+// The turn counter of one packed query tile (first token `start + qBlock * blockQ`, KV head, head chunk):
+// the Triton kernel's `Sync[1 + q_tile]` index, times kSyncWords.
+SAMEPATH_TILING_FN int64_t DqTileIndex(int64_t start, int64_t qBlock, uint32_t blockQ, uint32_t numKvHeads,
+                                       uint32_t kvHead, uint32_t numChunks, uint32_t chunk)
+{
+    return ((start + qBlock * static_cast<int64_t>(blockQ)) * numKvHeads + kvHead) * numChunks + chunk;
+}
+
+// Turn counters a launch needs (one per possible packed query tile, indexed by DqTileIndex).
+SAMEPATH_TILING_FN uint64_t DqTileCount(uint32_t numTokens, uint32_t numKvHeads, uint32_t numChunks)
+{
+    return static_cast<uint64_t>(numTokens) * numKvHeads * numChunks;
+}
+
+// Unified-buffer regions of one vector core in the backward kernel: a [block_m, block_n] tile pairs the
+// GQA-packed query rows with the keys of the item's KV tile.
 enum BwdUbBuffer : uint32_t {
-    kBUbQ = 0u,   // [block_m, block_d] Q (input dtype)
-    kBUbDo,       // [block_m, block_d] dO
-    kBUbK,        // [block_n, block_d] K
+    kBUbQ = 0u,   // [block_m, block_d] Q (input dtype), packed
+    kBUbDo,       // [block_m, block_d] dO, packed
+    kBUbK,        // [block_n, block_d] K of the item's KV tile
     kBUbV,        // [block_n, block_d] V
     kBUbS,        // [block_m * block_n] fp32 scores, then P
     kBUbDp,       // [block_m * block_n] fp32 dP, then dS
     kBUbCast,     // [block_m * block_n] P or dS in the input dtype
-    kBUbAcc0,     // [max(block_m, block_n), block_d] fp32 dQ or dK
-    kBUbAcc1,     // [block_n, block_d] fp32 dV
-    kBUbRes,      // [max(block_m, block_n), block_d] fp32 result of a cube matmul
+    kBUbDk,       // [block_n, block_d] fp32 dK of the item
+    kBUbDv,       // [block_n, block_d] fp32 dV of the item
+    kBUbRes,      // [max(block_m, block_n), block_d] fp32 result of a cube matmul (dV, dK or dQ partial)
+    kBUbDq,       // [block_m, block_d] fp32 dQ row sums read back from global memory
     kBUbOut,      // [max(block_m, block_n), block_d] a gradient in the input dtype
     kBUbRows,     // lse, delta: 2 fp32 vectors of block_m
-    kBUbBrcb,     // lse, delta broadcast per row (dQ): 2 x [block_m, 8] fp32
+    kBUbBrcb,     // lse, delta broadcast per row: 2 x [block_m, 8] fp32
     kBUbCount
 };
 
-// Per-vector-core workspace regions of the backward kernels (cube operands and results).
+// Per-vector-core workspace regions of the backward kernel (cube operands and results).
 enum BwdWsBuffer : uint32_t { kBWsQ = 0u, kBWsDo, kBWsK, kBWsV, kBWsCast, kBWsS, kBWsDp, kBWsRes, kBWsCount };
 
+// Strides (elements) of FlashAttentionBwdParams::strides: (token, head) pairs of q, k, v, dO, dQ, dK, dV
+// and the fp32 dQ row sums, then the lse/delta token stride.
+constexpr uint32_t kBwdStrideCount = 17u;
+
 struct FlashAttentionBwdParams {
-    int64_t strides[15];  // q, k, v, dO, dQ, dK, dV (token, head) pairs, then lse/delta token stride
+    int64_t strides[kBwdStrideCount];
     uint32_t numTokens;
     uint32_t numHeads;
     uint32_t numKvHeads;
     uint32_t headSize;
     uint32_t numSeqs;
-    uint32_t blockM;  // bwd_block_m: query rows of a tile
-    uint32_t blockN;  // bwd_block_n: keys of a tile
+    uint32_t blockM;  // bwd_block_m: GQA-packed query rows of a tile
+    uint32_t blockN;  // bwd_block_n: keys of a KV tile (one work item)
     uint32_t dtype;
     uint32_t causal;
     int32_t slidingWindow;
-    uint32_t numCoresDq;   // vector cores of the dQ launch
-    uint32_t numCoresDkv;  // vector cores of the dK/dV launch
+    uint32_t numCores;  // vector cores of the launch
     uint32_t ubCapacity;
     float qkScale;  // scale * log2(e), rounded once
     float smScale;  // scale, rounded once
 };
 
 struct FlashAttentionBwdTiling {
-    int64_t strides[15];
+    int64_t strides[kBwdStrideCount];
     uint64_t wsOffset[kBWsCount];
     uint64_t wsBytesPerCore;
+    uint64_t numDqTiles;  // turn counters (each kSyncWords int32)
     uint32_t numTokens;
     uint32_t numHeads;
     uint32_t numKvHeads;
@@ -621,12 +629,10 @@ struct FlashAttentionBwdTiling {
     uint32_t headChunk;
     uint32_t blockQ;
     uint32_t numChunks;
-    uint32_t itemsPerBlock;  // dQ items per block of blockQ queries: numKvHeads * numChunks
     uint32_t numSeqs;
-    uint32_t numProgramsDq;   // upper bound of blocks of blockQ queries
-    uint32_t numProgramsDkv;  // upper bound of blocks of blockN keys
-    uint32_t numCoresDq;
-    uint32_t numCoresDkv;
+    uint32_t numPrograms;  // upper bound of KV tiles (blocks of blockN keys)
+    uint32_t numItems;     // upper bound of work items: numPrograms * numKvHeads
+    uint32_t numCores;
     uint32_t dtype;
     uint32_t elemBytes;
     uint32_t causal;
@@ -658,9 +664,10 @@ SAMEPATH_TILING_FN void BwdUbSizes(uint32_t headSize, uint32_t blockM, uint32_t 
     sizes[kBUbS] = AlignUp(m * n * 4u, kUbAlign);
     sizes[kBUbDp] = AlignUp(m * n * 4u, kUbAlign);
     sizes[kBUbCast] = AlignUp(m * n * elem, kUbAlign);
-    sizes[kBUbAcc0] = AlignUp(r * d * 4u, kUbAlign);
-    sizes[kBUbAcc1] = AlignUp(n * d * 4u, kUbAlign);
+    sizes[kBUbDk] = AlignUp(n * d * 4u, kUbAlign);
+    sizes[kBUbDv] = AlignUp(n * d * 4u, kUbAlign);
     sizes[kBUbRes] = AlignUp(r * d * 4u, kUbAlign);
+    sizes[kBUbDq] = AlignUp(m * d * 4u, kUbAlign);
     sizes[kBUbOut] = AlignUp(r * d * elem, kUbAlign);
     sizes[kBUbRows] = 2u * AlignUp(m * 4u, kUbAlign);
     sizes[kBUbBrcb] = 2u * m * 32u;
@@ -698,14 +705,14 @@ SAMEPATH_TILING_FN int32_t ComputeBwdTiling(const FlashAttentionBwdParams& param
     if (params.slidingWindow < 0 || (params.slidingWindow > 0 && params.causal == 0u)) {
         return kBadSlidingWindow;
     }
-    if (params.numCoresDq == 0u || params.numCoresDkv == 0u) {
+    if (params.numCores == 0u) {
         return kBadNumCores;
     }
     if (BwdUbBytesNeeded(params.headSize, params.blockM, params.blockN, params.dtype) > params.ubCapacity) {
         return kUbOverflow;
     }
     FlashAttentionBwdTiling& t = *tiling;
-    for (uint32_t i = 0u; i < 15u; ++i) {
+    for (uint32_t i = 0u; i < kBwdStrideCount; ++i) {
         t.strides[i] = params.strides[i];
     }
     const uint32_t elem = ElemBytes(params.dtype);
@@ -732,12 +739,11 @@ SAMEPATH_TILING_FN int32_t ComputeBwdTiling(const FlashAttentionBwdParams& param
     t.headChunk = HeadChunk(t.group, params.blockM);
     t.blockQ = params.blockM / t.headChunk;
     t.numChunks = (t.group + t.headChunk - 1u) / t.headChunk;
-    t.itemsPerBlock = params.numKvHeads * t.numChunks;
+    t.numDqTiles = DqTileCount(params.numTokens, params.numKvHeads, t.numChunks);
     t.numSeqs = params.numSeqs;
-    t.numProgramsDq = NumPrograms(params.numTokens, params.numSeqs, t.blockQ);
-    t.numProgramsDkv = NumPrograms(params.numTokens, params.numSeqs, params.blockN);
-    t.numCoresDq = params.numCoresDq;
-    t.numCoresDkv = params.numCoresDkv;
+    t.numPrograms = NumPrograms(params.numTokens, params.numSeqs, params.blockN);
+    t.numItems = t.numPrograms * params.numKvHeads;
+    t.numCores = params.numCores;
     t.dtype = params.dtype;
     t.elemBytes = elem;
     t.causal = params.causal != 0u ? 1u : 0u;
