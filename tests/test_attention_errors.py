@@ -265,7 +265,7 @@ def _guarded_backward(q, k, v, grad_out, cu_seqlens, causal, window, problems: l
 def _backward_garbage_report(names: list[str]) -> dict[str, list[str]]:
     """Runs each case's forward and backward (``validate=False``'s path) on guarded views; returns
     the problems found per case. Called in a subprocess, so a hang or a crash fails the test."""
-    from samepath.kernels.attention import clamp_cu_seqlens
+    from samepath.kernels.attention import LaunchPlan, clamp_cu_seqlens
 
     torch.manual_seed(0)
     report = {}
@@ -276,9 +276,19 @@ def _backward_garbage_report(names: list[str]) -> dict[str, list[str]]:
         cu_seqlens = torch.tensor(cu, dtype=torch.int32)
         got = _guarded_backward(q, k, v, grad_out, cu_seqlens, causal, window, problems)
         clamped = clamp_cu_seqlens(cu_seqlens, 8).tolist()
+        rows = slice(clamped[0], clamped[-1])
         for what, grad in zip(("dq", "dk", "dv"), got, strict=True):
-            if not torch.isfinite(grad[clamped[0] : clamped[-1]]).all():
+            if not torch.isfinite(grad[rows]).all():
                 problems.append(f"{what} not finite in the clamped sequences' rows {clamped}")
+        # The public path, with a LaunchPlan of the bad metadata (its backward maps come from the plan).
+        leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+        out = varlen_attention(
+            *leaves, cu_seqlens, 0.125, causal, sliding_window=window, validate=False, plan=LaunchPlan(cu_seqlens, 8)
+        )
+        out.backward(grad_out)
+        for what, a, leaf in zip(("dq", "dk", "dv"), got, leaves, strict=True):
+            if not torch.equal(a[rows], leaf.grad[rows]):
+                problems.append(f"{what} through varlen_attention(plan=...) differs from the launcher's")
         if cu[0] == 0 and 0 < cu[1] <= 8 and min(cu[1:]) == cu[1]:  # no later sequence overwrites its rows
             n = cu[1]
             parts = [_guarded(t[:n].shape).copy_(t[:n]) for t in (q, k, v, grad_out)]
@@ -320,8 +330,8 @@ def backward_garbage_report() -> dict[str, list[str]]:
 def test_varlen_backward_unvalidated_metadata_stays_inside_the_buffers(case: str, backward_garbage_report) -> None:
     """The backward under ``validate=False``: whatever cu_seqlens holds (past the tokens, decreasing,
     negative, near the int32 limits) it finishes, reads and writes no row outside its tensors (NaN
-    guards), gives finite gradients in the rows of the clamped sequences, and the sequence that fits
-    keeps the exact gradients it has alone."""
+    guards), gives finite gradients in the rows of the clamped sequences, the sequence that fits keeps
+    the exact gradients it has alone, and ``varlen_attention(plan=...)`` gives the launcher's bits."""
     assert backward_garbage_report[case] == []
 
 
