@@ -551,6 +551,99 @@ def test_flash_attention_fwd_checks_arguments_before_loading() -> None:
         loader.flash_attention_fwd(q, k, v, cu, kv_cu, lens, None, 0.125, **tiles)
 
 
+def _paged_metadata():
+    """3 tokens of 2 sequences over a 4-page cache of 16-token pages, a 2-column table."""
+    q = torch.randn(3, 4, 64, dtype=torch.bfloat16)
+    cache = torch.randn(4, 16, 2, 64, dtype=torch.bfloat16)
+    qsl = torch.tensor([0, 2, 3], dtype=torch.int32)
+    return q, cache, qsl, qsl, torch.tensor([20, 30], dtype=torch.int32), torch.tensor([[0, 1], [2, 3]])
+
+
+def test_loader_clamping_keeps_consistent_metadata() -> None:
+    """The Ascend C launcher's device-side clamp returns consistent metadata with the same values and
+    dtypes (so the kernel computes the same bits), paged and contiguous."""
+    q, cache, qsl, kvsl, lens, table = _paged_metadata()
+    q2, k2, _, cu, kv_cu, kv_lens = _small_inputs()
+    for args in ((q, cache, qsl, kvsl, lens, table), (q2, k2, cu, kv_cu, kv_lens, None)):
+        for given, clamped in zip(args[2:], loader.clamp_metadata(*args), strict=True):
+            assert (given is None and clamped is None) or (clamped.dtype == given.dtype and torch.equal(clamped, given))
+
+
+@pytest.mark.parametrize(
+    "bad",
+    ["qsl-past-T", "qsl-decreasing", "qsl-negative", "len-past-table", "len-negative", "page-past-cache",
+     "page-negative", "kv-start-past-keys", "kv-len-past-keys", "int32-extremes"],
+)  # fmt: skip
+def test_loader_clamps_every_offset_the_kernel_reads(bad: str) -> None:
+    """Whatever unchecked metadata holds, what ``flash_attention_fwd`` hands the Ascend C kernel keeps
+    every address inside its tensors: query rows in ``[0, num_tokens)`` from non-decreasing offsets
+    (so the program map's block count fits its length), paged KV lengths within the table's span and
+    page ids inside the cache, contiguous KV ranges inside the keys."""
+    big = 2**31 - 1
+    paged = bad.startswith(("len", "page", "qsl", "int32"))
+    if paged:
+        q, key, qsl, kvsl, lens, table = _paged_metadata()
+    else:
+        q, key, _, qsl, kvsl, lens = _small_inputs()
+        table = None
+    change = {
+        "qsl-past-T": lambda: qsl.__setitem__(2, 40),
+        "qsl-decreasing": lambda: qsl.__setitem__(1, 3) or qsl.__setitem__(2, 1),
+        "qsl-negative": lambda: qsl.__setitem__(1, -5),
+        "len-past-table": lambda: lens.__setitem__(1, 10**6),
+        "len-negative": lambda: lens.__setitem__(0, -3),
+        "page-past-cache": lambda: table.__setitem__((1, 1), 1000),
+        "page-negative": lambda: table.__setitem__((0, 1), -7),
+        "kv-start-past-keys": lambda: kvsl.__setitem__(1, 100),
+        "kv-len-past-keys": lambda: lens.__setitem__(1, 50),
+        "int32-extremes": lambda: (qsl.__setitem__(0, -big - 1), qsl.__setitem__(2, big), lens.fill_(big)),
+    }[bad]
+    qsl, kvsl, lens = qsl.clone(), kvsl.clone(), lens.clone()
+    table = None if table is None else table.clone()
+    change()
+    new_qsl, new_kvsl, new_lens, new_table = loader.clamp_metadata(q, key, qsl, kvsl, lens, table)
+    num_tokens, num_seqs = q.shape[0], qsl.numel() - 1
+    assert new_qsl.min() >= 0 and new_qsl.max() <= num_tokens and (new_qsl.diff() >= 0).all()
+    program_seq, _, num_blocks = _program_map(new_qsl, 2, num_tokens)
+    assert 0 <= int(num_blocks) <= program_seq.numel()
+    assert new_lens.min() >= 0
+    if paged:
+        assert new_lens.max() <= table.shape[1] * key.shape[1]
+        assert new_table.min() >= 0 and new_table.max() < key.shape[0]
+    else:
+        starts = new_kvsl[:num_seqs]
+        assert starts.min() >= 0 and (starts + new_lens).max() <= key.shape[0]
+    changed = [
+        not torch.equal(a, b)
+        for a, b in zip((qsl, kvsl, lens, table), (new_qsl, new_kvsl, new_lens, new_table), strict=True)
+        if a is not None
+    ]
+    assert any(changed), "the bad value was not clamped (negative control of the harness)"
+
+
+def test_loader_clamps_before_the_kernel_and_checks_the_shapes(monkeypatch) -> None:
+    """``flash_attention_fwd`` clamps the metadata after the argument checks and before anything runs,
+    and refuses a block table or KV start vector with fewer entries than sequences (shapes only)."""
+    q, key, qsl, kvsl, lens, table = _paged_metadata()
+    tiles = {"block_m": 16, "tile_n": 64, "seg": 256}
+    calls = []
+
+    def recording(*args):
+        calls.append(args)
+        return loader_clamp(*args)
+
+    loader_clamp = loader.clamp_metadata
+    monkeypatch.setattr(loader, "clamp_metadata", recording)
+    with pytest.raises(RuntimeError, match="NPU tensors only"):
+        loader.flash_attention_fwd(q, key, key.clone(), qsl, kvsl, lens, table, 0.125, **tiles)
+    assert len(calls) == 1 and calls[0][2] is qsl
+    with pytest.raises(ValueError, match="block_table has 1 rows for 2 sequences"):
+        loader.flash_attention_fwd(q, key, key.clone(), qsl, kvsl, lens, table[:1], 0.125, **tiles)
+    q2, k2, v2, cu, kv_cu, kv_lens = _small_inputs()
+    with pytest.raises(ValueError, match="kv_start_loc has 1 entries for 2 sequences"):
+        loader.flash_attention_fwd(q2, k2, v2, cu, kv_cu[:1], kv_lens, None, 0.125, **tiles)
+
+
 def test_switch_routes_every_attention_caller_and_changes_the_fingerprint(monkeypatch) -> None:
     """``SAMEPATH_ATTENTION_BACKEND=ascendc`` reaches samepath's attention launcher (here it refuses
     CPU tensors rather than running Triton) and is part of ``samepath.fingerprint()``."""

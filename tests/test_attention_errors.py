@@ -222,3 +222,130 @@ def test_packed_unvalidated_kv_lengths_stay_inside_the_keys() -> None:
     assert torch.isfinite(out).all() and torch.equal(out[:2], good[:2])
     for view in (q, k, v):
         assert torch.isnan(_guard_of(view)).all()
+
+
+#: (cu_seqlens, causal, sliding_window) for 8 tokens: each one made the backward write out of
+#: bounds, crash or spin on a dQ counter forever before it ran on clamped metadata.
+BACKWARD_CASES = {
+    "past-T": ([0, 5, 8 + 20], True, None),
+    "far-past-T-noncausal": ([0, 5, 10**6], False, None),
+    "decreasing": ([0, 6, 3], True, None),
+    "decreasing-window": ([0, 6, 2, 8], True, 3),
+    "not-from-0": ([3, 5, 8], False, None),
+    "negative": ([0, -4, 8], True, None),
+    "short": ([0, 3], False, None),
+    "int32-extremes": ([0, 2**31 - 2, 2**31 - 1], True, None),
+}
+
+
+def _guarded_backward(q, k, v, grad_out, cu_seqlens, causal, window, problems: list[str]) -> tuple:
+    """The forward (with the log-sum-exp) and backward launchers on unchecked ``cu_seqlens``, every
+    tensor a guarded view; a changed guard is added to ``problems``."""
+    from samepath.kernels.attention import _attention_backward, _launch_forward
+    from samepath.kernels.config import attention_config
+
+    cfg = attention_config(64, torch.float32, torch.device("cpu"))
+    out = _guarded(q.shape)
+    lse = _launch_forward(
+        q, k, v, cu_seqlens, cu_seqlens, cu_seqlens[1:] - cu_seqlens[:-1], None, 0.125, causal, window, cfg,
+        store_lse=True, out=out,
+    )  # fmt: skip
+    lse_view = _guarded(lse.shape).copy_(lse)
+    grads = tuple(_guarded(t.shape) for t in (q, k, v))
+    _attention_backward(q, k, v, out, lse_view, grad_out, cu_seqlens, 0.125, causal, window, cfg, grads=grads)
+    for what, view in (("out", out), ("lse", lse_view), ("grad_out", grad_out), ("q", q), ("k", k), ("v", v)):
+        if not torch.isnan(_guard_of(view)).all():
+            problems.append(f"{what}'s guard changed")
+    for what, view in zip(("dq", "dk", "dv"), grads, strict=True):
+        if not torch.isnan(_guard_of(view)).all():
+            problems.append(f"{what}: a row past the buffer was written")
+    return grads
+
+
+def _backward_garbage_report(names: list[str]) -> dict[str, list[str]]:
+    """Runs each case's forward and backward (``validate=False``'s path) on guarded views; returns
+    the problems found per case. Called in a subprocess, so a hang or a crash fails the test."""
+    from samepath.kernels.attention import LaunchPlan, clamp_cu_seqlens
+
+    torch.manual_seed(0)
+    report = {}
+    for name in names:
+        cu, causal, window = BACKWARD_CASES[name]
+        problems: list[str] = []
+        q, k, v, grad_out = _guarded((8, 4, 64)), _guarded((8, 2, 64)), _guarded((8, 2, 64)), _guarded((8, 4, 64))
+        cu_seqlens = torch.tensor(cu, dtype=torch.int32)
+        got = _guarded_backward(q, k, v, grad_out, cu_seqlens, causal, window, problems)
+        clamped = clamp_cu_seqlens(cu_seqlens, 8).tolist()
+        rows = slice(clamped[0], clamped[-1])
+        for what, grad in zip(("dq", "dk", "dv"), got, strict=True):
+            if not torch.isfinite(grad[rows]).all():
+                problems.append(f"{what} not finite in the clamped sequences' rows {clamped}")
+        # The public path, with a LaunchPlan of the bad metadata (its backward maps come from the plan).
+        leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+        out = varlen_attention(
+            *leaves, cu_seqlens, 0.125, causal, sliding_window=window, validate=False, plan=LaunchPlan(cu_seqlens, 8)
+        )
+        out.backward(grad_out)
+        for what, a, leaf in zip(("dq", "dk", "dv"), got, leaves, strict=True):
+            if not torch.equal(a[rows], leaf.grad[rows]):
+                problems.append(f"{what} through varlen_attention(plan=...) differs from the launcher's")
+        if cu[0] == 0 and 0 < cu[1] <= 8 and min(cu[1:]) == cu[1]:  # no later sequence overwrites its rows
+            n = cu[1]
+            parts = [_guarded(t[:n].shape).copy_(t[:n]) for t in (q, k, v, grad_out)]
+            alone = _guarded_backward(*parts, torch.tensor([0, n], dtype=torch.int32), causal, window, problems)
+            for what, a, b in zip(("dq", "dk", "dv"), got, alone, strict=True):
+                if not torch.equal(a[:n], b):
+                    problems.append(f"{what} of the first sequence (rows < {n}) differs from it alone")
+        report[name] = problems
+    return report
+
+
+@pytest.fixture(scope="module")
+def backward_garbage_report() -> dict[str, list[str]]:
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    tests = Path(__file__).resolve().parent
+    code = (
+        f"import json, sys; sys.path[:0] = [{str(tests.parent)!r}, {str(tests)!r}]\n"
+        "from test_attention_errors import BACKWARD_CASES, _backward_garbage_report\n"
+        "print('REPORT', json.dumps(_backward_garbage_report(list(BACKWARD_CASES))))"
+    )
+    try:
+        result = subprocess.run(
+            [sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=dict(os.environ)
+        )
+    except subprocess.TimeoutExpired:
+        pytest.fail("the attention backward did not finish on unchecked metadata within 300 s (a counter wait hung)")
+    lines = [line for line in result.stdout.splitlines() if line.startswith("REPORT ")]
+    if result.returncode != 0 or not lines:
+        pytest.fail(f"the backward subprocess died (exit {result.returncode}):\n{result.stderr[-3000:]}")
+    return json.loads(lines[-1].removeprefix("REPORT "))
+
+
+@pytest.mark.parametrize("case", list(BACKWARD_CASES))
+def test_varlen_backward_unvalidated_metadata_stays_inside_the_buffers(case: str, backward_garbage_report) -> None:
+    """The backward under ``validate=False``: whatever cu_seqlens holds (past the tokens, decreasing,
+    negative, near the int32 limits) it finishes, reads and writes no row outside its tensors (NaN
+    guards), gives finite gradients in the rows of the clamped sequences, the sequence that fits keeps
+    the exact gradients it has alone, and ``varlen_attention(plan=...)`` gives the launcher's bits."""
+    assert backward_garbage_report[case] == []
+
+
+@pytest.mark.parametrize(
+    "cu", [[0, 8], [0, 3, 3, 8], [0, 0, 8, 8], [0], [0, 1, 2, 3, 4, 5, 6, 7, 8]], ids=lambda cu: str(len(cu))
+)
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64], ids=str)
+def test_clamping_keeps_consistent_metadata(cu: list[int], dtype: torch.dtype) -> None:
+    """The backward's clamp returns consistent metadata unchanged (so the backward's bits are those
+    of the unclamped launch); inconsistent metadata is changed (negative control)."""
+    from samepath.kernels.attention import clamp_cu_seqlens
+
+    tokens = cu[-1]
+    metadata = torch.tensor(cu, dtype=dtype)
+    clamped = clamp_cu_seqlens(metadata, tokens)
+    assert clamped.dtype == dtype and torch.equal(clamped, metadata)
+    assert clamp_cu_seqlens(torch.tensor([0, 6, 3, 20], dtype=dtype), 8).tolist() == [0, 6, 6, 8]

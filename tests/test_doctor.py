@@ -313,3 +313,13 @@ def test_doctor_cli_json(tmp_path, capsys) -> None:
     assert "No divergence" in text
     assert ("First divergence" in text) is (stock["first"] is not None)
     assert not integrations.enabled()
+
+
+@pytest.mark.parametrize("numerics", ["stock", "samepath"])
+def test_report_says_what_its_numerics_are(numerics: str) -> None:
+    from samepath.check.doctor import DoctorReport
+
+    text = DoctorReport(numerics, [3, 5], 4, 1.0, 10).format()
+    assert text.startswith(f"samepath doctor ({numerics} numerics)")
+    meaning = {"stock": "framework's own kernels (samepath not patched in)", "samepath": "patch_all()"}[numerics]
+    assert f"{numerics} numerics: " in text and meaning in text

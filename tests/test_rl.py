@@ -276,3 +276,23 @@ def test_train_check_exits_1_when_a_samepath_step_differs(monkeypatch, tmp_path)
     report = json.loads(out.read_text())
     assert report["exit_status"] == 1 and report["bit_identical"] is False
     assert [s["bitwise_equal"] for s in report["runs"]["samepath"]["steps"]] == [True, False]
+
+
+def test_train_check_output_defines_stock_and_the_plot_reads_zero_as_bit_identical(tmp_path, monkeypatch) -> None:
+    """The table says what "stock" is; the plot's axis says that 0 means bit-identical."""
+    import dataclasses
+
+    from samepath.rl import StepMetrics, train_check
+
+    fields = {f.name: 0.0 for f in dataclasses.fields(StepMetrics)}
+    step = StepMetrics(**{**fields, "step": 1, "tokens": 4, "bitwise_equal": True, "equal_tokens": 4})
+    assert "stock: the same loop with the frameworks' own kernels" in train_check.format_table([step], [step])
+    pytest.importorskip("matplotlib", reason="matplotlib is not installed")
+    import matplotlib.figure
+
+    labels = []
+    monkeypatch.setattr(
+        matplotlib.figure.Figure, "savefig", lambda fig, *a, **k: labels.append(fig.axes[0].get_ylabel())
+    )
+    train_check.plot([step], [step], str(tmp_path / "steps.png"))
+    assert labels and "0 = bit-identical" in labels[0]

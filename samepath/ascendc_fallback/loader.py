@@ -469,6 +469,43 @@ def check_arguments(
         raise ValueError(f"seg = {seg!r} must be a positive multiple of tile_n = {tile_n}")
     if block_table is not None and key.shape[1] > 0xFFFF:
         raise ValueError(f"key.shape[1] (page size) = {key.shape[1]} must be at most 65535")
+    if block_table is not None and block_table.shape[0] < num_seqs:
+        raise ValueError(f"block_table has {block_table.shape[0]} rows for {num_seqs} sequences")
+    if block_table is None and kv_start_loc.numel() < num_seqs:
+        raise ValueError(f"kv_start_loc has {kv_start_loc.numel()} entries for {num_seqs} sequences")
+
+
+def clamp_metadata(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    kv_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_table: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """``(query_start_loc, kv_start_loc, seq_lens, block_table)`` clamped on the device (no host sync)
+    so that the Ascend C kernel, which trusts them, addresses only its tensors whatever unchecked
+    metadata held: the query offsets as the Triton backward clamps ``cu_seqlens``
+    (:func:`samepath.kernels.attention.clamp_cu_seqlens`: into ``[0, num_tokens]``, then a running
+    maximum, so the program map stays within its length); paged, each KV length into
+    ``[0, block_table columns * page size]`` and each page id into ``[0, num_blocks)``; contiguous,
+    each KV start into ``[0, keys]`` and each KV length into ``[0, keys - start]``. Consistent metadata
+    comes back with the same values (so the same bits); for inconsistent metadata the output is
+    unspecified, as with the Triton kernel."""
+    from samepath.kernels.attention import clamp_cu_seqlens
+
+    query_start_loc = clamp_cu_seqlens(query_start_loc, query.shape[0])
+    num_seqs = query_start_loc.numel() - 1
+    if block_table is not None:
+        num_pages, page_size = key.shape[0], key.shape[1]
+        span = block_table.shape[1] * page_size if num_pages > 0 else 0
+        seq_lens = seq_lens.clamp(0, span)
+        block_table = block_table.clamp(0, max(num_pages - 1, 0))
+    else:
+        kv_start_loc = kv_start_loc.clamp(0, key.shape[0])
+        room = key.shape[0] - kv_start_loc[:num_seqs]
+        seq_lens = torch.minimum(seq_lens.clamp(min=0), room.to(seq_lens.dtype))
+    return query_start_loc, kv_start_loc, seq_lens, block_table
 
 
 def flash_attention_fwd(
@@ -507,6 +544,10 @@ def flash_attention_fwd(
     Returns:
         ``(out, lse)``: ``out`` in the query's dtype, ``lse`` or None.
 
+    The metadata values are not checked (that costs a host sync; the Triton entry points do it unless
+    ``validate=False``) but clamped on the device by :func:`clamp_metadata`, so the kernel stays inside
+    its tensors whatever they hold.
+
     Raises:
         ValueError: a bad argument (named), before anything is loaded.
         RuntimeError: the Ascend C backend cannot run here (says what is missing).
@@ -525,6 +566,9 @@ def flash_attention_fwd(
         block_m,
         tile_n,
         seg,
+    )
+    query_start_loc, kv_start_loc, seq_lens, block_table = clamp_metadata(
+        query, key, query_start_loc, kv_start_loc, seq_lens, block_table
     )
     if query.device.type != "npu":
         raise RuntimeError(

@@ -439,6 +439,13 @@ class Divergence:
     inherited: bool  #: the module's input (or an earlier record) already differed
 
 
+#: What the numerics a report names mean, printed with it.
+NUMERICS_MEANING = {
+    "stock": "both paths on the framework's own kernels (samepath not patched in)",
+    "samepath": "both paths under samepath.integrations.patch_all()",
+}
+
+
 @dataclass
 class DoctorReport:
     numerics: str
@@ -486,6 +493,8 @@ class DoctorReport:
             f"one right-padded forward of prompt + {self.new_tokens} completion tokens; log-probs at temperature "
             f"{self.temperature:g}. {self.records_compared} module inputs/outputs compared at every token.",
         ]
+        if self.numerics in NUMERICS_MEANING:
+            lines.append(f"{self.numerics} numerics: {NUMERICS_MEANING[self.numerics]}.")
         if self.identical:
             lines.append("No divergence: every module's input and output is bit-identical between the two paths.")
         else:

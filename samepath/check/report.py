@@ -214,7 +214,7 @@ class CheckReport:
             matplotlib.use("Agg")
             import matplotlib.pyplot as plt
         except ImportError:
-            raise CheckInputError("--plot needs matplotlib (pip install matplotlib)") from None
+            raise CheckInputError('--plot needs matplotlib (pip install matplotlib, or -e ".[hf]")') from None
         positions = list(range(1, self.new_tokens + 1))
         fig, ax = plt.subplots(figsize=(7, 3.5), dpi=120)
         stock, patched = self.stock_metrics, self.patched_metrics

@@ -494,7 +494,12 @@ def _attention_bwd_kernel(
     ticket counter ``Sync[0]``, and item ``j`` only waits for item ``j - 1`` of its sequence and
     head, taken earlier by a running program: the lowest unfinished item never waits, so no grid
     size, residency or dispatch order can deadlock (and the interpreter, which runs programs one
-    after the other, takes every item in program 0)."""
+    after the other, takes every item in program 0).
+
+    The kernel trusts ``cu_seqlens`` and the program map built from it; the launcher hands it
+    :func:`clamp_cu_seqlens` of the caller's metadata and the map of that, so every row it touches
+    lies inside the tensors, query tiles of different sequences never share a counter, and every
+    KV tile a counter waits for is a work item, whatever unchecked metadata held."""
     offs_r = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     d_valid = offs_d < HEAD_SIZE
@@ -669,6 +674,15 @@ def _program_map(
     return program_seq.to(torch.int32), program_block.to(torch.int32), cu_blocks[-1:].to(torch.int32)
 
 
+def clamp_cu_seqlens(cu_seqlens: torch.Tensor, num_tokens: int) -> torch.Tensor:
+    """``cu_seqlens`` made safe to trust, on the device (no host sync): every entry clamped to
+    ``[0, num_tokens]``, then its running maximum. The sequences it describes are disjoint row
+    ranges inside the ``num_tokens`` rows, each inside its unclamped range (so inside rows that the
+    forward wrote), and their block counts sum to at most the program map's length. Consistent
+    metadata (0, non-decreasing, ending at ``num_tokens``) comes back with the same values and dtype."""
+    return torch.cummax(cu_seqlens.clamp(0, num_tokens), 0).values
+
+
 def _capturing_graph() -> bool:
     return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
@@ -715,6 +729,16 @@ class LaunchPlan:
     def program_map(self, block: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """:func:`_program_map` of the query lengths for ``block``-row blocks."""
         return self._cached(("map", block), lambda: _program_map(self.cu_seqlens_q, block, self.num_tokens))
+
+    def clamped_program_map(self, block: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """:func:`clamp_cu_seqlens` of ``cu_seqlens_q`` and its :func:`_program_map` for ``block``-row
+        blocks (the backward's metadata)."""
+
+        def build():
+            clamped = clamp_cu_seqlens(self.cu_seqlens_q, self.num_tokens)
+            return (clamped, *_program_map(clamped, block, self.num_tokens))
+
+        return self._cached(("clamped map", block), build)
 
     def kv_lens(self) -> torch.Tensor:
         """``cu[1:] - cu[:-1]`` of ``cu_seqlens_kv`` (``cu_seqlens_q`` when there is none)."""
@@ -1240,22 +1264,34 @@ class VarlenAttentionFunction(torch.autograd.Function):
 
 
 def _attention_backward(
-    query, key, value, out, lse, grad_out, cu_seqlens, scale, causal, sliding_window, config, plan=None
+    query, key, value, out, lse, grad_out, cu_seqlens, scale, causal, sliding_window, config, plan=None, grads=None
 ):
-    """dQ, dK, dV in one launch of :func:`_attention_bwd_kernel` (one item per KV tile and KV head).
+    """dQ, dK, dV in one launch of :func:`_attention_bwd_kernel` (one item per KV tile and KV head),
+    written into ``grads = (dq, dk, dv)`` when given (shaped like query, key, value).
+
+    The kernel runs on :func:`clamp_cu_seqlens` of ``cu_seqlens`` (device ops, no host sync), so
+    whatever unchecked metadata holds, it reads and writes only rows of the given tensors and every
+    dQ counter wait ends: the clamped sequences are disjoint, and each KV tile that a query tile's
+    counter waits for is a work item of the program map built from the same clamped values. Rows
+    outside every clamped sequence (before ``cu_seqlens[0]`` or past ``cu_seqlens[-1]``; the forward
+    does not write them either) are left unwritten. Consistent metadata is clamped to itself: no bit
+    changes.
 
     Workspace, O(tokens): the fp32 dQ row sums (``[tokens, heads, head_size]``) and one int32
     counter per packed query tile (plus the ticket counter), zeroed here on the device."""
+    num_tokens, num_heads, head_size = query.shape
+    if plan is None:
+        cu_seqlens = clamp_cu_seqlens(cu_seqlens, num_tokens)
+        program_map = None
+    else:
+        cu_seqlens, *program_map = plan.clamped_program_map(config.bwd_block_n)
     if attention_backend() == "ascendc":  # SAMEPATH_ATTENTION_BACKEND: never a silent fallback
         return ascendc_attention_backward(
             query, key, value, out, lse, grad_out, cu_seqlens, scale, causal, sliding_window, config
         )
-    num_tokens, num_heads, head_size = query.shape
     num_kv_heads = key.shape[1]
     delta = row_sum(grad_out.float() * out.float())
-    dq = torch.empty_like(query)
-    dk = torch.empty_like(key)
-    dv = torch.empty_like(value)
+    dq, dk, dv = grads if grads is not None else (torch.empty_like(t) for t in (query, key, value))
     num_seqs = cu_seqlens.numel() - 1
     if num_tokens == 0 or num_seqs == 0:
         return dq.zero_(), dk.zero_(), dv.zero_()
@@ -1263,10 +1299,9 @@ def _attention_backward(
     pack = _packing(group, config.bwd_block_m)
     dq_acc = torch.empty((num_tokens, num_heads, head_size), dtype=torch.float32, device=query.device)
     sync = torch.zeros(1 + num_tokens * num_kv_heads * pack.num_chunks, dtype=torch.int32, device=query.device)
-    if plan is None:
-        program_seq, program_block, num_blocks = _program_map(cu_seqlens, config.bwd_block_n, num_tokens)
-    else:
-        program_seq, program_block, num_blocks = plan.program_map(config.bwd_block_n)
+    if program_map is None:
+        program_map = _program_map(cu_seqlens, config.bwd_block_n, num_tokens)
+    program_seq, program_block, num_blocks = program_map
     programs = grid.num_programs(program_seq.numel() * num_kv_heads, query.device, uses_dot=True)
     _attention_bwd_kernel[(programs,)](
         query,
@@ -1350,8 +1385,11 @@ def varlen_attention(
             for the result only: the forward kernel reads and writes no row outside
             ``query``/``key``/``value``/the output whatever ``cu_seqlens`` holds (a sequence
             running past ``total_tokens`` is cut there), and the output rows of inconsistent
-            metadata are unspecified. The backward kernels trust it fully: differentiate only
-            through validated (or otherwise known-good) metadata.
+            metadata are unspecified. The backward runs on the metadata clamped on the device
+            (:func:`clamp_cu_seqlens`: entries into ``[0, total_tokens]``, then non-decreasing),
+            so it too reads and writes only rows of its tensors and always finishes; its gradients
+            for inconsistent metadata are unspecified (rows outside every clamped sequence are
+            not written).
         plan: a :class:`LaunchPlan` of ``cu_seqlens`` (forward and backward reuse its maps).
 
     Returns:

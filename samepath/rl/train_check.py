@@ -135,6 +135,10 @@ def format_table(stock: list[StepMetrics], patched: list[StepMetrics]) -> str:
     ]
     for s, p in zip(stock, patched, strict=True):
         lines.append(f"{p.step:>4}  {cells(s)}  {cells(p)}  {p.weight_change:>9.3g}")
+    lines.append(
+        "stock: the same loop with the frameworks' own kernels on both sides (samepath not patched in); "
+        "samepath: both sides on samepath's kernels"
+    )
     return "\n".join(lines)
 
 
@@ -153,7 +157,7 @@ def plot(stock: list[StepMetrics], patched: list[StepMetrics], path: str) -> Non
     ax.set_ylim(bottom=0)
     ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
     ax.set_xlabel("RL step")
-    ax.set_ylabel("max |Δlogp| rollout vs trainer")
+    ax.set_ylabel("max |Δlogp| rollout vs trainer (0 = bit-identical)")
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
