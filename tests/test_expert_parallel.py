@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import socket
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -13,8 +14,16 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import samepath
-from samepath.distributed import expert_parallel_experts
+from samepath.distributed import (
+    column_parallel_linear,
+    expert_parallel_experts,
+    row_parallel_linear,
+    sharded_token_logprobs,
+    vocab_parallel_token_logprobs,
+)
 from samepath.integrations import moe
+from samepath.kernels.attention import varlen_attention
+from samepath.kernels.config import OP_FORMULAS, NumericsMismatchError, RowReduceConfig
 from samepath.kernels.grouped_matmul import (
     GroupedExpertsFunction,
     combine_in_expert_order,
@@ -22,6 +31,9 @@ from samepath.kernels.grouped_matmul import (
     grouped_linear,
     routed_pair_outputs,
 )
+from samepath.kernels.matmul import linear
+from samepath.kernels.rms_norm import rms_norm
+from samepath.kernels.rotary import apply_rotary, rotary_cos_sin
 from samepath.kernels.swiglu import silu_mul_backward
 
 EXPERTS, TOP_K, TOKENS, HIDDEN, INTER = 8, 4, 19, 40, 24
@@ -213,3 +225,186 @@ def test_negative_control_rank_partials_of_the_input_gradient() -> None:
     owner = (layer["index"] // (EXPERTS // 2)).reshape(-1, 1)
     partials = [combine_in_expert_order(torch.where(owner == rank, rows, 0), layer["index"]) for rank in (0, 1)]
     assert not torch.equal(partials[0] + partials[1], want)
+
+
+# ----------------------------------------------------------------------------------------------
+# Tensor x expert parallelism: a tiny MoE block on a TP x EP grid, and mismatched layouts
+# ----------------------------------------------------------------------------------------------
+
+#: The block: attention (q, k, v column-parallel by heads, GQA, rotary, packed varlen attention,
+#: o_proj row-parallel), a replicated router, the routed experts (expert-parallel), lm_head
+#: (vocab-parallel) and token logprobs. Two packed sequences of 7 and 5 tokens.
+B_TOKENS, B_HIDDEN, B_HEADS, B_KV_HEADS, B_HEAD_DIM, B_VOCAB = 12, 48, 4, 2, 32, 128
+B_CU_SEQLENS = torch.tensor([0, 7, 12], dtype=torch.int32)
+B_POSITIONS = torch.tensor([*range(7), *range(5)])
+B_CHUNK = RowReduceConfig(vocab_chunk=32)
+B_SHARD_DIM = {"q": 0, "k": 0, "v": 0, "o": 1, "lm_head": 0}
+
+
+def _block_weights(dtype: torch.dtype, seed: int) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+
+    def randn(*shape, scale):
+        return (torch.randn(*shape, generator=gen) * scale).to(dtype)
+
+    q_width, kv_width = B_HEADS * B_HEAD_DIM, B_KV_HEADS * B_HEAD_DIM
+    return {
+        "x": randn(B_TOKENS, B_HIDDEN, scale=1.0),
+        "labels": torch.randint(0, B_VOCAB, (B_TOKENS,), generator=gen),
+        "attn_norm": (1 + torch.randn(B_HIDDEN, generator=gen) * 0.1).to(dtype),
+        "norm": (1 + torch.randn(B_HIDDEN, generator=gen) * 0.1).to(dtype),
+        "norm_f": (1 + torch.randn(B_HIDDEN, generator=gen) * 0.1).to(dtype),
+        "q": randn(q_width, B_HIDDEN, scale=B_HIDDEN**-0.5),
+        "k": randn(kv_width, B_HIDDEN, scale=B_HIDDEN**-0.5),
+        "v": randn(kv_width, B_HIDDEN, scale=B_HIDDEN**-0.5),
+        "o": randn(B_HIDDEN, q_width, scale=q_width**-0.5),
+        "router": randn(EXPERTS, B_HIDDEN, scale=B_HIDDEN**-0.5),
+        "gate_up": randn(EXPERTS, 2 * INTER, B_HIDDEN, scale=B_HIDDEN**-0.5),
+        "down": randn(EXPERTS, B_HIDDEN, INTER, scale=INTER**-0.5),
+        "lm_head": randn(B_VOCAB, B_HIDDEN, scale=B_HIDDEN**-0.5 * 4),
+    }
+
+
+def _block(
+    w: dict[str, torch.Tensor],
+    column: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    row: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    experts: Callable[..., torch.Tensor],
+    logprobs: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(logits [tokens, V], logprobs [tokens])`` of the block; ``w`` holds whichever shards the
+    layout gives this process, the four callables run its dense, expert and logprob layers."""
+    x = w["x"]
+    h = rms_norm(x, w["attn_norm"])
+    q, k, v = (column(h, w[p]).view(B_TOKENS, -1, B_HEAD_DIM) for p in "qkv")
+    cos, sin = rotary_cos_sin(B_POSITIONS, B_HEAD_DIM, 10000.0, q.dtype)
+    q, k = apply_rotary(q, k, cos, sin)
+    x = x + row(varlen_attention(q, k, v, B_CU_SEQLENS).reshape(B_TOKENS, -1), w["o"])
+    h = rms_norm(x, w["norm"])
+    index, weights = moe.topk_softmax_routing(linear(h, w["router"]), TOP_K, renormalize=True, dtype=h.dtype)
+    x = x + experts(h, w["gate_up"], w["down"], index, weights)
+    logits = column(rms_norm(x, w["norm_f"]), w["lm_head"])
+    return logits, logprobs(logits, w["labels"])
+
+
+def _block_trainer(w: dict[str, torch.Tensor], k_slices: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """One process, all weights: the S-slice kernels of a TP-S rollout, the one-process experts."""
+    with samepath.batch_invariant(), torch.no_grad():
+        return _block(
+            w,
+            lambda h, weight: linear(h, weight),
+            lambda a, weight: linear(a, weight, k_slices=k_slices),
+            moe.experts_forward,
+            lambda logits, labels: sharded_token_logprobs(logits, labels, k_slices, 0.7, config=B_CHUNK),
+        )
+
+
+def _block_parallel(
+    w: dict[str, torch.Tensor], tp_group, ep_group, tp_size: int, ep_size: int, k_slices: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank of a TP x EP layout: dense layers tensor-parallel over ``tp_group`` (or, with
+    ``tp_size == 1``, the one-process ``k_slices`` kernels), experts over ``ep_group``."""
+    tp_rank, ep_rank = dist.get_rank(tp_group) if tp_size > 1 else 0, dist.get_rank(ep_group)
+    local = {}
+    for name, value in w.items():
+        dim = B_SHARD_DIM.get(name) if tp_size > 1 else None
+        local[name] = value if dim is None else value.chunk(tp_size, dim=dim)[tp_rank].contiguous()
+    experts = slice(ep_rank * EXPERTS // ep_size, (ep_rank + 1) * EXPERTS // ep_size)
+    local["gate_up"], local["down"] = w["gate_up"][experts].contiguous(), w["down"][experts].contiguous()
+
+    def run_experts(h, gate_up, down, index, weights):
+        return expert_parallel_experts(h, gate_up, down, index, weights, EXPERTS, ep_group)
+
+    with samepath.batch_invariant(), torch.no_grad():
+        if tp_size == 1:
+            return _block(
+                local,
+                lambda h, weight: linear(h, weight),
+                lambda a, weight: linear(a, weight, k_slices=k_slices),
+                run_experts,
+                lambda logits, labels: sharded_token_logprobs(logits, labels, k_slices, 0.7, config=B_CHUNK),
+            )
+        logits_shard, logprobs = _block(
+            local,
+            lambda h, weight: column_parallel_linear(h, weight, group=tp_group),
+            lambda a, weight: row_parallel_linear(a, weight, tp_group),
+            run_experts,
+            lambda logits, labels: vocab_parallel_token_logprobs(logits, labels, tp_group, 0.7, config=B_CHUNK),
+        )
+        return torch.cat(_all_gather(logits_shard, tp_group), dim=-1), logprobs
+
+
+def _all_gather(tensor: torch.Tensor, group) -> list[torch.Tensor]:
+    parts = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, tensor.contiguous(), group=group)
+    return parts
+
+
+def _grid_worker(rank: int, world: int, port: int, models: dict[str, dict[str, torch.Tensor]], out_dir: str) -> None:
+    """4 ranks: a 2 x 2 grid (TP groups {0, 1}, {2, 3}; EP groups {0, 2}, {1, 3}). 2 ranks: the
+    rollout's TP 2 x EP 1 and the trainer's EP 2 x TP 1 (``k_slices = 2``), in turn."""
+    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        result = {}
+        if world == 4:
+            tp_groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+            ep_groups = [dist.new_group([0, 2]), dist.new_group([1, 3])]
+            tp_group, ep_group = tp_groups[rank // 2], ep_groups[rank % 2]
+            for name, w in models.items():
+                result[name, "tp2xep2"] = _block_parallel(w, tp_group, ep_group, 2, 2, k_slices=2)
+        else:
+            alone = [dist.new_group([0]), dist.new_group([1])][rank]
+            for name, w in models.items():
+                result[name, "tp2xep1"] = _block_parallel(w, None, alone, 2, 1, k_slices=2)
+                result[name, "ep2xtp1"] = _block_parallel(w, None, None, 1, 2, k_slices=2)
+        torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def _block_models() -> dict[str, dict[str, torch.Tensor]]:
+    return {"bf16": _block_weights(torch.bfloat16, 8), "fp32": _block_weights(torch.float32, 9)}
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_tp_x_ep_layouts_equal_one_device(world: int, tmp_path) -> None:
+    """World 4: a 2 x 2 TP x EP grid; world 2: a rollout at TP 2 x EP 1 and a trainer at EP 2 x
+    TP 1 (running the TP-2 numerics with k_slices=2). Logits and log-probs of every rank equal the
+    one-device trainer's, so the two layouts equal each other."""
+    models = _block_models()
+    mp.spawn(_grid_worker, args=(world, _free_port(), models, str(tmp_path)), nprocs=world, join=True)
+    results = [torch.load(tmp_path / f"rank{r}.pt") for r in range(world)]
+    layouts = {"tp2xep2"} if world == 4 else {"tp2xep1", "ep2xtp1"}
+    assert all(set(res) == {(name, layout) for name in models for layout in layouts} for res in results)
+    for name, w in models.items():
+        logits, logprobs = _block_trainer(w, k_slices=2)
+        assert torch.isfinite(logprobs).all()
+        for rank, res in enumerate(results):
+            for (model, layout), (got_logits, got_logprobs) in res.items():
+                if model != name:
+                    continue
+                assert torch.equal(got_logits, logits), f"rank {rank} {layout} {name}: logits differ"
+                assert torch.equal(got_logprobs, logprobs), f"rank {rank} {layout} {name}: logprobs differ"
+    # Negative control: the unsharded k_slices=1 trainer (fp32) differs from the TP-2 layouts.
+    assert not torch.equal(_block_trainer(models["fp32"], k_slices=1)[1], _block_trainer(models["fp32"], 2)[1])
+
+
+def test_fingerprint_covers_the_expert_parallel_formula(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The EP combine order and the EP backward are fingerprinted (and no EP degree is: EP = k is
+    EP = 1), so a side whose EP formula differs — its pairs added in slot order — is refused."""
+    formulas = OP_FORMULAS["distributed"]
+    assert "ascending expert order" in formulas["expert_parallel"]
+    assert "ascending expert order" in formulas["expert_parallel_backward"]
+    mine = samepath.fingerprint()
+    for key in ("expert_parallel", "expert_parallel_backward"):
+        other = dict(formulas, **{key: formulas[key].replace("ascending expert order", "slot order")})
+        with monkeypatch.context() as patch:
+            patch.setitem(OP_FORMULAS, "distributed", other)
+            theirs = samepath.fingerprint()
+        assert theirs != mine, key
+        with pytest.raises(NumericsMismatchError, match="numerics fingerprint mismatch"):
+            samepath.assert_same_numerics(theirs)
+    samepath.assert_same_numerics(mine)
