@@ -63,6 +63,7 @@ class Baselines:
     liger: Any = None
     vllm_unified_attention: Any = None
     vllm_bi: Any = None
+    vllm_fused_experts: Any = None
     flash_attn: Any = None
     missing: dict[str, str] = field(default_factory=dict)
 
@@ -189,6 +190,14 @@ def find(device: torch.device, dtype: torch.dtype) -> Baselines:
         found.missing["vLLM batch-invariant kernels"] = "needs CUDA"
     else:
         found.vllm_bi = vllm_bi
+
+    fused_moe, why = _import("vllm.model_executor.layers.fused_moe")
+    if fused_moe is None or not hasattr(fused_moe, "fused_experts"):
+        found.missing["vLLM Triton fused MoE"] = why or "vllm.model_executor.layers.fused_moe has no fused_experts"
+    elif not cuda:
+        found.missing["vLLM Triton fused MoE"] = "needs CUDA"
+    else:
+        found.vllm_fused_experts = fused_moe.fused_experts
 
     flash_attn, why = _import("flash_attn")
     if flash_attn is None:
