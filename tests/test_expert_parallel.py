@@ -1,6 +1,8 @@
 """Expert parallelism (gloo processes on the CPU): EP = k equals the one-process experts bit for bit,
 forward and backward (the gradients of the hidden states, the routing weights and every rank's
-expert weights equal the one-process grouped backward's for the same experts)."""
+expert weights equal the one-process grouped backward's for the same experts); a tiny MoE block on
+TP x EP layouts equals one device (logits, log-probs, gradients); the EP formulas are in the
+fingerprint."""
 
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ import torch.multiprocessing as mp
 import samepath
 from samepath.distributed import (
     column_parallel_linear,
+    column_sharded_linear,
     expert_parallel_experts,
     row_parallel_linear,
     sharded_token_logprobs,
@@ -287,51 +290,88 @@ def _block(
     return logits, logprobs(logits, w["labels"])
 
 
-def _block_trainer(w: dict[str, torch.Tensor], k_slices: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """One process, all weights: the S-slice kernels of a TP-S rollout, the one-process experts."""
-    with samepath.batch_invariant(), torch.no_grad():
-        return _block(
-            w,
-            lambda h, weight: linear(h, weight),
+def _leaves_and_grads(local: dict[str, torch.Tensor], upstream: torch.Tensor | None):
+    """``local`` as fresh leaves (floating ones differentiable when ``upstream`` is given) and a
+    function that back-propagates ``(logprobs * upstream).sum()`` and returns their gradients."""
+    if upstream is None:
+        return local, lambda logprobs: {}
+    leaves = {n: t.detach().clone().requires_grad_(t.is_floating_point()) for n, t in local.items()}
+
+    def grads(logprobs: torch.Tensor) -> dict[str, torch.Tensor]:
+        (logprobs * upstream).sum().backward()
+        return {f"d{name}": t.grad for name, t in leaves.items() if t.grad is not None}
+
+    return leaves, grads
+
+
+def _block_trainer(
+    w: dict[str, torch.Tensor], k_slices: int, upstream: torch.Tensor | None = None, column_shards: int | None = None
+) -> dict:
+    """One process, all weights: the S-slice kernels of a TP-S rollout (and of its backward:
+    ``column_sharded_linear``, ``column_shards`` default S), the one-process experts.
+    ``{"logits", "logprobs", "d<weight>"...}``."""
+    column_shards = k_slices if column_shards is None else column_shards
+    leaves, grads = _leaves_and_grads(w, upstream)
+    with samepath.batch_invariant(), torch.set_grad_enabled(upstream is not None):
+        logits, logprobs = _block(
+            leaves,
+            lambda h, weight: column_sharded_linear(h, weight, num_shards=column_shards),
             lambda a, weight: linear(a, weight, k_slices=k_slices),
             moe.experts_forward,
             lambda logits, labels: sharded_token_logprobs(logits, labels, k_slices, 0.7, config=B_CHUNK),
         )
+        return {"logits": logits.detach(), "logprobs": logprobs.detach(), **grads(logprobs)}
+
+
+def _layout_slices(tp_rank: int, tp_size: int, ep_rank: int, ep_size: int) -> dict[str, Callable]:
+    """How this rank's copy of each weight is cut from the full one (absent: replicated)."""
+    cuts: dict[str, Callable] = {}
+    if tp_size > 1:
+        for name, dim in B_SHARD_DIM.items():
+            cuts[name] = lambda t, dim=dim: t.chunk(tp_size, dim=dim)[tp_rank].contiguous()
+    experts = slice(ep_rank * EXPERTS // ep_size, (ep_rank + 1) * EXPERTS // ep_size)
+    cuts["gate_up"] = cuts["down"] = lambda t: t[experts].contiguous()
+    return cuts
 
 
 def _block_parallel(
-    w: dict[str, torch.Tensor], tp_group, ep_group, tp_size: int, ep_size: int, k_slices: int
-) -> tuple[torch.Tensor, torch.Tensor]:
+    w: dict[str, torch.Tensor],
+    tp_group,
+    ep_group,
+    tp_size: int,
+    ep_size: int,
+    k_slices: int,
+    upstream: torch.Tensor | None = None,
+) -> dict:
     """This rank of a TP x EP layout: dense layers tensor-parallel over ``tp_group`` (or, with
-    ``tp_size == 1``, the one-process ``k_slices`` kernels), experts over ``ep_group``."""
+    ``tp_size == 1``, the one-process ``k_slices`` kernels), experts over ``ep_group``; with
+    ``upstream``, the gradients of this rank's weights too."""
     tp_rank, ep_rank = dist.get_rank(tp_group) if tp_size > 1 else 0, dist.get_rank(ep_group)
-    local = {}
-    for name, value in w.items():
-        dim = B_SHARD_DIM.get(name) if tp_size > 1 else None
-        local[name] = value if dim is None else value.chunk(tp_size, dim=dim)[tp_rank].contiguous()
-    experts = slice(ep_rank * EXPERTS // ep_size, (ep_rank + 1) * EXPERTS // ep_size)
-    local["gate_up"], local["down"] = w["gate_up"][experts].contiguous(), w["down"][experts].contiguous()
+    cuts = _layout_slices(tp_rank, tp_size, ep_rank, ep_size)
+    local, grads = _leaves_and_grads({n: cuts[n](t) if n in cuts else t for n, t in w.items()}, upstream)
 
     def run_experts(h, gate_up, down, index, weights):
         return expert_parallel_experts(h, gate_up, down, index, weights, EXPERTS, ep_group)
 
-    with samepath.batch_invariant(), torch.no_grad():
+    with samepath.batch_invariant(), torch.set_grad_enabled(upstream is not None):
         if tp_size == 1:
-            return _block(
+            logits, logprobs = _block(
                 local,
-                lambda h, weight: linear(h, weight),
+                lambda h, weight: column_sharded_linear(h, weight, num_shards=k_slices),
                 lambda a, weight: linear(a, weight, k_slices=k_slices),
                 run_experts,
                 lambda logits, labels: sharded_token_logprobs(logits, labels, k_slices, 0.7, config=B_CHUNK),
             )
-        logits_shard, logprobs = _block(
-            local,
-            lambda h, weight: column_parallel_linear(h, weight, group=tp_group),
-            lambda a, weight: row_parallel_linear(a, weight, tp_group),
-            run_experts,
-            lambda logits, labels: vocab_parallel_token_logprobs(logits, labels, tp_group, 0.7, config=B_CHUNK),
-        )
-        return torch.cat(_all_gather(logits_shard, tp_group), dim=-1), logprobs
+        else:
+            logits, logprobs = _block(
+                local,
+                lambda h, weight: column_parallel_linear(h, weight, group=tp_group),
+                lambda a, weight: row_parallel_linear(a, weight, tp_group),
+                run_experts,
+                lambda logits, labels: vocab_parallel_token_logprobs(logits, labels, tp_group, 0.7, config=B_CHUNK),
+            )
+            logits = torch.cat(_all_gather(logits.detach(), tp_group), dim=-1)
+        return {"logits": logits.detach(), "logprobs": logprobs.detach(), **grads(logprobs)}
 
 
 def _all_gather(tensor: torch.Tensor, group) -> list[torch.Tensor]:
@@ -353,12 +393,12 @@ def _grid_worker(rank: int, world: int, port: int, models: dict[str, dict[str, t
             ep_groups = [dist.new_group([0, 2]), dist.new_group([1, 3])]
             tp_group, ep_group = tp_groups[rank // 2], ep_groups[rank % 2]
             for name, w in models.items():
-                result[name, "tp2xep2"] = _block_parallel(w, tp_group, ep_group, 2, 2, k_slices=2)
+                result[name, "tp2xep2"] = _block_parallel(w, tp_group, ep_group, 2, 2, 2, w["upstream"])
         else:
             alone = [dist.new_group([0]), dist.new_group([1])][rank]
             for name, w in models.items():
                 result[name, "tp2xep1"] = _block_parallel(w, None, alone, 2, 1, k_slices=2)
-                result[name, "ep2xtp1"] = _block_parallel(w, None, None, 1, 2, k_slices=2)
+                result[name, "ep2xtp1"] = _block_parallel(w, None, None, 1, 2, 2, w["upstream"])
         torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
         dist.barrier()
     finally:
@@ -366,30 +406,66 @@ def _grid_worker(rank: int, world: int, port: int, models: dict[str, dict[str, t
 
 
 def _block_models() -> dict[str, dict[str, torch.Tensor]]:
-    return {"bf16": _block_weights(torch.bfloat16, 8), "fp32": _block_weights(torch.float32, 9)}
+    models = {"bf16": _block_weights(torch.bfloat16, 8), "fp32": _block_weights(torch.float32, 9)}
+    for seed, w in enumerate(models.values()):
+        w["upstream"] = torch.randn(B_TOKENS, generator=torch.Generator().manual_seed(20 + seed))
+    return models
+
+
+#: Where each rank of a layout sits: (tp_rank, tp_size, ep_rank, ep_size) by layout and rank.
+LAYOUT_RANKS = {
+    "tp2xep2": lambda rank: (rank % 2, 2, rank // 2, 2),
+    "tp2xep1": lambda rank: (rank, 2, 0, 1),
+    "ep2xtp1": lambda rank: (0, 1, rank, 2),
+}
 
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_tp_x_ep_layouts_equal_one_device(world: int, tmp_path) -> None:
-    """World 4: a 2 x 2 TP x EP grid; world 2: a rollout at TP 2 x EP 1 and a trainer at EP 2 x
-    TP 1 (running the TP-2 numerics with k_slices=2). Logits and log-probs of every rank equal the
-    one-device trainer's, so the two layouts equal each other."""
+    """World 4: a 2 x 2 TP x EP grid, forward and backward; world 2: a rollout at TP 2 x EP 1
+    (forward) and a trainer at EP 2 x TP 1 running the TP-2 numerics with k_slices=2 (forward and
+    backward). Logits, log-probs and every rank's weight gradients (its shard / experts of the
+    one-device gradient; replicated weights and the input whole) equal the one-device trainer's,
+    so the layouts equal each other."""
     models = _block_models()
     mp.spawn(_grid_worker, args=(world, _free_port(), models, str(tmp_path)), nprocs=world, join=True)
     results = [torch.load(tmp_path / f"rank{r}.pt") for r in range(world)]
     layouts = {"tp2xep2"} if world == 4 else {"tp2xep1", "ep2xtp1"}
     assert all(set(res) == {(name, layout) for name in models for layout in layouts} for res in results)
+    trained = {
+        "dx",
+        "dattn_norm",
+        "dnorm",
+        "dnorm_f",
+        "dq",
+        "dk",
+        "dv",
+        "do",
+        "drouter",
+        "dgate_up",
+        "ddown",
+        "dlm_head",
+    }
     for name, w in models.items():
-        logits, logprobs = _block_trainer(w, k_slices=2)
-        assert torch.isfinite(logprobs).all()
+        want = _block_trainer({n: t for n, t in w.items() if n != "upstream"}, 2, w["upstream"])
+        assert torch.isfinite(want["logprobs"]).all() and set(want) == {"logits", "logprobs", *trained}
         for rank, res in enumerate(results):
-            for (model, layout), (got_logits, got_logprobs) in res.items():
+            for (model, layout), got in res.items():
                 if model != name:
                     continue
-                assert torch.equal(got_logits, logits), f"rank {rank} {layout} {name}: logits differ"
-                assert torch.equal(got_logprobs, logprobs), f"rank {rank} {layout} {name}: logprobs differ"
-    # Negative control: the unsharded k_slices=1 trainer (fp32) differs from the TP-2 layouts.
-    assert not torch.equal(_block_trainer(models["fp32"], k_slices=1)[1], _block_trainer(models["fp32"], 2)[1])
+                cuts = _layout_slices(*LAYOUT_RANKS[layout](rank))
+                assert set(got) == (set(want) if layout != "tp2xep1" else {"logits", "logprobs"})
+                for key, value in got.items():
+                    full = want[key]
+                    expected = cuts[key[1:]](full) if key.startswith("d") and key[1:] in cuts else full
+                    assert torch.equal(value, expected), f"rank {rank} {layout} {name}: {key} differs"
+    # Negative controls (fp32): the unsharded k_slices=1 trainer's log-probs, and the input gradient
+    # of a trainer whose column-parallel layers use linear's own backward, differ from the TP-2 layouts'.
+    fp32 = {n: t for n, t in models["fp32"].items() if n != "upstream"}
+    assert not torch.equal(_block_trainer(fp32, k_slices=1)["logprobs"], _block_trainer(fp32, 2)["logprobs"])
+    upstream = models["fp32"]["upstream"]
+    plain, want = _block_trainer(fp32, 2, upstream, column_shards=1), _block_trainer(fp32, 2, upstream)
+    assert torch.equal(plain["logprobs"], want["logprobs"]) and not torch.equal(plain["dx"], want["dx"])
 
 
 def test_fingerprint_covers_the_expert_parallel_formula(monkeypatch: pytest.MonkeyPatch) -> None:
