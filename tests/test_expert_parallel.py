@@ -420,7 +420,7 @@ LAYOUT_RANKS = {
 }
 
 
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.slow)])  # 4 processes: ~2 min here
 def test_tp_x_ep_layouts_equal_one_device(world: int, tmp_path) -> None:
     """World 4: a 2 x 2 TP x EP grid, forward and backward; world 2: a rollout at TP 2 x EP 1
     (forward) and a trainer at EP 2 x TP 1 running the TP-2 numerics with k_slices=2 (forward and
