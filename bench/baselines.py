@@ -12,7 +12,7 @@ device and dtype, and, for every one that does not, why (the bench prints that l
 * Liger-Kernel (``liger_kernel.transformers.functional``): RMSNorm, SwiGLU, rope, fused linear
   cross-entropy;
 * vLLM's Triton ``unified_attention`` with a fixed number of softmax segments (vLLM's Triton
-  backend's split), and vLLM's batch-invariant kernels;
+  backend's split), vLLM's batch-invariant kernels and its Triton ``fused_experts`` (MoE);
 * flash-attn (``flash_attn_varlen_func``).
 """
 
@@ -192,7 +192,8 @@ def find(device: torch.device, dtype: torch.dtype) -> Baselines:
         found.vllm_bi = vllm_bi
 
     fused_moe, why = _import("vllm.model_executor.layers.fused_moe")
-    if fused_moe is None or not hasattr(fused_moe, "fused_experts"):
+    if fused_moe is None or getattr(fused_moe, "fused_experts", None) is None:
+        # vLLM exports fused_experts = None off CUDA-like platforms.
         found.missing["vLLM Triton fused MoE"] = why or "vllm.model_executor.layers.fused_moe has no fused_experts"
     elif not cuda:
         found.missing["vLLM Triton fused MoE"] = "needs CUDA"
