@@ -12,7 +12,7 @@ device and dtype, and, for every one that does not, why (the bench prints that l
 * Liger-Kernel (``liger_kernel.transformers.functional``): RMSNorm, SwiGLU, rope, fused linear
   cross-entropy;
 * vLLM's Triton ``unified_attention`` with a fixed number of softmax segments (vLLM's Triton
-  backend's split), and vLLM's batch-invariant kernels;
+  backend's split), vLLM's batch-invariant kernels and its Triton ``fused_experts`` (MoE);
 * flash-attn (``flash_attn_varlen_func``).
 """
 
@@ -63,6 +63,7 @@ class Baselines:
     liger: Any = None
     vllm_unified_attention: Any = None
     vllm_bi: Any = None
+    vllm_fused_experts: Any = None
     flash_attn: Any = None
     missing: dict[str, str] = field(default_factory=dict)
 
@@ -189,6 +190,15 @@ def find(device: torch.device, dtype: torch.dtype) -> Baselines:
         found.missing["vLLM batch-invariant kernels"] = "needs CUDA"
     else:
         found.vllm_bi = vllm_bi
+
+    fused_moe, why = _import("vllm.model_executor.layers.fused_moe")
+    if fused_moe is None or getattr(fused_moe, "fused_experts", None) is None:
+        # vLLM exports fused_experts = None off CUDA-like platforms.
+        found.missing["vLLM Triton fused MoE"] = why or "vllm.model_executor.layers.fused_moe has no fused_experts"
+    elif not cuda:
+        found.missing["vLLM Triton fused MoE"] = "needs CUDA"
+    else:
+        found.vllm_fused_experts = fused_moe.fused_experts
 
     flash_attn, why = _import("flash_attn")
     if flash_attn is None:

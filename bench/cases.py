@@ -49,6 +49,7 @@ OPS = (
     "rms_norm",
     "swiglu",
     "rotary",
+    "moe_experts",
     "e2e",
 )
 
@@ -59,6 +60,8 @@ SAMEPATH_CALLS = (
     "token_logprobs(validate=False) as integrations/verl.py; "
     "linear_token_logprobs(validate=False) (the fused lm_head) as integrations/verl.py's use_fused_kernels path; "
     "linear / rms_norm / silu_mul / apply_rotary as integrations/hf.py; "
+    "moe.experts_forward (grouped expert GEMMs) as integrations/hf.py's ExpertsInterface and vLLM's fused-MoE "
+    "replacement; "
     f"'{old_schedule.LABEL}': the same kernels on the schedule before issue 14 (bench/old_schedule.py)"
 )
 
@@ -705,6 +708,76 @@ def rotary_case(batch: int, seq: int, heads: int, kv_heads: int, head: int, dtyp
     )
 
 
+def moe_experts_case(
+    tokens: int, hidden: int, inter: int, experts: int, top_k: int, dtype, device, found: Baselines
+) -> Case:
+    """A routed SwiGLU expert layer (Qwen3-MoE / Mixtral experts, forward): samepath's grouped
+    expert GEMMs against samepath's per-expert loop (the same bits, one linear per expert), stock
+    Hugging Face experts (``Qwen3MoeExperts``' eager loop on torch's matmul) and vLLM's Triton
+    ``fused_experts`` where it imports and runs."""
+    from samepath.integrations import moe
+
+    def make(seed: int) -> dict:
+        gen = _generator(seed, device)
+        logits = _randn((tokens, experts), torch.float32, device, gen)
+        index, weights = moe.topk_softmax_routing(logits, top_k, renormalize=True, dtype=dtype)
+        return {
+            "x": _randn((tokens, hidden), dtype, device, gen),
+            "w13": _randn((experts, 2 * inter, hidden), dtype, device, gen) * hidden**-0.5,
+            "w2": _randn((experts, hidden, inter), dtype, device, gen) * inter**-0.5,
+            "index": index,
+            "weights": weights,
+        }
+
+    def ours(d):
+        with torch.no_grad():
+            return moe.experts_forward(d["x"], d["w13"], d["w2"], d["index"], d["weights"])
+
+    def loop(d):
+        with torch.no_grad():
+            return moe._experts_loop(d["x"], d["w13"], d["w2"], d["index"], d["weights"])
+
+    baselines: dict[str, Callable[[dict], object]] = {"samepath per-expert loop (one linear per expert)": loop}
+    try:
+        from transformers import Qwen3MoeConfig
+        from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
+    except ImportError as exc:
+        found.missing["stock HF experts"] = f"not importable: {type(exc).__name__}: {exc}"
+    else:
+        config = Qwen3MoeConfig(
+            hidden_size=hidden, moe_intermediate_size=inter, num_experts=experts, num_experts_per_tok=top_k
+        )
+        config._experts_implementation = "eager"
+        stock = Qwen3MoeExperts(config).to(device=device, dtype=dtype).requires_grad_(False)
+
+        def hf_experts(d):
+            stock.gate_up_proj.data, stock.down_proj.data = d["w13"], d["w2"]
+            return stock(d["x"], d["index"], d["weights"])
+
+        baselines["stock HF experts (Qwen3MoeExperts eager loop)"] = hf_experts
+    if found.vllm_fused_experts is not None:
+        fused = found.vllm_fused_experts
+
+        def vllm_fused(d):
+            return fused(d["x"], d["w13"], d["w2"], d["weights"].float(), d["index"].to(torch.int32))
+
+        baselines["vLLM Triton fused_experts"] = vllm_fused
+
+    def context(impl: str) -> contextlib.AbstractContextManager:
+        # The loop's linears are samepath's only inside batch_invariant (as patch_all runs them).
+        return samepath.batch_invariant() if impl.startswith("samepath per-expert loop") else contextlib.nullcontext()
+
+    return Case(
+        "moe_experts",
+        f"tokens={tokens} H={hidden} I={inter} E={experts} top_k={top_k}",
+        make,
+        ours,
+        baselines,
+        flops=6.0 * tokens * top_k * hidden * inter,
+        context=context,
+    )
+
+
 # ----------------------------------------------------------------------------------------------
 # End to end: Hugging Face generate (rollout), a trainer forward + backward, host time per layer
 # ----------------------------------------------------------------------------------------------
@@ -1025,6 +1098,16 @@ def plan(ops: list[str], device: torch.device, dtype: torch.dtype, quick: bool, 
                 shapes = [(8, 1024, 32, 8, 128)] if quick else [(1, 1, 32, 8, 128), (8, 1024, 32, 8, 128)]
             for b, s, h, hk, d in shapes:
                 yield rotary_case(b, s, h, hk, d, *args)
+        elif op == "moe_experts":
+            # (tokens, hidden, intermediate, experts, top_k): Qwen3-30B-A3B's expert layer on a GPU
+            if cpu:
+                shapes = [(8, 32, 16, 4, 2)] if quick else [(64, 64, 32, 8, 2)]
+            else:
+                shapes = [(4096, 2048, 768, 128, 8)]
+                if not quick:
+                    shapes = [(16, 2048, 768, 128, 8), *shapes, (16384, 2048, 768, 128, 8)]
+            for t, hidden, inter, e, k in shapes:
+                yield moe_experts_case(t, hidden, inter, e, k, *args)
         elif op == "e2e":
             try:
                 import transformers  # noqa: F401

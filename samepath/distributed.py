@@ -81,7 +81,16 @@ as raw bits, every rank takes each pair's row from the rank that owns its expert
 arithmetic), and each token's pairs are added in ascending expert order in the activation dtype
 (:func:`samepath.kernels.grouped_matmul.combine_in_expert_order`) — the one-process layer's adds.
 So EP = k equals EP = 1 bit for bit for every k, and a trainer and a rollout on different expert
-layouts agree (:func:`expert_parallel_experts`; forward only).
+layouts agree (:func:`expert_parallel_experts`).
+
+Its backward (the upstream gradient ``dY`` replicated) is the one-process grouped backward
+(:class:`samepath.kernels.grouped_matmul.GroupedExpertsFunction`) cut along the same line: each
+rank runs it for its experts' pairs — ``dW`` of its experts (each expert's pairs folded in plan
+order, which is the same order whatever other experts the plan holds), each pair's routing-weight
+gradient (an fp32 row sum of ``dY * expert_out``) and each pair's input-gradient row — and one
+``all_gather`` moves the last two as raw bytes; every rank selects each pair's from its owner and
+adds each token's input-gradient rows in ascending expert order in fp32, one cast. No sum crosses
+ranks, so no reduction order depends on k: the gradients of EP = k equal EP = 1's bit for bit.
 
 **S is part of the numerics.** Trainer and rollout must agree on it:
 :func:`tensor_parallel_numerics` is the TP-dependent entry of the fingerprint, and
@@ -107,7 +116,12 @@ from samepath.kernels.config import (
     tensor_parallel_numerics,
 )
 from samepath.kernels.dispatch import jit
-from samepath.kernels.grouped_matmul import combine_in_expert_order, routed_pair_outputs
+from samepath.kernels.grouped_matmul import (
+    combine_in_expert_order,
+    expert_projections,
+    grouped_linear,
+    grouped_weight_grad,
+)
 from samepath.kernels.logprobs import (
     IGNORE_INDEX,
     check_labels,
@@ -119,6 +133,8 @@ from samepath.kernels.logprobs import (
     token_logprobs_backward,
 )
 from samepath.kernels.matmul import linear, matmul
+from samepath.kernels.reductions import row_sum
+from samepath.kernels.swiglu import silu_mul_backward
 
 _MERGE_BLOCK = 16
 #: Local labels of the vocab-parallel backward: a row whose label is another shard's, an ignored row.
@@ -615,6 +631,84 @@ def column_parallel_linear(
 # ----------------------------------------------------------------------------------------------
 
 
+def _pairs_from_owners(rows: torch.Tensor, top_k_index: torch.Tensor, local: int, group) -> torch.Tensor:
+    """``[P, ...]`` rows of which this rank computed those of its experts' pairs: ``all_gather`` of
+    the raw bytes, each pair's row taken from the rank that owns its expert (a selection, no
+    arithmetic). Every rank gets the same tensor."""
+    bits = rows.contiguous().view(torch.uint8)  # raw bytes: every backend moves them exactly
+    gathered = [torch.empty_like(bits) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(gathered, bits, group=group)
+    owner = top_k_index.reshape(-1).to(torch.int64) // local
+    return torch.stack(gathered)[owner, torch.arange(owner.numel(), device=owner.device)].view(rows.dtype)
+
+
+def _local_pairs(top_k_index: torch.Tensor, first_expert: int, local: int) -> torch.Tensor:
+    """``[P, 1]`` bool: the pairs routed to experts ``first_expert .. first_expert + local - 1``."""
+    offset = top_k_index.reshape(-1, 1) - first_expert
+    return (offset >= 0) & (offset < local)
+
+
+class _ExpertParallelFunction(torch.autograd.Function):
+    """Autograd for :func:`expert_parallel_experts`: the forward of the module docstring; the
+    backward is :class:`samepath.kernels.grouped_matmul.GroupedExpertsFunction`'s, each rank running
+    it on its experts' pairs, with the two per-pair results that leave a rank (a pair's input
+    gradient row and its routing-weight gradient) exchanged as raw bytes in one ``all_gather``."""
+
+    @staticmethod
+    def forward(ctx, hidden_states, gate_up_local, down_local, top_k_index, top_k_weights, num_experts, group):  # type: ignore[override]
+        local = num_experts // dist.get_world_size(group)
+        first = dist.get_rank(group) * local
+        projections = expert_projections(hidden_states, gate_up_local, down_local, top_k_index, first)
+        mine = _local_pairs(top_k_index, first, local)
+        weighted = (projections.expert_out * top_k_weights.reshape(-1, 1)).to(hidden_states.dtype)
+        pairs = _pairs_from_owners(torch.where(mine, weighted, 0), top_k_index, local, group)
+        ctx.save_for_backward(
+            hidden_states, gate_up_local, down_local, top_k_index, top_k_weights, projections.gate_up, projections.act
+        )
+        ctx.expert_out, ctx.plan, ctx.config = projections.expert_out, projections.plan, projections.config
+        ctx.local, ctx.first, ctx.group = local, first, group
+        return combine_in_expert_order(pairs, top_k_index)
+
+    @staticmethod
+    def backward(ctx, grad_out):  # type: ignore[override]
+        hidden_states, gate_up_local, down_local, top_k_index, top_k_weights, gate_up, act = ctx.saved_tensors
+        expert_out, plan, config, local = ctx.expert_out, ctx.plan, ctx.config, ctx.local
+        mine = _local_pairs(top_k_index, ctx.first, local)
+        top_k = top_k_index.shape[1]
+        weight_dtype = torch.promote_types(expert_out.dtype, top_k_weights.dtype)
+        grad_pairs = grad_out.repeat_interleave(top_k, dim=0).to(weight_dtype)
+        grad_expert_out = (grad_pairs * top_k_weights.reshape(-1, 1)).to(expert_out.dtype)
+        grad_weights = row_sum(grad_pairs * torch.where(mine, expert_out, 0).to(weight_dtype))
+        grad_act = grouped_linear(grad_expert_out, down_local.transpose(1, 2), plan, rows_per_pair=True, config=config)
+        grad_down = grouped_weight_grad(grad_expert_out, act, plan, local, rows_per_pair=True, config=config)
+        gate, up = gate_up.chunk(2, dim=-1)
+        grad_gate_up = torch.empty_like(gate_up)
+        grad_gate, grad_up = grad_gate_up.chunk(2, dim=-1)
+        silu_mul_backward(gate, up, grad_act, grad_gate, grad_up)
+        grad_x_pairs = grouped_linear(
+            grad_gate_up, gate_up_local.transpose(1, 2), plan, rows_per_pair=True, config=config
+        )
+        grad_gate_up_local = grouped_weight_grad(
+            grad_gate_up, hidden_states, plan, local, rows_per_pair=False, config=config
+        )
+        # One exchange: each pair's input-gradient row and fp32 weight gradient, as bytes side by side.
+        x_bytes = torch.where(mine, grad_x_pairs, 0).view(torch.uint8)
+        w_bytes = torch.where(mine[:, 0], grad_weights, 0).reshape(-1, 1).view(torch.uint8)
+        rows = _pairs_from_owners(torch.cat([x_bytes, w_bytes], dim=1), top_k_index, local, ctx.group)
+        grad_x_rows = rows[:, : x_bytes.shape[1]].contiguous().view(grad_x_pairs.dtype)
+        grad_weights = rows[:, x_bytes.shape[1] :].contiguous().view(torch.float32).reshape(top_k_index.shape)
+        grad_hidden = combine_in_expert_order(grad_x_rows.float(), top_k_index).to(hidden_states.dtype)
+        return (
+            grad_hidden,
+            grad_gate_up_local,
+            grad_down,
+            None,
+            grad_weights.to(top_k_weights.dtype),
+            None,
+            None,
+        )
+
+
 def expert_parallel_experts(
     hidden_states: torch.Tensor,
     gate_up_local: torch.Tensor,
@@ -631,9 +725,15 @@ def expert_parallel_experts(
     ``top_k_index`` / ``top_k_weights`` ``[tokens, top_k]`` and its own experts' weights
     ``gate_up_local`` ``[E/k, 2I, H]`` and ``down_local`` ``[E/k, H, I]`` (rank ``r`` holds experts
     ``r*E/k`` to ``(r+1)*E/k - 1``). Returns ``[tokens, H]`` in ``hidden_states.dtype`` on every
-    rank. Forward only: raises ``NotImplementedError`` when autograd would record the call.
+    rank.
+
+    Differentiable (one ``all_gather`` in the backward; the upstream gradient must be the same on
+    every rank, as it is for the replicated output): the gradients of ``hidden_states`` and
+    ``top_k_weights`` (the same on every rank) and of this rank's ``gate_up_local`` / ``down_local``
+    are bit-identical to :class:`samepath.kernels.grouped_matmul.GroupedExpertsFunction`'s on one
+    process with all ``E`` experts (this rank's slice of its weight gradients).
     """
-    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    world = dist.get_world_size(group)
     if not isinstance(num_experts, int) or num_experts < 1 or num_experts % world:
         raise ValueError(f"num_experts = {num_experts!r} must be a positive multiple of the group size {world}")
     local = num_experts // world
@@ -644,16 +744,9 @@ def expert_parallel_experts(
         )
     if hidden_states.dim() != 2 or top_k_index.shape != top_k_weights.shape:
         raise ValueError("hidden_states must be [tokens, H] and top_k_index / top_k_weights both [tokens, top_k]")
-    tensors = (hidden_states, gate_up_local, down_local, top_k_weights)
-    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
-        raise NotImplementedError("expert_parallel_experts is forward only (no backward yet); call it under no_grad")
-    pairs = routed_pair_outputs(hidden_states, gate_up_local, down_local, top_k_index, top_k_weights, rank * local)
-    bits = pairs.contiguous().view(torch.uint8)  # raw bytes: every backend moves them exactly
-    gathered = [torch.empty_like(bits) for _ in range(world)]
-    dist.all_gather(gathered, bits, group=group)
-    owner = top_k_index.reshape(-1).to(torch.int64) // local
-    rows = torch.stack(gathered)[owner, torch.arange(owner.numel(), device=owner.device)]
-    return combine_in_expert_order(rows.view(pairs.dtype), top_k_index)
+    return _ExpertParallelFunction.apply(
+        hidden_states, gate_up_local, down_local, top_k_index, top_k_weights, num_experts, group
+    )
 
 
 # ----------------------------------------------------------------------------------------------

@@ -53,6 +53,8 @@ def _exercise_every_kernel(dtype: torch.dtype) -> None:
         torch.softmax(logits.detach(), -1)
         logits.detach().mean(-1)
         logits.detach().sum(0)
+        torch.var_mean(logits.detach(), -1)
+        logits.detach().norm(dim=-1)
     h, weight = rand(3, 80), rand(80)
     samepath.rms_norm(h, weight, 1e-6).sum().backward()
     samepath.silu_mul(rand(3, 80), rand(3, 80)).sum().backward()
@@ -76,6 +78,8 @@ def test_every_kernel_lowers_for_ascend(dtype: torch.dtype) -> None:
         "_softmax_kernel",
         "_row_sum_kernel",
         "_column_sum_kernel",
+        "_row_var_kernel",
+        "_row_norm_kernel",
         "_grouped_matmul_kernel",
         "_grouped_weight_grad_kernel",
     } <= set(results)

@@ -45,6 +45,7 @@ OPTIONAL = [
     "Liger-Kernel",
     "vLLM Triton attention",
     "vLLM batch-invariant kernels",
+    "vLLM Triton fused MoE",
     "flash-attn",
 ]
 
@@ -132,6 +133,22 @@ def test_quick_bench_gqa_decode_and_lm_head_memory_rows(tmp_path: Path) -> None:
         assert 0 < row["samepath_ms"] < row["baseline_ms"], row
         assert row["samepath_min_ms"] == row["samepath_max_ms"]  # the CPU accounting is exact
     assert "lm_head_memory" in result["paths"]["txt"].read_text()
+
+
+def test_quick_bench_moe_expert_layer_rows(tmp_path: Path) -> None:
+    """The MoE expert layer: samepath's grouped expert GEMMs timed against the per-expert loop and
+    stock Hugging Face experts in the same run; vLLM's Triton fused MoE is timed where it imports
+    and runs, and listed with its reason otherwise (here: not installed, or needs CUDA)."""
+    args = ["--device", "cpu", "--quick", "--ops", "moe_experts", "--warmup", "0", "--repeats", "2"]
+    result = run([*args, "--out", str(tmp_path), "--no-png"])
+    rows = [row for row in result["rows"] if row["op"] == "moe_experts"]
+    names = {row["baseline"] for row in rows}
+    assert "samepath per-expert loop (one linear per expert)" in names
+    assert "stock HF experts (Qwen3MoeExperts eager loop)" in names
+    assert all(math.isfinite(row["speedup"]) and row["note"] == "" for row in rows), rows
+    assert all("E=4 top_k=2" in row["config"] for row in rows)
+    assert re.search(r"vLLM Triton fused MoE \((not importable|needs CUDA)", result["missing"])
+    assert "moe_experts" in result["paths"]["txt"].read_text()
 
 
 def test_every_optional_baseline_is_timed_or_listed_with_its_reason(quick_run: dict) -> None:

@@ -51,6 +51,8 @@ ALL_KERNELS = {
     "_row_sum_kernel",
     "_softmax_kernel",
     "_column_sum_kernel",
+    "_row_var_kernel",
+    "_row_norm_kernel",
     "_grouped_matmul_kernel",
     "_grouped_weight_grad_kernel",
     "_kept_count_kernel",
@@ -245,8 +247,9 @@ def _run_every_kernel(dtype: torch.dtype, seed: int, attention_config: Attention
     results["merge_shard_lse"] = (merge_shard_lse(lse, zlab, torch.randint(0, 400, (120,), generator=gen), 100),)
 
     rows = torch.randn(20, 300, generator=gen).to(dtype)
-    with samepath.batch_invariant():  # softmax, row sums and a 10-tile column sum
-        results["reductions"] = (torch.softmax(rows, -1), rows.sum(-1), rows.sum(0))
+    with samepath.batch_invariant():  # softmax, row sums, a 10-tile column sum, var_mean, norm
+        results["reductions"] = (torch.softmax(rows, -1), rows.sum(-1), rows.sum(0), *torch.var_mean(rows, -1))
+        results["reductions"] += (rows.norm(dim=-1),)
     from samepath.kernels.grouped_matmul import expert_plan, grouped_linear, grouped_weight_grad
     from samepath.kernels.sampling import sampling_keep_mask
 

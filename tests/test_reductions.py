@@ -185,3 +185,196 @@ def test_column_reduction_does_not_depend_on_the_layout(monkeypatch: pytest.Monk
     monkeypatch.setattr(reductions, "COLUMN_TILE_R", 32)
     with samepath.batch_invariant():
         assert not torch.equal(x.sum(0), got), "a different reduced-row tile must change some column"
+
+
+# ----------------------------------------------------------------------------------------------
+# var / std / var_mean / std_mean / vector norm
+# ----------------------------------------------------------------------------------------------
+
+STAT_OPS = {
+    "var": lambda x, d: (x.var(d),),
+    "var_biased_keepdim": lambda x, d: (torch.var(x, d, correction=0, keepdim=True),),
+    "std": lambda x, d: (x.std(d),),
+    "var_mean": lambda x, d: torch.var_mean(x, d),
+    "std_mean_correction2": lambda x, d: torch.std_mean(x, d, correction=2),
+    "norm": lambda x, d: (x.norm(dim=d),),
+    "vector_norm_ord1_keepdim": lambda x, d: (torch.linalg.vector_norm(x, 1, dim=d, keepdim=True),),
+    "normalize": lambda x, d: (torch.nn.functional.normalize(x, dim=d),),
+}
+
+
+def _stat_rows(rows: int, width: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
+    """Values with an offset from 0 (a one-pass variance would lose digits to it)."""
+    gen = torch.Generator().manual_seed(seed)
+    return (torch.randn(rows, width, generator=gen) * 3 + 5).to(dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("width", WIDTHS)
+@pytest.mark.parametrize("op", list(STAT_OPS))
+def test_statistics_rows_do_not_depend_on_the_batch_and_are_close_to_fp64(op: str, width: int, dtype) -> None:
+    x = _stat_rows(9, width, dtype, seed=width + 1)
+    with samepath.batch_invariant():
+        full = STAT_OPS[op](x, -1)
+        alone = [STAT_OPS[op](x[i : i + 1], -1) for i in (0, 4, 8)]
+        strided = STAT_OPS[op](x[::4], -1)
+    want = STAT_OPS[op](x.double(), -1)
+    for got, ref in zip(full, want, strict=True):
+        assert got.shape == ref.shape and got.dtype == dtype
+        tol = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 2e-3}[dtype]
+        torch.testing.assert_close(got.double(), ref, rtol=tol, atol=tol)
+    for i, got in zip((0, 4, 8), alone, strict=True):
+        for part, whole in zip(got, full, strict=True):
+            assert torch.equal(part, whole[i : i + 1]), f"{op}: row {i} alone differs from row {i} of the batch"
+    for part, whole in zip(strided, full, strict=True):
+        assert torch.equal(part, whole[::4]), f"{op}: strided rows differ"
+
+
+@pytest.mark.parametrize(
+    ("shape", "call", "kept"),
+    [
+        ((9, 40), lambda x: x.var(0, keepdim=True), 1),
+        ((4, 9, 16), lambda x: torch.var_mean(x, 1, keepdim=True), 0),
+        ((4, 9, 16), lambda x: x.std((-1, 1)), 0),
+        ((4, 9, 16), lambda x: x.norm(dim=(0, 2), keepdim=True), 1),
+        ((4, 9, 16), lambda x: x.var(), None),
+        ((4, 9, 16), lambda x: torch.linalg.vector_norm(x), None),
+    ],
+)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_statistics_over_other_dimensions(shape, call, kept: int | None, dtype: torch.dtype) -> None:
+    x = _stat_rows(shape[0], int(torch.tensor(shape[1:]).prod()), dtype, seed=len(shape)).reshape(shape)
+    with samepath.batch_invariant():
+        got = call(x)
+        part = call(x.narrow(kept, 1, 1)) if kept is not None else None
+    want = call(x.double())
+    got, want = (got, want) if isinstance(got, tuple) else ((got,), (want,))
+    part = part if isinstance(part, tuple) or part is None else (part,)
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    for i, (g, w) in enumerate(zip(got, want, strict=True)):
+        assert g.shape == w.shape and g.dtype == dtype
+        torch.testing.assert_close(g.double(), w, rtol=tol, atol=tol)
+        if part is not None:
+            assert torch.equal(part[i], g.narrow(kept, 1, 1)), "one slice alone differs from that slice"
+
+
+def _sqrt_rn(x: torch.Tensor) -> torch.Tensor:
+    """The correctly rounded fp32 square root (through fp64: exact for fp32 inputs), not whatever
+    torch's CPU kernel rounds to."""
+    return x.double().sqrt().float()
+
+
+def test_statistics_do_not_depend_on_the_layout_and_agree_with_each_other() -> None:
+    """A column-major copy gives the same bits; var_mean's mean is mean's, its var is var's; in fp32
+    std is the correctly rounded square root of var and norm that of the sum of squares."""
+    x = _stat_rows(300, 70, torch.float32, seed=10)
+    column_major = x.t().contiguous().t()
+    with samepath.batch_invariant():
+        for call in (
+            lambda t: t.var(0),
+            lambda t: t.std(-1),
+            lambda t: t.norm(dim=0),
+            lambda t: torch.var_mean(t, 0)[1],
+        ):
+            assert torch.equal(call(x), call(column_major))
+        var, mean = torch.var_mean(x, -1)
+        assert torch.equal(mean, x.mean(-1)) and torch.equal(var, x.var(-1))
+        assert torch.equal(x.std(-1), _sqrt_rn(var))
+        assert torch.equal(x.norm(dim=-1), _sqrt_rn((x * x).sum(-1)))
+        assert torch.equal(torch.linalg.vector_norm(x, 1, -1), x.abs().sum(-1))
+
+
+@pytest.mark.parametrize(
+    "call",
+    [
+        lambda x: x.double().var(-1),
+        lambda x: x.double().norm(dim=-1),
+        lambda x: x.double().std(0, correction=0),
+        lambda x: x.norm(dim=-1, dtype=torch.float64),
+        lambda x: torch.linalg.vector_norm(x, 3, -1),
+        lambda x: torch.linalg.vector_norm(x, float("inf"), -1),
+        lambda x: torch.linalg.vector_norm(x, 0, -1),
+        lambda x: x[:, :0].var(-1),
+        lambda x: torch.tensor(2.0).std(),
+    ],
+)
+def test_uncovered_statistics_are_torchs_own(call) -> None:
+    x = _stat_rows(5, 33, torch.float32, seed=11)
+    want = call(x)
+    with samepath.batch_invariant():
+        got = call(x)
+    want, got = (want, got) if isinstance(want, tuple) else ((want,), (got,))
+    for g, w in zip(got, want, strict=True):
+        assert g.dtype == w.dtype
+        torch.testing.assert_close(g, w, rtol=0, atol=0, equal_nan=True)
+
+
+@pytest.mark.parametrize(
+    "call",
+    [
+        lambda x: x.var(2),
+        lambda x: x.std((0, 0)),
+        lambda x: torch.var_mean(x, -3),
+        lambda x: x.norm(dim=5),
+        lambda x: x.int().var(-1),
+        lambda x: torch.linalg.vector_norm(x.int(), dim=-1),
+    ],
+)
+def test_invalid_statistics_raise_torchs_error(call) -> None:
+    x = _rows(2, 8, torch.float32, seed=12)
+    with pytest.raises((IndexError, RuntimeError)) as stock:
+        call(x)
+    with samepath.batch_invariant(), pytest.raises(stock.type):
+        call(x)
+
+
+@pytest.mark.parametrize("op", [torch.var_mean, torch.std_mean])
+def test_uncovered_var_mean_is_torchs_var_and_mean(op) -> None:
+    """torch has no separate var_mean kernel to hand an uncovered call to (its .out overload calls
+    var_mean again): fp64 gets torch's var (or std) and torch's mean, each from its own kernel;
+    integers raise torch's var error."""
+    x = _stat_rows(5, 33, torch.float32, seed=16).double()
+    with samepath.batch_invariant():
+        spread, mean = op(x, 0, keepdim=True)
+    assert torch.equal(mean, x.mean(0, keepdim=True))
+    assert torch.equal(spread, (x.var if op is torch.var_mean else x.std)(0, keepdim=True))
+    with samepath.batch_invariant(), pytest.raises(RuntimeError, match="only support floating point"):
+        op(x.int(), -1)
+
+
+def test_statistics_edge_cases_follow_torch() -> None:
+    """One element with the default correction is NaN, a zero divisor gives inf, fp16/bf16 with a
+    wider ``dtype=`` norm is computed on the widened values (torch casts the input first)."""
+    x = _stat_rows(3, 2, torch.float32, seed=13)
+    with samepath.batch_invariant():
+        assert x[:, :1].var(-1).isnan().all()
+        assert torch.var(x, -1, correction=2).isinf().all()
+        half = x.to(torch.float16)
+        wide = half.norm(dim=-1, dtype=torch.float32)
+        assert wide.dtype == torch.float32 and torch.equal(wide, half.float().norm(dim=-1))
+
+
+def test_statistics_backward_is_torchs_formula() -> None:
+    x = _stat_rows(4, 50, torch.float32, seed=14).requires_grad_()
+    ref = x.detach().clone().requires_grad_()
+
+    def loss(t: torch.Tensor) -> torch.Tensor:
+        var, mean = torch.var_mean(t, -1)
+        return (var * 0.3 + mean).sum() + t.std(0).sum() + t.norm(dim=-1).sum()
+
+    with samepath.batch_invariant():
+        loss(x).backward()
+    loss(ref).backward()
+    torch.testing.assert_close(x.grad, ref.grad, rtol=1e-5, atol=1e-6)
+
+
+def test_negative_control_statistics_with_another_chunk(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The harness can fail: 16-column chunks instead of the frozen chunk change var and norm bits."""
+    x = _stat_rows(6, 1027, torch.float32, seed=15)
+    with samepath.batch_invariant():
+        frozen = (x.var(-1), x.norm(dim=-1))
+    monkeypatch.setattr(reductions, "row_reduce_config", lambda device: RowReduceConfig(vocab_chunk=16))
+    with samepath.batch_invariant():
+        other = (x.var(-1), x.norm(dim=-1))
+    assert not torch.equal(frozen[0], other[0]), "a different chunk must change some variance"
+    assert not torch.equal(frozen[1], other[1]), "a different chunk must change some norm"

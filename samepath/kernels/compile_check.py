@@ -357,6 +357,8 @@ def _reductions() -> None:
         torch.softmax(_empty(4096, 128, dtype=torch.float32), -1)  # a MoE router
         _empty(4096, 4096).mean(-1)
         _empty(4096, 4096).sum(0)  # a bias gradient
+        torch.var_mean(_empty(4096, 4096), -1)  # a layer norm written with torch ops
+        _empty(4096, 4096).norm(dim=-1)
 
 
 #: The report's workloads: a Qwen3-8B-like layer (hidden 4096, 32 query / 8 KV heads of 128,
@@ -388,7 +390,9 @@ REPORT_CASES: tuple[ReportCase, ...] = (
         _moe_grouped,
     ),
     ReportCase(
-        "reductions", "batch_invariant softmax 4096 x 128 fp32, mean(-1) and sum(0) of 4096 x 4096", _reductions
+        "reductions",
+        "batch_invariant softmax 4096 x 128 fp32; mean(-1), sum(0), var_mean(-1), norm(-1) of 4096 x 4096",
+        _reductions,
     ),
 )
 

@@ -299,6 +299,10 @@ DISTRIBUTED_FORMULA = {
     "computed by its expert's rank with the per-expert linear's bits, all_gather of the raw bits, each pair's "
     "row taken from its owner, each token's pairs added in ascending expert order in the activation dtype "
     "== the one-process experts",
+    "expert_parallel_backward": "each rank the grouped backward for its experts' pairs (dW per expert folded "
+    "in plan order; per pair fp32 routing-weight gradient and input-gradient row), one all_gather of those "
+    "two as raw bits, each pair's taken from its owner, each token's input-gradient rows added in ascending "
+    "expert order in fp32, one cast == the one-process grouped backward",
 }
 register_formula("distributed", DISTRIBUTED_FORMULA)
 

@@ -272,7 +272,7 @@ def grouped_weight_grad(
 
 
 @dataclass(frozen=True)
-class _ExpertProjections:
+class ExpertProjections:
     """One routed layer's grouped forward and the intermediates its backward needs."""
 
     plan: ExpertPlan
@@ -282,14 +282,23 @@ class _ExpertProjections:
     expert_out: torch.Tensor
 
 
-def _expert_projections(hidden_states, gate_up_proj, down_proj, top_k_index, first_expert: int = 0):
+def expert_projections(
+    hidden_states: torch.Tensor,
+    gate_up_proj: torch.Tensor,
+    down_proj: torch.Tensor,
+    top_k_index: torch.Tensor,
+    first_expert: int = 0,
+) -> ExpertProjections:
+    """The grouped forward of experts ``first_expert .. first_expert + E - 1`` (``E =
+    gate_up_proj.shape[0]``): the plan, then ``gate_up``, ``act = silu_mul(gate, up)`` and
+    ``expert_out``, ``[P, ...]`` each (rows of pairs routed to other experts are not written)."""
     config = matmul_config(hidden_states.dtype, hidden_states.device)
     plan = expert_plan(top_k_index, gate_up_proj.shape[0], config.block_m, first_expert)
     gate_up = grouped_linear(hidden_states, gate_up_proj, plan, rows_per_pair=False, config=config)
     gate, up = gate_up.chunk(2, dim=-1)
     act = silu_mul(gate, up)
     expert_out = grouped_linear(act, down_proj, plan, rows_per_pair=True, config=config)
-    return _ExpertProjections(plan, config, gate_up, act, expert_out)
+    return ExpertProjections(plan, config, gate_up, act, expert_out)
 
 
 def routed_pair_outputs(
@@ -304,7 +313,7 @@ def routed_pair_outputs(
     ``hidden_states.dtype``: ``(down(silu(gate) * up) * weight).to(dtype)`` with the per-expert
     linear's bits, for the experts ``first_expert .. first_expert + E - 1`` of the given weights
     (``E = gate_up_proj.shape[0]``); rows of pairs routed to other experts are 0."""
-    expert_out = _expert_projections(hidden_states, gate_up_proj, down_proj, top_k_index, first_expert).expert_out
+    expert_out = expert_projections(hidden_states, gate_up_proj, down_proj, top_k_index, first_expert).expert_out
     weighted = (expert_out * top_k_weights.reshape(-1, 1)).to(hidden_states.dtype)
     local = top_k_index.reshape(-1, 1) - first_expert
     return torch.where((local >= 0) & (local < gate_up_proj.shape[0]), weighted, 0)
@@ -332,7 +341,7 @@ class GroupedExpertsFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden_states, gate_up_proj, down_proj, top_k_index, top_k_weights):  # type: ignore[override]
-        projections = _expert_projections(hidden_states, gate_up_proj, down_proj, top_k_index)
+        projections = expert_projections(hidden_states, gate_up_proj, down_proj, top_k_index)
         weighted = projections.expert_out * top_k_weights.reshape(-1, 1)
         ctx.save_for_backward(
             hidden_states, gate_up_proj, down_proj, top_k_index, top_k_weights, projections.gate_up, projections.act
@@ -370,9 +379,11 @@ class GroupedExpertsFunction(torch.autograd.Function):
 
 __all__ = [
     "ExpertPlan",
+    "ExpertProjections",
     "GroupedExpertsFunction",
     "combine_in_expert_order",
     "expert_plan",
+    "expert_projections",
     "grouped_linear",
     "grouped_weight_grad",
     "routed_pair_outputs",

@@ -1,4 +1,5 @@
-"""Softmax, sum and mean on the row-reduction schedule, for :func:`samepath.batch_invariant`.
+"""Softmax, sum, mean, var / std and vector norms on the row-reduction schedule, for
+:func:`samepath.batch_invariant`.
 
 Models call these inside their forward (a MoE router's ``softmax(-1)``, a norm's ``mean(-1)``,
 a pooled ``sum(-1)``); torch's CPU and CUDA kernels pick their reduction split from the shape, so
@@ -21,10 +22,24 @@ fp32. Either way a result depends only on its own values and frozen tile sizes.
   by ``tl.sum`` then added to the running total; one cast to the result dtype.
 * ``aten::mean.dim(x, dims, keepdim, dtype)``: that sum, IEEE-divided by the row length in fp32,
   one cast.
+* ``aten::var.correction`` / ``std.correction`` / ``var_mean.correction`` / ``std_mean.correction``
+  (``x.var(d)``, ``torch.std(x, d, correction=0)``, ``torch.var_mean`` ...): two passes over the
+  row on the row kernel (also for one non-last dimension: a strided row): the mean as
+  ``mean.dim``'s row kernel computes it, then the fp32 sum of ``(x - mean)^2`` chunk by chunk in
+  ascending order, IEEE-divided by ``max(N - correction, 0)`` (``correction`` default 1; a zero
+  divisor gives inf / NaN as torch's does), ``sqrt_rn`` for std; one cast of each result to
+  ``x.dtype``. ``var_mean``'s var is ``var``'s, its mean ``mean``'s bits for a last or several
+  reduced dimensions (over one non-last dimension ``mean`` runs the column kernel instead).
+* ``aten::linalg_vector_norm(x, ord, dims, keepdim, dtype)`` (``x.norm(dim=d)``, ``torch.norm``,
+  ``F.normalize``) for ``ord`` 1 and 2: the fp32 sum of ``|x|`` or ``x * x`` chunk by chunk in
+  ascending order, ``sqrt_rn`` for 2, one cast; ``dtype=`` casts the input first, as torch does.
+  Other orders (``inf``, ``0``, ``p``) are torch's kernel.
 
 Integer, bool and fp64 tensors, an fp64 or integer ``dtype=``, 0-dimensional or empty tensors and
 invalid dimensions go to torch's own ``.out`` kernel unchanged (those overloads are not
-overridden; torch raises its own errors). Backward stays aten's derivative formulas (the overrides
+overridden; torch raises its own errors). ``var_mean`` / ``std_mean`` have no ``.out`` kernel of
+their own (theirs calls the functional op again): an uncovered call gets torch's ``var`` (``std``)
+and torch's ``mean``, each from its own ``.out`` kernel. Backward stays aten's derivative formulas (the overrides
 sit below autograd).
 """
 
@@ -50,6 +65,10 @@ REDUCTIONS_FORMULA = {
     "rows": "the reduced dimension (strided view), several reduced dimensions flattened row-major (copy)",
     "columns": "sum/mean over one non-last dimension: [A, R, C] view, 32 columns per program, 128 reduced rows "
     "per step folded by tl.sum over the tile, ascending, fp32; mean IEEE-divides by R",
+    "var_std": "two passes per row: mean as the mean row kernel, then running fp32 total += "
+    "tl.sum((x - mean)^2 of the chunk), IEEE-divided (div_rn) by max(N - correction, 0); std: sqrt_rn; one cast",
+    "vector_norm": "ord 1: running fp32 total += tl.sum(|x| of the chunk); ord 2: of x*x, then sqrt_rn; one cast; "
+    "other ords torch's",
     "scope": "non-empty fp32/bf16/fp16 tensors with an fp32/bf16/fp16 result; torch's .out kernel otherwise",
 }
 register_formula("reductions", REDUCTIONS_FORMULA)
@@ -69,19 +88,75 @@ def _softmax_kernel(X, row_offsets, Out, num_rows, stride_v, V, CHUNK: tl.conste
 
 
 @jit
+def _row_total(row_ptr, stride_v, V, CHUNK: tl.constexpr):
+    """fp32 sum of one row: each ``CHUNK`` summed by ``tl.sum`` (tail masked to 0), added in order."""
+    offs = tl.arange(0, CHUNK)
+    total = tl.full([], 0.0, tl.float32)
+    for start in range(0, V, CHUNK):
+        cols = start + offs
+        chunk = tl.load(row_ptr + cols.to(tl.int64) * stride_v, mask=cols < V, other=0.0).to(tl.float32)
+        total = total + tl.sum(chunk, 0)
+    return total
+
+
+@jit
+def _scalar_div_rn(numerator, denominator):
+    """IEEE ``numerator / denominator`` of two fp32 scalars (``div_rn`` on the one live lane of 16)."""
+    lanes = tl.arange(0, 16)
+    quotient = tl.math.div_rn(tl.where(lanes == 0, numerator, 0.0), tl.where(lanes == 0, denominator, 1.0))
+    return tl.sum(quotient, 0)
+
+
+@jit
 def _row_sum_kernel(X, row_offsets, Out, num_rows, stride_v, V, MEAN: tl.constexpr, CHUNK: tl.constexpr):
+    for row in range(tl.program_id(0), num_rows, tl.num_programs(0)):
+        row_ptr = X + tl.load(row_offsets + row)
+        total = _row_total(row_ptr, stride_v, V, CHUNK)
+        if MEAN:
+            total = _scalar_div_rn(total, V * 1.0)
+        tl.store(Out + row, total.to(Out.dtype.element_ty))
+
+
+@jit
+def _row_var_kernel(
+    X, row_offsets, Var, Mean, num_rows, stride_v, V, divisor,
+    STD: tl.constexpr, STORE_MEAN: tl.constexpr, CHUNK: tl.constexpr,
+):  # fmt: skip
+    """Two passes per row: the mean (the mean kernel's bits), then the fp32 sum of ``(x - mean)^2``
+    chunk by chunk in ascending order, IEEE-divided by ``divisor = max(V - correction, 0)``; the
+    square root (``sqrt_rn``) for the standard deviation."""
+    offs = tl.arange(0, CHUNK)
+    for row in range(tl.program_id(0), num_rows, tl.num_programs(0)):
+        row_ptr = X + tl.load(row_offsets + row)
+        mean = _scalar_div_rn(_row_total(row_ptr, stride_v, V, CHUNK), V * 1.0)
+        m2 = tl.full([], 0.0, tl.float32)
+        for start in range(0, V, CHUNK):
+            cols = start + offs
+            x = tl.load(row_ptr + cols.to(tl.int64) * stride_v, mask=cols < V, other=0.0).to(tl.float32)
+            centered = tl.where(cols < V, x - mean, 0.0)
+            m2 = m2 + tl.sum(centered * centered, 0)
+        var = _scalar_div_rn(m2, divisor)
+        if STD:
+            var = tl.sqrt_rn(var)
+        tl.store(Var + row, var.to(Var.dtype.element_ty))
+        if STORE_MEAN:
+            tl.store(Mean + row, mean.to(Mean.dtype.element_ty))
+
+
+@jit
+def _row_norm_kernel(X, row_offsets, Out, num_rows, stride_v, V, ORD: tl.constexpr, CHUNK: tl.constexpr):
+    """The vector norm of one row: fp32 sum of ``|x|`` (``ORD == 1``) or of ``x * x`` and ``sqrt_rn``
+    (``ORD == 2``), chunk by chunk in ascending order."""
     offs = tl.arange(0, CHUNK)
     for row in range(tl.program_id(0), num_rows, tl.num_programs(0)):
         row_ptr = X + tl.load(row_offsets + row)
         total = tl.full([], 0.0, tl.float32)
         for start in range(0, V, CHUNK):
             cols = start + offs
-            chunk = tl.load(row_ptr + cols.to(tl.int64) * stride_v, mask=cols < V, other=0.0).to(tl.float32)
-            total = total + tl.sum(chunk, 0)
-        if MEAN:
-            lanes = tl.arange(0, 16)
-            quotient = tl.math.div_rn(tl.where(lanes == 0, total, 0.0), tl.where(lanes == 0, V * 1.0, 1.0))
-            total = tl.sum(quotient, 0)
+            x = tl.load(row_ptr + cols.to(tl.int64) * stride_v, mask=cols < V, other=0.0).to(tl.float32)
+            total = total + tl.sum(tl.abs(x) if ORD == 1 else x * x, 0)
+        if ORD == 2:
+            total = tl.sqrt_rn(total)
         tl.store(Out + row, total.to(Out.dtype.element_ty))
 
 
@@ -145,12 +220,14 @@ def _as_rows(x: torch.Tensor, dims: list[int]) -> torch.Tensor:
     return x.permute(*kept, *dims).reshape(*[x.shape[d] for d in kept], -1)
 
 
-def _launch(kernel, rows_view: torch.Tensor, out: torch.Tensor, **constexprs) -> None:
+def _launch(kernel, rows_view: torch.Tensor, out: torch.Tensor, extra=(), scalars=(), **constexprs) -> None:
+    """One program per row of ``rows_view`` (``[..., V]``, rows in row-major order of the leading
+    dimensions): ``kernel(X, row_offsets, out, *extra, num_rows, stride_v, V, *scalars, ...)``."""
     offsets = row_offsets(rows_view)
     rows = offsets.numel()
     config = row_reduce_config(rows_view.device)
     kernel[(grid.num_programs(rows, rows_view.device),)](
-        rows_view, offsets, out, rows, rows_view.stride(-1), rows_view.shape[-1],
+        rows_view, offsets, out, *extra, rows, rows_view.stride(-1), rows_view.shape[-1], *scalars,
         CHUNK=config.vocab_chunk, num_warps=config.num_warps, **constexprs,
     )  # fmt: skip
 
@@ -217,6 +294,84 @@ def _mean_override(
     return _reduce(input, dims, keepdim, dtype, mean=True)
 
 
+def _kept_shape(input: torch.Tensor, dims: list[int], keepdim: bool) -> list[int]:
+    if keepdim:
+        return [1 if d in dims else size for d, size in enumerate(input.shape)]
+    return [size for d, size in enumerate(input.shape) if d not in dims]
+
+
+def _var_std(input, dim, correction, keepdim: bool, std: bool, with_mean: bool):
+    """``var`` / ``std`` (and the mean) of each row, or ``None`` when torch's kernel computes it."""
+    dims = _normalized_dims(input, dim)
+    if dims is None or not _covered(input, None):
+        return None
+    correction = 1.0 if correction is None else float(correction)
+    rows = _as_rows(input, dims)
+    out = torch.empty(rows.shape[:-1], dtype=input.dtype, device=input.device)
+    mean = torch.empty(rows.shape[:-1], dtype=input.dtype, device=input.device) if with_mean else out
+    with torch.no_grad():
+        _launch(
+            _row_var_kernel, rows, out, extra=(mean, ), scalars=(max(rows.shape[-1] - correction, 0.0),),
+            STD=std, STORE_MEAN=with_mean,
+        )  # fmt: skip
+    shape = _kept_shape(input, dims, keepdim)
+    return out.reshape(shape), mean.reshape(shape)
+
+
+def _stock_var_std(input, dim, correction, keepdim: bool, std: bool) -> torch.Tensor:
+    """torch's own ``var`` / ``std`` kernel (its ``.out`` overload: not overridden)."""
+    real = input.real.dtype if input.is_complex() else input.dtype
+    out = torch.empty(0, dtype=real, device=input.device)
+    op = torch.ops.aten.std.correction_out if std else torch.ops.aten.var.correction_out
+    return op(input, dim, correction=correction, keepdim=keepdim, out=out)
+
+
+def _stock_mean(input, dim, keepdim: bool) -> torch.Tensor:
+    out = torch.empty(0, dtype=input.dtype, device=input.device)
+    return torch.ops.aten.mean.out(input, dim, keepdim, out=out)
+
+
+def _var_override(input, dim=None, *, correction=None, keepdim: bool = False) -> torch.Tensor:
+    result = _var_std(input, dim, correction, keepdim, std=False, with_mean=False)
+    return _stock_var_std(input, dim, correction, keepdim, std=False) if result is None else result[0]
+
+
+def _std_override(input, dim=None, *, correction=None, keepdim: bool = False) -> torch.Tensor:
+    result = _var_std(input, dim, correction, keepdim, std=True, with_mean=False)
+    return _stock_var_std(input, dim, correction, keepdim, std=True) if result is None else result[0]
+
+
+def _var_mean_override(input, dim=None, *, correction=None, keepdim: bool = False):
+    # torch's var_mean has no .out kernel of its own (its .out calls var_mean again): an uncovered
+    # call gets torch's var and torch's mean, each from its own kernel.
+    result = _var_std(input, dim, correction, keepdim, std=False, with_mean=True)
+    if result is None:
+        return _stock_var_std(input, dim, correction, keepdim, std=False), _stock_mean(input, dim, keepdim)
+    return result
+
+
+def _std_mean_override(input, dim=None, *, correction=None, keepdim: bool = False):
+    result = _var_std(input, dim, correction, keepdim, std=True, with_mean=True)
+    if result is None:
+        return _stock_var_std(input, dim, correction, keepdim, std=True), _stock_mean(input, dim, keepdim)
+    return result
+
+
+def _vector_norm_override(input, ord=2, dim=None, keepdim: bool = False, *, dtype=None) -> torch.Tensor:
+    dims = _normalized_dims(input, dim) if input.dim() > 0 else None
+    covered = ord in (1, 2) and not isinstance(ord, bool) and dims is not None and _covered(input, dtype)
+    if not covered:
+        out = torch.empty(0, dtype=dtype or input.dtype, device=input.device)
+        return torch.ops.aten.linalg_vector_norm.out(input, ord, dim, keepdim, dtype=dtype, out=out)
+    if dtype is not None and dtype != input.dtype:
+        input = input.to(dtype)  # torch casts the input to ``dtype`` before computing
+    rows = _as_rows(input, dims)
+    out = torch.empty(rows.shape[:-1], dtype=input.dtype, device=input.device)
+    with torch.no_grad():
+        _launch(_row_norm_kernel, rows, out, ORD=int(ord))
+    return out.reshape(_kept_shape(input, dims, keepdim))
+
+
 def row_sum(x: torch.Tensor) -> torch.Tensor:
     """fp32 sum over the last dimension of an fp32/bf16/fp16 tensor on this module's row schedule,
     whether or not :func:`samepath.batch_invariant` is active (the attention backward's
@@ -232,5 +387,10 @@ def row_sum(x: torch.Tensor) -> torch.Tensor:
 register_override("_softmax", _softmax_override)
 register_override("sum.dim_IntList", _sum_override)
 register_override("mean.dim", _mean_override)
+register_override("var.correction", _var_override)
+register_override("std.correction", _std_override)
+register_override("var_mean.correction", _var_mean_override)
+register_override("std_mean.correction", _std_mean_override)
+register_override("linalg_vector_norm", _vector_norm_override)
 
 __all__ = ["REDUCTIONS_FORMULA", "row_sum"]
