@@ -328,9 +328,11 @@ def _named_classes(module_name: str, names: Sequence[str]) -> tuple[type, ...]:
     return tuple(found)
 
 
-def audit_vllm_model(model: torch.nn.Module, hf_config: Any) -> AuditReport:
-    """Classify every module of a model vLLM built (after its weights are processed) as samepath's
-    vLLM plugin runs it; ``hf_config`` is vLLM's ``model_config.hf_config``.
+def audit_vllm_model(model: torch.nn.Module, hf_config: Any, rules: Any = None) -> AuditReport:
+    """Classify every module of a model vLLM built (after its weights are processed) as samepath
+    runs it; ``hf_config`` is vLLM's ``model_config.hf_config``, ``rules`` the platform's
+    :class:`samepath.integrations.vllm.ModuleRules` (default: the vLLM plugin's; vllm-ascend's is
+    :func:`samepath.integrations.vllm_ascend.ascend_rules`).
 
     Besides the per-module rules, each rotary layer's formula (:func:`samepath.integrations.vllm.vllm_rope`)
     must give the same ``inv_freq``, attention scaling and position limit as the Hugging Face
@@ -372,7 +374,7 @@ def audit_vllm_model(model: torch.nn.Module, hf_config: Any) -> AuditReport:
             elif kind in mlp_cls:
                 entry = _entry(name, module, "mlp_block", NEUTRAL, "gate_up, SiLU·mul, down")
             else:
-                entry = plugin.classify_module(name, module, formulas, hf_rope)
+                entry = plugin.classify_module(name, module, formulas, hf_rope, rules)
         if entry.status == COVERED and entry.op in ("rotary", "moe", "rms_norm", "silu_mul", "linear", "lm_head"):
             whole.append(name)
         report.entries.append(entry)
