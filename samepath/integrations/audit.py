@@ -3,7 +3,7 @@
 samepath's promise is bit equality between the rollout and the trainer; a module that samepath
 does not cover runs stock on one side and silently breaks it. The audit walks a model — the Hugging
 Face trainer's (:func:`audit_hf_model`, run by ``patch_all(model)``) or the model vLLM built
-(:func:`audit_vllm_model`, run by the vLLM plugin at model load) — and classifies every module:
+(:func:`audit_vllm_model`, run by the vLLM and vllm-ascend integrations at model load) — and classifies every module:
 
 * ``covered`` — computed by samepath's kernels or by a formula both sides share (RMSNorm, SiLU·mul,
   rotary cos/sin and rotation, attention, linear layers through the batch-invariant matmul, MoE

@@ -55,6 +55,19 @@ What :func:`install` replaces:
   :func:`samepath.log_softmax` of the raw logits in fp32 (``raw_logprobs``, temperature 1). The
   trainer's equal is ``samepath.logprobs(logits, tokens)``.
 
+**Load-time audit** — every vLLM model loader's ``load_model`` (patch group ``model_audit``, the
+vLLM plugin's loader hook with ``side="vllm-ascend"``) refuses the V2 model runner's config and
+classifies each module of the built model with :func:`ascend_rules` — vLLM's ``CustomOp`` OOT
+registration builds vllm-ascend's subclasses (``AscendRMSNorm``, ``AscendSiluAndMul``, the
+``Ascend*Linear`` layers with ``AscendUnquantizedLinearMethod``, ``AscendParallelLMHead``,
+``AscendFusedMoE`` / ``AscendMoERunner``, vLLM's ``Attention`` around ``AscendAttentionBackendImpl``),
+so those are the exact classes samepath covers here. A module without a rule (``AscendGemmaRMSNorm``,
+MLA, a linear layer on a vllm-ascend parallel op or with weights samepath did not process, a norm
+with a bias or another epsilon than the config's, an impl samepath did not patch, ...) refuses the
+load by name; ``SAMEPATH_ALLOW_UNCOVERED`` opts out (warned, recorded in the fingerprint). The
+rules were read from vllm-ascend v0.23.0.post1's source and are tested on stand-in subclasses of
+vLLM's real layers; the gate has not run against a real vllm-ascend.
+
 ``VLLM_BATCH_INVARIANT=1`` (vllm-ascend's own batch-invariant mode) is refused: its ``aten::mm`` /
 ``matmul`` / ``sum`` / ``softmax`` registrations and its ``npu_add_rms_norm`` patch would collide
 with samepath's, and whichever registered last would win.
