@@ -776,6 +776,11 @@ def _ascend_standin_modules() -> dict[str, types.ModuleType]:
     add(embedding, "AscendVocabParallelEmbedding", (VocabParallelEmbedding,))
     add(embedding, "AscendParallelLMHead", (ParallelLMHead,))
     add(embedding, "AscendLogitsProcessor", (LogitsProcessor,))
+    from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import UnquantizedFusedMoEMethod
+
+    # vllm-ascend v0.23.0 pairs AscendFusedMoE with vLLM 0.23's FusedMoE, which vLLM 0.32 no longer has.
+    add("vllm_ascend.ops.fused_moe.fused_moe", "AscendFusedMoE", (torch.nn.Module,))
+    add("vllm_ascend.ops.fused_moe.fused_moe", "AscendUnquantizedFusedMoEMethod", (UnquantizedFusedMoEMethod,))
     add("vllm_ascend.attention.attention_v1", "AscendAttentionBackendImpl", (_AscendImpl,))
     add("vllm_ascend.attention.sfa_v1", "AscendSFAImpl", (_AscendImpl,))
     modules["vllm_ascend.ascend_forward_context"] = types.ModuleType("vllm_ascend.ascend_forward_context")
@@ -927,6 +932,61 @@ def test_ascend_load_audit_refuses_uncovered_ascend_modules_by_name(ascend_stand
     with pytest.warns(UserWarning, match="AscendGemmaRMSNorm"):
         samepath_vllm.check_loaded_model(tree, config, "vllm-ascend", vllm_ascend.ascend_rules)
     assert samepath.fingerprint().startswith(plain + "-uncovered")
+
+
+def _bare(cls: type) -> torch.nn.Module:
+    """An instance of the module class ``cls`` without its constructor (which needs a MoE config)."""
+    method = cls.__new__(cls)
+    torch.nn.Module.__init__(method)
+    return method
+
+
+def _ascend_moe(modules, fp32: bool, **attributes) -> torch.nn.Module:
+    """An ``AscendFusedMoE`` (vLLM 0.23) as samepath's ``process_weights_after_loading`` leaves it:
+    ``AscendUnquantizedFusedMoEMethod``, plain-expert flags, vLLM's routing attributes."""
+    fused_moe = modules["vllm_ascend.ops.fused_moe.fused_moe"]
+    layer = fused_moe.AscendFusedMoE()
+    layer.quant_method = _bare(fused_moe.AscendUnquantizedFusedMoEMethod)
+    layer.samepath_experts, layer.samepath_routing_fp32 = True, fp32
+    routing = dict(
+        use_grouped_topk=False, scoring_func="softmax", custom_routing_function=None, e_score_correction_bias=None,
+        routed_scaling_factor=1.0, expert_map=None, apply_router_weight_on_input=False,
+    )  # fmt: skip
+    for name, value in {**routing, **attributes}.items():
+        setattr(layer, name, value)
+    return layer
+
+
+def test_ascend_load_audit_moe(ascend_standins):
+    """vllm-ascend's MoE layer is covered with samepath's experts, plain softmax routing and the
+    config's routing precision; grouped top-k, experts left on vllm-ascend's kernels, vLLM's own
+    quant method (not vllm-ascend's, which samepath patches) or the other routing precision are
+    refused by name."""
+    from samepath.integrations import audit, vllm_ascend
+    from samepath.integrations.formulas import model_formulas
+
+    config = transformers.Qwen3MoeConfig(**DEFAULT_MODEL_CONFIG, **MOE_CONFIG)
+    fp32 = "kept in fp32" in model_formulas(config)["moe"]["routing"]
+    from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import UnquantizedFusedMoEMethod
+
+    tree = torch.nn.ModuleDict(
+        {
+            "experts": _ascend_moe(ascend_standins, fp32),
+            "grouped": _ascend_moe(ascend_standins, fp32, use_grouped_topk=True),
+            "stock": _ascend_moe(ascend_standins, fp32, samepath_experts=False),
+            "vllm_method": _ascend_moe(ascend_standins, fp32, quant_method=_bare(UnquantizedFusedMoEMethod)),
+            "precision": _ascend_moe(ascend_standins, not fp32),
+        }
+    )
+    report = audit.audit_vllm_model(tree, config, rules=vllm_ascend.ascend_rules())
+    entries = {e.name: e for e in report.entries if e.name}
+    assert entries["experts"].status == audit.COVERED and entries["experts"].op == "moe"
+    uncovered = {name for name, status in _statuses(report).items() if status == audit.UNCOVERED}
+    assert uncovered == {"grouped", "stock", "vllm_method", "precision"}
+    assert "grouped top-k" in entries["grouped"].detail
+    assert "vllm-ascend's grouped matmuls" in entries["stock"].detail
+    assert "UnquantizedFusedMoEMethod experts" in entries["vllm_method"].detail
+    assert "unlike the config's router" in entries["precision"].detail
 
 
 def test_ascend_rules_do_not_leak_into_the_vllm_plugin(ascend_standins, plugin_installed):
