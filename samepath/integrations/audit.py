@@ -342,6 +342,7 @@ def audit_vllm_model(model: torch.nn.Module, hf_config: Any, rules: Any = None) 
     from samepath.integrations.formulas import rope_formula
     from samepath.kernels.rotary import rotary_inv_freq, rotary_position_limit
 
+    rules = rules or plugin.vllm_rules()
     model_type = getattr(hf_config, "model_type", None)
     report = AuditReport("vllm", model_type)
     formulas = None
