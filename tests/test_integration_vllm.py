@@ -718,6 +718,331 @@ def test_load_audit_compares_the_trainers_model_fingerprint(monkeypatch):
         samepath_vllm.uninstall()
 
 
+# ----------------------------------------------------------------------------------------------
+# vllm-ascend's load-time audit, on stand-in Ascend classes over the real vLLM layers
+# ----------------------------------------------------------------------------------------------
+
+
+class _AscendImpl:
+    """Stand-in for ``AscendAttentionBackendImpl``: the attributes the audit reads."""
+
+    def __init__(self) -> None:
+        self.attn_type, self.alibi_slopes, self.sinks, self.kv_cache_dtype, self.vllm_config = (
+            "decoder", None, None, "auto", None
+        )  # fmt: skip
+
+
+def _ascend_standin_modules() -> dict[str, types.ModuleType]:
+    """``vllm_ascend.*`` modules whose classes subclass vLLM's the way vllm-ascend v0.23.0's do
+    (``class AscendRMSNorm(RMSNorm)``, ``AscendQKVParallelLinear(QKVParallelLinear)`` with an
+    ``AscendUnquantizedLinearMethod(UnquantizedLinearMethod)`` and a ``custom_op`` slot, ...)."""
+    from vllm.model_executor.layers import linear
+    from vllm.model_executor.layers.activation import SiluAndMul
+    from vllm.model_executor.layers.layernorm import GemmaRMSNorm, RMSNorm
+    from vllm.model_executor.layers.logits_processor import LogitsProcessor
+    from vllm.model_executor.layers.rotary_embedding import RotaryEmbedding
+    from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
+
+    modules = {name: types.ModuleType(name) for name in ("vllm_ascend", "vllm_ascend.ops", "vllm_ascend.attention")}
+
+    def add(module_name: str, name: str, bases: tuple[type, ...], namespace: dict | None = None) -> type:
+        module = modules.setdefault(module_name, types.ModuleType(module_name))
+        cls = type(name, bases, {"__module__": module_name, **(namespace or {})})
+        setattr(module, name, cls)
+        return cls
+
+    def norm_init(self, hidden_size, eps=1e-6, var_hidden_size=None, has_weight=True, dtype=None):
+        RMSNorm.__init__(self, hidden_size, eps, var_hidden_size, has_weight, dtype)
+        self.bias = None
+
+    add("vllm_ascend.ops.layernorm", "AscendRMSNorm", (RMSNorm,), {"__init__": norm_init})
+    add("vllm_ascend.ops.layernorm", "AscendGemmaRMSNorm", (GemmaRMSNorm,))
+    add("vllm_ascend.ops.activation", "AscendSiluAndMul", (SiluAndMul,))
+    method = add("vllm_ascend.ops.linear", "AscendUnquantizedLinearMethod", (linear.UnquantizedLinearMethod,))
+
+    def linear_init(base: type):
+        def init(self, *args, **kwargs):
+            base.__init__(self, *args, **kwargs)
+            self.custom_op = None  # vllm-ascend's get_parallel_op at tp_size 1 without its TP options
+            self.quant_method = method()
+
+        return init
+
+    for name in ("ReplicatedLinear", "QKVParallelLinear", "RowParallelLinear"):
+        base = getattr(linear, name)
+        add("vllm_ascend.ops.linear", f"Ascend{name}", (base,), {"__init__": linear_init(base)})
+    add("vllm_ascend.ops.rotary_embedding", "AscendRotaryEmbedding", (RotaryEmbedding,))
+    embedding = "vllm_ascend.ops.vocab_parallel_embedding"
+    add(embedding, "AscendVocabParallelEmbedding", (VocabParallelEmbedding,))
+    add(embedding, "AscendParallelLMHead", (ParallelLMHead,))
+    add(embedding, "AscendLogitsProcessor", (LogitsProcessor,))
+    from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import UnquantizedFusedMoEMethod
+
+    # vllm-ascend v0.23.0 pairs AscendFusedMoE with vLLM 0.23's FusedMoE, which vLLM 0.32 no longer has.
+    add("vllm_ascend.ops.fused_moe.fused_moe", "AscendFusedMoE", (torch.nn.Module,))
+    add("vllm_ascend.ops.fused_moe.fused_moe", "AscendUnquantizedFusedMoEMethod", (UnquantizedFusedMoEMethod,))
+    add("vllm_ascend.attention.attention_v1", "AscendAttentionBackendImpl", (_AscendImpl,))
+    add("vllm_ascend.attention.sfa_v1", "AscendSFAImpl", (_AscendImpl,))
+    modules["vllm_ascend.ascend_forward_context"] = types.ModuleType("vllm_ascend.ascend_forward_context")
+    modules["vllm_ascend.ascend_forward_context"]._EXTRA_CTX = types.SimpleNamespace(capturing=False)
+    return modules
+
+
+@pytest.fixture
+def ascend_standins(monkeypatch):
+    """The stand-in ``vllm_ascend`` modules in ``sys.modules`` and the state ``vllm_ascend.install()``
+    leaves that the audit reads (installed; ``AscendAttentionBackendImpl.forward_impl`` and
+    ``RotaryEmbeddingBase.forward`` replaced), without patching the stand-ins' ops: the audit's
+    rules are under test here, the patches in tests/test_integration_vllm_ascend.py."""
+    import sys
+
+    import vllm.distributed.parallel_state as parallel_state
+    from vllm.model_executor.layers.rotary_embedding.base import RotaryEmbeddingBase
+
+    from samepath.integrations import audit, vllm_ascend
+    from samepath.integrations import vllm as samepath_vllm
+    from samepath.kernels.config import record_uncovered
+
+    if importlib.util.find_spec("vllm_ascend") is not None:
+        pytest.skip("the stand-in modules would shadow the installed vllm-ascend")
+    modules = _ascend_standin_modules()
+    for name, module in modules.items():
+        monkeypatch.setitem(sys.modules, name, module)
+    if parallel_state._TP is None:
+        monkeypatch.setattr(parallel_state, "_TP", types.SimpleNamespace(rank_in_group=0, world_size=1))
+    monkeypatch.setattr(vllm_ascend, "installed", lambda: True)
+    impl = modules["vllm_ascend.attention.attention_v1"].AscendAttentionBackendImpl
+    monkeypatch.setitem(vllm_ascend._ORIGINALS, (impl, "forward_impl"), _AscendImpl)
+    monkeypatch.setattr(RotaryEmbeddingBase, "forward", samepath_vllm._rotary_forward)
+    monkeypatch.delenv(audit.ALLOW_ENV_VAR, raising=False)
+    monkeypatch.setattr(audit, "_warned", set())
+    yield modules
+    record_uncovered("vllm-ascend", ())
+
+
+def _attention_layer(impl) -> torch.nn.Module:
+    """vLLM's exact ``Attention`` class around ``impl`` (its constructor picks a backend)."""
+    from vllm.model_executor.layers.attention.attention import Attention
+
+    layer = Attention.__new__(Attention)
+    torch.nn.Module.__init__(layer)
+    layer.impl = impl
+    return layer
+
+
+def _ascend_tree(modules, config, **replace: torch.nn.Module) -> torch.nn.ModuleDict:
+    """The layers vllm-ascend builds for one decoder layer of ``config`` (stand-in classes), with
+    the linear layers' weights marked as samepath's ``process_weights_after_loading`` marks them."""
+    from vllm.config import VllmConfig, set_current_vllm_config
+
+    ops = {name.rsplit(".", 1)[-1]: module for name, module in modules.items()}
+    heads, kv_heads, head_dim = config.num_attention_heads, config.num_key_value_heads, config.head_dim
+    theta = config.rope_parameters["rope_theta"]
+    with set_current_vllm_config(VllmConfig()):
+        layers = {
+            "embed": ops["vocab_parallel_embedding"].AscendVocabParallelEmbedding(config.vocab_size, 64),
+            "norm": ops["layernorm"].AscendRMSNorm(64, eps=config.rms_norm_eps),
+            "qkv_proj": ops["linear"].AscendQKVParallelLinear(64, head_dim, heads, kv_heads, bias=False),
+            "rotary": ops["rotary_embedding"].AscendRotaryEmbedding(
+                head_dim, head_dim, config.max_position_embeddings, theta, True, torch.float32
+            ),
+            "attn": _attention_layer(ops["attention_v1"].AscendAttentionBackendImpl()),
+            "o_proj": ops["linear"].AscendRowParallelLinear(heads * head_dim, 64, bias=False),
+            "act": ops["activation"].AscendSiluAndMul(),
+            "lm_head": ops["vocab_parallel_embedding"].AscendParallelLMHead(config.vocab_size, 64),
+            "logits": ops["vocab_parallel_embedding"].AscendLogitsProcessor(config.vocab_size),
+        }
+        layers.update(replace)
+    for layer in layers.values():
+        if hasattr(layer, "custom_op") and not hasattr(layer, "samepath_linear"):
+            layer.samepath_linear = True
+    return torch.nn.ModuleDict(layers)
+
+
+def _statuses(report) -> dict[str, str]:
+    return {e.name: e.status for e in report.entries if e.name and "." not in e.name}
+
+
+def test_ascend_load_audit_covers_vllm_ascends_classes(ascend_standins):
+    """A decoder layer of the classes vllm-ascend builds passes vllm-ascend's gate; each Ascend
+    class is classified as its op, not as ``unknown``."""
+    from samepath.integrations import audit, vllm_ascend
+    from samepath.integrations import vllm as samepath_vllm
+
+    config = transformers.Qwen3Config(**DEFAULT_MODEL_CONFIG)
+    tree = _ascend_tree(ascend_standins, config)
+    report = audit.audit_vllm_model(tree, config, rules=vllm_ascend.ascend_rules())
+    assert report.fully_covered, report.format()
+    ops = {e.name: e.op for e in report.entries}
+    assert ops["norm"] == "rms_norm" and ops["qkv_proj"] == "linear" and ops["attn"] == "attention"
+    assert ops["act"] == "silu_mul" and ops["lm_head"] == "lm_head" and ops["rotary"] == "rotary"
+    samepath_vllm.check_loaded_model(tree, config, "vllm-ascend", vllm_ascend.ascend_rules)
+
+
+def test_ascend_load_audit_refuses_uncovered_ascend_modules_by_name(ascend_standins, monkeypatch):
+    """Refused, each by name: a class samepath has no rule for (``AscendGemmaRMSNorm``), a norm with
+    vllm-ascend's anti-outlier bias, a norm whose eps differs from the config's, a linear layer on
+    a vllm-ascend parallel op, one whose weights samepath did not process, an attention impl
+    samepath did not patch, and vLLM's own RMSNorm (vllm-ascend replaces it; samepath's vllm-ascend
+    patches do not touch it). With the opt-out the load goes on, warns and marks the fingerprint."""
+    from vllm.config import VllmConfig, set_current_vllm_config
+    from vllm.model_executor.layers.layernorm import RMSNorm
+
+    from samepath.integrations import audit, vllm_ascend
+    from samepath.integrations import vllm as samepath_vllm
+
+    ops = {name.rsplit(".", 1)[-1]: module for name, module in ascend_standins.items()}
+    config = transformers.Qwen3Config(**DEFAULT_MODEL_CONFIG)
+    with set_current_vllm_config(VllmConfig()):
+        biased = ops["layernorm"].AscendRMSNorm(64, eps=config.rms_norm_eps)
+        biased.bias = torch.nn.Parameter(torch.randn(64), requires_grad=False)
+        on_parallel_op = ops["linear"].AscendRowParallelLinear(64, 64, bias=False)
+        on_parallel_op.custom_op, on_parallel_op.samepath_linear = types.SimpleNamespace(), True
+        unprocessed = ops["linear"].AscendReplicatedLinear(64, 64, bias=False)
+        unprocessed.samepath_linear = False
+        bad = {
+            "gemma_norm": ops["layernorm"].AscendGemmaRMSNorm(64, eps=config.rms_norm_eps),
+            "biased_norm": biased,
+            "eps_norm": ops["layernorm"].AscendRMSNorm(64, eps=1e-5),
+            "o_proj": on_parallel_op,
+            "gate": unprocessed,
+            "sfa": _attention_layer(ops["sfa_v1"].AscendSFAImpl()),
+            "vllm_norm": RMSNorm(64, eps=config.rms_norm_eps),
+        }
+    tree = _ascend_tree(ascend_standins, config, **bad)
+    report = audit.audit_vllm_model(tree, config, rules=vllm_ascend.ascend_rules())
+    statuses = _statuses(report)
+    assert {name for name, status in statuses.items() if status == audit.UNCOVERED} == set(bad)
+    with pytest.raises(audit.UncoveredOpsError) as refused:
+        samepath_vllm.check_loaded_model(tree, config, "vllm-ascend", vllm_ascend.ascend_rules)
+    message = str(refused.value)
+    assert "vllm-ascend model" in message
+    assert "gemma_norm: vllm_ascend.ops.layernorm.AscendGemmaRMSNorm [unknown]" in message
+    assert "biased_norm: vllm_ascend.ops.layernorm.AscendRMSNorm [rms_norm]" in message
+    assert "eps_norm: " in message and "eps 1e-05 differs" in message
+    assert "o_proj: " in message and "vllm-ascend's parallel linear op SimpleNamespace" in message
+    assert "gate: " in message and "weights not processed by samepath" in message
+    assert "sfa: " in message and "AscendSFAImpl is not patched" in message
+    assert "vllm_norm: vllm.model_executor.layers.layernorm.RMSNorm [unknown]" in message
+    for name in ("norm", "qkv_proj", "attn", "act", "lm_head", "rotary", "embed", "logits"):
+        assert f"\n  {name}: " not in message, f"{name} is covered and must not be listed"
+
+    plain = samepath.fingerprint()
+    monkeypatch.setenv(audit.ALLOW_ENV_VAR, "all")
+    with pytest.warns(UserWarning, match="AscendGemmaRMSNorm"):
+        samepath_vllm.check_loaded_model(tree, config, "vllm-ascend", vllm_ascend.ascend_rules)
+    assert samepath.fingerprint().startswith(plain + "-uncovered")
+
+
+def _bare(cls: type) -> torch.nn.Module:
+    """An instance of the module class ``cls`` without its constructor (which needs a MoE config)."""
+    method = cls.__new__(cls)
+    torch.nn.Module.__init__(method)
+    return method
+
+
+def _ascend_moe(modules, fp32: bool, **attributes) -> torch.nn.Module:
+    """An ``AscendFusedMoE`` (vLLM 0.23) as samepath's ``process_weights_after_loading`` leaves it:
+    ``AscendUnquantizedFusedMoEMethod``, plain-expert flags, vLLM's routing attributes."""
+    fused_moe = modules["vllm_ascend.ops.fused_moe.fused_moe"]
+    layer = fused_moe.AscendFusedMoE()
+    layer.quant_method = _bare(fused_moe.AscendUnquantizedFusedMoEMethod)
+    layer.samepath_experts, layer.samepath_routing_fp32 = True, fp32
+    routing = dict(
+        use_grouped_topk=False, scoring_func="softmax", custom_routing_function=None, e_score_correction_bias=None,
+        routed_scaling_factor=1.0, expert_map=None, apply_router_weight_on_input=False,
+    )  # fmt: skip
+    for name, value in {**routing, **attributes}.items():
+        setattr(layer, name, value)
+    return layer
+
+
+def test_ascend_load_audit_moe(ascend_standins):
+    """vllm-ascend's MoE layer is covered with samepath's experts, plain softmax routing and the
+    config's routing precision; grouped top-k, experts left on vllm-ascend's kernels, vLLM's own
+    quant method (not vllm-ascend's, which samepath patches) or the other routing precision are
+    refused by name."""
+    from samepath.integrations import audit, vllm_ascend
+    from samepath.integrations.formulas import model_formulas
+
+    config = transformers.Qwen3MoeConfig(**DEFAULT_MODEL_CONFIG, **MOE_CONFIG)
+    fp32 = "kept in fp32" in model_formulas(config)["moe"]["routing"]
+    from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import UnquantizedFusedMoEMethod
+
+    tree = torch.nn.ModuleDict(
+        {
+            "experts": _ascend_moe(ascend_standins, fp32),
+            "grouped": _ascend_moe(ascend_standins, fp32, use_grouped_topk=True),
+            "stock": _ascend_moe(ascend_standins, fp32, samepath_experts=False),
+            "vllm_method": _ascend_moe(ascend_standins, fp32, quant_method=_bare(UnquantizedFusedMoEMethod)),
+            "precision": _ascend_moe(ascend_standins, not fp32),
+        }
+    )
+    report = audit.audit_vllm_model(tree, config, rules=vllm_ascend.ascend_rules())
+    entries = {e.name: e for e in report.entries if e.name}
+    assert entries["experts"].status == audit.COVERED and entries["experts"].op == "moe"
+    uncovered = {name for name, status in _statuses(report).items() if status == audit.UNCOVERED}
+    assert uncovered == {"grouped", "stock", "vllm_method", "precision"}
+    assert "grouped top-k" in entries["grouped"].detail
+    assert "vllm-ascend's grouped matmuls" in entries["stock"].detail
+    assert "UnquantizedFusedMoEMethod experts" in entries["vllm_method"].detail
+    assert "unlike the config's router" in entries["precision"].detail
+
+
+def test_ascend_rules_do_not_leak_into_the_vllm_plugin(ascend_standins, plugin_installed):
+    """Negative control, both ways: the vLLM plugin's rules refuse every vllm-ascend class (only
+    the rotary rule, which is the same function on both platforms, and the containers pass) and
+    still cover vLLM's own tree; vllm-ascend's rules refuse vLLM's RMSNorm."""
+    from samepath.integrations import audit, vllm_ascend
+
+    config = transformers.Qwen3Config(**DEFAULT_MODEL_CONFIG)
+    ascend_tree = _ascend_tree(ascend_standins, config)
+    on_vllm = _statuses(audit.audit_vllm_model(ascend_tree, config))
+    assert {name for name, status in on_vllm.items() if status != audit.UNCOVERED} == {"rotary"}, on_vllm
+    vllm_tree = _vllm_module_tree(config.rms_norm_eps, {})
+    assert audit.audit_vllm_model(vllm_tree, config).fully_covered
+    plugin_installed.check_loaded_model(vllm_tree, config)
+    on_ascend = audit.audit_vllm_model(vllm_tree, config, rules=vllm_ascend.ascend_rules())
+    assert [e.name for e in on_ascend.uncovered] == ["norm"]
+
+
+def test_ascend_model_loader_gate(ascend_standins, monkeypatch):
+    """``vllm_ascend``'s ``model_audit`` patch group wraps vLLM's loaders: the loaded model is
+    audited with vllm-ascend's rules (refused, then passed once covered), the V2 runner refused."""
+    from vllm.config import VllmConfig, set_current_vllm_config
+    from vllm.model_executor.model_loader.base_loader import BaseModelLoader
+
+    from samepath.integrations import audit, vllm_ascend
+    from samepath.integrations._vllm_common import ModelRunnerError, Patcher
+
+    config = transformers.Qwen3Config(**DEFAULT_MODEL_CONFIG)
+    built: list[torch.nn.Module] = []
+
+    class _Loader(BaseModelLoader):
+        def load_model(self, vllm_config, model_config):
+            return built[-1]
+
+    with set_current_vllm_config(VllmConfig()):
+        gemma = ascend_standins["vllm_ascend.ops.layernorm"].AscendGemmaRMSNorm(64, eps=config.rms_norm_eps)
+    original = vars(_Loader)["load_model"]
+    patcher = Patcher()
+    try:
+        assert vllm_ascend._patch_model_loader(patcher)
+        runner = types.SimpleNamespace(use_v2_model_runner=False)
+        model_config = types.SimpleNamespace(hf_config=config)
+        built.append(_ascend_tree(ascend_standins, config, gemma=gemma))
+        with pytest.raises(audit.UncoveredOpsError, match=r"vllm-ascend model(.|\n)*gemma: "):
+            _Loader.load_model(None, runner, model_config)
+        built.append(_ascend_tree(ascend_standins, config))
+        assert _Loader.load_model(None, runner, model_config) is built[-1]
+        assert built[-1]._samepath_audited
+        with pytest.raises(ModelRunnerError, match="vllm-ascend is running its V2 model runner"):
+            _Loader.load_model(None, types.SimpleNamespace(use_v2_model_runner=True), model_config)
+    finally:
+        patcher.restore()
+    assert vars(_Loader)["load_model"] is original
+
+
 @pytest.fixture(scope="module")
 def llama_dirs(tmp_path_factory):
     """rope variant -> directory of a tiny random-weight Llama with that rope, in bfloat16."""

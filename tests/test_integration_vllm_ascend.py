@@ -551,6 +551,7 @@ def test_install_uninstall_real_package() -> None:
         assert vllm_ascend.installed()
         assert vars(AscendAttentionBackendImpl)["forward_impl"] is not stock[0]
         assert vars(AscendRMSNorm)["forward_oot"] is not stock[1]
+        assert "model_audit" in vllm_ascend.INSTALLED, "the load-time audit must wrap vLLM's model loaders"
     finally:
         vllm_ascend.uninstall()
         vllm_ascend.uninstall()

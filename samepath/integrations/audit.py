@@ -3,7 +3,7 @@
 samepath's promise is bit equality between the rollout and the trainer; a module that samepath
 does not cover runs stock on one side and silently breaks it. The audit walks a model — the Hugging
 Face trainer's (:func:`audit_hf_model`, run by ``patch_all(model)``) or the model vLLM built
-(:func:`audit_vllm_model`, run by the vLLM plugin at model load) — and classifies every module:
+(:func:`audit_vllm_model`, run by the vLLM and vllm-ascend integrations at model load) — and classifies every module:
 
 * ``covered`` — computed by samepath's kernels or by a formula both sides share (RMSNorm, SiLU·mul,
   rotary cos/sin and rotation, attention, linear layers through the batch-invariant matmul, MoE
@@ -328,9 +328,11 @@ def _named_classes(module_name: str, names: Sequence[str]) -> tuple[type, ...]:
     return tuple(found)
 
 
-def audit_vllm_model(model: torch.nn.Module, hf_config: Any) -> AuditReport:
-    """Classify every module of a model vLLM built (after its weights are processed) as samepath's
-    vLLM plugin runs it; ``hf_config`` is vLLM's ``model_config.hf_config``.
+def audit_vllm_model(model: torch.nn.Module, hf_config: Any, rules: Any = None) -> AuditReport:
+    """Classify every module of a model vLLM built (after its weights are processed) as samepath
+    runs it; ``hf_config`` is vLLM's ``model_config.hf_config``, ``rules`` the platform's
+    :class:`samepath.integrations.vllm.ModuleRules` (default: the vLLM plugin's; vllm-ascend's is
+    :func:`samepath.integrations.vllm_ascend.ascend_rules`).
 
     Besides the per-module rules, each rotary layer's formula (:func:`samepath.integrations.vllm.vllm_rope`)
     must give the same ``inv_freq``, attention scaling and position limit as the Hugging Face
@@ -340,6 +342,7 @@ def audit_vllm_model(model: torch.nn.Module, hf_config: Any) -> AuditReport:
     from samepath.integrations.formulas import rope_formula
     from samepath.kernels.rotary import rotary_inv_freq, rotary_position_limit
 
+    rules = rules or plugin.vllm_rules()
     model_type = getattr(hf_config, "model_type", None)
     report = AuditReport("vllm", model_type)
     formulas = None
@@ -372,7 +375,7 @@ def audit_vllm_model(model: torch.nn.Module, hf_config: Any) -> AuditReport:
             elif kind in mlp_cls:
                 entry = _entry(name, module, "mlp_block", NEUTRAL, "gate_up, SiLU·mul, down")
             else:
-                entry = plugin.classify_module(name, module, formulas, hf_rope)
+                entry = plugin.classify_module(name, module, formulas, hf_rope, rules)
         if entry.status == COVERED and entry.op in ("rotary", "moe", "rms_norm", "silu_mul", "linear", "lm_head"):
             whole.append(name)
         report.entries.append(entry)

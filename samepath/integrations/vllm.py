@@ -99,9 +99,11 @@ and ``FlashAttentionImpl`` patches are written against vLLM 0.32's ``triton_attn
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import threading
+from collections.abc import Callable
 from contextlib import ExitStack
 from typing import Any
 
@@ -822,35 +824,129 @@ _ROUTER_GEMM_FLAGS = (
 )
 
 
-def classify_module(name: str, module: torch.nn.Module, formulas: dict | None, hf_rope: tuple | None):
+@dataclasses.dataclass(frozen=True)
+class ModuleRules:
+    """Which module classes count as each op on one platform, for :func:`classify_module`.
+
+    Exact classes only (a subclass may compute something else). ``installed`` says whether the
+    platform's samepath integration is in effect; ``linear_methods`` are the ``quant_method``
+    classes whose ``apply`` samepath replaced, ``linear_classes`` the layer classes (qualified
+    names) whose forward only calls it, ``linear_problems`` what else a linear layer needs;
+    ``attention_problems`` why an ``Attention`` layer's impl is not samepath's; ``moe`` the entry of
+    an MoE module, or ``None`` when ``module`` is not one."""
+
+    platform: str
+    installed: Callable[[], bool]
+    rms_norm: tuple[type, ...]
+    silu_mul: tuple[type, ...]
+    embedding: tuple[type, ...]
+    lm_head: tuple[type, ...]
+    logits: tuple[type, ...]
+    attention: tuple[type, ...]
+    linear_methods: tuple[type, ...]
+    linear_classes: frozenset[str]
+    linear_problems: Callable[[torch.nn.Module], list[str]]
+    attention_problems: Callable[[Any], list[str]]
+    moe: Callable[[str, torch.nn.Module, dict | None], Any]
+
+
+def moe_formula_problem(experts: Any, formulas: dict | None) -> str | None:
+    """Why the experts' routing precision (``samepath_routing_fp32``, set at weight processing)
+    differs from the config's router (the trainer's), or ``None``."""
+    if formulas is None or formulas["moe"] is None:
+        return None
+    want_fp32 = "kept in fp32" in formulas["moe"]["routing"]
+    if bool(getattr(experts, "samepath_routing_fp32", False)) != want_fp32:
+        return f"routing weights {'not ' if want_fp32 else ''}kept in fp32, unlike the config's router"
+    return None
+
+
+def _attention_problems(impl: Any) -> list[str]:
+    problems = []
+    if type(impl) not in _ORIGINAL_FORWARD:
+        problems.append(f"attention backend {type(impl).__name__} is not patched")
+    elif not _decoder_attention(impl):
+        problems.append("not decoder self-attention")
+    try:
+        _check_supported(impl)
+    except NotImplementedError as exc:
+        problems.append(str(exc))
+    return problems
+
+
+def _moe_entry(name: str, module: torch.nn.Module, formulas: dict | None):
+    from samepath.integrations.audit import COVERED, UNCOVERED, _entry
+
+    if type(module).__name__ != "MoERunner" or type(module) is not _moe_runner_class():
+        return None
+    experts = module.routed_experts
+    if not getattr(experts, "samepath_experts", False):
+        return _entry(name, module, "moe", UNCOVERED, "experts left on vLLM's fused kernel")
+    try:
+        _check_plain_routing(module)
+    except NotImplementedError as exc:
+        return _entry(name, module, "moe", UNCOVERED, str(exc))
+    problem = moe_formula_problem(experts, formulas)
+    if problem is not None:
+        return _entry(name, module, "moe", UNCOVERED, problem)
+    return _entry(name, module, "moe", COVERED, "samepath.integrations.moe routing and experts")
+
+
+def vllm_rules() -> ModuleRules:
+    """vLLM's own classes, as this plugin patches them."""
+    from vllm.model_executor.layers.activation import SiluAndMul
+    from vllm.model_executor.layers.attention.attention import Attention
+    from vllm.model_executor.layers.layernorm import RMSNorm
+    from vllm.model_executor.layers.linear import UnquantizedLinearMethod
+    from vllm.model_executor.layers.logits_processor import LogitsProcessor
+    from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
+
+    return ModuleRules(
+        platform="vLLM plugin",
+        installed=installed,
+        rms_norm=(RMSNorm,),
+        silu_mul=(SiluAndMul,),
+        embedding=(VocabParallelEmbedding,),
+        lm_head=(ParallelLMHead,),
+        logits=(LogitsProcessor,),
+        attention=(Attention,),
+        linear_methods=(UnquantizedLinearMethod,),
+        linear_classes=_LINEAR_CLASSES,
+        linear_problems=lambda module: [],
+        attention_problems=_attention_problems,
+        moe=_moe_entry,
+    )
+
+
+def classify_module(
+    name: str,
+    module: torch.nn.Module,
+    formulas: dict | None,
+    hf_rope: tuple | None,
+    rules: ModuleRules | None = None,
+):
     """The :class:`samepath.integrations.audit.AuditEntry` of one module of a model vLLM built,
-    as this plugin runs it (exact classes only; a class without a rule is uncovered).
+    as samepath runs it on ``rules``' platform (default :func:`vllm_rules`, this plugin; exact
+    classes only; a class without a rule is uncovered).
 
     ``formulas`` / ``hf_rope`` are the Hugging Face side's resolution of the model's config
     (:func:`samepath.integrations.formulas.model_formulas`; ``(inv_freq, attention_scaling,
     position_limit)`` of its rope), ``None`` when it could not be resolved: a rotary layer or norm
     that resolves differently from them is uncovered."""
-    from vllm.model_executor.layers.activation import SiluAndMul
-    from vllm.model_executor.layers.attention.attention import Attention
-    from vllm.model_executor.layers.layernorm import RMSNorm
-    from vllm.model_executor.layers.linear import LinearBase, UnquantizedLinearMethod
-    from vllm.model_executor.layers.logits_processor import LogitsProcessor
+    from vllm.model_executor.layers.linear import LinearBase
     from vllm.model_executor.layers.rotary_embedding import Phi3LongRoPEScaledRotaryEmbedding
     from vllm.model_executor.layers.rotary_embedding.base import RotaryEmbeddingBase
-    from vllm.model_executor.layers.vocab_parallel_embedding import (
-        ParallelLMHead,
-        UnquantizedEmbeddingMethod,
-        VocabParallelEmbedding,
-    )
+    from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod
 
     from samepath.integrations.audit import COVERED, NEUTRAL, UNCOVERED, _entry
     from samepath.kernels.rotary import rotary_inv_freq, rotary_position_limit
 
+    rules = rules or vllm_rules()
     kind = type(module)
-    if not installed():
-        return _entry(name, module, "unknown", UNCOVERED, "samepath's vLLM plugin is not installed")
-    if kind is ParallelLMHead or kind is VocabParallelEmbedding:
-        op = "lm_head" if kind is ParallelLMHead else "embedding"
+    if not rules.installed():
+        return _entry(name, module, "unknown", UNCOVERED, f"samepath's {rules.platform} is not installed")
+    if kind in rules.lm_head or kind in rules.embedding:
+        op = "lm_head" if kind in rules.lm_head else "embedding"
         if type(module.quant_method) is not UnquantizedEmbeddingMethod:
             return _entry(name, module, op, UNCOVERED, f"{type(module.quant_method).__name__} weights")
         if op == "embedding":
@@ -858,15 +954,16 @@ def classify_module(name: str, module: torch.nn.Module, formulas: dict | None, h
         return _entry(name, module, op, COVERED, "samepath.linear")
     if isinstance(module, LinearBase):
         problems = []
-        if type(module.quant_method) is not UnquantizedLinearMethod or not _has_dense_weight(module):
+        if type(module.quant_method) not in rules.linear_methods or not _has_dense_weight(module):
             problems.append(f"{type(module.quant_method).__name__} / non-dense weights")
         problems += [flag for flag in _ROUTER_GEMM_FLAGS if getattr(module, flag, False)]
-        if f"{kind.__module__}.{kind.__qualname__}" not in _LINEAR_CLASSES:
+        if f"{kind.__module__}.{kind.__qualname__}" not in rules.linear_classes:
             problems.append("a linear layer class samepath has not checked")
+        problems += rules.linear_problems(module)
         if problems:
             return _entry(name, module, "linear", UNCOVERED, ", ".join(problems))
         return _entry(name, module, "linear", COVERED, "samepath.linear")
-    if kind is RMSNorm:
+    if kind in rules.rms_norm:
         plain = (
             module.variance_size_override is None
             and module.has_weight
@@ -880,7 +977,7 @@ def classify_module(name: str, module: torch.nn.Module, formulas: dict | None, h
             detail = f"eps {module.variance_epsilon} differs from the config's {eps} (the trainer's)"
             return _entry(name, module, "rms_norm", UNCOVERED, detail)
         return _entry(name, module, "rms_norm", COVERED, "samepath.rms_norm (add, then norm)")
-    if kind is SiluAndMul:
+    if kind in rules.silu_mul:
         return _entry(name, module, "silu_mul", COVERED, "samepath.swiglu")
     if isinstance(module, (RotaryEmbeddingBase, Phi3LongRoPEScaledRotaryEmbedding)):
         if kind.forward is not _rotary_forward:
@@ -901,35 +998,15 @@ def classify_module(name: str, module: torch.nn.Module, formulas: dict | None, h
                 )
                 return _entry(name, module, "rotary", UNCOVERED, detail)
         return _entry(name, module, "rotary", COVERED, f"samepath.rotary_cos_sin ({scaling['rope_type']})")
-    if kind is Attention:
-        problems = []
-        impl = module.impl
-        if type(impl) not in _ORIGINAL_FORWARD:
-            problems.append(f"attention backend {type(impl).__name__} is not patched")
-        elif not _decoder_attention(impl):
-            problems.append("not decoder self-attention")
-        try:
-            _check_supported(impl)
-        except NotImplementedError as exc:
-            problems.append(str(exc))
+    if kind in rules.attention:
+        problems = rules.attention_problems(module.impl)
         if problems:
             return _entry(name, module, "attention", UNCOVERED, "; ".join(problems))
         return _entry(name, module, "attention", COVERED, "samepath.paged_attention / write_kv_cache")
-    if type(module).__name__ == "MoERunner" and kind is _moe_runner_class():
-        experts = module.routed_experts
-        if not getattr(experts, "samepath_experts", False):
-            return _entry(name, module, "moe", UNCOVERED, "experts left on vLLM's fused kernel")
-        try:
-            _check_plain_routing(module)
-        except NotImplementedError as exc:
-            return _entry(name, module, "moe", UNCOVERED, str(exc))
-        if formulas is not None and formulas["moe"] is not None:
-            want_fp32 = "kept in fp32" in formulas["moe"]["routing"]
-            if bool(getattr(experts, "samepath_routing_fp32", False)) != want_fp32:
-                detail = f"routing weights {'not ' if want_fp32 else ''}kept in fp32, unlike the config's router"
-                return _entry(name, module, "moe", UNCOVERED, detail)
-        return _entry(name, module, "moe", COVERED, "samepath.integrations.moe routing and experts")
-    if kind is LogitsProcessor:
+    entry = rules.moe(name, module, formulas)
+    if entry is not None:
+        return entry
+    if kind in rules.logits:
         if module.soft_cap is not None or module.scale != 1.0:
             detail = f"soft_cap={module.soft_cap}, scale={module.scale}"
             return _entry(name, module, "logits", UNCOVERED, detail)
@@ -941,15 +1018,18 @@ def classify_module(name: str, module: torch.nn.Module, formulas: dict | None, h
 LOADED_MODEL_CONFIG: Any = None
 
 
-def check_loaded_model(model: torch.nn.Module, hf_config: Any, side: str = "vllm") -> None:
-    """The load-time gate: audit the model vLLM built (:func:`samepath.integrations.audit.audit_vllm_model`)
-    and refuse uncovered parts (:func:`samepath.integrations.audit.enforce`, opt-out
-    ``SAMEPATH_ALLOW_UNCOVERED``); then, when ``SAMEPATH_EXPECT_FINGERPRINT`` carries a model part,
-    compare it with this side's resolution of ``hf_config``."""
+def check_loaded_model(
+    model: torch.nn.Module, hf_config: Any, side: str = "vllm", rules: Callable[[], ModuleRules] | None = None
+) -> None:
+    """The load-time gate: audit the model vLLM built (:func:`samepath.integrations.audit.audit_vllm_model`
+    with ``rules()``, default :func:`vllm_rules`) and refuse uncovered parts
+    (:func:`samepath.integrations.audit.enforce`, opt-out ``SAMEPATH_ALLOW_UNCOVERED``); then, when
+    this plugin's ``SAMEPATH_EXPECT_FINGERPRINT`` carries a model part, compare it with this side's
+    resolution of ``hf_config``."""
     global LOADED_MODEL_CONFIG
     from samepath.integrations.audit import audit_vllm_model, enforce
 
-    report = audit_vllm_model(model, hf_config)
+    report = audit_vllm_model(model, hf_config, rules=(rules or vllm_rules)())
     report.side = side
     enforce(report)
     if _expected_fingerprint is not None and not report.problems:
@@ -960,11 +1040,13 @@ def check_loaded_model(model: torch.nn.Module, hf_config: Any, side: str = "vllm
     logger.info("samepath: %s model audited (%s)", side, report.counts())
 
 
-def _patch_model_loader(patcher: _Patcher, side: str = "vllm") -> bool:
+def _patch_model_loader(
+    patcher: _Patcher, side: str = "vllm", rules: Callable[[], ModuleRules] | None = None, engine: str = "vLLM"
+) -> bool:
     """Every vLLM model loader's ``load_model`` (``BaseModelLoader`` and the subclasses that
     override it) refuses the V2 model runner's config before loading
     (:func:`~samepath.integrations._vllm_common.check_v1_model_runner`) and runs
-    :func:`check_loaded_model` on the model it returns, once."""
+    :func:`check_loaded_model` (``side``, ``rules``) on the model it returns, once."""
     loader_module = optional_module("vllm.model_executor.model_loader")
     base_module = optional_module("vllm.model_executor.model_loader.base_loader")
     if loader_module is None or base_module is None:
@@ -972,11 +1054,11 @@ def _patch_model_loader(patcher: _Patcher, side: str = "vllm") -> bool:
 
     def wrap(original):
         def load_model(self, *args, **kwargs):
-            check_v1_model_runner(kwargs.get("vllm_config", args[0] if args else None), "vLLM")
+            check_v1_model_runner(kwargs.get("vllm_config", args[0] if args else None), engine)
             model = original(self, *args, **kwargs)
             model_config = kwargs.get("model_config", args[1] if len(args) > 1 else None)
             if model_config is not None and not getattr(model, "_samepath_audited", False):
-                check_loaded_model(model, model_config.hf_config, side)
+                check_loaded_model(model, model_config.hf_config, side, rules)
                 model._samepath_audited = True
             return model
 

@@ -55,6 +55,19 @@ What :func:`install` replaces:
   :func:`samepath.log_softmax` of the raw logits in fp32 (``raw_logprobs``, temperature 1). The
   trainer's equal is ``samepath.logprobs(logits, tokens)``.
 
+**Load-time audit** — every vLLM model loader's ``load_model`` (patch group ``model_audit``, the
+vLLM plugin's loader hook with ``side="vllm-ascend"``) refuses the V2 model runner's config and
+classifies each module of the built model with :func:`ascend_rules` — vLLM's ``CustomOp`` OOT
+registration builds vllm-ascend's subclasses (``AscendRMSNorm``, ``AscendSiluAndMul``, the
+``Ascend*Linear`` layers with ``AscendUnquantizedLinearMethod``, ``AscendParallelLMHead``,
+``AscendFusedMoE`` / ``AscendMoERunner``, vLLM's ``Attention`` around ``AscendAttentionBackendImpl``),
+so those are the exact classes samepath covers here. A module without a rule (``AscendGemmaRMSNorm``,
+MLA, a linear layer on a vllm-ascend parallel op or with weights samepath did not process, a norm
+with a bias or another epsilon than the config's, an impl samepath did not patch, ...) refuses the
+load by name; ``SAMEPATH_ALLOW_UNCOVERED`` opts out (warned, recorded in the fingerprint). The
+rules were read from vllm-ascend v0.23.0.post1's source and are tested on stand-in subclasses of
+vLLM's real layers; the gate has not run against a real vllm-ascend.
+
 ``VLLM_BATCH_INVARIANT=1`` (vllm-ascend's own batch-invariant mode) is refused: its ``aten::mm`` /
 ``matmul`` / ``sum`` / ``softmax`` registrations and its ``npu_add_rms_norm`` patch would collide
 with samepath's, and whichever registered last would win.
@@ -106,7 +119,7 @@ from samepath.integrations._vllm_common import (
 )
 from samepath.integrations.moe import experts_forward, topk_softmax_routing
 from samepath.kernels.attention import LaunchPlan, paged_attention
-from samepath.kernels.config import assert_same_numerics, fingerprint
+from samepath.kernels.config import assert_same_numerics, fingerprint, record_uncovered
 from samepath.kernels.matmul import linear
 from samepath.kernels.rms_norm import rms_norm
 from samepath.kernels.swiglu import swiglu
@@ -153,6 +166,7 @@ REQUIRED_API: dict[str, tuple[str, ...]] = {
     "vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method": ("UnquantizedFusedMoEMethod",),
     "vllm.model_executor.layers.vocab_parallel_embedding": ("UnquantizedEmbeddingMethod.apply",),
     "vllm.v1.sample.sampler": ("Sampler.compute_logprobs",),
+    "vllm.model_executor.model_loader.base_loader": ("BaseModelLoader.load_model",),
 }
 #: ``AscendMetadata`` fields :func:`paged_inputs` reads.
 METADATA_FIELDS: tuple[str, ...] = (
@@ -507,6 +521,7 @@ def install() -> None:
         stack.callback(release, "vllm_ascend")
         stack.callback(_step_inputs.clear)
         stack.callback(pin_v1_model_runner())
+        stack.callback(record_uncovered, "vllm-ascend", ())
         _stack = stack
         logger.info(
             "samepath installed in vllm-ascend (pid %d): %s; fingerprint %s", os.getpid(), INSTALLED, fingerprint()
@@ -904,6 +919,135 @@ def _patch_sampling_refusals(patcher: _Patcher) -> bool:
     return True
 
 
+# ----------------------------------------------------------------------------------------------
+# Coverage audit at model load
+# ----------------------------------------------------------------------------------------------
+
+#: vLLM linear classes vllm-ascend registers an ``Ascend`` subclass for (``register_ascend_customop``).
+_ASCEND_LINEAR_NAMES = (
+    "ReplicatedLinear",
+    "ColumnParallelLinear",
+    "MergedColumnParallelLinear",
+    "QKVParallelLinear",
+    "RowParallelLinear",
+)
+#: Where vLLM's ``Attention`` layer lives (vLLM 0.23, which vllm-ascend v0.23.0 pairs with; later).
+_ATTENTION_LAYER_MODULES = ("vllm.attention.layer", "vllm.model_executor.layers.attention.attention")
+
+
+def _classes(module_name: str, *names: str) -> tuple[type, ...]:
+    module = optional_module(module_name)
+    return tuple(getattr(module, n) for n in names if isinstance(getattr(module, n, None), type))
+
+
+def _ascend_linear_problems(layer: torch.nn.Module) -> list[str]:
+    problems = []
+    if not getattr(layer, "samepath_linear", False):
+        problems.append("weights not processed by samepath (FRACTAL_NZ cast or fp32 precast: vllm-ascend's GEMM)")
+    custom_op = getattr(layer, "custom_op", None)
+    if custom_op is not None:
+        problems.append(f"vllm-ascend's parallel linear op {type(custom_op).__name__}")
+    return problems
+
+
+def _ascend_attention_problems(impl: Any) -> list[str]:
+    from vllm.v1.attention.backend import AttentionType
+
+    problems = []
+    if (type(impl), "forward_impl") not in _ORIGINALS:
+        problems.append(f"attention backend {type(impl).__name__} is not patched")
+    elif impl.attn_type != AttentionType.DECODER:
+        problems.append("not decoder self-attention")
+    try:
+        _check_attention_supported(impl)
+    except NotImplementedError as exc:
+        problems.append(str(exc))
+    return problems
+
+
+#: The routing attributes vllm-ascend's MoE layers (``AscendFusedMoE``, ``AscendMoERunner``) pass to
+#: ``quant_method.apply``.
+_ROUTING_ATTRIBUTES = (
+    "use_grouped_topk",
+    "scoring_func",
+    "custom_routing_function",
+    "e_score_correction_bias",
+    "routed_scaling_factor",
+    "expert_map",
+    "apply_router_weight_on_input",
+)
+
+
+def _ascend_moe_entry(name: str, module: torch.nn.Module, formulas: dict | None):
+    from samepath.integrations.audit import COVERED, UNCOVERED, _entry
+    from samepath.integrations.vllm import moe_formula_problem
+
+    layers = _classes("vllm_ascend.ops.fused_moe.fused_moe", "AscendFusedMoE")
+    runners = _classes("vllm_ascend.ops.fused_moe.fused_moe", "AscendMoERunner")
+    if type(module) not in layers + runners:
+        return None
+    # vLLM 0.23: the quant method (and samepath's flags) sit on the AscendFusedMoE layer; later
+    # vLLMs: on the runner's routed experts.
+    experts = module.routed_experts if type(module) in runners else module
+    method_classes = _classes("vllm_ascend.ops.fused_moe.fused_moe", "AscendUnquantizedFusedMoEMethod")
+    if type(getattr(experts, "quant_method", None)) not in method_classes:
+        method = type(getattr(experts, "quant_method", None)).__name__
+        return _entry(name, module, "moe", UNCOVERED, f"{method} experts (not samepath's unquantized MoE)")
+    if not getattr(experts, "samepath_experts", False):
+        return _entry(name, module, "moe", UNCOVERED, "experts left on vllm-ascend's grouped matmuls")
+    try:
+        _check_plain_routing(module, {a: getattr(module, a) for a in _ROUTING_ATTRIBUTES if hasattr(module, a)})
+    except NotImplementedError as exc:
+        return _entry(name, module, "moe", UNCOVERED, str(exc))
+    problem = moe_formula_problem(experts, formulas)
+    if problem is not None:
+        return _entry(name, module, "moe", UNCOVERED, problem)
+    return _entry(name, module, "moe", COVERED, "samepath.integrations.moe routing and experts")
+
+
+def ascend_rules():
+    """The :class:`samepath.integrations.vllm.ModuleRules` of the model vllm-ascend builds.
+
+    vLLM's ``CustomOp`` OOT registration makes vLLM's model build vllm-ascend's subclasses, so the
+    exact classes are vllm-ascend's: ``AscendRMSNorm``, ``AscendSiluAndMul``,
+    ``AscendVocabParallelEmbedding`` / ``AscendParallelLMHead`` (vLLM's ``UnquantizedEmbeddingMethod``),
+    ``AscendLogitsProcessor``, the ``Ascend*Linear`` layers with ``AscendUnquantizedLinearMethod``
+    (weights processed by samepath, no vllm-ascend parallel ``custom_op``), vLLM's ``Attention``
+    with an ``AscendAttentionBackendImpl`` / ``AscendFAImpl`` samepath patched, and
+    ``AscendFusedMoE`` (vLLM 0.23) / ``AscendMoERunner`` with ``AscendUnquantizedFusedMoEMethod``.
+    Rotary layers use the shared rule (``RotaryEmbeddingBase.forward`` is samepath's; the Ascend
+    classes' parameters are read by :func:`samepath.integrations.vllm.vllm_rope`). Everything else
+    (``AscendGemmaRMSNorm``, MLA, ``AscendDeepseekScalingRotaryEmbedding``, the 310P classes, vLLM's
+    own classes that vllm-ascend does not replace, ...) has no rule and is uncovered."""
+    from samepath.integrations.vllm import ModuleRules
+
+    embedding = "vllm_ascend.ops.vocab_parallel_embedding"
+    return ModuleRules(
+        platform="vllm-ascend integration",
+        installed=installed,
+        rms_norm=_classes("vllm_ascend.ops.layernorm", "AscendRMSNorm"),
+        silu_mul=_classes("vllm_ascend.ops.activation", "AscendSiluAndMul"),
+        embedding=_classes(embedding, "AscendVocabParallelEmbedding"),
+        lm_head=_classes(embedding, "AscendParallelLMHead"),
+        logits=_classes(embedding, "AscendLogitsProcessor"),
+        attention=tuple(c for m in _ATTENTION_LAYER_MODULES for c in _classes(m, "Attention")),
+        linear_methods=_classes("vllm_ascend.ops.linear", "AscendUnquantizedLinearMethod"),
+        linear_classes=frozenset(f"vllm_ascend.ops.linear.Ascend{n}" for n in _ASCEND_LINEAR_NAMES),
+        linear_problems=_ascend_linear_problems,
+        attention_problems=_ascend_attention_problems,
+        moe=_ascend_moe_entry,
+    )
+
+
+def _patch_model_loader(patcher: _Patcher) -> bool:
+    """vLLM's model loaders (:func:`samepath.integrations.vllm._patch_model_loader`): refuse the V2
+    model runner's config, then audit the loaded model with :func:`ascend_rules` and refuse its
+    uncovered modules by name (``SAMEPATH_ALLOW_UNCOVERED`` opts out, recorded in the fingerprint)."""
+    from samepath.integrations.vllm import _patch_model_loader as patch_loaders
+
+    return patch_loaders(patcher, side="vllm-ascend", rules=ascend_rules, engine="vllm-ascend")
+
+
 _PATCH_GROUPS = [
     ("attention", _patch_attention),
     ("rms_norm", _patch_rms_norm),
@@ -913,6 +1057,7 @@ _PATCH_GROUPS = [
     ("moe", _patch_moe),
     ("sampler_logprobs", _patch_sampler),
     ("sampling_refusals", _patch_sampling_refusals),
+    ("model_audit", _patch_model_loader),
 ]
 
 __all__ = [
@@ -923,6 +1068,7 @@ __all__ = [
     "SUPPORTED_VERSIONS",
     "PagedInputs",
     "UnsupportedVllmAscendError",
+    "ascend_rules",
     "check_compatibility",
     "install",
     "installed",
