@@ -101,7 +101,10 @@ def test_zero_kv_start_has_the_bits_of_no_kv_start() -> None:
 def test_bad_kv_start_is_refused() -> None:
     batch = make_batch([20, 15], 2, 1, 64, torch.float32, seed=5)
     q = batch.query[[19, 34]]
-    k, v = batch.key[8:], batch.value[8:]  # sequence 0 keeps 12 keys (8..19), sequence 1 all 15
+    # Sequence 0 keeps 12 keys (8..19), sequence 1 all 15; NaN guard rows on either side.
+    guarded = torch.full((2, 31, 1, 64), float("nan"))
+    guarded[0, 2:-2], guarded[1, 2:-2] = batch.key[8:], batch.value[8:]
+    k, v = guarded[0, 2:-2], guarded[1, 2:-2]
     cu_q, cu_kv = lengths_to_cu([1, 1]), lengths_to_cu([12, 15])
 
     def call(kv_start, **kw):
@@ -124,7 +127,7 @@ def test_bad_kv_start_is_refused() -> None:
     with pytest.raises(ValueError, match=r"kv_start\[0\] = 8: .*sliding_window \(now None\)"):
         call(torch.tensor([8, 0]), sliding_window=None)
     expected = call(torch.tensor([8, 0]))
-    # Unchecked values stay memory-safe: the output is finite, nothing outside is touched.
+    # Unchecked values stay memory-safe: no guard row is read (the output is finite).
     for garbage in ([-1000, 5], [2**30, 3], [-(2**31), 2**31 - 1]):
         out = call(torch.tensor(garbage, dtype=torch.int32), validate=False)
         assert torch.isfinite(out).all()
