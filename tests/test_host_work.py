@@ -147,6 +147,44 @@ def test_hf_decode_step_host_work(patched, counter) -> None:
     assert large.reads == small.reads <= 2, (small.ops, large.ops)
 
 
+def test_hf_windowed_decode_step_host_work(patched, counter) -> None:
+    """A decode step past the window of Hugging Face's sliding-window cache (qwen3, window 8: the
+    first layer full, the others windowed): locating the cached keys (kv_start) costs one host
+    read per forward for all the windowed layers, not one per layer, and nothing grows with the
+    context."""
+
+    def decode(layers: int, context: int) -> OpCounter:
+        config = transformers.Qwen3Config(
+            num_hidden_layers=layers, use_sliding_window=True, sliding_window=8, max_window_layers=1, **TINY
+        )
+        torch.manual_seed(layers)
+        model = transformers.Qwen3ForCausalLM(config).eval()
+        inputs = left_padded(context, seed=6)
+        with torch.no_grad():
+            prefill = model(**inputs, use_cache=True)
+            step = dict(
+                input_ids=prefill.logits[:, -1].argmax(-1, keepdim=True),
+                attention_mask=torch.cat([inputs["attention_mask"], torch.ones(2, 1, dtype=torch.long)], 1),
+                position_ids=inputs["position_ids"][:, -1:] + 1,
+            )
+            warm = transformers.DynamicCache(config=model.config)
+            model(**inputs, cache=warm, use_cache=True)
+            model(**step, cache=warm, use_cache=True)
+            fresh = dict(step, position_ids=step["position_ids"].clone())  # no layout memoised from the warm-up
+            with counter() as c:
+                model(**fresh, cache=prefill.cache, use_cache=True)
+        return c
+
+    # Reads: transformers' own check of each mask type (full, sliding), the full layer's layout and
+    # the windowed layers' layout with kv_start: one each per forward, whatever the depth or context.
+    # Both contexts give the full layer more than one KV segment (split decode, as in the test above).
+    seg = attention_config(TINY["head_dim"], torch.float32, "cpu").seg
+    assert 2 * 41 > seg and 2 * 73 < 3 * seg
+    small, deeper, longer = decode(2, 40), decode(4, 40), decode(2, 72)
+    assert small.reads == deeper.reads == longer.reads <= 4, (small.ops, deeper.ops, longer.ops)
+    assert abs(longer.total - small.total) <= 4, (small.ops, longer.ops)
+
+
 def test_launch_plan_gives_the_same_bits_and_checks_its_tensors() -> None:
     """A :class:`LaunchPlan` shared by several calls changes nothing but where the program maps come
     from: forward and backward bits equal the plan-less calls'. Negative control: the same

@@ -350,17 +350,31 @@ def test_model_family_generate_equals_trainer(arch, dtype) -> None:
 
 
 def windowed_model(arch: str, window: int, dtype: torch.dtype = torch.bfloat16) -> torch.nn.Module:
-    """Two layers, the second windowed: qwen2 with use_sliding_window (layers from
-    max_window_layers on), or mistral (every layer windowed)."""
+    """Two layers with Hugging Face's sliding-window layers: qwen2 / qwen3 with use_sliding_window
+    (the layers from max_window_layers = 1 on: one full, one windowed), mistral, phi3 and mixtral
+    with sliding_window (every layer windowed)."""
     common = {key: value for key, value in DEFAULT_MODEL_CONFIG.items() if key != "head_dim"}
-    if arch == "qwen2":
-        config = transformers.Qwen2Config(
-            head_dim=32, use_sliding_window=True, sliding_window=window, max_window_layers=1, **common
-        )
-        cls = transformers.Qwen2ForCausalLM
-    else:
+    if arch in ("qwen2", "qwen3"):
+        config_cls = transformers.Qwen2Config if arch == "qwen2" else transformers.Qwen3Config
+        config = config_cls(head_dim=32, use_sliding_window=True, sliding_window=window, max_window_layers=1, **common)
+        assert config.layer_types == ["full_attention", "sliding_attention"]
+    elif arch == "mistral":
         config = transformers.MistralConfig(head_dim=32, sliding_window=window, **common)
-        cls = transformers.MistralForCausalLM
+    elif arch == "phi3":
+        config = transformers.Phi3Config(sliding_window=window, **common)
+    elif arch == "mixtral":
+        config = transformers.MixtralConfig(
+            head_dim=32, sliding_window=window, num_local_experts=4, num_experts_per_tok=2, **common
+        )
+    else:
+        raise AssertionError(arch)
+    cls = {
+        "qwen2": transformers.Qwen2ForCausalLM,
+        "qwen3": transformers.Qwen3ForCausalLM,
+        "mistral": transformers.MistralForCausalLM,
+        "phi3": transformers.Phi3ForCausalLM,
+        "mixtral": transformers.MixtralForCausalLM,
+    }[arch]
     torch.manual_seed(1)
     model = cls(config).to(dtype).eval()
     with torch.no_grad():
@@ -369,24 +383,90 @@ def windowed_model(arch: str, window: int, dtype: torch.dtype = torch.bfloat16) 
     return model
 
 
-@pytest.mark.parametrize("arch", ["qwen2", pytest.param("mistral", marks=pytest.mark.slow)])
-def test_sliding_window_layers_generate_with_a_cache(arch) -> None:
-    """A windowed layer with Hugging Face's sliding-window cache: while every row fits the window
-    (the cache may drop left padding, never a real token) generate's sampled log-probs equal the
-    trainer's bit for bit; once a row outgrows it the cache has dropped its first positions and
-    samepath refuses, saying why, instead of attending from the wrong place."""
-    from samepath.integrations.hf import SlidingWindowCacheError
+WINDOW_CASES = [
+    ("qwen2", torch.float32),
+    pytest.param("qwen2", torch.bfloat16, marks=pytest.mark.slow),
+    pytest.param("qwen3", torch.bfloat16, marks=pytest.mark.slow),
+    pytest.param("mistral", torch.bfloat16, marks=pytest.mark.slow),
+    pytest.param("mistral", torch.float32, marks=pytest.mark.slow),
+    pytest.param("phi3", torch.bfloat16, marks=pytest.mark.slow),
+    pytest.param("phi3", torch.float32, marks=pytest.mark.slow),
+    pytest.param("mixtral", torch.bfloat16, marks=pytest.mark.slow),
+]
 
-    prompts = random_prompts([9, 3, 6], seed=31)
-    model = windowed_model(arch, window=16)
+
+@pytest.mark.parametrize("arch,dtype", WINDOW_CASES, ids=str)
+def test_sliding_window_generate_past_the_window(arch, dtype, monkeypatch) -> None:
+    """generate with Hugging Face's sliding-window cache (window 8) far past the window: left-padded
+    prompts of 30, 6 and 26 tokens and 10 sampled new ones, so the cache drops the rows' first
+    tokens, rows outgrow the window at different steps (one only during the decode), and the
+    windows of the long rows cross the KV tile at position 32 (the CPU table's tile_n). The step
+    log-probs equal the trainer's full forward (right-padded, and packed with position_ids) bit for
+    bit. Negative control (fp32 qwen2): the same rollout with the kernel told nothing about where
+    the cached keys start (tiles anchored at the cache's first key) reports a mismatch."""
+    from samepath.integrations import hf
+    from samepath.kernels.config import attention_config
+
+    assert attention_config(32, dtype, "cpu").tile_n == 32
+    prompts = random_prompts([30, 6, 26], seed=31)
+    model = windowed_model(arch, window=8, dtype=dtype)
     with integrations.patched(model):
-        generated, rollout_lp = rollout(model, prompts, 6, temperature=0.9)  # 15 tokens at most
+        generated, rollout_lp = rollout(model, prompts, 10, temperature=0.9)
         assert torch.equal(trainer_padded(model, prompts, generated, 0.9), rollout_lp)
         assert torch.equal(trainer_packed(model, prompts, generated, 0.9), rollout_lp)
-        narrow = windowed_model(arch, window=8)
-        narrow.set_attn_implementation("samepath")
-        with pytest.raises(SlidingWindowCacheError, match=r"sliding_window=8\) with a KV cache only while"):
-            rollout(narrow, prompts, 6, temperature=0.9)
+        if (arch, dtype) != ("qwen2", torch.float32):
+            return
+
+        def without_kv_start(*args, kv_start=None, **kwargs):
+            return packed_attention(*args, **kwargs)
+
+        packed_attention = hf.packed_attention
+        monkeypatch.setattr(hf, "packed_attention", without_kv_start)
+        generated, anchored_lp = rollout(model, prompts, 10, temperature=0.9)
+        assert not torch.equal(trainer_padded(model, prompts, generated, 0.9), anchored_lp)
+
+
+def test_window_layout_locates_the_cached_keys() -> None:
+    """batch_layout of a windowed decode step (q_len 1) over Hugging Face's sliding-window cache:
+    each row's kv_start is its position minus the keys before it; a row that has lost nothing
+    gets 0, and no row having lost anything gives kv_start None (the launches of a full cache).
+    What it cannot attend over exactly is refused: no position_ids, position_ids contradicting the
+    mask, a cache holding fewer keys than the window sees."""
+    from samepath.integrations.hf import SlidingWindowCacheError, batch_layout
+
+    window, kv_len = 8, 8  # the cache's 7 tokens + the new one
+    mask = torch.ones(3, kv_len, dtype=torch.bool)
+    mask[2, :3] = False  # row 2: 5 real keys after 3 padding slots (it has lost nothing)
+    positions = torch.tensor([[20], [7], [4]])  # rows 0, 1 hold positions 13..20 and 0..7
+    layout = batch_layout(mask, positions, 3, 1, kv_len, torch.device("cpu"), sliding_window=window)
+    assert layout.kv_start.tolist() == [0, 13, 0, 0, 0, 0, 0, 0, 0]
+    assert layout.kv_start.dtype == torch.int32 and layout.cu_kv.tolist()[:4] == [0, 0, 8, 8]
+    within = batch_layout(mask, torch.tensor([[7], [7], [4]]), 3, 1, kv_len, torch.device("cpu"), window)
+    assert within.kv_start is None and torch.equal(within.cu_kv, layout.cu_kv)
+    unpadded = [batch_layout(None, torch.tensor([[p]]), 1, 1, kv_len, torch.device("cpu"), window) for p in (7, 9)]
+    assert unpadded[0].kv_start is None and unpadded[1].kv_start.tolist() == [0, 2, 0]
+    with pytest.raises(SlidingWindowCacheError, match="without position_ids"):
+        batch_layout(mask, None, 3, 1, kv_len, torch.device("cpu"), sliding_window=window)
+    with pytest.raises(ValueError, match=r"row 2's position_ids .* contradict its attention_mask"):
+        batch_layout(mask, torch.tensor([[20], [7], [9]]), 3, 1, kv_len, torch.device("cpu"), window)
+    with pytest.raises(ValueError, match=r"row 1's position_ids .* contradict"):
+        batch_layout(mask, torch.tensor([[20], [3], [4]]), 3, 1, kv_len, torch.device("cpu"), window)
+    with pytest.raises(SlidingWindowCacheError, match=r"row 0's KV cache starts at position 13 .* sliding_window=9"):
+        batch_layout(mask, positions, 3, 1, kv_len, torch.device("cpu"), sliding_window=9)
+
+
+def test_window_cache_on_the_ascendc_backend_is_refused(monkeypatch) -> None:
+    """The Ascend C attention backend takes no kv_start: a windowed call whose cache has dropped a
+    row's first tokens raises SlidingWindowCacheError naming the backend (before any kernel)."""
+    from samepath.integrations.hf import SlidingWindowCacheError, attention_forward
+
+    monkeypatch.setenv("SAMEPATH_ATTENTION_BACKEND", "ascendc")
+    gen = torch.Generator().manual_seed(0)
+    query = torch.randn(1, 2, 1, 32, generator=gen)
+    key, value = torch.randn(2, 1, 1, 8, 32, generator=gen)
+    module = torch.nn.Module()
+    with pytest.raises(SlidingWindowCacheError, match="SAMEPATH_ATTENTION_BACKEND=ascendc"):
+        attention_forward(module, query, key, value, None, sliding_window=8, position_ids=torch.tensor([[12]]))
 
 
 def test_mixtral_routing_keeps_fp32_weights() -> None:

@@ -39,6 +39,7 @@ from typing import Any
 
 import torch
 
+from samepath.ascendc_fallback.loader import attention_backend
 from samepath.integrations.formulas import UnsupportedModelError, rope_formula
 from samepath.integrations.moe import experts_forward
 from samepath.kernels.attention import LaunchPlan, packed_attention, varlen_attention
@@ -119,13 +120,24 @@ class BatchLayout:
     ``cu_q`` / ``cu_kv``: int32 cumulative lengths over ``batch * q_len`` query rows and
     ``batch * kv_len`` key rows (``cu_kv`` is ``None`` when ``q_len == kv_len``: self-attention
     over the same sequences); ``plan``: their :class:`~samepath.kernels.attention.LaunchPlan`;
-    ``query_valid``: ``[batch * q_len]`` bool, the rows that are real tokens (``None``: all).
+    ``query_valid``: ``[batch * q_len]`` bool, the rows that are real tokens (``None``: all);
+    ``kv_start``: int32 per sequence, the position of its first key where a sliding-window cache
+    has dropped a row's first tokens (``None``: every sequence's keys start at its position 0).
     """
 
     cu_q: torch.Tensor
     cu_kv: torch.Tensor | None
     plan: LaunchPlan
     query_valid: torch.Tensor | None
+    kv_start: torch.Tensor | None = None
+
+
+class SlidingWindowCacheError(ValueError):
+    """A sliding-window layer's KV cache cannot be attended over exactly: a cached call without
+    ``position_ids`` (they locate the cached keys), a cache that has dropped keys the window still
+    sees, or ``SAMEPATH_ATTENTION_BACKEND=ascendc`` (whose kernel takes no ``kv_start``) once a row
+    has outgrown the window. Hugging Face's own sliding-window cache, which keeps the last
+    ``sliding_window - 1`` tokens, is attended over exactly (``kv_start``) by the Triton backend."""
 
 
 def _holes_error(rows: torch.Tensor) -> ValueError:
@@ -153,22 +165,34 @@ def batch_layout(
     q_len: int,
     kv_len: int,
     device: torch.device,
+    sliding_window: int | None = None,
 ) -> BatchLayout:
     """Compute a :class:`BatchLayout` on the device, vectorised.
 
     Row ``b``'s real tokens are the one contiguous run ``attention_mask[b]`` marks (all of them
     without a mask); a row with holes raises ``ValueError``. Without a cache (``q_len ==
     kv_len``) the run is split further wherever ``position_ids`` does not continue by +1
-    (packed sequences). The queries are the last ``q_len`` KV slots. Reads at most one small
-    tensor on the host: the number of sequences when ``position_ids`` may split a row, and the
-    holes check when there is a mask; nothing when there is neither.
+    (packed sequences). The queries are the last ``q_len`` KV slots.
+
+    With a cache and a ``sliding_window``, the cache may have dropped a row's first tokens
+    (Hugging Face's sliding-window cache keeps the last ``sliding_window - 1``): the position of
+    the run's first key is its last key's position (``position_ids``, counted from the row's first
+    real token, as ``generate`` makes them) minus the keys before it, and goes to ``kv_start``. A
+    row whose ``position_ids`` contradict its mask raises ``ValueError``; one whose cache lacks
+    keys the window sees raises :class:`SlidingWindowCacheError`.
+
+    Reads at most one small tensor on the host: the number of sequences when ``position_ids``
+    may split a row; the holes check when there is a mask, together with the ``kv_start`` checks
+    for a windowed layer with a cache (which reads once even without a mask); nothing otherwise.
     """
     real = None if attention_mask is None else attention_mask[:, -kv_len:].to(device=device, dtype=torch.bool)
     if q_len == kv_len:
         return _self_attention_layout(real, position_ids, batch, kv_len, device)
     first_query_slot = kv_len - q_len
     rows = torch.arange(batch, device=device, dtype=torch.int64)
+    holes = None
     if real is None:
+        present = torch.ones(batch, device=device, dtype=torch.bool)
         first = torch.zeros(batch, device=device, dtype=torch.int64)
         end = torch.full((batch,), kv_len, device=device, dtype=torch.int64)
         query_valid = None
@@ -178,9 +202,12 @@ def batch_layout(
         first = torch.where(present, as_int.argmax(1), kv_len)
         end = torch.where(present, kv_len - as_int.flip(1).argmax(1), kv_len)
         holes = present & (real.sum(1) != end - first)
-        if holes.any():  # the one host read
-            raise _holes_error(holes)
         query_valid = real[:, first_query_slot:].flatten()
+    kv_start = None
+    if sliding_window is not None:
+        kv_start = _window_kv_start(position_ids, present, first, end, holes, batch, q_len, kv_len, sliding_window)
+    elif holes is not None and holes.any():  # the one host read
+        raise _holes_error(holes)
     query_real_start = (first - first_query_slot).clamp(min=0)
     query_real_end = (end - first_query_slot).clamp(min=0)
     # Per row: padding before the run, the run, padding after it (any of them may be empty).
@@ -188,7 +215,63 @@ def batch_layout(
     cu_kv = torch.stack([rows * kv_len, rows * kv_len + first, rows * kv_len + end], 1)
     cu_q = torch.cat([cu_q.flatten(), rows.new_full((1,), batch * q_len)]).to(torch.int32)
     cu_kv = torch.cat([cu_kv.flatten(), rows.new_full((1,), batch * kv_len)]).to(torch.int32)
-    return BatchLayout(cu_q, cu_kv, LaunchPlan(cu_q, batch * q_len, cu_kv), query_valid)
+    return BatchLayout(cu_q, cu_kv, LaunchPlan(cu_q, batch * q_len, cu_kv), query_valid, kv_start)
+
+
+def _window_kv_start(
+    position_ids: torch.Tensor | None,
+    present: torch.Tensor,
+    first: torch.Tensor,
+    end: torch.Tensor,
+    holes: torch.Tensor | None,
+    batch: int,
+    q_len: int,
+    kv_len: int,
+    sliding_window: int,
+) -> torch.Tensor | None:
+    """The ``kv_start`` of a windowed layer's cached call (``[3 * batch]`` int32, one per sequence
+    of :func:`batch_layout`; ``None`` when no row has lost a token), with the layout's checks in one
+    host read. Row ``b``'s real keys are slots ``first[b] .. end[b] - 1``."""
+    if position_ids is None:
+        raise SlidingWindowCacheError(
+            f"a sliding-window layer (sliding_window={sliding_window}) was called with a KV cache but without "
+            "position_ids: samepath needs them to know at which position the cached keys start (Hugging Face's "
+            "sliding-window cache drops a row's first tokens). Pass position_ids as generate does"
+        )
+    first_query_slot = kv_len - q_len
+    positions = position_ids.to(device=first.device, dtype=torch.int64).expand(batch, q_len)
+    last_key = end - 1
+    # Rows whose last real key is a query: its position says where the run starts.
+    located = present & (last_key >= first_query_slot)
+    last_position = positions.gather(1, (last_key - first_query_slot).clamp(0, q_len - 1)[:, None])[:, 0]
+    start = torch.where(located, last_position - (last_key - first), 0)
+    first_query = torch.maximum(first, torch.full_like(first, first_query_slot))
+    # The cache keeps a row's last tokens: a row that still shows left padding has lost none.
+    contradicts = (start < 0) | ((start > 0) & (first > 0))
+    missing = (start > 0) & (first_query - first < sliding_window - 1)
+    flags = (contradicts.any() * 2 + missing.any()) * 4 + (0 if holes is None else holes.any() * 2) + (start > 0).any()
+    flags = int(flags)  # the one host read
+    if flags & 2:
+        raise _holes_error(holes)
+    if flags & 8:
+        row = int(contradicts.nonzero()[0, 0])
+        raise ValueError(
+            f"row {row}'s position_ids ({int(last_position[row])} at its last real key) contradict its attention_mask "
+            f"({int(end[row] - first[row])} real keys, {int(first[row])} padding slots before them): a sliding-window "
+            "layer with a cache locates its keys from position_ids counted from the row's first real token, as "
+            "generate makes them"
+        )
+    if flags & 4:
+        row = int(missing.nonzero()[0, 0])
+        raise SlidingWindowCacheError(
+            f"row {row}'s KV cache starts at position {int(start[row])} and holds {int(first_query[row] - first[row])} "
+            f"keys before its first query, fewer than the sliding_window={sliding_window} - 1 that query sees: the "
+            "cache has dropped keys the window needs (a cache whose window is smaller than the layer's?)"
+        )
+    if not flags & 1:
+        return None
+    zeros = torch.zeros_like(start)
+    return torch.stack([zeros, start, zeros], 1).flatten().to(torch.int32)
 
 
 def _self_attention_layout(
@@ -255,63 +338,26 @@ def cached_batch_layout(
     q_len: int,
     kv_len: int,
     device: torch.device,
+    sliding_window: int | None = None,
 ) -> BatchLayout:
     """:func:`batch_layout`, reused while the same (unmodified) mask and position_ids tensors come back."""
-    if q_len != kv_len:
-        position_ids = None  # not read with a cache
-    key = (id(attention_mask), id(position_ids), batch, q_len, kv_len, device)
+    if q_len == kv_len:
+        sliding_window = None  # the layout of self-attention does not depend on it
+    elif sliding_window is None:
+        position_ids = None  # not read with a cache, except to locate a windowed layer's keys
+    key = (id(attention_mask), id(position_ids), batch, q_len, kv_len, device, sliding_window)
     entry = _LAYOUT_CACHE.get(key)
     if entry is not None:
         (mask_source, positions_source), layout = entry
         if _same_source(mask_source, attention_mask) and _same_source(positions_source, position_ids):
             _LAYOUT_CACHE.move_to_end(key)
             return layout
-    layout = batch_layout(attention_mask, position_ids, batch, q_len, kv_len, device)
+    layout = batch_layout(attention_mask, position_ids, batch, q_len, kv_len, device, sliding_window)
     if not torch.compiler.is_compiling():
         _LAYOUT_CACHE[key] = ((_source(attention_mask), _source(position_ids)), layout)
         while len(_LAYOUT_CACHE) > _LAYOUT_CACHE_SIZE:
             _LAYOUT_CACHE.popitem(last=False)
     return layout
-
-
-class SlidingWindowCacheError(ValueError):
-    """A sliding-window layer's KV cache has dropped real tokens of a row: samepath's kernel anchors
-    KV tiles at each sequence's position 0, so it needs every real token's keys."""
-
-
-#: Per (mask, position_ids) of a forward: whether every row's real tokens are all in its keys.
-_WINDOW_CACHE: collections.OrderedDict[tuple, tuple[tuple, bool]] = collections.OrderedDict()
-
-
-def _window_keys_complete(
-    attention_mask: torch.Tensor | None, position_ids: torch.Tensor | None, batch: int, q_len: int, kv_len: int
-) -> bool:
-    """Whether a windowed layer's cached keys still hold every real token of every row: the row's
-    real keys (its mask, or all ``kv_len`` without one) number ``position_ids[:, -1] + 1`` (the
-    rollout counts positions from the first real token). Hugging Face's sliding-window cache keeps
-    only the last ``sliding_window - 1`` tokens, so this holds while a row has not outgrown the
-    window (its left padding may have been dropped). One host read per forward (memoised on the
-    mask and position_ids tensors every layer of the forward shares)."""
-    if position_ids is None:
-        return False
-    key = (id(attention_mask), id(position_ids), batch, q_len, kv_len)
-    entry = _WINDOW_CACHE.get(key)
-    if entry is not None:
-        (mask_source, positions_source), complete = entry
-        if _same_source(mask_source, attention_mask) and _same_source(positions_source, position_ids):
-            return complete
-    device = position_ids.device
-    if attention_mask is None:
-        present = torch.full((batch,), kv_len, device=device, dtype=torch.int64)
-    else:
-        present = attention_mask[:, -kv_len:].to(device=device, dtype=torch.int64).sum(1)
-    needed = position_ids.expand(batch, -1)[:, -1].to(torch.int64) + 1
-    complete = bool((present == needed).all())
-    if not torch.compiler.is_compiling():
-        _WINDOW_CACHE[key] = ((_source(attention_mask), _source(position_ids)), complete)
-        while len(_WINDOW_CACHE) > _LAYOUT_CACHE_SIZE:
-            _WINDOW_CACHE.popitem(last=False)
-    return complete
 
 
 #: Keyword arguments transformers passes along to an attention function that do not change what
@@ -379,9 +425,12 @@ def attention_forward(
     (:func:`cached_batch_layout`); a layer's call reads nothing from the device on the host (unless
     transformers passes ``cu_seq_lens_*``, which are compared with the layout's).
 
-    A sliding-window layer with a KV cache runs while the cache still holds every real token of
-    each row (:func:`_window_keys_complete`: a sequence no longer than the window, however much
-    left padding the cache dropped); past that it raises :class:`SlidingWindowCacheError`.
+    A sliding-window layer with Hugging Face's sliding-window cache, which drops a row's first
+    tokens once it outgrows the window, passes each sequence's first key position to the kernel
+    (``kv_start``, located from ``position_ids`` once per forward by :func:`batch_layout`): the
+    row's KV tiles stay anchored at its position 0, so its bits are those of the full-cache
+    computation, the trainer's forward and the rollout's paged kernel. What cannot be attended
+    over exactly raises :class:`SlidingWindowCacheError`.
 
     Raises :class:`UnsupportedAttentionError` for dropout > 0, a ``softcap``, sinks (``s_aux``),
     ``output_attentions=True``, ``cu_seq_lens_*`` other than the sequences it cuts out itself, or
@@ -395,21 +444,17 @@ def attention_forward(
     batch, num_heads, q_len, head_size = query.shape
     kv_len, num_kv_heads = key.shape[2], key.shape[1]
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
-    if (
-        sliding_window is not None
-        and q_len != kv_len
-        and not _window_keys_complete(attention_mask, kwargs.get("position_ids"), batch, q_len, kv_len)
-    ):
-        raise SlidingWindowCacheError(
-            f"samepath's Hugging Face attention ({type(module).__name__}) runs a sliding-window layer "
-            f"(sliding_window={sliding_window}) with a KV cache only while every row's tokens are all in the "
-            "cache: Hugging Face's sliding-window cache has dropped the first positions of a row longer than the "
-            "window (or no position_ids were passed to check it), and samepath's kernel needs them to anchor the "
-            "row's KV tiles at its position 0. Keep prompt + new tokens within sliding_window, or roll out with "
-            "vLLM + samepath's plugin (paged cache, every position kept)"
-        )
     scale = scaling if scaling is not None else head_size**-0.5
-    layout = cached_batch_layout(attention_mask, kwargs.get("position_ids"), batch, q_len, kv_len, query.device)
+    layout = cached_batch_layout(
+        attention_mask, kwargs.get("position_ids"), batch, q_len, kv_len, query.device, sliding_window
+    )
+    if layout.kv_start is not None and attention_backend() == "ascendc":
+        raise SlidingWindowCacheError(
+            f"samepath's Hugging Face attention ({type(module).__name__}, sliding_window={sliding_window}): "
+            "Hugging Face's sliding-window cache has dropped a row's first tokens, and the Ascend C attention "
+            "backend (SAMEPATH_ATTENTION_BACKEND=ascendc) has no kv_start to attend over such a cache; use the "
+            "triton backend, or roll out with vLLM + samepath's plugin (paged cache, every position kept)"
+        )
     unpadded_packed = batch == 1 and layout.cu_kv is None and layout.query_valid is None
     _check_attention_kwargs(module, dropout, kwargs, layout.cu_q, unpadded_packed)
     q = query.transpose(1, 2).reshape(batch * q_len, num_heads, head_size)
@@ -431,6 +476,7 @@ def attention_forward(
             sliding_window=sliding_window,
             validate=False,
             plan=layout.plan,
+            kv_start=layout.kv_start,
         )
     if layout.query_valid is not None:
         out = torch.where(layout.query_valid[:, None, None], out, 0.0)

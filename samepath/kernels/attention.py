@@ -68,7 +68,7 @@ def _kv_tile_offsets(
     offs_n,
     kv_len,
     seq,
-    kv_start,
+    kv_row_start,
     block_table,
     stride_table_seq,
     stride_k_page,
@@ -79,11 +79,11 @@ def _kv_tile_offsets(
     PAGE_SIZE: tl.constexpr,
     PAGED: tl.constexpr,
 ):
-    """Element offsets of KV positions ``offs_n`` in K and in V, and which of them lie inside the
-    caches (``kv_rows``: the pages of a paged cache, the rows of contiguous K/V). Paged: the tile's
-    page ids are gathered from the block table once and serve both caches; contiguous: packed rows.
-    ``kv_len`` never exceeds the block table's columns (the launcher's cap), so the gather stays
-    inside the table."""
+    """Element offsets of the sequence's keys ``offs_n`` (indices into its ``kv_len`` keys) in K and
+    in V, and which of them lie inside the caches (``kv_rows``: the pages of a paged cache, the rows
+    of contiguous K/V). Paged: the tile's page ids are gathered from the block table once and serve
+    both caches; contiguous: packed rows from ``kv_row_start``. ``kv_len`` never exceeds the block
+    table's columns (the launcher's cap), so the gather stays inside the table."""
     if PAGED:
         page = tl.load(block_table + seq * stride_table_seq + offs_n // PAGE_SIZE, mask=offs_n < kv_len, other=0)
         page = page.to(tl.int64)
@@ -91,7 +91,7 @@ def _kv_tile_offsets(
         inside = (page >= 0) & (page < kv_rows)
         return page * stride_k_page + slot * stride_k_pos, page * stride_v_page + slot * stride_v_pos, inside
     else:
-        rows = (kv_start + offs_n).to(tl.int64)
+        rows = (kv_row_start + offs_n).to(tl.int64)
         inside = (rows >= 0) & (rows < kv_rows)
         return rows * stride_k_pos, rows * stride_v_pos, inside
 
@@ -107,7 +107,8 @@ def _segment_state(
     kv_head,
     kv_len,
     seq,
-    kv_start,
+    kv_row_start,
+    kv_pos0,
     block_table,
     kv_rows,
     qk_scale,
@@ -127,12 +128,15 @@ def _segment_state(
     PAGED: tl.constexpr,
     CAUSAL: tl.constexpr,
     HAS_WINDOW: tl.constexpr,
+    KV_OFFSET: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
     """The online-softmax state ``(m, l, acc)`` of one KV segment, from a fresh ``(-inf, 0, 0)``:
     the tiles starting at ``tile_begin, tile_begin + TILE_N, ... < tile_end``, in ascending order.
-    A key whose address falls outside the caches (only with unchecked metadata) is neither read
-    nor visible."""
+    Tiles and ``kv_len`` are in absolute positions; with ``KV_OFFSET`` the sequence's key ``j``
+    sits at position ``kv_pos0 + j`` and the positions before ``kv_pos0`` (a tile may hold some)
+    have no key: like a key whose address falls outside the caches (only with unchecked
+    metadata), they are neither read nor visible."""
     offs_d = tl.arange(0, BLOCK_D)
     d_valid = offs_d < HEAD_SIZE
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
@@ -140,11 +144,16 @@ def _segment_state(
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     for tile_start in range(tile_begin, tile_end, TILE_N):
         offs_n = tile_start + tl.arange(0, TILE_N)
+        key_index = offs_n
+        num_keys = kv_len
+        if KV_OFFSET:
+            key_index = offs_n - kv_pos0
+            num_keys = kv_len - kv_pos0
         k_rows, v_rows, inside = _kv_tile_offsets(
-            offs_n,
-            kv_len,
+            key_index,
+            num_keys,
             seq,
-            kv_start,
+            kv_row_start,
             block_table,
             stride_table_seq,
             stride_k_page,
@@ -155,7 +164,9 @@ def _segment_state(
             PAGE_SIZE,
             PAGED,
         )
-        kv_valid = (offs_n < kv_len) & inside
+        if KV_OFFSET:
+            inside = inside & (key_index >= 0)
+        kv_valid = (key_index < num_keys) & inside
         k = tl.load(
             K + k_rows[None, :] + kv_head * stride_k_head + offs_d[:, None],
             mask=kv_valid[None, :] & d_valid[:, None],
@@ -245,6 +256,7 @@ def _attention_fwd_kernel(
     query_start_loc,
     kv_start_loc,
     seq_lens,
+    kv_first_pos,
     block_table,
     program_seq,
     program_block,
@@ -283,6 +295,7 @@ def _attention_fwd_kernel(
     PAGED: tl.constexpr,
     CAUSAL: tl.constexpr,
     HAS_WINDOW: tl.constexpr,
+    KV_OFFSET: tl.constexpr,
     STORE_LSE: tl.constexpr,
     SPLIT: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
@@ -293,9 +306,13 @@ def _attention_fwd_kernel(
     head ``r % HEAD_CHUNK`` of the chunk), so each K/V tile is read once for the whole group.
 
     KV positions are cut into segments of ``SEG`` positions anchored at position 0; each segment's
-    softmax state starts fresh. ``SPLIT``: the item is one segment, whose state is written to
-    ``PartM/PartL/PartAcc`` for :func:`_attention_merge_kernel`; otherwise the item folds its
-    segments into the running state serially, with the same merge.
+    softmax state starts fresh. ``KV_OFFSET``: sequence ``s``'s ``seq_lens[s]`` keys sit at the
+    absolute positions ``kv_first_pos[s] + j`` (a windowed cache that dropped the first positions);
+    its queries are its last positions, tiles and segments stay anchored at position 0, and a
+    ``SPLIT`` item's segment index counts from the segment holding ``kv_first_pos[s]``.
+    ``SPLIT``: the item is one segment, whose state is written to ``PartM/PartL/PartAcc`` for
+    :func:`_attention_merge_kernel`; otherwise the item folds its segments into the running state
+    serially, with the same merge.
 
     Memory safety whatever the metadata (``validate=False`` trusts it for the results only): the
     work count is capped by the program map's length (``num_programs_mapped``), the sequence index
@@ -322,7 +339,11 @@ def _attention_fwd_kernel(
         q_start = tl.load(query_start_loc + seq)
         q_len = tl.load(query_start_loc + seq + 1) - q_start
         kv_len = tl.minimum(tl.load(seq_lens + seq), max_kv_len)
-        kv_start = tl.load(kv_start_loc + seq)
+        kv_row_start = tl.load(kv_start_loc + seq)
+        kv_pos0 = 0
+        if KV_OFFSET:
+            kv_pos0 = tl.load(kv_first_pos + seq)
+            kv_len = kv_pos0 + kv_len
         context = kv_len - q_len
 
         offs_r = tl.arange(0, BLOCK_M)
@@ -348,17 +369,21 @@ def _attention_fwd_kernel(
         kv_begin = 0
         if HAS_WINDOW:
             kv_begin = tl.maximum(0, context + block * BLOCK_Q - sliding_window + 1)
+        if KV_OFFSET:
+            kv_begin = tl.maximum(kv_begin, kv_pos0)
         first_tile_start = (kv_begin // TILE_N) * TILE_N
 
         if SPLIT:
             seg_start = segment * SEG
+            if KV_OFFSET:
+                seg_start += (tl.maximum(kv_pos0, 0) // SEG) * SEG
             tile_begin = tl.maximum(seg_start, first_tile_start)
             tile_end = tl.minimum(seg_start + SEG, kv_end)
             m_i, l_i, acc = _segment_state(
-                q, pos_q, tile_begin, tile_end, K, V, kv_head, kv_len, seq, kv_start, block_table, kv_rows,
-                qk_scale, sliding_window, stride_table_seq, stride_k_page, stride_k_pos, stride_k_head,
+                q, pos_q, tile_begin, tile_end, K, V, kv_head, kv_len, seq, kv_row_start, kv_pos0, block_table,
+                kv_rows, qk_scale, sliding_window, stride_table_seq, stride_k_page, stride_k_pos, stride_k_head,
                 stride_v_page, stride_v_pos, stride_v_head, HEAD_SIZE, BLOCK_D, BLOCK_M, TILE_N,
-                PAGE_SIZE, PAGED, CAUSAL, HAS_WINDOW, DOT_PRECISION,
+                PAGE_SIZE, PAGED, CAUSAL, HAS_WINDOW, KV_OFFSET, DOT_PRECISION,
             )  # fmt: skip
             part = (q_rows * num_heads + head) * num_segments + segment
             tl.store(PartM + part, m_i, mask=row_valid)
@@ -376,10 +401,10 @@ def _attention_fwd_kernel(
                 tile_begin = tl.maximum(seg_start, first_tile_start)
                 tile_end = tl.minimum(seg_start + SEG, kv_end)
                 m_i, l_i, acc = _segment_state(
-                    q, pos_q, tile_begin, tile_end, K, V, kv_head, kv_len, seq, kv_start, block_table, kv_rows,
-                    qk_scale, sliding_window, stride_table_seq, stride_k_page, stride_k_pos, stride_k_head,
-                    stride_v_page, stride_v_pos, stride_v_head, HEAD_SIZE, BLOCK_D, BLOCK_M, TILE_N,
-                    PAGE_SIZE, PAGED, CAUSAL, HAS_WINDOW, DOT_PRECISION,
+                    q, pos_q, tile_begin, tile_end, K, V, kv_head, kv_len, seq, kv_row_start, kv_pos0,
+                    block_table, kv_rows, qk_scale, sliding_window, stride_table_seq, stride_k_page, stride_k_pos,
+                    stride_k_head, stride_v_page, stride_v_pos, stride_v_head, HEAD_SIZE, BLOCK_D, BLOCK_M, TILE_N,
+                    PAGE_SIZE, PAGED, CAUSAL, HAS_WINDOW, KV_OFFSET, DOT_PRECISION,
                 )  # fmt: skip
                 m_run, l_run, acc_run = _merge_segment(m_run, l_run, acc_run, m_i, l_i, acc)
             _store_rows(
@@ -874,12 +899,22 @@ def _launch_forward(
     out: torch.Tensor,
     split_kv: bool | None = None,
     plan: LaunchPlan | None = None,
+    kv_first_pos: torch.Tensor | None = None,
 ) -> torch.Tensor | None:
     """Run the forward schedule. ``split_kv`` picks how the KV segments are executed — ``True``:
     one program per segment plus the merge kernel, ``False``: serially inside each program,
     ``None``: split when there is more than one segment, no log-sum-exp is asked for (training runs
-    serially) and the partial states fit :data:`SPLIT_WORKSPACE_BYTES`. The choice never changes a bit of the result."""
+    serially) and the partial states fit :data:`SPLIT_WORKSPACE_BYTES`. The choice never changes a bit of the result.
+    ``kv_first_pos`` (contiguous KV only): the absolute position of each sequence's first key
+    (``None``: position 0, the kernel specialisation every other caller runs)."""
+    if kv_first_pos is not None and block_table is not None:
+        raise ValueError("kv_first_pos is for contiguous KV; a paged cache keeps every position")
     if attention_backend() == "ascendc":  # SAMEPATH_ATTENTION_BACKEND: never a silent fallback
+        if kv_first_pos is not None:
+            raise RuntimeError(
+                "kv_start (keys starting after position 0, a windowed Hugging Face cache) is not implemented by "
+                "the Ascend C attention backend (SAMEPATH_ATTENTION_BACKEND=ascendc); use the triton backend"
+            )
         return ascendc_launch_forward(
             query, key, value, query_start_loc, kv_start_loc, seq_lens, block_table,
             scale, causal, sliding_window, config, store_lse, out,
@@ -913,10 +948,13 @@ def _launch_forward(
         max_kv_len = key.shape[0]
         kv_rows = key.shape[0]
     num_segments = _num_segments(max_kv_len, config.seg)
+    kv_offset = kv_first_pos is not None
     rows = num_tokens * num_heads
     if split_kv is None:
-        workspace = rows * num_segments * (block_d + 2) * 4
+        workspace = rows * (num_segments + kv_offset) * (block_d + 2) * 4
         split_kv = not store_lse and num_segments > 1 and workspace <= SPLIT_WORKSPACE_BYTES
+    if kv_offset:  # keys at kv_first_pos .. kv_first_pos + max_kv_len may straddle one more segment
+        num_segments += 1
     if split_kv:
         part_m = torch.empty(rows * num_segments, dtype=torch.float32, device=query.device)
         part_l = torch.empty_like(part_m)
@@ -936,6 +974,7 @@ def _launch_forward(
         query_start_loc,
         kv_start_loc,
         seq_lens,
+        kv_first_pos if kv_offset else seq_lens,
         table,
         program_seq,
         program_block,
@@ -970,6 +1009,7 @@ def _launch_forward(
         PAGED=paged,
         CAUSAL=causal,
         HAS_WINDOW=sliding_window is not None,
+        KV_OFFSET=kv_offset,
         STORE_LSE=store_lse,
         SPLIT=bool(split_kv),
         DOT_PRECISION=DOT_PRECISION,
@@ -1432,31 +1472,45 @@ def packed_attention(
     validate: bool = True,
     split_kv: bool | None = None,
     plan: LaunchPlan | None = None,
+    kv_start: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Attention of each sequence's newest queries over its whole KV, both packed (no grad).
+    """Attention of each sequence's newest queries over its KV, both packed (no grad).
 
     The form a framework with a contiguous KV cache (Hugging Face ``generate``) has: sequence
-    ``i`` has ``cu_seqlens_kv[i+1] - cu_seqlens_kv[i]`` keys at positions 0.., and its queries are
-    the last ``cu_seqlens_q[i+1] - cu_seqlens_q[i]`` of those positions.
+    ``i`` has ``n_i = cu_seqlens_kv[i+1] - cu_seqlens_kv[i]`` keys at positions ``kv_start[i] ..
+    kv_start[i] + n_i - 1`` (``0 .. n_i - 1`` without ``kv_start``), and its queries are the last
+    ``cu_seqlens_q[i+1] - cu_seqlens_q[i]`` of those positions.
 
     Args:
         query: ``[total_q, num_heads, head_size]``.
         key, value: ``[total_kv, num_kv_heads, head_size]``.
         cu_seqlens_q, cu_seqlens_kv: ``[num_seqs + 1]`` int cumulative lengths from 0.
         scale, causal, sliding_window, config, split_kv: as in :func:`paged_attention`.
-        validate: check both cumulative lengths (one device-to-host copy). ``validate=False``
-            trusts their values for the result only; no row outside ``query``, ``key``,
-            ``value`` or the output is read or written whatever they hold.
+        validate: check both cumulative lengths and ``kv_start`` (one device-to-host copy).
+            ``validate=False`` trusts their values for the result only; no row outside ``query``,
+            ``key``, ``value`` or the output is read or written whatever they hold.
         plan: a :class:`LaunchPlan` of ``cu_seqlens_q`` and ``cu_seqlens_kv``.
+        kv_start: ``[num_seqs]`` int32/int64, the absolute position of each sequence's first key:
+            a sliding-window cache that keeps only the last keys (Hugging Face's keeps
+            ``sliding_window - 1`` plus the new ones). KV tiles stay anchored at position 0, so a
+            tile may be partly before ``kv_start[i]``; those positions have no key and are masked
+            like any invisible one. ``validate`` checks that every key a query can see is there:
+            ``kv_start[i] >= 0``, and ``kv_start[i] > 0`` only with a ``sliding_window`` whose
+            keys the sequence holds (``n_i - q_len_i >= sliding_window - 1``). ``None`` (or all
+            zeros: the same bits) for keys from position 0. Triton backend only.
 
     Returns:
         ``[total_q, num_heads, head_size]``: rows bit-identical to :func:`varlen_attention` and
-        :func:`paged_attention` for the same tokens (the same kernel over the same tiles).
+        :func:`paged_attention` for the same tokens (the same kernel over the same tiles) — with
+        ``kv_start``, to their rows over the whole sequence, of which these keys are the last.
     """
     _check_packed_qkv(query, key, value)
     _check_same_device(query.device, cu_seqlens_q=cu_seqlens_q, cu_seqlens_kv=cu_seqlens_kv)
     _check_int_vector("cu_seqlens_q", cu_seqlens_q)
     _check_int_vector("cu_seqlens_kv", cu_seqlens_kv, cu_seqlens_q.numel())
+    if kv_start is not None:
+        _check_int_vector("kv_start", kv_start, cu_seqlens_q.numel() - 1)
+        _check_same_device(query.device, kv_start=kv_start)
     _check_sliding_window(sliding_window, causal)
     scale = _check_scale(scale)
     if validate:
@@ -1464,6 +1518,8 @@ def packed_attention(
         kv_lens = _check_cu_seqlens("cu_seqlens_kv", cu_seqlens_kv, key.shape[0])
         if (kv_lens < q_lens).any():
             raise ValueError("each sequence needs at least as many keys (cu_seqlens_kv) as queries (cu_seqlens_q)")
+        if kv_start is not None:
+            _check_kv_start(kv_start, q_lens, kv_lens, sliding_window)
     if plan is not None:
         plan.check(query.shape[0], cu_seqlens_q, cu_seqlens_kv)
     cfg = config or attention_config(query.shape[-1], query.dtype, query.device)
@@ -1486,5 +1542,31 @@ def packed_attention(
             out=out,
             split_kv=split_kv,
             plan=plan,
+            kv_first_pos=kv_start,
         )
     return out
+
+
+def _check_kv_start(
+    kv_start: torch.Tensor, q_lens: torch.Tensor, kv_lens: torch.Tensor, sliding_window: int | None
+) -> None:
+    """Value checks on :func:`packed_attention`'s ``kv_start`` (host lengths from the cu checks):
+    every key a query of the sequence can see must be among its keys."""
+    starts = kv_start.detach().cpu().to(torch.int64)
+    if (starts < 0).any():
+        seq = int((starts < 0).nonzero()[0, 0])
+        raise ValueError(f"kv_start must be non-negative, kv_start[{seq}] = {int(starts[seq])}")
+    if (starts + kv_lens > 2**31 - 1).any():
+        raise ValueError("kv_start + the sequence's key count must stay below 2**31 (int32 positions)")
+    context = kv_lens - q_lens
+    needed = 0 if sliding_window is None else sliding_window - 1
+    missing = (starts > 0) & (q_lens > 0) & ((context < needed) | (sliding_window is None))
+    if missing.any():
+        seq = int(missing.nonzero()[0, 0])
+        first_query = int(starts[seq] + context[seq])
+        sees = 0 if sliding_window is None else max(0, first_query - sliding_window + 1)
+        raise ValueError(
+            f"kv_start[{seq}] = {int(starts[seq])}: sequence {seq}'s first query (position {first_query}) sees "
+            f"positions from {sees}, but its keys start at kv_start[{seq}]; keys may start after position 0 only "
+            f"where the sliding_window (now {sliding_window}) leaves the missing ones invisible"
+        )
