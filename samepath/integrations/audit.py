@@ -197,10 +197,26 @@ def audit_hf_model(model: torch.nn.Module) -> AuditReport:
         entry = _generic(name, module) or _hf_entry(
             name, module, family_class, attention_fn, experts_fn, rotary_patched, batch_invariant_enabled()
         )
-        if entry.status == COVERED and entry.op in ("rms_norm", "silu_mul", "experts"):
+        if entry.status == COVERED and entry.op in ("rms_norm", "silu_mul", "gelu_tanh_mul", "experts"):
             whole.append(name)
         report.entries.append(entry)
     return report
+
+
+def embedding_scale_entry(
+    name: str, module: torch.nn.Module, scale: torch.Tensor, dtype: torch.dtype, hidden_size: int
+) -> AuditEntry:
+    """A scaled embedding (Gemma 3; ``module`` the module that multiplies): neutral while the factor
+    it multiplies by, in the model dtype, is :func:`~samepath.integrations.formulas.sqrt_hidden_scale`
+    rounded to that dtype, the factor both sides use: a lookup,
+    then one dtype multiply."""
+    from samepath.integrations.formulas import sqrt_hidden_scale
+
+    want = torch.tensor(sqrt_hidden_scale(hidden_size), dtype=torch.float32).to(dtype)
+    got = scale.detach().to(device="cpu").to(dtype)
+    if got.numel() != 1 or not torch.equal(got.reshape(()), want):
+        return _entry(name, module, "embedding", UNCOVERED, f"embedding scale {got.tolist()} is not {want.item()}")
+    return _entry(name, module, "embedding", NEUTRAL, f"a row lookup times {want.item()} in {dtype} (one rounding)")
 
 
 def _hf_attention_function(config: Any) -> Any:
@@ -238,11 +254,15 @@ def _hf_entry(
     if kind is torch.nn.Embedding:
         return _entry(name, module, "embedding", NEUTRAL, "a row lookup")
     if family_class(module, "RMSNorm"):
-        ok = kind.forward is hf._rms_norm_forward
-        return _entry(name, module, "rms_norm", COVERED if ok else UNCOVERED, "samepath.rms_norm" if ok else "stock")
+        mode = next((m for m, f in hf.RMS_NORM_FORWARDS.items() if kind.forward is f), None)
+        detail = "stock" if mode is None else f"samepath.rms_norm ({mode})"
+        return _entry(name, module, "rms_norm", UNCOVERED if mode is None else COVERED, detail)
     if family_class(module, "MLP"):
-        ok = kind.forward in hf.MLP_FORWARDS
-        return _entry(name, module, "silu_mul", COVERED if ok else UNCOVERED, "samepath.silu_mul" if ok else "stock")
+        op = hf.MLP_OPS.get(kind.forward)
+        detail = "stock" if op is None else f"samepath.{op}"
+        return _entry(name, module, op or "mlp", UNCOVERED if op is None else COVERED, detail)
+    if family_class(module, "TextScaledWordEmbedding"):
+        return embedding_scale_entry(name, module, module.embed_scale, module.weight.dtype, module.embedding_dim)
     if family_class(module, "RotaryEmbedding"):
         ok = kind.forward is hf._rotary_embedding_forward
         detail = "samepath.rotary_cos_sin (the vLLM plugin's function)" if ok else "stock cos/sin"
@@ -263,7 +283,7 @@ def _hf_entry(
     if family_class(module, "TopKRouter"):
         detail = "Hugging Face's fp32 softmax top-k: the router the vLLM plugin runs (samepath.integrations.moe)"
         return _entry(name, module, "moe_routing", COVERED, detail)
-    for suffix in ("ForCausalLM", "Model", "DecoderLayer", "SparseMoeBlock"):
+    for suffix in ("ForCausalLM", "Model", "TextModel", "DecoderLayer", "SparseMoeBlock"):
         if family_class(module, suffix):
             return _entry(name, module, "structure", NEUTRAL, "residual adds in the model dtype, reshapes")
     return _entry(name, module, "unknown", UNCOVERED, "samepath has no rule for this module class")
