@@ -81,19 +81,40 @@ def model_dirs(tmp_path_factory):
                     **DEFAULT_MODEL_CONFIG, sliding_window=None, num_local_experts=4, num_experts_per_tok=2
                 )
                 cls = transformers.MixtralForCausalLM
+            elif arch == "gemma3_text":
+                config, cls = gemma3_config(), transformers.Gemma3ForCausalLM
             else:
                 config, cls = transformers.Qwen3Config(**DEFAULT_MODEL_CONFIG), transformers.Qwen3ForCausalLM
             torch.manual_seed(0)
             model = cls(config).to(getattr(torch, dtype)).eval()
             with torch.no_grad():
-                for param in model.parameters():
-                    param.mul_(4.0 if param.dim() == 1 else 2.0)
+                for name, param in model.named_parameters():
+                    if arch == "gemma3_text" and name.endswith("norm.weight"):  # (1 + w) norms: w starts at 0
+                        param.copy_(0.5 * torch.randn(param.shape))
+                    else:
+                        param.mul_(4.0 if param.dim() == 1 else 2.0)
             path = tmp_path_factory.mktemp(f"{arch}_{dtype}")
             model.save_pretrained(path)
             dirs[arch, dtype] = str(path)
         return dirs[arch, dtype]
 
     return get
+
+
+def gemma3_config(**overrides):
+    """A tiny Gemma 3 text model: a sliding layer (window 40, shorter than the longest prompts, rope
+    base 10^4) then a full one (rope base 10^6, linear factor 4), query_pre_attn_scalar 24."""
+    kwargs = dict(
+        DEFAULT_MODEL_CONFIG,
+        query_pre_attn_scalar=24,
+        layer_types=["sliding_attention", "full_attention"],
+        sliding_window=40,
+        rope_parameters={
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+            "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1000000.0},
+        },
+    )
+    return transformers.Gemma3TextConfig(**{**kwargs, **overrides})
 
 
 def prompts() -> tuple[list[list[int]], list[int]]:
@@ -210,6 +231,8 @@ CASES = [
     pytest.param("phi3", "bfloat16", 0.7, id="phi3-bf16-T0.7", marks=pytest.mark.slow),
     pytest.param("phi3", "float32", 0.0, id="phi3-fp32-greedy", marks=pytest.mark.slow),
     pytest.param("mixtral", "bfloat16", 1.0, id="mixtral-bf16-sampled", marks=pytest.mark.slow),
+    pytest.param("gemma3_text", "bfloat16", 0.8, id="gemma3-bf16-T0.8"),
+    pytest.param("gemma3_text", "float32", 1.0, id="gemma3-fp32-sampled", marks=pytest.mark.slow),
 ]
 
 
@@ -245,6 +268,7 @@ def test_vllm_logprobs_equal_trainer(model_dirs, hf_patched, arch, dtype, temper
         pytest.param("qwen3", "float32", id="qwen3-fp32", marks=pytest.mark.slow),
         pytest.param("qwen3_moe", "bfloat16", id="moe-bf16", marks=pytest.mark.slow),
         pytest.param("phi3", "bfloat16", id="phi3-bf16", marks=pytest.mark.slow),
+        pytest.param("gemma3_text", "bfloat16", id="gemma3-bf16"),
     ],
 )
 def test_stock_vllm_differs(model_dirs, hf_patched, arch, dtype):

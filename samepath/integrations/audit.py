@@ -20,14 +20,14 @@ module class names / qualified names / ops); an opt-out warns once and is record
 :func:`samepath.fingerprint`, so the other side sees it.
 
 The model-level formulas come from :func:`samepath.integrations.formulas.model_formulas` on both
-sides: a model type covered on one side only (e.g. ``phi3``, ``mistral``, ``gemma2``) is refused on
-both.
+sides: a model type covered on one side only (e.g. ``granite``, ``gemma2``) is refused on both.
 
 ``samepath audit [--model DIR] [--json OUT]`` prints the Hugging Face side's report.
 """
 
 from __future__ import annotations
 
+import itertools
 import os
 import sys
 import warnings
@@ -313,6 +313,8 @@ VLLM_STRUCTURE: dict[str, tuple[str, tuple[str, ...]]] = {
         "vllm.model_executor.models.mixtral",
         ("MixtralForCausalLM", "MixtralModel", "MixtralDecoderLayer", "MixtralMoE"),
     ),
+    # Gemma3Model's own code also scales the embeddings (its ``normalizer``: checked separately).
+    "gemma3_text": ("vllm.model_executor.models.gemma3", ("Gemma3ForCausalLM", "Gemma3Model", "Gemma3DecoderLayer")),
 }
 
 #: model_type -> (module, attention class, MLP classes) in vLLM: the attention module's own code
@@ -330,6 +332,8 @@ VLLM_ATTENTION_MLP: dict[str, tuple[str, str, tuple[str, ...]]] = {
     ),
     "phi3": ("vllm.model_executor.models.llama", "LlamaAttention", ("LlamaMLP",)),
     "mixtral": ("vllm.model_executor.models.mixtral", "MixtralAttention", ()),
+    # Gemma3Attention: q/k norms (GemmaRMSNorm) on the heads, the rope of its layer type, its window.
+    "gemma3_text": ("vllm.model_executor.models.gemma3", "Gemma3Attention", ("Gemma3MLP",)),
 }
 
 
@@ -357,19 +361,30 @@ def audit_vllm_model(model: torch.nn.Module, hf_config: Any) -> AuditReport:
     side's resolution of ``hf_config``, and each RMSNorm the config's epsilon.
     """
     from samepath.integrations import vllm as plugin
-    from samepath.integrations.formulas import rope_formula
+    from samepath.integrations.formulas import layer_types, rope_formulas
     from samepath.kernels.rotary import rotary_inv_freq, rotary_position_limit
 
     model_type = getattr(hf_config, "model_type", None)
     report = AuditReport("vllm", model_type)
     formulas = None
+    hf_ropes: dict[str | None, tuple] = {}
+    types = None
     try:
         formulas = model_formulas(hf_config)
-        rope = rope_formula(hf_config)
-        hf_rope = (*rotary_inv_freq(rope.rotary_dim, rope.base, rope.scaling), rotary_position_limit(rope.scaling))
+        types = layer_types(hf_config)
+        for key, rope in rope_formulas(hf_config).items():
+            inv_freq = rotary_inv_freq(rope.rotary_dim, rope.base, rope.scaling)
+            hf_ropes[key] = (*inv_freq, rotary_position_limit(rope.scaling))
     except UnsupportedModelError as exc:
         report.problems.append(str(exc))
-        hf_rope = None
+
+    def hf_rope_of(name: str) -> tuple | None:
+        """The Hugging Face rope of the layer ``name`` belongs to (per layer type: Gemma 3)."""
+        if types is None:
+            return hf_ropes.get(None)
+        index = _layer_index(name)
+        return None if index is None or index >= len(types) else hf_ropes.get(types[index])
+
     structure = _named_classes(*VLLM_STRUCTURE[model_type]) if model_type in VLLM_STRUCTURE else ()
     attention_mlp = VLLM_ATTENTION_MLP.get(model_type)
     attention_cls = _named_classes(attention_mlp[0], (attention_mlp[1],)) if attention_mlp else ()
@@ -383,7 +398,11 @@ def audit_vllm_model(model: torch.nn.Module, hf_config: Any) -> AuditReport:
         entry = _generic(name, module)
         if entry is None:
             kind = type(module)
-            if kind in structure:
+            if kind in structure and hasattr(module, "normalizer"):  # Gemma3Model: embed * normalizer
+                entry = embedding_scale_entry(
+                    name, module, module.normalizer, module.embed_tokens.weight.dtype, hf_config.hidden_size
+                )
+            elif kind in structure:
                 entry = _entry(name, module, "structure", NEUTRAL, "residual adds in the model dtype, reshapes")
             elif kind in attention_cls:
                 entry = _entry(
@@ -392,11 +411,21 @@ def audit_vllm_model(model: torch.nn.Module, hf_config: Any) -> AuditReport:
             elif kind in mlp_cls:
                 entry = _entry(name, module, "mlp_block", NEUTRAL, "gate_up, SiLU·mul, down")
             else:
-                entry = plugin.classify_module(name, module, formulas, hf_rope)
-        if entry.status == COVERED and entry.op in ("rotary", "moe", "rms_norm", "silu_mul", "linear", "lm_head"):
+                entry = plugin.classify_module(name, module, formulas, hf_rope_of(name))
+        covering = ("rotary", "moe", "rms_norm", "silu_mul", "gelu_tanh_mul", "linear", "lm_head")
+        if entry.status == COVERED and entry.op in covering:
             whole.append(name)
         report.entries.append(entry)
     return report
+
+
+def _layer_index(name: str) -> int | None:
+    """``i`` of the first ``layers.<i>`` in a qualified module name."""
+    parts = name.split(".")
+    for part, following in itertools.pairwise(parts):
+        if part == "layers" and following.isdigit():
+            return int(following)
+    return None
 
 
 # ----------------------------------------------------------------------------------------------
