@@ -12,10 +12,12 @@ the device (:func:`cached_batch_layout`) and reused by every layer. Training (no
 :func:`samepath.kernels.attention.packed_attention`.
 
 Per model type (``config.model_type``), Liger-style: ``{Prefix}RMSNorm.forward`` →
-:func:`samepath.rms_norm`, ``{Prefix}MLP.forward`` → :func:`samepath.silu_mul` (Phi-3's fused
-``gate_up_proj``: :func:`samepath.kernels.swiglu.swiglu`, vLLM's layout), the module's
+:func:`samepath.rms_norm` (Gemma 3: ``weight_mode="fp32_one_plus_weight"``), ``{Prefix}MLP.forward`` →
+:func:`samepath.silu_mul` (Phi-3's fused ``gate_up_proj``: :func:`samepath.kernels.swiglu.swiglu`,
+vLLM's layout; Gemma 3: :func:`samepath.gelu_tanh_mul`), the module's
 ``apply_rotary_pos_emb`` → :func:`samepath.apply_rotary`, ``{Prefix}RotaryEmbedding.forward`` →
-:func:`samepath.rotary_cos_sin` (every rope type :mod:`samepath.integrations.formulas` resolves);
+:func:`samepath.rotary_cos_sin` (every rope type :mod:`samepath.integrations.formulas` resolves,
+per layer type where the config has one rope per layer type: Gemma 3's local and global);
 MoE experts through ``ExpertsInterface``.
 Linear layers and the lm_head go through :func:`samepath.batch_invariant` (entered by
 ``patch_all``). Every replacement is recorded by :class:`Patcher` and undone by ``unpatch_all``.
