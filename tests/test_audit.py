@@ -122,7 +122,7 @@ def test_patch_all_refuses_a_custom_module_and_names_it():
 def test_patch_all_refuses_a_model_type_covered_on_one_side_only():
     """olmo2: no Hugging Face patches and no vLLM plugin rules — refused on both sides, with the reason."""
     config = transformers.Olmo2Config(**DEFAULT_MODEL_CONFIG)
-    with pytest.raises(audit.UncoveredOpsError, match="model_type 'olmo2' is not supported: vLLM runs Olmo2"):
+    with pytest.raises(audit.UncoveredOpsError, match=r"model_type 'olmo2' is not supported: vLLM 0\.32 runs Olmo2"):
         integrations.patch_all(transformers.Olmo2ForCausalLM(config).eval())
 
 

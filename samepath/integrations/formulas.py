@@ -49,9 +49,11 @@ NORM_WEIGHT_MODES: dict[str, str] = {"gemma3_text": "fp32_one_plus_weight"}
 #: modules compute in transformers 5 and vLLM, not from its name.
 REFUSED: dict[str, str] = {
     "olmo2": (
-        "vLLM runs Olmo2ForCausalLM through its Transformers backend, which samepath's vLLM plugin does not patch, "
-        "and Olmo2RMSNorm multiplies by the weight in fp32 before the cast (samepath's norm casts first, as "
-        "Llama's does); the q/k norms over all heads are not in samepath's vLLM coverage either"
+        "vLLM 0.32 runs Olmo2ForCausalLM through its Transformers backend, whose fusers swap the model's norms, "
+        "projections and attention for vLLM layers found from the modules' dataflow; samepath's vLLM plugin does "
+        "not patch or audit that backend. Olmo2RMSNorm's fp32 weight multiply before the cast is samepath's "
+        "rms_norm weight_mode='fp32_weight', but its q/k norms run over all heads at once (under tensor "
+        "parallelism a norm across ranks), which samepath's vLLM coverage does not include"
     ),
     "granite": (
         "Granite's embedding_multiplier, residual_multiplier and logits_scaling are elementwise ops of the model "
