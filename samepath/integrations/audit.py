@@ -259,8 +259,10 @@ def _hf_entry(
         return _entry(name, module, "rms_norm", UNCOVERED if mode is None else COVERED, detail)
     if family_class(module, "MLP"):
         op = hf.MLP_OPS.get(kind.forward)
-        detail = "stock" if op is None else f"samepath.{op}"
-        return _entry(name, module, op or "mlp", UNCOVERED if op is None else COVERED, detail)
+        if op is None:  # stock: the op the family computes
+            gelu = getattr(getattr(module, "config", None), "model_type", None) in hf.GELU_TANH_MLP
+            return _entry(name, module, "gelu_tanh_mul" if gelu else "silu_mul", UNCOVERED, "stock")
+        return _entry(name, module, op, COVERED, f"samepath.{op}")
     if family_class(module, "TextScaledWordEmbedding"):
         return embedding_scale_entry(name, module, module.embed_scale, module.weight.dtype, module.embedding_dim)
     if family_class(module, "RotaryEmbedding"):
