@@ -770,6 +770,20 @@ def test_vllm_refuses_a_model_type_covered_on_one_side_only(tmp_path):
 
 
 @pytest.mark.slow
+def test_vllm_refuses_gemma3_final_logit_softcapping(tmp_path):
+    """gemma3_text with final_logit_softcapping: vLLM would soft-cap the logits in its
+    LogitsProcessor while samepath's log-probs take the raw lm_head logits, so the plugin refuses the
+    load with the reason patch_all(model) and the CLI give."""
+    torch.manual_seed(0)
+    transformers.Gemma3ForCausalLM(gemma3_config(final_logit_softcapping=30.0)).save_pretrained(tmp_path)
+    spec = VLLMRolloutSpec(model=str(tmp_path), dtype="bfloat16", batches=[[[1, 2, 3]]], new_tokens=2)
+    with pytest.raises(RuntimeError) as refused:
+        run_vllm_rollout(spec)
+    message = str(refused.value)
+    assert "UncoveredOpsError" in message and "final_logit_softcapping=30.0" in message
+
+
+@pytest.mark.slow
 def test_vllm_opt_out_runs_and_is_in_the_fingerprint(tmp_path):
     spec = VLLMRolloutSpec(
         model=_granite_dir(tmp_path),
