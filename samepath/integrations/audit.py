@@ -320,7 +320,7 @@ VLLM_STRUCTURE: dict[str, tuple[str, tuple[str, ...]]] = {
 }
 
 #: model_type -> (module, attention class, MLP classes) in vLLM: the attention module's own code
-#: is q/k/v split, q/k norms, rotary, attention, o_proj; the MLP's gate_up, SiLU·mul, down.
+#: is q/k/v split, q/k norms, rotary, attention, o_proj; the MLP's gate_up, SiLU·mul (Gemma: GELU-tanh·mul), down.
 VLLM_ATTENTION_MLP: dict[str, tuple[str, str, tuple[str, ...]]] = {
     "llama": ("vllm.model_executor.models.llama", "LlamaAttention", ("LlamaMLP",)),
     "qwen2": ("vllm.model_executor.models.qwen2", "Qwen2Attention", ("Qwen2MLP",)),
@@ -411,7 +411,7 @@ def audit_vllm_model(model: torch.nn.Module, hf_config: Any) -> AuditReport:
                     name, module, "attention_block", NEUTRAL, "q/k/v split, norms, rotary, attention, o_proj"
                 )
             elif kind in mlp_cls:
-                entry = _entry(name, module, "mlp_block", NEUTRAL, "gate_up, SiLU·mul, down")
+                entry = _entry(name, module, "mlp_block", NEUTRAL, "gate_up, activation·mul, down")
             else:
                 entry = plugin.classify_module(name, module, formulas, hf_rope_of(name))
         covering = ("rotary", "moe", "rms_norm", "silu_mul", "gelu_tanh_mul", "linear", "lm_head")
