@@ -632,6 +632,41 @@ def test_vllm_rotary_refuses_what_it_cannot_make_equal(plugin_installed, monkeyp
         _vllm_rope_layer("dynamic", torch.float32, monkeypatch)(torch.tensor([3, 512]), q[:2], k[:2])
 
 
+def test_vllm_gemma_ops_compute_the_hugging_face_gemma3_bits(plugin_installed):
+    """vLLM's GemmaRMSNorm (alone and as its fused add+norm) and GeluAndMul(approximate="tanh")
+    under the plugin give the bits of the patched Hugging Face Gemma3RMSNorm after the decoder
+    layer's rounded residual add, and of the patched Gemma3MLP's activation. Negative control:
+    vLLM's own fused add+norm (statistics of the unrounded fp32 sum) differs."""
+    from vllm.config import VllmConfig, set_current_vllm_config
+    from vllm.model_executor.layers.activation import GeluAndMul
+    from vllm.model_executor.layers.layernorm import GemmaRMSNorm
+
+    from samepath.integrations import hf
+
+    modeling = pytest.importorskip("transformers.models.gemma3.modeling_gemma3")
+    gen = torch.Generator().manual_seed(3)
+    x, residual = (torch.randn(37, 96, generator=gen).mul(3).to(torch.bfloat16) for _ in range(2))
+    weight = (0.5 * torch.randn(96, generator=gen)).to(torch.bfloat16)
+    with set_current_vllm_config(VllmConfig()):
+        norm, act = GemmaRMSNorm(96, eps=1e-6).to(torch.bfloat16), GeluAndMul(approximate="tanh")
+    norm.weight.data.copy_(weight)
+    hf_norm = modeling.Gemma3RMSNorm(96, eps=1e-6).to(torch.bfloat16)
+    hf_norm.weight.data.copy_(weight)
+    with integrations.patched():
+        summed = residual + x  # Gemma3DecoderLayer: hidden_states = residual + hidden_states
+        want_alone, want_fused = hf_norm(x), hf_norm(summed)
+        gate_up = torch.randn(5, 2, 160, generator=gen).mul(3).to(torch.bfloat16)
+        mlp = modeling.Gemma3MLP(gemma3_config(hidden_size=96, intermediate_size=80)).to(torch.bfloat16)
+        assert type(hf_norm).forward is hf._one_plus_weight_rms_norm_forward
+        assert type(mlp).forward is hf._gelu_tanh_mlp_forward
+    got_fused, got_residual = norm(x, residual)
+    assert torch.equal(norm(x), want_alone)
+    assert torch.equal(got_fused, want_fused) and torch.equal(got_residual, summed)
+    assert torch.equal(act(gate_up), samepath.gelu_tanh_mul(gate_up[..., :80], gate_up[..., 80:]))
+    stock_fused, _ = norm.forward_native(x, residual)
+    assert not torch.equal(stock_fused, want_fused)
+
+
 class _Custom(torch.nn.Module):
     def forward(self, x):
         return x * 2
