@@ -15,6 +15,14 @@ add of the widened values rounded once to the input dtype, which is what torch's
 computes; it is *not* fused into the fp32 statistics (``docs/numerics.md``: no fused add+norm on
 one side only).
 
+``weight_mode`` moves the cast for the families that multiply in fp32 (one rounding at the end)::
+
+    y = ((h * rstd) * weight.float()).to(dtype)           # "fp32_weight": Olmo2RMSNorm
+    y = ((h * rstd) * (1.0 + weight.float())).to(dtype)   # "fp32_one_plus_weight": Gemma3RMSNorm
+
+with ``dweight = sum over rows of g * n`` (the fp32 ``n``; ``d(1 + w)/dw = 1``). The default
+``"cast_then_weight"`` is the formula above, its bits unchanged.
+
 (*) A row longer than the device's ``norm_chunk`` (Ascend: 2048 columns, to fit its on-chip
 buffer) is read in chunks: the squares are added into a chunk-wide fp32 vector in ascending
 chunk order, then summed, and the row is read again to normalise it; the backward folds
