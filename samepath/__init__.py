@@ -13,6 +13,7 @@ import torch
 
 from samepath.kernels.attention import paged_attention, varlen_attention, write_kv_cache
 from samepath.kernels.config import NumericsMismatchError, assert_same_numerics, fingerprint
+from samepath.kernels.gelu_tanh_mul import geglu_tanh, gelu_tanh_mul
 from samepath.kernels.logprobs import linear_token_logprobs, log_softmax, token_logprobs
 from samepath.kernels.matmul import batch_invariant, linear, matmul
 from samepath.kernels.rms_norm import rms_norm
@@ -49,6 +50,8 @@ __all__ = [
     "assert_same_numerics",
     "batch_invariant",
     "fingerprint",
+    "geglu_tanh",
+    "gelu_tanh_mul",
     "linear",
     "linear_token_logprobs",
     "log_softmax",

@@ -36,6 +36,11 @@ FAMILIES = {
         transformers.MixtralForCausalLM,
         dict(sliding_window=None, num_local_experts=4, num_experts_per_tok=2),
     ),
+    "gemma3_text": (
+        transformers.Gemma3TextConfig,
+        transformers.Gemma3ForCausalLM,
+        dict(layer_types=["sliding_attention", "full_attention"], sliding_window=16, query_pre_attn_scalar=24),
+    ),
 }
 
 
@@ -117,7 +122,7 @@ def test_patch_all_refuses_a_custom_module_and_names_it():
 def test_patch_all_refuses_a_model_type_covered_on_one_side_only():
     """olmo2: no Hugging Face patches and no vLLM plugin rules — refused on both sides, with the reason."""
     config = transformers.Olmo2Config(**DEFAULT_MODEL_CONFIG)
-    with pytest.raises(audit.UncoveredOpsError, match="model_type 'olmo2' is not supported: vLLM runs Olmo2"):
+    with pytest.raises(audit.UncoveredOpsError, match=r"model_type 'olmo2' is not supported: vLLM 0\.32 runs Olmo2"):
         integrations.patch_all(transformers.Olmo2ForCausalLM(config).eval())
 
 
@@ -289,7 +294,6 @@ REFUSED_CONFIGS = {
     "olmo2": {},
     "granite": dict(logits_scaling=8.0, residual_multiplier=0.5, embedding_multiplier=12.0),
     "gemma2": dict(attn_logit_softcapping=50.0),
-    "gemma3_text": {},
     "gpt_oss": {},
     "deepseek_v3": {},
 }
@@ -336,3 +340,43 @@ def test_new_families_are_accepted_by_the_cli_and_refuse_their_extras(arch, tmp_
             load_model(str(tmp_path / "bad"), torch.float32)
         with pytest.raises(audit.UncoveredOpsError, match="llama_4_scaling"):
             integrations.patch_all(tiny(arch, **extra))
+
+
+def test_gemma3_is_accepted_by_the_cli_and_refuses_what_it_does_not_implement(tmp_path, capsys):
+    """gemma3_text: `samepath check` runs it (exit 0: rollout and trainer bit-identical) and its
+    audit is full coverage with the Gemma ops; the options samepath does not implement — logit
+    soft-capping (attention or final), bidirectional attention, another MLP activation — are
+    refused by the formulas, patch_all(model) and the CLI alike, naming the option."""
+    from samepath.check.harness import CheckInputError, load_model
+
+    tiny("gemma3_text").save_pretrained(tmp_path / "ok")
+    report = audit.audit_model_dir(str(tmp_path / "ok"))
+    ops = {e.op for e in report.entries if e.status == audit.COVERED}
+    assert report.fully_covered and {"gelu_tanh_mul", "rms_norm", "rotary", "attention"} <= ops
+    assert "silu_mul" not in ops
+    assert main(["check", "--model", str(tmp_path / "ok"), "--batch", "2", "--new-tokens", "3"]) == 0
+    assert "gemma3_text" in capsys.readouterr().out
+    refused = {
+        "final_logit_softcapping": dict(final_logit_softcapping=30.0),
+        "attn_logit_softcapping": dict(attn_logit_softcapping=50.0),
+        "use_bidirectional_attention": dict(use_bidirectional_attention=True),
+        "hidden_activation='gelu'": dict(hidden_activation="gelu"),
+    }
+    for named, extra in refused.items():
+        config = FAMILIES["gemma3_text"][0](**{**DEFAULT_MODEL_CONFIG, **FAMILIES["gemma3_text"][2], **extra})
+        with pytest.raises(UnsupportedModelError, match=named):
+            model_formulas(config)
+        config.save_pretrained(tmp_path / named)
+        with pytest.raises(CheckInputError, match=named):
+            load_model(str(tmp_path / named), torch.float32)
+    with pytest.raises(audit.UncoveredOpsError, match="final_logit_softcapping"):
+        integrations.patch_all(tiny("gemma3_text", final_logit_softcapping=30.0))
+    assert not integrations.enabled()
+
+
+def test_gemma2_is_refused_for_its_softcapping_only():
+    """Gemma 2's refusal names what is missing (soft-capping), not what samepath now implements."""
+    from samepath.integrations.formulas import REFUSED, unsupported_reason
+
+    assert "soft-capping" in REFUSED["gemma2"] and "gemma3_text" in REFUSED["gemma2"]
+    assert "none is implemented" not in unsupported_reason("gemma2")

@@ -45,6 +45,7 @@ ALL_KERNELS = {
     "_rms_norm_bwd_kernel",
     "_rms_norm_dw_reduce_kernel",
     "_silu_mul_kernel",
+    "_gelu_tanh_mul_kernel",
     "_rotary_kernel",
     "_shard_lse_kernel",
     "_merge_kernel",
@@ -227,10 +228,14 @@ def _run_every_kernel(dtype: torch.dtype, seed: int, attention_config: Attention
     results["rms_norm"] = (y, *grads((y,), (h, weight)))
     y, s = samepath.rms_norm(h, weight, 1e-6, residual=residual)
     results["rms_norm residual"] = (y, s, *grads((y, s), (h, residual, weight)))
+    y, s = samepath.rms_norm(h, weight, 1e-6, residual=residual, weight_mode="fp32_one_plus_weight")
+    results["rms_norm residual gemma"] = (y, s, *grads((y, s), (h, residual, weight)))
 
     gate, up = rand(5, 3000), rand(5, 3000)
     y = samepath.silu_mul(gate, up)
     results["silu_mul"] = (y, *grads((y,), (gate, up)))
+    y = samepath.gelu_tanh_mul(gate, up)
+    results["gelu_tanh_mul"] = (y, *grads((y,), (gate, up)))
 
     cos, sin = samepath.rotary_cos_sin(torch.arange(130)[None], 48, 10000.0, dtype)
     q_rot, k_rot = rand(1, 4, 130, 64), rand(1, 2, 130, 64)

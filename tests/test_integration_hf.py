@@ -45,14 +45,36 @@ def tiny_model(arch: str, dtype: torch.dtype, seed: int = 0) -> torch.nn.Module:
             head_dim=32, sliding_window=None, num_local_experts=4, num_experts_per_tok=2, **common
         )
         cls = transformers.MixtralForCausalLM
+    elif arch == "gemma3_text":
+        config = gemma3_config(common)
+        cls = transformers.Gemma3ForCausalLM
     else:
         raise AssertionError(arch)
     torch.manual_seed(seed)
     model = cls(config).to(dtype).eval()
     with torch.no_grad():  # random init of this size gives near-uniform logits; spread them out
-        for param in model.parameters():
-            param.mul_(4.0 if param.dim() == 1 else 2.0)
+        for name, param in model.named_parameters():
+            if arch == "gemma3_text" and name.endswith("norm.weight"):  # (1 + w) norms: w starts at 0
+                param.copy_(0.5 * torch.randn(param.shape))
+            else:
+                param.mul_(4.0 if param.dim() == 1 else 2.0)
     return model
+
+
+def gemma3_config(common: dict, **overrides):
+    """A tiny Gemma 3 text config: a local (sliding, rope base 10^4) and a global (full, rope base
+    10^6 with linear scaling) layer, query_pre_attn_scalar != head_dim, GELU-tanh MLP."""
+    kwargs = dict(
+        head_dim=32,
+        query_pre_attn_scalar=24,
+        layer_types=["sliding_attention", "full_attention"],
+        sliding_window=32,
+        rope_parameters={
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+            "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1000000.0},
+        },
+    )
+    return transformers.Gemma3TextConfig(**{**common, **kwargs, **overrides})
 
 
 def random_prompts(lengths: list[int], seed: int) -> list[list[int]]:
@@ -329,6 +351,8 @@ FAMILY_CASES = [
     pytest.param("phi3", torch.float32, marks=pytest.mark.slow),
     pytest.param("mixtral", torch.bfloat16, marks=pytest.mark.slow),
     pytest.param("mixtral", torch.float32, marks=pytest.mark.slow),
+    ("gemma3_text", torch.bfloat16),
+    pytest.param("gemma3_text", torch.float32, marks=pytest.mark.slow),
 ]
 
 
@@ -345,7 +369,8 @@ def test_model_family_generate_equals_trainer(arch, dtype) -> None:
         assert torch.equal(trainer_padded(model, prompts, generated, 0.8), rollout_lp)
         assert torch.equal(trainer_packed(model, prompts, generated, 0.8), rollout_lp)
         trainer = copy.deepcopy(model)
-        trainer.model.layers[1].input_layernorm.variance_epsilon = 0.1
+        norm = trainer.model.layers[1].input_layernorm
+        setattr(norm, "eps" if arch == "gemma3_text" else "variance_epsilon", 0.1)
         assert not torch.equal(trainer_padded(trainer, prompts, generated, 0.8), rollout_lp)
 
 
@@ -490,3 +515,25 @@ def test_mixtral_routing_keeps_fp32_weights() -> None:
             outputs[dtype] = experts_forward(hidden, experts.gate_up_proj, experts.down_proj, index, weights)
     assert torch.equal(outputs[torch.float32], expected)
     assert not torch.equal(outputs[torch.bfloat16], expected)
+
+
+def test_gemma3_stock_trainer_differs_and_each_layer_type_has_its_rope() -> None:
+    """Negative controls for Gemma 3: the stock Hugging Face trainer (unpatched: torch's norms,
+    GELU, attention and matmuls) on the samepath rollout's sequences reports a difference; and
+    the patched trainer with the global layer given the local layer's rope (one rope for every
+    layer type, what a model resolving rope once would compute) does too."""
+    from samepath.integrations import hf
+
+    model = tiny_model("gemma3_text", torch.bfloat16)
+    prompts = random_prompts([6, 2, 9], seed=21)
+    with integrations.patched(model):
+        generated, rollout_lp = rollout(model, prompts, 5, temperature=0.8)
+        one_rope = copy.deepcopy(model)
+        local = dict(one_rope.config.rope_parameters["sliding_attention"])
+        one_rope.config.rope_parameters = {"sliding_attention": local, "full_attention": dict(local)}
+        assert not torch.equal(trainer_padded(one_rope, prompts, generated, 0.8), rollout_lp)
+        assert type(model.model.rotary_emb).forward is hf._rotary_embedding_forward
+    stock = copy.deepcopy(model)
+    stock.set_attn_implementation("sdpa")
+    assert not integrations.enabled()
+    assert not torch.equal(trainer_padded(stock, prompts, generated, 0.8), rollout_lp)

@@ -83,19 +83,40 @@ def model_dirs(tmp_path_factory):
                     **DEFAULT_MODEL_CONFIG, sliding_window=None, num_local_experts=4, num_experts_per_tok=2
                 )
                 cls = transformers.MixtralForCausalLM
+            elif arch == "gemma3_text":
+                config, cls = gemma3_config(), transformers.Gemma3ForCausalLM
             else:
                 config, cls = transformers.Qwen3Config(**DEFAULT_MODEL_CONFIG), transformers.Qwen3ForCausalLM
             torch.manual_seed(0)
             model = cls(config).to(getattr(torch, dtype)).eval()
             with torch.no_grad():
-                for param in model.parameters():
-                    param.mul_(4.0 if param.dim() == 1 else 2.0)
+                for name, param in model.named_parameters():
+                    if arch == "gemma3_text" and name.endswith("norm.weight"):  # (1 + w) norms: w starts at 0
+                        param.copy_(0.5 * torch.randn(param.shape))
+                    else:
+                        param.mul_(4.0 if param.dim() == 1 else 2.0)
             path = tmp_path_factory.mktemp(f"{arch}_{dtype}")
             model.save_pretrained(path)
             dirs[arch, dtype] = str(path)
         return dirs[arch, dtype]
 
     return get
+
+
+def gemma3_config(**overrides):
+    """A tiny Gemma 3 text model: a sliding layer (window 40, shorter than the longest prompts, rope
+    base 10^4) then a full one (rope base 10^6, linear factor 4), query_pre_attn_scalar 24."""
+    kwargs = dict(
+        DEFAULT_MODEL_CONFIG,
+        query_pre_attn_scalar=24,
+        layer_types=["sliding_attention", "full_attention"],
+        sliding_window=40,
+        rope_parameters={
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+            "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1000000.0},
+        },
+    )
+    return transformers.Gemma3TextConfig(**{**kwargs, **overrides})
 
 
 def prompts() -> tuple[list[list[int]], list[int]]:
@@ -212,6 +233,8 @@ CASES = [
     pytest.param("phi3", "bfloat16", 0.7, id="phi3-bf16-T0.7", marks=pytest.mark.slow),
     pytest.param("phi3", "float32", 0.0, id="phi3-fp32-greedy", marks=pytest.mark.slow),
     pytest.param("mixtral", "bfloat16", 1.0, id="mixtral-bf16-sampled", marks=pytest.mark.slow),
+    pytest.param("gemma3_text", "bfloat16", 0.8, id="gemma3-bf16-T0.8"),
+    pytest.param("gemma3_text", "float32", 1.0, id="gemma3-fp32-sampled", marks=pytest.mark.slow),
 ]
 
 
@@ -247,6 +270,7 @@ def test_vllm_logprobs_equal_trainer(model_dirs, hf_patched, arch, dtype, temper
         pytest.param("qwen3", "float32", id="qwen3-fp32", marks=pytest.mark.slow),
         pytest.param("qwen3_moe", "bfloat16", id="moe-bf16", marks=pytest.mark.slow),
         pytest.param("phi3", "bfloat16", id="phi3-bf16", marks=pytest.mark.slow),
+        pytest.param("gemma3_text", "bfloat16", id="gemma3-bf16"),
     ],
 )
 def test_stock_vllm_differs(model_dirs, hf_patched, arch, dtype):
@@ -655,6 +679,41 @@ def test_vllm_rotary_refuses_what_it_cannot_make_equal(plugin_installed, monkeyp
         _vllm_rope_layer("longrope", torch.float32, monkeypatch, max_model_len=512)(positions, q, k)
     with pytest.raises(ValueError, match="at or past 512"):  # HF's dynamic rope turns length-dependent
         _vllm_rope_layer("dynamic", torch.float32, monkeypatch)(torch.tensor([3, 512]), q[:2], k[:2])
+
+
+def test_vllm_gemma_ops_compute_the_hugging_face_gemma3_bits(plugin_installed):
+    """vLLM's GemmaRMSNorm (alone and as its fused add+norm) and GeluAndMul(approximate="tanh")
+    under the plugin give the bits of the patched Hugging Face Gemma3RMSNorm after the decoder
+    layer's rounded residual add, and of the patched Gemma3MLP's activation. Negative control:
+    vLLM's own fused add+norm (statistics of the unrounded fp32 sum) differs."""
+    from vllm.config import VllmConfig, set_current_vllm_config
+    from vllm.model_executor.layers.activation import GeluAndMul
+    from vllm.model_executor.layers.layernorm import GemmaRMSNorm
+
+    from samepath.integrations import hf
+
+    modeling = pytest.importorskip("transformers.models.gemma3.modeling_gemma3")
+    gen = torch.Generator().manual_seed(3)
+    x, residual = (torch.randn(37, 96, generator=gen).mul(3).to(torch.bfloat16) for _ in range(2))
+    weight = (0.5 * torch.randn(96, generator=gen)).to(torch.bfloat16)
+    with set_current_vllm_config(VllmConfig()):
+        norm, act = GemmaRMSNorm(96, eps=1e-6).to(torch.bfloat16), GeluAndMul(approximate="tanh")
+    norm.weight.data.copy_(weight)
+    hf_norm = modeling.Gemma3RMSNorm(96, eps=1e-6).to(torch.bfloat16)
+    hf_norm.weight.data.copy_(weight)
+    with integrations.patched():
+        summed = residual + x  # Gemma3DecoderLayer: hidden_states = residual + hidden_states
+        want_alone, want_fused = hf_norm(x), hf_norm(summed)
+        gate_up = torch.randn(5, 2, 160, generator=gen).mul(3).to(torch.bfloat16)
+        mlp = modeling.Gemma3MLP(gemma3_config(hidden_size=96, intermediate_size=80)).to(torch.bfloat16)
+        assert type(hf_norm).forward is hf._one_plus_weight_rms_norm_forward
+        assert type(mlp).forward is hf._gelu_tanh_mlp_forward
+    got_fused, got_residual = norm(x, residual)
+    assert torch.equal(norm(x), want_alone)
+    assert torch.equal(got_fused, want_fused) and torch.equal(got_residual, summed)
+    assert torch.equal(act(gate_up), samepath.gelu_tanh_mul(gate_up[..., :80], gate_up[..., 80:]))
+    stock_fused, _ = norm.forward_native(x, residual)
+    assert not torch.equal(stock_fused, want_fused)
 
 
 class _Custom(torch.nn.Module):
@@ -1117,6 +1176,20 @@ def test_vllm_refuses_a_model_type_covered_on_one_side_only(tmp_path):
     message = str(refused.value)
     assert "UncoveredOpsError" in message and "model_type 'granite' is not supported" in message
     assert "GraniteForCausalLM" in message
+
+
+@pytest.mark.slow
+def test_vllm_refuses_gemma3_final_logit_softcapping(tmp_path):
+    """gemma3_text with final_logit_softcapping: vLLM would soft-cap the logits in its
+    LogitsProcessor while samepath's log-probs take the raw lm_head logits, so the plugin refuses the
+    load with the reason patch_all(model) and the CLI give."""
+    torch.manual_seed(0)
+    transformers.Gemma3ForCausalLM(gemma3_config(final_logit_softcapping=30.0)).save_pretrained(tmp_path)
+    spec = VLLMRolloutSpec(model=str(tmp_path), dtype="bfloat16", batches=[[[1, 2, 3]]], new_tokens=2)
+    with pytest.raises(RuntimeError) as refused:
+        run_vllm_rollout(spec)
+    message = str(refused.value)
+    assert "UncoveredOpsError" in message and "final_logit_softcapping=30.0" in message
 
 
 @pytest.mark.slow

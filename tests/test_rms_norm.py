@@ -328,3 +328,110 @@ def test_kernels_compile_for_hopper(monkeypatch) -> None:
         "_rms_norm_bwd_kernel",
         "_rms_norm_dw_reduce_kernel",
     }
+
+
+# ----------------------------------------------------------------------------------------------
+# Weight modes: OLMo-2 (fp32 row times the weight) and Gemma (fp32 row times 1 + weight)
+# ----------------------------------------------------------------------------------------------
+
+FP32_WEIGHT_MODES = ["fp32_weight", "fp32_one_plus_weight"]
+
+
+def _hf_fp32_weight_norm(x, weight, eps, mode, variance=None):
+    """transformers' Olmo2RMSNorm (``fp32_weight``) / Gemma3RMSNorm (``fp32_one_plus_weight``)."""
+    h = x.float()
+    if variance is None:
+        variance = h.pow(2).mean(-1, keepdim=True)
+    h = h * torch.rsqrt(variance + eps)
+    factor = weight.float() if mode == "fp32_weight" else 1.0 + weight.float()
+    return (h * factor).to(x.dtype)
+
+
+@pytest.mark.parametrize("mode", FP32_WEIGHT_MODES)
+@pytest.mark.parametrize("hidden", [80, 1000])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_weight_modes_round_as_hf(dtype: torch.dtype, hidden: int, mode: str) -> None:
+    """Given the same fp32 statistics, each mode has the bits of its Hugging Face module; the
+    residual add rounds to the dtype first, as Gemma 3's decoder layer adds."""
+    x, w, r, _ = _inputs(7, hidden, dtype, seed=hidden + 1)
+    w = (0.3 * torch.randn(hidden, generator=_gen(hidden))).to(dtype)  # Gemma's weights sit around 0
+    ours = rms_norm(x, w, EPS, weight_mode=mode)
+    assert torch.equal(ours, _hf_fp32_weight_norm(x, w, EPS, mode, _interpreter_mean_square(x)))
+    ours_y, ours_s = rms_norm(x, w, EPS, residual=r, weight_mode=mode)
+    assert torch.equal(ours_s, r + x)
+    assert torch.equal(ours_y, _hf_fp32_weight_norm(r + x, w, EPS, mode, _interpreter_mean_square(r + x)))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_negative_control_weight_mode_cast_point_is_seen(dtype: torch.dtype) -> None:
+    """Llama's cast point (round the row, then multiply) with the Gemma factor ``1 + w`` as its
+    weight gives other bits than Gemma's fp32 multiply: the check above can fail; and the
+    default mode keeps the Llama bits (unchanged by the new modes)."""
+    x, w, _, _ = _inputs(16, 1000, dtype, seed=5)
+    gemma = rms_norm(x, w, EPS, weight_mode="fp32_one_plus_weight")
+    llama_style = rms_norm(x, (1.0 + w.float()).to(dtype), EPS)
+    assert not torch.equal(gemma, llama_style)
+    assert not torch.equal(rms_norm(x, w, EPS, weight_mode="fp32_weight"), rms_norm(x, w, EPS))
+    assert torch.equal(rms_norm(x, w, EPS), _hf_rms_norm(x, w, EPS, _interpreter_mean_square(x)))
+
+
+@pytest.mark.parametrize("mode", FP32_WEIGHT_MODES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_weight_modes_row_alone_equals_row_in_batch(dtype: torch.dtype, mode: str) -> None:
+    x, w, r, dy = _inputs(33, 80, dtype, seed=40)
+
+    def run(rows: slice):
+        xs, rs = x[rows].clone().requires_grad_(), r[rows].clone().requires_grad_()
+        y, s = rms_norm(xs, w, EPS, residual=rs, weight_mode=mode)
+        (y.float() * dy[rows].float()).sum().backward()
+        return y.detach(), s.detach(), xs.grad
+
+    full = run(slice(0, 33))
+    for rows in (slice(0, 1), slice(0, 7), slice(17, 18), slice(32, 33)):
+        for a, b in zip(run(rows), full, strict=True):
+            assert torch.equal(a, b[rows])
+
+
+def _weight_mode_fp64(x, r, w, dy, dtype, mode):
+    x64, r64, w64 = (t.double().requires_grad_() for t in (x, r, w))
+    exact = x64 + r64
+    s64 = exact + (exact.to(dtype).double() - exact).detach()
+    factor = w64 if mode == "fp32_weight" else 1.0 + w64
+    y64 = factor * s64 * torch.rsqrt(s64.pow(2).mean(-1, keepdim=True) + EPS)
+    (y64 * dy.double()).sum().backward()
+    return y64, x64.grad, w64.grad
+
+
+@pytest.mark.parametrize("chunk", [None, 32], ids=["whole_rows", "chunked_rows"])
+@pytest.mark.parametrize("mode", FP32_WEIGHT_MODES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_weight_modes_forward_and_gradients_match_fp64(monkeypatch, dtype, mode, chunk) -> None:
+    """Forward, dx and dweight of each mode close to fp64, with rows held whole (80 columns) and
+    folded in chunks (200 columns in chunks of 32, the backward's chunked path); deterministic."""
+    hidden = 80 if chunk is None else 200
+    if chunk is not None:
+        _norm_chunk(monkeypatch, chunk)
+    x, w, r, dy = _inputs(19, hidden, dtype, seed=60 + hidden)
+    w = (0.3 * torch.randn(hidden, generator=_gen(hidden))).to(dtype)
+
+    def run():
+        xs, rs, ws = (t.clone().requires_grad_() for t in (x, r, w))
+        y, _ = rms_norm(xs, ws, EPS, residual=rs, weight_mode=mode)
+        (y.float() * dy.float()).sum().backward()
+        return y, xs.grad, rs.grad, ws.grad
+
+    y, dx, dr, dw = run()
+    assert all(torch.equal(a, b) for a, b in zip((y, dx, dr, dw), run(), strict=True))
+    y64, dx64, dw64 = _weight_mode_fp64(x, r, w, dy, dtype, mode)
+    tol = TOLERANCE[dtype]
+    assert _rel_err(y, y64) <= tol
+    assert _rel_err(dx, dx64) <= 2 * tol
+    assert torch.equal(dx, dr)
+    assert _rel_err(dw, dw64) <= 2 * tol
+
+
+def test_weight_mode_is_checked_and_in_the_formula() -> None:
+    x, w, _, _ = _inputs(2, 80, torch.float32, seed=0)
+    with pytest.raises(ValueError, match="weight_mode must be one of"):
+        rms_norm(x, w, weight_mode="gemma")
+    assert "weight_mode_fp32_one_plus_weight" in OP_FORMULAS["rms_norm"]

@@ -12,7 +12,7 @@
   layer that sees that metadata object and reused by the others.
 * :func:`cached_cos_sin`: rotary cos/sin of one step's positions, computed once per step.
 * :func:`validate_metadata`: whether the first layer of a step checks the metadata's values.
-* :func:`rms_norm`, :func:`linear`, :func:`swiglu`, :func:`apply_rotary`, :func:`rotary_cos_sin`,
+* :func:`rms_norm`, :func:`linear`, :func:`swiglu`, :func:`geglu_tanh`, :func:`apply_rotary`, :func:`rotary_cos_sin`,
   :func:`moe`: the kernels, as opaque custom ops when called inside a torch.compile'd region.
 """
 
@@ -30,6 +30,7 @@ import torch
 
 from samepath.integrations.formulas import routing_weights_fp32
 from samepath.integrations.moe import experts_forward, topk_softmax_routing
+from samepath.kernels.gelu_tanh_mul import geglu_tanh as _kernel_geglu_tanh
 from samepath.kernels.logprobs import log_softmax
 from samepath.kernels.matmul import batch_invariant
 from samepath.kernels.matmul import linear as _kernel_linear
@@ -442,25 +443,25 @@ def _scaling_key(scaling: dict | None) -> str:
 
 
 @torch.library.custom_op("samepath_vllm::rms_norm", mutates_args=())
-def _rms_norm_op(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    return _kernel_rms_norm(x, weight, eps)
+def _rms_norm_op(x: torch.Tensor, weight: torch.Tensor, eps: float, weight_mode: str) -> torch.Tensor:
+    return _kernel_rms_norm(x, weight, eps, weight_mode=weight_mode)
 
 
 @_rms_norm_op.register_fake
-def _(x, weight, eps):
+def _(x, weight, eps, weight_mode):
     return torch.empty_like(x)
 
 
 @torch.library.custom_op("samepath_vllm::add_rms_norm", mutates_args=())
 def _add_rms_norm_op(
-    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor, weight_mode: str
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    out, summed = _kernel_rms_norm(x, weight, eps, residual=residual)
+    out, summed = _kernel_rms_norm(x, weight, eps, residual=residual, weight_mode=weight_mode)
     return out, summed
 
 
 @_add_rms_norm_op.register_fake
-def _(x, weight, eps, residual):
+def _(x, weight, eps, residual, weight_mode):
     return torch.empty_like(x), torch.empty_like(x)
 
 
@@ -480,6 +481,16 @@ def _swiglu_op(gate_up: torch.Tensor) -> torch.Tensor:
 
 
 @_swiglu_op.register_fake
+def _(gate_up):
+    return gate_up.new_empty((*gate_up.shape[:-1], gate_up.shape[-1] // 2))
+
+
+@torch.library.custom_op("samepath_vllm::geglu_tanh", mutates_args=())
+def _geglu_tanh_op(gate_up: torch.Tensor) -> torch.Tensor:
+    return _kernel_geglu_tanh(gate_up)
+
+
+@_geglu_tanh_op.register_fake
 def _(gate_up):
     return gate_up.new_empty((*gate_up.shape[:-1], gate_up.shape[-1] // 2))
 
@@ -512,14 +523,18 @@ def _(q, k, cos, sin, unsqueeze_dim):
 
 
 def rms_norm(
-    x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, residual: torch.Tensor | None = None
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float = 1e-6,
+    residual: torch.Tensor | None = None,
+    weight_mode: str = "cast_then_weight",
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """:func:`samepath.rms_norm`, an opaque op inside a compiled region."""
     if not torch.compiler.is_compiling():
-        return _kernel_rms_norm(x, weight, eps, residual=residual)
+        return _kernel_rms_norm(x, weight, eps, residual=residual, weight_mode=weight_mode)
     if residual is None:
-        return _rms_norm_op(x, weight, eps)
-    return _add_rms_norm_op(x, weight, eps, residual)
+        return _rms_norm_op(x, weight, eps, weight_mode)
+    return _add_rms_norm_op(x, weight, eps, residual, weight_mode)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -534,6 +549,13 @@ def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
     if not torch.compiler.is_compiling():
         return _kernel_swiglu(gate_up)
     return _swiglu_op(gate_up)
+
+
+def geglu_tanh(gate_up: torch.Tensor) -> torch.Tensor:
+    """:func:`samepath.geglu_tanh`, an opaque op inside a compiled region."""
+    if not torch.compiler.is_compiling():
+        return _kernel_geglu_tanh(gate_up)
+    return _geglu_tanh_op(gate_up)
 
 
 def apply_rotary(

@@ -20,14 +20,14 @@ module class names / qualified names / ops); an opt-out warns once and is record
 :func:`samepath.fingerprint`, so the other side sees it.
 
 The model-level formulas come from :func:`samepath.integrations.formulas.model_formulas` on both
-sides: a model type covered on one side only (e.g. ``phi3``, ``mistral``, ``gemma2``) is refused on
-both.
+sides: a model type covered on one side only (e.g. ``granite``, ``gemma2``) is refused on both.
 
 ``samepath audit [--model DIR] [--json OUT]`` prints the Hugging Face side's report.
 """
 
 from __future__ import annotations
 
+import itertools
 import os
 import sys
 import warnings
@@ -197,10 +197,26 @@ def audit_hf_model(model: torch.nn.Module) -> AuditReport:
         entry = _generic(name, module) or _hf_entry(
             name, module, family_class, attention_fn, experts_fn, rotary_patched, batch_invariant_enabled()
         )
-        if entry.status == COVERED and entry.op in ("rms_norm", "silu_mul", "experts"):
+        if entry.status == COVERED and entry.op in ("rms_norm", "silu_mul", "gelu_tanh_mul", "experts"):
             whole.append(name)
         report.entries.append(entry)
     return report
+
+
+def embedding_scale_entry(
+    name: str, module: torch.nn.Module, scale: torch.Tensor, dtype: torch.dtype, hidden_size: int
+) -> AuditEntry:
+    """A scaled embedding (Gemma 3; ``module`` the module that multiplies): neutral while the factor
+    it multiplies by, in the model dtype, is :func:`~samepath.integrations.formulas.sqrt_hidden_scale`
+    rounded to that dtype, the factor both sides use: a lookup,
+    then one dtype multiply."""
+    from samepath.integrations.formulas import sqrt_hidden_scale
+
+    want = torch.tensor(sqrt_hidden_scale(hidden_size), dtype=torch.float32).to(dtype)
+    got = scale.detach().to(device="cpu").to(dtype)
+    if got.numel() != 1 or not torch.equal(got.reshape(()), want):
+        return _entry(name, module, "embedding", UNCOVERED, f"embedding scale {got.tolist()} is not {want.item()}")
+    return _entry(name, module, "embedding", NEUTRAL, f"a row lookup times {want.item()} in {dtype} (one rounding)")
 
 
 def _hf_attention_function(config: Any) -> Any:
@@ -238,11 +254,17 @@ def _hf_entry(
     if kind is torch.nn.Embedding:
         return _entry(name, module, "embedding", NEUTRAL, "a row lookup")
     if family_class(module, "RMSNorm"):
-        ok = kind.forward is hf._rms_norm_forward
-        return _entry(name, module, "rms_norm", COVERED if ok else UNCOVERED, "samepath.rms_norm" if ok else "stock")
+        mode = next((m for m, f in hf.RMS_NORM_FORWARDS.items() if kind.forward is f), None)
+        detail = "stock" if mode is None else f"samepath.rms_norm ({mode})"
+        return _entry(name, module, "rms_norm", UNCOVERED if mode is None else COVERED, detail)
     if family_class(module, "MLP"):
-        ok = kind.forward in hf.MLP_FORWARDS
-        return _entry(name, module, "silu_mul", COVERED if ok else UNCOVERED, "samepath.silu_mul" if ok else "stock")
+        op = hf.MLP_OPS.get(kind.forward)
+        if op is None:  # stock: the op the family computes
+            gelu = getattr(getattr(module, "config", None), "model_type", None) in hf.GELU_TANH_MLP
+            return _entry(name, module, "gelu_tanh_mul" if gelu else "silu_mul", UNCOVERED, "stock")
+        return _entry(name, module, op, COVERED, f"samepath.{op}")
+    if family_class(module, "TextScaledWordEmbedding"):
+        return embedding_scale_entry(name, module, module.embed_scale, module.weight.dtype, module.embedding_dim)
     if family_class(module, "RotaryEmbedding"):
         ok = kind.forward is hf._rotary_embedding_forward
         detail = "samepath.rotary_cos_sin (the vLLM plugin's function)" if ok else "stock cos/sin"
@@ -263,7 +285,7 @@ def _hf_entry(
     if family_class(module, "TopKRouter"):
         detail = "Hugging Face's fp32 softmax top-k: the router the vLLM plugin runs (samepath.integrations.moe)"
         return _entry(name, module, "moe_routing", COVERED, detail)
-    for suffix in ("ForCausalLM", "Model", "DecoderLayer", "SparseMoeBlock"):
+    for suffix in ("ForCausalLM", "Model", "TextModel", "DecoderLayer", "SparseMoeBlock"):
         if family_class(module, suffix):
             return _entry(name, module, "structure", NEUTRAL, "residual adds in the model dtype, reshapes")
     return _entry(name, module, "unknown", UNCOVERED, "samepath has no rule for this module class")
@@ -293,10 +315,12 @@ VLLM_STRUCTURE: dict[str, tuple[str, tuple[str, ...]]] = {
         "vllm.model_executor.models.mixtral",
         ("MixtralForCausalLM", "MixtralModel", "MixtralDecoderLayer", "MixtralMoE"),
     ),
+    # Gemma3Model's own code also scales the embeddings (its ``normalizer``: checked separately).
+    "gemma3_text": ("vllm.model_executor.models.gemma3", ("Gemma3ForCausalLM", "Gemma3Model", "Gemma3DecoderLayer")),
 }
 
 #: model_type -> (module, attention class, MLP classes) in vLLM: the attention module's own code
-#: is q/k/v split, q/k norms, rotary, attention, o_proj; the MLP's gate_up, SiLU·mul, down.
+#: is q/k/v split, q/k norms, rotary, attention, o_proj; the MLP's gate_up, SiLU·mul (Gemma: GELU-tanh·mul), down.
 VLLM_ATTENTION_MLP: dict[str, tuple[str, str, tuple[str, ...]]] = {
     "llama": ("vllm.model_executor.models.llama", "LlamaAttention", ("LlamaMLP",)),
     "qwen2": ("vllm.model_executor.models.qwen2", "Qwen2Attention", ("Qwen2MLP",)),
@@ -310,6 +334,8 @@ VLLM_ATTENTION_MLP: dict[str, tuple[str, str, tuple[str, ...]]] = {
     ),
     "phi3": ("vllm.model_executor.models.llama", "LlamaAttention", ("LlamaMLP",)),
     "mixtral": ("vllm.model_executor.models.mixtral", "MixtralAttention", ()),
+    # Gemma3Attention: q/k norms (GemmaRMSNorm) on the heads, the rope of its layer type, its window.
+    "gemma3_text": ("vllm.model_executor.models.gemma3", "Gemma3Attention", ("Gemma3MLP",)),
 }
 
 
@@ -339,20 +365,31 @@ def audit_vllm_model(model: torch.nn.Module, hf_config: Any, rules: Any = None) 
     side's resolution of ``hf_config``, and each RMSNorm the config's epsilon.
     """
     from samepath.integrations import vllm as plugin
-    from samepath.integrations.formulas import rope_formula
+    from samepath.integrations.formulas import layer_types, rope_formulas
     from samepath.kernels.rotary import rotary_inv_freq, rotary_position_limit
 
     rules = rules or plugin.vllm_rules()
     model_type = getattr(hf_config, "model_type", None)
     report = AuditReport("vllm", model_type)
     formulas = None
+    hf_ropes: dict[str | None, tuple] = {}
+    types = None
     try:
         formulas = model_formulas(hf_config)
-        rope = rope_formula(hf_config)
-        hf_rope = (*rotary_inv_freq(rope.rotary_dim, rope.base, rope.scaling), rotary_position_limit(rope.scaling))
+        types = layer_types(hf_config)
+        for key, rope in rope_formulas(hf_config).items():
+            inv_freq = rotary_inv_freq(rope.rotary_dim, rope.base, rope.scaling)
+            hf_ropes[key] = (*inv_freq, rotary_position_limit(rope.scaling))
     except UnsupportedModelError as exc:
         report.problems.append(str(exc))
-        hf_rope = None
+
+    def hf_rope_of(name: str) -> tuple | None:
+        """The Hugging Face rope of the layer ``name`` belongs to (per layer type: Gemma 3)."""
+        if types is None:
+            return hf_ropes.get(None)
+        index = _layer_index(name)
+        return None if index is None or index >= len(types) else hf_ropes.get(types[index])
+
     structure = _named_classes(*VLLM_STRUCTURE[model_type]) if model_type in VLLM_STRUCTURE else ()
     attention_mlp = VLLM_ATTENTION_MLP.get(model_type)
     attention_cls = _named_classes(attention_mlp[0], (attention_mlp[1],)) if attention_mlp else ()
@@ -366,20 +403,34 @@ def audit_vllm_model(model: torch.nn.Module, hf_config: Any, rules: Any = None) 
         entry = _generic(name, module)
         if entry is None:
             kind = type(module)
-            if kind in structure:
+            if kind in structure and hasattr(module, "normalizer"):  # Gemma3Model: embed * normalizer
+                entry = embedding_scale_entry(
+                    name, module, module.normalizer, module.embed_tokens.weight.dtype, hf_config.hidden_size
+                )
+            elif kind in structure:
                 entry = _entry(name, module, "structure", NEUTRAL, "residual adds in the model dtype, reshapes")
             elif kind in attention_cls:
                 entry = _entry(
                     name, module, "attention_block", NEUTRAL, "q/k/v split, norms, rotary, attention, o_proj"
                 )
             elif kind in mlp_cls:
-                entry = _entry(name, module, "mlp_block", NEUTRAL, "gate_up, SiLU·mul, down")
+                entry = _entry(name, module, "mlp_block", NEUTRAL, "gate_up, activation·mul, down")
             else:
-                entry = plugin.classify_module(name, module, formulas, hf_rope, rules)
-        if entry.status == COVERED and entry.op in ("rotary", "moe", "rms_norm", "silu_mul", "linear", "lm_head"):
+                entry = plugin.classify_module(name, module, formulas, hf_rope_of(name), rules)
+        covering = ("rotary", "moe", "rms_norm", "silu_mul", "gelu_tanh_mul", "linear", "lm_head")
+        if entry.status == COVERED and entry.op in covering:
             whole.append(name)
         report.entries.append(entry)
     return report
+
+
+def _layer_index(name: str) -> int | None:
+    """``i`` of the first ``layers.<i>`` in a qualified module name."""
+    parts = name.split(".")
+    for part, following in itertools.pairwise(parts):
+        if part == "layers" and following.isdigit():
+            return int(following)
+    return None
 
 
 # ----------------------------------------------------------------------------------------------

@@ -19,6 +19,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 from samepath.kernels.rotary import ROPE_TYPES
 
 #: model_type -> the formulas samepath implements for it, on the trainer (Hugging Face) and the
@@ -34,16 +36,24 @@ FAMILIES: dict[str, dict[str, Any]] = {
     "phi3": {"norm": "rms_norm", "qk_norm": False, "mlp": "silu_mul", "moe": None},
     # Mistral's attention with top-k softmax experts whose routing weights stay in fp32 (vLLM: mixtral.py).
     "mixtral": {"norm": "rms_norm", "qk_norm": False, "mlp": None, "moe": "softmax_topk_fp32"},
+    # Gemma 3 text: (1 + weight) fp32 norms (four per layer, and q/k), GELU-tanh·mul, a scaled
+    # embedding, query_pre_attn_scalar, alternating sliding / full layers with a rope per layer type.
+    "gemma3_text": {"norm": "rms_norm", "qk_norm": True, "mlp": "gelu_tanh_mul", "moe": None},
 }
+
+#: model_type -> ``samepath.rms_norm``'s ``weight_mode`` of its norms (default ``cast_then_weight``).
+NORM_WEIGHT_MODES: dict[str, str] = {"gemma3_text": "fp32_one_plus_weight"}
 
 #: model_type -> why samepath refuses it, the same words on every side (``patch_all(model)``, the
 #: vLLM plugin's load audit, ``samepath check``/``audit``). Decided from what each architecture's
 #: modules compute in transformers 5 and vLLM, not from its name.
 REFUSED: dict[str, str] = {
     "olmo2": (
-        "vLLM runs Olmo2ForCausalLM through its Transformers backend, which samepath's vLLM plugin does not patch, "
-        "and Olmo2RMSNorm multiplies by the weight in fp32 before the cast (samepath's norm casts first, as "
-        "Llama's does); the q/k norms over all heads are not in samepath's vLLM coverage either"
+        "vLLM 0.32 runs Olmo2ForCausalLM through its Transformers backend, whose fusers swap the model's norms, "
+        "projections and attention for vLLM layers found from the modules' dataflow; samepath's vLLM plugin does "
+        "not patch or audit that backend. Olmo2RMSNorm's fp32 weight multiply before the cast is samepath's "
+        "rms_norm weight_mode='fp32_weight', but its q/k norms run over all heads at once (under tensor "
+        "parallelism a norm across ranks), which samepath's vLLM coverage does not include"
     ),
     "granite": (
         "Granite's embedding_multiplier, residual_multiplier and logits_scaling are elementwise ops of the model "
@@ -52,16 +62,14 @@ REFUSED: dict[str, str] = {
         "residual + h * residual_multiplier without Hugging Face's rounding between the multiply and the add"
     ),
     "gemma2": (
-        "Gemma 2 uses attention logit soft-capping (refused by samepath's attention), final logit soft-capping, "
-        "(1 + weight) RMSNorm, a GELU-tanh MLP and alternating sliding-window layers; none is implemented"
+        "Gemma 2 uses attention logit soft-capping (tanh of the scores before the softmax, refused by samepath's "
+        "attention kernel) and final logit soft-capping; its (1 + weight) RMSNorm, GELU-tanh MLP, scaled embedding "
+        "and alternating sliding-window layers are Gemma 3's, which samepath implements (model_type gemma3_text)"
     ),
     "gemma3": (
-        "Gemma 3 uses per-layer-type rope (local and global bases), (1 + weight) RMSNorm with q/k norms, a "
-        "GELU-tanh MLP and alternating sliding-window layers; none is implemented"
-    ),
-    "gemma3_text": (
-        "Gemma 3 uses per-layer-type rope (local and global bases), (1 + weight) RMSNorm with q/k norms, a "
-        "GELU-tanh MLP and alternating sliding-window layers; none is implemented"
+        "Gemma3ForConditionalGeneration is multimodal (a SigLIP vision tower, bidirectional attention over image "
+        "tokens), which samepath does not implement; the text-only Gemma3ForCausalLM (model_type gemma3_text) "
+        "is supported"
     ),
     "gpt_oss": (
         "GPT-OSS uses attention sinks (s_aux, refused by samepath's attention) and clamped SwiGLU experts with "
@@ -94,6 +102,8 @@ def unsupported_reason(model_type: object) -> str:
 
 
 _ACTIVATIONS = ("silu", "swish")
+#: model type -> the MLP activation its samepath formula implements (read from ``hidden_activation``).
+_FAMILY_ACTIVATIONS = {"gemma3_text": ("gelu_pytorch_tanh",)}
 
 
 class UnsupportedModelError(ValueError):
@@ -115,7 +125,13 @@ class RopeFormula:
         return self.scaling["rope_type"]
 
     def to_json(self) -> dict[str, Any]:
-        return {"rotary_dim": self.rotary_dim, "head_size": self.head_size, "style": "neox", **self.scaling}
+        return {
+            "rotary_dim": self.rotary_dim,
+            "head_size": self.head_size,
+            "base": self.base,
+            "style": "neox",
+            **self.scaling,
+        }
 
 
 def _head_size(config: Any) -> int:
@@ -126,19 +142,53 @@ def _plain(value: Any) -> Any:
     return [_plain(v) for v in value] if isinstance(value, (list, tuple)) else value
 
 
-def rope_formula(config: Any) -> RopeFormula:
-    """The rotary formula of a Hugging Face decoder config, as transformers 5 resolves it.
+def _per_layer_type(params: dict) -> bool:
+    return bool(params) and all(isinstance(v, dict) for v in params.values())
+
+
+def layer_types(config: Any) -> list[str] | None:
+    """``config.layer_types`` for a config with per-layer-type rope parameters (Gemma 3: one
+    ``"sliding_attention"`` / ``"full_attention"`` entry per layer), else ``None``."""
+    if hasattr(config, "standardize_rope_params"):
+        config.standardize_rope_params()
+    if not _per_layer_type(getattr(config, "rope_parameters", None) or {}):
+        return None
+    return list(config.layer_types)
+
+
+def rope_formulas(config: Any) -> dict[str | None, RopeFormula]:
+    """Every rotary formula of a config: ``{None: rope_formula(config)}``, or one per layer type
+    for per-layer-type rope parameters (Gemma 3's local and global rope)."""
+    types = layer_types(config)
+    if types is None:
+        return {None: rope_formula(config)}
+    return {layer_type: rope_formula(config, layer_type) for layer_type in sorted(set(types))}
+
+
+def rope_formula(config: Any, layer_type: str | None = None) -> RopeFormula:
+    """The rotary formula of a Hugging Face decoder config, as transformers 5 resolves it; for a
+    config with per-layer-type rope parameters (``rope_parameters[layer_type]``, Gemma 3), the one
+    of ``layer_type``.
 
     Raises :class:`UnsupportedModelError` for a rope type outside
-    :data:`samepath.kernels.rotary.ROPE_TYPES`, per-layer-type rope parameters, or partial rotary
+    :data:`samepath.kernels.rotary.ROPE_TYPES`, per-layer-type rope parameters without a
+    ``layer_type`` of them (or a ``layer_type`` for a config without them), or partial rotary
     (the supported families rotate the whole head; Hugging Face's Llama ignores
     ``partial_rotary_factor`` for the default type and fails for the others).
     """
     if hasattr(config, "standardize_rope_params"):
         config.standardize_rope_params()
     params = getattr(config, "rope_parameters", None) or {}
-    if params and all(isinstance(v, dict) for v in params.values()):
-        raise UnsupportedModelError(f"per-layer-type rope parameters ({sorted(params)}) are not supported")
+    if _per_layer_type(params):
+        if layer_type not in params:
+            raise UnsupportedModelError(
+                f"per-layer-type rope parameters ({sorted(params)}) need one of their layer types, got {layer_type!r}"
+            )
+        params = params[layer_type]
+    elif layer_type is not None:
+        raise UnsupportedModelError(
+            f"layer_type={layer_type!r} given for a config without per-layer-type rope parameters"
+        )
     params = dict(params)
     rope_type = params.get("rope_type", params.get("type", "default"))
     if rope_type not in ROPE_TYPES:
@@ -182,9 +232,20 @@ def model_formulas(config: Any) -> dict[str, Any]:
     for key in ("llama_4_scaling", "ada_rms_norm_t_cond"):  # vLLM's Mistral-only extras
         if getattr(config, key, None):
             raise UnsupportedModelError(f"{key} ({model_type}) is not supported")
-    act = getattr(config, "hidden_act", "silu")
-    if act not in _ACTIVATIONS:
-        raise UnsupportedModelError(f"hidden_act={act!r} is not supported (samepath implements SiLU·mul)")
+    if model_type in _FAMILY_ACTIVATIONS:
+        act = getattr(config, "hidden_activation", None)
+        if act not in _FAMILY_ACTIVATIONS[model_type]:
+            raise UnsupportedModelError(
+                f"hidden_activation={act!r} is not supported for {model_type} (samepath implements GELU-tanh·mul, "
+                "gelu_pytorch_tanh)"
+            )
+    else:
+        act = getattr(config, "hidden_act", "silu")
+        if act not in _ACTIVATIONS:
+            raise UnsupportedModelError(f"hidden_act={act!r} is not supported (samepath implements SiLU·mul)")
+    gemma = model_type == "gemma3_text"
+    if gemma:
+        _check_gemma3(config)
     head_size = _head_size(config)
     moe = None
     if family["moe"] == "softmax_topk":
@@ -210,13 +271,16 @@ def model_formulas(config: Any) -> dict[str, Any]:
                 f"router_jitter_noise={config.router_jitter_noise} (random noise on the trainer's router in "
                 "train mode only) is not supported"
             )
-    # qwen2 windows only with use_sliding_window; mistral, phi3 and mixtral whenever sliding_window is set.
-    sliding = bool(getattr(config, "use_sliding_window", model_type in ("mistral", "phi3", "mixtral")))
-    return {
+    # qwen2 windows only with use_sliding_window; mistral, phi3 and mixtral whenever sliding_window is set;
+    # gemma3_text on its sliding_attention layers.
+    sliding = bool(getattr(config, "use_sliding_window", model_type in ("mistral", "phi3", "mixtral", "gemma3_text")))
+    ropes = rope_formulas(config)
+    formulas = {
         "model_type": model_type,
-        "rope": rope_formula(config).to_json(),
+        "rope": ropes[None].to_json() if None in ropes else {k: v.to_json() for k, v in ropes.items()},
         "norm": {
             "kind": family["norm"],
+            "weight_mode": NORM_WEIGHT_MODES.get(model_type, "cast_then_weight"),
             "eps": float(config.rms_norm_eps),
             "qk_norm": family["qk_norm"],
             "residual": "add rounded to the dtype, then the norm",
@@ -224,7 +288,7 @@ def model_formulas(config: Any) -> dict[str, Any]:
         "activation": f"{act}·mul",
         "moe": moe,
         "attention": {
-            "scale": head_size**-0.5,
+            "scale": float(config.query_pre_attn_scalar) ** -0.5 if gemma else head_size**-0.5,
             "sliding_window": getattr(config, "sliding_window", None) if sliding else None,
             "max_window_layers": getattr(config, "max_window_layers", None) if sliding else None,
             "softcap": None,
@@ -232,15 +296,67 @@ def model_formulas(config: Any) -> dict[str, Any]:
         },
         "tie_word_embeddings": bool(getattr(config, "tie_word_embeddings", False)),
     }
+    if gemma:
+        formulas["norm"]["residual"] = (
+            "the sublayer's output normed (post_attention / post_feedforward), added to the residual rounded to "
+            "the dtype, then the next pre-norm"
+        )
+        formulas["attention"]["layer_types"] = list(config.layer_types)
+        formulas["embedding"] = {"scale": embedding_scale(config), "multiply": "in the model dtype, one rounding"}
+    return formulas
+
+
+def embedding_scale(config: Any) -> float | None:
+    """The factor a model multiplies its token embeddings by (Gemma 3: ``sqrt(hidden_size)``, held as
+    an fp32 value that both sides round to the model dtype before the multiply), ``None`` for none."""
+    if getattr(config, "model_type", None) != "gemma3_text":
+        return None
+    return sqrt_hidden_scale(config.hidden_size)
+
+
+def sqrt_hidden_scale(hidden_size: int) -> float:
+    """``sqrt(hidden_size)`` rounded to fp32: Gemma's embedding factor before its cast to the dtype."""
+    return float(torch.tensor(hidden_size**0.5, dtype=torch.float32))
+
+
+def _check_gemma3(config: Any) -> None:
+    """Gemma 3 text options outside samepath's formulas, refused the same way on both sides."""
+    problems = []
+    if getattr(config, "attn_logit_softcapping", None) is not None:
+        problems.append(
+            f"attn_logit_softcapping={config.attn_logit_softcapping} (attention logit soft-capping is refused by "
+            "samepath's attention kernel)"
+        )
+    if getattr(config, "final_logit_softcapping", None) is not None:
+        problems.append(
+            f"final_logit_softcapping={config.final_logit_softcapping} (tanh soft-capping of the logits: samepath's "
+            "log-probs take the raw lm_head logits on both sides)"
+        )
+    if getattr(config, "use_bidirectional_attention", False):
+        problems.append("use_bidirectional_attention=True (samepath's attention is causal)")
+    if getattr(config, "attention_bias", False):
+        problems.append("attention_bias=True (q/k/v/o biases)")
+    if getattr(config, "attention_dropout", 0.0):
+        problems.append(f"attention_dropout={config.attention_dropout}")
+    unknown = sorted(set(config.layer_types) - {"sliding_attention", "full_attention"})
+    if unknown:
+        problems.append(f"layer types {unknown}")
+    if problems:
+        raise UnsupportedModelError(f"gemma3_text with {'; '.join(problems)} is not supported")
 
 
 __all__ = [
     "FAMILIES",
+    "NORM_WEIGHT_MODES",
     "REFUSED",
     "RopeFormula",
     "UnsupportedModelError",
+    "embedding_scale",
+    "layer_types",
     "model_formulas",
     "rope_formula",
+    "rope_formulas",
     "routing_weights_fp32",
+    "sqrt_hidden_scale",
     "unsupported_reason",
 ]

@@ -12,10 +12,12 @@ the device (:func:`cached_batch_layout`) and reused by every layer. Training (no
 :func:`samepath.kernels.attention.packed_attention`.
 
 Per model type (``config.model_type``), Liger-style: ``{Prefix}RMSNorm.forward`` →
-:func:`samepath.rms_norm`, ``{Prefix}MLP.forward`` → :func:`samepath.silu_mul` (Phi-3's fused
-``gate_up_proj``: :func:`samepath.kernels.swiglu.swiglu`, vLLM's layout), the module's
+:func:`samepath.rms_norm` (Gemma 3: ``weight_mode="fp32_one_plus_weight"``), ``{Prefix}MLP.forward`` →
+:func:`samepath.silu_mul` (Phi-3's fused ``gate_up_proj``: :func:`samepath.kernels.swiglu.swiglu`,
+vLLM's layout; Gemma 3: :func:`samepath.gelu_tanh_mul`), the module's
 ``apply_rotary_pos_emb`` → :func:`samepath.apply_rotary`, ``{Prefix}RotaryEmbedding.forward`` →
-:func:`samepath.rotary_cos_sin` (every rope type :mod:`samepath.integrations.formulas` resolves);
+:func:`samepath.rotary_cos_sin` (every rope type :mod:`samepath.integrations.formulas` resolves,
+per layer type where the config has one rope per layer type: Gemma 3's local and global);
 MoE experts through ``ExpertsInterface``.
 Linear layers and the lm_head go through :func:`samepath.batch_invariant` (entered by
 ``patch_all``). Every replacement is recorded by :class:`Patcher` and undone by ``unpatch_all``.
@@ -40,9 +42,10 @@ from typing import Any
 import torch
 
 from samepath.ascendc_fallback.loader import attention_backend
-from samepath.integrations.formulas import UnsupportedModelError, rope_formula
+from samepath.integrations.formulas import NORM_WEIGHT_MODES, rope_formula
 from samepath.integrations.moe import experts_forward
 from samepath.kernels.attention import LaunchPlan, packed_attention, varlen_attention
+from samepath.kernels.gelu_tanh_mul import gelu_tanh_mul
 from samepath.kernels.logprobs import IGNORE_INDEX, LM_HEAD_TOKEN_CHUNK, linear_token_logprobs
 from samepath.kernels.rms_norm import rms_norm
 from samepath.kernels.rotary import apply_rotary, rotary_cos_sin
@@ -60,6 +63,7 @@ MODEL_TYPES: dict[str, tuple[str, str]] = {
     "mistral": ("transformers.models.mistral.modeling_mistral", "Mistral"),
     "phi3": ("transformers.models.phi3.modeling_phi3", "Phi3"),
     "mixtral": ("transformers.models.mixtral.modeling_mixtral", "Mixtral"),
+    "gemma3_text": ("transformers.models.gemma3.modeling_gemma3", "Gemma3"),
 }
 
 #: model types whose ``{Prefix}MLP`` has one fused ``gate_up_proj`` (gate first, then up: vLLM's layout).
@@ -500,6 +504,18 @@ def _rms_norm_forward(self: torch.nn.Module, hidden_states: torch.Tensor) -> tor
     return rms_norm(hidden_states, self.weight, self.variance_epsilon)
 
 
+def _one_plus_weight_rms_norm_forward(self: torch.nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
+    """``Gemma3RMSNorm``: the fp32 row times ``1 + weight.float()``, one rounding (its ``eps``)."""
+    return rms_norm(hidden_states, self.weight, self.eps, weight_mode="fp32_one_plus_weight")
+
+
+#: ``weight_mode`` (:data:`samepath.integrations.formulas.NORM_WEIGHT_MODES`) -> the norm forward samepath installs.
+RMS_NORM_FORWARDS = {
+    "cast_then_weight": _rms_norm_forward,
+    "fp32_one_plus_weight": _one_plus_weight_rms_norm_forward,
+}
+
+
 def _mlp_forward(self: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
     if self.config.hidden_act not in ("silu", "swish"):
         raise ValueError(f"samepath's MLP patch implements SiLU·mul, not hidden_act={self.config.hidden_act!r}")
@@ -512,8 +528,22 @@ def _fused_mlp_forward(self: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
     return self.down_proj(swiglu(self.gate_up_proj(x)))
 
 
-#: The MLP forwards samepath installs (``FUSED_GATE_UP`` types get the fused one).
-MLP_FORWARDS = (_mlp_forward, _fused_mlp_forward)
+def _gelu_tanh_mlp_forward(self: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    if self.config.hidden_activation != "gelu_pytorch_tanh":
+        raise ValueError(
+            "samepath's Gemma MLP patch implements GELU-tanh·mul (gelu_pytorch_tanh), not "
+            f"hidden_activation={self.config.hidden_activation!r}"
+        )
+    return self.down_proj(gelu_tanh_mul(self.gate_proj(x), self.up_proj(x)))
+
+
+#: The MLP forwards samepath installs (``FUSED_GATE_UP`` types get the fused one, ``GELU_TANH_MLP``
+#: types the GELU-tanh one), by the op the audit reports.
+MLP_FORWARDS = (_mlp_forward, _fused_mlp_forward, _gelu_tanh_mlp_forward)
+MLP_OPS = {_mlp_forward: "silu_mul", _fused_mlp_forward: "silu_mul", _gelu_tanh_mlp_forward: "gelu_tanh_mul"}
+
+#: model types whose ``{Prefix}MLP`` is ``act_fn(gate_proj(x)) * up_proj(x)`` with GELU-tanh.
+GELU_TANH_MLP: frozenset[str] = frozenset({"gemma3_text"})
 
 
 def _apply_rotary_pos_emb(
@@ -525,9 +555,7 @@ def _apply_rotary_pos_emb(
 def _rotary_embedding_forward(
     self: torch.nn.Module, x: torch.Tensor, position_ids: torch.Tensor, layer_type: str | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    if layer_type is not None:
-        raise UnsupportedModelError(f"per-layer-type rope ({layer_type!r}) is not supported")
-    rope = rope_formula(self.config)
+    rope = rope_formula(self.config, layer_type)  # Gemma 3: the rope of this layer type (local or global)
     return rotary_cos_sin(position_ids, rope.rotary_dim, rope.base, x.dtype, rope.scaling)
 
 
@@ -545,10 +573,15 @@ def apply_to_model_type(model_type: str, patcher: Patcher) -> None:
         )
     module_name, prefix = MODEL_TYPES[model_type]
     modeling = importlib.import_module(module_name)
-    patcher.set(getattr(modeling, f"{prefix}RMSNorm"), "forward", _rms_norm_forward)
+    norm_forward = RMS_NORM_FORWARDS[NORM_WEIGHT_MODES.get(model_type, "cast_then_weight")]
+    patcher.set(getattr(modeling, f"{prefix}RMSNorm"), "forward", norm_forward)
     mlp = getattr(modeling, f"{prefix}MLP", None)
     if mlp is not None:
-        patcher.set(mlp, "forward", _fused_mlp_forward if model_type in FUSED_GATE_UP else _mlp_forward)
+        if model_type in GELU_TANH_MLP:
+            mlp_forward = _gelu_tanh_mlp_forward
+        else:
+            mlp_forward = _fused_mlp_forward if model_type in FUSED_GATE_UP else _mlp_forward
+        patcher.set(mlp, "forward", mlp_forward)
     patcher.set(modeling, "apply_rotary_pos_emb", _apply_rotary_pos_emb)
     patcher.set(getattr(modeling, f"{prefix}RotaryEmbedding"), "forward", _rotary_embedding_forward)
 

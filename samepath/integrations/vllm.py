@@ -32,7 +32,11 @@ What :func:`install` replaces (every original recorded; :func:`uninstall` restor
   parameters :func:`vllm_rope` reads off the layer (default, linear, dynamic NTK, YaRN, llama3,
   longrope: HF's formula, not vLLM's cached table), the rotation by :func:`samepath.apply_rotary`.
   Other rotary layers (GPT-J style, mrope, ...) raise :class:`UnsupportedRopeError`.
+* **Gemma's RMSNorm** — ``GemmaRMSNorm.forward``: :func:`samepath.rms_norm` with
+  ``weight_mode="fp32_one_plus_weight"`` (``Gemma3RMSNorm``'s fp32 ``1 + weight`` multiply), the
+  residual added and rounded first as for ``RMSNorm``.
 * **SiLU·mul** — ``SiluAndMul.forward``: :func:`samepath.swiglu`.
+* **GELU-tanh·mul** — ``GeluAndMul.forward`` with ``approximate="tanh"``: :func:`samepath.geglu_tanh`.
 * **Linear** — ``UnquantizedLinearMethod.apply`` and ``UnquantizedEmbeddingMethod.apply`` (the
   lm_head) run :func:`samepath.linear`; on the CPU ``dispatch_cpu_unquantized_gemm`` no longer
   repacks (or drops) the weight for oneDNN / sgl kernels. :func:`samepath.batch_invariant` is
@@ -124,6 +128,7 @@ from samepath.integrations._vllm_common import (
     check_v1_model_runner_env,
     claim,
     compute_logprobs,
+    geglu_tanh,
     has_dense_weight,
     linear,
     loading_model_routing_fp32,
@@ -416,6 +421,37 @@ def _patch_rms_norm(patcher: _Patcher) -> bool:
     return True
 
 
+def _plain_gemma_norm(module: Any, dtype: torch.dtype) -> bool:
+    from vllm.model_executor.layers.layernorm import GemmaRMSNorm
+
+    return (
+        type(module) is GemmaRMSNorm
+        and dtype in (torch.float32, torch.bfloat16, torch.float16)
+        and module.weight.dtype == dtype
+    )
+
+
+def _patch_gemma_rms_norm(patcher: _Patcher) -> bool:
+    """``GemmaRMSNorm.forward`` (Gemma 3's four norms per layer, its q/k norms and the final norm):
+    :func:`samepath.rms_norm` with ``weight_mode="fp32_one_plus_weight"`` — the fp32 row times
+    ``1 + weight.float()``, one rounding, as ``Gemma3RMSNorm`` computes. With a residual, vLLM's
+    fused add+norm (whose statistics read the unrounded fp32 sum) becomes ``s = x + residual``
+    rounded to the dtype, then the norm of ``s``: Hugging Face's decoder layer's rounding."""
+    from vllm.model_executor.custom_op import CustomOp
+    from vllm.model_executor.layers.layernorm import GemmaRMSNorm
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        if not _plain_gemma_norm(self, x.dtype):
+            return CustomOp.forward(self, x, residual) if residual is not None else CustomOp.forward(self, x)
+        weight_mode = "fp32_one_plus_weight"
+        if residual is None:
+            return rms_norm(x, self.weight.data, self.variance_epsilon, weight_mode=weight_mode)
+        return rms_norm(x, self.weight.data, self.variance_epsilon, residual=residual, weight_mode=weight_mode)
+
+    patcher.set(GemmaRMSNorm, "forward", forward)
+    return True
+
+
 class UnsupportedRopeError(NotImplementedError):
     """A vLLM rotary layer whose formula samepath cannot make equal to Hugging Face's."""
 
@@ -579,6 +615,28 @@ def _patch_silu_mul(patcher: _Patcher) -> bool:
         return swiglu(x)
 
     patcher.set(SiluAndMul, "forward", forward)
+    return True
+
+
+def _patch_gelu_tanh_mul(patcher: _Patcher) -> bool:
+    """``GeluAndMul.forward`` with ``approximate="tanh"`` (``gelu_pytorch_tanh``, Gemma's MLP):
+    :func:`samepath.geglu_tanh`, the function the Hugging Face side's ``Gemma3MLP`` runs on the
+    gate and up halves. The exact (erf) GELU stays on vLLM's kernel, and the audit calls it
+    uncovered."""
+    from vllm.model_executor.custom_op import CustomOp
+    from vllm.model_executor.layers.activation import GeluAndMul
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        plain = (
+            type(self) is GeluAndMul
+            and self.approximate == "tanh"
+            and x.dtype in (torch.float32, torch.bfloat16, torch.float16)
+        )
+        if not plain:
+            return CustomOp.forward(self, x)
+        return geglu_tanh(x)
+
+    patcher.set(GeluAndMul, "forward", forward)
     return True
 
 
@@ -833,7 +891,9 @@ class ModuleRules:
     classes whose ``apply`` samepath replaced, ``linear_classes`` the layer classes (qualified
     names) whose forward only calls it, ``linear_problems`` what else a linear layer needs;
     ``attention_problems`` why an ``Attention`` layer's impl is not samepath's; ``moe`` the entry of
-    an MoE module, or ``None`` when ``module`` is not one."""
+    an MoE module, or ``None`` when ``module`` is not one; ``gemma_rms_norm`` the (1 + weight) norm
+    classes and ``gelu_tanh_mul`` the GELU·mul classes samepath patched (none on a platform whose
+    integration does not patch them: refused there)."""
 
     platform: str
     installed: Callable[[], bool]
@@ -848,6 +908,8 @@ class ModuleRules:
     linear_problems: Callable[[torch.nn.Module], list[str]]
     attention_problems: Callable[[Any], list[str]]
     moe: Callable[[str, torch.nn.Module, dict | None], Any]
+    gemma_rms_norm: tuple[type, ...] = ()
+    gelu_tanh_mul: tuple[type, ...] = ()
 
 
 def moe_formula_problem(experts: Any, formulas: dict | None) -> str | None:
@@ -894,9 +956,9 @@ def _moe_entry(name: str, module: torch.nn.Module, formulas: dict | None):
 
 def vllm_rules() -> ModuleRules:
     """vLLM's own classes, as this plugin patches them."""
-    from vllm.model_executor.layers.activation import SiluAndMul
+    from vllm.model_executor.layers.activation import GeluAndMul, SiluAndMul
     from vllm.model_executor.layers.attention.attention import Attention
-    from vllm.model_executor.layers.layernorm import RMSNorm
+    from vllm.model_executor.layers.layernorm import GemmaRMSNorm, RMSNorm
     from vllm.model_executor.layers.linear import UnquantizedLinearMethod
     from vllm.model_executor.layers.logits_processor import LogitsProcessor
     from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
@@ -915,6 +977,8 @@ def vllm_rules() -> ModuleRules:
         linear_problems=lambda module: [],
         attention_problems=_attention_problems,
         moe=_moe_entry,
+        gemma_rms_norm=(GemmaRMSNorm,),
+        gelu_tanh_mul=(GeluAndMul,),
     )
 
 
@@ -972,13 +1036,18 @@ def classify_module(
         )
         if not plain:
             return _entry(name, module, "rms_norm", UNCOVERED, "a variant samepath's norm does not implement")
-        eps = formulas["norm"]["eps"] if formulas else None
-        if eps is not None and module.variance_epsilon != eps:
-            detail = f"eps {module.variance_epsilon} differs from the config's {eps} (the trainer's)"
-            return _entry(name, module, "rms_norm", UNCOVERED, detail)
-        return _entry(name, module, "rms_norm", COVERED, "samepath.rms_norm (add, then norm)")
+        return _norm_entry(name, module, formulas, "cast_then_weight")
+    if kind in rules.gemma_rms_norm:
+        if not _plain_gemma_norm(module, module.weight.dtype):
+            return _entry(name, module, "rms_norm", UNCOVERED, "a variant samepath's norm does not implement")
+        return _norm_entry(name, module, formulas, "fp32_one_plus_weight")
     if kind in rules.silu_mul:
         return _entry(name, module, "silu_mul", COVERED, "samepath.swiglu")
+    if kind in rules.gelu_tanh_mul:
+        if module.approximate != "tanh":
+            detail = f"GELU approximate={module.approximate!r} (samepath implements the tanh approximation)"
+            return _entry(name, module, "gelu_tanh_mul", UNCOVERED, detail)
+        return _entry(name, module, "gelu_tanh_mul", COVERED, "samepath.geglu_tanh")
     if isinstance(module, (RotaryEmbeddingBase, Phi3LongRoPEScaledRotaryEmbedding)):
         if kind.forward is not _rotary_forward:
             return _entry(name, module, "rotary", UNCOVERED, "its own forward (not samepath's rotary)")
@@ -999,7 +1068,11 @@ def classify_module(
                 return _entry(name, module, "rotary", UNCOVERED, detail)
         return _entry(name, module, "rotary", COVERED, f"samepath.rotary_cos_sin ({scaling['rope_type']})")
     if kind in rules.attention:
-        problems = rules.attention_problems(module.impl)
+        impl = module.impl
+        problems = rules.attention_problems(impl)
+        scale = formulas["attention"]["scale"] if formulas else None
+        if scale is not None and getattr(impl, "scale", scale) != scale:
+            problems.append(f"scale {impl.scale} differs from the config's {scale} (the trainer's)")
         if problems:
             return _entry(name, module, "attention", UNCOVERED, "; ".join(problems))
         return _entry(name, module, "attention", COVERED, "samepath.paged_attention / write_kv_cache")
@@ -1012,6 +1085,22 @@ def classify_module(
             return _entry(name, module, "logits", UNCOVERED, detail)
         return _entry(name, module, "logits", NEUTRAL, "the lm_head's logits, gathered")
     return _entry(name, module, "unknown", UNCOVERED, "samepath has no rule for this module class")
+
+
+def _norm_entry(name: str, module: torch.nn.Module, formulas: dict | None, weight_mode: str):
+    """A norm this plugin runs with ``weight_mode``: covered when the config's formulas (the
+    trainer's) have the same epsilon and weight mode."""
+    from samepath.integrations.audit import COVERED, UNCOVERED, _entry
+
+    if formulas is not None:
+        eps, want = formulas["norm"]["eps"], formulas["norm"]["weight_mode"]
+        if module.variance_epsilon != eps:
+            detail = f"eps {module.variance_epsilon} differs from the config's {eps} (the trainer's)"
+            return _entry(name, module, "rms_norm", UNCOVERED, detail)
+        if weight_mode != want:
+            detail = f"weight mode {weight_mode} differs from the config's {want} (the trainer's)"
+            return _entry(name, module, "rms_norm", UNCOVERED, detail)
+    return _entry(name, module, "rms_norm", COVERED, f"samepath.rms_norm ({weight_mode}; add, then norm)")
 
 
 #: vLLM's ``model_config.hf_config`` of the model loaded in this process (set by the load audit).
@@ -1091,8 +1180,10 @@ _PATCH_GROUPS = [
     ("triton_attention", _patch_triton_attention),
     ("flash_attention", _patch_flash_attention),
     ("rms_norm", _patch_rms_norm),
+    ("gemma_rms_norm", _patch_gemma_rms_norm),
     ("rotary", _patch_rotary),
     ("silu_mul", _patch_silu_mul),
+    ("gelu_tanh_mul", _patch_gelu_tanh_mul),
     ("linear", _patch_linear),
     ("row_parallel", _patch_row_parallel),
     ("moe", _patch_moe),

@@ -15,6 +15,14 @@ add of the widened values rounded once to the input dtype, which is what torch's
 computes; it is *not* fused into the fp32 statistics (``docs/numerics.md``: no fused add+norm on
 one side only).
 
+``weight_mode`` moves the cast for the families that multiply in fp32 (one rounding at the end)::
+
+    y = ((h * rstd) * weight.float()).to(dtype)           # "fp32_weight": Olmo2RMSNorm
+    y = ((h * rstd) * (1.0 + weight.float())).to(dtype)   # "fp32_one_plus_weight": Gemma3RMSNorm
+
+with ``dweight = sum over rows of g * n`` (the fp32 ``n``; ``d(1 + w)/dw = 1``). The default
+``"cast_then_weight"`` is the formula above, its bits unchanged.
+
 (*) A row longer than the device's ``norm_chunk`` (Ascend: 2048 columns, to fit its on-chip
 buffer) is read in chunks: the squares are added into a chunk-wide fp32 vector in ascending
 chunk order, then summed, and the row is read again to normalise it; the backward folds
@@ -58,6 +66,9 @@ GROUP_ELEMENTS = 131072
 #: Columns of the dweight partials one reduction program sums.
 DW_REDUCE_BLOCK = 256
 
+#: Where the weight multiplies the normalised row (``rms_norm(..., weight_mode=)``), by index in the kernels.
+WEIGHT_MODES = ("cast_then_weight", "fp32_weight", "fp32_one_plus_weight")
+
 RMS_NORM_FORMULA = {
     "residual_add": "fp32 add of the widened inputs, rounded once to the input dtype (HF's residual + x)",
     "statistics": (
@@ -67,6 +78,11 @@ RMS_NORM_FORMULA = {
     ),
     "normalize": "h * rstd in fp32, rounded to the input dtype before the weight multiply",
     "weight_multiply": "fp32 product of the widened dtype values, rounded once to the input dtype",
+    "weight_mode_fp32_weight": "fp32 normalised row times weight.float(), rounded once to the input dtype (OLMo-2)",
+    "weight_mode_fp32_one_plus_weight": (
+        "fp32 normalised row times (1.0 + weight.float()) (an fp32 add), rounded once to the input dtype (Gemma)"
+    ),
+    "weight_mode_backward": "fp32 weight modes: dn = g * factor, dweight from g * n (fp32 n, no cast)",
     "fp_fusion": "disabled",
     "backward": (
         "fp32 with one cast per gradient; dweight from g * n.to(dtype); sum(dn*n) chunked as the statistics are"
@@ -106,10 +122,30 @@ def _load_h(
 
 
 @jit
-def _store_y(Y, W, row, stride_y, h, rstd, cols, valid, w_valid):
-    n = (h * rstd).to(Y.dtype.element_ty).to(tl.float32)
-    w = tl.load(W + cols, mask=w_valid, other=0.0).to(tl.float32)
-    tl.store(Y + row * stride_y + cols, (w * n).to(Y.dtype.element_ty), mask=valid)
+def _weight_factor(w, WEIGHT_MODE: tl.constexpr):
+    """The fp32 factor a normalised row is multiplied by: ``w`` or ``1 + w`` (Gemma)."""
+    if WEIGHT_MODE == 2:
+        return 1.0 + w
+    return w
+
+
+@jit
+def _store_y(Y, W, row, stride_y, h, rstd, cols, valid, w_valid, WEIGHT_MODE: tl.constexpr):
+    w = _weight_factor(tl.load(W + cols, mask=w_valid, other=0.0).to(tl.float32), WEIGHT_MODE)
+    if WEIGHT_MODE == 0:
+        n = (h * rstd).to(Y.dtype.element_ty).to(tl.float32)
+        tl.store(Y + row * stride_y + cols, (w * n).to(Y.dtype.element_ty), mask=valid)
+    else:
+        tl.store(Y + row * stride_y + cols, ((h * rstd) * w).to(Y.dtype.element_ty), mask=valid)
+
+
+@jit
+def _dw_term(g, n, dtype: tl.constexpr, WEIGHT_MODE: tl.constexpr):
+    """One row's dweight term: ``g * n.to(dtype)`` (the weight multiplied the rounded row) or
+    ``g * n`` (it multiplied the fp32 row; ``d(1 + w)/dw = 1``)."""
+    if WEIGHT_MODE == 0:
+        return g * n.to(dtype).to(tl.float32)
+    return g * n
 
 
 @jit
@@ -131,6 +167,7 @@ def _rms_norm_fwd_kernel(
     NUM_CHUNKS: tl.constexpr,
     ROWS: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr,
+    WEIGHT_MODE: tl.constexpr,
 ):
     """ROWS rows per work item, as one ``[ROWS, BLOCK_N]`` tile (each row's statistics a
     ``tl.sum`` over its own columns). A row of ``NUM_CHUNKS`` chunks of ``BLOCK_N`` columns
@@ -145,7 +182,7 @@ def _rms_norm_fwd_kernel(
             valid = (rows < M)[:, None] & (c < N)
             h = _load_h(X, Residual, S, row, stride_x, stride_r, stride_s, c, valid, HAS_RESIDUAL, True)
             rstd = tl.rsqrt(tl.sum(h * h, axis=1) / N + eps)
-            _store_y(Y, W, row, stride_y, h, rstd[:, None], c, valid, c < N)
+            _store_y(Y, W, row, stride_y, h, rstd[:, None], c, valid, c < N, WEIGHT_MODE)
             tl.store(Rstd + rows, rstd, mask=rows < M)
         else:
             row = tl.cast(work, tl.int64)
@@ -158,7 +195,7 @@ def _rms_norm_fwd_kernel(
             for chunk in range(NUM_CHUNKS):
                 c = chunk * BLOCK_N + cols
                 h = _load_h(X, Residual, S, row, stride_x, stride_r, stride_s, c, c < N, HAS_RESIDUAL, False)
-                _store_y(Y, W, row, stride_y, h, rstd, c, c < N, c < N)
+                _store_y(Y, W, row, stride_y, h, rstd, c, c < N, c < N, WEIGHT_MODE)
             tl.store(Rstd + row, rstd)
 
 
@@ -182,6 +219,7 @@ def _rms_norm_bwd_kernel(
     ROWS: tl.constexpr,
     GROUP: tl.constexpr,
     HAS_DS: tl.constexpr,
+    WEIGHT_MODE: tl.constexpr,
 ):
     """For each group of GROUP rows: dx of its rows and their dweight partial.
 
@@ -195,7 +233,7 @@ def _rms_norm_bwd_kernel(
         if NUM_CHUNKS == 1:
             c = cols[None, :]
             col_ok = cols < N
-            w = tl.load(W + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+            w = _weight_factor(tl.load(W + cols, mask=col_ok, other=0.0).to(tl.float32), WEIGHT_MODE)[None, :]
             dw = tl.zeros([BLOCK_N], dtype=tl.float32)
             first = tl.cast(group, tl.int64) * GROUP
             for start in range(0, tl.minimum(GROUP, M - group * GROUP), ROWS):
@@ -213,7 +251,7 @@ def _rms_norm_bwd_kernel(
                 if HAS_DS:
                     dx = dx + tl.load(dS + row * stride_ds + c, mask=valid, other=0.0).to(tl.float32)
                 tl.store(dX + row * stride_dx + c, dx.to(dX.dtype.element_ty), mask=valid)
-                dw = dw + tl.sum(g * n.to(X.dtype.element_ty).to(tl.float32), axis=0)
+                dw = dw + tl.sum(_dw_term(g, n, X.dtype.element_ty, WEIGHT_MODE), axis=0)
             tl.store(dW_partial + tl.cast(group, tl.int64) * N + cols, dw, mask=col_ok)
         else:
             row_ids = tl.arange(0, GROUP)
@@ -227,7 +265,7 @@ def _rms_norm_bwd_kernel(
                     for chunk in range(NUM_CHUNKS):
                         c = chunk * BLOCK_N + cols
                         valid = c < N
-                        w = tl.load(W + c, mask=valid, other=0.0).to(tl.float32)
+                        w = _weight_factor(tl.load(W + c, mask=valid, other=0.0).to(tl.float32), WEIGHT_MODE)
                         h = tl.load(X + row64 * stride_x + c, mask=valid, other=0.0).to(tl.float32)
                         g = tl.load(dY + row64 * stride_dy + c, mask=valid, other=0.0).to(tl.float32)
                         products += (g * w) * (h * rstd)
@@ -235,7 +273,7 @@ def _rms_norm_bwd_kernel(
             for chunk in range(NUM_CHUNKS):
                 _rms_norm_bwd_chunk(
                     X, W, Rstd, dY, dS, dX, dW_partial, M, stride_x, stride_dy, stride_ds, stride_dx,
-                    group, chunk * BLOCK_N + cols, dots, N, BLOCK_N, GROUP, HAS_DS,
+                    group, chunk * BLOCK_N + cols, dots, N, BLOCK_N, GROUP, HAS_DS, WEIGHT_MODE,
                 )  # fmt: skip
 
 
@@ -243,11 +281,12 @@ def _rms_norm_bwd_kernel(
 def _rms_norm_bwd_chunk(
     X, W, Rstd, dY, dS, dX, dW_partial, M, stride_x, stride_dy, stride_ds, stride_dx,
     group, cols, dots, N: tl.constexpr, BLOCK_N: tl.constexpr, GROUP: tl.constexpr, HAS_DS: tl.constexpr,
+    WEIGHT_MODE: tl.constexpr,
 ):  # fmt: skip
     """dx of the group's rows over ``cols`` (one chunk) and their dweight partial there, rows
     ascending, with each row's ``sum(dn * n) / N`` taken from ``dots``."""
     valid = cols < N
-    w = tl.load(W + cols, mask=valid, other=0.0).to(tl.float32)
+    w = _weight_factor(tl.load(W + cols, mask=valid, other=0.0).to(tl.float32), WEIGHT_MODE)
     dw = tl.zeros([BLOCK_N], dtype=tl.float32)
     for i in range(GROUP):
         row = group * GROUP + i
@@ -263,7 +302,7 @@ def _rms_norm_bwd_chunk(
             if HAS_DS:
                 dx = dx + tl.load(dS + row64 * stride_ds + cols, mask=valid, other=0.0).to(tl.float32)
             tl.store(dX + row64 * stride_dx + cols, dx.to(dX.dtype.element_ty), mask=valid)
-            dw = dw + g * n.to(X.dtype.element_ty).to(tl.float32)
+            dw = dw + _dw_term(g, n, X.dtype.element_ty, WEIGHT_MODE)
     tl.store(dW_partial + tl.cast(group, tl.int64) * N + cols, dw, mask=valid)
 
 
@@ -319,7 +358,7 @@ def _rows(tensor: torch.Tensor, hidden: int) -> torch.Tensor:
     return flat if flat.stride(-1) == 1 else flat.contiguous()
 
 
-def _forward(x2, weight, eps, residual2):
+def _forward(x2, weight, eps, residual2, mode):
     M, N = x2.shape
     y = torch.empty((M, N), dtype=x2.dtype, device=x2.device)
     s = torch.empty((M, N), dtype=x2.dtype, device=x2.device) if residual2 is not None else None
@@ -346,12 +385,13 @@ def _forward(x2, weight, eps, residual2):
         NUM_CHUNKS=tiling.num_chunks,
         ROWS=tiling.rows,
         HAS_RESIDUAL=residual2 is not None,
+        WEIGHT_MODE=mode,
         num_warps=cfg.num_warps,
     )
     return y, s, rstd
 
 
-def _backward(x2, weight, rstd, grad_y, grad_s):
+def _backward(x2, weight, rstd, grad_y, grad_s, mode):
     M, N = x2.shape
     dx = torch.empty((M, N), dtype=x2.dtype, device=x2.device)
     if M == 0:
@@ -379,6 +419,7 @@ def _backward(x2, weight, rstd, grad_y, grad_s):
         ROWS=tiling.rows,
         GROUP=tiling.group,
         HAS_DS=grad_s is not None,
+        WEIGHT_MODE=mode,
         num_warps=cfg.num_warps,
     )
     dw = torch.empty_like(weight)
@@ -396,25 +437,27 @@ class RMSNormFunction(torch.autograd.Function):
     """Autograd for :func:`rms_norm` without a residual."""
 
     @staticmethod
-    def forward(ctx, x2, weight, eps):  # type: ignore[override]
-        y, _, rstd = _forward(x2, weight, eps, None)
+    def forward(ctx, x2, weight, eps, mode):  # type: ignore[override]
+        y, _, rstd = _forward(x2, weight, eps, None, mode)
         ctx.save_for_backward(x2, weight, rstd)
+        ctx.mode = mode
         return y
 
     @staticmethod
     def backward(ctx, grad_y):  # type: ignore[override]
         x2, weight, rstd = ctx.saved_tensors
-        dx, dw = _backward(x2, weight, rstd, _rows(grad_y, x2.shape[1]), None)
-        return dx, dw, None
+        dx, dw = _backward(x2, weight, rstd, _rows(grad_y, x2.shape[1]), None, ctx.mode)
+        return dx, dw, None, None
 
 
 class AddRMSNormFunction(torch.autograd.Function):
     """Autograd for :func:`rms_norm` with a residual: returns ``(norm(s), s)``, ``s = x + residual``."""
 
     @staticmethod
-    def forward(ctx, x2, residual2, weight, eps):  # type: ignore[override]
-        y, s, rstd = _forward(x2, weight, eps, residual2)
+    def forward(ctx, x2, residual2, weight, eps, mode):  # type: ignore[override]
+        y, s, rstd = _forward(x2, weight, eps, residual2, mode)
         ctx.save_for_backward(s, weight, rstd)
+        ctx.mode = mode
         return y, s
 
     @staticmethod
@@ -423,11 +466,13 @@ class AddRMSNormFunction(torch.autograd.Function):
         N = s.shape[1]
         grad_y = _rows(grad_y, N) if grad_y is not None else torch.zeros_like(s)
         grad_s = _rows(grad_s, N) if grad_s is not None else None
-        ds, dw = _backward(s, weight, rstd, grad_y, grad_s)
-        return ds, ds.clone(), dw, None
+        ds, dw = _backward(s, weight, rstd, grad_y, grad_s, ctx.mode)
+        return ds, ds.clone(), dw, None, None
 
 
-def _check_inputs(x, weight, eps, residual):
+def _check_inputs(x, weight, eps, residual, weight_mode):
+    if weight_mode not in WEIGHT_MODES:
+        raise ValueError(f"weight_mode must be one of {', '.join(WEIGHT_MODES)}, got {weight_mode!r}")
     if not isinstance(x, torch.Tensor) or x.dim() < 1:
         raise ValueError("x must be a tensor with at least one dimension [..., hidden]")
     dtype_name(x.dtype, "x.dtype")
@@ -450,8 +495,11 @@ def rms_norm(
     weight: torch.Tensor,
     eps: float = 1e-6,
     residual: torch.Tensor | None = None,
+    *,
+    weight_mode: str = "cast_then_weight",
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """RMSNorm over the last dimension, rounded as Hugging Face's ``LlamaRMSNorm`` rounds.
+    """RMSNorm over the last dimension, rounded as Hugging Face's ``LlamaRMSNorm`` rounds (or, with
+    ``weight_mode``, as ``Olmo2RMSNorm`` / ``Gemma3RMSNorm`` round).
 
     Args:
         x: ``[..., hidden]`` float32 / bfloat16 / float16; ``hidden`` at most
@@ -461,17 +509,23 @@ def rms_norm(
         residual: optional, shaped like ``x``. Then ``s = x + residual`` is computed in the input
             dtype (one rounding, as HF's decoder layer adds it) and ``(rms_norm(s), s)`` is
             returned.
+        weight_mode: where the weight multiplies (:data:`WEIGHT_MODES`): ``"cast_then_weight"``
+            (Llama, Qwen, Mistral, ...: the normalised row rounded to the dtype, then times the
+            weight), ``"fp32_weight"`` (OLMo-2: the fp32 row times ``weight.float()``, then one
+            rounding) or ``"fp32_one_plus_weight"`` (Gemma: the fp32 row times
+            ``1 + weight.float()``, then one rounding).
 
     Returns:
         ``[..., hidden]`` in ``x.dtype`` (and ``s`` when ``residual`` is given). Each row depends
         only on its own input row. Differentiable in ``x``, ``weight`` and ``residual``; the
         backward is deterministic (no atomics; ``dweight`` summed in a fixed order).
     """
-    _check_inputs(x, weight, eps, residual)
+    _check_inputs(x, weight, eps, residual, weight_mode)
+    mode = WEIGHT_MODES.index(weight_mode)
     shape, hidden = x.shape, x.shape[-1]
     x2 = _rows(x, hidden)
     weight = weight if weight.stride(0) == 1 else weight.contiguous()
     if residual is None:
-        return RMSNormFunction.apply(x2, weight, float(eps)).reshape(shape)
-    y, s = AddRMSNormFunction.apply(x2, _rows(residual, hidden), weight, float(eps))
+        return RMSNormFunction.apply(x2, weight, float(eps), mode).reshape(shape)
+    y, s = AddRMSNormFunction.apply(x2, _rows(residual, hidden), weight, float(eps), mode)
     return y.reshape(shape), s.reshape(shape)
