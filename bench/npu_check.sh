@@ -9,7 +9,7 @@
 #   OUT=/some/dir bash bench/npu_check.sh             # the real run (default OUT bench/results/npu-<time>)
 #   STAGES="setup bitwise" bash bench/npu_check.sh    # a subset; BENCH_ARGS / TUNE_ARGS / BITWISE_ARGS add arguments
 #   STAGES="setup ascendc" ASCENDC_BUDGET=400 bash bench/npu_check.sh   # a first Ascend C build can take minutes
-#   ASCENDC_BENCH_ARGS="--repeats 3" adds arguments to the Ascend C backward bench
+#   ASCENDC_BENCH_ARGS="--passes decode" adds arguments to the Ascend C attention bench
 #
 # Never installs torch, torch_npu or triton: samepath goes in with `pip install --no-deps
 # --no-build-isolation -e .` (PYTHONPATH if that fails); optional wheels come in a carried .whl/
@@ -18,7 +18,7 @@
 # as not applicable, with the reason.
 #
 # Files in $OUT: check.log, stages.tsv (stage, exit, seconds, budget), bitwise.json (rewritten after
-# every check group), ascendc_bitwise.json and ascendc_backward.json (the ascendc stage), the bench's
+# every check group), ascendc_bitwise.json and ascendc_attention.json (the ascendc stage), the bench's
 # .csv / .txt (rewritten after every case) and .png, tuned-npu.json. Exit status: non-zero if a stage failed.
 
 DEVICE=npu
@@ -27,7 +27,7 @@ STAGE_ORDER=(setup ascendc bitwise bench tune)
 declare -A BUDGET=([setup]=45 [ascendc]=${ASCENDC_BUDGET:-120} [bitwise]=170 [bench]=105 [tune]=40)
 declare -A ABOUT=(
   [setup]="npu-smi and versions (torch_npu, Triton-Ascend, CANN) into the log; wheels; samepath --no-deps"
-  [ascendc]="samepath.ascendc_fallback build; on it: attention + backward bitwise checks, backward bench vs npu_fusion_attention_grad"
+  [ascendc]="samepath.ascendc_fallback build; on it: attention + backward bitwise checks; forward / decode / backward bench vs torch_npu and flash-attention-npu"
   [bitwise]="bench/gpu_bitwise.py --device npu: training == prefill == chunked == decode, backward, split-K, logprobs, HF"
   [bench]="python -m bench --device npu --quick: min/median/max vs stock torch_npu ops, e2e, host time per layer"
   [tune]="bench/tune.py --device npu: numerics-neutral launch parameters, bf16, head 128"
@@ -61,8 +61,9 @@ stage_ascendc() {
   # Builds the Ascend C attention once into its keyed cache (the build that workers must not run), then,
   # loading without a build, on that backend: the attention bitwise checks (training == prefill == chunked
   # == decode rows) and the backward's (gradients run == run and with the batch reversed, the one-pass
-  # Ascend C backward), then the backward's bench against the Triton-Ascend backward and
-  # torch_npu.npu_fusion_attention_grad (each timed call's gradients bitwise the same).
+  # Ascend C backward), then the bench of the training forward, the paged decode and the backward against
+  # the Triton-Ascend kernels, torch_npu (npu_fusion_attention, npu_fused_infer_attention_score,
+  # npu_fusion_attention_grad) and flash-attention-npu's decode (each timed call's outputs bitwise the same).
   local t0=$(date +%s)
   timeout "$LIMIT" $PY -m samepath.ascendc_fallback build 2>&1 | tee -a "$LOG" || return $?
   local left=$(( LIMIT - ($(date +%s) - t0) ))
@@ -73,8 +74,8 @@ stage_ascendc() {
     --out "$OUT/ascendc_bitwise.json" 2>&1 | tee -a "$LOG" || status=$?
   left=$(( LIMIT - ($(date +%s) - t0) ))
   (( left > 5 )) || return 124
-  SAMEPATH_ASCENDC_ALLOW_BUILD=0 timeout "$left" $PY bench/ascendc_backward.py --device npu \
-    --out "$OUT/ascendc_backward.json" ${ASCENDC_BENCH_ARGS:-} 2>&1 | tee -a "$LOG" || status=$?
+  SAMEPATH_ASCENDC_ALLOW_BUILD=0 timeout "$left" $PY bench/ascendc_attention.py --device npu \
+    --out "$OUT/ascendc_attention.json" ${ASCENDC_BENCH_ARGS:-} 2>&1 | tee -a "$LOG" || status=$?
   return $status
 }
 
@@ -101,8 +102,8 @@ dry_ascendc() {
   dry_entry "ascendc: python -m samepath.ascendc_fallback" $PY -m samepath.ascendc_fallback --help
   dry_entry "ascendc: bench/gpu_bitwise.py attention,attention_backward" $PY bench/gpu_bitwise.py --device npu \
     --checks attention,attention_backward --out "$OUT/ascendc_bitwise.json" --dry-run
-  dry_entry "ascendc: bench/ascendc_backward.py" $PY bench/ascendc_backward.py --device npu \
-    --out "$OUT/ascendc_backward.json" ${ASCENDC_BENCH_ARGS:-} --dry-run
+  dry_entry "ascendc: bench/ascendc_attention.py" $PY bench/ascendc_attention.py --device npu \
+    --out "$OUT/ascendc_attention.json" ${ASCENDC_BENCH_ARGS:-} --dry-run
 }
 dry_bitwise() { dry_entry "bitwise: bench/gpu_bitwise.py" $PY bench/gpu_bitwise.py --device npu --out "$OUT/bitwise.json" ${BITWISE_ARGS:-} --dry-run; }
 dry_bench() { dry_entry "bench: python -m bench" $PY -m bench --device npu --quick --out "$OUT" ${BENCH_ARGS:-} --dry-run; }

@@ -325,26 +325,32 @@ def test_device_scripts_dry_run_list_their_stages_and_check_every_entry() -> Non
             assert f"  ok   {entry}" in out, (entry, out)
         if name == "npu":  # the Ascend C stage: backward bitwise checks on that backend, and its bench
             assert "  ok   ascendc: bench/gpu_bitwise.py attention,attention_backward" in out, out
-            assert "  ok   ascendc: bench/ascendc_backward.py" in out and "impls=triton,ascendc,torch_npu" in out, out
+            assert "  ok   ascendc: bench/ascendc_attention.py" in out, out
+            assert "passes=forward,decode,backward impls=triton,ascendc,torch_npu,flash_attn_npu" in out, out
         assert "FAIL" not in out, out
         script = (ROOT / "bench" / f"{name}_check.sh").read_text() + (ROOT / "bench/device_check_lib.sh").read_text()
         assert not re.search(r"pip[^\n]*install[^\n]*\btorch\b", script), "the device script must not install torch"
         assert "--no-index --no-deps" in script and "-m pytest" not in script
 
 
-def test_ascendc_backward_bench_runs_and_reports_what_cannot_run_here(tmp_path) -> None:
-    """``bench/ascendc_backward.py --small`` on the CPU: the Triton backward is timed and bitwise the same
-    call to call; the Ascend C kernel is refused off an NPU (an error row, exit 1), torch_npu is skipped."""
-    from bench import ascendc_backward
+def test_ascendc_attention_bench_runs_and_reports_what_cannot_run_here(tmp_path) -> None:
+    """``bench/ascendc_attention.py --small`` on the CPU: in every pass (training forward, paged decode,
+    backward) the Triton kernel is timed and bitwise the same call to call; the Ascend C kernel is
+    refused off an NPU (an error row, exit 1); torch_npu and flash-attention-npu are skipped, saying why."""
+    from bench import ascendc_attention
 
-    out = tmp_path / "ascendc_backward.json"
-    assert (
-        ascendc_backward.main(["--device", "cpu", "--small", "--repeats", "1", "--warmup", "0", "--out", str(out)]) == 1
-    )
-    rows = {r["impl"]: r for r in json.loads(out.read_text())["results"]}
-    assert rows["triton"]["deterministic"] is True and rows["triton"]["median_ms"] > 0
-    assert "NPU tensors only" in rows["ascendc"]["error"]
-    assert "torch_npu" in rows["torch_npu"]["skipped"]
+    out = tmp_path / "ascendc_attention.json"
+    argv = ["--device", "cpu", "--small", "--repeats", "1", "--warmup", "0", "--out", str(out)]
+    assert ascendc_attention.main(argv) == 1
+    rows = {(r["pass"], r["impl"]): r for r in json.loads(out.read_text())["results"]}
+    for name in ascendc_attention.PASSES:
+        assert rows[name, "triton"]["deterministic"] is True and rows[name, "triton"]["median_ms"] > 0
+        assert "NPU tensors only" in rows[name, "ascendc"]["error"]
+        assert "torch_npu" in rows[name, "torch_npu"]["skipped"]
+        assert "flash_attn" in rows[name, "flash_attn_npu"]["skipped"]
+    assert "not applicable" in rows["forward", "flash_attn_npu"]["skipped"]
+    with pytest.raises(SystemExit):
+        ascendc_attention.parse_args(["--passes", "sideways"])
 
 
 def test_device_script_rejects_unknown_arguments() -> None:
