@@ -380,3 +380,18 @@ def test_gemma2_is_refused_for_its_softcapping_only():
 
     assert "soft-capping" in REFUSED["gemma2"] and "gemma3_text" in REFUSED["gemma2"]
     assert "none is implemented" not in unsupported_reason("gemma2")
+
+
+def test_an_embedding_scale_multiplied_as_stored_must_be_in_the_model_dtype() -> None:
+    """vLLM's Gemma 3 multiplies the embeddings by its ``normalizer`` buffer as stored: in bf16 it is
+    Hugging Face's factor (``embed_scale`` rounded to bf16); in fp32 it would multiply unrounded."""
+    from samepath.integrations.audit import NEUTRAL, UNCOVERED, embedding_scale_entry
+    from samepath.integrations.formulas import sqrt_hidden_scale
+
+    module = torch.nn.Identity()
+    factor = torch.tensor(sqrt_hidden_scale(64))
+    stored = embedding_scale_entry("model", module, factor, torch.bfloat16, 64, multiplied_as_stored=True)
+    assert stored.status == UNCOVERED and "float32" in stored.detail
+    rounded = embedding_scale_entry("model", module, factor.bfloat16(), torch.bfloat16, 64, multiplied_as_stored=True)
+    assert rounded.status == NEUTRAL
+    assert embedding_scale_entry("model", module, factor, torch.bfloat16, 64).status == NEUTRAL  # HF casts at use

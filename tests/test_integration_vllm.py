@@ -777,6 +777,28 @@ def test_load_audit_compares_the_trainers_model_fingerprint(monkeypatch):
         samepath_vllm.uninstall()
 
 
+def test_load_audit_refuses_a_rotary_layer_in_no_layer_of_a_per_layer_type_rope(plugin_installed):
+    """Gemma 3's rope depends on the layer's type: a rotary module the audit cannot place in a
+    decoder layer is refused, not passed unchecked; the same module inside layer 0 (a sliding
+    layer, base 10^4) is compared with that layer's rope and covered (the control)."""
+    from vllm.config import VllmConfig, set_current_vllm_config
+    from vllm.model_executor.layers.rotary_embedding import get_rope
+
+    from samepath.integrations import audit
+
+    config = gemma3_config()
+    with set_current_vllm_config(VllmConfig()):
+        rope = get_rope(
+            config.head_dim, config.max_position_embeddings, True, {"rope_type": "default", "rope_theta": 10000.0}
+        )
+    tree = torch.nn.ModuleDict({"rotary": rope, "layers": torch.nn.ModuleList([torch.nn.ModuleDict({"rotary": rope})])})
+    entries = {e.name: e for e in audit.audit_vllm_model(tree, config).entries}
+    assert entries["rotary"].status == audit.UNCOVERED
+    assert "cannot tell which layer type's rope" in entries["rotary"].detail
+    placed = audit.audit_vllm_model(torch.nn.ModuleDict({"layers": tree["layers"]}), config)
+    assert {e.name: e.status for e in placed.entries}["layers.0.rotary"] == audit.COVERED
+
+
 # ----------------------------------------------------------------------------------------------
 # vllm-ascend's load-time audit, on stand-in Ascend classes over the real vLLM layers
 # ----------------------------------------------------------------------------------------------
@@ -1100,6 +1122,22 @@ def test_ascend_model_loader_gate(ascend_standins, monkeypatch):
     finally:
         patcher.restore()
     assert vars(_Loader)["load_model"] is original
+
+
+def test_ascend_load_gate_compares_the_trainers_model_fingerprint(ascend_standins, monkeypatch):
+    """vllm-ascend's gate reads SAMEPATH_EXPECT_FINGERPRINT itself: a rollout whose model resolved
+    to other formulas than the trainer's (here: another rope base) is refused at load; the model the
+    trainer's fingerprint was made from passes."""
+    from samepath.integrations import vllm as samepath_vllm
+    from samepath.integrations import vllm_ascend
+
+    trainer = transformers.Qwen3Config(**DEFAULT_MODEL_CONFIG)
+    other = transformers.Qwen3Config(**{**DEFAULT_MODEL_CONFIG, "rope_theta": 12345.0})
+    monkeypatch.setenv(vllm_ascend.FINGERPRINT_ENV_VAR, samepath.fingerprint(1, model_config=trainer))
+    gate = (vllm_ascend.ascend_rules, vllm_ascend.expected_fingerprint)
+    samepath_vllm.check_loaded_model(_ascend_tree(ascend_standins, trainer), trainer, "vllm-ascend", *gate)
+    with pytest.raises(samepath.NumericsMismatchError, match="model formula mismatch"):
+        samepath_vllm.check_loaded_model(_ascend_tree(ascend_standins, other), other, "vllm-ascend", *gate)
 
 
 @pytest.fixture(scope="module")

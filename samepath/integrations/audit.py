@@ -44,6 +44,9 @@ from samepath.integrations.formulas import UnsupportedModelError, model_formulas
 ALLOW_ENV_VAR = "SAMEPATH_ALLOW_UNCOVERED"
 
 COVERED, NEUTRAL, UNCOVERED = "covered", "neutral", "uncovered"
+#: What :func:`audit_vllm_model` hands a rotary rule for a module in no layer of a config with
+#: per-layer-type ropes: the rope it must equal is unknown, so the module is refused.
+UNRESOLVED_LAYER_ROPE: tuple = ("unresolved layer rope",)
 
 
 @dataclass(frozen=True)
@@ -204,15 +207,26 @@ def audit_hf_model(model: torch.nn.Module) -> AuditReport:
 
 
 def embedding_scale_entry(
-    name: str, module: torch.nn.Module, scale: torch.Tensor, dtype: torch.dtype, hidden_size: int
+    name: str,
+    module: torch.nn.Module,
+    scale: torch.Tensor,
+    dtype: torch.dtype,
+    hidden_size: int,
+    *,
+    multiplied_as_stored: bool = False,
 ) -> AuditEntry:
     """A scaled embedding (Gemma 3; ``module`` the module that multiplies): neutral while the factor
     it multiplies by, in the model dtype, is :func:`~samepath.integrations.formulas.sqrt_hidden_scale`
     rounded to that dtype, the factor both sides use: a lookup,
-    then one dtype multiply."""
+    then one dtype multiply. ``multiplied_as_stored``: the module multiplies by ``scale`` without
+    casting it (vLLM's ``normalizer``), so ``scale`` must itself be in ``dtype`` (an fp32 factor
+    would multiply unrounded)."""
     from samepath.integrations.formulas import sqrt_hidden_scale
 
     want = torch.tensor(sqrt_hidden_scale(hidden_size), dtype=torch.float32).to(dtype)
+    if multiplied_as_stored and scale.dtype != dtype:
+        detail = f"embedding scale stored in {scale.dtype}, multiplied unrounded into {dtype} activations"
+        return _entry(name, module, "embedding", UNCOVERED, detail)
     got = scale.detach().to(device="cpu").to(dtype)
     if got.numel() != 1 or not torch.equal(got.reshape(()), want):
         return _entry(name, module, "embedding", UNCOVERED, f"embedding scale {got.tolist()} is not {want.item()}")
@@ -384,11 +398,15 @@ def audit_vllm_model(model: torch.nn.Module, hf_config: Any, rules: Any = None) 
         report.problems.append(str(exc))
 
     def hf_rope_of(name: str) -> tuple | None:
-        """The Hugging Face rope of the layer ``name`` belongs to (per layer type: Gemma 3)."""
+        """The Hugging Face rope of the layer ``name`` belongs to (per layer type: Gemma 3);
+        :data:`UNRESOLVED_LAYER_ROPE` when the config has per-layer-type ropes and ``name`` is in
+        no layer they cover (a rotary module there is refused, never passed unchecked)."""
         if types is None:
             return hf_ropes.get(None)
         index = _layer_index(name)
-        return None if index is None or index >= len(types) else hf_ropes.get(types[index])
+        if index is None or index >= len(types) or types[index] not in hf_ropes:
+            return UNRESOLVED_LAYER_ROPE if hf_ropes else None
+        return hf_ropes[types[index]]
 
     structure = _named_classes(*VLLM_STRUCTURE[model_type]) if model_type in VLLM_STRUCTURE else ()
     attention_mlp = VLLM_ATTENTION_MLP.get(model_type)
@@ -405,7 +423,12 @@ def audit_vllm_model(model: torch.nn.Module, hf_config: Any, rules: Any = None) 
             kind = type(module)
             if kind in structure and hasattr(module, "normalizer"):  # Gemma3Model: embed * normalizer
                 entry = embedding_scale_entry(
-                    name, module, module.normalizer, module.embed_tokens.weight.dtype, hf_config.hidden_size
+                    name,
+                    module,
+                    module.normalizer,
+                    module.embed_tokens.weight.dtype,
+                    hf_config.hidden_size,
+                    multiplied_as_stored=True,
                 )
             elif kind in structure:
                 entry = _entry(name, module, "structure", NEUTRAL, "residual adds in the model dtype, reshapes")

@@ -1002,7 +1002,7 @@ def classify_module(
     from vllm.model_executor.layers.rotary_embedding.base import RotaryEmbeddingBase
     from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod
 
-    from samepath.integrations.audit import COVERED, NEUTRAL, UNCOVERED, _entry
+    from samepath.integrations.audit import COVERED, NEUTRAL, UNCOVERED, UNRESOLVED_LAYER_ROPE, _entry
     from samepath.kernels.rotary import rotary_inv_freq, rotary_position_limit
 
     rules = rules or vllm_rules()
@@ -1057,6 +1057,9 @@ def classify_module(
             return _entry(name, module, "rotary", UNCOVERED, str(exc))
         if rotary_dim != module.head_size:
             return _entry(name, module, "rotary", UNCOVERED, f"partial rotary ({rotary_dim} of {module.head_size})")
+        if hf_rope is UNRESOLVED_LAYER_ROPE:
+            detail = "not inside a decoder layer: cannot tell which layer type's rope it must equal"
+            return _entry(name, module, "rotary", UNCOVERED, detail)
         if hf_rope is not None:
             mine = (*rotary_inv_freq(rotary_dim, base, scaling), rotary_position_limit(scaling))
             same = torch.equal(mine[0], hf_rope[0]) and mine[1:] == tuple(hf_rope[1:])
@@ -1107,35 +1110,49 @@ def _norm_entry(name: str, module: torch.nn.Module, formulas: dict | None, weigh
 LOADED_MODEL_CONFIG: Any = None
 
 
+def _installed_expected_fingerprint() -> str | None:
+    return _expected_fingerprint
+
+
 def check_loaded_model(
-    model: torch.nn.Module, hf_config: Any, side: str = "vllm", rules: Callable[[], ModuleRules] | None = None
+    model: torch.nn.Module,
+    hf_config: Any,
+    side: str = "vllm",
+    rules: Callable[[], ModuleRules] | None = None,
+    expected: Callable[[], str | None] | None = None,
 ) -> None:
     """The load-time gate: audit the model vLLM built (:func:`samepath.integrations.audit.audit_vllm_model`
     with ``rules()``, default :func:`vllm_rules`) and refuse uncovered parts
     (:func:`samepath.integrations.audit.enforce`, opt-out ``SAMEPATH_ALLOW_UNCOVERED``); then, when
-    this plugin's ``SAMEPATH_EXPECT_FINGERPRINT`` carries a model part, compare it with this side's
-    resolution of ``hf_config``."""
+    the trainer's fingerprint (``expected()``; default: the ``SAMEPATH_EXPECT_FINGERPRINT`` this
+    plugin's :func:`install` read) carries a model part, compare it with this side's resolution of
+    ``hf_config``."""
     global LOADED_MODEL_CONFIG
     from samepath.integrations.audit import audit_vllm_model, enforce
 
     report = audit_vllm_model(model, hf_config, rules=(rules or vllm_rules)())
     report.side = side
     enforce(report)
-    if _expected_fingerprint is not None and not report.problems:
+    trainer = (expected or _installed_expected_fingerprint)()
+    if trainer is not None and not report.problems:
         from vllm.distributed import get_tensor_model_parallel_world_size
 
-        assert_same_numerics(_expected_fingerprint, get_tensor_model_parallel_world_size(), model_config=hf_config)
+        assert_same_numerics(trainer, get_tensor_model_parallel_world_size(), model_config=hf_config)
     LOADED_MODEL_CONFIG = hf_config
     logger.info("samepath: %s model audited (%s)", side, report.counts())
 
 
 def _patch_model_loader(
-    patcher: _Patcher, side: str = "vllm", rules: Callable[[], ModuleRules] | None = None, engine: str = "vLLM"
+    patcher: _Patcher,
+    side: str = "vllm",
+    rules: Callable[[], ModuleRules] | None = None,
+    engine: str = "vLLM",
+    expected: Callable[[], str | None] | None = None,
 ) -> bool:
     """Every vLLM model loader's ``load_model`` (``BaseModelLoader`` and the subclasses that
     override it) refuses the V2 model runner's config before loading
     (:func:`~samepath.integrations._vllm_common.check_v1_model_runner`) and runs
-    :func:`check_loaded_model` (``side``, ``rules``) on the model it returns, once."""
+    :func:`check_loaded_model` (``side``, ``rules``, ``expected``) on the model it returns, once."""
     loader_module = optional_module("vllm.model_executor.model_loader")
     base_module = optional_module("vllm.model_executor.model_loader.base_loader")
     if loader_module is None or base_module is None:
@@ -1147,7 +1164,7 @@ def _patch_model_loader(
             model = original(self, *args, **kwargs)
             model_config = kwargs.get("model_config", args[1] if len(args) > 1 else None)
             if model_config is not None and not getattr(model, "_samepath_audited", False):
-                check_loaded_model(model, model_config.hf_config, side, rules)
+                check_loaded_model(model, model_config.hf_config, side, rules, expected)
                 model._samepath_audited = True
             return model
 

@@ -1042,10 +1042,19 @@ def ascend_rules():
 def _patch_model_loader(patcher: _Patcher) -> bool:
     """vLLM's model loaders (:func:`samepath.integrations.vllm._patch_model_loader`): refuse the V2
     model runner's config, then audit the loaded model with :func:`ascend_rules` and refuse its
-    uncovered modules by name (``SAMEPATH_ALLOW_UNCOVERED`` opts out, recorded in the fingerprint)."""
+    uncovered modules by name (``SAMEPATH_ALLOW_UNCOVERED`` opts out, recorded in the fingerprint);
+    with ``SAMEPATH_EXPECT_FINGERPRINT`` carrying a model part, refuse a model whose formulas this
+    side resolves differently from the trainer (:func:`expected_fingerprint`)."""
     from samepath.integrations.vllm import _patch_model_loader as patch_loaders
 
-    return patch_loaders(patcher, side="vllm-ascend", rules=ascend_rules, engine="vllm-ascend")
+    return patch_loaders(
+        patcher, side="vllm-ascend", rules=ascend_rules, engine="vllm-ascend", expected=expected_fingerprint
+    )
+
+
+def expected_fingerprint() -> str | None:
+    """The trainer's fingerprint the rollout must match (``SAMEPATH_EXPECT_FINGERPRINT``), or ``None``."""
+    return os.environ.get(FINGERPRINT_ENV_VAR) or None
 
 
 _PATCH_GROUPS = [

@@ -8,8 +8,10 @@ Declared in the package metadata::
 vLLM calls :func:`register` in every process it starts (the front end, the engine core, each
 worker) before any model is built. It does nothing unless ``SAMEPATH_VLLM=1``; then it installs
 :mod:`samepath.integrations.vllm_ascend` on vllm-ascend's platform and
-:mod:`samepath.integrations.vllm` everywhere else. Only this module imports both integrations;
-they share :mod:`samepath.integrations._vllm_common` and import nothing from each other.
+:mod:`samepath.integrations.vllm` everywhere else. The two share
+:mod:`samepath.integrations._vllm_common`; vllm_ascend reuses the vLLM plugin's rotary, load-audit and
+model-loader functions through lazy imports inside its patch functions, so importing either loads
+nothing of the other.
 """
 
 from __future__ import annotations
