@@ -923,17 +923,23 @@ def moe_formula_problem(experts: Any, formulas: dict | None) -> str | None:
     return None
 
 
-def _attention_problems(impl: Any) -> list[str]:
+def attention_impl_problems(impl: Any, patched: bool, check_supported: Callable[[Any], None]) -> list[str]:
+    """Why an ``Attention`` layer's ``impl`` is not samepath's: its class not ``patched``, not
+    decoder self-attention, or a feature ``check_supported`` refuses (``NotImplementedError``)."""
     problems = []
-    if type(impl) not in _ORIGINAL_FORWARD:
+    if not patched:
         problems.append(f"attention backend {type(impl).__name__} is not patched")
     elif not _decoder_attention(impl):
         problems.append("not decoder self-attention")
     try:
-        _check_supported(impl)
+        check_supported(impl)
     except NotImplementedError as exc:
         problems.append(str(exc))
     return problems
+
+
+def _attention_problems(impl: Any) -> list[str]:
+    return attention_impl_problems(impl, type(impl) in _ORIGINAL_FORWARD, _check_supported)
 
 
 def _moe_entry(name: str, module: torch.nn.Module, formulas: dict | None):

@@ -951,18 +951,9 @@ def _ascend_linear_problems(layer: torch.nn.Module) -> list[str]:
 
 
 def _ascend_attention_problems(impl: Any) -> list[str]:
-    from vllm.v1.attention.backend import AttentionType
+    from samepath.integrations.vllm import attention_impl_problems
 
-    problems = []
-    if (type(impl), "forward_impl") not in _ORIGINALS:
-        problems.append(f"attention backend {type(impl).__name__} is not patched")
-    elif impl.attn_type != AttentionType.DECODER:
-        problems.append("not decoder self-attention")
-    try:
-        _check_attention_supported(impl)
-    except NotImplementedError as exc:
-        problems.append(str(exc))
-    return problems
+    return attention_impl_problems(impl, (type(impl), "forward_impl") in _ORIGINALS, _check_attention_supported)
 
 
 #: The routing attributes vllm-ascend's MoE layers (``AscendFusedMoE``, ``AscendMoERunner``) pass to
