@@ -27,16 +27,12 @@ from __future__ import annotations
 import math
 
 import torch
-import triton
 import triton.language as tl
 
-from samepath.kernels import grid
-from samepath.kernels.checks import check_operands
-from samepath.kernels.config import dtype_name, register_formula
-from samepath.kernels.dispatch import device_kind, jit
+from samepath.kernels.config import register_formula
+from samepath.kernels.dispatch import jit
+from samepath.kernels.swiglu import gated_mul, launch_gated, split_gate_up
 
-#: Columns one program handles (elementwise: numerics-neutral).
-MAX_BLOCK_N = 2048
 #: ``2 * sqrt(2 / pi)`` rounded to fp32: the factor of ``z`` (the sigmoid form of the tanh GELU).
 GELU_TANH_K = float(torch.tensor(2.0 * math.sqrt(2.0 / math.pi), dtype=torch.float32))
 #: The cubic coefficient of the tanh approximation (as an fp32 constant in the kernel).
@@ -106,56 +102,7 @@ def _gelu_tanh_mul_kernel(
 
 
 def _launch(gate2, up2, grad2, out, grad_up) -> None:
-    """One launch over ``[M, N]`` operands (forward when ``grad2`` is ``None``)."""
-    M, N = gate2.shape
-    if not (M and N):
-        return
-    block = min(MAX_BLOCK_N, triton.next_power_of_2(N))
-    backward = grad2 is not None
-    _gelu_tanh_mul_kernel[(grid.num_programs(M * triton.cdiv(N, block), gate2.device),)](
-        gate2,
-        up2,
-        grad2 if backward else gate2,
-        out,
-        grad_up if backward else out,
-        *gate2.stride(),
-        *up2.stride(),
-        *(grad2.stride() if backward else (0, 0)),
-        *out.stride(),
-        *(grad_up.stride() if backward else (0, 0)),
-        M,
-        N,
-        K=GELU_TANH_K,
-        KAPPA=GELU_TANH_KAPPA,
-        BLOCK_N=block,
-        BACKWARD=backward,
-    )
-
-
-class GeluTanhMulFunction(torch.autograd.Function):
-    """Autograd for :func:`gelu_tanh_mul` on ``[M, I]`` views (any strides)."""
-
-    @staticmethod
-    def forward(ctx, gate2, up2):  # type: ignore[override]
-        out = torch.empty(gate2.shape, dtype=gate2.dtype, device=gate2.device)
-        _launch(gate2, up2, None, out, None)
-        ctx.save_for_backward(gate2, up2)
-        return out
-
-    @staticmethod
-    def backward(ctx, grad_out):  # type: ignore[override]
-        gate2, up2 = ctx.saved_tensors
-        dgate = torch.empty(gate2.shape, dtype=gate2.dtype, device=gate2.device)
-        dup = torch.empty(gate2.shape, dtype=gate2.dtype, device=gate2.device)
-        _launch(gate2, up2, grad_out.reshape(gate2.shape), dgate, dup)
-        return dgate, dup
-
-
-def _check(name: str, tensor: torch.Tensor) -> None:
-    if not isinstance(tensor, torch.Tensor) or tensor.dim() < 1:
-        raise ValueError(f"{name} must be a tensor with at least one dimension")
-    dtype_name(tensor.dtype, f"{name}.dtype")
-    device_kind(tensor.device)
+    launch_gated(_gelu_tanh_mul_kernel, gate2, up2, grad2, out, grad_up, K=GELU_TANH_K, KAPPA=GELU_TANH_KAPPA)
 
 
 def gelu_tanh_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
@@ -168,14 +115,7 @@ def gelu_tanh_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     Returns:
         ``[..., I]`` in the input dtype; differentiable in both inputs.
     """
-    _check("gate", gate)
-    if not isinstance(up, torch.Tensor):
-        raise ValueError("up must be a tensor shaped like gate")
-    if up.shape != gate.shape:
-        raise ValueError(f"up shape {tuple(up.shape)} differs from gate's {tuple(gate.shape)}")
-    check_operands(gate=gate, up=up)
-    width = gate.shape[-1]
-    return GeluTanhMulFunction.apply(gate.reshape(-1, width), up.reshape(-1, width)).reshape(gate.shape)
+    return gated_mul(_launch, gate, up)
 
 
 def geglu_tanh(gate_up: torch.Tensor) -> torch.Tensor:
@@ -188,8 +128,4 @@ def geglu_tanh(gate_up: torch.Tensor) -> torch.Tensor:
     Returns:
         ``[..., I]``, the same bits as ``gelu_tanh_mul(gate_up[..., :I], gate_up[..., I:])``.
     """
-    _check("gate_up", gate_up)
-    if gate_up.shape[-1] % 2:
-        raise ValueError(f"gate_up.shape[-1] = {gate_up.shape[-1]} must be even (gate and up halves)")
-    half = gate_up.shape[-1] // 2
-    return gelu_tanh_mul(gate_up[..., :half], gate_up[..., half:])
+    return gelu_tanh_mul(*split_gate_up(gate_up))

@@ -23,6 +23,9 @@ Backward (fp32, one cast per gradient): ``dup = dy * a``,
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import torch
 import triton
 import triton.language as tl
@@ -93,14 +96,16 @@ def _silu_mul_kernel(
             tl.store(out_ptrs, (a * u).to(Out.dtype.element_ty), mask=valid)
 
 
-def _launch(gate2, up2, grad2, out, grad_up) -> None:
-    """One launch over ``[M, N]`` operands (forward when ``grad2`` is ``None``)."""
+def launch_gated(kernel: Any, gate2, up2, grad2, out, grad_up, **constexprs: Any) -> None:
+    """One launch of an elementwise ``act(gate) * up`` kernel with ``_silu_mul_kernel``'s
+    signature over ``[M, N]`` operands (forward when ``grad2`` is ``None``); ``constexprs`` are the
+    kernel's own constants (the GELU-tanh factors)."""
     M, N = gate2.shape
     if not (M and N):
         return
     block = min(MAX_BLOCK_N, triton.next_power_of_2(N))
     backward = grad2 is not None
-    _silu_mul_kernel[(grid.num_programs(M * triton.cdiv(N, block), gate2.device),)](
+    kernel[(grid.num_programs(M * triton.cdiv(N, block), gate2.device),)](
         gate2,
         up2,
         grad2 if backward else gate2,
@@ -115,24 +120,31 @@ def _launch(gate2, up2, grad2, out, grad_up) -> None:
         N,
         BLOCK_N=block,
         BACKWARD=backward,
+        **constexprs,
     )
+
+
+def _launch(gate2, up2, grad2, out, grad_up) -> None:
+    launch_gated(_silu_mul_kernel, gate2, up2, grad2, out, grad_up)
 
 
 def silu_mul_backward(
     gate: torch.Tensor, up: torch.Tensor, grad_out: torch.Tensor, grad_gate: torch.Tensor, grad_up: torch.Tensor
 ) -> None:
     """:func:`silu_mul`'s backward into preallocated ``grad_gate`` / ``grad_up`` (``[M, I]``, any
-    strides): the kernel :class:`SiluMulFunction` runs."""
+    strides): the kernel :func:`silu_mul`'s backward runs."""
     _launch(gate, up, grad_out, grad_gate, grad_up)
 
 
-class SiluMulFunction(torch.autograd.Function):
-    """Autograd for :func:`silu_mul` on ``[M, I]`` views (any strides)."""
+class GatedMulFunction(torch.autograd.Function):
+    """Autograd for ``act(gate) * up`` on ``[M, I]`` views (any strides); ``launch`` is the
+    activation's launcher (:func:`launch_gated` on its kernel), forward and backward."""
 
     @staticmethod
-    def forward(ctx, gate2, up2):  # type: ignore[override]
+    def forward(ctx, launch, gate2, up2):  # type: ignore[override]
         out = torch.empty(gate2.shape, dtype=gate2.dtype, device=gate2.device)
-        _launch(gate2, up2, None, out, None)
+        launch(gate2, up2, None, out, None)
+        ctx.launch = launch
         ctx.save_for_backward(gate2, up2)
         return out
 
@@ -141,8 +153,8 @@ class SiluMulFunction(torch.autograd.Function):
         gate2, up2 = ctx.saved_tensors
         dgate = torch.empty(gate2.shape, dtype=gate2.dtype, device=gate2.device)
         dup = torch.empty(gate2.shape, dtype=gate2.dtype, device=gate2.device)
-        _launch(gate2, up2, grad_out.reshape(gate2.shape), dgate, dup)
-        return dgate, dup
+        ctx.launch(gate2, up2, grad_out.reshape(gate2.shape), dgate, dup)
+        return None, dgate, dup
 
 
 def _check(name: str, tensor: torch.Tensor) -> None:
@@ -150,6 +162,28 @@ def _check(name: str, tensor: torch.Tensor) -> None:
         raise ValueError(f"{name} must be a tensor with at least one dimension")
     dtype_name(tensor.dtype, f"{name}.dtype")
     device_kind(tensor.device)
+
+
+def gated_mul(launch: Callable[..., None], gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """``act(gate) * up`` through ``launch`` after checking ``gate`` / ``up`` (same shape, dtype and
+    device; ``ValueError`` naming the argument), differentiable in both."""
+    _check("gate", gate)
+    if not isinstance(up, torch.Tensor):
+        raise ValueError("up must be a tensor shaped like gate")
+    if up.shape != gate.shape:
+        raise ValueError(f"up shape {tuple(up.shape)} differs from gate's {tuple(gate.shape)}")
+    check_operands(gate=gate, up=up)
+    width = gate.shape[-1]
+    return GatedMulFunction.apply(launch, gate.reshape(-1, width), up.reshape(-1, width)).reshape(gate.shape)
+
+
+def split_gate_up(gate_up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """vLLM's fused layout ``[..., 2 * I]`` (gate first, then up) as its two halves, checked."""
+    _check("gate_up", gate_up)
+    if gate_up.shape[-1] % 2:
+        raise ValueError(f"gate_up.shape[-1] = {gate_up.shape[-1]} must be even (gate and up halves)")
+    half = gate_up.shape[-1] // 2
+    return gate_up[..., :half], gate_up[..., half:]
 
 
 def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
@@ -161,14 +195,7 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     Returns:
         ``[..., I]`` in the input dtype; differentiable in both inputs.
     """
-    _check("gate", gate)
-    if not isinstance(up, torch.Tensor):
-        raise ValueError("up must be a tensor shaped like gate")
-    if up.shape != gate.shape:
-        raise ValueError(f"up shape {tuple(up.shape)} differs from gate's {tuple(gate.shape)}")
-    check_operands(gate=gate, up=up)
-    width = gate.shape[-1]
-    return SiluMulFunction.apply(gate.reshape(-1, width), up.reshape(-1, width)).reshape(gate.shape)
+    return gated_mul(_launch, gate, up)
 
 
 def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
@@ -180,8 +207,4 @@ def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
     Returns:
         ``[..., I]``, the same bits as ``silu_mul(gate_up[..., :I], gate_up[..., I:])``.
     """
-    _check("gate_up", gate_up)
-    if gate_up.shape[-1] % 2:
-        raise ValueError(f"gate_up.shape[-1] = {gate_up.shape[-1]} must be even (gate and up halves)")
-    half = gate_up.shape[-1] // 2
-    return silu_mul(gate_up[..., :half], gate_up[..., half:])
+    return silu_mul(*split_gate_up(gate_up))
