@@ -18,7 +18,7 @@ import samepath
 from samepath.kernels import config as config_module
 from samepath.kernels.attention import varlen_attention
 from samepath.kernels.compile_check import compile_launch, record_launches
-from samepath.kernels.dispatch import _fp32_to_bf16_bits
+from samepath.kernels.dispatch import fp32_to_bf16_bits
 
 
 def _language_state() -> dict[str, object]:
@@ -47,9 +47,9 @@ def test_cpu_tensors_run_under_the_interpreter_without_settings() -> None:
 def test_bf16_cast_rounds_to_nearest_even_like_torch() -> None:
     values = torch.randn(4096, generator=torch.Generator().manual_seed(0)) * 100
     values = torch.cat([values, torch.tensor([float("inf"), -float("inf"), 3.4e38, -0.0, 1e-40])])
-    ours = torch.from_numpy(_fp32_to_bf16_bits(values.numpy()).view("int16")).view(torch.bfloat16)
+    ours = torch.from_numpy(fp32_to_bf16_bits(values.numpy()).view("int16")).view(torch.bfloat16)
     assert torch.equal(ours, values.to(torch.bfloat16))
-    assert _fp32_to_bf16_bits(torch.tensor([float("nan")]).numpy())[0] == 0x7FC0
+    assert fp32_to_bf16_bits(torch.tensor([float("nan")]).numpy())[0] == 0x7FC0
 
 
 def test_fingerprint_is_stable_and_covers_the_table(monkeypatch: pytest.MonkeyPatch) -> None:
