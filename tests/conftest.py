@@ -1,4 +1,10 @@
-"""Suite-wide guard: no test may leave samepath's global patches behind for the next one."""
+"""Suite-wide: the CPU executor each test runs on, and a guard that no test leaves samepath's global
+patches behind for the next one.
+
+Tests marked ``interpreter`` (the kernel tests) run the Triton source itself under Triton's
+interpreter; every other test runs on the default CPU executor, the replays proven bit-identical to
+it (tests/test_replay_*.py, ``samepath.kernels.dispatch``).
+"""
 
 from __future__ import annotations
 
@@ -25,3 +31,10 @@ def _no_leaked_patches():
     before = _stock_state()
     yield
     assert _stock_state() == before, "a test left samepath's integration patches (or interface entries) behind"
+
+
+@pytest.fixture(autouse=True)
+def _cpu_executor(request, monkeypatch):
+    """The environment variable, not the context manager: threads and child processes follow it too."""
+    if request.node.get_closest_marker("interpreter") is not None:
+        monkeypatch.setenv("SAMEPATH_CPU_EXECUTOR", "interpreter")

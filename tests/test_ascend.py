@@ -18,6 +18,9 @@ import samepath
 from samepath.kernels.compile_check import lower_for_ascend, record_launches
 from samepath.kernels.config import ATTENTION_TABLE, MATMUL_TABLE
 
+#: Kernel tests run the Triton source itself under the interpreter (tests/conftest.py).
+pytestmark = pytest.mark.interpreter
+
 
 def _exercise_every_kernel(dtype: torch.dtype) -> None:
     gen = torch.Generator().manual_seed(0)

@@ -32,6 +32,9 @@ from samepath.kernels.attention import _packing, _program_map
 from samepath.kernels.config import ATTENTION_TABLE, NUMERICS_VERSION
 from samepath.kernels.config import dtype_name as config_dtype_name
 
+#: Kernel tests run the Triton source itself under the interpreter (tests/conftest.py).
+pytestmark = pytest.mark.interpreter
+
 CSRC = Path(tiling.__file__).resolve().parent / "csrc"
 
 DRIVER = r"""

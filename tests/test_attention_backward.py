@@ -13,6 +13,9 @@ from attention_harness import Batch, make_batch, reference_attention
 from samepath.kernels.attention import varlen_attention
 from samepath.kernels.config import ATTENTION_TABLE, attention_config
 
+#: Kernel tests run the Triton source itself under the interpreter (tests/conftest.py).
+pytestmark = pytest.mark.interpreter
+
 TOLERANCE = {torch.float32: 2e-5, torch.bfloat16: 2e-2, torch.float16: 3e-3}
 
 

@@ -17,6 +17,9 @@ from attention_harness import (
 from samepath.kernels.attention import varlen_attention
 from samepath.kernels.config import attention_config
 
+#: Kernel tests run the Triton source itself under the interpreter (tests/conftest.py).
+pytestmark = pytest.mark.interpreter
+
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 HEAD_SIZES = [64, 128, 80]
 # Unaligned lengths; the longest crosses two KV-tile boundaries (tile_n = 32 on the CPU).

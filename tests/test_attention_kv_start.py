@@ -15,6 +15,9 @@ from attention_harness import lengths_to_cu, make_batch
 
 from samepath.kernels.attention import packed_attention, varlen_attention
 
+#: Kernel tests run the Triton source itself under the interpreter (tests/conftest.py).
+pytestmark = pytest.mark.interpreter
+
 #: (sequence length, queries, keys kept). The CPU table's tile_n is 32 and seg 64: the kept keys
 #: start inside a tile (45 - 12 = 33, 33 - 12 = 21: a window across the tile at 32; 70 - 13 = 57: a
 #: window across the segment at 64), on a tile boundary (96 - 32 = 64), or at 0 (nothing dropped).

@@ -14,6 +14,9 @@ from samepath.kernels import config as config_module
 from samepath.kernels.attention import packed_attention, varlen_attention
 from samepath.kernels.config import AttentionConfig, attention_config
 
+#: Kernel tests run the Triton source itself under the interpreter (tests/conftest.py).
+pytestmark = pytest.mark.interpreter
+
 #: A short segment (two KV tiles of 16) keeps interpreter runs small while crossing many boundaries.
 SMALL = AttentionConfig(block_m=16, tile_n=16, seg=32)
 SEG = SMALL.seg

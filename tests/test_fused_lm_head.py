@@ -17,6 +17,9 @@ from samepath import integrations
 from samepath.integrations.hf import causal_lm_logprobs
 from samepath.kernels.logprobs import linear_token_logprobs, token_logprobs
 
+#: Kernel tests run the Triton source itself under the interpreter (tests/conftest.py).
+pytestmark = pytest.mark.interpreter
+
 
 @pytest.fixture
 def patched():

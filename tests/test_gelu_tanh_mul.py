@@ -11,6 +11,9 @@ import torch.nn.functional as F
 from samepath.kernels.config import OP_FORMULAS
 from samepath.kernels.gelu_tanh_mul import GELU_TANH_K, GELU_TANH_KAPPA, geglu_tanh, gelu_tanh_mul
 
+#: Kernel tests run the Triton source itself under the interpreter (tests/conftest.py).
+pytestmark = pytest.mark.interpreter
+
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
 

@@ -20,6 +20,9 @@ from samepath.kernels.compile_check import compile_launch, record_launches
 from samepath.kernels.config import RowReduceConfig
 from samepath.kernels.logprobs import _log_softmax, log_softmax, token_logprobs
 
+#: Kernel tests run the Triton source itself under the interpreter (tests/conftest.py).
+pytestmark = pytest.mark.interpreter
+
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 BATCH_SIZES = (1, 2, 3, 7, 16, 33)
 POOL = 40

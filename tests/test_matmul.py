@@ -25,6 +25,9 @@ from samepath.kernels.matmul import (
     matmul,
 )
 
+#: Kernel tests run the Triton source itself under the interpreter (tests/conftest.py).
+pytestmark = pytest.mark.interpreter
+
 matmul_module = importlib.import_module("samepath.kernels.matmul")  # the package attribute is the function
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 BATCH_SIZES = (1, 2, 3, 7, 16, 33, 128, 257)

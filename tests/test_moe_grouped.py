@@ -12,6 +12,9 @@ from samepath.integrations import moe
 from samepath.kernels.config import matmul_config
 from samepath.kernels.grouped_matmul import expert_plan, grouped_linear
 
+#: Kernel tests run the Triton source itself under the interpreter (tests/conftest.py).
+pytestmark = pytest.mark.interpreter
+
 
 def _layer(tokens: int, hidden: int, inter: int, experts: int, top_k: int, dtype: torch.dtype, seed: int):
     gen = torch.Generator().manual_seed(seed)

@@ -10,6 +10,9 @@ import samepath
 from samepath.kernels import reductions
 from samepath.kernels.config import RowReduceConfig, row_reduce_config
 
+#: Kernel tests run the Triton source itself under the interpreter (tests/conftest.py).
+pytestmark = pytest.mark.interpreter
+
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 WIDTHS = [7, 300, 1027]  # one chunk, several, an unaligned tail
 

@@ -15,6 +15,9 @@ from samepath.kernels.compile_check import compile_launch, record_launches
 from samepath.kernels.config import OP_FORMULAS, RowReduceConfig
 from samepath.kernels.rms_norm import norm_tiling, rms_norm
 
+#: Kernel tests run the Triton source itself under the interpreter (tests/conftest.py).
+pytestmark = pytest.mark.interpreter
+
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 MANTISSA = {torch.float32: 23, torch.bfloat16: 7, torch.float16: 10}
 MIN_EXPONENT = {torch.float32: -126, torch.bfloat16: -126, torch.float16: -14}

@@ -14,6 +14,9 @@ from samepath.kernels.compile_check import compile_launch, record_launches
 from samepath.kernels.config import OP_FORMULAS
 from samepath.kernels.rotary import apply_rotary, rotary_cos_sin, rotary_inv_freq
 
+#: Kernel tests run the Triton source itself under the interpreter (tests/conftest.py).
+pytestmark = pytest.mark.interpreter
+
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
 

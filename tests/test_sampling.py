@@ -14,6 +14,9 @@ import samepath
 from samepath.integrations._vllm_common import check_processed_sampling, min_p_mask, penalties, top_k_top_p
 from samepath.kernels.config import OP_FORMULAS, RowReduceConfig
 
+#: Kernel tests run the Triton source itself under the interpreter (tests/conftest.py).
+pytestmark = pytest.mark.interpreter
+
 
 def _logits(rows: int, vocab: int, seed: int, scale: float = 3.0) -> torch.Tensor:
     gen = torch.Generator().manual_seed(seed)

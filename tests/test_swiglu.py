@@ -15,6 +15,9 @@ from samepath.kernels.compile_check import compile_launch, record_launches
 from samepath.kernels.config import OP_FORMULAS
 from samepath.kernels.swiglu import silu_mul, swiglu
 
+#: Kernel tests run the Triton source itself under the interpreter (tests/conftest.py).
+pytestmark = pytest.mark.interpreter
+
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 MANTISSA = {torch.float32: 23, torch.bfloat16: 7, torch.float16: 10}
 MIN_EXPONENT = {torch.float32: -126, torch.bfloat16: -126, torch.float16: -14}
