@@ -44,7 +44,7 @@ import samepath  # noqa: E402
 from samepath import integrations  # noqa: E402
 from samepath.check.cli import main  # noqa: E402
 from samepath.check.harness import DEFAULT_MODEL_CONFIG, trainer_forward  # noqa: E402
-from samepath.check.vllm_rollout import VLLMRolloutSpec, run_vllm_rollout  # noqa: E402
+from samepath.check.vllm_rollout import VLLMRolloutPool, VLLMRolloutSpec, run_vllm_rollout  # noqa: E402
 from tests.test_rope_variants import HEAD_DIM, ROPE_VARIANTS, llama_config  # noqa: E402
 
 VOCAB = DEFAULT_MODEL_CONFIG["vocab_size"]
@@ -56,6 +56,17 @@ def _entry_point_installed() -> bool:
     return any(
         ep.value == "samepath.integrations.vllm_plugin:register" for ep in entry_points(group="vllm.general_plugins")
     )
+
+
+#: Rollout children kept alive across this module's tests: one vLLM start-up per environment, and
+#: engines reused for the same model (samepath's bits do not depend on the cache or sampler state).
+ROLLOUTS = VLLMRolloutPool()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _close_rollout_children():
+    yield
+    ROLLOUTS.close()
 
 
 MOE_CONFIG = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64, norm_topk_prob=True)
@@ -152,7 +163,7 @@ def vllm_rollout(
         env={"VLLM_CPU_OMP_THREADS_BIND": "|".join(map(str, range(tensor_parallel)))} if tensor_parallel > 1 else {},
         engine_args=engine_args or {},
     )
-    result = run_vllm_rollout(spec)
+    result = ROLLOUTS.run(spec)
     if plugin:
         assert result.fingerprint == samepath.fingerprint(tensor_parallel)
     return [*first, shared], result.requests
@@ -1188,7 +1199,7 @@ def test_vllm_rope_variant_rollout_equals_trainer(llama_dirs, hf_patched, varian
         expect_fingerprint=samepath.fingerprint(1, model_config=config),
         max_model_len=ROPE_MAX_MODEL_LEN,
     )
-    result = run_vllm_rollout(spec)
+    result = ROLLOUTS.run(spec)
     assert result.fingerprint == samepath.fingerprint()
     assert samepath.fingerprint(1, model_config=config) == f"{result.fingerprint}-{result.model_fingerprint}"
     rollout = rollout_logprobs(result.requests)
@@ -1422,7 +1433,7 @@ def test_vllm_sampling_edits_equal_processed_logprobs(tmp_path, hf_patched):
         sampling=SAMPLING_REQUESTS,
         probe_refusals=[{"bad_words": ["x"]}, {"thinking_token_budget": 4}],
     )
-    result = run_vllm_rollout(spec)
+    result = ROLLOUTS.run(spec)
     for refusal, name in zip(result.refusals, ["bad_words=['x']", "thinking_token_budget=4"], strict=True):
         assert refusal and "samepath cannot reproduce" in refusal and name in refusal, result.refusals
         assert "raw_logprobs" in refusal

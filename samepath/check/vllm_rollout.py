@@ -15,17 +15,29 @@ edits too: ``samepath.processed_logprobs`` with the same parameters.
 With ``samepath=True`` the child sets ``SAMEPATH_VLLM=1`` and calls the plugin's ``register()``
 itself, so the entry point need not be installed (``entry_point=True`` leaves that to vLLM's
 plugin loader instead, with the engine core in its own process).
+
+:class:`VLLMRolloutPool` keeps such children alive between rollouts (one per environment: stock or
+samepath, expected fingerprint, extra variables), each serving specs one after another over its
+stdin and keeping the last engines it built, so many rollouts on one model pay vLLM's start-up once
+(``python -m samepath.check.vllm_rollout --serve``). A reused engine has served earlier requests: its
+prefix cache and its sampler's random state carry over, which samepath's numerics do not depend on.
 """
 
 from __future__ import annotations
 
+import gc
 import json
 import os
+import selectors
 import subprocess
 import sys
+import tempfile
+import time
+import traceback
 from dataclasses import dataclass, field
 
 RESULT_PREFIX = "SAMEPATH_RESULT "
+ERROR_PREFIX = "SAMEPATH_ERROR "
 
 
 @dataclass
@@ -90,8 +102,7 @@ def entry_point_installed() -> bool:
     )
 
 
-def run_vllm_rollout(spec: VLLMRolloutSpec, timeout: float = 1800.0) -> VLLMRolloutResult:
-    """Run ``spec`` in a fresh Python process; raise ``RuntimeError`` with vLLM's stderr tail on failure."""
+def _child_env(spec: VLLMRolloutSpec) -> dict[str, str]:
     env = dict(os.environ)
     env.update(
         SAMEPATH_VLLM="1" if spec.samepath else "0",
@@ -108,6 +119,19 @@ def run_vllm_rollout(spec: VLLMRolloutSpec, timeout: float = 1800.0) -> VLLMRoll
     env.pop("SAMEPATH_EXPECT_FINGERPRINT", None)
     if spec.samepath and spec.expect_fingerprint:
         env["SAMEPATH_EXPECT_FINGERPRINT"] = spec.expect_fingerprint
+    return env
+
+
+def _result(document: dict) -> VLLMRolloutResult:
+    requests = [VLLMRequestResult(**r) for r in document["requests"]]
+    return VLLMRolloutResult(
+        requests, document["fingerprint"], document.get("model_fingerprint"), document.get("refusals", [])
+    )
+
+
+def run_vllm_rollout(spec: VLLMRolloutSpec, timeout: float = 1800.0) -> VLLMRolloutResult:
+    """Run ``spec`` in a fresh Python process; raise ``RuntimeError`` with vLLM's stderr tail on failure."""
+    env = _child_env(spec)
     try:
         proc = subprocess.run(
             [sys.executable, "-m", "samepath.check.vllm_rollout", json.dumps(spec.__dict__)],
@@ -121,11 +145,114 @@ def run_vllm_rollout(spec: VLLMRolloutSpec, timeout: float = 1800.0) -> VLLMRoll
     lines = [line for line in proc.stdout.splitlines() if line.startswith(RESULT_PREFIX)]
     if proc.returncode != 0 or not lines:
         raise RuntimeError(f"the vLLM rollout failed (exit status {proc.returncode}):\n{proc.stderr[-6000:]}")
-    document = json.loads(lines[-1].removeprefix(RESULT_PREFIX))
-    requests = [VLLMRequestResult(**r) for r in document["requests"]]
-    return VLLMRolloutResult(
-        requests, document["fingerprint"], document.get("model_fingerprint"), document.get("refusals", [])
-    )
+    return _result(json.loads(lines[-1].removeprefix(RESULT_PREFIX)))
+
+
+#: Spec fields that configure the engine (the rest configure the requests).
+_ENGINE_FIELDS = (
+    "model",
+    "dtype",
+    "seed",
+    "block_size",
+    "max_num_batched_tokens",
+    "max_num_seqs",
+    "max_model_len",
+    "tensor_parallel_size",
+    "engine_args",
+)
+
+
+class _Worker:
+    """One ``--serve`` child: specs in on stdin, one result line each on stdout, stderr to a file."""
+
+    def __init__(self, env: dict[str, str]) -> None:
+        self.stderr = tempfile.TemporaryFile(mode="w+")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "samepath.check.vllm_rollout", "--serve"],
+            env=env,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self.stderr,
+            text=True,
+        )
+
+    def stderr_tail(self) -> str:
+        self.stderr.seek(0)
+        return self.stderr.read()[-6000:]
+
+    def run(self, spec: VLLMRolloutSpec, timeout: float) -> VLLMRolloutResult:
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        self.proc.stdin.write(json.dumps(spec.__dict__) + "\n")
+        self.proc.stdin.flush()
+        deadline = time.monotonic() + timeout
+        with selectors.DefaultSelector() as selector:
+            selector.register(self.proc.stdout, selectors.EVENT_READ)
+            while True:
+                left = deadline - time.monotonic()
+                if left <= 0 or not selector.select(left):
+                    self.close()
+                    raise RuntimeError(f"the vLLM rollout did not finish within {timeout:g} s")
+                line = self.proc.stdout.readline()
+                if not line:
+                    code = self.proc.wait()
+                    raise RuntimeError(f"the vLLM rollout failed (exit status {code}):\n{self.stderr_tail()}")
+                if line.startswith(RESULT_PREFIX):
+                    return _result(json.loads(line.removeprefix(RESULT_PREFIX)))
+                if line.startswith(ERROR_PREFIX):
+                    message = json.loads(line.removeprefix(ERROR_PREFIX))
+                    raise RuntimeError(f"the vLLM rollout failed:\n{message[-6000:]}")
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def close(self) -> None:
+        if self.alive():
+            assert self.proc.stdin is not None
+            self.proc.stdin.close()
+            try:
+                self.proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.stderr.close()
+
+
+class VLLMRolloutPool:
+    """Long-lived rollout children, one per child environment; ``run(spec)`` as :func:`run_vllm_rollout`.
+
+    Specs with ``entry_point=True`` or ``tensor_parallel_size > 1`` (vLLM's own worker processes)
+    run in a fresh process each. A spec whose rollout fails restarts its child for the next one.
+    Use as a context manager, or call :meth:`close`."""
+
+    def __init__(self, timeout: float = 1800.0) -> None:
+        self.timeout = timeout
+        self._workers: dict[str, _Worker] = {}
+
+    def run(self, spec: VLLMRolloutSpec) -> VLLMRolloutResult:
+        if spec.entry_point or spec.tensor_parallel_size > 1:
+            return run_vllm_rollout(spec, self.timeout)
+        env = _child_env(spec)
+        key = json.dumps(sorted(env.items()))
+        worker = self._workers.get(key)
+        if worker is None or not worker.alive():
+            worker = self._workers[key] = _Worker(env)
+        try:
+            return worker.run(spec, self.timeout)
+        except RuntimeError:
+            worker.close()
+            del self._workers[key]
+            raise
+
+    def close(self) -> None:
+        for worker in self._workers.values():
+            worker.close()
+        self._workers.clear()
+
+    def __enter__(self) -> VLLMRolloutPool:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 def _from_json(params: dict) -> dict:
@@ -135,14 +262,18 @@ def _from_json(params: dict) -> dict:
     return params
 
 
-def _child(spec: VLLMRolloutSpec) -> dict:
-    if spec.samepath and not spec.entry_point:
-        from samepath.integrations import vllm_plugin
+def _engine(spec: VLLMRolloutSpec, engines: dict | None = None):
+    """``vllm.LLM`` for ``spec``: built, or the one in ``engines`` with the same engine fields (the
+    last two built are kept)."""
+    from vllm import LLM
 
-        vllm_plugin.register()
-    from vllm import LLM, SamplingParams
-    from vllm.inputs import TokensPrompt
-
+    key = json.dumps([getattr(spec, name) for name in _ENGINE_FIELDS])
+    if engines is not None and key in engines:
+        return engines[key]
+    if engines is not None:
+        while len(engines) >= 2:
+            del engines[next(iter(engines))]
+            gc.collect()
     llm = LLM(
         model=spec.model,
         skip_tokenizer_init=True,
@@ -161,6 +292,20 @@ def _child(spec: VLLMRolloutSpec) -> dict:
         **({"distributed_executor_backend": "mp"} if spec.tensor_parallel_size > 1 else {}),
         **({"enforce_eager": True} | spec.engine_args),
     )
+    if engines is not None:
+        engines[key] = llm
+    return llm
+
+
+def _child(spec: VLLMRolloutSpec, engines: dict | None = None) -> dict:
+    if spec.samepath and not spec.entry_point:
+        from samepath.integrations import vllm_plugin
+
+        vllm_plugin.register()
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    llm = _engine(spec, engines)
     defaults = dict(
         logprobs=0,
         detokenize=False,
@@ -216,8 +361,25 @@ def _child(spec: VLLMRolloutSpec) -> dict:
     }
 
 
+def _serve() -> None:
+    """Specs from stdin, one JSON line each, until it closes; a result or an error line for each."""
+    engines: dict = {}
+    for line in sys.stdin:
+        if not line.strip():
+            continue
+        try:
+            document = _child(VLLMRolloutSpec(**json.loads(line)), engines)
+        except Exception:
+            print(ERROR_PREFIX + json.dumps(traceback.format_exc()), flush=True)
+            continue
+        print(RESULT_PREFIX + json.dumps(document), flush=True)
+
+
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
+    if argv == ["--serve"]:
+        _serve()
+        return
     spec = VLLMRolloutSpec(**json.loads(argv[0]))
     print(RESULT_PREFIX + json.dumps(_child(spec)), flush=True)
 
