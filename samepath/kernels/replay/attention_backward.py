@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from samepath.kernels.dispatch import register_replay
-from samepath.kernels.replay.numerics import cast, dot, to_numpy
+from samepath.kernels.replay.numerics import cast, dot, to_numpy, widen
 
 
 def _flat(t: torch.Tensor) -> np.ndarray:
@@ -42,6 +42,11 @@ def _gather(flat: np.ndarray, offsets: np.ndarray, mask: np.ndarray) -> np.ndarr
     return np.where(mask, flat[np.where(mask, offsets, 0)], flat.dtype.type(0))
 
 
+def _dot_operand(tiles: np.ndarray) -> np.ndarray:
+    """bf16 tiles widened once (exactly, as :func:`.numerics.dot` widens them at every dot)."""
+    return widen(tiles) if tiles.dtype == np.uint16 else tiles
+
+
 def _scatter(flat: np.ndarray, offsets: np.ndarray, values: np.ndarray, mask: np.ndarray) -> None:
     """A masked ``tl.store``."""
     mask = np.broadcast_to(mask, values.shape)
@@ -54,8 +59,8 @@ def _t(x: np.ndarray) -> np.ndarray:
 
 
 def fold_dq_partials(partials: np.ndarray) -> np.ndarray:
-    """Running fp32 sums along axis 1 (``[tiles, contributors, ...]``), ascending, one add each."""
-    return np.add.accumulate(partials, axis=1)
+    """Running fp32 sums along axis 1 (``[tiles, contributors, ...]``), ascending, one add each (in place)."""
+    return np.add.accumulate(partials, axis=1, out=partials)
 
 
 @register_replay("samepath.kernels.attention._attention_bwd_kernel")
@@ -139,8 +144,8 @@ def attention_bwd(
     def kv_offsets(stride_tok: int, stride_head: int) -> np.ndarray:
         return kv_rows[:, None, :, None] * stride_tok + heads_kv[None, :, None, None] * stride_head + d
 
-    k_tiles = _gather(_flat(K), kv_offsets(stride_k_tok, stride_k_head), kd_mask)
-    v_tiles = _gather(_flat(V), kv_offsets(stride_v_tok, stride_v_head), kd_mask)
+    k_tiles = _dot_operand(_gather(_flat(K), kv_offsets(stride_k_tok, stride_k_head), kd_mask))
+    v_tiles = _dot_operand(_gather(_flat(V), kv_offsets(stride_v_tok, stride_v_head), kd_mask))
 
     # Query blocks each work item visits: [q_lo, q_hi).
     q_lo = (block * BN if CAUSAL else np.zeros_like(block)) // BQ
@@ -168,8 +173,8 @@ def attention_bwd(
     def q_offsets(stride_tok: int, stride_head: int) -> np.ndarray:
         return (q_rows * stride_tok + heads[None] * stride_head)[..., None] + d
 
-    q_tiles = _gather(_flat(Q), q_offsets(stride_q_tok, stride_q_head), qd_mask)
-    do_tiles = _gather(_flat(dOut), q_offsets(stride_do_tok, stride_do_head), qd_mask)
+    q_tiles = _dot_operand(_gather(_flat(Q), q_offsets(stride_q_tok, stride_q_head), qd_mask))
+    do_tiles = _dot_operand(_gather(_flat(dOut), q_offsets(stride_do_tok, stride_do_head), qd_mask))
     lse_offsets = q_rows * stride_lse_tok + heads[None]
     lse_tiles = _gather(_flat(Lse), lse_offsets, row_valid)
     delta_tiles = _gather(_flat(Delta), lse_offsets, row_valid)
@@ -219,8 +224,11 @@ def attention_bwd(
                 or not np.array_equal(np.bincount(slot, minlength=tiles.size), tile_width + 1)
             ):
                 raise AssertionError("a query tile's contributors are not the KV tiles first..last")
-            stacked = np.zeros((tiles.size, span, H, BM, BD), np.float32)
-            stacked[slot, turn] = partials
+            if np.array_equal(turn, np.tile(np.arange(span), tiles.size)):
+                stacked = partials.reshape(tiles.size, span, *partials.shape[1:])
+            else:
+                stacked = np.zeros((tiles.size, span, H, BM, BD), np.float32)
+                stacked[slot, turn] = partials
             sums = fold_dq_partials(stacked)
             ends = sums[np.arange(tiles.size), tile_width]
             _scatter(dq_flat, dq_offsets[tiles, :, chunk], cast(ends * sm, out_dtypes[0]), qd_mask[tiles, :, chunk])
