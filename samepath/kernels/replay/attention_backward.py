@@ -163,9 +163,7 @@ def attention_bwd(
     heads = heads_kv[:, None, None] * GROUP + head_in_group
     offs_m = tile_qb[:, None] * BQ + r // HEAD_CHUNK
     row_valid = (
-        (r < BQ * HEAD_CHUNK)
-        & (head_in_group < GROUP)[None]
-        & (offs_m < lens[tile_seq][:, None])[:, None, :]
+        (r < BQ * HEAD_CHUNK) & (head_in_group < GROUP)[None] & (offs_m < lens[tile_seq][:, None])[:, None, :]
     )[:, None].repeat(H, 1)
     q_rows = (cu[tile_seq][:, None] + offs_m)[:, None, None, :]
     qd_mask = row_valid[..., None] & d_valid
