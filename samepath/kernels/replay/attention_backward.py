@@ -59,8 +59,11 @@ def _t(x: np.ndarray) -> np.ndarray:
 
 
 def fold_dq_partials(partials: np.ndarray) -> np.ndarray:
-    """Running fp32 sums along axis 1 (``[tiles, contributors, ...]``), ascending, one add each (in place)."""
-    return np.add.accumulate(partials, axis=1, out=partials)
+    """Running fp32 sums along axis 1 (``[tiles, contributors, ...]``), in place: contributor ``t``
+    becomes ``sum[t - 1] + partial[t]``, ascending, as the kernel's ``load(DqAcc) + dq``."""
+    for turn in range(1, partials.shape[1]):
+        np.add(partials[:, turn - 1], partials[:, turn], out=partials[:, turn])
+    return partials
 
 
 @register_replay("samepath.kernels.attention._attention_bwd_kernel")
