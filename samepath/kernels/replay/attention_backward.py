@@ -11,9 +11,9 @@ tiles' (head chunk, query block) pairs in the order every work item visits them:
 the KV tiles (of every sequence and KV head) that visit that query block take their one visit, so
 each dK / dV accumulator is folded in the kernel's order. The dQ partials of a step are the
 partials of whole query tiles (every contributor of a query tile visits it in the same step); they
-are placed by their distance from the query tile's first KV tile and summed along that axis with
-``np.add.accumulate`` (sequential, one fp32 add per contributor, ascending), which gives the row
-sums after every contributor: the last is dQ, the one before it what ``DqAcc`` finally holds.
+are placed by their distance from the query tile's first KV tile and summed along that axis, one
+fp32 add per contributor in ascending order (:func:`fold_dq_partials`), which gives the row sums
+after every contributor: the last is dQ, the one before it what ``DqAcc`` finally holds.
 
 Every tensor argument ends as the interpreter leaves it: dQ, dK, dV and the ``DqAcc`` rows the
 kernel writes (rows of query tiles with a single contributor are never written, by either);
