@@ -1,0 +1,75 @@
+"""CPU replay of ``_rotary_kernel`` (``samepath.kernels.rotary``): HF's rotate-half rotation of a
+``[n0, size1, size2, HEAD]`` tensor and its transpose (the backward), with the partial-rotary
+pass-through.
+
+The kernel is elementwise per ``(row, column < HALF)``: each output pair is a fixed sequence of fp32
+products, casts to the output dtype and one add or subtract, the same for any block of rows. The
+replay addresses every row at once through the kernel's strides (``cos``/``sin`` share theirs, 0
+where broadcast; the last dimension is contiguous) and applies those operations to whole arrays;
+the pass-through columns are copied as stored bits.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from samepath.kernels.dispatch import register_replay
+from samepath.kernels.replay.numerics import cast, to_numpy, widen
+
+
+def _rows(t: torch.Tensor, shape: tuple[int, int, int], strides: tuple[int, int, int], cols: int) -> np.ndarray:
+    """``t``'s ``[*shape, cols]`` elements at ``i0 * s0 + i1 * s1 + i2 * s2 + col``, a writable view."""
+    return to_numpy(t.as_strided((*shape, cols), (*strides, 1)))
+
+
+@register_replay("samepath.kernels.rotary._rotary_kernel")
+def rotary(
+    grid,
+    *,
+    X,
+    Cos,
+    Sin,
+    Out,
+    num_rows,
+    size1,
+    size2,
+    stride_x0,
+    stride_x1,
+    stride_x2,
+    stride_c0,
+    stride_c1,
+    stride_c2,
+    stride_o0,
+    stride_o1,
+    stride_o2,
+    HALF,
+    BLOCK_H,
+    HEAD,
+    BLOCK_P,
+    BLOCK_R,
+    BACKWARD,
+) -> None:
+    """``_rotary_kernel``'s stores: ``Out[..., :2 * HALF]`` rotated (or, ``BACKWARD``, counter-rotated)
+    from ``X``, ``Out[..., 2 * HALF:HEAD]`` copied from ``X``."""
+    if num_rows == 0:
+        return
+    shape = (num_rows // (size1 * size2), size1, size2)
+    x = _rows(X, shape, (stride_x0, stride_x1, stride_x2), HEAD)
+    cos = _rows(Cos, shape, (stride_c0, stride_c1, stride_c2), 2 * HALF)
+    sin = _rows(Sin, shape, (stride_c0, stride_c1, stride_c2), 2 * HALF)
+    out = _rows(Out, shape, (stride_o0, stride_o1, stride_o2), HEAD)
+    x1, x2 = widen(x[..., :HALF]), widen(x[..., HALF : 2 * HALF])
+    c1, c2 = widen(cos[..., :HALF]), widen(cos[..., HALF:])
+    s1, s2 = widen(sin[..., :HALF]), widen(sin[..., HALF:])
+    dtype = Out.dtype
+    if BACKWARD:
+        o1 = x1 * c1 + x2 * s2
+        o2 = x2 * c2 - x1 * s1
+    else:
+        o1 = widen(cast(x1 * c1, dtype)) + widen(cast(np.negative(x2) * s1, dtype))
+        o2 = widen(cast(x2 * c2, dtype)) + widen(cast(x1 * s2, dtype))
+    out[..., :HALF] = cast(o1, dtype)
+    out[..., HALF : 2 * HALF] = cast(o2, dtype)
+    if HEAD > 2 * HALF:
+        out[..., 2 * HALF :] = x[..., 2 * HALF :]
