@@ -62,6 +62,11 @@ def _gated(act, Gate, Up, dOut, Out, dUp, strides, M, N, backward) -> None:
     ``(g, e, derivative)`` with the activation ``g / e`` and ``derivative(1 / e)``."""
     if M * N == 0:
         return
+    with np.errstate(all="ignore"):
+        _gated_stores(act, Gate, Up, dOut, Out, dUp, strides, M, N, backward)
+
+
+def _gated_stores(act, Gate, Up, dOut, Out, dUp, strides, M, N, backward) -> None:
     sg, su, sdo, so, sdu = (strides[i : i + 2] for i in range(0, 10, 2))
     g = _load(Gate, M, N, *sg)
     u = _load(Up, M, N, *su)

@@ -45,15 +45,9 @@ def _weight(W: torch.Tensor, N: int, block: int, mode: int) -> np.ndarray:
     return _ONE + w if mode == 2 else w
 
 
-def _scalar(value: float) -> np.float32:
-    """A python-float kernel argument as the interpreter makes it a tensor operand."""
-    if value != 0 and abs(value) < 2.0**-126:
-        raise NotImplementedError("eps below fp32's normal range makes the kernel compute in fp64")
-    return np.float32(value)
-
-
 def _rstd(squares: np.ndarray, N: int, eps: float) -> np.ndarray:
-    return 1 / np.sqrt(np.sum(squares, axis=1) / np.float32(N) + _scalar(eps))
+    """``rsqrt(sum(squares) / N + eps)``: python scalars are weakly typed (fp32 next to an fp32 tensor)."""
+    return 1 / np.sqrt(np.sum(squares, axis=1) / np.float32(N) + np.float32(eps))
 
 
 def _dw_term(g: np.ndarray, n: np.ndarray, dtype: torch.dtype, mode: int) -> np.ndarray:
@@ -209,14 +203,19 @@ def rms_norm_bwd(
             _bwd_chunked_rows(*tensors, M, strides, N, BLOCK_N, NUM_CHUNKS, GROUP, HAS_DS, WEIGHT_MODE)
 
 
+def _ascending_sum(partials: np.ndarray) -> np.ndarray:
+    """``0 + partials[0] + partials[1] + ...`` per column, one fp32 add at a time."""
+    acc = np.zeros(partials.shape[1], dtype=np.float32)
+    for partial in partials:
+        acc = acc + partial
+    return acc
+
+
 @register_replay("samepath.kernels.rms_norm._rms_norm_dw_reduce_kernel")
 def rms_norm_dw_reduce(grid, *, dW_partial, dW, num_partials, N, BLOCK) -> None:
     """``_rms_norm_dw_reduce_kernel``'s store: ``dW`` = the partials added one by one in ascending order."""
     if N == 0:
         return
     with np.errstate(all="ignore"):
-        partials = _view(dW_partial, num_partials, N, N)
-        acc = np.zeros(N, dtype=np.float32)
-        for p in range(num_partials):
-            acc = acc + partials[p]
+        acc = _ascending_sum(_view(dW_partial, num_partials, N, N))
         to_numpy(dW.as_strided((N,), (1,)))[...] = cast(acc, dW.dtype)

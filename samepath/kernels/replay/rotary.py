@@ -59,17 +59,21 @@ def rotary(
     cos = _rows(Cos, shape, (stride_c0, stride_c1, stride_c2), 2 * HALF)
     sin = _rows(Sin, shape, (stride_c0, stride_c1, stride_c2), 2 * HALF)
     out = _rows(Out, shape, (stride_o0, stride_o1, stride_o2), HEAD)
-    x1, x2 = widen(x[..., :HALF]), widen(x[..., HALF : 2 * HALF])
-    c1, c2 = widen(cos[..., :HALF]), widen(cos[..., HALF:])
-    s1, s2 = widen(sin[..., :HALF]), widen(sin[..., HALF:])
-    dtype = Out.dtype
-    if BACKWARD:
+    with np.errstate(all="ignore"):
+        _rotate(x, cos, sin, out, HALF, HEAD, Out.dtype, BACKWARD)
+
+
+def _rotate(x, cos, sin, out, half, head, dtype, backward) -> None:
+    x1, x2 = widen(x[..., :half]), widen(x[..., half : 2 * half])
+    c1, c2 = widen(cos[..., :half]), widen(cos[..., half:])
+    s1, s2 = widen(sin[..., :half]), widen(sin[..., half:])
+    if backward:
         o1 = x1 * c1 + x2 * s2
         o2 = x2 * c2 - x1 * s1
     else:
         o1 = widen(cast(x1 * c1, dtype)) + widen(cast(np.negative(x2) * s1, dtype))
         o2 = widen(cast(x2 * c2, dtype)) + widen(cast(x1 * s2, dtype))
-    out[..., :HALF] = cast(o1, dtype)
-    out[..., HALF : 2 * HALF] = cast(o2, dtype)
-    if HEAD > 2 * HALF:
-        out[..., 2 * HALF :] = x[..., 2 * HALF :]
+    out[..., :half] = cast(o1, dtype)
+    out[..., half : 2 * half] = cast(o2, dtype)
+    if head > 2 * half:
+        out[..., 2 * half :] = x[..., 2 * half :]
