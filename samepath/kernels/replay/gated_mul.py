@@ -4,7 +4,7 @@ backward.
 
 Both kernels are elementwise over ``[M, N]`` operands addressed through row and column strides; the
 block a program handles decides nothing about an element's bits. Each element goes through the
-kernel's fp32 operations in the kernel's order, on whole ``[M, N]`` arrays: python-float and
+kernel's fp32 operations in the kernel's order, on arrays of whole rows: python-float and
 constexpr constants are fp32 scalars (``3.0 * KAPPA`` folded in double first, as a constexpr
 product is), and ``exp`` is numpy's on a C-contiguous fp32 array, as the interpreter applies it to a
 contiguous tile.
@@ -15,22 +15,11 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import numpy as np
-import torch
 
 from samepath.kernels.dispatch import register_replay
-from samepath.kernels.replay.numerics import cast, to_numpy, widen
+from samepath.kernels.replay.elementwise import cast, row_chunks, strided, widen
 
 _ONE = np.float32(1.0)
-
-
-def strided(t: torch.Tensor, rows: int, cols: int, stride_row: int, stride_col: int) -> np.ndarray:
-    """The ``[rows, cols]`` elements a kernel addresses as ``t + row * stride_row + col * stride_col``,
-    as a writable numpy view in the interpreter's representation."""
-    return to_numpy(t.as_strided((rows, cols), (stride_row, stride_col)))
-
-
-def _load(t: torch.Tensor, rows: int, cols: int, stride_row: int, stride_col: int) -> np.ndarray:
-    return np.ascontiguousarray(widen(strided(t, rows, cols, stride_row, stride_col)))
 
 
 def _silu(g: np.ndarray) -> tuple[np.ndarray, np.ndarray, Callable[[np.ndarray], np.ndarray]]:
@@ -59,27 +48,23 @@ def _gelu_tanh(k: float, kappa: float) -> Callable[[np.ndarray], tuple]:
 
 def _gated(act, Gate, Up, dOut, Out, dUp, strides, M, N, backward) -> None:
     """The gated kernel's stores for every ``(row, column)`` of ``[M, N]``; ``act(g)`` returns
-    ``(g, e, derivative)`` with the activation ``g / e`` and ``derivative(1 / e)``."""
+    ``(g, e, derivative)`` with the activation ``g / e`` and ``derivative(1 / e)``. Rows are taken
+    a few at a time (each element's operations do not depend on its neighbours)."""
     if M * N == 0:
         return
+    views = [strided(t, (M, N), strides[2 * i : 2 * i + 2]) for i, t in enumerate((Gate, Up, dOut, Out, dUp))]
+    gate, up, grad, out, grad_up = views
     with np.errstate(all="ignore"):
-        _gated_stores(act, Gate, Up, dOut, Out, dUp, strides, M, N, backward)
-
-
-def _gated_stores(act, Gate, Up, dOut, Out, dUp, strides, M, N, backward) -> None:
-    sg, su, sdo, so, sdu = (strides[i : i + 2] for i in range(0, 10, 2))
-    g = _load(Gate, M, N, *sg)
-    u = _load(Up, M, N, *su)
-    g, e, derivative = act(g)
-    dtype = Out.dtype
-    a = widen(cast(g / e, dtype))
-    out = strided(Out, M, N, *so)
-    if backward:
-        dy = _load(dOut, M, N, *sdo)
-        strided(dUp, M, N, *sdu)[...] = cast(dy * a, dUp.dtype)
-        out[...] = cast(dy * u * derivative(_ONE / e), dtype)
-    else:
-        out[...] = cast(a * u, dtype)
+        for rows in row_chunks(M, N):
+            g, e, derivative = act(widen(gate[rows]))
+            u = widen(up[rows])
+            a = widen(cast(g / e, Out.dtype))
+            if backward:
+                dy = widen(grad[rows])
+                grad_up[rows] = cast(dy * a, dUp.dtype)
+                out[rows] = cast(dy * u * derivative(_ONE / e), Out.dtype)
+            else:
+                out[rows] = cast(a * u, Out.dtype)
 
 
 _STRIDES = (

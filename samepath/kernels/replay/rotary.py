@@ -6,7 +6,8 @@ The kernel is elementwise per ``(row, column < HALF)``: each output pair is a fi
 products, casts to the output dtype and one add or subtract, the same for any block of rows. The
 replay addresses every row at once through the kernel's strides (``cos``/``sin`` share theirs, 0
 where broadcast; the last dimension is contiguous) and applies those operations to whole arrays;
-the pass-through columns are copied as stored bits.
+the pass-through columns are copied as stored bits. Rows are taken a block at a time (to stay in the
+CPU's cache).
 """
 
 from __future__ import annotations
@@ -15,12 +16,33 @@ import numpy as np
 import torch
 
 from samepath.kernels.dispatch import register_replay
-from samepath.kernels.replay.numerics import cast, to_numpy, widen
+from samepath.kernels.replay.elementwise import CHUNK_ELEMENTS, cast, strided, widen
 
 
 def _rows(t: torch.Tensor, shape: tuple[int, int, int], strides: tuple[int, int, int], cols: int) -> np.ndarray:
     """``t``'s ``[*shape, cols]`` elements at ``i0 * s0 + i1 * s1 + i2 * s2 + col``, a writable view."""
-    return to_numpy(t.as_strided((*shape, cols), (*strides, 1)))
+    return strided(t, (*shape, cols), (*strides, 1))
+
+
+def _blocks(shape: tuple[int, int, int], cols: int):
+    """Index tuples covering ``[n0, size1, size2]`` in pieces of about ``CHUNK_ELEMENTS / cols`` rows."""
+    n0, size1, size2 = shape
+    rows = max(1, CHUNK_ELEMENTS // max(1, cols))
+    if size2 >= rows:
+        for i0 in range(n0):
+            for i1 in range(size1):
+                for start in range(0, size2, rows):
+                    yield i0, i1, slice(start, start + rows)
+        return
+    step1 = rows // size2
+    if size1 * size2 >= rows:
+        for i0 in range(n0):
+            for start in range(0, size1, step1):
+                yield i0, slice(start, start + step1)
+        return
+    step0 = rows // (size1 * size2)
+    for start in range(0, n0, step0):
+        yield (slice(start, start + step0),)
 
 
 @register_replay("samepath.kernels.rotary._rotary_kernel")
@@ -60,7 +82,8 @@ def rotary(
     sin = _rows(Sin, shape, (stride_c0, stride_c1, stride_c2), 2 * HALF)
     out = _rows(Out, shape, (stride_o0, stride_o1, stride_o2), HEAD)
     with np.errstate(all="ignore"):
-        _rotate(x, cos, sin, out, HALF, HEAD, Out.dtype, BACKWARD)
+        for block in _blocks(shape, HEAD):
+            _rotate(x[block], cos[block], sin[block], out[block], HALF, HEAD, Out.dtype, BACKWARD)
 
 
 def _rotate(x, cos, sin, out, half, head, dtype, backward) -> None:
