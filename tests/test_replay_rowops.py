@@ -18,6 +18,7 @@ import torch
 from samepath.kernels.config import row_reduce_config
 from samepath.kernels.dispatch import DualJITFunction, ReplayMismatch, cpu_executor, replay_for
 from samepath.kernels.gelu_tanh_mul import geglu_tanh, gelu_tanh_mul
+from samepath.kernels.replay import elementwise
 from samepath.kernels.replay import gated_mul as gated_replay
 from samepath.kernels.replay import rms_norm as rms_norm_replay
 from samepath.kernels.replay import rotary as rotary_replay
@@ -259,6 +260,28 @@ def test_gated_negative_control_sigmoid_form(monkeypatch) -> None:
     gate, up = torch.randn(16, 300), torch.randn(16, 300)
     with cpu_executor("verify"), pytest.raises(ReplayMismatch, match="_silu_mul_kernel"):
         silu_mul(gate, up)
+
+
+# ---- blocks of rows ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("chunk", [1, 300])
+def test_replays_cut_into_small_blocks(monkeypatch, chunk) -> None:
+    """Blocks of one row (or one row of a head) and of a few rows / heads / batch entries: every
+    way the replays cut a launch into blocks gives the interpreter's bits."""
+    monkeypatch.setattr(elementwise, "CHUNK_ELEMENTS", chunk)
+    monkeypatch.setattr(rotary_replay, "CHUNK_ELEMENTS", chunk)
+    _run_rms_norm((37, 100), torch.bfloat16, "cast_then_weight", True)
+    _run_rms_norm((9, 300), torch.float16, "fp32_one_plus_weight", False)
+    torch.manual_seed(chunk)
+    cos, sin = rotary_cos_sin(torch.randint(0, 999, (2, 11)), 32, 10000.0, torch.bfloat16)
+    q, k = _leaf(_randn(2, 3, 11, 40, dtype=torch.bfloat16)), _leaf(_randn(11, 2, 40, dtype=torch.bfloat16))
+    with cpu_executor("verify"):
+        q_embed, _ = apply_rotary(q, q, cos, sin)
+        _, k_embed = apply_rotary(k, k, cos.reshape(22, 32)[:11], sin.reshape(22, 32)[:11])
+        (q_embed.float().sum() + k_embed.float().sum()).backward()
+        gate_up = _leaf(_randn(6, 2 * 50, dtype=torch.float16, scale=4.0))
+        swiglu(gate_up).float().sum().backward()
 
 
 # ---- the default executor uses the replays ---------------------------------------------------
