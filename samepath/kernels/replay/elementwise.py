@@ -21,7 +21,7 @@ CHUNK_ELEMENTS = 1 << 16
 def strided(t: torch.Tensor, shape: tuple[int, ...], strides: tuple[int, ...]) -> np.ndarray:
     """The elements a kernel addresses as ``t + sum(index * stride)``, a writable numpy view in the
     interpreter's representation (bf16 as ``uint16`` bits)."""
-    return to_numpy(t.as_strided(shape, strides))
+    return to_numpy(t.detach().as_strided(shape, strides))
 
 
 def widen(values: np.ndarray) -> np.ndarray:
