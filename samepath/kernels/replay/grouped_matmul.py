@@ -76,7 +76,7 @@ def grouped_matmul_replay(grid: tuple[int, int, int], **params) -> None:
         partial = fold_k_tiles(a_tiles(a[:, :, first:end], bm, bk), b_tiles(w[:, first:end], bk, bn), b_index)
         total = partial if part == 0 else total + partial
     if k_split > 1:
-        _store_scratch(params["Scratch"], total, real, tiles_n, grid[0] * grid[1] * grid[2])
+        _store_scratch(params["Scratch"], total, real, tiles_n, grid[0])
     out = params["Out"]
     out_rows = int(pairs.max()) + 1
     out_view = to_numpy(strided(out, (out_rows, n), (params["stride_om"], params["stride_on"])))

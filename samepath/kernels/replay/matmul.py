@@ -178,11 +178,9 @@ def matmul_replay(grid: tuple[int, int, int], **params) -> None:
             slice_total = slice_total + partial(s * k_split + part)
         total = slice_total if s == 0 else total + slice_total
     if params["SCRATCH"]:
-        scratch = params["Scratch"].view(-1)
-        work = last_work(grid[0] * grid[1] * grid[2], batch * tiles_m * tiles_n)
+        work = last_work(grid[0], batch * tiles_m * tiles_n)
         pid_m, pid_n, rest = tile_of(work, tiles_m, tiles_n, params["GROUP_M"])
-        tile_count = work.shape[0]
-        planes = scratch[: tile_count * 2 * bm * bn].view(tile_count, 2, bm, bn).numpy()
+        planes = strided(params["Scratch"], (work.shape[0], 2, bm, bn), (2 * bm * bn, bm * bn, bn, 1)).numpy()
         batch_index = rest % batch
         if running is not None:
             planes[:, 0] = running[batch_index, pid_m, pid_n]
