@@ -72,6 +72,7 @@ def test_matmul(dtype: torch.dtype, shape: tuple[int, int, int]) -> None:
     w = _randn(n, k, dtype=dtype, seed=seed + 1, scale=0.2)
     bias = _randn(n, dtype=dtype, seed=seed + 2)
     matmul(a, w.t(), bias)  # the weight's transpose, no copy: B strides (1, K)
+    matmul(a.clone().requires_grad_(), w.t())  # not differentiable, but takes leaves that require grad
     matmul(a, w.t().contiguous(), out_dtype=torch.float32)
     matmul(a, w.t(), _randn(m, n, dtype=dtype, seed=seed + 3))  # a full [M, N] bias
     if k % 2 == 0:

@@ -33,8 +33,9 @@ def cdiv(a: int, b: int) -> int:
 
 
 def strided(t: torch.Tensor, shape: tuple[int, ...], strides: tuple[int, ...]) -> torch.Tensor:
-    """The elements a kernel addresses as ``t + sum(index * stride)`` (``t``'s own storage offset)."""
-    return torch.as_strided(t, shape, tuple(int(s) for s in strides), t.storage_offset())
+    """The elements a kernel addresses as ``t + sum(index * stride)`` (``t``'s own storage offset),
+    outside autograd."""
+    return torch.as_strided(t.detach(), shape, tuple(int(s) for s in strides), t.storage_offset())
 
 
 def scatter_f32(dst: np.ndarray, x: np.ndarray) -> None:
