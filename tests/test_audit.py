@@ -79,12 +79,19 @@ def with_custom_norm(model: torch.nn.Module) -> torch.nn.Module:
 
 
 def test_audit_cli_on_the_embedded_default(tmp_path, capsys):
+    """The verdict first, a summary by default (``--all``: every module); ``--dtype bf16`` is bfloat16."""
     report = tmp_path / "audit.json"
-    assert main(["audit", "--json", str(report)]) == 0
+    assert main(["audit", "--dtype", "bf16", "--json", str(report)]) == 0
     doc = json.loads(report.read_text())
     assert doc["fully_covered"] and doc["model"] == "embedded-default" and doc["counts"]["uncovered"] == 0
+    assert doc["refused"] is None and doc["exit_status"] == 0
     assert {e["op"] for e in doc["entries"]} >= {"attention", "rms_norm", "silu_mul", "rotary", "linear"}
-    assert "full coverage" in capsys.readouterr().out
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == "samepath audit: embedded-default (qwen3, bfloat16)"
+    assert lines[1].startswith("full coverage") and lines[2].startswith("summary: ")
+    assert len(lines) < 10 and "model.layers.0.self_attn" not in "\n".join(lines)
+    assert main(["audit", "--dtype", "float32", "--all"]) == 0
+    assert "model.layers.0.self_attn" in capsys.readouterr().out
     assert not integrations.enabled()
 
 
@@ -100,13 +107,38 @@ def test_audit_reports_full_coverage_for_each_family(arch, tmp_path):
 
 
 def test_audit_cli_names_what_is_not_covered(tmp_path, capsys):
-    """A model type samepath refuses on both sides (granite): exit 1, the type and the reason named."""
+    """A model type samepath refuses on both sides (granite): exit 2 as in `check`, the reason on the
+    second line and on stderr, then the summary naming what is not covered."""
     config = transformers.GraniteConfig(**{k: v for k, v in DEFAULT_MODEL_CONFIG.items() if k != "head_dim"})
     transformers.GraniteForCausalLM(config).save_pretrained(tmp_path)
-    assert main(["audit", "--model", str(tmp_path)]) == 1
-    out = capsys.readouterr().out
-    assert "model_type 'granite' is not supported: Granite's embedding_multiplier" in out and "GraniteRMSNorm" in out
+    capsys.readouterr()  # save_pretrained's own progress
+    assert main(["audit", "--model", str(tmp_path)]) == 2
+    captured = capsys.readouterr()
+    lines = captured.out.splitlines()
+    assert lines[1].startswith("REFUSED: ") and "model_type 'granite' is not supported" in lines[1]
+    assert "GraniteRMSNorm" in captured.out and "--all lists" in captured.out and len(lines) < 20
+    assert "model_type 'granite' is not supported: Granite's embedding_multiplier" in captured.err
+    assert len(captured.err.strip().splitlines()) == 1
+    assert main(["check", "--model", str(tmp_path)]) == 2  # the same situation, the same status
+    capsys.readouterr()
     assert main(["audit", "--model", str(tmp_path / "nope")]) == 2
+
+
+def test_audit_refuses_the_head_size_check_refuses(tmp_path, capsys):
+    """Head size 18: `audit` said "fully covered" where `check` refused it; now both exit 2 with the reason."""
+    transformers.Qwen3Config(
+        vocab_size=64,
+        hidden_size=36,
+        intermediate_size=48,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=18,
+    ).save_pretrained(tmp_path)
+    for command in ("audit", "check"):
+        assert main([command, "--model", str(tmp_path)]) == 2, command
+        err = capsys.readouterr().err
+        assert "head size = 18 is not a supported head size" in err, (command, err)
 
 
 def test_patch_all_refuses_a_custom_module_and_names_it():

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 from collections.abc import Iterator, Sequence
@@ -18,8 +19,9 @@ EXIT_OK, EXIT_DIFFERS, EXIT_BAD_INPUT, EXIT_ERROR = 0, 1, 2, 3
 EXIT_STATUS_HELP = """exit status:
   0  samepath's rollout and trainer are bit-identical (check: every log-prob equal; doctor: no module
      differs; audit: every module covered or neutral; train-check: at every step)
-  1  they are not (audit: some module is uncovered)
-  2  bad input (one line on stderr, found before any model runs)
+  1  they are not (audit: the model loads but some module is uncovered)
+  2  bad input (one line on stderr, found before any model runs), including a model samepath refuses
+     (its type, formulas or attention head size), in every command, audit too
   3  an unexpected error (set SAMEPATH_DEBUG=1 for the traceback)"""
 
 
@@ -38,7 +40,10 @@ def _common(parser: argparse.ArgumentParser, new_tokens: int) -> None:
         "tiny random-weight Qwen3, built from a config and saved to a temporary directory",
     )
     parser.add_argument(
-        "--dtype", default="bfloat16", help="float32, bfloat16 or float16 (default: %(default)s)", metavar="DTYPE"
+        "--dtype",
+        default="bfloat16",
+        help="float32, bfloat16 or float16 (or fp32, bf16, fp16, half; default: %(default)s)",
+        metavar="DTYPE",
     )
     parser.add_argument("--device", default=None, help="torch device (default: cuda when available, else cpu)")
     parser.add_argument("--batch", type=int, default=2, help="sequences per batch (default: %(default)s)")
@@ -131,9 +136,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="a Hugging Face model directory; default: the embedded tiny random-weight Qwen3 of samepath check",
     )
     audit.add_argument(
-        "--dtype", default="bfloat16", help="float32, bfloat16 or float16 (default: %(default)s)", metavar="DTYPE"
+        "--dtype",
+        default="bfloat16",
+        help="float32, bfloat16 or float16 (or fp32, bf16, fp16, half; default: %(default)s)",
+        metavar="DTYPE",
     )
     audit.add_argument("--json", metavar="OUT", help="also write the report as JSON to OUT ('-' for stdout)")
+    audit.add_argument("--all", action="store_true", help="list every module (default: a summary)")
     _train_check_parser(sub)
     return parser
 
@@ -195,12 +204,10 @@ def run_train_check(args: argparse.Namespace) -> int:
         raise CheckInputError(f"--group-size must be at least 2 (advantages are per group), got {args.group_size}")
     if args.new_tokens < 1:
         raise CheckInputError(f"--new-tokens must be at least 1, got {args.new_tokens}")
-    if not args.temperature > 0:
-        raise CheckInputError(f"--temperature must be > 0 (the loop samples), got {args.temperature}")
-    if not args.lr > 0:
-        raise CheckInputError(f"--lr must be > 0, got {args.lr}")
-    if args.precision not in PRECISIONS:
-        raise CheckInputError(f"unknown --precision {args.precision!r}; choose {' or '.join(PRECISIONS)}")
+    _check_temperature(args.temperature, greedy_ok=False)
+    if not (math.isfinite(args.lr) and args.lr > 0):
+        raise CheckInputError(f"--lr must be a finite number > 0, got {args.lr}")
+    args.precision = _parse_precision(args.precision, PRECISIONS)
     args.batch, args.dtype = 1, "bfloat16"  # for _validate
     if args.rollout == "vllm" and args.device not in (None, "cpu"):
         raise CheckInputError("--rollout vllm runs vLLM's own device; leave --device unset")
@@ -255,31 +262,128 @@ def run_train_check(args: argparse.Namespace) -> int:
     return status
 
 
+def _parse_precision(value: str, precisions: Sequence[str]) -> str:
+    """``--precision``: fp32_master, or bf16 in any usual spelling (bfloat16, torch.bfloat16, ...)."""
+    from samepath.check.harness import CheckInputError, canonical_dtype_name
+
+    key = value.strip().lower().replace("-", "_")
+    name = key if key in precisions else {"bfloat16": "bf16"}.get(canonical_dtype_name(key) or "", None)
+    if name in precisions:
+        return name
+    hint = ""
+    if canonical_dtype_name(key) == "float32":
+        hint = " (fp32 weights: use fp32_master, fp32 master weights whose forward computes in bf16)"
+    elif canonical_dtype_name(key) == "float16":
+        hint = " (fp16 training is not implemented)"
+    raise CheckInputError(f"unknown --precision {value!r}; choose {' or '.join(precisions)}{hint}")
+
+
 def run_audit(args: argparse.Namespace) -> int:
-    """``samepath audit``: the Hugging Face side's coverage report of a model directory."""
-    from samepath.check.harness import CheckInputError, parse_dtype
+    """``samepath audit``: the Hugging Face side's coverage report of a model directory. The
+    reason first, then a summary (``--all``: every module). A model samepath refuses (its type,
+    formulas or head size: what ``check`` refuses) is exit 2, as in every command; a model that
+    loads with some module uncovered is exit 1."""
+    from samepath.check.harness import (
+        CheckInputError,
+        canonical_dtype_name,
+        check_model_config,
+        check_model_dir,
+        parse_dtype,
+    )
     from samepath.check.report import SCHEMA_VERSION
     from samepath.integrations.audit import audit_model_dir
 
     dtype = parse_dtype(args.dtype)
+    args.dtype = canonical_dtype_name(args.dtype)
     if args.json and args.json != "-":
         _check_writable("--json", args.json)
-    if args.model is not None and not os.path.isfile(os.path.join(args.model, "config.json")):
-        raise CheckInputError(f"{args.model!r} is not a Hugging Face model directory (no config.json)")
+    if args.model is not None:
+        check_model_dir(args.model)
     _transformers_or_fail()
+    refusal = None
+    if args.model is not None:
+        try:  # check's gate on the config: the same refusal, the same exit status
+            check_model_config(args.model)
+        except CheckInputError as exc:
+            refusal = str(exc)
     try:
         report = audit_model_dir(args.model, dtype)
     except (OSError, ValueError) as exc:
-        raise CheckInputError(f"cannot load the model in {args.model!r}: {str(exc).splitlines()[0]}") from None
+        if refusal is None:
+            raise CheckInputError(f"cannot load the model in {args.model!r}: {str(exc).splitlines()[0]}") from None
+        report = None  # refused, and transformers cannot build it either: the reason is the report
+    if refusal is None and report is not None and report.problems:
+        refusal = f"{args.model!r} holds a model samepath refuses: {report.problems[0]}"
+    status = EXIT_BAD_INPUT if refusal else EXIT_OK if report.fully_covered else EXIT_DIFFERS
+    source = args.model or "embedded-default"
     if args.json != "-":
-        print(report.format())
+        print(_format_audit(source, args.dtype, report, refusal, args.all))
     if args.json:
-        source = args.model or "embedded-default"
+        body = report.to_json() if report is not None else {"fully_covered": False}
         _write_json(
             args.json,
-            {"schema_version": SCHEMA_VERSION, "tool": "samepath audit", "model": source, **report.to_json()},
+            {
+                "schema_version": SCHEMA_VERSION,
+                "tool": "samepath audit",
+                "model": source,
+                **body,
+                "refused": refusal,
+                "exit_status": status,
+            },
         )
-    return EXIT_OK if report.fully_covered else EXIT_DIFFERS
+    if refusal:
+        print(f"samepath audit: error: {refusal}", file=sys.stderr)
+    return status
+
+
+_AUDIT_SUMMARY_LINES = 8
+
+
+def _config_model_type(directory: str) -> str | None:
+    try:
+        with open(os.path.join(directory, "config.json"), encoding="utf-8") as f:
+            return json.load(f).get("model_type")
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
+def _format_audit(source: str, dtype: str, report, refusal: str | None, every_module: bool) -> str:
+    """Verdict and reason first, then counts per status and op; every module with ``--all``."""
+    from collections import Counter
+
+    model_type = report.model_type if report is not None else _config_model_type(source)
+    lines = [f"samepath audit: {source} ({model_type or 'model type unknown'}, {dtype})"]
+    if refusal:
+        lines.append(f"REFUSED: {refusal}")
+    elif report.fully_covered:
+        lines.append("full coverage: every module is on samepath's contract")
+    else:
+        lines.append(f"NOT covered: {len(report.uncovered)} modules are off samepath's contract")
+    if report is None:
+        return "\n".join(lines)
+    if not report.fully_covered:
+        listed = report.describe_uncovered()
+        shown = listed if every_module else listed[:_AUDIT_SUMMARY_LINES]
+        lines += [f"  {line}" for line in shown]
+        if len(shown) < len(listed):
+            lines.append(f"  ... and {len(listed) - len(shown)} more (--all lists them)")
+    counts = report.counts()
+    lines.append(
+        f"summary: {counts['covered']} covered, {counts['neutral']} neutral, {counts['uncovered']} uncovered modules"
+    )
+    for status in ("covered", "neutral", "uncovered"):
+        ops = Counter(e.op for e in report.entries if e.status == status)
+        if ops:
+            lines.append(f"  {status:<9} " + ", ".join(f"{op} x{n}" for op, n in sorted(ops.items())))
+    if every_module:
+        lines.append("every module:")
+        width = max((len(e.name or "<root>") for e in report.entries), default=8)
+        for e in report.entries:
+            name = e.name or "<root>"
+            lines.append(f"  {e.status:<9} {name:<{width}}  {e.module_class.rsplit('.', 1)[-1]} [{e.op}]")
+    else:
+        lines.append("(samepath audit --all lists every module)")
+    return "\n".join(lines)
 
 
 def _transformers_or_fail() -> None:
@@ -288,18 +392,48 @@ def _transformers_or_fail() -> None:
     _transformers()
 
 
+#: The smallest sampling temperature taken (0 means greedy): below it the logits divided by the
+#: temperature overflow or sampling is greedy in all but name.
+MIN_TEMPERATURE = 1e-2
+
+
+def _check_temperature(value: float, greedy_ok: bool) -> None:
+    from samepath.check.harness import CheckInputError
+
+    zero = "0 (greedy) or " if greedy_ok else ""
+    if not math.isfinite(value) or value < 0 or (value == 0 and not greedy_ok) or 0 < value < MIN_TEMPERATURE:
+        raise CheckInputError(
+            f"--temperature must be {zero}a finite number >= {MIN_TEMPERATURE:g}"
+            + ("" if greedy_ok else " (the loop samples)")
+            + f", got {value!r}"
+        )
+
+
+def _check_seed(value: int) -> None:
+    from samepath.check.harness import CheckInputError
+
+    if not 0 <= value < 2**63:
+        raise CheckInputError(f"--seed must be a non-negative integer below 2**63, got {value}")
+
+
 def _validate(args: argparse.Namespace):
-    from samepath.check.harness import CheckInputError, parse_dtype
+    from samepath.check.harness import CheckInputError, canonical_dtype_name, parse_dtype
 
     dtype = parse_dtype(args.dtype)
+    args.dtype = canonical_dtype_name(args.dtype)
     if args.batch < 1:
         raise CheckInputError(f"--batch must be at least 1, got {args.batch}")
     if args.new_tokens < 1:
         raise CheckInputError(f"--new-tokens must be at least 1, got {args.new_tokens}")
-    if getattr(args, "temperature", 0.0) < 0:
-        raise CheckInputError(f"--temperature must be >= 0 (0 = greedy), got {args.temperature}")
-    if (getattr(args, "prompt_len", None) or 1) < 1:
+    if hasattr(args, "temperature"):
+        _check_temperature(args.temperature, greedy_ok=True)
+    _check_seed(args.seed)
+    if getattr(args, "prompt_len", None) is not None and args.prompt_len < 1:
         raise CheckInputError(f"--prompt-len must be at least 1, got {args.prompt_len}")
+    if getattr(args, "model", None):
+        from samepath.check.harness import check_model_dir
+
+        check_model_dir(args.model)
     if getattr(args, "rollout", "hf") not in ("hf", "vllm"):
         raise CheckInputError(f"unknown rollout engine {args.rollout!r}; choose hf or vllm")
     if getattr(args, "rollout", "hf") == "vllm":
@@ -335,8 +469,16 @@ def _check_writable(flag: str, path: str) -> None:
         raise CheckInputError(f"{flag} {path!r} is a directory; give a file name")
     if not os.path.isdir(folder):
         raise CheckInputError(f"{flag} {path!r}: the folder {folder!r} does not exist")
-    if not os.access(folder, os.W_OK) or (os.path.exists(path) and not os.access(path, os.W_OK)):
-        raise CheckInputError(f"{flag} {path!r} is not writable")
+    # Open it for appending (what root's os.access, a read-only file system or a full quota would
+    # not tell), and remove it again if it was not there before.
+    existed = os.path.exists(path)
+    try:
+        with open(path, "a", encoding="utf-8"):
+            pass
+    except OSError as exc:
+        raise CheckInputError(f"{flag} {path!r} is not writable: {exc.strerror or exc}") from None
+    if not existed:
+        os.remove(path)
 
 
 def _check_vllm_installed() -> None:

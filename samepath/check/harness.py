@@ -20,8 +20,23 @@ import torch
 
 import samepath
 
-#: ``--dtype`` names and the torch dtypes they select.
+#: ``--dtype`` names and the torch dtypes they select (the canonical names; see :data:`DTYPE_ALIASES`).
 DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+#: The usual spellings of each dtype, accepted wherever a dtype is asked for (``--dtype``,
+#: ``--precision``), case-insensitive, with or without a ``torch.`` prefix.
+DTYPE_ALIASES: dict[str, str] = {
+    "float32": "float32",
+    "fp32": "float32",
+    "float": "float32",
+    "f32": "float32",
+    "bfloat16": "bfloat16",
+    "bf16": "bfloat16",
+    "float16": "float16",
+    "fp16": "float16",
+    "half": "float16",
+    "f16": "float16",
+}
 
 #: The embedded default model's shape: small enough for Triton's interpreter on a CPU.
 DEFAULT_MODEL_CONFIG = dict(
@@ -55,11 +70,20 @@ def _transformers():
     return transformers
 
 
-def parse_dtype(name: str) -> torch.dtype:
-    try:
-        return DTYPES[name]
-    except KeyError:
-        raise CheckInputError(f"unsupported dtype {name!r}; choose one of {', '.join(DTYPES)}") from None
+def canonical_dtype_name(name: str) -> str | None:
+    """``"float32"``, ``"bfloat16"`` or ``"float16"`` for any usual spelling of it (``bf16``,
+    ``torch.bfloat16``, ``half``, ``fp32``, ...); ``None`` for anything else."""
+    key = str(name).strip().lower().removeprefix("torch.")
+    return DTYPE_ALIASES.get(key)
+
+
+def parse_dtype(name: str, flag: str = "--dtype") -> torch.dtype:
+    canonical = canonical_dtype_name(name)
+    if canonical is None:
+        raise CheckInputError(
+            f"unsupported dtype {name!r} for {flag}; choose float32 (fp32), bfloat16 (bf16) or float16 (fp16, half)"
+        )
+    return DTYPES[canonical]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -101,13 +125,23 @@ def load_model(directory: str, dtype: torch.dtype) -> LoadedModel:
     """``AutoModelForCausalLM.from_pretrained(directory)`` in ``dtype``, after checking that the
     directory holds a decoder-only causal LM of a model type samepath patches."""
     transformers = _transformers()
+    config = check_model_config(directory)
+    try:
+        model = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=dtype, local_files_only=True)
+    except Exception as exc:
+        raise CheckInputError(f"cannot load the model in {directory!r}: {_one_line(exc)}") from None
+    return LoadedModel(model.eval(), directory, config.model_type, dtype)
+
+
+def check_model_config(directory: str):
+    """The gate every command runs on ``--model DIR`` before any weights load: a decoder-only causal
+    LM of a model type samepath patches, with formulas and an attention head size samepath
+    implements. Returns the config; raises :class:`CheckInputError` with the reason."""
+    transformers = _transformers()
     from samepath.integrations import hf
     from samepath.integrations.formulas import UnsupportedModelError, model_formulas, unsupported_reason
 
-    if not os.path.isdir(directory):
-        raise CheckInputError(f"model directory {directory!r} does not exist")
-    if not os.path.isfile(os.path.join(directory, "config.json")):
-        raise CheckInputError(f"{directory!r} has no config.json: not a Hugging Face model directory")
+    check_model_dir(directory)
     try:
         config = transformers.AutoConfig.from_pretrained(directory, local_files_only=True)
     except Exception as exc:  # malformed or unknown config
@@ -125,11 +159,31 @@ def load_model(directory: str, dtype: torch.dtype) -> LoadedModel:
     except UnsupportedModelError as exc:
         raise CheckInputError(f"{directory!r} holds a model samepath refuses: {exc}") from None
     check_model_head_size(config)
-    try:
-        model = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=dtype, local_files_only=True)
-    except Exception as exc:
-        raise CheckInputError(f"cannot load the model in {directory!r}: {_one_line(exc)}") from None
-    return LoadedModel(model.eval(), directory, model_type, dtype)
+    return config
+
+
+def check_model_dir(directory: str) -> None:
+    """``--model``: an existing local directory with a ``config.json`` (a Hub id is named as one)."""
+    if not os.path.isdir(directory):
+        raise CheckInputError(_missing_model_dir(directory))
+    if not os.path.isfile(os.path.join(directory, "config.json")):
+        raise CheckInputError(f"{directory!r} has no config.json: not a Hugging Face model directory")
+
+
+def _missing_model_dir(directory: str) -> str:
+    """What to say about a ``--model`` that is not a directory: a Hub id (``Qwen/Qwen3-0.6B``) is
+    not downloaded; say how to pass a local copy."""
+    looks_like_hub_id = (
+        not os.path.isabs(directory)
+        and directory.count("/") == 1
+        and all(part and not part.startswith(".") for part in directory.split("/"))
+    )
+    if looks_like_hub_id:
+        return (
+            f"--model {directory!r} is not a local directory; samepath does not download Hub ids. Download it first "
+            f"(huggingface-cli download {directory} --local-dir DIR, or save_pretrained(DIR)) and pass --model DIR"
+        )
+    return f"model directory {directory!r} does not exist (--model takes a local Hugging Face model directory)"
 
 
 def check_model_head_size(config) -> None:
@@ -447,11 +501,15 @@ def run_stock_and_patched(
 __all__ = [
     "DEFAULT_MODEL_CONFIG",
     "DTYPES",
+    "DTYPE_ALIASES",
     "CheckInputError",
     "LoadedModel",
     "Progress",
     "SideBySide",
     "build_default_model",
+    "canonical_dtype_name",
+    "check_model_config",
+    "check_model_dir",
     "load_default_model",
     "load_model",
     "pad_token_id",
