@@ -75,7 +75,7 @@ def test_writable_json_check_leaves_no_file(tmp_path):
     assert target.read_text() == "kept"
 
 
-@pytest.mark.parametrize("command", ["check", "doctor", "audit"])
+@pytest.mark.parametrize("command", ["check", "doctor", "audit", "train-check"])
 def test_a_hub_id_is_named_as_one(command, no_work, capsys, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)  # no folder named Qwen here
     message = _bad([command, "--model", "Qwen/Qwen3-0.6B"], capsys)
@@ -135,3 +135,31 @@ def test_dtype_and_precision_spellings_reach_the_run(no_work, monkeypatch, capsy
     assert "stopped after validation" in _bad(["train-check", "--precision", "bfloat16"], capsys)
     assert seen["precision"] == "bf16"
     assert "unsupported dtype 'int8' for --dtype" in _bad(["check", "--dtype", "int8"], capsys)
+
+
+def test_train_check_takes_model_dir_and_names_it(tmp_path, no_work, monkeypatch, capsys):
+    """--model DIR reaches the run; the header names the model and the dtypes (the loop is replaced
+    by recorded metrics: tests/test_rl.py runs it)."""
+    import torch
+    import transformers
+
+    from samepath.check.harness import DEFAULT_MODEL_CONFIG
+    from samepath.rl import step_metrics
+
+    transformers.Qwen2Config(**{**DEFAULT_MODEL_CONFIG, "num_hidden_layers": 1}).save_pretrained(tmp_path)
+    seen = []
+    lp = torch.tensor([[-1.0, -2.0]])
+
+    def fake_run(spec, on_step=None):
+        seen.append(spec)
+        return [step_metrics(0, lp, lp + (1e-3 if spec.numerics == "stock" else 0.0), weight_change=0.1)]
+
+    monkeypatch.setattr(train_check, "run", fake_run)
+    assert main(["train-check", "--model", str(tmp_path), "--steps", "1", "--precision", "bfloat16"]) == 0
+    out = capsys.readouterr().out
+    assert [s.model for s in seen] == [str(tmp_path)] * 2 and seen[0].precision == "bf16"
+    assert out.splitlines()[0].startswith(f"samepath train-check: qwen2 ({tmp_path}; 1 layers, hidden 64)")
+    assert "trainer bf16 (bf16 weights), rollout hf in bfloat16" in out.splitlines()[0]
+    assert "--tie-embeddings applies to the embedded default" in _bad(
+        ["train-check", "--model", str(tmp_path), "--tie-embeddings"], capsys
+    )

@@ -158,6 +158,12 @@ def _train_check_parser(sub) -> None:
         "rollout, and compare the rollout's log-probs with the trainer's at every step — stock kernels on both "
         "sides, then samepath. Exit status 0 only when samepath's are bit-identical at every step.",
     )
+    train.add_argument(
+        "--model",
+        metavar="DIR",
+        help="a Hugging Face model directory (trained from its weights, fp32 masters); default: the embedded "
+        "tiny random-weight Qwen3",
+    )
     train.add_argument("--steps", type=int, default=3, help="RL steps (default: %(default)s)")
     train.add_argument(
         "--rollout",
@@ -175,7 +181,14 @@ def _train_check_parser(sub) -> None:
     train.add_argument("--group-size", type=int, default=4, help="samples per prompt (default: %(default)s)")
     train.add_argument("--new-tokens", type=int, default=4, help="tokens per completion (default: %(default)s)")
     train.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate (default: %(default)s)")
-    train.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (default: %(default)s)")
+    train.add_argument(
+        "--temperature",
+        type=float,
+        default=0.7,
+        help="sampling temperature (default: %(default)s; stock's trainer divides its bf16 logits by it as verl "
+        "does, the rollout its fp32 logits: at a temperature that is not a power of two stock differs on every "
+        "machine)",
+    )
     train.add_argument(
         "--tie-embeddings", action="store_true", help="the default model with its lm_head tied to the embedding"
     )
@@ -211,8 +224,25 @@ def run_train_check(args: argparse.Namespace) -> int:
     args.batch, args.dtype = 1, "bfloat16"  # for _validate
     if args.rollout == "vllm" and args.device not in (None, "cpu"):
         raise CheckInputError("--rollout vllm runs vLLM's own device; leave --device unset")
+    if args.model and args.tie_embeddings:
+        raise CheckInputError("--tie-embeddings applies to the embedded default model, not to --model DIR")
     _, device = _validate(args)
     _transformers_or_fail()
+    from samepath.check.harness import DEFAULT_MODEL_CONFIG, check_model_config
+
+    if args.model:
+        config = check_model_config(args.model)
+        model_type, layers, hidden = config.model_type, config.num_hidden_layers, config.hidden_size
+        where = args.model
+    else:
+        model_type, where = "qwen3", "embedded default, random weights"
+        layers, hidden = DEFAULT_MODEL_CONFIG["num_hidden_layers"], DEFAULT_MODEL_CONFIG["hidden_size"]
+    trainer_dtype = "bf16 weights" if args.precision == "bf16" else "fp32 master weights, forward on their bf16 cast"
+    header = (
+        f"samepath train-check: {model_type} ({where}; {layers} layers, hidden {hidden}); trainer {args.precision} "
+        f"({trainer_dtype}), rollout {args.rollout} in bfloat16; {args.steps} steps of {args.prompts} prompts x "
+        f"{args.group_size} samples x {args.new_tokens} tokens, temperature {args.temperature:g}, seed {args.seed}"
+    )
     spec = dict(
         steps=args.steps,
         rollout=args.rollout,
@@ -225,6 +255,7 @@ def run_train_check(args: argparse.Namespace) -> int:
         seed=args.seed,
         tie_word_embeddings=args.tie_embeddings,
         device=str(device),
+        model=args.model,
     )
     runs = {}
     for name in ("stock", "samepath"):
@@ -234,6 +265,7 @@ def run_train_check(args: argparse.Namespace) -> int:
     identical = all(m.bitwise_equal for m in runs["samepath"])
     status = EXIT_OK if identical else EXIT_DIFFERS
     if args.json != "-":
+        print(header)
         print(format_table(runs["stock"], runs["samepath"]))
         verdict = "bit-identical at every step: importance ratio exactly 1.0" if identical else "NOT bit-identical"
         print(f"samepath: rollout ({args.rollout}) vs trainer ({args.precision}) log-probs {verdict}.")
@@ -245,7 +277,14 @@ def run_train_check(args: argparse.Namespace) -> int:
                 "tool": "samepath train-check",
                 "samepath_version": samepath.__version__,
                 "fingerprint": samepath.fingerprint(),
-                "model": "embedded-default",
+                "model": {
+                    "source": args.model or "embedded-default",
+                    "model_type": model_type,
+                    "num_layers": int(layers),
+                    "hidden_size": int(hidden),
+                    "trainer_precision": args.precision,
+                    "rollout_dtype": "bfloat16",
+                },
                 "settings": spec,
                 "runs": {
                     name: {"bit_identical": all(m.bitwise_equal for m in h), "steps": [m.to_json() for m in h]}
