@@ -23,6 +23,7 @@ from samepath.check.cli import main
 from samepath.check.report import SCHEMA_VERSION, compare
 
 TOP_KEYS = {"schema_version", "tool", "samepath_version", "model", "settings", "runs", "logdiff_zero", "exit_status"}
+TOP_KEYS |= {"environment", "patched_vs_stock"}
 RUN_KEYS = {
     "tokens",
     "equal_tokens",
@@ -97,10 +98,16 @@ def test_check_json_schema_is_stable(check_run) -> None:
     for run in doc["runs"].values():
         assert set(run) == RUN_KEYS
         assert len(run["per_position_max_abs_logp_diff"]) == 4
+    env = doc["environment"]
+    assert env["device"] == "cpu" or env["device"].startswith("cuda")
+    assert env["versions"]["samepath"] == samepath.__version__ and env["versions"]["torch"] == torch.__version__
+    assert env["versions"]["transformers"] and "vllm" not in env["versions"]  # vllm only with --rollout vllm
+    closeness = doc["patched_vs_stock"]
+    assert 1 <= closeness["tokens"] <= 8 and 0 <= closeness["max_abs_logp_diff"] < 0.5
     # the schema is documented where it is defined
     from samepath.check import report
 
-    for key in TOP_KEYS | RUN_KEYS:
+    for key in TOP_KEYS | RUN_KEYS | {"device", "versions", "executor"}:
         assert f'"{key}"' in report.__doc__, key
 
 

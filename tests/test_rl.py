@@ -235,6 +235,7 @@ def test_train_check_exit_status_and_json(tmp_path):
     steps = report["runs"]["samepath"]["steps"]
     assert len(steps) == 1 and all(s["bitwise_equal"] and s["ratio_max"] == 1.0 for s in steps)
     assert all(s["weight_change"] > 0 for s in steps)
+    assert report["environment"]["versions"]["torch"] == torch.__version__
     # The default (temperature 0.7) shows the drift samepath removes on every machine, by construction
     # and not by how this CPU's stock kernels round: stock's trainer divides its bf16 logits by 0.7 in
     # bf16 (as verl does) while the rollout divides fp32 logits, so its log-probs differ.

@@ -206,7 +206,7 @@ def run_train_check(args: argparse.Namespace) -> int:
     trainer log-probs are bit-identical at every step."""
     import samepath
     from samepath.check.harness import CheckInputError
-    from samepath.check.report import SCHEMA_VERSION
+    from samepath.check.report import SCHEMA_VERSION, environment
     from samepath.rl.grpo import PRECISIONS
     from samepath.rl.train_check import TrainCheckSpec, format_table, plot, run
 
@@ -292,6 +292,7 @@ def run_train_check(args: argparse.Namespace) -> int:
                 },
                 "bit_identical": identical,
                 "exit_status": status,
+                "environment": environment(device, vllm=args.rollout == "vllm"),
             },
         )
     if args.plot:
@@ -674,7 +675,7 @@ def run_doctor(args: argparse.Namespace) -> int:
     if args.json != "-":
         print("\n\n".join(r.format() for r in reports))
     if args.json:
-        from samepath.check.report import SCHEMA_VERSION
+        from samepath.check.report import SCHEMA_VERSION, environment
 
         _write_json(
             args.json,
@@ -683,6 +684,7 @@ def run_doctor(args: argparse.Namespace) -> int:
                 "tool": "samepath doctor",
                 "model": {"source": loaded.source, "model_type": loaded.model_type, "dtype": args.dtype},
                 "runs": {r.numerics: r.to_json() for r in reports},
+                "environment": environment(device),
             },
         )
     decisive = reports[-1]  # samepath's run when there is one
