@@ -427,3 +427,14 @@ def test_an_embedding_scale_multiplied_as_stored_must_be_in_the_model_dtype() ->
     rounded = embedding_scale_entry("model", module, factor.bfloat16(), torch.bfloat16, 64, multiplied_as_stored=True)
     assert rounded.status == NEUTRAL
     assert embedding_scale_entry("model", module, factor, torch.bfloat16, 64).status == NEUTRAL  # HF casts at use
+
+
+def test_a_refused_patch_all_model_leaves_no_state_behind():
+    """patch_all(model) refused on a model type it patched for that call (here qwen2 after
+    patch_all(model_types=["llama"])) undoes those patches and forgets the type, so a later
+    patch_all(good_qwen2_model) patches it again instead of being refused."""
+    integrations.patch_all(model_types=["llama"])
+    with pytest.raises(audit.UncoveredOpsError):
+        integrations.patch_all(with_custom_norm(tiny("qwen2")))
+    integrations.patch_all(tiny("qwen2"))  # accepted
+    assert integrations.enabled()

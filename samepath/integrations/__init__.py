@@ -90,15 +90,19 @@ def _patch_model(model: torch.nn.Module, allow_uncovered: str | Sequence[str] | 
     from samepath.integrations import audit, hf
 
     patcher = _current_patcher()
+    added = None
     try:
         model_type = model.config.model_type
         if model_type not in _patched_model_types and model_type in hf.MODEL_TYPES:
             hf.apply_to_model_type(model_type, patcher)
             _patched_model_types.append(model_type)
+            added = model_type
         hf.use_samepath(model, patcher)
         audit.enforce(audit.audit_hf_model(model), allow_uncovered)
     except BaseException:
         patcher.restore()
+        if added is not None:  # its patches are undone: a later patch_all(model) applies them again
+            _patched_model_types.remove(added)
         raise
 
 
