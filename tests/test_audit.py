@@ -438,3 +438,10 @@ def test_a_refused_patch_all_model_leaves_no_state_behind():
         integrations.patch_all(with_custom_norm(tiny("qwen2")))
     integrations.patch_all(tiny("qwen2"))  # accepted
     assert integrations.enabled()
+
+
+@pytest.mark.parametrize("value", [5, [1], b"all"])
+def test_allow_uncovered_of_the_wrong_type_is_named(value):
+    with pytest.raises(TypeError, match="allow_uncovered must be"):
+        integrations.patch_all(allow_uncovered=value, model=tiny("qwen3"))
+    assert not integrations.enabled()

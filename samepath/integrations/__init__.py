@@ -55,6 +55,10 @@ def patch_all(
     global _stack
     if model is not None and not isinstance(getattr(getattr(model, "config", None), "model_type", None), str):
         raise ValueError(f"model must be a Hugging Face model (with config.model_type), got {type(model).__name__}")
+    if allow_uncovered is not None:  # a wrong type is named before anything is patched
+        from samepath.integrations.audit import allowed_names
+
+        allowed_names(allow_uncovered)
     with _lock:
         was_enabled = _stack is not None
         if _stack is None:
