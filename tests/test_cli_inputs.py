@@ -119,7 +119,7 @@ def test_dtype_and_precision_spellings_reach_the_run(no_work, monkeypatch, capsy
     """`--dtype bf16` and `--precision bfloat16` pass validation and arrive canonical."""
     seen = {}
 
-    def stop(args, dtype, device, seed):
+    def stop(args, dtype, device, seed, progress):
         seen["dtype"] = (args.dtype, dtype)
         raise harness.CheckInputError("stopped after validation")
 
@@ -132,7 +132,8 @@ def test_dtype_and_precision_spellings_reach_the_run(no_work, monkeypatch, capsy
         raise harness.CheckInputError("stopped after validation")
 
     monkeypatch.setattr(train_check, "run", fake_run)
-    assert "stopped after validation" in _bad(["train-check", "--precision", "bfloat16"], capsys)
+    argv = ["train-check", "--precision", "bfloat16", "--progress", "off"]  # the stub stands in for the run
+    assert "stopped after validation" in _bad(argv, capsys)
     assert seen["precision"] == "bf16"
     assert "unsupported dtype 'int8' for --dtype" in _bad(["check", "--dtype", "int8"], capsys)
 

@@ -215,7 +215,7 @@ def test_train_check_bad_input(argv, fragment, capsys):
     assert fragment in err and len(err.strip().splitlines()) == 1
 
 
-def test_train_check_exit_status_and_json(tmp_path):
+def test_train_check_exit_status_and_json(tmp_path, capsys):
     out = tmp_path / "train.json"
     argv = ["train-check", "--steps", "1", "--prompts", "1", "--group-size", "2", "--new-tokens", "2"]
     argv += ["--json", str(out)]
@@ -247,6 +247,14 @@ def test_train_check_exit_status_and_json(tmp_path):
     header = text.splitlines()[0]
     assert header.startswith("samepath train-check: qwen3 (embedded default") and "bfloat16" in header
     assert "fp32_master" in header and "temperature 0.7" in header
+    # progress on stderr (not a terminal): a plain line as each loop starts and ends, with its steps
+    err = capsys.readouterr().err
+    assert "\r" not in err
+    lines = [line for line in err.splitlines() if line.startswith("samepath train-check: [")]
+    assert [line.split(" (")[0].split(" done")[0] for line in lines] == [
+        "samepath train-check: [1/2] stock GRPO",
+    ] * 2 + ["samepath train-check: [2/2] samepath GRPO"] * 2
+    assert " done: 1/1 steps, " in lines[1] and " done: 1/1 steps, " in lines[3]
 
 
 @pytest.mark.slow
@@ -276,7 +284,7 @@ def test_train_check_exits_1_when_a_samepath_step_differs(monkeypatch, tmp_path)
 
     lp = torch.tensor([[-1.0, -2.0]])
 
-    def fake_run(spec):
+    def fake_run(spec, on_step=None):
         return [step_metrics(0, lp, lp), step_metrics(1, lp, lp + 1e-3, weight_change=0.1)]
 
     monkeypatch.setattr(train_check, "run", fake_run)

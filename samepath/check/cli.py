@@ -15,6 +15,11 @@ from collections.abc import Iterator, Sequence
 from contextlib import ExitStack, contextmanager
 
 EXIT_OK, EXIT_DIFFERS, EXIT_BAD_INPUT, EXIT_ERROR = 0, 1, 2, 3
+PROGRESS_CHOICES = ("auto", "on", "lines", "off")
+PROGRESS_HELP = (
+    "progress on stderr, per phase with counts and times (auto, on: a live line on a terminal, a plain "
+    "line at each phase's start and end otherwise; lines: plain lines always; off: none)"
+)
 
 EXIT_STATUS_HELP = """exit status:
   0  samepath's rollout and trainer are bit-identical (check: every log-prob equal; doctor: no module
@@ -52,12 +57,7 @@ def _common(parser: argparse.ArgumentParser, new_tokens: int) -> None:
     )
     parser.add_argument("--seed", type=int, default=0, help="seed of the prompts and sampling (default: %(default)s)")
     parser.add_argument("--json", metavar="OUT", help="also write the report as JSON to OUT ('-' for stdout)")
-    parser.add_argument(
-        "--progress",
-        choices=("auto", "on", "off"),
-        default="auto",
-        help="progress bar on stderr (auto: when stderr is a terminal)",
-    )
+    parser.add_argument("--progress", choices=PROGRESS_CHOICES, default="auto", help=PROGRESS_HELP)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -196,9 +196,7 @@ def _train_check_parser(sub) -> None:
     train.add_argument("--device", default=None, help="torch device (default: cuda when available, else cpu)")
     train.add_argument("--json", metavar="OUT", help="also write the report as JSON to OUT ('-' for stdout)")
     train.add_argument("--plot", metavar="OUT.png", help="write a PNG of max |Δlogp| per step (needs matplotlib)")
-    train.add_argument(
-        "--progress", choices=("auto", "on", "off"), default="auto", help="progress on stderr (auto: when a terminal)"
-    )
+    train.add_argument("--progress", choices=PROGRESS_CHOICES, default="auto", help=PROGRESS_HELP)
 
 
 def run_train_check(args: argparse.Namespace) -> int:
@@ -258,10 +256,18 @@ def run_train_check(args: argparse.Namespace) -> int:
         model=args.model,
     )
     runs = {}
-    for name in ("stock", "samepath"):
-        if _show_progress(args):
-            print(f"samepath train-check: {name}, {args.steps} steps ...", file=sys.stderr, flush=True)
-        runs[name] = run(TrainCheckSpec(**spec, numerics=name))
+    progress = _progress(args, phases=2)
+    where = "vLLM in a child process: steps counted at the end" if args.rollout == "vllm" else "Hugging Face"
+    try:
+        for name in ("stock", "samepath"):
+            detail = f"{args.prompts} prompts x {args.group_size} samples x {args.new_tokens} tokens; {where}"
+            progress.start(f"{name} GRPO", args.steps, "steps", detail)
+            runs[name] = run(TrainCheckSpec(**spec, numerics=name), on_step=lambda _metrics: progress.advance())
+            if args.rollout == "vllm":
+                progress.advance(len(runs[name]))
+            progress.end()
+    finally:
+        progress.close()
     identical = all(m.bitwise_equal for m in runs["samepath"])
     status = EXIT_OK if identical else EXIT_DIFFERS
     if args.json != "-":
@@ -553,19 +559,24 @@ def _quiet_transformers() -> Iterator[None]:
             hf_logging.enable_progress_bar()
 
 
-def _load(args, dtype, device, seed: int):
-    from samepath.check.harness import load_default_model, load_model
+def _load(args, dtype, device, seed: int, progress):
+    from samepath.check.harness import check_model_config, load_default_model, load_model
 
-    if _show_progress(args):
-        what = args.model or "the embedded default model (built from a config, random weights)"
-        print(f"samepath {args.command}: loading {what} on {device} ...", file=sys.stderr, flush=True)
+    if args.model:
+        check_model_config(args.model)  # a refused model is bad input, found before the load starts
+    what = args.model or "the embedded default model, built from a config with random weights"
+    progress.start("load model", detail=f"{what}, on {device}")
     loaded = load_model(args.model, dtype) if args.model else load_default_model(dtype, seed=seed)
     loaded.model.to(device)
+    progress.end()
     return loaded
 
 
-def _show_progress(args) -> bool:
-    return args.progress == "on" or (args.progress == "auto" and sys.stderr.isatty())
+def _progress(args, phases: int | None = None):
+    """The command's :class:`~samepath.check.harness.Progress` on stderr, as ``--progress`` asks."""
+    from samepath.check.harness import Progress, progress_mode
+
+    return Progress(f"samepath {args.command}", progress_mode(args.progress), phases=phases)
 
 
 def _write_json(path: str, document: dict) -> None:
@@ -598,15 +609,18 @@ def run_check(args: argparse.Namespace) -> int:
     from samepath.check.report import CheckReport
 
     dtype, device = _validate(args)
+    progress = _progress(args, phases=5)  # load, then each numerics' rollout and trainer
     with ExitStack() as stack:
+        stack.callback(progress.close)
         vllm_model_dir = None
         if args.rollout == "vllm":
             vllm_model_dir = args.model or _default_model_dir(stack)
-            loaded = _load(argparse.Namespace(**{**vars(args), "model": vllm_model_dir}), dtype, device, seed=0)
+            as_dir = argparse.Namespace(**{**vars(args), "model": vllm_model_dir})
+            loaded = _load(as_dir, dtype, device, 0, progress)
             if not args.model:
                 loaded.source = "embedded-default"
         else:
-            loaded = _load(args, dtype, device, seed=0)
+            loaded = _load(args, dtype, device, 0, progress)
         prompts = random_prompts(args.batch, int(loaded.model.config.vocab_size), args.seed)
         stock, patched = run_stock_and_patched(
             loaded.model,
@@ -614,7 +628,7 @@ def run_check(args: argparse.Namespace) -> int:
             args.new_tokens,
             args.temperature,
             args.seed,
-            show_progress=_show_progress(args),
+            progress=progress,
             vllm_model_dir=vllm_model_dir,
         )
     report = CheckReport(loaded, args.rollout, args.batch, args.new_tokens, args.temperature, args.seed, stock, patched)
@@ -634,36 +648,43 @@ def run_doctor(args: argparse.Namespace) -> int:
 
     from samepath import integrations
     from samepath.check.doctor import DoctorBatch, diagnose_batch
-    from samepath.check.harness import Progress, pad_token_id, random_prompts, rollout_hf
+    from samepath.check.harness import pad_token_id, random_prompts, rollout_hf
 
     dtype, device = _validate(args)
-    loaded = _load(args, dtype, device, seed=0)
+    modes = ["stock", "samepath"] if args.numerics == "both" else [args.numerics]
+    progress = _progress(args, phases=1 + 3 * len(modes))  # load, then per numerics: generate, rollout, trainer
+    loaded = _load(args, dtype, device, 0, progress)
     vocab = int(loaded.model.config.vocab_size)
     if args.prompt_len is None:
         prompts = random_prompts(args.batch, vocab, args.seed)  # check's batch
     else:
         gen = torch.Generator().manual_seed(args.seed)
         prompts = torch.randint(1, vocab, (args.batch, args.prompt_len), generator=gen).tolist()
-    modes = ["stock", "samepath"] if args.numerics == "both" else [args.numerics]
     reports = []
     was_enabled = integrations.enabled()
-    progress = Progress(3 * len(modes), "samepath doctor", _show_progress(args))
+    sequences = f"{len(prompts)} sequence" + ("s" if len(prompts) != 1 else "")
+    details = {
+        "rollout": "step-wise decode over the completions, every module recorded",
+        "trainer": "one forward, every module recorded, then the comparison",
+    }
     try:
         for mode in modes:
             if mode == "samepath":
                 integrations.patch_all()
             else:
                 integrations.unpatch_all()
-            progress.update(0, f"{mode} generate")
             # The completions check's rollout samples with these numerics, then both paths over them.
-            completions, _ = rollout_hf(loaded.model, prompts, args.new_tokens, args.temperature, args.seed)
+            progress.start(f"{mode} generate", args.new_tokens, "tokens", f"Hugging Face generate, {sequences}")
+            completions, _ = rollout_hf(
+                loaded.model, prompts, args.new_tokens, args.temperature, args.seed, progress.advance
+            )
             batch = DoctorBatch(prompts, completions, args.temperature or 1.0, pad_token_id(loaded.model))
 
             def on_stage(stage: str, mode: str = mode) -> None:
-                progress.update(1, f"{mode} {stage}")
+                progress.start(f"{mode} {stage}", detail=details.get(stage, ""))
 
             report = diagnose_batch(loaded.model, batch, numerics=mode, on_stage=on_stage)
-            progress.update(1, f"{mode} compared")
+            progress.end()
             report.model_description = loaded.describe()
             reports.append(report)
     finally:

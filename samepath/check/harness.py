@@ -218,44 +218,128 @@ def _one_line(exc: BaseException) -> str:
 
 
 class Progress:
-    """A progress bar over ``total`` steps: tqdm when installed, else a counter on stderr."""
+    """What runs, how far it is, and how long it took, on stderr: one phase at a time.
 
-    def __init__(self, total: int, description: str, enabled: bool) -> None:
-        self.enabled = enabled
-        self._bar = None
+    ``start(phase, total, unit)`` begins a phase (ending the one before), ``advance(n)`` counts
+    ``n`` of its ``total`` units done, ``end()`` ends it with its time. On a terminal (``mode``
+    ``"live"``) one line per phase is rewritten in place with the count done and the time elapsed;
+    otherwise (``"lines"``) a plain line when each phase starts and one when it ends, with its count
+    and time, and never a carriage return. There is no estimate of the time left: on the CPU the
+    samepath phases run orders of magnitude slower than the stock ones, so any rate measured so far
+    would mislead. ``"off"`` writes nothing.
+    """
+
+    MODES = ("live", "lines", "off")
+
+    def __init__(self, command: str, mode: str = "lines", stream=None, *, phases: int | None = None) -> None:
+        if mode not in self.MODES:
+            raise ValueError(f"mode must be one of {self.MODES}, got {mode!r}")
+        self.mode = mode
+        self.enabled = mode != "off"
+        self._stream = sys.stderr if stream is None else stream
+        self._command = command
+        self._phases = phases
+        self._index = 0
+        self._phase: str | None = None
+        self._total: int | None = None
+        self._unit = ""
         self._done = 0
-        self._total = total
-        self._description = description
-        if not enabled:
-            return
-        try:
-            from tqdm.auto import tqdm
-        except ImportError:
-            tqdm = None
-        if tqdm is not None:
-            self._bar = tqdm(total=total, desc=description, unit="step", file=sys.stderr, leave=False)
+        self._began = 0.0
+        self._first = None
 
-    def update(self, n: int = 1, status: str | None = None) -> None:
-        if not self.enabled:
+    def start(self, phase: str, total: int | None = None, unit: str = "", detail: str = "") -> None:
+        """Begin ``phase`` (ending the current one): ``total`` units of ``unit`` when it can count."""
+        import time
+
+        self.end()
+        self._index += 1
+        self._phase, self._total, self._unit, self._done = phase, total, unit, 0
+        self._began = time.perf_counter()
+        if self._first is None:
+            self._first = self._began
+        if self.mode == "lines":
+            what = f" ({detail})" if detail else ""
+            self._write(f"{self._prefix()}{phase}{what} ...\n")
+        elif self.mode == "live":
+            self._live()
+
+    def advance(self, n: int = 1) -> None:
+        """``n`` more units of the current phase are done."""
+        if self._phase is None:
             return
         self._done += n
-        if self._bar is not None:
-            if status:
-                self._bar.set_postfix_str(status, refresh=n == 0)
-            self._bar.update(n)
-        else:
-            suffix = f" ({status})" if status else ""
-            sys.stderr.write(f"\r{self._description}: {self._done}/{self._total}{suffix}   ")
-            sys.stderr.flush()
+        if self.mode == "live":
+            self._live()
+
+    def end(self) -> None:
+        """End the current phase (if any) with the count done and the time it took."""
+        if self._phase is None:
+            return
+        line = f"{self._prefix()}{self._phase} done: {self._count()}{self._format_elapsed()}"
+        self._phase = None
+        if self.mode == "lines":
+            self._write(line + "\n")
+        elif self.mode == "live":
+            self._write(f"\r{line}\x1b[K\n")
 
     def close(self) -> None:
+        """After the last phase: with more than one phase, a line with the time of all. A phase still
+        open (an error left it) is reported stopped, not done."""
+        import time
+
+        if self._phase is not None:
+            line = f"{self._prefix()}{self._phase} stopped: {self._count()}{self._format_elapsed()}"
+            self._phase = None
+            self._write(("\r" if self.mode == "live" else "") + line + ("\x1b[K\n" if self.mode == "live" else "\n"))
+            self._first = None
+            return
+        if self.enabled and self._first is not None and self._index > 1:
+            self._write(f"{self._command}: {self._index} phases in {_seconds(time.perf_counter() - self._first)}\n")
+        self._first = None
+
+    # -- formatting ---------------------------------------------------------------------------
+
+    def _prefix(self) -> str:
+        step = f"[{self._index}/{self._phases}] " if self._phases else ""
+        return f"{self._command}: {step}"
+
+    def _count(self) -> str:
+        if self._total is None:
+            return f"{self._done} {self._unit}, " if self._done and self._unit else ""
+        return f"{self._done}/{self._total} {self._unit}, ".replace(" ,", ",")
+
+    def _format_elapsed(self) -> str:
+        import time
+
+        return _seconds(time.perf_counter() - self._began)
+
+    def _live(self) -> None:
+        self._write(f"\r{self._prefix()}{self._phase}: {self._count()}{self._format_elapsed()}\x1b[K")
+
+    def _write(self, text: str) -> None:
         if not self.enabled:
             return
-        if self._bar is not None:
-            self._bar.close()
-        else:
-            sys.stderr.write("\n")
-            sys.stderr.flush()
+        self._stream.write(text)
+        self._stream.flush()
+
+
+def _seconds(elapsed: float) -> str:
+    if elapsed < 60:
+        return f"{elapsed:.1f} s"
+    minutes, seconds = divmod(round(elapsed), 60)
+    return f"{minutes} min {seconds:02d} s"
+
+
+def progress_mode(setting: str, stream=None) -> str:
+    """The :class:`Progress` mode for a ``--progress`` setting: ``auto`` / ``on`` give a live line
+    on a terminal and plain lines elsewhere, ``lines`` plain lines always, ``off`` nothing."""
+    stream = sys.stderr if stream is None else stream
+    if setting == "off":
+        return "off"
+    if setting == "lines":
+        return "lines"
+    isatty = getattr(stream, "isatty", None)
+    return "live" if isatty is not None and isatty() else "lines"
 
 
 # ----------------------------------------------------------------------------------------------
@@ -436,11 +520,14 @@ def run_side_by_side(
 ) -> SideBySide:
     """Rollout (Hugging Face ``generate``, or vLLM on ``vllm_model_dir`` when given), then the
     trainer forward, with whatever numerics are in effect now."""
+    progress = Progress("samepath", "off") if progress is None else progress
+    batch = f"{len(prompts)} sequence" + ("s" if len(prompts) != 1 else "")
     if vllm_model_dir is None:
-        on_step = None if progress is None else (lambda: progress.update(1, f"{numerics} rollout"))
-        generated, rollout_lp = rollout_hf(model, prompts, new_tokens, temperature, seed, on_step)
+        progress.start(f"{numerics} rollout", new_tokens, "tokens", f"Hugging Face generate, {batch}")
+        generated, rollout_lp = rollout_hf(model, prompts, new_tokens, temperature, seed, progress.advance)
         rollout_fp = samepath.fingerprint()
     else:
+        progress.start(f"{numerics} rollout", None, "", f"vLLM in a child process, {batch} x {new_tokens} tokens")
         dtype = next(model.parameters()).dtype
         generated, rollout_lp, rollout_fp = rollout_vllm(
             vllm_model_dir,
@@ -452,13 +539,10 @@ def run_side_by_side(
             with_samepath=numerics == "samepath",
             model_config=model.config,
         )
-        if progress is not None:
-            progress.update(new_tokens, f"{numerics} rollout")
-    if progress is not None:
-        progress.update(0, f"{numerics} trainer forward")
+    width = max(map(len, prompts)) + new_tokens
+    progress.start(f"{numerics} trainer", None, "", f"one forward of {batch} x {width} positions")
     trainer_lp = trainer_forward(model, prompts, generated, temperature or 1.0)
-    if progress is not None:
-        progress.update(new_tokens, f"{numerics} trainer forward")
+    progress.end()
     return SideBySide(numerics, prompts, generated, rollout_lp, trainer_lp, rollout_fp, samepath.fingerprint())
 
 
@@ -468,19 +552,19 @@ def run_stock_and_patched(
     new_tokens: int,
     temperature: float,
     seed: int,
-    show_progress: bool = False,
+    progress: Progress | None = None,
     vllm_model_dir: str | None = None,
 ) -> tuple[SideBySide, SideBySide]:
     """The same check twice: stock kernels, then under ``integrations.patch_all()`` (and, for a
     vLLM rollout, with samepath's vLLM plugin in the rollout process).
 
+    ``progress`` shows the four phases (stock rollout and trainer, then samepath's) as they run.
     Leaves the patch state as it found it.
     """
     from samepath import integrations
 
     was_enabled = integrations.enabled()
-    # The trainer forward of all positions is counted as much work as the decode steps.
-    progress = Progress(4 * new_tokens, "samepath check", show_progress)
+    progress = Progress("samepath check", "off") if progress is None else progress
     try:
         integrations.unpatch_all()
         stock = run_side_by_side(model, prompts, new_tokens, temperature, seed, "stock", progress, vllm_model_dir)
