@@ -249,8 +249,6 @@ def test_doctor_progress_is_a_plain_line_per_phase(capsys) -> None:
     assert "load model (the embedded default model" in err
     phases = [("load model", ""), ("samepath generate", "1/1 tokens, "), ("samepath rollout", "")]
     _phase_lines(err, "doctor", [*phases, ("samepath trainer", "")])
-    assert main([*argv, "--numerics", "samepath", "--progress", "off"]) == 0
-    assert capsys.readouterr().err == ""
 
 
 def test_progress_live_on_a_terminal_and_plain_elsewhere() -> None:
