@@ -79,12 +79,19 @@ def with_custom_norm(model: torch.nn.Module) -> torch.nn.Module:
 
 
 def test_audit_cli_on_the_embedded_default(tmp_path, capsys):
+    """The verdict first, a summary by default (``--all``: every module); ``--dtype bf16`` is bfloat16."""
     report = tmp_path / "audit.json"
-    assert main(["audit", "--json", str(report)]) == 0
+    assert main(["audit", "--dtype", "bf16", "--json", str(report)]) == 0
     doc = json.loads(report.read_text())
     assert doc["fully_covered"] and doc["model"] == "embedded-default" and doc["counts"]["uncovered"] == 0
+    assert doc["refused"] is None and doc["exit_status"] == 0
     assert {e["op"] for e in doc["entries"]} >= {"attention", "rms_norm", "silu_mul", "rotary", "linear"}
-    assert "full coverage" in capsys.readouterr().out
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == "samepath audit: embedded-default (qwen3, bfloat16)"
+    assert lines[1].startswith("full coverage") and lines[2].startswith("summary: ")
+    assert len(lines) < 10 and "model.layers.0.self_attn" not in "\n".join(lines)
+    assert main(["audit", "--dtype", "float32", "--all"]) == 0
+    assert "model.layers.0.self_attn" in capsys.readouterr().out
     assert not integrations.enabled()
 
 
@@ -100,13 +107,38 @@ def test_audit_reports_full_coverage_for_each_family(arch, tmp_path):
 
 
 def test_audit_cli_names_what_is_not_covered(tmp_path, capsys):
-    """A model type samepath refuses on both sides (granite): exit 1, the type and the reason named."""
+    """A model type samepath refuses on both sides (granite): exit 2 as in `check`, the reason on the
+    second line and on stderr, then the summary naming what is not covered."""
     config = transformers.GraniteConfig(**{k: v for k, v in DEFAULT_MODEL_CONFIG.items() if k != "head_dim"})
     transformers.GraniteForCausalLM(config).save_pretrained(tmp_path)
-    assert main(["audit", "--model", str(tmp_path)]) == 1
-    out = capsys.readouterr().out
-    assert "model_type 'granite' is not supported: Granite's embedding_multiplier" in out and "GraniteRMSNorm" in out
+    capsys.readouterr()  # save_pretrained's own progress
+    assert main(["audit", "--model", str(tmp_path)]) == 2
+    captured = capsys.readouterr()
+    lines = captured.out.splitlines()
+    assert lines[1].startswith("REFUSED: ") and "model_type 'granite' is not supported" in lines[1]
+    assert "GraniteRMSNorm" in captured.out and "--all lists" in captured.out and len(lines) < 20
+    assert "model_type 'granite' is not supported: Granite's embedding_multiplier" in captured.err
+    assert len(captured.err.strip().splitlines()) == 1
+    assert main(["check", "--model", str(tmp_path)]) == 2  # the same situation, the same status
+    capsys.readouterr()
     assert main(["audit", "--model", str(tmp_path / "nope")]) == 2
+
+
+def test_audit_refuses_the_head_size_check_refuses(tmp_path, capsys):
+    """Head size 18: `audit` said "fully covered" where `check` refused it; now both exit 2 with the reason."""
+    transformers.Qwen3Config(
+        vocab_size=64,
+        hidden_size=36,
+        intermediate_size=48,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=18,
+    ).save_pretrained(tmp_path)
+    for command in ("audit", "check"):
+        assert main([command, "--model", str(tmp_path)]) == 2, command
+        err = capsys.readouterr().err
+        assert "head size = 18 is not a supported head size" in err, (command, err)
 
 
 def test_patch_all_refuses_a_custom_module_and_names_it():
@@ -395,3 +427,21 @@ def test_an_embedding_scale_multiplied_as_stored_must_be_in_the_model_dtype() ->
     rounded = embedding_scale_entry("model", module, factor.bfloat16(), torch.bfloat16, 64, multiplied_as_stored=True)
     assert rounded.status == NEUTRAL
     assert embedding_scale_entry("model", module, factor, torch.bfloat16, 64).status == NEUTRAL  # HF casts at use
+
+
+def test_a_refused_patch_all_model_leaves_no_state_behind():
+    """patch_all(model) refused on a model type it patched for that call (here qwen2 after
+    patch_all(model_types=["llama"])) undoes those patches and forgets the type, so a later
+    patch_all(good_qwen2_model) patches it again instead of being refused."""
+    integrations.patch_all(model_types=["llama"])
+    with pytest.raises(audit.UncoveredOpsError):
+        integrations.patch_all(with_custom_norm(tiny("qwen2")))
+    integrations.patch_all(tiny("qwen2"))  # accepted
+    assert integrations.enabled()
+
+
+@pytest.mark.parametrize("value", [5, [1], b"all"])
+def test_allow_uncovered_of_the_wrong_type_is_named(value):
+    with pytest.raises(TypeError, match="allow_uncovered must be"):
+        integrations.patch_all(allow_uncovered=value, model=tiny("qwen3"))
+    assert not integrations.enabled()

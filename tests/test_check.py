@@ -8,6 +8,7 @@ import importlib.util
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 
@@ -23,6 +24,7 @@ from samepath.check.cli import main
 from samepath.check.report import SCHEMA_VERSION, compare
 
 TOP_KEYS = {"schema_version", "tool", "samepath_version", "model", "settings", "runs", "logdiff_zero", "exit_status"}
+TOP_KEYS |= {"environment", "patched_vs_stock"}
 RUN_KEYS = {
     "tokens",
     "equal_tokens",
@@ -53,9 +55,10 @@ def check_run(tmp_path_factory):
     import contextlib
     import io
 
-    stdout = io.StringIO()
-    with contextlib.redirect_stdout(stdout):
+    stdout, stderr = io.StringIO(), io.StringIO()  # stderr not a terminal, as in CI or a log
+    with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
         status = main(argv)
+    (out / "stderr.txt").write_text(stderr.getvalue())
     return status, stdout.getvalue(), out
 
 
@@ -97,10 +100,16 @@ def test_check_json_schema_is_stable(check_run) -> None:
     for run in doc["runs"].values():
         assert set(run) == RUN_KEYS
         assert len(run["per_position_max_abs_logp_diff"]) == 4
+    env = doc["environment"]
+    assert env["device"] == "cpu" or env["device"].startswith("cuda")
+    assert env["versions"]["samepath"] == samepath.__version__ and env["versions"]["torch"] == torch.__version__
+    assert env["versions"]["transformers"] and "vllm" not in env["versions"]  # vllm only with --rollout vllm
+    closeness = doc["patched_vs_stock"]
+    assert 1 <= closeness["tokens"] <= 8 and 0 <= closeness["max_abs_logp_diff"] < 0.5
     # the schema is documented where it is defined
     from samepath.check import report
 
-    for key in TOP_KEYS | RUN_KEYS:
+    for key in TOP_KEYS | RUN_KEYS | {"device", "versions", "executor"}:
         assert f'"{key}"' in report.__doc__, key
 
 
@@ -127,7 +136,7 @@ def test_compare_metrics() -> None:
 
 
 def test_check_exits_1_when_samepath_logdiff_is_not_zero(monkeypatch, capsys) -> None:
-    def fake(model, prompts, new_tokens, temperature, seed, show_progress=False, vllm_model_dir=None):
+    def fake(model, prompts, new_tokens, temperature, seed, progress=None, vllm_model_dir=None):
         lp = torch.full((len(prompts), new_tokens), -1.0)
         generated = torch.ones(len(prompts), new_tokens, dtype=torch.long)
         fp = samepath.fingerprint()
@@ -210,12 +219,75 @@ def test_version_and_exit_statuses_in_help(capsys) -> None:
         assert "exit status:" in text and "2  bad input" in text and "3  an unexpected error" in text, argv
 
 
-def test_doctor_progress_reports_its_stages(capsys) -> None:
+def _phase_lines(err: str, command: str, phases: list[tuple[str, str]]) -> None:
+    """``err`` (stderr, not a terminal) is one plain line as each phase starts and one as it ends,
+    in order, numbered of the total, the end with its count and time; no carriage return and no
+    time-left estimate."""
+    assert "\r" not in err and "\x1b" not in err, repr(err)
+    assert "remaining" not in err and "ETA" not in err and "<" not in err
+    lines = [line for line in err.splitlines() if line.startswith(f"samepath {command}: [")]
+    assert len(lines) == 2 * len(phases), err
+    for i, (phase, count) in enumerate(phases):
+        head = f"samepath {command}: [{i + 1}/{len(phases)}] {phase}"
+        begin, end = lines[2 * i], lines[2 * i + 1]
+        assert begin.startswith(head + " (") and begin.endswith(") ..."), (begin, head)
+        assert re.fullmatch(re.escape(head) + r" done: " + re.escape(count) + r"\d+\.\d s", end), (end, count)
+    assert err.splitlines()[-1].startswith(f"samepath {command}: {len(phases)} phases in ")
+
+
+def test_check_progress_is_a_plain_line_per_phase(check_run) -> None:
+    _, _, out = check_run
+    phases = [("load model", ""), ("stock rollout", "4/4 tokens, "), ("stock trainer", "")]
+    phases += [("samepath rollout", "4/4 tokens, "), ("samepath trainer", "")]
+    _phase_lines((out / "stderr.txt").read_text(), "check", phases)
+
+
+def test_doctor_progress_is_a_plain_line_per_phase(capsys) -> None:
     argv = ["doctor", "--dtype", "float32", "--batch", "1", "--prompt-len", "3", "--new-tokens", "1"]
-    assert main([*argv, "--numerics", "samepath", "--progress", "on"]) == 0
+    assert main([*argv, "--numerics", "samepath"]) == 0  # --progress auto; capsys's stderr is no terminal
     err = capsys.readouterr().err
-    assert "loading the embedded default model" in err
-    assert "samepath trainer" in err or "samepath compared" in err
+    assert "load model (the embedded default model" in err
+    phases = [("load model", ""), ("samepath generate", "1/1 tokens, "), ("samepath rollout", "")]
+    _phase_lines(err, "doctor", [*phases, ("samepath trainer", "")])
+
+
+def test_progress_live_on_a_terminal_and_plain_elsewhere() -> None:
+    import io
+
+    class Terminal(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    terminal, log = Terminal(), io.StringIO()
+    assert harness.progress_mode("auto", terminal) == "live" and harness.progress_mode("on", terminal) == "live"
+    assert harness.progress_mode("auto", log) == "lines" and harness.progress_mode("lines", terminal) == "lines"
+    assert harness.progress_mode("off", terminal) == "off"
+    live = harness.Progress("samepath check", "live", terminal, phases=2)
+    live.start("stock rollout", 3, "tokens")
+    for _ in range(3):
+        live.advance()
+    live.start("stock trainer")
+    live.end()
+    live.close()
+    text = terminal.getvalue()
+    assert "\rsamepath check: [1/2] stock rollout: 2/3 tokens, " in text
+    ended = [line.split("\r")[-1] for line in text.split("\n") if line]
+    assert ended[0].startswith("samepath check: [1/2] stock rollout done: 3/3 tokens, ") and ended[0].endswith(
+        "s\x1b[K"
+    )
+    assert ended[1].startswith("samepath check: [2/2] stock trainer done: ")
+    assert ended[2].startswith("samepath check: 2 phases in ")
+    failed = harness.Progress("samepath check", "lines", log)
+    failed.start("samepath rollout", 4, "tokens")
+    failed.advance()
+    failed.close()  # an error left the phase open: stopped, not done
+    assert log.getvalue().splitlines()[-1].startswith("samepath check: samepath rollout stopped: 1/4 tokens, ")
+    log = io.StringIO()
+    silent = harness.Progress("x", "off", log)
+    silent.start("a", 1, "tokens")
+    silent.advance()
+    silent.close()
+    assert log.getvalue() == ""
 
 
 def test_python_m_samepath_check(tmp_path) -> None:
@@ -234,16 +306,3 @@ def test_python_m_samepath_check(tmp_path) -> None:
     doc = json.loads(proc.stdout)
     assert doc["runs"]["samepath"]["bit_identical"] and doc["settings"]["temperature"] == 0.0
     assert "Traceback" not in proc.stderr
-
-
-def test_progress_falls_back_to_a_stderr_counter(monkeypatch, capsys) -> None:
-    monkeypatch.setitem(sys.modules, "tqdm.auto", None)  # import fails: no tqdm
-    bar = harness.Progress(3, "samepath check", enabled=True)
-    for _ in range(3):
-        bar.update(1, "stock rollout")
-    bar.close()
-    assert "samepath check: 3/3 (stock rollout)" in capsys.readouterr().err
-    silent = harness.Progress(3, "x", enabled=False)
-    silent.update()
-    silent.close()
-    assert capsys.readouterr().err == ""

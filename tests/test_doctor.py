@@ -303,6 +303,8 @@ def test_doctor_cli_json(tmp_path, capsys) -> None:
     assert status == 0, text
     doc = json.loads(out.read_text())
     assert doc["schema_version"] == 1 and doc["tool"] == "samepath doctor"
+    assert doc["environment"]["device"] == "cpu" or doc["environment"]["device"].startswith("cuda")
+    assert doc["model"]["dtype"] == "float32" and doc["environment"]["versions"]["samepath"]
     assert doc["runs"]["samepath"]["identical"] is True and doc["runs"]["samepath"]["first"] is None
     # Whether stock kernels part the two paths on this machine depends on its BLAS and thread
     # count; the report must be self-consistent either way.

@@ -19,6 +19,7 @@ from samepath.kernels.config import MatmulConfig, matmul_config
 from samepath.kernels.matmul import (
     MATMUL_FORMULA,
     ROUTED_CALLS,
+    MixedDtypeError,
     batch_invariant,
     batch_invariant_enabled,
     linear,
@@ -416,6 +417,32 @@ def test_formula_is_registered_in_the_fingerprint() -> None:
 # ----------------------------------------------------------------------------------------------
 # Routing torch's own ops
 # ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("op", "call", "named"),
+    [
+        ("mm", lambda: torch.mm(_A, _B.bfloat16()), "self torch.float32, mat2 torch.bfloat16"),
+        ("mm", lambda: _A.half() @ _B, "self torch.float16, mat2 torch.float32"),
+        ("bmm", lambda: torch.bmm(_A[None], _B[None].bfloat16()), "self torch.float32, mat2 torch.bfloat16"),
+        ("addmm", lambda: torch.addmm(torch.ones(3), _A.bfloat16(), _B.bfloat16()), "self torch.float32, mat1"),
+        ("addmm", lambda: F.linear(_A.bfloat16(), _W.bfloat16(), torch.ones(3)), "self torch.float32, mat1"),
+    ],
+)
+def test_batch_invariant_names_mixed_dtypes(op: str, call, named: str) -> None:
+    """Operands of different dtypes, which torch refuses too: samepath's error naming each dtype
+    (torch's own, or for bmm one about the ``out`` tensor, before), a RuntimeError as torch's is."""
+    with pytest.raises(RuntimeError):
+        call()  # torch's own refusal outside the block
+    message = rf"aten::{op} got operands of different dtypes \({named}.*cast one operand"
+    with batch_invariant(), pytest.raises(MixedDtypeError, match=message):
+        call()
+    bias = torch.ones(3, dtype=torch.bfloat16)
+    with batch_invariant():  # one dtype, or a shape error: unchanged
+        assert torch.addmm(bias, _A.bfloat16(), _B.bfloat16()).dtype == torch.bfloat16
+        assert torch.mm(_A.double(), _B.double()).dtype == torch.float64
+        with pytest.raises(RuntimeError, match="cannot be multiplied"):
+            torch.mm(_A, _A)
 
 
 def test_batch_invariant_routes_torch_ops_and_restores_them() -> None:

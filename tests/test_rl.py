@@ -215,7 +215,7 @@ def test_train_check_bad_input(argv, fragment, capsys):
     assert fragment in err and len(err.strip().splitlines()) == 1
 
 
-def test_train_check_exit_status_and_json(tmp_path):
+def test_train_check_exit_status_and_json(tmp_path, capsys):
     out = tmp_path / "train.json"
     argv = ["train-check", "--steps", "1", "--prompts", "1", "--group-size", "2", "--new-tokens", "2"]
     argv += ["--json", str(out)]
@@ -235,8 +235,26 @@ def test_train_check_exit_status_and_json(tmp_path):
     steps = report["runs"]["samepath"]["steps"]
     assert len(steps) == 1 and all(s["bitwise_equal"] and s["ratio_max"] == 1.0 for s in steps)
     assert all(s["weight_change"] > 0 for s in steps)
-    assert len(report["runs"]["stock"]["steps"]) == 1  # reported, whatever this machine's kernels make it
-    assert "samepath" in text and "stock" in text
+    assert report["environment"]["versions"]["torch"] == torch.__version__
+    # The default (temperature 0.7) shows the drift samepath removes on every machine, by construction
+    # and not by how this CPU's stock kernels round: stock's trainer divides its bf16 logits by 0.7 in
+    # bf16 (as verl does) while the rollout divides fp32 logits, so its log-probs differ.
+    stock = report["runs"]["stock"]
+    assert len(stock["steps"]) == 1 and stock["bit_identical"] is False
+    assert stock["steps"][0]["equal_tokens"] < stock["steps"][0]["tokens"] and stock["steps"][0]["max_abs_diff"] > 0
+    assert report["settings"]["temperature"] == 0.7
+    assert report["model"]["source"] == "embedded-default" and report["model"]["trainer_precision"] == "fp32_master"
+    header = text.splitlines()[0]
+    assert header.startswith("samepath train-check: qwen3 (embedded default") and "bfloat16" in header
+    assert "fp32_master" in header and "temperature 0.7" in header
+    # progress on stderr (not a terminal): a plain line as each loop starts and ends, with its steps
+    err = capsys.readouterr().err
+    assert "\r" not in err
+    lines = [line for line in err.splitlines() if line.startswith("samepath train-check: [")]
+    assert [line.split(" (")[0].split(" done")[0] for line in lines] == [
+        "samepath train-check: [1/2] stock GRPO",
+    ] * 2 + ["samepath train-check: [2/2] samepath GRPO"] * 2
+    assert " done: 1/1 steps, " in lines[1] and " done: 1/1 steps, " in lines[3]
 
 
 @pytest.mark.slow
@@ -266,7 +284,7 @@ def test_train_check_exits_1_when_a_samepath_step_differs(monkeypatch, tmp_path)
 
     lp = torch.tensor([[-1.0, -2.0]])
 
-    def fake_run(spec):
+    def fake_run(spec, on_step=None):
         return [step_metrics(0, lp, lp), step_metrics(1, lp, lp + 1e-3, weight_change=0.1)]
 
     monkeypatch.setattr(train_check, "run", fake_run)

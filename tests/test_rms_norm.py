@@ -301,6 +301,16 @@ def test_bad_input_names_the_argument() -> None:
         rms_norm(x.to("meta"), w.to("meta"))
 
 
+def test_a_missing_weight_is_a_type_error_naming_it() -> None:
+    """The contract takes a weight: ``None`` is a TypeError naming ``weight`` (an AttributeError on
+    ``None.dim`` before) and the weightless form it points to, ``ones``, gives the same bits."""
+    x = _inputs(2, 80, torch.float32, seed=0)[0]
+    with pytest.raises(TypeError, match=r"weight must be a tensor of shape \(80,\), got NoneType; .* torch\.ones\(80"):
+        rms_norm(x, None, 1e-6)
+    ones = torch.ones(80, dtype=x.dtype)
+    assert torch.equal(rms_norm(x, ones, 1e-6), rms_norm(x, ones.clone(), 1e-6))
+
+
 @pytest.mark.skipif(
     not shutil.which("ptxas", path=os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")),
     reason="Triton wheel without the bundled ptxas: cannot compile for CUDA on this machine",

@@ -130,6 +130,30 @@ def test_unsupported_rope_configs_are_refused():
         rotary_inv_freq(16, 1e4, {"rope_type": "llama3", "factor": 8.0})
 
 
+@pytest.mark.parametrize("rope_type", ["linear", "dynamic", "llama3", "yarn", "longrope"])
+@pytest.mark.parametrize("factor", [0, 0.0, -2.0, float("nan"), float("inf"), "2", True])
+def test_a_factor_that_is_not_positive_and_finite_is_refused(rope_type, factor):
+    """Linear factor 0 gave NaN frequencies (inv_freq / 0 -> inf, then inf * 0); every rope type that
+    reads ``factor`` refuses one that is not a positive finite number, naming it."""
+    scaling = {"rope_type": rope_type, "factor": factor, "max_position_embeddings": 64}
+    scaling |= {"original_max_position_embeddings": 32, "low_freq_factor": 1.0, "high_freq_factor": 4.0}
+    scaling |= {"short_factor": [1.0] * 4, "long_factor": [1.0] * 4}
+    with pytest.raises(ValueError, match=r"scaling\['factor'\] of rope_type .* must be a positive finite number"):
+        samepath.rotary_cos_sin(torch.arange(4), 8, 1e4, torch.float32, scaling)
+    scaling["factor"] = 0.5  # below 1: Hugging Face warns and computes; so does samepath
+    cos, _ = samepath.rotary_cos_sin(torch.arange(4), 8, 1e4, torch.float32, scaling)
+    assert cos.isfinite().all()
+
+
+def test_dynamic_rope_with_rotary_dim_2_is_refused():
+    """HF's dynamic exponent dim / (dim - 2) has no value at rotary_dim 2 (a ZeroDivisionError before)."""
+    scaling = {"rope_type": "dynamic", "factor": 2.0, "max_position_embeddings": 64}
+    with pytest.raises(ValueError, match="rotary_dim must be at least 4 for rope_type 'dynamic'"):
+        samepath.rotary_cos_sin(torch.arange(4), 2, 1e4, torch.float32, scaling)
+    cos, _ = samepath.rotary_cos_sin(torch.arange(4), 4, 1e4, torch.float32, scaling)
+    assert cos.isfinite().all()
+
+
 def test_negative_control_another_linear_formula_differs():
     """vLLM's own linear scaling divides the positions (``t / factor * inv_freq``), Hugging Face
     divides ``inv_freq``: a difference in the formula itself, on every machine — what the one

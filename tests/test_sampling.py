@@ -157,6 +157,29 @@ def test_min_tokens_masks_the_stop_tokens_while_unmet():
     assert not torch.equal(samepath.processed_logprobs(logits, labels, 0.9), got)
 
 
+@pytest.mark.parametrize("temperature", [0.9, 0.0])
+def test_a_position_with_every_token_masked_is_nan_as_in_vllm(temperature):
+    """min_tokens unmet while the stop tokens cover the vocabulary (or every allowed token is a
+    stop token): vLLM 0.32's MinTokensLogitsProcessor sets them all to -inf (index_put_, no
+    fallback outside structured outputs / speculative decoding) and its log_softmax of that row is
+    NaN; the documented result here is the same NaN at those positions and no other."""
+    vocab = 6
+    logits = _logits(4, vocab, seed=9)
+    labels = torch.tensor([1, 2, 3, 4])
+    got = samepath.processed_logprobs(logits, labels, temperature, min_tokens=2, stop_token_ids=list(range(vocab)))
+    # vLLM's steps: the stop tokens of rows below min_tokens to -inf, the temperature, log_softmax
+    masked = logits.clone()
+    masked[:2] = float("-inf")
+    scaled = masked / temperature if temperature else masked
+    vllm = torch.log_softmax(scaled, dim=-1).gather(-1, labels[:, None]).squeeze(-1)
+    assert torch.equal(got.isnan(), vllm.isnan()) and got[:2].isnan().all() and got[2:].isfinite().all()
+    assert torch.equal(samepath.log_softmax(masked[:2]).isnan(), torch.ones(2, vocab, dtype=torch.bool))  # the plugin's
+    allowed = samepath.processed_logprobs(
+        logits, labels, temperature, min_tokens=2, stop_token_ids=[1, 2], allowed_token_ids=[1, 2]
+    )
+    assert allowed[:2].isnan().all() and not allowed[2:].isnan().any()
+
+
 def test_rows_are_batch_invariant_and_the_harness_can_fail():
     logits = _logits(12, 300, seed=7).to(torch.bfloat16)
     labels = (logits.float() / 0.7).argmax(-1)

@@ -8,18 +8,25 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 from collections.abc import Iterator, Sequence
 from contextlib import ExitStack, contextmanager
 
 EXIT_OK, EXIT_DIFFERS, EXIT_BAD_INPUT, EXIT_ERROR = 0, 1, 2, 3
+PROGRESS_CHOICES = ("auto", "on", "lines", "off")
+PROGRESS_HELP = (
+    "progress on stderr, per phase with counts and times (auto, on: a live line on a terminal, a plain "
+    "line at each phase's start and end otherwise; lines: plain lines always; off: none)"
+)
 
 EXIT_STATUS_HELP = """exit status:
   0  samepath's rollout and trainer are bit-identical (check: every log-prob equal; doctor: no module
      differs; audit: every module covered or neutral; train-check: at every step)
-  1  they are not (audit: some module is uncovered)
-  2  bad input (one line on stderr, found before any model runs)
+  1  they are not (audit: the model loads but some module is uncovered)
+  2  bad input (one line on stderr, found before any model runs), including a model samepath refuses
+     (its type, formulas or attention head size), in every command, audit too
   3  an unexpected error (set SAMEPATH_DEBUG=1 for the traceback)"""
 
 
@@ -38,7 +45,10 @@ def _common(parser: argparse.ArgumentParser, new_tokens: int) -> None:
         "tiny random-weight Qwen3, built from a config and saved to a temporary directory",
     )
     parser.add_argument(
-        "--dtype", default="bfloat16", help="float32, bfloat16 or float16 (default: %(default)s)", metavar="DTYPE"
+        "--dtype",
+        default="bfloat16",
+        help="float32, bfloat16 or float16 (or fp32, bf16, fp16, half; default: %(default)s)",
+        metavar="DTYPE",
     )
     parser.add_argument("--device", default=None, help="torch device (default: cuda when available, else cpu)")
     parser.add_argument("--batch", type=int, default=2, help="sequences per batch (default: %(default)s)")
@@ -47,12 +57,7 @@ def _common(parser: argparse.ArgumentParser, new_tokens: int) -> None:
     )
     parser.add_argument("--seed", type=int, default=0, help="seed of the prompts and sampling (default: %(default)s)")
     parser.add_argument("--json", metavar="OUT", help="also write the report as JSON to OUT ('-' for stdout)")
-    parser.add_argument(
-        "--progress",
-        choices=("auto", "on", "off"),
-        default="auto",
-        help="progress bar on stderr (auto: when stderr is a terminal)",
-    )
+    parser.add_argument("--progress", choices=PROGRESS_CHOICES, default="auto", help=PROGRESS_HELP)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -131,9 +136,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="a Hugging Face model directory; default: the embedded tiny random-weight Qwen3 of samepath check",
     )
     audit.add_argument(
-        "--dtype", default="bfloat16", help="float32, bfloat16 or float16 (default: %(default)s)", metavar="DTYPE"
+        "--dtype",
+        default="bfloat16",
+        help="float32, bfloat16 or float16 (or fp32, bf16, fp16, half; default: %(default)s)",
+        metavar="DTYPE",
     )
     audit.add_argument("--json", metavar="OUT", help="also write the report as JSON to OUT ('-' for stdout)")
+    audit.add_argument("--all", action="store_true", help="list every module (default: a summary)")
     _train_check_parser(sub)
     return parser
 
@@ -148,6 +157,12 @@ def _train_check_parser(sub) -> None:
         "(samepath.rl): sample groups with the rollout engine, update the trainer, push the new weights to the "
         "rollout, and compare the rollout's log-probs with the trainer's at every step — stock kernels on both "
         "sides, then samepath. Exit status 0 only when samepath's are bit-identical at every step.",
+    )
+    train.add_argument(
+        "--model",
+        metavar="DIR",
+        help="a Hugging Face model directory (trained from its weights, fp32 masters); default: the embedded "
+        "tiny random-weight Qwen3",
     )
     train.add_argument("--steps", type=int, default=3, help="RL steps (default: %(default)s)")
     train.add_argument(
@@ -166,7 +181,14 @@ def _train_check_parser(sub) -> None:
     train.add_argument("--group-size", type=int, default=4, help="samples per prompt (default: %(default)s)")
     train.add_argument("--new-tokens", type=int, default=4, help="tokens per completion (default: %(default)s)")
     train.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate (default: %(default)s)")
-    train.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (default: %(default)s)")
+    train.add_argument(
+        "--temperature",
+        type=float,
+        default=0.7,
+        help="sampling temperature (default: %(default)s; stock's trainer divides its bf16 logits by it as verl "
+        "does, the rollout its fp32 logits: at a temperature that is not a power of two stock differs on every "
+        "machine)",
+    )
     train.add_argument(
         "--tie-embeddings", action="store_true", help="the default model with its lm_head tied to the embedding"
     )
@@ -174,9 +196,7 @@ def _train_check_parser(sub) -> None:
     train.add_argument("--device", default=None, help="torch device (default: cuda when available, else cpu)")
     train.add_argument("--json", metavar="OUT", help="also write the report as JSON to OUT ('-' for stdout)")
     train.add_argument("--plot", metavar="OUT.png", help="write a PNG of max |Δlogp| per step (needs matplotlib)")
-    train.add_argument(
-        "--progress", choices=("auto", "on", "off"), default="auto", help="progress on stderr (auto: when a terminal)"
-    )
+    train.add_argument("--progress", choices=PROGRESS_CHOICES, default="auto", help=PROGRESS_HELP)
 
 
 def run_train_check(args: argparse.Namespace) -> int:
@@ -184,7 +204,7 @@ def run_train_check(args: argparse.Namespace) -> int:
     trainer log-probs are bit-identical at every step."""
     import samepath
     from samepath.check.harness import CheckInputError
-    from samepath.check.report import SCHEMA_VERSION
+    from samepath.check.report import SCHEMA_VERSION, environment
     from samepath.rl.grpo import PRECISIONS
     from samepath.rl.train_check import TrainCheckSpec, format_table, plot, run
 
@@ -195,17 +215,32 @@ def run_train_check(args: argparse.Namespace) -> int:
         raise CheckInputError(f"--group-size must be at least 2 (advantages are per group), got {args.group_size}")
     if args.new_tokens < 1:
         raise CheckInputError(f"--new-tokens must be at least 1, got {args.new_tokens}")
-    if not args.temperature > 0:
-        raise CheckInputError(f"--temperature must be > 0 (the loop samples), got {args.temperature}")
-    if not args.lr > 0:
-        raise CheckInputError(f"--lr must be > 0, got {args.lr}")
-    if args.precision not in PRECISIONS:
-        raise CheckInputError(f"unknown --precision {args.precision!r}; choose {' or '.join(PRECISIONS)}")
+    _check_temperature(args.temperature, greedy_ok=False)
+    if not (math.isfinite(args.lr) and args.lr > 0):
+        raise CheckInputError(f"--lr must be a finite number > 0, got {args.lr}")
+    args.precision = _parse_precision(args.precision, PRECISIONS)
     args.batch, args.dtype = 1, "bfloat16"  # for _validate
     if args.rollout == "vllm" and args.device not in (None, "cpu"):
         raise CheckInputError("--rollout vllm runs vLLM's own device; leave --device unset")
+    if args.model and args.tie_embeddings:
+        raise CheckInputError("--tie-embeddings applies to the embedded default model, not to --model DIR")
     _, device = _validate(args)
     _transformers_or_fail()
+    from samepath.check.harness import DEFAULT_MODEL_CONFIG, check_model_config
+
+    if args.model:
+        config = check_model_config(args.model)
+        model_type, layers, hidden = config.model_type, config.num_hidden_layers, config.hidden_size
+        where = args.model
+    else:
+        model_type, where = "qwen3", "embedded default, random weights"
+        layers, hidden = DEFAULT_MODEL_CONFIG["num_hidden_layers"], DEFAULT_MODEL_CONFIG["hidden_size"]
+    trainer_dtype = "bf16 weights" if args.precision == "bf16" else "fp32 master weights, forward on their bf16 cast"
+    header = (
+        f"samepath train-check: {model_type} ({where}; {layers} layers, hidden {hidden}); trainer {args.precision} "
+        f"({trainer_dtype}), rollout {args.rollout} in bfloat16; {args.steps} steps of {args.prompts} prompts x "
+        f"{args.group_size} samples x {args.new_tokens} tokens, temperature {args.temperature:g}, seed {args.seed}"
+    )
     spec = dict(
         steps=args.steps,
         rollout=args.rollout,
@@ -218,15 +253,25 @@ def run_train_check(args: argparse.Namespace) -> int:
         seed=args.seed,
         tie_word_embeddings=args.tie_embeddings,
         device=str(device),
+        model=args.model,
     )
     runs = {}
-    for name in ("stock", "samepath"):
-        if _show_progress(args):
-            print(f"samepath train-check: {name}, {args.steps} steps ...", file=sys.stderr, flush=True)
-        runs[name] = run(TrainCheckSpec(**spec, numerics=name))
+    progress = _progress(args, phases=2)
+    where = "vLLM in a child process: steps counted at the end" if args.rollout == "vllm" else "Hugging Face"
+    try:
+        for name in ("stock", "samepath"):
+            detail = f"{args.prompts} prompts x {args.group_size} samples x {args.new_tokens} tokens; {where}"
+            progress.start(f"{name} GRPO", args.steps, "steps", detail)
+            runs[name] = run(TrainCheckSpec(**spec, numerics=name), on_step=lambda _metrics: progress.advance())
+            if args.rollout == "vllm":
+                progress.advance(len(runs[name]))
+            progress.end()
+    finally:
+        progress.close()
     identical = all(m.bitwise_equal for m in runs["samepath"])
     status = EXIT_OK if identical else EXIT_DIFFERS
     if args.json != "-":
+        print(header)
         print(format_table(runs["stock"], runs["samepath"]))
         verdict = "bit-identical at every step: importance ratio exactly 1.0" if identical else "NOT bit-identical"
         print(f"samepath: rollout ({args.rollout}) vs trainer ({args.precision}) log-probs {verdict}.")
@@ -238,7 +283,14 @@ def run_train_check(args: argparse.Namespace) -> int:
                 "tool": "samepath train-check",
                 "samepath_version": samepath.__version__,
                 "fingerprint": samepath.fingerprint(),
-                "model": "embedded-default",
+                "model": {
+                    "source": args.model or "embedded-default",
+                    "model_type": model_type,
+                    "num_layers": int(layers),
+                    "hidden_size": int(hidden),
+                    "trainer_precision": args.precision,
+                    "rollout_dtype": "bfloat16",
+                },
                 "settings": spec,
                 "runs": {
                     name: {"bit_identical": all(m.bitwise_equal for m in h), "steps": [m.to_json() for m in h]}
@@ -246,6 +298,7 @@ def run_train_check(args: argparse.Namespace) -> int:
                 },
                 "bit_identical": identical,
                 "exit_status": status,
+                "environment": environment(device, vllm=args.rollout == "vllm"),
             },
         )
     if args.plot:
@@ -255,31 +308,128 @@ def run_train_check(args: argparse.Namespace) -> int:
     return status
 
 
+def _parse_precision(value: str, precisions: Sequence[str]) -> str:
+    """``--precision``: fp32_master, or bf16 in any usual spelling (bfloat16, torch.bfloat16, ...)."""
+    from samepath.check.harness import CheckInputError, canonical_dtype_name
+
+    key = value.strip().lower().replace("-", "_")
+    name = key if key in precisions else {"bfloat16": "bf16"}.get(canonical_dtype_name(key) or "", None)
+    if name in precisions:
+        return name
+    hint = ""
+    if canonical_dtype_name(key) == "float32":
+        hint = " (fp32 weights: use fp32_master, fp32 master weights whose forward computes in bf16)"
+    elif canonical_dtype_name(key) == "float16":
+        hint = " (fp16 training is not implemented)"
+    raise CheckInputError(f"unknown --precision {value!r}; choose {' or '.join(precisions)}{hint}")
+
+
 def run_audit(args: argparse.Namespace) -> int:
-    """``samepath audit``: the Hugging Face side's coverage report of a model directory."""
-    from samepath.check.harness import CheckInputError, parse_dtype
+    """``samepath audit``: the Hugging Face side's coverage report of a model directory. The
+    reason first, then a summary (``--all``: every module). A model samepath refuses (its type,
+    formulas or head size: what ``check`` refuses) is exit 2, as in every command; a model that
+    loads with some module uncovered is exit 1."""
+    from samepath.check.harness import (
+        CheckInputError,
+        canonical_dtype_name,
+        check_model_config,
+        check_model_dir,
+        parse_dtype,
+    )
     from samepath.check.report import SCHEMA_VERSION
     from samepath.integrations.audit import audit_model_dir
 
     dtype = parse_dtype(args.dtype)
+    args.dtype = canonical_dtype_name(args.dtype)
     if args.json and args.json != "-":
         _check_writable("--json", args.json)
-    if args.model is not None and not os.path.isfile(os.path.join(args.model, "config.json")):
-        raise CheckInputError(f"{args.model!r} is not a Hugging Face model directory (no config.json)")
+    if args.model is not None:
+        check_model_dir(args.model)
     _transformers_or_fail()
+    refusal = None
+    if args.model is not None:
+        try:  # check's gate on the config: the same refusal, the same exit status
+            check_model_config(args.model)
+        except CheckInputError as exc:
+            refusal = str(exc)
     try:
         report = audit_model_dir(args.model, dtype)
     except (OSError, ValueError) as exc:
-        raise CheckInputError(f"cannot load the model in {args.model!r}: {str(exc).splitlines()[0]}") from None
+        if refusal is None:
+            raise CheckInputError(f"cannot load the model in {args.model!r}: {str(exc).splitlines()[0]}") from None
+        report = None  # refused, and transformers cannot build it either: the reason is the report
+    if refusal is None and report is not None and report.problems:
+        refusal = f"{args.model!r} holds a model samepath refuses: {report.problems[0]}"
+    status = EXIT_BAD_INPUT if refusal else EXIT_OK if report.fully_covered else EXIT_DIFFERS
+    source = args.model or "embedded-default"
     if args.json != "-":
-        print(report.format())
+        print(_format_audit(source, args.dtype, report, refusal, args.all))
     if args.json:
-        source = args.model or "embedded-default"
+        body = report.to_json() if report is not None else {"fully_covered": False}
         _write_json(
             args.json,
-            {"schema_version": SCHEMA_VERSION, "tool": "samepath audit", "model": source, **report.to_json()},
+            {
+                "schema_version": SCHEMA_VERSION,
+                "tool": "samepath audit",
+                "model": source,
+                **body,
+                "refused": refusal,
+                "exit_status": status,
+            },
         )
-    return EXIT_OK if report.fully_covered else EXIT_DIFFERS
+    if refusal:
+        print(f"samepath audit: error: {refusal}", file=sys.stderr)
+    return status
+
+
+_AUDIT_SUMMARY_LINES = 8
+
+
+def _config_model_type(directory: str) -> str | None:
+    try:
+        with open(os.path.join(directory, "config.json"), encoding="utf-8") as f:
+            return json.load(f).get("model_type")
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
+def _format_audit(source: str, dtype: str, report, refusal: str | None, every_module: bool) -> str:
+    """Verdict and reason first, then counts per status and op; every module with ``--all``."""
+    from collections import Counter
+
+    model_type = report.model_type if report is not None else _config_model_type(source)
+    lines = [f"samepath audit: {source} ({model_type or 'model type unknown'}, {dtype})"]
+    if refusal:
+        lines.append(f"REFUSED: {refusal}")
+    elif report.fully_covered:
+        lines.append("full coverage: every module is on samepath's contract")
+    else:
+        lines.append(f"NOT covered: {len(report.uncovered)} modules are off samepath's contract")
+    if report is None:
+        return "\n".join(lines)
+    if not report.fully_covered:
+        listed = report.describe_uncovered()
+        shown = listed if every_module else listed[:_AUDIT_SUMMARY_LINES]
+        lines += [f"  {line}" for line in shown]
+        if len(shown) < len(listed):
+            lines.append(f"  ... and {len(listed) - len(shown)} more (--all lists them)")
+    counts = report.counts()
+    lines.append(
+        f"summary: {counts['covered']} covered, {counts['neutral']} neutral, {counts['uncovered']} uncovered modules"
+    )
+    for status in ("covered", "neutral", "uncovered"):
+        ops = Counter(e.op for e in report.entries if e.status == status)
+        if ops:
+            lines.append(f"  {status:<9} " + ", ".join(f"{op} x{n}" for op, n in sorted(ops.items())))
+    if every_module:
+        lines.append("every module:")
+        width = max((len(e.name or "<root>") for e in report.entries), default=8)
+        for e in report.entries:
+            name = e.name or "<root>"
+            lines.append(f"  {e.status:<9} {name:<{width}}  {e.module_class.rsplit('.', 1)[-1]} [{e.op}]")
+    else:
+        lines.append("(samepath audit --all lists every module)")
+    return "\n".join(lines)
 
 
 def _transformers_or_fail() -> None:
@@ -288,18 +438,48 @@ def _transformers_or_fail() -> None:
     _transformers()
 
 
+#: The smallest sampling temperature taken (0 means greedy): below it the logits divided by the
+#: temperature overflow or sampling is greedy in all but name.
+MIN_TEMPERATURE = 1e-2
+
+
+def _check_temperature(value: float, greedy_ok: bool) -> None:
+    from samepath.check.harness import CheckInputError
+
+    zero = "0 (greedy) or " if greedy_ok else ""
+    if not math.isfinite(value) or value < 0 or (value == 0 and not greedy_ok) or 0 < value < MIN_TEMPERATURE:
+        raise CheckInputError(
+            f"--temperature must be {zero}a finite number >= {MIN_TEMPERATURE:g}"
+            + ("" if greedy_ok else " (the loop samples)")
+            + f", got {value!r}"
+        )
+
+
+def _check_seed(value: int) -> None:
+    from samepath.check.harness import CheckInputError
+
+    if not 0 <= value < 2**63:
+        raise CheckInputError(f"--seed must be a non-negative integer below 2**63, got {value}")
+
+
 def _validate(args: argparse.Namespace):
-    from samepath.check.harness import CheckInputError, parse_dtype
+    from samepath.check.harness import CheckInputError, canonical_dtype_name, parse_dtype
 
     dtype = parse_dtype(args.dtype)
+    args.dtype = canonical_dtype_name(args.dtype)
     if args.batch < 1:
         raise CheckInputError(f"--batch must be at least 1, got {args.batch}")
     if args.new_tokens < 1:
         raise CheckInputError(f"--new-tokens must be at least 1, got {args.new_tokens}")
-    if getattr(args, "temperature", 0.0) < 0:
-        raise CheckInputError(f"--temperature must be >= 0 (0 = greedy), got {args.temperature}")
-    if (getattr(args, "prompt_len", None) or 1) < 1:
+    if hasattr(args, "temperature"):
+        _check_temperature(args.temperature, greedy_ok=True)
+    _check_seed(args.seed)
+    if getattr(args, "prompt_len", None) is not None and args.prompt_len < 1:
         raise CheckInputError(f"--prompt-len must be at least 1, got {args.prompt_len}")
+    if getattr(args, "model", None):
+        from samepath.check.harness import check_model_dir
+
+        check_model_dir(args.model)
     if getattr(args, "rollout", "hf") not in ("hf", "vllm"):
         raise CheckInputError(f"unknown rollout engine {args.rollout!r}; choose hf or vllm")
     if getattr(args, "rollout", "hf") == "vllm":
@@ -335,8 +515,16 @@ def _check_writable(flag: str, path: str) -> None:
         raise CheckInputError(f"{flag} {path!r} is a directory; give a file name")
     if not os.path.isdir(folder):
         raise CheckInputError(f"{flag} {path!r}: the folder {folder!r} does not exist")
-    if not os.access(folder, os.W_OK) or (os.path.exists(path) and not os.access(path, os.W_OK)):
-        raise CheckInputError(f"{flag} {path!r} is not writable")
+    # Open it for appending (what root's os.access, a read-only file system or a full quota would
+    # not tell), and remove it again if it was not there before.
+    existed = os.path.exists(path)
+    try:
+        with open(path, "a", encoding="utf-8"):
+            pass
+    except OSError as exc:
+        raise CheckInputError(f"{flag} {path!r} is not writable: {exc.strerror or exc}") from None
+    if not existed:
+        os.remove(path)
 
 
 def _check_vllm_installed() -> None:
@@ -371,19 +559,24 @@ def _quiet_transformers() -> Iterator[None]:
             hf_logging.enable_progress_bar()
 
 
-def _load(args, dtype, device, seed: int):
-    from samepath.check.harness import load_default_model, load_model
+def _load(args, dtype, device, seed: int, progress):
+    from samepath.check.harness import check_model_config, load_default_model, load_model
 
-    if _show_progress(args):
-        what = args.model or "the embedded default model (built from a config, random weights)"
-        print(f"samepath {args.command}: loading {what} on {device} ...", file=sys.stderr, flush=True)
+    if args.model:
+        check_model_config(args.model)  # a refused model is bad input, found before the load starts
+    what = args.model or "the embedded default model, built from a config with random weights"
+    progress.start("load model", detail=f"{what}, on {device}")
     loaded = load_model(args.model, dtype) if args.model else load_default_model(dtype, seed=seed)
     loaded.model.to(device)
+    progress.end()
     return loaded
 
 
-def _show_progress(args) -> bool:
-    return args.progress == "on" or (args.progress == "auto" and sys.stderr.isatty())
+def _progress(args, phases: int | None = None):
+    """The command's :class:`~samepath.check.harness.Progress` on stderr, as ``--progress`` asks."""
+    from samepath.check.harness import Progress, progress_mode
+
+    return Progress(f"samepath {args.command}", progress_mode(args.progress), phases=phases)
 
 
 def _write_json(path: str, document: dict) -> None:
@@ -416,15 +609,18 @@ def run_check(args: argparse.Namespace) -> int:
     from samepath.check.report import CheckReport
 
     dtype, device = _validate(args)
+    progress = _progress(args, phases=5)  # load, then each numerics' rollout and trainer
     with ExitStack() as stack:
+        stack.callback(progress.close)
         vllm_model_dir = None
         if args.rollout == "vllm":
             vllm_model_dir = args.model or _default_model_dir(stack)
-            loaded = _load(argparse.Namespace(**{**vars(args), "model": vllm_model_dir}), dtype, device, seed=0)
+            as_dir = argparse.Namespace(**{**vars(args), "model": vllm_model_dir})
+            loaded = _load(as_dir, dtype, device, 0, progress)
             if not args.model:
                 loaded.source = "embedded-default"
         else:
-            loaded = _load(args, dtype, device, seed=0)
+            loaded = _load(args, dtype, device, 0, progress)
         prompts = random_prompts(args.batch, int(loaded.model.config.vocab_size), args.seed)
         stock, patched = run_stock_and_patched(
             loaded.model,
@@ -432,7 +628,7 @@ def run_check(args: argparse.Namespace) -> int:
             args.new_tokens,
             args.temperature,
             args.seed,
-            show_progress=_show_progress(args),
+            progress=progress,
             vllm_model_dir=vllm_model_dir,
         )
     report = CheckReport(loaded, args.rollout, args.batch, args.new_tokens, args.temperature, args.seed, stock, patched)
@@ -452,36 +648,43 @@ def run_doctor(args: argparse.Namespace) -> int:
 
     from samepath import integrations
     from samepath.check.doctor import DoctorBatch, diagnose_batch
-    from samepath.check.harness import Progress, pad_token_id, random_prompts, rollout_hf
+    from samepath.check.harness import pad_token_id, random_prompts, rollout_hf
 
     dtype, device = _validate(args)
-    loaded = _load(args, dtype, device, seed=0)
+    modes = ["stock", "samepath"] if args.numerics == "both" else [args.numerics]
+    progress = _progress(args, phases=1 + 3 * len(modes))  # load, then per numerics: generate, rollout, trainer
+    loaded = _load(args, dtype, device, 0, progress)
     vocab = int(loaded.model.config.vocab_size)
     if args.prompt_len is None:
         prompts = random_prompts(args.batch, vocab, args.seed)  # check's batch
     else:
         gen = torch.Generator().manual_seed(args.seed)
         prompts = torch.randint(1, vocab, (args.batch, args.prompt_len), generator=gen).tolist()
-    modes = ["stock", "samepath"] if args.numerics == "both" else [args.numerics]
     reports = []
     was_enabled = integrations.enabled()
-    progress = Progress(3 * len(modes), "samepath doctor", _show_progress(args))
+    sequences = f"{len(prompts)} sequence" + ("s" if len(prompts) != 1 else "")
+    details = {
+        "rollout": "step-wise decode over the completions, every module recorded",
+        "trainer": "one forward, every module recorded, then the comparison",
+    }
     try:
         for mode in modes:
             if mode == "samepath":
                 integrations.patch_all()
             else:
                 integrations.unpatch_all()
-            progress.update(0, f"{mode} generate")
             # The completions check's rollout samples with these numerics, then both paths over them.
-            completions, _ = rollout_hf(loaded.model, prompts, args.new_tokens, args.temperature, args.seed)
+            progress.start(f"{mode} generate", args.new_tokens, "tokens", f"Hugging Face generate, {sequences}")
+            completions, _ = rollout_hf(
+                loaded.model, prompts, args.new_tokens, args.temperature, args.seed, progress.advance
+            )
             batch = DoctorBatch(prompts, completions, args.temperature or 1.0, pad_token_id(loaded.model))
 
             def on_stage(stage: str, mode: str = mode) -> None:
-                progress.update(1, f"{mode} {stage}")
+                progress.start(f"{mode} {stage}", detail=details.get(stage, ""))
 
             report = diagnose_batch(loaded.model, batch, numerics=mode, on_stage=on_stage)
-            progress.update(1, f"{mode} compared")
+            progress.end()
             report.model_description = loaded.describe()
             reports.append(report)
     finally:
@@ -493,7 +696,7 @@ def run_doctor(args: argparse.Namespace) -> int:
     if args.json != "-":
         print("\n\n".join(r.format() for r in reports))
     if args.json:
-        from samepath.check.report import SCHEMA_VERSION
+        from samepath.check.report import SCHEMA_VERSION, environment
 
         _write_json(
             args.json,
@@ -502,6 +705,7 @@ def run_doctor(args: argparse.Namespace) -> int:
                 "tool": "samepath doctor",
                 "model": {"source": loaded.source, "model_type": loaded.model_type, "dtype": args.dtype},
                 "runs": {r.numerics: r.to_json() for r in reports},
+                "environment": environment(device),
             },
         )
     decisive = reports[-1]  # samepath's run when there is one

@@ -20,8 +20,23 @@ import torch
 
 import samepath
 
-#: ``--dtype`` names and the torch dtypes they select.
+#: ``--dtype`` names and the torch dtypes they select (the canonical names; see :data:`DTYPE_ALIASES`).
 DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+#: The usual spellings of each dtype, accepted wherever a dtype is asked for (``--dtype``,
+#: ``--precision``), case-insensitive, with or without a ``torch.`` prefix.
+DTYPE_ALIASES: dict[str, str] = {
+    "float32": "float32",
+    "fp32": "float32",
+    "float": "float32",
+    "f32": "float32",
+    "bfloat16": "bfloat16",
+    "bf16": "bfloat16",
+    "float16": "float16",
+    "fp16": "float16",
+    "half": "float16",
+    "f16": "float16",
+}
 
 #: The embedded default model's shape: small enough for Triton's interpreter on a CPU.
 DEFAULT_MODEL_CONFIG = dict(
@@ -55,11 +70,20 @@ def _transformers():
     return transformers
 
 
-def parse_dtype(name: str) -> torch.dtype:
-    try:
-        return DTYPES[name]
-    except KeyError:
-        raise CheckInputError(f"unsupported dtype {name!r}; choose one of {', '.join(DTYPES)}") from None
+def canonical_dtype_name(name: str) -> str | None:
+    """``"float32"``, ``"bfloat16"`` or ``"float16"`` for any usual spelling of it (``bf16``,
+    ``torch.bfloat16``, ``half``, ``fp32``, ...); ``None`` for anything else."""
+    key = str(name).strip().lower().removeprefix("torch.")
+    return DTYPE_ALIASES.get(key)
+
+
+def parse_dtype(name: str, flag: str = "--dtype") -> torch.dtype:
+    canonical = canonical_dtype_name(name)
+    if canonical is None:
+        raise CheckInputError(
+            f"unsupported dtype {name!r} for {flag}; choose float32 (fp32), bfloat16 (bf16) or float16 (fp16, half)"
+        )
+    return DTYPES[canonical]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -101,13 +125,23 @@ def load_model(directory: str, dtype: torch.dtype) -> LoadedModel:
     """``AutoModelForCausalLM.from_pretrained(directory)`` in ``dtype``, after checking that the
     directory holds a decoder-only causal LM of a model type samepath patches."""
     transformers = _transformers()
+    config = check_model_config(directory)
+    try:
+        model = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=dtype, local_files_only=True)
+    except Exception as exc:
+        raise CheckInputError(f"cannot load the model in {directory!r}: {_one_line(exc)}") from None
+    return LoadedModel(model.eval(), directory, config.model_type, dtype)
+
+
+def check_model_config(directory: str):
+    """The gate every command runs on ``--model DIR`` before any weights load: a decoder-only causal
+    LM of a model type samepath patches, with formulas and an attention head size samepath
+    implements. Returns the config; raises :class:`CheckInputError` with the reason."""
+    transformers = _transformers()
     from samepath.integrations import hf
     from samepath.integrations.formulas import UnsupportedModelError, model_formulas, unsupported_reason
 
-    if not os.path.isdir(directory):
-        raise CheckInputError(f"model directory {directory!r} does not exist")
-    if not os.path.isfile(os.path.join(directory, "config.json")):
-        raise CheckInputError(f"{directory!r} has no config.json: not a Hugging Face model directory")
+    check_model_dir(directory)
     try:
         config = transformers.AutoConfig.from_pretrained(directory, local_files_only=True)
     except Exception as exc:  # malformed or unknown config
@@ -125,11 +159,31 @@ def load_model(directory: str, dtype: torch.dtype) -> LoadedModel:
     except UnsupportedModelError as exc:
         raise CheckInputError(f"{directory!r} holds a model samepath refuses: {exc}") from None
     check_model_head_size(config)
-    try:
-        model = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=dtype, local_files_only=True)
-    except Exception as exc:
-        raise CheckInputError(f"cannot load the model in {directory!r}: {_one_line(exc)}") from None
-    return LoadedModel(model.eval(), directory, model_type, dtype)
+    return config
+
+
+def check_model_dir(directory: str) -> None:
+    """``--model``: an existing local directory with a ``config.json`` (a Hub id is named as one)."""
+    if not os.path.isdir(directory):
+        raise CheckInputError(_missing_model_dir(directory))
+    if not os.path.isfile(os.path.join(directory, "config.json")):
+        raise CheckInputError(f"{directory!r} has no config.json: not a Hugging Face model directory")
+
+
+def _missing_model_dir(directory: str) -> str:
+    """What to say about a ``--model`` that is not a directory: a Hub id (``Qwen/Qwen3-0.6B``) is
+    not downloaded; say how to pass a local copy."""
+    looks_like_hub_id = (
+        not os.path.isabs(directory)
+        and directory.count("/") == 1
+        and all(part and not part.startswith(".") for part in directory.split("/"))
+    )
+    if looks_like_hub_id:
+        return (
+            f"--model {directory!r} is not a local directory; samepath does not download Hub ids. Download it first "
+            f"(huggingface-cli download {directory} --local-dir DIR, or save_pretrained(DIR)) and pass --model DIR"
+        )
+    return f"model directory {directory!r} does not exist (--model takes a local Hugging Face model directory)"
 
 
 def check_model_head_size(config) -> None:
@@ -164,44 +218,128 @@ def _one_line(exc: BaseException) -> str:
 
 
 class Progress:
-    """A progress bar over ``total`` steps: tqdm when installed, else a counter on stderr."""
+    """What runs, how far it is, and how long it took, on stderr: one phase at a time.
 
-    def __init__(self, total: int, description: str, enabled: bool) -> None:
-        self.enabled = enabled
-        self._bar = None
+    ``start(phase, total, unit)`` begins a phase (ending the one before), ``advance(n)`` counts
+    ``n`` of its ``total`` units done, ``end()`` ends it with its time. On a terminal (``mode``
+    ``"live"``) one line per phase is rewritten in place with the count done and the time elapsed;
+    otherwise (``"lines"``) a plain line when each phase starts and one when it ends, with its count
+    and time, and never a carriage return. There is no estimate of the time left: on the CPU the
+    samepath phases run orders of magnitude slower than the stock ones, so any rate measured so far
+    would mislead. ``"off"`` writes nothing.
+    """
+
+    MODES = ("live", "lines", "off")
+
+    def __init__(self, command: str, mode: str = "lines", stream=None, *, phases: int | None = None) -> None:
+        if mode not in self.MODES:
+            raise ValueError(f"mode must be one of {self.MODES}, got {mode!r}")
+        self.mode = mode
+        self.enabled = mode != "off"
+        self._stream = sys.stderr if stream is None else stream
+        self._command = command
+        self._phases = phases
+        self._index = 0
+        self._phase: str | None = None
+        self._total: int | None = None
+        self._unit = ""
         self._done = 0
-        self._total = total
-        self._description = description
-        if not enabled:
-            return
-        try:
-            from tqdm.auto import tqdm
-        except ImportError:
-            tqdm = None
-        if tqdm is not None:
-            self._bar = tqdm(total=total, desc=description, unit="step", file=sys.stderr, leave=False)
+        self._began = 0.0
+        self._first = None
 
-    def update(self, n: int = 1, status: str | None = None) -> None:
-        if not self.enabled:
+    def start(self, phase: str, total: int | None = None, unit: str = "", detail: str = "") -> None:
+        """Begin ``phase`` (ending the current one): ``total`` units of ``unit`` when it can count."""
+        import time
+
+        self.end()
+        self._index += 1
+        self._phase, self._total, self._unit, self._done = phase, total, unit, 0
+        self._began = time.perf_counter()
+        if self._first is None:
+            self._first = self._began
+        if self.mode == "lines":
+            what = f" ({detail})" if detail else ""
+            self._write(f"{self._prefix()}{phase}{what} ...\n")
+        elif self.mode == "live":
+            self._live()
+
+    def advance(self, n: int = 1) -> None:
+        """``n`` more units of the current phase are done."""
+        if self._phase is None:
             return
         self._done += n
-        if self._bar is not None:
-            if status:
-                self._bar.set_postfix_str(status, refresh=n == 0)
-            self._bar.update(n)
-        else:
-            suffix = f" ({status})" if status else ""
-            sys.stderr.write(f"\r{self._description}: {self._done}/{self._total}{suffix}   ")
-            sys.stderr.flush()
+        if self.mode == "live":
+            self._live()
+
+    def end(self) -> None:
+        """End the current phase (if any) with the count done and the time it took."""
+        if self._phase is None:
+            return
+        line = f"{self._prefix()}{self._phase} done: {self._count()}{self._format_elapsed()}"
+        self._phase = None
+        if self.mode == "lines":
+            self._write(line + "\n")
+        elif self.mode == "live":
+            self._write(f"\r{line}\x1b[K\n")
 
     def close(self) -> None:
+        """After the last phase: with more than one phase, a line with the time of all. A phase still
+        open (an error left it) is reported stopped, not done."""
+        import time
+
+        if self._phase is not None:
+            line = f"{self._prefix()}{self._phase} stopped: {self._count()}{self._format_elapsed()}"
+            self._phase = None
+            self._write(("\r" if self.mode == "live" else "") + line + ("\x1b[K\n" if self.mode == "live" else "\n"))
+            self._first = None
+            return
+        if self.enabled and self._first is not None and self._index > 1:
+            self._write(f"{self._command}: {self._index} phases in {_seconds(time.perf_counter() - self._first)}\n")
+        self._first = None
+
+    # -- formatting ---------------------------------------------------------------------------
+
+    def _prefix(self) -> str:
+        step = f"[{self._index}/{self._phases}] " if self._phases else ""
+        return f"{self._command}: {step}"
+
+    def _count(self) -> str:
+        if self._total is None:
+            return f"{self._done} {self._unit}, " if self._done and self._unit else ""
+        return f"{self._done}/{self._total} {self._unit}, ".replace(" ,", ",")
+
+    def _format_elapsed(self) -> str:
+        import time
+
+        return _seconds(time.perf_counter() - self._began)
+
+    def _live(self) -> None:
+        self._write(f"\r{self._prefix()}{self._phase}: {self._count()}{self._format_elapsed()}\x1b[K")
+
+    def _write(self, text: str) -> None:
         if not self.enabled:
             return
-        if self._bar is not None:
-            self._bar.close()
-        else:
-            sys.stderr.write("\n")
-            sys.stderr.flush()
+        self._stream.write(text)
+        self._stream.flush()
+
+
+def _seconds(elapsed: float) -> str:
+    if elapsed < 60:
+        return f"{elapsed:.1f} s"
+    minutes, seconds = divmod(round(elapsed), 60)
+    return f"{minutes} min {seconds:02d} s"
+
+
+def progress_mode(setting: str, stream=None) -> str:
+    """The :class:`Progress` mode for a ``--progress`` setting: ``auto`` / ``on`` give a live line
+    on a terminal and plain lines elsewhere, ``lines`` plain lines always, ``off`` nothing."""
+    stream = sys.stderr if stream is None else stream
+    if setting == "off":
+        return "off"
+    if setting == "lines":
+        return "lines"
+    isatty = getattr(stream, "isatty", None)
+    return "live" if isatty is not None and isatty() else "lines"
 
 
 # ----------------------------------------------------------------------------------------------
@@ -382,11 +520,14 @@ def run_side_by_side(
 ) -> SideBySide:
     """Rollout (Hugging Face ``generate``, or vLLM on ``vllm_model_dir`` when given), then the
     trainer forward, with whatever numerics are in effect now."""
+    progress = Progress("samepath", "off") if progress is None else progress
+    batch = f"{len(prompts)} sequence" + ("s" if len(prompts) != 1 else "")
     if vllm_model_dir is None:
-        on_step = None if progress is None else (lambda: progress.update(1, f"{numerics} rollout"))
-        generated, rollout_lp = rollout_hf(model, prompts, new_tokens, temperature, seed, on_step)
+        progress.start(f"{numerics} rollout", new_tokens, "tokens", f"Hugging Face generate, {batch}")
+        generated, rollout_lp = rollout_hf(model, prompts, new_tokens, temperature, seed, progress.advance)
         rollout_fp = samepath.fingerprint()
     else:
+        progress.start(f"{numerics} rollout", None, "", f"vLLM in a child process, {batch} x {new_tokens} tokens")
         dtype = next(model.parameters()).dtype
         generated, rollout_lp, rollout_fp = rollout_vllm(
             vllm_model_dir,
@@ -398,13 +539,10 @@ def run_side_by_side(
             with_samepath=numerics == "samepath",
             model_config=model.config,
         )
-        if progress is not None:
-            progress.update(new_tokens, f"{numerics} rollout")
-    if progress is not None:
-        progress.update(0, f"{numerics} trainer forward")
+    width = max(map(len, prompts)) + new_tokens
+    progress.start(f"{numerics} trainer", None, "", f"one forward of {batch} x {width} positions")
     trainer_lp = trainer_forward(model, prompts, generated, temperature or 1.0)
-    if progress is not None:
-        progress.update(new_tokens, f"{numerics} trainer forward")
+    progress.end()
     return SideBySide(numerics, prompts, generated, rollout_lp, trainer_lp, rollout_fp, samepath.fingerprint())
 
 
@@ -414,19 +552,19 @@ def run_stock_and_patched(
     new_tokens: int,
     temperature: float,
     seed: int,
-    show_progress: bool = False,
+    progress: Progress | None = None,
     vllm_model_dir: str | None = None,
 ) -> tuple[SideBySide, SideBySide]:
     """The same check twice: stock kernels, then under ``integrations.patch_all()`` (and, for a
     vLLM rollout, with samepath's vLLM plugin in the rollout process).
 
+    ``progress`` shows the four phases (stock rollout and trainer, then samepath's) as they run.
     Leaves the patch state as it found it.
     """
     from samepath import integrations
 
     was_enabled = integrations.enabled()
-    # The trainer forward of all positions is counted as much work as the decode steps.
-    progress = Progress(4 * new_tokens, "samepath check", show_progress)
+    progress = Progress("samepath check", "off") if progress is None else progress
     try:
         integrations.unpatch_all()
         stock = run_side_by_side(model, prompts, new_tokens, temperature, seed, "stock", progress, vllm_model_dir)
@@ -447,11 +585,15 @@ def run_stock_and_patched(
 __all__ = [
     "DEFAULT_MODEL_CONFIG",
     "DTYPES",
+    "DTYPE_ALIASES",
     "CheckInputError",
     "LoadedModel",
     "Progress",
     "SideBySide",
     "build_default_model",
+    "canonical_dtype_name",
+    "check_model_config",
+    "check_model_dir",
     "load_default_model",
     "load_model",
     "pad_token_id",

@@ -26,7 +26,16 @@ JSON schema (``schema_version`` 1; fields are only ever added within a version):
         }
       },
       "logdiff_zero": bool,                 # runs.samepath.bit_identical
-      "exit_status": 0 | 1
+      "exit_status": 0 | 1,
+      "environment": {"device": str,        # e.g. "cpu", "cuda:0 (NVIDIA H100 ...)"
+                      "executor": str,      # how the kernels ran: "triton" (compiled) or the CPU executor
+                      "versions": {"samepath": str, "torch": str, "triton": str | null,
+                                   "transformers": str | null, "vllm": str | null}},  # vllm: with --rollout vllm
+      "patched_vs_stock": {                 # samepath's trainer log-probs against stock's, where both
+        "tokens": int,                      # runs generated the same tokens (each row up to its first
+        "max_abs_logp_diff": float,         # differing token): how close samepath's numbers are to stock's
+        "mean_abs_logp_diff": float
+      }
     }
 
 Non-finite numbers are written as ``null``.
@@ -86,6 +95,57 @@ def compare(rollout_lp: torch.Tensor, trainer_lp: torch.Tensor) -> Metrics:
         probs_diff_mean=float(probs.mean()) if probs.numel() else 0.0,
         per_position_max_abs_logp_diff=[float(x) for x in per_position],
     )
+
+
+def _version(module: str) -> str | None:
+    import importlib.metadata
+
+    try:
+        return importlib.metadata.version(module)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def environment(device: torch.device | str, vllm: bool = False) -> dict:
+    """Where the report was made: the device (with its name), how the kernels ran there, and the
+    versions of samepath, torch, triton, transformers (and vLLM for a vLLM rollout)."""
+    import samepath
+
+    device = torch.device(device)
+    name = str(device)
+    if device.type == "cuda":
+        name += f" ({torch.cuda.get_device_name(device)})"
+    if device.type == "cpu":
+        import os
+
+        executor = "cpu: " + (os.environ.get("SAMEPATH_CPU_EXECUTOR") or "default executor")
+    else:
+        executor = "triton (compiled)"
+    versions = {
+        "samepath": samepath.__version__,
+        "torch": torch.__version__,
+        "triton": _version("triton") or _version("triton-ascend"),
+        "transformers": _version("transformers"),
+    }
+    if vllm:
+        versions["vllm"] = _version("vllm")
+    return {"device": name, "executor": executor, "versions": versions}
+
+
+def patched_vs_stock(stock: SideBySide, patched: SideBySide) -> dict:
+    """samepath's trainer log-probs against stock's on the tokens both runs generated alike (each
+    row up to its first differing token): closeness, where the check itself proves consistency."""
+    diffs = []
+    for row in range(stock.generated.shape[0]):
+        same = (stock.generated[row] == patched.generated[row]).long().cumprod(0).bool()
+        a, b = stock.trainer_logprobs[row][same].double(), patched.trainer_logprobs[row][same].double()
+        diffs.append((a - b).abs())
+    flat = torch.cat(diffs) if diffs else torch.zeros(0, dtype=torch.float64)
+    return {
+        "tokens": int(flat.numel()),
+        "max_abs_logp_diff": _finite(float(flat.max())) if flat.numel() else 0.0,
+        "mean_abs_logp_diff": _finite(float(flat.mean())) if flat.numel() else 0.0,
+    }
 
 
 @dataclass
@@ -158,6 +218,8 @@ class CheckReport:
             },
             "logdiff_zero": self.logdiff_zero,
             "exit_status": self.exit_status,
+            "environment": environment(next(self.model.model.parameters()).device, vllm=self.rollout == "vllm"),
+            "patched_vs_stock": patched_vs_stock(self.stock, self.patched),
         }
 
     # -- table -----------------------------------------------------------------------------------
@@ -270,4 +332,4 @@ def _fraction(m: Metrics) -> str:
     return f"{m.equal_tokens} ({100 * m.equal_fraction:.1f}%)"
 
 
-__all__ = ["SCHEMA_VERSION", "CheckReport", "Metrics", "compare"]
+__all__ = ["SCHEMA_VERSION", "CheckReport", "Metrics", "compare", "environment", "patched_vs_stock"]

@@ -55,6 +55,10 @@ def patch_all(
     global _stack
     if model is not None and not isinstance(getattr(getattr(model, "config", None), "model_type", None), str):
         raise ValueError(f"model must be a Hugging Face model (with config.model_type), got {type(model).__name__}")
+    if allow_uncovered is not None:  # a wrong type is named before anything is patched
+        from samepath.integrations.audit import allowed_names
+
+        allowed_names(allow_uncovered)
     with _lock:
         was_enabled = _stack is not None
         if _stack is None:
@@ -90,15 +94,19 @@ def _patch_model(model: torch.nn.Module, allow_uncovered: str | Sequence[str] | 
     from samepath.integrations import audit, hf
 
     patcher = _current_patcher()
+    added = None
     try:
         model_type = model.config.model_type
         if model_type not in _patched_model_types and model_type in hf.MODEL_TYPES:
             hf.apply_to_model_type(model_type, patcher)
             _patched_model_types.append(model_type)
+            added = model_type
         hf.use_samepath(model, patcher)
         audit.enforce(audit.audit_hf_model(model), allow_uncovered)
     except BaseException:
         patcher.restore()
+        if added is not None:  # its patches are undone: a later patch_all(model) applies them again
+            _patched_model_types.remove(added)
         raise
 
 

@@ -468,6 +468,11 @@ def allowed_names(allow_uncovered: str | Sequence[str] | None = None) -> tuple[s
     value: Any = allow_uncovered if allow_uncovered is not None else os.environ.get(ALLOW_ENV_VAR, "")
     if isinstance(value, str):
         value = value.split(",")
+    elif not isinstance(value, (list, tuple, set, frozenset)) or not all(isinstance(v, str) for v in value):
+        raise TypeError(
+            "allow_uncovered must be 'all', a comma-separated string or a sequence of strings (module class "
+            f"names, qualified module names or ops), got {allow_uncovered!r}"
+        )
     names = tuple(sorted({str(v).strip() for v in value if str(v).strip()}))
     return ("all",) if "all" in names or "*" in names else names
 

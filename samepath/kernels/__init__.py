@@ -33,3 +33,32 @@ __all__ = [
     "varlen_attention",
     "write_kv_cache",
 ]
+
+
+def _refuse_shadowed_install() -> None:
+    """Raise when ``samepath`` itself was imported as a namespace package (no ``__init__.py``).
+
+    That happens when a folder named ``samepath`` without ``__init__.py`` (a clone of this
+    repository, for one) sits in the current directory or the script's folder and the install is
+    a setuptools editable finder, which Python consults only after every ``sys.path`` entry: the
+    folder wins, ``samepath.logprobs`` and the rest of the package's top level are missing, while
+    submodules such as this one still load from the install.
+    """
+    import os
+    import sys
+
+    top = sys.modules.get("samepath")
+    if top is None or getattr(top, "__file__", None) is not None:
+        return
+    folders = ", ".join(str(p) for p in getattr(top, "__path__", [])) or "?"
+    installed = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    raise ImportError(
+        f"`import samepath` found the folder {folders} (a directory named 'samepath' without an "
+        f"__init__.py, such as a clone of the samepath repository) instead of the installed package "
+        f"{installed}: the folder shadows it and samepath's top level (samepath.logprobs, ...) is "
+        "missing. Run from another directory, or move or rename that folder; or reinstall with "
+        "`pip install -e .` from a current clone, whose editable install is found before such folders."
+    )
+
+
+_refuse_shadowed_install()

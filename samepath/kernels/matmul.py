@@ -670,11 +670,34 @@ def _routable(*tensors: torch.Tensor | None) -> bool:
     )
 
 
+class MixedDtypeError(RuntimeError):
+    """A matmul inside :func:`batch_invariant` given operands of different dtypes, which torch's
+    kernel refuses too. A ``RuntimeError`` as torch's is (not a ``TypeError``: ``Tensor.__matmul__``
+    turns those into "unsupported operand type(s) for @")."""
+
+
+def _fallback(op: str, call: Callable[[], torch.Tensor], **operands: torch.Tensor | None) -> torch.Tensor:
+    """torch's own kernel for a call samepath does not cover; its refusal of mixed dtypes is
+    reported as samepath's, naming each operand's dtype (torch's names the ``out`` tensor samepath
+    allocates for ``bmm``)."""
+    try:
+        return call()
+    except RuntimeError as exc:
+        dtypes = {name: t.dtype for name, t in operands.items() if t is not None}
+        if len(set(dtypes.values())) < 2:
+            raise
+        named = ", ".join(f"{name} {dtype}" for name, dtype in dtypes.items())
+        raise MixedDtypeError(
+            f"samepath.batch_invariant(): aten::{op} got operands of different dtypes ({named}); torch's matmuls "
+            "take one dtype: cast one operand to the other's before the call"
+        ) from exc
+
+
 def _mm_override(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     if not _routable(a, b) or a.dim() != 2 or b.dim() != 2 or a.shape[1] != b.shape[0]:
         ROUTED_CALLS["mm:fallback"] += 1
         out = torch.empty((0,), dtype=a.dtype, device=a.device)
-        return torch.ops.aten.mm.out(a, b, out=out)
+        return _fallback("mm", lambda: torch.ops.aten.mm.out(a, b, out=out), self=a, mat2=b)
     ROUTED_CALLS["mm"] += 1
     out = torch.empty((a.shape[0], b.shape[1]), dtype=a.dtype, device=a.device)
     return _launch(a.unsqueeze(0), b.unsqueeze(0), None, out.unsqueeze(0)).squeeze(0)
@@ -687,7 +710,8 @@ def _addmm_override(bias: torch.Tensor, a: torch.Tensor, b: torch.Tensor, *, bet
     if not ok:
         ROUTED_CALLS["addmm:fallback"] += 1
         out = torch.empty((0,), dtype=a.dtype, device=a.device)
-        return torch.ops.aten.addmm.out(bias, a, b, beta=beta, alpha=alpha, out=out)
+        call = lambda: torch.ops.aten.addmm.out(bias, a, b, beta=beta, alpha=alpha, out=out)  # noqa: E731
+        return _fallback("addmm", call, self=bias, mat1=a, mat2=b)
     ROUTED_CALLS["addmm"] += 1
     m, n = a.shape[0], b.shape[1]
     out = torch.empty((m, n), dtype=a.dtype, device=a.device)
@@ -699,7 +723,7 @@ def _bmm_override(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     if not _routable(a, b) or a.dim() != 3 or b.dim() != 3 or a.shape[0] != b.shape[0] or a.shape[2] != b.shape[1]:
         ROUTED_CALLS["bmm:fallback"] += 1
         out = torch.empty((0,), dtype=a.dtype, device=a.device)
-        return torch.ops.aten.bmm.out(a, b, out=out)
+        return _fallback("bmm", lambda: torch.ops.aten.bmm.out(a, b, out=out), self=a, mat2=b)
     ROUTED_CALLS["bmm"] += 1
     out = torch.empty((a.shape[0], a.shape[1], b.shape[2]), dtype=a.dtype, device=a.device)
     return _launch(a, b, None, out)
@@ -771,12 +795,14 @@ def batch_invariant() -> Iterator[None]:
     Inside the block, stock ``torch.mm``, ``F.linear``, ``x @ w`` (2-D and batched) and their
     autograd backward compute with the batch-invariant kernel for fp32/bf16/fp16 tensors on CPU,
     CUDA and NPU; anything else (fp64, integers, mixed dtypes) goes to torch's own ``.out``
-    kernel unchanged. ``addmm``'s ``beta``/``alpha`` are honoured (applied in fp32 after the K
-    loop). On exit of the outermost block the registrations are destroyed and torch's kernels are
-    back exactly. Nesting is safe (reference counted). The registration is process-wide: other
-    threads see the routing while any block is open. The other ops' modules add theirs:
-    ``aten::_log_softmax`` (:mod:`samepath.kernels.logprobs`), ``aten::_softmax``,
-    ``aten::sum.dim_IntList`` and ``aten::mean.dim`` (:mod:`samepath.kernels.reductions`).
+    kernel unchanged; operands of different dtypes, which torch refuses, raise
+    :class:`MixedDtypeError` (a ``RuntimeError``, as torch's refusal is) naming their dtypes.
+    ``addmm``'s ``beta``/``alpha`` are honoured (applied in fp32 after the K loop). On exit of the
+    outermost block the registrations are destroyed and torch's kernels are back exactly. Nesting
+    is safe (reference counted). The registration is process-wide: other threads see the routing
+    while any block is open. The other ops' modules add theirs: ``aten::_log_softmax``
+    (:mod:`samepath.kernels.logprobs`), ``aten::_softmax``, ``aten::sum.dim_IntList`` and
+    ``aten::mean.dim`` (:mod:`samepath.kernels.reductions`).
     """
     global _routing_depth, _routing_library
     with _routing_lock:

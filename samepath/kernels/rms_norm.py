@@ -478,6 +478,12 @@ def _check_inputs(x, weight, eps, residual, weight_mode):
     dtype_name(x.dtype, "x.dtype")
     device_kind(x.device)
     hidden = x.shape[-1]
+    if not isinstance(weight, torch.Tensor):
+        # The contract takes a weight: a weightless norm is weight=torch.ones(hidden, dtype=x.dtype), same bits.
+        raise TypeError(
+            f"weight must be a tensor of shape ({hidden},), got {type(weight).__name__}; for a norm without a "
+            f"weight pass torch.ones({hidden}, dtype=x.dtype, device=x.device)"
+        )
     if weight.dim() != 1 or weight.shape[0] != hidden:
         raise ValueError(f"weight must have shape ({hidden},) to match x's hidden size, got {tuple(weight.shape)}")
     check_operands(x=x, weight=weight, **({} if residual is None else {"residual": residual}))

@@ -101,10 +101,26 @@ def rotary_position_limit(scaling: dict | None) -> int | None:
     return None
 
 
+def _factor(scaling: dict, rope_type: str, required: bool = True) -> float | None:
+    """``scaling["factor"]``, refused unless a positive finite number (0 gives NaN frequencies, a
+    negative one frequencies HF's formulas were not written for). Hugging Face only warns below 1,
+    so a factor in (0, 1) is computed as HF computes it."""
+    if "factor" not in scaling and not required:
+        return None
+    factor = scaling["factor"]  # a missing required key: the caller's KeyError -> ValueError
+    if factor is None and not required:
+        return None
+    if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not math.isfinite(factor) or factor <= 0:
+        raise ValueError(
+            f"scaling['factor'] of rope_type {rope_type!r} must be a positive finite number, got {factor!r}"
+        )
+    return factor
+
+
 def _yarn(inv_dim: int, base: float, scaling: dict) -> tuple[torch.Tensor, float]:
     # transformers.modeling_rope_utils._compute_yarn_parameters, step by step.
     dim = inv_dim
-    factor = scaling.get("factor")
+    factor = _factor(scaling, "yarn", required=False)
     attention_factor = scaling.get("attention_factor")
     mscale = scaling.get("mscale")
     mscale_all_dim = scaling.get("mscale_all_dim")
@@ -145,7 +161,7 @@ def _longrope(dim: int, base: float, scaling: dict) -> tuple[torch.Tensor, float
     # transformers.modeling_rope_utils._compute_longrope_parameters at seq_len=None (the short
     # factors: positions below original_max_position_embeddings, see rotary_position_limit).
     original = scaling["original_max_position_embeddings"]
-    factor = scaling.get("factor")
+    factor = _factor(scaling, "longrope", required=False)
     attention_factor = scaling.get("attention_factor")
     if factor is None:
         factor = _max_positions(scaling, "longrope") / original
@@ -184,12 +200,16 @@ def rotary_inv_freq(rotary_dim: int, base: float, scaling: dict | None = None) -
         if rope_type == "default":
             return inv_freq, 1.0
         if rope_type == "linear":
-            return inv_freq / scaling["factor"], 1.0
+            return inv_freq / _factor(scaling, rope_type), 1.0
         if rope_type == "dynamic":
             # _compute_dynamic_ntk_parameters at seq_len = max_position_embeddings (HF's init value,
             # which its forward keeps below that length).
-            factor, seq_len = scaling["factor"], _max_positions(scaling, rope_type)
+            factor, seq_len = _factor(scaling, rope_type), _max_positions(scaling, rope_type)
             dim = rotary_dim
+            if dim == 2:  # HF's exponent dim / (dim - 2) has no value there (ZeroDivisionError)
+                raise ValueError(
+                    "rotary_dim must be at least 4 for rope_type 'dynamic' (its exponent is dim / (dim - 2))"
+                )
             base = base * ((factor * seq_len / seq_len) - (factor - 1)) ** (dim / (dim - 2))
             return 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).to(dtype=torch.float) / dim)), 1.0
         if rope_type == "yarn":
@@ -198,7 +218,7 @@ def rotary_inv_freq(rotary_dim: int, base: float, scaling: dict | None = None) -
             return _longrope(rotary_dim, base, scaling)
         if rope_type == "llama3":
             # transformers.modeling_rope_utils._compute_llama3_parameters, line by line.
-            factor = scaling["factor"]
+            factor = _factor(scaling, rope_type)
             low_freq_factor = scaling["low_freq_factor"]
             high_freq_factor = scaling["high_freq_factor"]
             old_context_len = scaling["original_max_position_embeddings"]

@@ -300,6 +300,14 @@ def processed_logprobs(
         allowed_token_ids: the request's ``allowed_token_ids`` (``None``: all).
         ignore_index, validate: as :func:`samepath.token_logprobs`.
 
+    A position where every token is masked (``min_tokens`` unmet while the stop tokens cover the
+    vocabulary, or every allowed token is a stop token) gets NaN, as in vLLM 0.32: its
+    ``MinTokensLogitsProcessor`` sets the stop tokens to ``-inf`` with no fallback (it restores
+    them only with structured outputs or in speculative decoding, both of which samepath's plugin
+    refuses), so the log-softmax of that all ``-inf`` row is NaN there and in samepath's plugin
+    alike, and the token vLLM samples from it is arbitrary. The other positions are unaffected.
+    Such a request is a configuration mistake; ``torch.isnan`` finds its positions.
+
     Returns:
         ``[...]`` fp32 log-probs, bit-identical to what vLLM reports with the same parameters;
         differentiable in ``logits`` (dropped tokens get no gradient). Rows are independent:

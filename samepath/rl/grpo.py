@@ -283,10 +283,14 @@ class Trainer:
         n = completions.shape[1]
         labels = completions.to(self.device)
         rows = [
-            samepath.logprobs(logits[row, len(p) - 1 : len(p) - 1 + n], labels[row], self.temperature)
-            for row, p in enumerate(prompts)
+            self.token_logprobs(logits[row, len(p) - 1 : len(p) - 1 + n], labels[row]) for row, p in enumerate(prompts)
         ]
         return torch.stack(rows)
+
+    def token_logprobs(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """fp32 log-probs of ``labels`` under ``logits`` at the trainer's temperature: samepath's
+        (the temperature divided in fp32 inside the kernel, as the rollout does)."""
+        return samepath.logprobs(logits, labels, self.temperature)
 
     def step(
         self,

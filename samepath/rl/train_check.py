@@ -1,9 +1,11 @@
-"""``samepath train-check``: N GRPO steps on the embedded default model, stock and with samepath.
+"""``samepath train-check``: N GRPO steps on the embedded default model (or ``--model DIR``), stock
+and with samepath.
 
-Each run starts from the same random weights (the embedded default Qwen3, fp32, saved with
-``save_pretrained`` and loaded back) and runs :func:`samepath.rl.run_grpo` with the rollout
-engine and trainer precision asked for: "stock" with the frameworks' own kernels on both sides,
-"samepath" under ``patch_all()`` (and samepath's vLLM plugin). A vLLM run happens in a fresh
+Each run starts from the same weights (the embedded default Qwen3, fp32, random weights, saved
+with ``save_pretrained`` and loaded back; or the model directory given) and runs
+:func:`samepath.rl.run_grpo` with the rollout engine and trainer precision asked for: "stock" with
+the frameworks' own kernels on both sides and the trainer's log-probs as verl computes them
+(:class:`StockTrainer`), "samepath" under ``patch_all()`` (and samepath's vLLM plugin). A vLLM run happens in a fresh
 child process (``python -m samepath.rl.train_check SPEC_JSON``), vLLM in-process there with the
 trainer, since vLLM keeps process-global state; the child prints one ``SAMEPATH_RESULT {json}``
 line with the per-step metrics.
@@ -48,19 +50,35 @@ class TrainCheckSpec:
     reset_prefix_cache: bool = True
     tie_word_embeddings: bool = False
     device: str = "cpu"
+    model: str | None = None  #: a Hugging Face model directory; None: the embedded default
+
+
+class StockTrainer(Trainer):
+    """The stock trainer's log-probs the way verl computes them: the model's logits divided by the
+    temperature in their own dtype (verl's ``logits.div_(temperature)`` on bf16 logits), then an fp32
+    log-softmax — while the rollout engines (vLLM's sampler, ``generate``) divide fp32 logits. At a
+    temperature that is not a power of two the two roundings differ on every machine, whatever its
+    kernels: the drift samepath removes by dividing in fp32 inside one kernel on both sides."""
+
+    def token_logprobs(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        scaled = (logits / self.temperature).float()
+        return torch.log_softmax(scaled, dim=-1).gather(-1, labels.unsqueeze(-1)).squeeze(-1)
 
 
 def run_in_process(spec: TrainCheckSpec, on_step: Callable[[StepMetrics], None] | None = None) -> list[StepMetrics]:
     """Run ``spec`` here (the vLLM engine too, when ``spec.rollout == "vllm"``)."""
-    from samepath.check.harness import DEFAULT_MODEL_CONFIG, build_default_model, load_model
+    from samepath.check.harness import build_default_model, load_model
 
-    vocab = DEFAULT_MODEL_CONFIG["vocab_size"]
-    task = CopyTask(vocab, spec.prompts, spec.min_prompt_len, spec.max_prompt_len, seed=spec.seed)
-    with tempfile.TemporaryDirectory(prefix="samepath-train-check-") as directory:
-        build_default_model(directory, seed=0, tie_word_embeddings=spec.tie_word_embeddings)
+    with tempfile.TemporaryDirectory(prefix="samepath-train-check-") as scratch:
+        directory = spec.model or scratch
+        if spec.model is None:
+            build_default_model(directory, seed=0, tie_word_embeddings=spec.tie_word_embeddings)
         with numerics(spec.numerics):
             model = load_model(directory, torch.float32).model.to(spec.device)
-            trainer = Trainer(model, spec.precision, lr=spec.lr, temperature=spec.temperature)
+            vocab = int(model.config.vocab_size)
+            task = CopyTask(vocab, spec.prompts, spec.min_prompt_len, spec.max_prompt_len, seed=spec.seed)
+            trainer_class = Trainer if spec.numerics == "samepath" else StockTrainer
+            trainer = trainer_class(model, spec.precision, lr=spec.lr, temperature=spec.temperature)
             if spec.rollout == "vllm":
                 from samepath.rl.vllm_engine import VLLMRollout
 
@@ -136,8 +154,9 @@ def format_table(stock: list[StepMetrics], patched: list[StepMetrics]) -> str:
     for s, p in zip(stock, patched, strict=True):
         lines.append(f"{p.step:>4}  {cells(s)}  {cells(p)}  {p.weight_change:>9.3g}")
     lines.append(
-        "stock: the same loop with the frameworks' own kernels on both sides (samepath not patched in); "
-        "samepath: both sides on samepath's kernels"
+        "stock: the same loop with the frameworks' own kernels on both sides (samepath not patched in), the trainer "
+        "dividing its bf16 logits by the temperature as verl does, the rollout its fp32 logits as vLLM and generate "
+        "do; samepath: both sides on samepath's kernels"
     )
     return "\n".join(lines)
 
@@ -182,4 +201,4 @@ if __name__ == "__main__":
     main()
 
 
-__all__ = ["TrainCheckSpec", "format_table", "plot", "run", "run_in_child", "run_in_process"]
+__all__ = ["StockTrainer", "TrainCheckSpec", "format_table", "plot", "run", "run_in_child", "run_in_process"]
