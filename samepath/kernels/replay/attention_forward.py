@@ -111,9 +111,12 @@ def _fp32(values: np.ndarray) -> np.ndarray:
 
 
 def _as_interpreted_cast(values: np.ndarray, dtype: np.dtype) -> np.ndarray:
-    """fp32 ``values.to(dtype)`` as the interpreter rounds it, returned widened to fp32 again."""
+    """fp32 ``values.to(dtype)`` as the interpreter rounds it (``dtype`` in its representation),
+    returned widened to fp32 again: for bf16, round to nearest even with NaN as ``0x7FC0``."""
     if dtype == np.uint16:
-        return widen(cast(values, torch.bfloat16))
+        bits = np.ascontiguousarray(values, dtype=np.float32).view(np.uint32)
+        rounded = (bits + np.uint32(0x7FFF) + ((bits >> 16) & np.uint32(1))) & np.uint32(0xFFFF0000)
+        return np.where(np.isnan(values), np.uint32(0x7FC00000), rounded).view(np.float32)
     if dtype == np.float16:
         return values.astype(np.float16).astype(np.float32)
     return values
@@ -158,6 +161,15 @@ class _Forward:
         self.paged, self.causal, self.window = p["PAGED"], p["CAUSAL"], p["HAS_WINDOW"]
         self.kv_offset, self.split = p["KV_OFFSET"], p["SPLIT"]
         self.k_flat, self.v_flat = _flat(p["K"]), _flat(p["V"])
+        self.v_dtype = self.v_flat.dtype
+        if not self.paged:  # every key is read by many query blocks: widen the keys the kernel can reach once
+            last_head = p["num_kv_heads"] - 1
+            for name in ("k", "v"):
+                flat = getattr(self, f"{name}_flat")
+                reach = (
+                    (p["kv_rows"] - 1) * p[f"stride_{name}_pos"] + last_head * p[f"stride_{name}_head"] + self.head_size
+                )
+                setattr(self, f"{name}_flat", _fp32(flat[: max(reach, 0)]))
         self.table_flat = _flat(p["block_table"]) if self.paged else None
         self.qk_scale = _F32(p["qk_scale"])
         self.sliding_window = np.int32(p["sliding_window"])
@@ -298,7 +310,7 @@ class _Forward:
             v = np.zeros((offs_n.shape[0], tile_n, self.block_d), dtype=np.float32)
             v[:, :, :hs] = _fp32(v_loaded)
         acc = acc * alpha[:, :, None]
-        acc = np.matmul(_as_interpreted_cast(prob, self.v_flat.dtype), v, dtype=np.float32) + acc
+        acc = np.matmul(_as_interpreted_cast(prob, self.v_dtype), v, dtype=np.float32) + acc
         return m_new, l_sum, acc
 
 
