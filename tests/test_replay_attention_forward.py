@@ -201,6 +201,22 @@ def test_fully_masked_rows_and_unchecked_metadata() -> None:
         assert torch.equal(out[2], torch.zeros_like(out[2]))
 
 
+def test_overlapping_sequences_keep_the_last_write() -> None:
+    """Unchecked cumulative lengths that make two sequences share query rows (``[0, 6, 3, 8]``): the
+    rows (and, split, the partial states) hold what the interpreter stores last."""
+    batch = make_batch([8], 4, 2, 64, torch.float32, seed=13)
+    with torch.no_grad():
+        varlen_attention(batch.query, batch.key, batch.value, torch.tensor([0, 6, 3, 8]), validate=False)
+    kc, vc = torch.randn(4, 16, 2, 64), torch.randn(4, 16, 2, 64)
+    table = torch.tensor([[0, 1, 2], [1, 2, 3], [3, 0, 1]], dtype=torch.int32)
+    seq_lens = torch.tensor([40, 30, 35], dtype=torch.int32)
+    for split_kv in (True, False):
+        paged_attention(
+            batch.query[:4], kc, vc, table, torch.tensor([0, 3, 1, 4]), seq_lens, 0.125, validate=False,
+            split_kv=split_kv,
+        )  # fmt: skip
+
+
 def test_write_kv_cache_padding_and_repeated_slots() -> None:
     """Padding slots are skipped, slots past the caches too (``validate=False``), and a slot given
     twice keeps the later token, as the interpreter writes them."""

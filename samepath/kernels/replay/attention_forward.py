@@ -106,6 +106,11 @@ def _idiv(a: np.ndarray, b: int) -> np.ndarray:
     return (a - np.fmod(a, b)) // b
 
 
+def _int(value: int) -> np.integer:
+    """A scalar int kernel argument as the interpreter holds it: int32 where it fits, else int64."""
+    return np.int32(value) if -(2**31) <= value < 2**31 else np.int64(value)
+
+
 def _fp32(values: np.ndarray) -> np.ndarray:
     return values if values.dtype == np.float32 else widen(values)
 
@@ -172,7 +177,7 @@ class _Forward:
                 setattr(self, f"{name}_flat", _fp32(flat[: max(reach, 0)]))
         self.table_flat = _flat(p["block_table"]) if self.paged else None
         self.qk_scale = _F32(p["qk_scale"])
-        self.sliding_window = np.int32(p["sliding_window"])
+        self.sliding_window = _int(p["sliding_window"])
         self.kv_rows = p["kv_rows"]
 
         group, head_chunk, block_q = p["GROUP"], p["HEAD_CHUNK"], p["BLOCK_Q"]
@@ -180,7 +185,7 @@ class _Forward:
         items_per_block = num_kv_heads * p["NUM_CHUNKS"] * (num_segments if self.split else 1)
         mapped = min(int(_flat(p["num_blocks"])[0]), p["num_programs_mapped"])
         self.num_work = max(mapped * items_per_block, 0)
-        work = _execution_order(self.num_work, grid[0] * grid[1] * grid[2])
+        work = _execution_order(self.num_work, grid[0])
         self.ordered = work.shape[0] == 0 or bool((work[1:] > work[:-1]).all())
         work = work.astype(np.int32)
 
@@ -192,13 +197,13 @@ class _Forward:
         chunk = rest % np.int32(p["NUM_CHUNKS"])
         kv_head = rest // np.int32(p["NUM_CHUNKS"])
         block_index = work // np.int32(items_per_block)
-        seq = np.minimum(np.maximum(_flat(p["program_seq"])[block_index], 0), np.int32(p["num_seqs"] - 1))
+        seq = np.minimum(np.maximum(_flat(p["program_seq"])[block_index], 0), _int(p["num_seqs"] - 1))
         block = _flat(p["program_block"])[block_index]
 
         qsl = _flat(p["query_start_loc"])
         q_start = qsl[seq]
         q_len = qsl[seq + 1] - q_start
-        kv_len = np.minimum(_flat(p["seq_lens"])[seq], np.int32(p["max_kv_len"]))
+        kv_len = np.minimum(_flat(p["seq_lens"])[seq], _int(p["max_kv_len"]))
         kv_row_start = _flat(p["kv_start_loc"])[seq]
         kv_pos0 = np.zeros_like(seq)
         if self.kv_offset:
@@ -265,7 +270,7 @@ class _Forward:
             num_keys = kv_len - kv_pos0
         lane_ok = key_index < num_keys[:, None]
         if self.paged:
-            entry = seq[:, None] * np.int32(p["stride_table_seq"]) + _idiv(key_index, p["PAGE_SIZE"])
+            entry = seq[:, None] * _int(p["stride_table_seq"]) + _idiv(key_index, p["PAGE_SIZE"])
             page = np.where(lane_ok, self.table_flat[np.where(lane_ok, entry, 0)], 0).astype(np.int64)
             slot = np.fmod(key_index, p["PAGE_SIZE"]).astype(np.int64)
             inside = (page >= 0) & (page < self.kv_rows)
@@ -470,7 +475,7 @@ def write_kv_cache_replay(grid: tuple, **p) -> None:
     num_tokens, num_kv_heads, head_size = p["num_tokens"], p["num_kv_heads"], p["HEAD_SIZE"]
     if num_tokens <= 0 or num_kv_heads <= 0:
         return
-    tokens = _execution_order(num_tokens, grid[0] * grid[1] * grid[2])
+    tokens = _execution_order(num_tokens, grid[0])
     slot = _flat(p["slot_mapping"])[tokens].astype(np.int64)
     keep = (slot >= 0) & (slot < p["num_slots"])
     tokens, slot = tokens[keep], slot[keep]
