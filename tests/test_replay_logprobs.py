@@ -44,12 +44,14 @@ def _grad(t: torch.Tensor, seed: int) -> torch.Tensor:
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(("vocab", "config"), VOCABS)
 def test_token_logprobs_forward_and_backward(vocab: int, config, dtype: torch.dtype) -> None:
-    """Strided rows (``logits[:, :-1]``), -inf logits (a whole row too), an ignored row,
+    """Strided rows (``logits[:, :-1]``), -inf logits (a whole row too), a NaN and a +inf logit, an ignored row,
     temperature 1 and not, with and without entropy, each gradient alone and both."""
     seed = vocab * 7 + DTYPES.index(dtype)
     base = _logits((2, 4, vocab), dtype, seed)
     base[0, 1, : (vocab + 1) // 2] = float("-inf")
     base[1, 0] = float("-inf")
+    base[0, 2, -1] = float("nan")
+    base[1, 1, 0] = float("inf")
     logits = base[:, :-1].detach().requires_grad_(True)
     labels = _labels((2, 3), vocab, seed)
     labels[1, 2] = -100
@@ -86,6 +88,7 @@ def test_log_softmax_forward_and_backward(vocab: int, config, dtype: torch.dtype
     seed = vocab * 5 + DTYPES.index(dtype)
     base = _logits((3, vocab + 2), dtype, seed)
     base[1, : vocab // 3] = float("-inf")
+    base[2, -2] = float("nan")
     logits = base[:, 1 : vocab + 1].detach().requires_grad_(True)  # strided rows, offset start
     with cpu_executor("verify"):
         for temperature in (1.0, 1.3):

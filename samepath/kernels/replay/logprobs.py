@@ -3,7 +3,8 @@ kernels, forward and backward, bit-identical to Triton's interpreter.
 
 Every kernel reduces one row per program in ``CHUNK``-column chunks, serially in ascending order.
 The replays run the same chunk loop once for all rows: a chunk is a C-contiguous ``[rows, CHUNK]``
-fp32 tile (masked-off lanes hold the load's ``other`` exactly as the interpreter's padded tile),
+fp32 tile (masked-off lanes hold the load's ``other`` exactly as the interpreter's padded tile; a
+partial last chunk is cut to the lanes that can change a result, see :class:`RowTiles`),
 the per-row scalar state (running max, sum, entropy term) is a ``[rows]`` fp32 vector, and every
 step applies the interpreter's numpy function to the same operands: ``np.nanmax`` / ``np.sum`` over
 the tile's last axis (each row keeps the tile's length and contiguity, so numpy's pairwise sum
@@ -59,9 +60,22 @@ def fp32_scalar(value: float | int) -> np.ndarray:
     return np.array([value], dtype=_F32)
 
 
+#: numpy's pairwise summation adds blocks of this many elements with eight accumulators, then
+#: combines the blocks as a balanced binary tree (for a power-of-two length).
+_PAIRWISE_BLOCK = 128
+
+
 class RowTiles:
     """The ``CHUNK``-column tiles of the rows ``X + row_offsets[row] + col * stride_v``,
-    ``col < V``, as the kernels load them (``[rows, CHUNK]``, masked lanes ``other``).
+    ``col < V``, as the kernels load them (masked lanes ``other``), ``[rows, span]``.
+
+    ``span(start)`` is ``CHUNK`` except for a partial chunk (the last one) of a power-of-two
+    ``CHUNK > 128``: the smallest ``128 * 2**k`` lanes that hold the valid columns. Computing only
+    those lanes is exact: the lanes left out hold ``other`` (0 for sums, -inf before a max, whose
+    exp is 0), numpy sums a ``CHUNK``-lane row as a balanced tree whose leftmost subtree is exactly
+    the ``span``-lane sum and whose other subtrees are ``+0``, so the full sum is ``span_sum + 0``
+    (:meth:`sum`); the full max is the ``span`` max unless that is NaN (every kept lane NaN), when
+    the left-out ``-inf`` lanes win (:meth:`max`). Elementwise results past ``V`` are never stored.
 
     Rows are read through a strided numpy view of ``X`` when the offsets are those of ``X``'s own
     leading dimensions (:func:`samepath.kernels.logprobs.row_offsets`, the launchers' case), else
@@ -84,19 +98,31 @@ class RowTiles:
             self._offsets = offsets.astype(np.int64)
             self._stride = stride_v
 
-    def raw(self, start: int, other: float = 0.0) -> np.ndarray:
-        """Columns ``start .. start + CHUNK`` of every row, in ``X``'s interpreter representation."""
+    def span(self, start: int) -> int:
+        """Lanes computed for the chunk at ``start`` (see the class docstring)."""
         width = min(self.chunk, self.V - start)
+        chunk = self.chunk
+        if width == chunk or chunk <= _PAIRWISE_BLOCK or chunk & (chunk - 1):
+            return chunk
+        span = _PAIRWISE_BLOCK
+        while span < width:
+            span *= 2
+        return span
+
+    def raw(self, start: int, other: float = 0.0) -> np.ndarray:
+        """The chunk at ``start``, ``[rows, span(start)]``, in ``X``'s interpreter representation."""
+        width = min(self.chunk, self.V - start)
+        span = self.span(start)
         if self._view is not None:
             part = self._view[..., start : start + width].reshape(self.rows, width)
         else:
             cols = np.arange(start, start + width, dtype=np.int64) * self._stride
             part = self._flat[self._offsets[:, None] + cols[None, :]]
-        if width == self.chunk:
+        if width == span:
             return np.ascontiguousarray(part)
-        tile = np.full((self.rows, self.chunk), other, dtype=part.dtype)
         if part.dtype == np.uint16 and other != 0.0:
             raise ValueError("a bf16 tile is padded with 0 only")
+        tile = np.full((self.rows, span), other, dtype=part.dtype)
         tile[:, :width] = part
         return tile
 
@@ -105,15 +131,29 @@ class RowTiles:
         return widen(self.raw(start, other))
 
     def valid(self, start: int) -> np.ndarray:
-        """``cols < V`` of the chunk at ``start`` (``[CHUNK]`` bool)."""
-        return np.arange(start, start + self.chunk) < self.V
+        """``cols < V`` of the chunk at ``start`` (``[span]`` bool)."""
+        return np.arange(start, start + self.span(start)) < self.V
 
     def scaled(self, start: int, temperature: np.ndarray) -> np.ndarray:
         """``_scaled_chunk``: ``where(cols < V, x.to(fp32) / fp32(T), -inf)``."""
         z = np.divide(self.widened(start), temperature)
-        if start + self.chunk > self.V:
+        if start + self.span(start) > self.V:
             z = np.where(self.valid(start), z, _NEG_INF)
         return z
+
+    def sum(self, values: np.ndarray, start: int) -> np.ndarray:
+        """``tl.sum(chunk, 0)`` per row of a chunk whose left-out lanes are 0."""
+        total = np.sum(values, axis=1)
+        if values.shape[1] < self.chunk:
+            total = total + _F32(0.0)
+        return total
+
+    def max(self, values: np.ndarray, start: int) -> np.ndarray:
+        """``tl.max(chunk, 0)`` per row of a chunk whose left-out lanes are -inf."""
+        top = np.nanmax(values, axis=1)
+        if values.shape[1] < self.chunk:
+            top = np.where(np.isnan(top), _NEG_INF, top)
+        return top
 
 
 def row_lse(tiles: RowTiles, temperature: np.ndarray, entropy: bool) -> tuple[np.ndarray, np.ndarray | None]:
@@ -124,15 +164,15 @@ def row_lse(tiles: RowTiles, temperature: np.ndarray, entropy: bool) -> tuple[np
     w = np.zeros(rows, _F32)
     for start in range(0, tiles.V, tiles.chunk):
         z = tiles.scaled(start, temperature)
-        m_new = np.maximum(m, np.nanmax(z, axis=1))
+        m_new = np.maximum(m, tiles.max(z, start))
         m_shift = np.where(m_new == _NEG_INF, _F32(0.0), m_new)
         alpha = np.exp(m - m_shift)
         e = np.exp(z - m_shift[:, None])
-        s_new = s * alpha + np.sum(e, axis=1)
+        s_new = s * alpha + tiles.sum(e, start)
         if entropy:
             z_safe = np.where(z == _NEG_INF, m_shift[:, None], z)
             m_safe = np.where(m == _NEG_INF, m_shift, m)
-            w = alpha * (w + (m_shift - m_safe) * s) + np.sum(e * (m_shift[:, None] - z_safe), axis=1)
+            w = alpha * (w + (m_shift - m_safe) * s) + tiles.sum(e * (m_shift[:, None] - z_safe), start)
         s = s_new
         m = m_new
     log_s = np.log(s)
@@ -216,14 +256,14 @@ def token_logprobs_bwd(
         entropy = flat(Entropy)[:num_rows][:, None]
     out = contiguous_rows(dX, num_rows, V)
     dtype = dX.dtype
-    offs = np.arange(CHUNK, dtype=np.int64)
     for start in range(0, V, CHUNK):
         z = tiles.scaled(start, temp)
         logp = z - lse
         p = np.exp(logp)
-        g = np.zeros((num_rows, CHUNK), _F32)
+        g = np.zeros(z.shape, _F32)
         if HAS_GRAD_LP:
-            onehot = np.where((start + offs)[None, :] == label[:, None], _F32(1.0), _F32(0.0))
+            cols = np.arange(start, start + z.shape[1], dtype=np.int64)
+            onehot = np.where(cols[None, :] == label[:, None], _F32(1.0), _F32(0.0))
             g = (onehot - p) * g_lp
         if HAS_GRAD_H:
             g = g - g_h * (p * (np.where(p == _F32(0.0), _F32(0.0), logp) + entropy))
@@ -264,7 +304,7 @@ def log_softmax_bwd(grid, *, X, row_offsets, Lse, dOut, dX, num_rows, stride_v, 
     grads = RowTiles(dOut, torch.arange(num_rows, dtype=torch.int64) * V, num_rows, 1, V, CHUNK)
     g_sum = np.zeros(num_rows, _F32)
     for start in range(0, V, CHUNK):
-        g_sum = g_sum + np.sum(grads.raw(start), axis=1)
+        g_sum = g_sum + grads.sum(grads.raw(start), start)
     out = contiguous_rows(dX, num_rows, V)
     dtype = dX.dtype
     for start in range(0, V, CHUNK):

@@ -3,12 +3,13 @@ var / std and vector norms, and the column sum / mean), bit-identical to Triton'
 
 The row kernels fold ``CHUNK``-column tiles serially in ascending order, as the logprob kernels do:
 the replays keep the ``[rows, CHUNK]`` tiles of :class:`~samepath.kernels.replay.logprobs.RowTiles`
-(each row summed by ``np.sum`` over the tile's full, zero-padded width) and the per-row fp32
+(each row summed by ``np.sum`` over the tile's zero-padded width, as the kernel's tile is) and the per-row fp32
 running totals as ``[rows]`` vectors; the 16-lane scalar division (``_scalar_div_rn``) is
 :func:`~samepath.kernels.replay.logprobs.lane_quotient`. The column kernel's ``[TILE_R, TILE_C]``
 tile is summed over its first axis by ``np.sum``, which adds the tile's rows one after the other:
 the replay lays all programs' tiles side by side (``[TILE_R, tiles * TILE_C]``) and sums that over
-its first axis, the same additions per column.
+its first axis, the same additions per column. The zero rows past ``R`` of the last tile only add
+``+0`` (turning a ``-0`` sum into ``+0``), so that tile is summed over its valid rows, plus ``+0``.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ def _row_totals(tiles: RowTiles) -> np.ndarray:
     """``_row_total`` for every row: ``total = total + tl.sum(chunk)``, chunk by chunk."""
     total = np.zeros(tiles.rows, _F32)
     for start in range(0, tiles.V, tiles.chunk):
-        total = total + np.sum(tiles.widened(start), axis=1)
+        total = total + tiles.sum(tiles.widened(start), start)
     return total
 
 
@@ -86,9 +87,9 @@ def row_var(grid, *, X, row_offsets, Var, Mean, num_rows, stride_v, V, divisor, 
     m2 = np.zeros(num_rows, _F32)
     for start in range(0, V, CHUNK):
         centered = tiles.widened(start) - mean[:, None]
-        if start + CHUNK > V:
+        if start + centered.shape[1] > V:
             centered = np.where(tiles.valid(start), centered, _F32(0.0))
-        m2 = m2 + np.sum(centered * centered, axis=1)
+        m2 = m2 + tiles.sum(centered * centered, start)
     var = lane_quotient(m2, np.broadcast_to(fp32_scalar(divisor), (num_rows,)))
     if STD:
         var = np.sqrt(var)
@@ -107,7 +108,8 @@ def row_norm(grid, *, X, row_offsets, Out, num_rows, stride_v, V, ORD, CHUNK):
     total = np.zeros(num_rows, _F32)
     for start in range(0, V, CHUNK):
         x = tiles.widened(start)
-        total = total + np.sum((x.view(np.uint32) & np.uint32(0x7FFFFFFF)).view(_F32) if ORD == 1 else x * x, axis=1)
+        terms = (x.view(np.uint32) & np.uint32(0x7FFFFFFF)).view(_F32) if ORD == 1 else x * x
+        total = total + tiles.sum(terms, start)
     if ORD == 2:
         total = np.sqrt(total)
     _store(Out, num_rows, total)
@@ -127,10 +129,12 @@ def column_sum(grid, *, X, Out, num_tiles, C, R, stride_a, stride_r, stride_c, M
     total = np.zeros(A * width, _F32)
     for start in range(0, R, TILE_R):
         height = min(TILE_R, R - start)
-        tile = np.zeros((TILE_R, A, width), dtype=_F32)
-        part = widen(to_numpy(view[:, start : start + height]))
-        tile[:height, :, :C] = part.transpose(1, 0, 2)
-        total = total + np.sum(tile.reshape(TILE_R, A * width), axis=0)
+        tile = np.zeros((height, A, width), dtype=_F32)
+        tile[:, :, :C] = widen(to_numpy(view[:, start : start + height])).transpose(1, 0, 2)
+        tile_sum = np.sum(tile.reshape(height, A * width), axis=0)
+        if height < TILE_R:
+            tile_sum = tile_sum + _F32(0.0)
+        total = total + tile_sum
     if MEAN:
         total = np.divide(total, np.zeros(A * width, _F32) + np.array([R], dtype=np.int32).astype(_F32))
     out = contiguous_rows(Out, A, C)

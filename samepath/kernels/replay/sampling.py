@@ -4,7 +4,9 @@ each sorted row min-p, top-k and top-p keep), bit-identical to Triton's interpre
 The kernel walks each sorted row in ``CHUNK``-column chunks (masked lanes ``-inf``), twice with
 top-p; the replay walks the same chunks once for all rows, with ``[rows, CHUNK]`` fp32 tiles and
 ``[rows]`` running counts, mass and carry: ``np.sum`` / ``np.nanmax`` / ``np.cumsum`` over the
-tile's last axis, as the interpreter applies them to each row's tile.
+tile's last axis, as the interpreter applies them to each row's tile (a partial last chunk cut
+as :class:`~samepath.kernels.replay.logprobs.RowTiles` explains: its left-out lanes are ``-inf``,
+weigh 0, are never kept and leave the running sum, hence its max, unchanged).
 """
 
 from __future__ import annotations
@@ -29,11 +31,10 @@ def kept_count(grid, *, Sorted, TopK, TopP, MinP, Kept, num_rows, V, CHUNK, TOP_
     shift = np.where(top == _F32(-np.inf), _F32(0.0), top)[:, None]
     k = flat(TopK)[:num_rows][:, None]
     min_p = flat(MinP)[:num_rows][:, None]
-    offs = np.arange(CHUNK, dtype=np.int32)
 
     def keep_weights(start: int) -> tuple[np.ndarray, np.ndarray]:
         e = np.exp(tiles.raw(start, other=float("-inf")) - shift)
-        cols = (start + offs)[None, :]
+        cols = np.arange(start, start + e.shape[1], dtype=np.int32)[None, :]
         keep = (cols < V) & (cols < k) & (e >= min_p)
         return keep, e
 
@@ -42,7 +43,7 @@ def kept_count(grid, *, Sorted, TopK, TopP, MinP, Kept, num_rows, V, CHUNK, TOP_
     for start in range(0, V, CHUNK):
         keep, e = keep_weights(start)
         kept = kept + np.sum(keep.astype(np.int32), axis=1).astype(np.int32)
-        mass = mass + np.sum(np.where(keep, e, _F32(0.0)), axis=1)
+        mass = mass + tiles.sum(np.where(keep, e, _F32(0.0)), start)
     if TOP_P:
         p = flat(TopP)[:num_rows]
         limit = p * mass
