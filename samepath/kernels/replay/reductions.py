@@ -7,8 +7,9 @@ the replays keep the ``[rows, CHUNK]`` tiles of :class:`~samepath.kernels.replay
 running totals as ``[rows]`` vectors; the 16-lane scalar division (``_scalar_div_rn``) is
 :func:`~samepath.kernels.replay.logprobs.lane_quotient`. The column kernel's ``[TILE_R, TILE_C]``
 tile is summed over its first axis by ``np.sum``, which adds the tile's rows one after the other:
-the replay lays all programs' tiles side by side (``[TILE_R, tiles * TILE_C]``) and sums that over
-its first axis, the same additions per column. The zero rows past ``R`` of the last tile only add
+the replay lays all programs' tiles side by side (``[TILE_R, A * C]``, the columns past ``C`` of
+the last column tile left out: every column is summed alone) and sums that over its first axis,
+the same additions per column. The zero rows past ``R`` of the last tile only add
 ``+0`` (turning a ``-0`` sum into ``+0``), so that tile is summed over its valid rows, plus ``+0``.
 """
 
@@ -122,20 +123,16 @@ def column_sum(grid, *, X, Out, num_tiles, C, R, stride_a, stride_r, stride_c, M
     ``TILE_R`` reduced rows per step summed over the tile's first axis, ascending, fp32."""
     if num_tiles == 0:
         return
-    col_tiles = -(-C // TILE_C)
-    A = num_tiles // col_tiles
-    width = col_tiles * TILE_C
+    A = num_tiles // -(-C // TILE_C)
     view = torch.as_strided(X, (A, R, C), (stride_a, stride_r, stride_c))
-    total = np.zeros(A * width, _F32)
+    total = np.zeros(A * C, _F32)
     for start in range(0, R, TILE_R):
         height = min(TILE_R, R - start)
-        tile = np.zeros((height, A, width), dtype=_F32)
-        tile[:, :, :C] = widen(to_numpy(view[:, start : start + height])).transpose(1, 0, 2)
-        tile_sum = np.sum(tile.reshape(height, A * width), axis=0)
+        tile = np.ascontiguousarray(widen(to_numpy(view[:, start : start + height])).transpose(1, 0, 2))
+        tile_sum = np.sum(tile.reshape(height, A * C), axis=0)
         if height < TILE_R:
             tile_sum = tile_sum + _F32(0.0)
         total = total + tile_sum
     if MEAN:
-        total = np.divide(total, np.zeros(A * width, _F32) + np.array([R], dtype=np.int32).astype(_F32))
-    out = contiguous_rows(Out, A, C)
-    out[:, :] = cast(np.ascontiguousarray(total.reshape(A, width)[:, :C]), Out.dtype)
+        total = np.divide(total, np.zeros(A * C, _F32) + np.array([R], dtype=np.int32).astype(_F32))
+    contiguous_rows(Out, A, C)[:, :] = cast(total.reshape(A, C), Out.dtype)
