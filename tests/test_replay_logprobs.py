@@ -231,3 +231,20 @@ def test_negative_control_sequential_row_sum(monkeypatch: pytest.MonkeyPatch) ->
     x = _logits((16, 4100), torch.float32, 22)
     with cpu_executor("verify"), samepath.batch_invariant(), pytest.raises(ReplayMismatch):
         x.sum(-1)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_vocab_sharded_logprobs(dtype: torch.dtype) -> None:
+    """``samepath.distributed``'s shard lse / merge kernels and the shards' backward (labels
+    outside a shard), an ignored row, a shard whose columns are all -inf for one row."""
+    from samepath import distributed
+
+    logits = _logits((5, 48), dtype, 31)
+    logits[2, 16:32] = float("-inf")
+    logits = logits.requires_grad_(True)
+    labels = _labels((5,), 48, 31)
+    labels[4] = -100
+    with cpu_executor("verify"):
+        for config in (SMALL, None):
+            lp = distributed.sharded_token_logprobs(logits, labels, 3, 0.8, config=config)
+            torch.autograd.grad((lp * _grad(lp, 32)).sum(), logits)
