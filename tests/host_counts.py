@@ -1,7 +1,8 @@
 """Counting aten ops and host reads of device values under a ``TorchDispatchMode`` (tests only).
 
 The counts are a property of the code path, not of the machine: an op or a read counted on the
-CPU is launched or waited for on a GPU too. Host reads are ``aten._local_scalar_dense``
+CPU is launched or waited for on a GPU too. A kernel launch is one opaque step on a device, so what
+a CPU replay runs in its place is not counted (``samepath.kernels.dispatch.in_replay``). Host reads are ``aten._local_scalar_dense``
 (``.item()``, ``int()``, ``bool()``), ``is_nonzero``, ``equal``, ops with data-dependent shapes such as
 ``nonzero``, and ``Tensor.tolist`` / ``Tensor.numpy`` (counted by wrapping them: on a CPU tensor
 they do not dispatch).
@@ -13,6 +14,8 @@ import collections
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
+
+from samepath.kernels.dispatch import in_replay
 
 #: aten ops that make the host wait for a device value.
 HOST_READS = frozenset(
@@ -28,7 +31,8 @@ class OpCounter(TorchDispatchMode):
         self.ops: collections.Counter[str] = collections.Counter()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.ops[func.overloadpacket.__name__] += 1
+        if not in_replay():
+            self.ops[func.overloadpacket.__name__] += 1
         return func(*args, **(kwargs or {}))
 
     @property
@@ -48,7 +52,7 @@ def counting(monkeypatch) -> type[OpCounter]:
         original = getattr(torch.Tensor, name)
 
         def wrapped(self, *args, _original=original, **kwargs):
-            for c in active:
+            for c in active if not in_replay() else ():
                 c.ops["_local_scalar_dense"] += 1
             return _original(self, *args, **kwargs)
 

@@ -25,13 +25,15 @@ pytest.importorskip("transformers", reason="the Use snippet imports transformers
 
 ROOT = Path(__file__).resolve().parent.parent
 
-# Runs in the child. The parent's environment may hold samepath's editable finder already (the
-# development install): it is removed so that the wheel built here is the only install.
+# Runs in the child. The parent's environment may hold samepath's development install already (an
+# editable finder, or a path entry holding samepath/__init__.py): both are removed so that the wheel
+# built here is the only install.
 DRIVER = """\
 import sys
 from pathlib import Path
 
 sys.meta_path[:] = [f for f in sys.meta_path if not getattr(f, "__module__", "").startswith("__editable___samepath")]
+sys.path[:] = [p for p in sys.path if not (Path(p or ".") / "samepath" / "__init__.py").is_file()]
 site = Path(sys.argv[1])
 for pth in site.glob("*.pth"):
     for line in pth.read_text().splitlines():

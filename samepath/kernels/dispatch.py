@@ -218,6 +218,25 @@ def replay_for(kernel: Any) -> Replay | None:
     return _replays.get(kernel if isinstance(kernel, str) else kernel_key(kernel))
 
 
+_replay_state = threading.local()
+
+
+@contextmanager
+def _replaying() -> Iterator[None]:
+    depth = getattr(_replay_state, "depth", 0)
+    _replay_state.depth = depth + 1
+    try:
+        yield
+    finally:
+        _replay_state.depth = depth
+
+
+def in_replay() -> bool:
+    """Whether this thread is inside a CPU replay: the torch ops it runs there stand for one opaque
+    kernel launch (a device launches the kernel without them), which op-counting tools skip."""
+    return getattr(_replay_state, "depth", 0) > 0
+
+
 class ReplayMismatch(AssertionError):
     """Raised by the ``"verify"`` executor when a replay's bits differ from the interpreter's."""
 
@@ -248,7 +267,8 @@ class DualJITFunction(JITFunction):
             launch_grid = grid(params) if callable(grid) else grid
             launch_grid = tuple(launch_grid) + (1,) * (3 - len(launch_grid))
             if executor == "replay":
-                replay(launch_grid, **params)
+                with _replaying():
+                    replay(launch_grid, **params)
                 return None
             return self._verify(replay, launch_grid, params, args, grid, kwargs)
         kwargs.setdefault("enable_fp_fusion", FP_FUSION)
@@ -285,7 +305,8 @@ class DualJITFunction(JITFunction):
             return copies[id(value)]
 
         self._interpret(tuple(copy(a) for a in args), grid, False, {k: copy(v) for k, v in kwargs.items()})
-        replay(launch_grid, **params)
+        with _replaying():
+            replay(launch_grid, **params)
         for name, value in params.items():
             if isinstance(value, torch.Tensor) and not torch.equal(_as_bits(value), _as_bits(copies[id(value)])):
                 raise ReplayMismatch(
