@@ -2,10 +2,10 @@
 
 The counts are a property of the code path, not of the machine: an op or a read counted on the
 CPU is launched or waited for on a GPU too. A kernel launch is one opaque step on a device, so what
-a CPU replay runs in its place is not counted (``samepath.kernels.dispatch.in_replay``). Host
-reads are ``aten._local_scalar_dense`` (``.item()``, ``int()``, ``bool()``), ``is_nonzero``, ``equal``, ops with data-dependent shapes such as
-``nonzero``, and ``Tensor.tolist`` / ``Tensor.numpy`` (counted by wrapping them: on a CPU tensor
-they do not dispatch).
+a CPU replay runs in its place is not counted (``samepath.kernels.dispatch.in_replay``). Host reads
+are ``aten._local_scalar_dense`` (``.item()``, ``int()``, ``bool()``), ``is_nonzero``, ``equal``, ops
+with data-dependent shapes such as ``nonzero``, and ``Tensor.tolist`` / ``Tensor.numpy`` (counted by
+wrapping them: on a CPU tensor they do not dispatch).
 """
 
 from __future__ import annotations
