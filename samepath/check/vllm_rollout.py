@@ -162,6 +162,10 @@ _ENGINE_FIELDS = (
 )
 
 
+#: Environment variables that differ from call to call without changing what a child computes.
+_VOLATILE_ENV = frozenset({"PYTEST_CURRENT_TEST"})
+
+
 class _Worker:
     """One ``--serve`` child: specs in on stdin, one result line each on stdout, stderr to a file."""
 
@@ -221,21 +225,26 @@ class VLLMRolloutPool:
     """Long-lived rollout children, one per child environment; ``run(spec)`` as :func:`run_vllm_rollout`.
 
     Specs with ``entry_point=True`` or ``tensor_parallel_size > 1`` (vLLM's own worker processes)
-    run in a fresh process each. A spec whose rollout fails restarts its child for the next one.
-    Use as a context manager, or call :meth:`close`."""
+    run in a fresh process each. A spec whose rollout fails restarts its child for the next one. At
+    most ``max_workers`` children live at once (each holds its engines' KV caches); the least
+    recently used one is closed first. Use as a context manager, or call :meth:`close`."""
 
-    def __init__(self, timeout: float = 1800.0) -> None:
+    def __init__(self, timeout: float = 1800.0, max_workers: int = 2) -> None:
         self.timeout = timeout
+        self.max_workers = max_workers
         self._workers: dict[str, _Worker] = {}
 
     def run(self, spec: VLLMRolloutSpec) -> VLLMRolloutResult:
         if spec.entry_point or spec.tensor_parallel_size > 1:
             return run_vllm_rollout(spec, self.timeout)
         env = _child_env(spec)
-        key = json.dumps(sorted(env.items()))
-        worker = self._workers.get(key)
+        key = json.dumps(sorted((k, v) for k, v in env.items() if k not in _VOLATILE_ENV))
+        worker = self._workers.pop(key, None)
         if worker is None or not worker.alive():
-            worker = self._workers[key] = _Worker(env)
+            while len(self._workers) >= self.max_workers:
+                self._workers.pop(next(iter(self._workers))).close()
+            worker = _Worker(env)
+        self._workers[key] = worker  # most recently used last
         try:
             return worker.run(spec, self.timeout)
         except RuntimeError:
