@@ -41,7 +41,7 @@ from typing import Any
 
 import torch
 
-from samepath.ascendc_fallback.loader import attention_backend
+from samepath.kernels.attention.backend import attention_backend
 from samepath.integrations.formulas import NORM_WEIGHT_MODES, rope_formula
 from samepath.integrations.moe import experts_forward
 from samepath.kernels.attention import LaunchPlan, packed_attention, varlen_attention

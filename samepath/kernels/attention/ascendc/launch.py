@@ -1,500 +1,57 @@
-"""Which attention backend runs, and the Ascend C one's build, loader and Python entry point.
+"""The Ascend C attention's launchers over one :class:`AttentionBatch`, registered as the ``ascendc`` backend.
 
-``SAMEPATH_ATTENTION_BACKEND`` chooses the FlashAttention forward for every samepath caller, and the
-training backward (``varlen_attention``'s autograd):
-
-* ``triton`` (default): the Triton kernel of ``samepath/kernels/attention.py`` on every device.
-* ``ascendc``: the hand-written Ascend C kernels of ``csrc/flash_attention_fwd.cpp`` (and, for the backward,
-  ``csrc/flash_attention_bwd.cpp``, numerics version :data:`ASCENDC_BACKWARD_SCHEDULE_VERSION`'s one-pass
-  schedule, replayed by ``simulate.simulate_backward``) for NPU tensors,
-  on the Triton kernel's schedule of numerics version :data:`ASCENDC_SCHEDULE_VERSION` (GQA-packed query
-  tiles, KV tiles and fixed segments anchored at position 0, segments merged in ascending order;
-  ``simulate.py`` replays it bit for bit against the Triton kernel) and formula (select ``-inf`` mask,
-  fp32 online softmax in base 2, P cast to the input dtype before P @ V, ``acc / l``).
-
-The Ascend C backend is its own numerics: its instructions (exp2 as ``exp(x ln 2)``, the cube's
-accumulation, hardware row reductions) are not Triton-Ascend's, so trainer and rollout must both run
-it or both not. The choice is part of ``samepath.fingerprint()``, and asking for ``ascendc`` where it
-cannot run raises instead of falling back to Triton.
-
-Building: ``python -m samepath.ascendc_fallback build`` compiles the library once per machine into a
-cache directory keyed on the sources' hash, the SoC (read from the device), the CANN version and the
-torch / torch_npu versions, under a file lock, so concurrent processes (vLLM workers, trainer ranks)
-build it once. :func:`load` never runs CMake unless ``SAMEPATH_ASCENDC_ALLOW_BUILD=1``: a worker that
-finds no library for its key raises, naming the build command and the key.
+:func:`flash_attention_fwd` checks the batch (:meth:`AttentionBatch.check_args` and the kernel's own
+limits), clamps its metadata on the device (:func:`clamp_metadata`), loads the library
+(:func:`.build.load`) and runs ``csrc/flash_attention_fwd.cpp``; :func:`attention_backward` runs
+``csrc/flash_attention_bwd.cpp``, numerics version :data:`.build.ASCENDC_BACKWARD_SCHEDULE_VERSION`'s
+one-pass schedule (replayed by :func:`.replay.simulate_backward`). Both run on the Triton kernels'
+schedule and formula (GQA-packed query tiles, KV tiles and fixed segments anchored at position 0,
+segments merged in ascending order; select ``-inf`` mask, fp32 online softmax in base 2, P cast to
+the input dtype before P @ V, ``acc / l``) with the device's own instructions.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import hashlib
-import importlib.metadata
-import importlib.util
-import json
-import os
-import shutil
-import subprocess
-import tempfile
-import threading
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
-from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
-from samepath.ascendc_fallback import tiling
-
-#: Environment variable that selects the attention backend.
-BACKEND_ENV = "SAMEPATH_ATTENTION_BACKEND"
-BACKENDS = ("triton", "ascendc")
-DEFAULT_BACKEND = "triton"
-#: Root of the build cache (one subdirectory per build key); default ``~/.cache/samepath/ascendc``.
-BUILD_DIR_ENV = "SAMEPATH_ASCENDC_BUILD_DIR"
-#: Overrides the SoC read from the device (``torch.npu.get_device_name()``), e.g. ``Ascend910B3``.
-SOC_VERSION_ENV = "SAMEPATH_ASCENDC_SOC_VERSION"
-#: ``1``: :func:`load` may run the CMake build itself when the library for its key is missing.
-ALLOW_BUILD_ENV = "SAMEPATH_ASCENDC_ALLOW_BUILD"
-BUILD_COMMAND = "python -m samepath.ascendc_fallback build"
-LIBRARY_NAME = "libsamepath_ascendc.so"
-SOURCE_DIR = Path(__file__).resolve().parent / "csrc"
-
-#: How the Ascend C kernel computes, where it differs in form from ``config.ATTENTION_FORMULA``.
-ASCENDC_ATTENTION_FORMULA = {
-    "exp2": "exp(x * ln2) in fp32 (Muls then Exp: Ascend C has no exp2)",
-    "accumulator": "acc * exp2(m_old - m_new) in fp32, then + fp32 dot(P, V) from the cube",
-    "dots": "cube matmuls through the Ascend C Matmul API, fp32 output",
-    "log2": "AscendC::Log2",
-    "row_reductions": "WholeReduceMax / WholeReduceSum over one tile row",
-    "segment_merge": "m = max(m_r, m_s); l_r * exp2(m_r - m) + l_s * exp2(m_s - m), acc likewise; "
-    "rows with m_s = -inf keep their state",
-}
-
-#: The samepath numerics version whose Triton forward schedule the Ascend C forward replays, and the
-#: versions whose forward is that schedule (version 3 changed only the backward).
-ASCENDC_SCHEDULE_VERSION = 2
-FORWARD_SCHEDULE_VERSIONS = (2, 3)
-#: The numerics version whose Triton backward schedule (``_attention_bwd_kernel``, one pass per KV tile) the
-#: Ascend C backward replays (``simulate.simulate_backward``); any other version is refused for training
-#: (:func:`check_backward_schedule`) until the new schedule is ported.
-ASCENDC_BACKWARD_SCHEDULE_VERSION = 3
-ASCENDC_SCHEDULE = (
-    "v2: GQA-packed query tiles (head_chunk = min(group, block_m)), tile_n KV tiles and seg KV segments "
-    "anchored at 0, segments merged in ascending order, serial per work item"
-)
-
-ASCENDC_BACKWARD_SCHEDULE = (
-    "ascendc-fa-bwd-2 (numerics v3 one pass): one item per KV tile of bwd_block_n keys and KV head, items "
-    "round-robin over vector cores in ascending order; each visits its GQA-packed query tiles (bwd_block_m rows, "
-    "head chunks in order, query blocks ascending); P = where(visible, exp2(S * qk_scale - lse), 0), "
-    "dV += cast(P)^T dO, dS = cast(P * (dP - delta)), dK += dS^T Q in fp32 by a vector Add; dQ partials dS K added "
-    "to fp32 row sums in ascending KV-tile order under one turn counter per packed query tile (no atomics); "
-    "delta = reductions.row_sum(dO * O)"
-)
-
-_lock = threading.Lock()
-_loaded_path: Path | None = None
-
-
-def attention_backend() -> str:
-    """The attention backend ``SAMEPATH_ATTENTION_BACKEND`` selects: ``"triton"`` (unset) or ``"ascendc"``.
-
-    Raises:
-        ValueError: the variable holds anything else.
-    """
-    value = os.environ.get(BACKEND_ENV, "").strip()
-    if not value:
-        return DEFAULT_BACKEND
-    if value not in BACKENDS:
-        raise ValueError(f"{BACKEND_ENV}={value!r} is not a samepath attention backend: use one of {BACKENDS}")
-    return value
-
-
-def backend_fingerprint() -> dict[str, object]:
-    """What ``samepath.fingerprint()`` should hash about the backend choice."""
-    backend = attention_backend()
-    if backend == "ascendc":
-        return {
-            "name": backend,
-            "formula": ASCENDC_ATTENTION_FORMULA,
-            "numerics": "ascendc-fa-fwd-2",
-            "schedule": ASCENDC_SCHEDULE,
-            "backward": ASCENDC_BACKWARD_SCHEDULE,
-            "backward_numerics_version": ASCENDC_BACKWARD_SCHEDULE_VERSION,
-        }
-    return {"name": backend}
-
-
-def build_root() -> Path:
-    """Root of the build cache (``SAMEPATH_ASCENDC_BUILD_DIR``, default ``~/.cache/samepath/ascendc``)."""
-    configured = os.environ.get(BUILD_DIR_ENV)
-    return Path(configured) if configured else Path.home() / ".cache" / "samepath" / "ascendc"
-
-
-def missing_requirements() -> list[str]:
-    """Why the Ascend C backend cannot run in this process (empty when it can). Never imports torch_npu
-    without CANN (that import fails, and breaks ``import torch`` in later processes)."""
-    reasons = []
-    cann = os.environ.get("ASCEND_HOME_PATH")
-    if not cann or not Path(cann).is_dir():
-        reasons.append("CANN is not installed or not set up (ASCEND_HOME_PATH is unset; source <CANN>/set_env.sh)")
-    if importlib.util.find_spec("torch_npu") is None:
-        reasons.append("torch_npu is not installed")
-    if reasons:
-        return reasons
-    try:
-        import torch_npu  # noqa: F401
-    except Exception as error:  # torch_npu raises plain Exceptions when CANN libraries do not load
-        return [f"torch_npu does not import: {error}"]
-    if not torch.npu.is_available():
-        reasons.append("no Ascend NPU is visible (torch.npu.is_available() is False)")
-    return reasons
-
-
-def check_schedule(numerics_version: int | None = None) -> None:
-    """Fail closed when the Triton forward's schedule moved past the one the Ascend C forward replays.
-
-    Raises:
-        RuntimeError: ``config.NUMERICS_VERSION`` (or ``numerics_version``) is not one of
-            :data:`FORWARD_SCHEDULE_VERSIONS`.
-    """
-    if numerics_version is None:
-        from samepath.kernels.config import NUMERICS_VERSION as numerics_version
-    if numerics_version not in FORWARD_SCHEDULE_VERSIONS:
-        raise RuntimeError(
-            f"{BACKEND_ENV}=ascendc: the Ascend C kernel replays the schedule of samepath numerics version "
-            f"{ASCENDC_SCHEDULE_VERSION} ({ASCENDC_SCHEDULE}), but the Triton kernels are at version "
-            f"{numerics_version}: port the new schedule to csrc/ and prove it with simulate.py "
-            "(tests/test_ascendc_fallback.py) before using this backend"
-        )
-
-
-@dataclass(frozen=True)
-class BuildKey:
-    """Everything a built library depends on: a different value of any field is a different build."""
-
-    soc: str
-    cann: str
-    torch_npu: str
-    torch: str
-    sources: str
-
-    def digest(self) -> str:
-        """The key's short hash: the name of its directory in the build cache."""
-        payload = json.dumps(dataclasses.asdict(self), sort_keys=True)
-        return hashlib.sha256(payload.encode()).hexdigest()[:20]
-
-    def describe(self) -> str:
-        return (
-            f"SoC {self.soc}, CANN {self.cann}, torch_npu {self.torch_npu}, torch {self.torch}, "
-            f"sources {self.sources[:12]}"
-        )
-
-
-def source_digest(directory: Path = SOURCE_DIR) -> str:
-    """sha256 over the names and bytes of the kernel sources (``csrc/``), in name order."""
-    digest = hashlib.sha256()
-    for path in sorted(p for p in directory.iterdir() if p.is_file()):
-        digest.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
-    return digest.hexdigest()
-
-
-def cann_version(home: str | None = None) -> str:
-    """The CANN toolkit version under ``home`` (``ASCEND_HOME_PATH``), read from its version files.
-
-    Falls back to ``unknown@<resolved path>`` (still a different key for a different install).
-
-    Raises:
-        RuntimeError: ``home`` is unset or not a directory.
-    """
-    home = home or os.environ.get("ASCEND_HOME_PATH")
-    if not home or not Path(home).is_dir():
-        raise RuntimeError("CANN is not set up: ASCEND_HOME_PATH is unset or not a directory (source set_env.sh)")
-    root = Path(home).resolve()
-    candidates = [root / "version.cfg", *sorted(root.glob("*-linux/ascend_toolkit_install.info"))]
-    candidates += [root / "compiler" / "version.info", root / "runtime" / "version.info"]
-    for path in candidates:
-        if not path.is_file():
-            continue
-        for line in path.read_text(errors="replace").splitlines():
-            name, _, value = line.partition("=")
-            if name.strip().lower() in ("version", "toolkit_installed_version", "version_dir") and value.strip():
-                return value.strip().strip("[]:")
-    return f"unknown@{root}"
-
-
-def detect_soc() -> str:
-    """The SoC to compile for: ``SAMEPATH_ASCENDC_SOC_VERSION``, else ``torch.npu.get_device_name()``.
-
-    Raises:
-        RuntimeError: neither is available (no override, and torch_npu or an NPU is missing).
-    """
-    override = os.environ.get(SOC_VERSION_ENV, "").strip()
-    if override:
-        return override
-    reasons = missing_requirements()
-    if reasons:
-        raise RuntimeError(
-            f"cannot read the SoC from the device ({'; '.join(reasons)}); set {SOC_VERSION_ENV} to build anyway"
-        )
-    name = str(torch.npu.get_device_name(torch.npu.current_device())).strip()
-    if not name.startswith("Ascend"):
-        raise RuntimeError(f"torch.npu.get_device_name() returned {name!r}, not an Ascend SoC; set {SOC_VERSION_ENV}")
-    return name
-
-
-def _package_version(name: str) -> str:
-    try:
-        return importlib.metadata.version(name)
-    except importlib.metadata.PackageNotFoundError:
-        return "not-installed"
-
-
-def current_build_key(soc: str | None = None) -> BuildKey:
-    """The build key of this process: SoC (``soc`` or :func:`detect_soc`), CANN, torch_npu, torch, sources."""
-    return BuildKey(
-        soc=soc or detect_soc(),
-        cann=cann_version(),
-        torch_npu=_package_version("torch_npu"),
-        torch=torch.__version__,
-        sources=source_digest(),
-    )
-
-
-def library_path(key: BuildKey, root: Path | None = None) -> Path:
-    """Where the library built for ``key`` lives."""
-    return (root or build_root()) / key.digest() / LIBRARY_NAME
-
-
-@contextmanager
-def file_lock(path: Path) -> Iterator[None]:
-    """An exclusive ``fcntl.flock`` on ``path`` (created if needed), held across processes until exit."""
-    import fcntl
-
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "a+") as handle:
-        fcntl.flock(handle.fileno(), fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(handle.fileno(), fcntl.LOCK_UN)
-
-
-#: ``builder(directory, key)`` writes ``directory / LIBRARY_NAME``.
-Builder = Callable[[Path, BuildKey], None]
-
-
-def cmake_build(directory: Path, key: BuildKey) -> None:
-    """Configure and build ``csrc/`` with CMake for ``key.soc`` into ``directory``.
-
-    Raises:
-        RuntimeError: cmake is missing or a step fails (with the end of its output).
-    """
-    cmake = shutil.which("cmake")
-    if cmake is None:
-        raise RuntimeError(f"building {LIBRARY_NAME} needs cmake on PATH")
-    build = directory / "build"
-    jobs = str(os.cpu_count() or 1)
-    for command in (
-        [cmake, "-S", str(SOURCE_DIR), "-B", str(build), f"-DSOC_VERSION={key.soc}", "-DCMAKE_BUILD_TYPE=Release"],
-        [cmake, "--build", str(build), "-j", jobs],
-    ):
-        result = subprocess.run(command, capture_output=True, text=True, check=False)
-        if result.returncode != 0:
-            raise RuntimeError(
-                f"building the Ascend C attention failed ({' '.join(command)}):\n"
-                f"{result.stdout[-4000:]}\n{result.stderr[-4000:]}"
-            )
-    shutil.copy2(build / LIBRARY_NAME, directory / LIBRARY_NAME)
-
-
-def ensure_library(
-    key: BuildKey, *, allow_build: bool, root: Path | None = None, builder: Builder | None = None
-) -> Path:
-    """The library for ``key``, building it first (once, under a cross-process lock) when allowed.
-
-    A build runs in a temporary directory beside the cache entry and is renamed into place only when
-    it succeeded, so a reader sees a complete library or none.
-
-    Raises:
-        RuntimeError: the library is missing and ``allow_build`` is False (names the build command
-            and the key), or the build failed.
-    """
-    root = root or build_root()
-    path = library_path(key, root)
-    if path.is_file():
-        return path
-    with file_lock(root / f"{key.digest()}.lock"):
-        if path.is_file():
-            return path
-        if not allow_build:
-            raise RuntimeError(
-                f"{BACKEND_ENV}=ascendc: {LIBRARY_NAME} is not built for this machine ({key.describe()}; "
-                f"expected {path}). Run `{BUILD_COMMAND}` once before starting workers, or set "
-                f"{ALLOW_BUILD_ENV}=1 to let this process build it (minutes, with CMake and CANN)."
-            )
-        root.mkdir(parents=True, exist_ok=True)
-        staging = Path(tempfile.mkdtemp(prefix=f"{key.digest()}.", dir=root))
-        try:
-            (builder or cmake_build)(staging, key)
-            if not (staging / LIBRARY_NAME).is_file():
-                raise RuntimeError(f"the build wrote no {LIBRARY_NAME} in {staging}")
-            (staging / "build_key.json").write_text(json.dumps(dataclasses.asdict(key), indent=1, sort_keys=True))
-            shutil.rmtree(path.parent, ignore_errors=True)  # an entry without a library is incomplete
-            os.replace(staging, path.parent)
-        finally:
-            shutil.rmtree(staging, ignore_errors=True)
-    return path
-
-
-def check_backward_schedule(numerics_version: int | None = None) -> None:
-    """Fail closed when the Triton backward's schedule is not the one the Ascend C backward replays.
-
-    Raises:
-        RuntimeError: ``config.NUMERICS_VERSION`` (or ``numerics_version``) is not
-            :data:`ASCENDC_BACKWARD_SCHEDULE_VERSION` (numerics 3's one-pass backward).
-    """
-    if numerics_version is None:
-        from samepath.kernels.config import NUMERICS_VERSION as numerics_version
-    if numerics_version != ASCENDC_BACKWARD_SCHEDULE_VERSION:
-        raise RuntimeError(
-            f"{BACKEND_ENV}=ascendc: the Ascend C backward replays the backward of samepath numerics version "
-            f"{ASCENDC_BACKWARD_SCHEDULE_VERSION} ({ASCENDC_BACKWARD_SCHEDULE}), but the Triton backward is at "
-            f"version {numerics_version}: training on this backend is refused until csrc/flash_attention_bwd.cpp "
-            "is ported to that schedule and replayed by simulate.py. The Ascend C forward (rollout, no-grad "
-            f"passes) is unaffected; unset {BACKEND_ENV} to train with the Triton kernels"
-        )
-
-
-def build(soc: str | None = None, *, root: Path | None = None, builder: Builder | None = None) -> Path:
-    """``python -m samepath.ascendc_fallback build``: the library for this machine, built if missing."""
-    check_schedule()
-    return ensure_library(current_build_key(soc), allow_build=True, root=root, builder=builder)
-
-
-def load() -> Path:
-    """Load the ``samepath_ascendc`` torch operators built for this machine's key.
-
-    Returns the library's path. Raises ``RuntimeError`` naming what is missing (CANN, torch_npu, an
-    NPU, the built library and the command that builds it); it never falls back to the Triton kernel.
-    """
-    global _loaded_path
-    with _lock:
-        if _loaded_path is not None:
-            return _loaded_path
-        reasons = missing_requirements()
-        if reasons:
-            raise RuntimeError(f"{BACKEND_ENV}=ascendc needs CANN, torch_npu and an Ascend NPU: " + "; ".join(reasons))
-        check_schedule()
-        allow = os.environ.get(ALLOW_BUILD_ENV, "").strip() == "1"
-        path = ensure_library(current_build_key(), allow_build=allow)
-        torch.ops.load_library(str(path))
-        _loaded_path = path
-        return path
-
-
-def _dtype_name(dtype: torch.dtype) -> str:
-    names = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
-    if dtype not in names:
-        raise ValueError(f"query.dtype must be one of torch.float32, torch.bfloat16, torch.float16, got {dtype}")
-    return names[dtype]
-
-
-def _check_int_vector(name: str, tensor: torch.Tensor, length: int | None = None) -> None:
-    if tensor.dtype not in (torch.int32, torch.int64) or tensor.dim() != 1:
-        raise ValueError(f"{name} must be a 1-D int32/int64 tensor, got {tensor.dtype} of shape {tuple(tensor.shape)}")
-    if length is not None and tensor.numel() != length:
-        raise ValueError(f"{name} must have {length} entries, got {tensor.numel()}")
-
-
-def check_arguments(
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    query_start_loc: torch.Tensor,
-    kv_start_loc: torch.Tensor,
-    seq_lens: torch.Tensor,
-    block_table: torch.Tensor | None,
-    scale: float,
-    causal: bool,
-    sliding_window: int | None,
-    block_m: int,
-    tile_n: int,
-    seg: int,
-) -> None:
-    """The checks ``flash_attention_fwd`` makes before loading anything: ``ValueError`` naming the argument."""
-    if query.dim() != 3:
-        raise ValueError(f"query must be [num_tokens, num_heads, head_size], got shape {tuple(query.shape)}")
-    kv_dims = 4 if block_table is not None else 3
-    layout = "[num_blocks, block_size, num_kv_heads, head_size]" if block_table is not None else "[tokens, heads, head]"
-    for name, tensor in (("key", key), ("value", value)):
-        if tensor.dim() != kv_dims:
-            raise ValueError(f"{name} must be {layout}, got shape {tuple(tensor.shape)}")
-        if tensor.dtype != query.dtype:
-            raise ValueError(f"{name} dtype {tensor.dtype} differs from the query's {query.dtype}")
-        if tensor.stride(-1) != 1:
-            raise ValueError(f"{name} must be contiguous in its last (head_size) dimension")
-        if tensor.device != query.device:
-            raise ValueError(f"{name} is on {tensor.device}, expected {query.device} (the query's device)")
-    if key.shape != value.shape:
-        raise ValueError(f"key {tuple(key.shape)} and value {tuple(value.shape)} must have the same shape")
-    if query.stride(-1) != 1:
-        raise ValueError("query must be contiguous in its last (head_size) dimension")
-    num_heads, head_size = query.shape[1:]
-    num_kv_heads = key.shape[-2]
-    if key.shape[-1] != head_size:
-        raise ValueError(f"key head size {key.shape[-1]} differs from the query's {head_size}")
-    if num_kv_heads == 0 or num_heads % num_kv_heads:
-        raise ValueError(f"query has {num_heads} heads, not a multiple of the {num_kv_heads} KV heads")
-    dtype = _dtype_name(query.dtype)
-    _check_int_vector("query_start_loc", query_start_loc)
-    num_seqs = query_start_loc.numel() - 1
-    _check_int_vector("kv_start_loc", kv_start_loc)
-    _check_int_vector("seq_lens", seq_lens, num_seqs)
-    if block_table is not None and (block_table.dim() != 2 or block_table.dtype not in (torch.int32, torch.int64)):
-        raise ValueError(
-            f"block_table must be a 2-D int32/int64 tensor, got {block_table.dtype} {tuple(block_table.shape)}"
-        )
-    for name, tensor in (("query_start_loc", query_start_loc), ("kv_start_loc", kv_start_loc), ("seq_lens", seq_lens)):
-        if tensor.device != query.device:
-            raise ValueError(f"{name} is on {tensor.device}, expected {query.device} (the query's device)")
-    if block_table is not None and block_table.device != query.device:
-        raise ValueError(f"block_table is on {block_table.device}, expected {query.device} (the query's device)")
-    if not isinstance(scale, (int, float)) or not scale > 0 or scale == float("inf"):
-        raise ValueError(f"scale must be a positive finite float, got {scale!r}")
-    if sliding_window is not None and (not isinstance(sliding_window, int) or sliding_window < 1 or not causal):
-        raise ValueError(f"sliding_window must be None or a positive int with causal=True, got {sliding_window!r}")
-    tiling.check_fits(int(head_size), block_m, tile_n, dtype)
-    if not isinstance(seg, int) or seg < tile_n or seg % tile_n:
-        raise ValueError(f"seg = {seg!r} must be a positive multiple of tile_n = {tile_n}")
-    if block_table is not None and key.shape[1] > 0xFFFF:
-        raise ValueError(f"key.shape[1] (page size) = {key.shape[1]} must be at most 65535")
-    if block_table is not None and block_table.shape[0] < num_seqs:
-        raise ValueError(f"block_table has {block_table.shape[0]} rows for {num_seqs} sequences")
-    if block_table is None and kv_start_loc.numel() < num_seqs:
-        raise ValueError(f"kv_start_loc has {kv_start_loc.numel()} entries for {num_seqs} sequences")
-
-
-def clamp_metadata(
-    query: torch.Tensor,
-    key: torch.Tensor,
-    query_start_loc: torch.Tensor,
-    kv_start_loc: torch.Tensor,
-    seq_lens: torch.Tensor,
-    block_table: torch.Tensor | None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """``(query_start_loc, kv_start_loc, seq_lens, block_table)`` clamped on the device (no host sync)
-    so that the Ascend C kernel, which trusts them, addresses only its tensors whatever unchecked
-    metadata held: the query offsets as the Triton backward clamps ``cu_seqlens``
-    (:func:`samepath.kernels.attention.clamp_cu_seqlens`: into ``[0, num_tokens]``, then a running
-    maximum, so the program map stays within its length); paged, each KV length into
-    ``[0, block_table columns * page size]`` and each page id into ``[0, num_blocks)``; contiguous,
-    each KV start into ``[0, keys]`` and each KV length into ``[0, keys - start]``. Consistent metadata
-    comes back with the same values (so the same bits); for inconsistent metadata the output is
-    unspecified, as with the Triton kernel."""
-    from samepath.kernels.attention import clamp_cu_seqlens
-
-    query_start_loc = clamp_cu_seqlens(query_start_loc, query.shape[0])
+from samepath.kernels.attention.ascendc import build, tiling
+from samepath.kernels.attention.backend import BACKEND_ENV, AttentionBackend, register_backend
+from samepath.kernels.attention.batch import AttentionBatch
+from samepath.kernels.attention.plan import clamp_cu_seqlens
+from samepath.kernels.config import dtype_name
+from samepath.kernels.reductions import row_sum
+
+NAME = "ascendc"
+#: The most positions one page may hold (the kernel keeps a page offset in 16 bits).
+MAX_PAGE_SIZE = 0xFFFF
+
+
+def check_arguments(batch: AttentionBatch) -> None:
+    """The checks :func:`flash_attention_fwd` makes before loading anything: ``ValueError`` naming the
+    argument. :meth:`AttentionBatch.check_args`, then what the kernel itself can run (tiles, head size and
+    unified buffer, page size)."""
+    batch.check_args()
+    config = batch.config
+    tiling.check_fits(int(batch.head_size), config.block_m, config.tile_n, dtype_name(batch.query.dtype))
+    if not isinstance(config.seg, int) or config.seg < config.tile_n or config.seg % config.tile_n:
+        raise ValueError(f"seg = {config.seg!r} must be a positive multiple of tile_n = {config.tile_n}")
+    if batch.paged and batch.key.shape[1] > MAX_PAGE_SIZE:
+        raise ValueError(f"key.shape[1] (page size) = {batch.key.shape[1]} must be at most {MAX_PAGE_SIZE}")
+
+
+def clamp_metadata(batch: AttentionBatch) -> AttentionBatch:
+    """``batch`` with ``query_start_loc``, ``kv_start_loc``, ``seq_lens`` and ``block_table`` clamped on
+    the device (no host sync) so that the Ascend C kernel, which trusts them, addresses only its tensors
+    whatever unchecked metadata held: the query offsets as the Triton backward clamps ``cu_seqlens``
+    (:func:`.plan.clamp_cu_seqlens`: into ``[0, num_tokens]``, then a running maximum, so the program map
+    stays within its length); paged, each KV length into ``[0, block_table columns * page size]`` and
+    each page id into ``[0, num_blocks)``; contiguous, each KV start into ``[0, keys]`` and each KV
+    length into ``[0, keys - start]``. Consistent metadata comes back with the same values (so the same
+    bits); for inconsistent metadata the output is unspecified, as with the Triton kernel."""
+    key, kv_start_loc, seq_lens, block_table = batch.key, batch.kv_start_loc, batch.seq_lens, batch.block_table
+    query_start_loc = clamp_cu_seqlens(batch.query_start_loc, batch.num_tokens)
     num_seqs = query_start_loc.numel() - 1
     if block_table is not None:
         num_pages, page_size = key.shape[0], key.shape[1]
@@ -505,197 +62,117 @@ def clamp_metadata(
         kv_start_loc = kv_start_loc.clamp(0, key.shape[0])
         room = key.shape[0] - kv_start_loc[:num_seqs]
         seq_lens = torch.minimum(seq_lens.clamp(min=0), room.to(seq_lens.dtype))
-    return query_start_loc, kv_start_loc, seq_lens, block_table
+    return dataclasses.replace(
+        batch, query_start_loc=query_start_loc, kv_start_loc=kv_start_loc, seq_lens=seq_lens, block_table=block_table
+    )
 
 
-def flash_attention_fwd(
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    query_start_loc: torch.Tensor,
-    kv_start_loc: torch.Tensor,
-    seq_lens: torch.Tensor,
-    block_table: torch.Tensor | None,
-    scale: float,
-    causal: bool = True,
-    sliding_window: int | None = None,
-    *,
-    block_m: int,
-    tile_n: int,
-    seg: int,
-    store_lse: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The Ascend C FlashAttention forward: the Triton launcher's arguments, the same outputs.
+def _require_npu(tensor: torch.Tensor) -> None:
+    if tensor.device.type != "npu":
+        raise RuntimeError(
+            f"{BACKEND_ENV}=ascendc runs attention on Ascend NPU tensors only; got tensors on {tensor.device}"
+        )
 
-    Args:
-        query: ``[num_tokens, num_heads, head_size]`` on an NPU.
-        key, value: packed ``[tokens, num_kv_heads, head_size]`` (training; ``block_table`` None,
-            sequence ``i``'s keys start at ``kv_start_loc[i]``) or paged caches
-            ``[num_blocks, block_size, num_kv_heads, head_size]`` addressed through ``block_table``.
-        query_start_loc: ``[num_seqs + 1]`` cumulative query counts.
-        kv_start_loc: ``[num_seqs (+1)]`` first packed key of each sequence (ignored when paged).
-        seq_lens: ``[num_seqs]`` KV length of each sequence; its queries are its last positions.
-        block_table: ``[num_seqs(+), max_blocks]`` page ids, or None for contiguous KV.
-        scale, causal, sliding_window: as in :func:`samepath.paged_attention`.
-        block_m, tile_n, seg: the frozen tiles and KV segment (``config.attention_config(...)`` for ``"npu"``).
-        store_lse: also return the base-2 log-sum-exp ``[num_tokens, num_heads]`` fp32 (``+inf`` for a
-            row that sees no key), as the Triton kernel stores it for the backward.
 
-    Returns:
-        ``(out, lse)``: ``out`` in the query's dtype, ``lse`` or None.
+def flash_attention_fwd(batch: AttentionBatch, *, store_lse: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The Ascend C FlashAttention forward of ``batch`` (the Triton launcher's batch, the same outputs),
+    with ``batch.config``'s ``block_m`` / ``tile_n`` / ``seg`` (the frozen ``"npu"`` tiles by default).
 
-    The metadata values are not checked (that costs a host sync; the Triton entry points do it unless
+    Returns ``(out, lse)``: ``out`` in the query's dtype; with ``store_lse`` the base-2 log-sum-exp
+    ``[num_tokens, num_heads]`` fp32 (``+inf`` for a row that sees no key), as the Triton kernel stores it
+    for the backward, else None.
+
+    The metadata values are not checked (that costs a host sync; the entry points do it unless
     ``validate=False``) but clamped on the device by :func:`clamp_metadata`, so the kernel stays inside
     its tensors whatever they hold.
 
     Raises:
         ValueError: a bad argument (named), before anything is loaded.
-        RuntimeError: the Ascend C backend cannot run here (says what is missing).
+        RuntimeError: the Ascend C backend cannot run here (says what is missing), or keys starting
+            after position 0 (``batch.kv_first_pos``), which it does not implement.
     """
-    check_arguments(
-        query,
-        key,
-        value,
-        query_start_loc,
-        kv_start_loc,
-        seq_lens,
-        block_table,
-        scale,
-        causal,
-        sliding_window,
-        block_m,
-        tile_n,
-        seg,
-    )
-    query_start_loc, kv_start_loc, seq_lens, block_table = clamp_metadata(
-        query, key, query_start_loc, kv_start_loc, seq_lens, block_table
-    )
-    if query.device.type != "npu":
+    if batch.kv_first_pos is not None:
         raise RuntimeError(
-            f"{BACKEND_ENV}=ascendc runs attention on Ascend NPU tensors only; got tensors on {query.device}"
+            "kv_start (keys starting after position 0, a windowed Hugging Face cache) is not implemented by "
+            f"the Ascend C attention backend ({BACKEND_ENV}=ascendc); use the triton backend"
         )
-    load()
+    check_arguments(batch)
+    batch = clamp_metadata(batch)
+    _require_npu(batch.query)
+    build.load()
+    config = batch.config
     out, lse = torch.ops.samepath_ascendc.flash_attention_fwd(
-        query,
-        key,
-        value,
-        query_start_loc,
-        kv_start_loc,
-        seq_lens,
-        block_table,
-        float(scale),
-        bool(causal),
-        int(sliding_window or 0),
-        int(block_m),
-        int(tile_n),
-        int(seg),
+        batch.query,
+        batch.key,
+        batch.value,
+        batch.query_start_loc,
+        batch.kv_start_loc,
+        batch.seq_lens,
+        batch.block_table,
+        float(batch.scale),
+        bool(batch.causal),
+        int(batch.sliding_window or 0),
+        int(config.block_m),
+        int(config.tile_n),
+        int(config.seg),
         bool(store_lse),
     )
     return out, (lse if store_lse else None)
 
 
 def launch_forward(
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    query_start_loc: torch.Tensor,
-    kv_start_loc: torch.Tensor,
-    seq_lens: torch.Tensor,
-    block_table: torch.Tensor | None,
-    scale: float,
-    causal: bool,
-    sliding_window: int | None,
-    config,
-    store_lse: bool,
-    out: torch.Tensor,
+    batch: AttentionBatch, out: torch.Tensor, store_lse: bool, split_kv: bool | None = None
 ) -> torch.Tensor | None:
-    """Drop-in for ``samepath.kernels.attention._launch_forward`` (same arguments, writes ``out``,
-    returns the lse or None) running the Ascend C kernel with ``config.block_m`` / ``tile_n`` / ``seg``."""
-    result, lse = flash_attention_fwd(
-        query,
-        key,
-        value,
-        query_start_loc,
-        kv_start_loc,
-        seq_lens,
-        block_table,
-        scale,
-        causal,
-        sliding_window,
-        block_m=config.block_m,
-        tile_n=config.tile_n,
-        seg=config.seg,
-        store_lse=store_lse,
-    )
+    """The backend's forward launcher (the Triton one's contract: writes ``out``, returns the lse or None).
+    ``split_kv`` is the Triton schedule's choice of executing segments; the kernel runs them serially."""
+    result, lse = flash_attention_fwd(batch, store_lse=store_lse)
     out.copy_(result)
     return lse
 
 
 def attention_backward(
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
+    batch: AttentionBatch,
     out: torch.Tensor,
     lse: torch.Tensor,
     grad_out: torch.Tensor,
-    cu_seqlens: torch.Tensor,
-    scale: float,
-    causal: bool,
-    sliding_window: int | None,
-    config,
+    grads: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Drop-in for ``samepath.kernels.attention._attention_backward`` running the Ascend C backward: one launch
-    of the one-pass kernel (``config.bwd_block_m`` / ``bwd_block_n``), deterministic (dQ partials added in
-    ascending KV-tile order, no atomics on data).
+    """The backend's backward launcher: one launch of the one-pass kernel (``config.bwd_block_m`` /
+    ``bwd_block_n``) on a training batch whose ``query_start_loc`` is the clamped ``cu_seqlens``,
+    deterministic (dQ partials added in ascending KV-tile order, no atomics on data). The gradients are
+    new tensors (``grads`` is not written).
 
     ``delta = (grad_out * out).sum(-1)`` in fp32 is computed here by samepath's row sum, as the Triton launcher does.
 
     Raises:
         ValueError: tiles or head size the kernels cannot run (named).
         RuntimeError: the Triton backward's schedule is not the one this kernel replays
-            (:func:`check_backward_schedule`), not NPU tensors, or the Ascend C backend cannot run here
-            (says what is missing).
+            (:func:`.build.check_backward_schedule`), not NPU tensors, or the Ascend C backend cannot run
+            here (says what is missing).
     """
-    head_size = query.shape[-1]
-    dtype = _dtype_name(query.dtype)
-    tiling.compute_bwd_tiling(
-        tiling.FlashAttentionBwdParams(
-            num_tokens=query.shape[0],
-            num_heads=query.shape[1],
-            num_kv_heads=key.shape[1],
-            head_size=head_size,
-            num_seqs=max(cu_seqlens.numel() - 1, 0),
-            block_m=config.bwd_block_m,
-            block_n=config.bwd_block_n,
-            dtype=dtype,
-            causal=causal,
-            sliding_window=sliding_window or 0,
-            num_cores=1,
-            qk_scale=scale,
-            sm_scale=scale,
-        )
-    )
-    check_backward_schedule()
-    if query.device.type != "npu":
-        raise RuntimeError(
-            f"{BACKEND_ENV}=ascendc runs attention on Ascend NPU tensors only; got tensors on {query.device}"
-        )
-    load()
-    from samepath.kernels.reductions import row_sum
-
+    tiling.compute_bwd_tiling(tiling.FlashAttentionBwdParams.from_batch(batch, num_cores=1))
+    build.check_backward_schedule()
+    _require_npu(batch.query)
+    build.load()
     delta = row_sum(grad_out.float() * out.float())
+    config = batch.config
     dq, dk, dv = torch.ops.samepath_ascendc.flash_attention_bwd(
-        query,
-        key,
-        value,
+        batch.query,
+        batch.key,
+        batch.value,
         grad_out,
         lse,
         delta,
-        cu_seqlens,
-        float(scale),
-        bool(causal),
-        int(sliding_window or 0),
+        batch.query_start_loc,
+        float(batch.scale),
+        bool(batch.causal),
+        int(batch.sliding_window or 0),
         int(config.bwd_block_m),
         int(config.bwd_block_n),
     )
     return dq, dk, dv
+
+
+register_backend(
+    AttentionBackend(NAME, forward=launch_forward, backward=attention_backward, fingerprint=build.fingerprint)
+)
