@@ -56,7 +56,9 @@ def varlen_attention(
         :func:`paged_attention` returns for that token, however the rollout batched, chunked or
         paged it. Gradients (fp32 accumulation, cast to the input dtype) are deterministic.
     """
-    batch = AttentionBatch.varlen(query, key, value, cu_seqlens, scale, causal, sliding_window, config, validate, plan)
+    batch = AttentionBatch.for_varlen(
+        query, key, value, cu_seqlens, scale, causal, sliding_window, config, validate, plan
+    )
     return VarlenAttentionFunction.apply(batch.query, batch.key, batch.value, batch)
 
 
@@ -106,7 +108,7 @@ def packed_attention(
         :func:`paged_attention` for the same tokens (the same kernel over the same tiles) — with
         ``kv_start``, to their rows over the whole sequence, of which these keys are the last.
     """
-    batch = AttentionBatch.packed(
+    batch = AttentionBatch.for_packed(
         query, key, value, cu_seqlens_q, cu_seqlens_kv, scale, causal, sliding_window, config, validate, plan,
         kv_start,
     )  # fmt: skip
@@ -169,7 +171,7 @@ def paged_attention(
         row :func:`varlen_attention` computes for the same token of the same sequence, and does not
         depend on the page size, the block table's layout, the chunking or the batch.
     """
-    batch = AttentionBatch.paged(
+    batch = AttentionBatch.for_paged(
         query, key_cache, value_cache, block_table, query_start_loc, seq_lens, scale, causal, sliding_window,
         config, validate, plan,
     )  # fmt: skip

@@ -16,7 +16,7 @@ from samepath.kernels import grid
 from samepath.kernels.attention import plan
 from samepath.kernels.attention.backend import run_backward, run_forward
 from samepath.kernels.attention.batch import AttentionBatch, last_dim_contiguous
-from samepath.kernels.attention.forward import DOT_PRECISION, LOG2E, visible
+from samepath.kernels.attention.forward import DOT_PRECISION, LOG2E, visible_mask
 from samepath.kernels.config import padded_head_size
 from samepath.kernels.dispatch import jit
 from samepath.kernels.reductions import row_sum
@@ -145,7 +145,7 @@ def _attention_bwd_kernel(
                 delta = tl.load(Delta + rows * stride_lse_tok + head, mask=row_valid, other=0.0)
 
                 scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
-                visible = visible(offs_m, offs_n, seq_len, sliding_window, CAUSAL, HAS_WINDOW) & row_valid[:, None]
+                visible = visible_mask(offs_m, offs_n, seq_len, sliding_window, CAUSAL, HAS_WINDOW) & row_valid[:, None]
                 p = tl.where(visible, tl.exp2(scores * qk_scale - lse[:, None]), 0.0)
                 dv = tl.dot(tl.trans(p.to(do.dtype)), do, dv, input_precision=DOT_PRECISION)
                 dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)

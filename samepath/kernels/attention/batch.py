@@ -3,8 +3,8 @@
 :class:`AttentionBatch` holds what a launch needs — the query, key and value (contiguous or a paged
 cache), the cumulative query offsets, where each sequence's keys start and how many it has, the
 block table, scale, masking, tiles and the :class:`LaunchPlan` — and is built by one constructor per
-public entry point (:meth:`AttentionBatch.varlen`, :meth:`~AttentionBatch.packed`,
-:meth:`~AttentionBatch.paged`), which run the entry point's argument checks (shapes, dtypes,
+public entry point (:meth:`AttentionBatch.for_varlen`, :meth:`~AttentionBatch.for_packed`,
+:meth:`~AttentionBatch.for_paged`), which run the entry point's argument checks (shapes, dtypes,
 devices; the metadata values too unless ``validate=False``). :meth:`AttentionBatch.check_args` is
 the shape-only check a backend that trusts nothing (the Ascend C one) runs before it loads anything.
 
@@ -131,6 +131,7 @@ def check_kv_start(
             f"where the sliding_window (now {sliding_window}) leaves the missing ones invisible"
         )
 
+
 # ----------------------------------------------------------------------------------------------
 # The launch plan of one batch layout
 # ----------------------------------------------------------------------------------------------
@@ -204,7 +205,6 @@ class LaunchPlan:
             raise ValueError("plan was built from other cumulative-length tensors than the ones passed")
         if num_tokens != self.num_tokens:
             raise ValueError(f"plan was built for {self.num_tokens} query tokens, the query has {num_tokens}")
-
 
 
 # ----------------------------------------------------------------------------------------------
@@ -291,7 +291,7 @@ class AttentionBatch:
     # ------------------------------------------------------------------------------------------
 
     @classmethod
-    def varlen(
+    def for_varlen(
         cls,
         query: torch.Tensor,
         key: torch.Tensor,
@@ -322,10 +322,12 @@ class AttentionBatch:
         cfg = config or attention_config(query.shape[-1], query.dtype, query.device)
         query, key, value = (last_dim_contiguous(t) for t in (query, key, value))
         seq_lens = cu_seqlens[1:] - cu_seqlens[:-1] if plan is None else plan.kv_lens()
-        return cls(query, key, value, cu_seqlens, cu_seqlens, seq_lens, None, scale, causal, sliding_window, cfg, None, plan)
+        return cls(
+            query, key, value, cu_seqlens, cu_seqlens, seq_lens, None, scale, causal, sliding_window, cfg, None, plan
+        )
 
     @classmethod
-    def packed(
+    def for_packed(
         cls,
         query: torch.Tensor,
         key: torch.Tensor,
@@ -369,7 +371,7 @@ class AttentionBatch:
         )  # fmt: skip
 
     @classmethod
-    def paged(
+    def for_paged(
         cls,
         query: torch.Tensor,
         key_cache: torch.Tensor,
@@ -470,7 +472,11 @@ class AttentionBatch:
             raise ValueError(
                 f"block_table must be a 2-D int32/int64 tensor, got {block_table.dtype} {tuple(block_table.shape)}"
             )
-        metadata = {"query_start_loc": self.query_start_loc, "kv_start_loc": self.kv_start_loc, "seq_lens": self.seq_lens}
+        metadata = {
+            "query_start_loc": self.query_start_loc,
+            "kv_start_loc": self.kv_start_loc,
+            "seq_lens": self.seq_lens,
+        }
         if block_table is not None:
             metadata["block_table"] = block_table
         check_same_device(query.device, **metadata)

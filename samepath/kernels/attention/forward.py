@@ -38,7 +38,7 @@ _FP32_BYTES = 4
 
 
 @jit
-def visible(pos_q, pos_k, kv_len, sliding_window, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr):
+def visible_mask(pos_q, pos_k, kv_len, sliding_window, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr):
     """[rows, cols] mask of the keys a query may see; everything else becomes -inf by select."""
     visible = pos_k[None, :] < kv_len
     if CAUSAL:
@@ -158,7 +158,7 @@ def _segment_state(
             other=0.0,
         )
         scores = tl.dot(q, k, input_precision=DOT_PRECISION)
-        visible = visible(pos_q, offs_n, kv_len, sliding_window, CAUSAL, HAS_WINDOW) & inside[None, :]
+        visible = visible_mask(pos_q, offs_n, kv_len, sliding_window, CAUSAL, HAS_WINDOW) & inside[None, :]
         scores = tl.where(visible, scores * qk_scale, float("-inf"))
 
         m_new = tl.maximum(m_i, tl.max(scores, 1))
@@ -346,7 +346,6 @@ def _attention_fwd_kernel(
                 m_run, l_run, acc_run, Out, Lse, q_rows, head, row_valid, stride_o_tok, stride_o_head,
                 stride_lse_tok, HEAD_SIZE, BLOCK_D, STORE_LSE,
             )  # fmt: skip
-
 
 
 def launch_forward(

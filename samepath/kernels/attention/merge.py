@@ -70,7 +70,6 @@ def store_rows(
         tl.store(Lse + q_rows * stride_lse_tok + head, lse, mask=row_valid)
 
 
-
 @jit
 def _attention_merge_kernel(
     PartM,

@@ -13,7 +13,9 @@ from dataclasses import dataclass
 import torch
 
 
-def program_map(cu_seqlens: torch.Tensor, block: int, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def program_map(
+    cu_seqlens: torch.Tensor, block: int, num_tokens: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Number the (sequence, block of ``block`` rows) tasks without a host sync.
 
     Returns ``program_seq`` and ``program_block`` (the sequence and block of task ``i``), sized

@@ -361,4 +361,3 @@ def load() -> Path:
         torch.ops.load_library(str(path))
         _loaded_path = path
         return path
-

@@ -80,6 +80,7 @@ ASCENDC_FORMS = Primitives(
     row_sum=lambda x: np.sum(x, axis=1),
 )
 
+
 def _operand(values: torch.Tensor) -> np.ndarray:
     """A tensor as the cube reads it: fp16 stays fp16, bf16 is widened exactly to fp32."""
     if values.dtype == torch.float16:
