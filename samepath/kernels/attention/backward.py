@@ -12,8 +12,8 @@ import dataclasses
 import torch
 import triton.language as tl
 
+import samepath.kernels.attention.plan as plan
 from samepath.kernels import grid
-from samepath.kernels.attention import plan
 from samepath.kernels.attention.backend import run_backward, run_forward
 from samepath.kernels.attention.batch import AttentionBatch, last_dim_contiguous
 from samepath.kernels.attention.forward import DOT_PRECISION, LOG2E, visible_mask

@@ -19,8 +19,8 @@ from __future__ import annotations
 import torch
 import triton.language as tl
 
+import samepath.kernels.attention.plan as plan
 from samepath.kernels import grid
-from samepath.kernels.attention import plan
 from samepath.kernels.attention.batch import AttentionBatch
 from samepath.kernels.attention.merge import launch_merge, merge_segment, store_rows
 from samepath.kernels.config import padded_head_size
