@@ -1,6 +1,6 @@
 """Attention with one schedule for every caller: training, prefill, chunked prefill and paged decode.
 
-The package is split by phase (docs/architecture.md):
+The package is split by phase:
 
 * :mod:`.api` — the entry points :func:`varlen_attention` (training; autograd, deterministic
   backward), :func:`packed_attention` (contiguous KV with a cached prefix) and :func:`paged_attention`
