@@ -9,8 +9,8 @@ Implementations per pass, each called the way samepath's integrations call it:
 
 * ``ascendc``: ``SAMEPATH_ATTENTION_BACKEND=ascendc`` — ``samepath.varlen_attention`` (training forward),
   ``samepath.paged_attention`` (decode over vLLM-style paged caches, block size 128, vllm-ascend's) and
-  ``loader.attention_backward`` (``csrc/flash_attention_bwd.cpp``, the one-pass schedule
-  ``simulate.simulate_backward`` replays, delta by samepath's row-sum kernel included);
+  the backward of ``samepath.kernels.attention.run_backward`` (``csrc/flash_attention_bwd.cpp``, the one-pass
+  schedule ``ascendc.replay.simulate_backward`` replays, delta by samepath's row-sum kernel included);
 * ``triton``: the same calls on the Triton backend (Triton-Ascend);
 * ``torch_npu``: ``npu_fusion_attention`` (forward: TND, causal ``sparse_mode=3``),
   ``npu_fused_infer_attention_score`` (decode: TND over the paged caches, as vllm-ascend's decode calls
@@ -74,21 +74,21 @@ Run = Callable[[object], list[torch.Tensor]]
 
 @contextlib.contextmanager
 def _backend(name: str) -> Iterator[None]:
-    from samepath.ascendc_fallback import loader
+    from samepath.kernels.attention import BACKEND_ENV
 
-    before = os.environ.get(loader.BACKEND_ENV)
-    os.environ[loader.BACKEND_ENV] = name
+    before = os.environ.get(BACKEND_ENV)
+    os.environ[BACKEND_ENV] = name
     try:
         yield
     finally:
         if before is None:
-            os.environ.pop(loader.BACKEND_ENV, None)
+            os.environ.pop(BACKEND_ENV, None)
         else:
-            os.environ[loader.BACKEND_ENV] = before
+            os.environ[BACKEND_ENV] = before
 
 
 def _training_inputs(case, device: torch.device) -> dict:
-    from samepath.kernels.attention import _launch_forward
+    from samepath.kernels.attention import AttentionBatch, run_forward
     from samepath.kernels.config import attention_config
 
     _, dtype, heads, kv_heads, head, lens = case
@@ -101,9 +101,10 @@ def _training_inputs(case, device: torch.device) -> dict:
     config = attention_config(head, dtype, device)
     scale = head**-0.5
     out = torch.empty_like(q)
+    batch = AttentionBatch(q, k, v, cu, cu, cu[1:] - cu[:-1], None, scale, True, None, config)
     with _backend("triton"):
-        lse = _launch_forward(q, k, v, cu, cu, cu[1:] - cu[:-1], None, scale, True, None, config, True, out)
-    return dict(q=q, k=k, v=v, g=g, out=out, lse=lse, cu=cu, scale=scale, config=config)
+        lse = run_forward(batch, out, store_lse=True)
+    return dict(q=q, k=k, v=v, g=g, out=out, lse=lse, cu=cu, scale=scale, config=config, batch=batch)
 
 
 def _decode_inputs(case, device: torch.device) -> dict:
@@ -136,8 +137,7 @@ def _decode_inputs(case, device: torch.device) -> dict:
 
 def _samepath(pass_name: str, backend: str, x: dict) -> Run:
     import samepath
-    from samepath.ascendc_fallback import loader
-    from samepath.kernels.attention import _attention_backward
+    from samepath.kernels.attention import run_backward
 
     def run(_):
         with _backend(backend), torch.no_grad():
@@ -146,10 +146,7 @@ def _samepath(pass_name: str, backend: str, x: dict) -> Run:
             if pass_name == "decode":
                 args = ("q", "key_cache", "value_cache", "block_table", "query_start_loc", "seq_lens", "scale")
                 return [samepath.paged_attention(*(x[name] for name in args))]
-            grads = (x["q"], x["k"], x["v"], x["out"], x["lse"], x["g"], x["cu"], x["scale"], True, None, x["config"])
-            if backend == "ascendc":
-                return list(loader.attention_backward(*grads))
-            return list(_attention_backward(*grads))
+            return list(run_backward(x["batch"], x["out"], x["lse"], x["g"]))
 
     return run
 

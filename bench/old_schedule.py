@@ -40,7 +40,7 @@ from samepath.kernels.config import AttentionConfig, MatmulConfig, padded_head_s
 from samepath.kernels.dispatch import device_kind
 
 # The modules themselves (samepath.kernels re-exports functions under some of these names).
-attention_module = importlib.import_module("samepath.kernels.attention")
+attention_plan_module = importlib.import_module("samepath.kernels.attention.plan")
 grid_module = importlib.import_module("samepath.kernels.grid")
 matmul_module = importlib.import_module("samepath.kernels.matmul")
 rms_norm_module = importlib.import_module("samepath.kernels.rms_norm")
@@ -89,16 +89,16 @@ def matmul_config(dtype: torch.dtype, device: torch.device) -> MatmulConfig:
 def unpacked_heads() -> Iterator[None]:
     """Every query tile holds one query head (``head_chunk = 1``, ``block_q = block_m``): a KV
     group's heads run as separate programs, each loading the group's K/V tiles."""
-    original = attention_module._packing
+    original = attention_plan_module.packing
 
-    def one_head(group: int, block_m: int) -> attention_module._Packing:
-        return attention_module._Packing(1, block_m, group)
+    def one_head(group: int, block_m: int) -> attention_plan_module.Packing:
+        return attention_plan_module.Packing(1, block_m, group)
 
-    attention_module._packing = one_head
+    attention_plan_module.packing = one_head
     try:
         yield
     finally:
-        attention_module._packing = original
+        attention_plan_module.packing = original
 
 
 @contextlib.contextmanager

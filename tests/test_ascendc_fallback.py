@@ -2,7 +2,7 @@
 
 The kernel itself needs CANN and an Ascend NPU; everything without that dependency runs here: the
 tiling header is compiled with g++ into a driver whose output must equal ``tiling.py`` value for value
-(and the Triton launcher's packing and program map); ``simulate.py`` replays the kernel's steps on that
+(and the Triton launcher's packing and program map); ``ascendc/replay.py`` replays the kernel's steps on that
 tiling and must equal the Triton kernel bit for bit (with negative controls); the kernel's parameters,
 the host's launch and the CMake definitions are read from the sources; the build cache and its lock are
 exercised with a fake builder.
@@ -22,13 +22,16 @@ import struct
 import subprocess
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 import samepath
-from samepath.ascendc_fallback import loader, tiling
-from samepath.kernels.attention import _packing, _program_map
+from samepath.kernels.attention import backend
+from samepath.kernels.attention.ascendc import build, launch, tiling
+from samepath.kernels.attention.batch import AttentionBatch
+from samepath.kernels.attention.plan import packing, program_map
 from samepath.kernels.config import ATTENTION_TABLE, NUMERICS_VERSION
 from samepath.kernels.config import dtype_name as config_dtype_name
 
@@ -36,6 +39,41 @@ from samepath.kernels.config import dtype_name as config_dtype_name
 pytestmark = pytest.mark.interpreter
 
 CSRC = Path(tiling.__file__).resolve().parent / "csrc"
+
+
+def _tiles(block_m: int = 16, tile_n: int = 32, seg: int = 64, bwd_block_m: int = 16, bwd_block_n: int = 16):
+    """Tiles as a batch's ``config`` reads them, unchecked (so that the launchers' own checks are tested)."""
+    return SimpleNamespace(block_m=block_m, tile_n=tile_n, seg=seg, bwd_block_m=bwd_block_m, bwd_block_n=bwd_block_n)
+
+
+def _batch(*args, block_m: int = 16, tile_n: int = 32, seg: int = 64, bwd_block_m: int = 16, bwd_block_n: int = 16):
+    """An ``AttentionBatch`` from the launcher's positional arguments (query, key, value, query_start_loc,
+    kv_start_loc, seq_lens, block_table, scale[, causal, sliding_window]) and its tiles."""
+    return AttentionBatch(*args, config=_tiles(block_m, tile_n, seg, bwd_block_m, bwd_block_n))
+
+
+def _fwd(*args, **tiles):
+    """``launch.flash_attention_fwd`` of :func:`_batch` of the arguments: ``(out, lse)``."""
+    return launch.flash_attention_fwd(_batch(*args, **tiles))
+
+
+def _clamped(query, key, query_start_loc, kv_start_loc, seq_lens, block_table):
+    """``launch.clamp_metadata``'s ``(query_start_loc, kv_start_loc, seq_lens, block_table)``."""
+    batch = launch.clamp_metadata(_batch(query, key, key, query_start_loc, kv_start_loc, seq_lens, block_table, 0.125))
+    return batch.query_start_loc, batch.kv_start_loc, batch.seq_lens, batch.block_table
+
+
+def _simulate(*args, block_m: int, tile_n: int, seg: int, **options):
+    """``replay.simulate_forward`` of :func:`_batch` of the arguments (``options``: cores, primitives, ...)."""
+    from samepath.kernels.attention.ascendc import replay
+
+    return replay.simulate_forward(_batch(*args, block_m=block_m, tile_n=tile_n, seg=seg), **options)
+
+
+def _training_batch(q, k, v, cu, scale, causal, window, config) -> AttentionBatch:
+    """The batch ``varlen_attention`` builds: self-attention over packed sequences ``cu``."""
+    return AttentionBatch(q, k, v, cu, cu, cu[1:] - cu[:-1], None, scale, causal, window, config)
+
 
 DRIVER = r"""
 #include <cstdio>
@@ -352,13 +390,13 @@ def test_cpp_and_python_tilings_are_identical(driver: Path, case: str) -> None:
     assert cpp_programs == py_programs
     assert cpp_items == py_items
     # The packing and the program map are the Triton launcher's: blocks of block_q queries.
-    pack = _packing(params.num_heads // params.num_kv_heads, params.block_m)
+    pack = packing(params.num_heads // params.num_kv_heads, params.block_m)
     assert (py_fields["head_chunk"], py_fields["block_q"], py_fields["num_chunks"]) == (
         pack.head_chunk,
         pack.block_q,
         pack.num_chunks,
     )
-    seq, block, num_blocks = _program_map(torch.tensor(cu, dtype=torch.int32), pack.block_q, params.num_tokens)
+    seq, block, num_blocks = program_map(torch.tensor(cu, dtype=torch.int32), pack.block_q, params.num_tokens)
     assert num_blocks.tolist() == [py_fields["num_blocks"]]
     assert list(zip(seq.tolist(), block.tolist(), strict=True)) == py_programs
     assert py_fields["ub_bytes"] <= params.ub_capacity
@@ -507,27 +545,27 @@ def test_frozen_npu_tiles_fit_the_unified_buffer() -> None:
 
 
 def test_backend_defaults_to_triton(monkeypatch) -> None:
-    monkeypatch.delenv(loader.BACKEND_ENV, raising=False)
-    assert loader.attention_backend() == "triton"
-    monkeypatch.setenv(loader.BACKEND_ENV, "ascendc")
-    assert loader.attention_backend() == "ascendc"
-    ascendc = loader.backend_fingerprint()
-    monkeypatch.setenv(loader.BACKEND_ENV, "triton")
-    assert loader.backend_fingerprint() != ascendc
+    monkeypatch.delenv(backend.BACKEND_ENV, raising=False)
+    assert backend.attention_backend() == "triton"
+    monkeypatch.setenv(backend.BACKEND_ENV, "ascendc")
+    assert backend.attention_backend() == "ascendc"
+    ascendc = backend.backend_fingerprint()
+    monkeypatch.setenv(backend.BACKEND_ENV, "triton")
+    assert backend.backend_fingerprint() != ascendc
 
 
 def test_invalid_backend_is_refused(monkeypatch) -> None:
-    monkeypatch.setenv(loader.BACKEND_ENV, "cuda")
+    monkeypatch.setenv(backend.BACKEND_ENV, "cuda")
     with pytest.raises(ValueError, match="SAMEPATH_ATTENTION_BACKEND"):
-        loader.attention_backend()
+        backend.attention_backend()
 
 
 def test_ascendc_without_cann_raises_with_the_reason(monkeypatch) -> None:
-    monkeypatch.setenv(loader.BACKEND_ENV, "ascendc")
+    monkeypatch.setenv(backend.BACKEND_ENV, "ascendc")
     monkeypatch.delenv("ASCEND_HOME_PATH", raising=False)
-    monkeypatch.setattr(loader, "_loaded_path", None)
+    monkeypatch.setattr(build, "_loaded_path", None)
     with pytest.raises(RuntimeError, match="CANN"):
-        loader.load()
+        build.load()
 
 
 def _small_inputs():
@@ -541,17 +579,17 @@ def test_flash_attention_fwd_checks_arguments_before_loading() -> None:
     q, k, v, cu, kv_cu, lens = _small_inputs()
     tiles = {"block_m": 16, "tile_n": 64, "seg": 256}
     with pytest.raises(ValueError, match="tile_n"):
-        loader.flash_attention_fwd(q, k, v, cu, kv_cu, lens, None, 0.125, **{**tiles, "tile_n": 128})
+        _fwd(q, k, v, cu, kv_cu, lens, None, 0.125, **{**tiles, "tile_n": 128})
     with pytest.raises(ValueError, match="seg"):
-        loader.flash_attention_fwd(q, k, v, cu, kv_cu, lens, None, 0.125, **{**tiles, "seg": 96})
+        _fwd(q, k, v, cu, kv_cu, lens, None, 0.125, **{**tiles, "seg": 96})
     with pytest.raises(ValueError, match="value"):
-        loader.flash_attention_fwd(q, k, v[:, :1], cu, kv_cu, lens, None, 0.125, **tiles)
+        _fwd(q, k, v[:, :1], cu, kv_cu, lens, None, 0.125, **tiles)
     with pytest.raises(ValueError, match="seq_lens"):
-        loader.flash_attention_fwd(q, k, v, cu, kv_cu, lens[:1], None, 0.125, **tiles)
+        _fwd(q, k, v, cu, kv_cu, lens[:1], None, 0.125, **tiles)
     with pytest.raises(ValueError, match="sliding_window"):
-        loader.flash_attention_fwd(q, k, v, cu, kv_cu, lens, None, 0.125, False, 4, **tiles)
+        _fwd(q, k, v, cu, kv_cu, lens, None, 0.125, False, 4, **tiles)
     with pytest.raises(RuntimeError, match="NPU tensors only"):
-        loader.flash_attention_fwd(q, k, v, cu, kv_cu, lens, None, 0.125, **tiles)
+        _fwd(q, k, v, cu, kv_cu, lens, None, 0.125, **tiles)
 
 
 def _paged_metadata():
@@ -568,7 +606,7 @@ def test_loader_clamping_keeps_consistent_metadata() -> None:
     q, cache, qsl, kvsl, lens, table = _paged_metadata()
     q2, k2, _, cu, kv_cu, kv_lens = _small_inputs()
     for args in ((q, cache, qsl, kvsl, lens, table), (q2, k2, cu, kv_cu, kv_lens, None)):
-        for given, clamped in zip(args[2:], loader.clamp_metadata(*args), strict=True):
+        for given, clamped in zip(args[2:], _clamped(*args), strict=True):
             assert (given is None and clamped is None) or (clamped.dtype == given.dtype and torch.equal(clamped, given))
 
 
@@ -604,10 +642,10 @@ def test_loader_clamps_every_offset_the_kernel_reads(bad: str) -> None:
     qsl, kvsl, lens = qsl.clone(), kvsl.clone(), lens.clone()
     table = None if table is None else table.clone()
     change()
-    new_qsl, new_kvsl, new_lens, new_table = loader.clamp_metadata(q, key, qsl, kvsl, lens, table)
+    new_qsl, new_kvsl, new_lens, new_table = _clamped(q, key, qsl, kvsl, lens, table)
     num_tokens, num_seqs = q.shape[0], qsl.numel() - 1
     assert new_qsl.min() >= 0 and new_qsl.max() <= num_tokens and (new_qsl.diff() >= 0).all()
-    program_seq, _, num_blocks = _program_map(new_qsl, 2, num_tokens)
+    program_seq, _, num_blocks = program_map(new_qsl, 2, num_tokens)
     assert 0 <= int(num_blocks) <= program_seq.numel()
     assert new_lens.min() >= 0
     if paged:
@@ -635,37 +673,37 @@ def test_loader_clamps_before_the_kernel_and_checks_the_shapes(monkeypatch) -> N
         calls.append(args)
         return loader_clamp(*args)
 
-    loader_clamp = loader.clamp_metadata
-    monkeypatch.setattr(loader, "clamp_metadata", recording)
+    loader_clamp = launch.clamp_metadata
+    monkeypatch.setattr(launch, "clamp_metadata", recording)
     with pytest.raises(RuntimeError, match="NPU tensors only"):
-        loader.flash_attention_fwd(q, key, key.clone(), qsl, kvsl, lens, table, 0.125, **tiles)
-    assert len(calls) == 1 and calls[0][2] is qsl
+        _fwd(q, key, key.clone(), qsl, kvsl, lens, table, 0.125, **tiles)
+    assert len(calls) == 1 and calls[0][0].query_start_loc is qsl
     with pytest.raises(ValueError, match="block_table has 1 rows for 2 sequences"):
-        loader.flash_attention_fwd(q, key, key.clone(), qsl, kvsl, lens, table[:1], 0.125, **tiles)
+        _fwd(q, key, key.clone(), qsl, kvsl, lens, table[:1], 0.125, **tiles)
     q2, k2, v2, cu, kv_cu, kv_lens = _small_inputs()
     with pytest.raises(ValueError, match="kv_start_loc has 1 entries for 2 sequences"):
-        loader.flash_attention_fwd(q2, k2, v2, cu, kv_cu[:1], kv_lens, None, 0.125, **tiles)
+        _fwd(q2, k2, v2, cu, kv_cu[:1], kv_lens, None, 0.125, **tiles)
 
 
 def test_switch_routes_every_attention_caller_and_changes_the_fingerprint(monkeypatch) -> None:
     """``SAMEPATH_ATTENTION_BACKEND=ascendc`` reaches samepath's attention launcher (here it refuses
     CPU tensors rather than running Triton) and is part of ``samepath.fingerprint()``."""
     q, k, v, cu, _, _ = _small_inputs()
-    monkeypatch.delenv(loader.BACKEND_ENV, raising=False)
+    monkeypatch.delenv(backend.BACKEND_ENV, raising=False)
     triton_fingerprint = samepath.fingerprint()
     reference = samepath.varlen_attention(q, k, v, cu)
-    monkeypatch.setenv(loader.BACKEND_ENV, "ascendc")
+    monkeypatch.setenv(backend.BACKEND_ENV, "ascendc")
     ascendc_fingerprint = samepath.fingerprint()
     assert ascendc_fingerprint != triton_fingerprint
-    assert loader.backend_fingerprint()["backward_numerics_version"] == NUMERICS_VERSION
+    assert backend.backend_fingerprint()["backward_numerics_version"] == NUMERICS_VERSION
     # The backward's schedule is part of it: another Ascend C backward is another fingerprint.
-    monkeypatch.setattr(loader, "ASCENDC_BACKWARD_SCHEDULE", loader.ASCENDC_BACKWARD_SCHEDULE + " (changed)")
+    monkeypatch.setattr(build, "ASCENDC_BACKWARD_SCHEDULE", build.ASCENDC_BACKWARD_SCHEDULE + " (changed)")
     assert samepath.fingerprint() != ascendc_fingerprint
     monkeypatch.undo()
-    monkeypatch.setenv(loader.BACKEND_ENV, "ascendc")
+    monkeypatch.setenv(backend.BACKEND_ENV, "ascendc")
     with pytest.raises(RuntimeError, match="NPU tensors only"):
         samepath.varlen_attention(q, k, v, cu)
-    monkeypatch.setenv(loader.BACKEND_ENV, "triton")
+    monkeypatch.setenv(backend.BACKEND_ENV, "triton")
     assert samepath.fingerprint() == triton_fingerprint
     assert torch.equal(samepath.varlen_attention(q, k, v, cu), reference)
 
@@ -698,7 +736,7 @@ def _paged_copy(key: torch.Tensor, value: torch.Tensor, page_size: int, gen: tor
 
 
 def _training_and_served(fwd, dtype, chunks, tiles, serve_seg, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """One GQA sequence through ``fwd`` (``loader.flash_attention_fwd``'s arguments, returns ``out``): as a
+    """One GQA sequence through ``fwd`` (``launch.flash_attention_fwd``'s arguments, returns ``out``): as a
     training call, and served in ``chunks`` (chunked prefill, then one-token decode steps) from a
     shuffled paged cache with segment length ``serve_seg``."""
     gen = torch.Generator().manual_seed(1)
@@ -722,10 +760,9 @@ def _training_and_served(fwd, dtype, chunks, tiles, serve_seg, device) -> tuple[
 def test_replayed_training_rows_equal_chunked_and_decode_rows() -> None:
     """The kernel's schedule, replayed: training rows == chunked prefill / decode rows from a paged cache;
     serving with another segment length differs (negative control)."""
-    from samepath.ascendc_fallback import simulate
 
     def replay(*args, **tiles):
-        return simulate.simulate_forward(*args, **tiles)[0]
+        return _simulate(*args, **tiles)[0]
 
     chunks = [17, 30, 15, *[1] * 8]
     trained, served = _training_and_served(replay, torch.bfloat16, chunks, SIM_TILES, SIM_TILES["seg"], "cpu")
@@ -738,14 +775,14 @@ def test_replayed_training_rows_equal_chunked_and_decode_rows() -> None:
 def test_ascendc_kernel_training_rows_equal_chunked_and_decode_rows(dtype: torch.dtype) -> None:
     """On the NPU: the same, with the Ascend C kernel and the frozen NPU tiles (seg 256: the sequence crosses
     a segment boundary)."""
-    reasons = loader.missing_requirements()
+    reasons = build.missing_requirements()
     if reasons:
         pytest.skip("needs CANN and an Ascend NPU: " + "; ".join(reasons))
     cfg = ATTENTION_TABLE["npu", config_dtype_name(dtype), 128]
     tiles = {"block_m": cfg.block_m, "tile_n": cfg.tile_n, "seg": cfg.seg}
 
     def kernel(*args, **tiles):
-        return loader.flash_attention_fwd(*args, **tiles)[0]
+        return _fwd(*args, **tiles)[0]
 
     chunks = [37, 100, 150, *[1] * 13]
     npu = torch.device("npu")
@@ -756,7 +793,7 @@ def test_ascendc_kernel_training_rows_equal_chunked_and_decode_rows(dtype: torch
 
 
 def test_ascendc_kernel_matches_fp64_and_is_batch_invariant() -> None:
-    reasons = loader.missing_requirements()
+    reasons = build.missing_requirements()
     if reasons:
         pytest.skip("needs CANN and an Ascend NPU: " + "; ".join(reasons))
     gen = torch.Generator().manual_seed(0)
@@ -769,7 +806,7 @@ def test_ascendc_kernel_matches_fp64_and_is_batch_invariant() -> None:
     cfg = ATTENTION_TABLE["npu", "bfloat16", 128]
     npu = torch.device("npu")
     args = (q.to(npu), k.to(npu), v.to(npu), cu.to(npu), cu.to(npu), (cu[1:] - cu[:-1]).to(npu), None, head**-0.5)
-    out, _ = loader.flash_attention_fwd(*args, block_m=cfg.block_m, tile_n=cfg.tile_n, seg=cfg.seg)
+    out, _ = _fwd(*args, block_m=cfg.block_m, tile_n=cfg.tile_n, seg=cfg.seg)
     out = out.cpu()
     for s, (start, end) in enumerate(zip(cu[:-1].tolist(), cu[1:].tolist(), strict=True)):
         qs, ks, vs = (t[start:end].double().transpose(0, 1) for t in (q, k, v))
@@ -781,7 +818,7 @@ def test_ascendc_kernel_matches_fp64_and_is_batch_invariant() -> None:
         # The second sequence alone gives the same bits as inside the batch.
         single = (t.to(npu) for t in (q[start:end], k[start:end], v[start:end]))
         one = torch.tensor([0, end - start], dtype=torch.int32, device=npu)
-        alone, _ = loader.flash_attention_fwd(
+        alone, _ = _fwd(
             *single, one, one, one[1:], None, head**-0.5, block_m=cfg.block_m, tile_n=cfg.tile_n, seg=cfg.seg
         )
         assert torch.equal(alone.cpu(), out[start:end])
@@ -908,7 +945,7 @@ def test_launch_convention_check_catches_the_previous_layouts() -> None:
 # Build cache and cross-process lock
 # ----------------------------------------------------------------------------------------------
 
-_KEY = loader.BuildKey(soc="Ascend910B3", cann="8.3.RC1", torch_npu="2.8.0", torch="2.8.0", sources="ab" * 32)
+_KEY = build.BuildKey(soc="Ascend910B3", cann="8.3.RC1", torch_npu="2.8.0", torch="2.8.0", sources="ab" * 32)
 
 
 def test_build_key_changes_with_each_input(tmp_path) -> None:
@@ -917,13 +954,13 @@ def test_build_key_changes_with_each_input(tmp_path) -> None:
         digests.add(dataclasses.replace(_KEY, **{field: other}).digest())
     copy = tmp_path / "csrc"
     shutil.copytree(CSRC, copy)
-    before = loader.source_digest(copy)
-    assert before == loader.source_digest(CSRC)
+    before = build.source_digest(copy)
+    assert before == build.source_digest(CSRC)
     kernel = copy / "flash_attention_fwd.cpp"
     kernel.write_text(kernel.read_text() + "\n")
-    digests.add(dataclasses.replace(_KEY, sources=loader.source_digest(copy)).digest())
+    digests.add(dataclasses.replace(_KEY, sources=build.source_digest(copy)).digest())
     assert len(digests) == 6
-    assert loader.library_path(_KEY, tmp_path).parent.name == _KEY.digest()
+    assert build.library_path(_KEY, tmp_path).parent.name == _KEY.digest()
 
 
 def test_cann_version_is_read_from_the_toolkit(tmp_path) -> None:
@@ -931,84 +968,84 @@ def test_cann_version_is_read_from_the_toolkit(tmp_path) -> None:
     (tmp_path / "x86_64-linux" / "ascend_toolkit_install.info").write_text(
         "package_name=Ascend-cann-toolkit\nversion=8.3.RC1\n"
     )
-    assert loader.cann_version(str(tmp_path)) == "8.3.RC1"
+    assert build.cann_version(str(tmp_path)) == "8.3.RC1"
     (tmp_path / "version.cfg").write_text("# comment\ntoolkit_installed_version=[9.0.0:9.0.0]\n")
-    assert loader.cann_version(str(tmp_path)) == "9.0.0:9.0.0"
+    assert build.cann_version(str(tmp_path)) == "9.0.0:9.0.0"
     empty = tmp_path / "empty"
     empty.mkdir()
-    assert loader.cann_version(str(empty)) == f"unknown@{empty.resolve()}"
+    assert build.cann_version(str(empty)) == f"unknown@{empty.resolve()}"
     with pytest.raises(RuntimeError, match="ASCEND_HOME_PATH"):
-        loader.cann_version(str(tmp_path / "missing"))
+        build.cann_version(str(tmp_path / "missing"))
 
 
 def test_soc_comes_from_the_override_or_the_device(monkeypatch) -> None:
-    monkeypatch.setenv(loader.SOC_VERSION_ENV, "Ascend910_9382")
-    assert loader.detect_soc() == "Ascend910_9382"
-    monkeypatch.delenv(loader.SOC_VERSION_ENV)
-    monkeypatch.setattr(loader, "missing_requirements", lambda: ["torch_npu is not installed"])
-    with pytest.raises(RuntimeError, match=loader.SOC_VERSION_ENV):
-        loader.detect_soc()
+    monkeypatch.setenv(build.SOC_VERSION_ENV, "Ascend910_9382")
+    assert build.detect_soc() == "Ascend910_9382"
+    monkeypatch.delenv(build.SOC_VERSION_ENV)
+    monkeypatch.setattr(build, "missing_requirements", lambda: ["torch_npu is not installed"])
+    with pytest.raises(RuntimeError, match=build.SOC_VERSION_ENV):
+        build.detect_soc()
 
 
 def test_missing_library_is_not_built_unless_allowed(tmp_path) -> None:
     calls = []
-    with pytest.raises(RuntimeError, match=re.escape(loader.BUILD_COMMAND)) as error:
-        loader.ensure_library(_KEY, allow_build=False, root=tmp_path, builder=lambda d, k: calls.append(d))
+    with pytest.raises(RuntimeError, match=re.escape(build.BUILD_COMMAND)) as error:
+        build.ensure_library(_KEY, allow_build=False, root=tmp_path, builder=lambda d, k: calls.append(d))
     assert "Ascend910B3" in str(error.value) and "8.3.RC1" in str(error.value)
     assert calls == []
-    path = loader.ensure_library(
-        _KEY, allow_build=True, root=tmp_path, builder=lambda d, k: (d / loader.LIBRARY_NAME).write_text(k.soc)
+    path = build.ensure_library(
+        _KEY, allow_build=True, root=tmp_path, builder=lambda d, k: (d / build.LIBRARY_NAME).write_text(k.soc)
     )
-    assert path == loader.library_path(_KEY, tmp_path) and path.read_text() == "Ascend910B3"
+    assert path == build.library_path(_KEY, tmp_path) and path.read_text() == "Ascend910B3"
     assert json.loads((path.parent / "build_key.json").read_text())["cann"] == "8.3.RC1"
-    assert loader.ensure_library(_KEY, allow_build=False, root=tmp_path) == path
+    assert build.ensure_library(_KEY, allow_build=False, root=tmp_path) == path
 
 
 def test_load_in_a_worker_names_the_build_command(monkeypatch, tmp_path) -> None:
-    monkeypatch.setattr(loader, "_loaded_path", None)
-    monkeypatch.setattr(loader, "missing_requirements", lambda: [])
-    monkeypatch.setattr(loader, "current_build_key", lambda soc=None: _KEY)
-    monkeypatch.setenv(loader.BUILD_DIR_ENV, str(tmp_path))
-    monkeypatch.delenv(loader.ALLOW_BUILD_ENV, raising=False)
+    monkeypatch.setattr(build, "_loaded_path", None)
+    monkeypatch.setattr(build, "missing_requirements", lambda: [])
+    monkeypatch.setattr(build, "current_build_key", lambda soc=None: _KEY)
+    monkeypatch.setenv(build.BUILD_DIR_ENV, str(tmp_path))
+    monkeypatch.delenv(build.ALLOW_BUILD_ENV, raising=False)
     built = []
-    monkeypatch.setattr(loader, "cmake_build", lambda d, k: built.append(k))
-    with pytest.raises(RuntimeError, match=re.escape(loader.BUILD_COMMAND)):
-        loader.load()
+    monkeypatch.setattr(build, "cmake_build", lambda d, k: built.append(k))
+    with pytest.raises(RuntimeError, match=re.escape(build.BUILD_COMMAND)):
+        build.load()
     assert built == []
-    monkeypatch.setenv(loader.ALLOW_BUILD_ENV, "1")
+    monkeypatch.setenv(build.ALLOW_BUILD_ENV, "1")
     with pytest.raises(RuntimeError, match="wrote no"):  # allowed: the (fake) CMake build runs
-        loader.load()
+        build.load()
     assert built == [_KEY]
 
 
 def test_build_command_reports_what_is_missing(monkeypatch, capsys) -> None:
     from samepath.ascendc_fallback.__main__ import main
 
-    monkeypatch.delenv(loader.SOC_VERSION_ENV, raising=False)
-    monkeypatch.setattr(loader, "missing_requirements", lambda: ["torch_npu is not installed"])
+    monkeypatch.delenv(build.SOC_VERSION_ENV, raising=False)
+    monkeypatch.setattr(build, "missing_requirements", lambda: ["torch_npu is not installed"])
     assert main(["build"]) == 1
     assert "torch_npu is not installed" in capsys.readouterr().err
 
 
 def test_schedule_guard_fails_closed() -> None:
-    loader.check_schedule()  # the forward schedule is version 2's, unchanged in version 3
+    build.check_schedule()  # the forward schedule is version 2's, unchanged in version 3
     with pytest.raises(RuntimeError, match="numerics version"):
-        loader.check_schedule(max(loader.FORWARD_SCHEDULE_VERSIONS) + 1)
+        build.check_schedule(max(build.FORWARD_SCHEDULE_VERSIONS) + 1)
 
 
-def _fake_build(directory: Path, key: loader.BuildKey) -> None:
+def _fake_build(directory: Path, key: build.BuildKey) -> None:
     with open(directory.parent.parent / "builds.log", "a") as log:
         log.write(f"{os.getpid()}\n")
     time.sleep(1.0)
-    (directory / loader.LIBRARY_NAME).write_text(str(os.getpid()))
+    (directory / build.LIBRARY_NAME).write_text(str(os.getpid()))
 
 
 def _racer(root: Path, barrier, results, locked: bool) -> None:
     if not locked:
-        loader.file_lock = lambda path: contextlib.nullcontext()
+        build.file_lock = lambda path: contextlib.nullcontext()
     barrier.wait()
     try:
-        results.put(str(loader.ensure_library(_KEY, allow_build=True, root=root / "cache", builder=_fake_build)))
+        results.put(str(build.ensure_library(_KEY, allow_build=True, root=root / "cache", builder=_fake_build)))
     except Exception as error:  # an unlocked racer may trip over another's rename
         results.put(f"error: {error}")
 
@@ -1097,8 +1134,7 @@ _TRITON_RESULTS: dict[str, tuple] = {}
 def _triton_and_replay(name: str, **replay):
     """The Triton kernel's ``(out, lse)`` for ``SIM_CASES[name]`` (computed once per case: the interpreter is
     slow, under Triton-Ascend's most of all) and the replay's, with ``replay`` overriding its tiles."""
-    from samepath.ascendc_fallback import simulate
-    from samepath.kernels.attention import _launch_forward
+    from samepath.kernels.attention import run_forward
     from samepath.kernels.config import AttentionConfig
 
     case = SIM_CASES[name]
@@ -1107,19 +1143,16 @@ def _triton_and_replay(name: str, **replay):
     if name not in _TRITON_RESULTS:
         out = torch.empty_like(query)
         config = AttentionConfig(block_m=SIM_TILES["block_m"], tile_n=SIM_TILES["tile_n"], seg=SIM_TILES["seg"])
-        lse = _launch_forward(
-            query, key, value, cu, kv_start, lens, table, scale, causal, window, config, True, out, False
-        )
+        batch = AttentionBatch(query, key, value, cu, kv_start, lens, table, scale, causal, window, config)
+        lse = run_forward(batch, out, store_lse=True, split_kv=False)
         _TRITON_RESULTS[name] = (out, lse)
-    replayed = simulate.simulate_forward(
-        query, key, value, cu, kv_start, lens, table, scale, causal, window, **{**SIM_TILES, **replay}
-    )
+    replayed = _simulate(query, key, value, cu, kv_start, lens, table, scale, causal, window, **{**SIM_TILES, **replay})
     return _TRITON_RESULTS[name], replayed
 
 
 @pytest.mark.parametrize("name", list(SIM_CASES))
 def test_ascendc_schedule_replay_equals_the_triton_kernel(monkeypatch, name: str) -> None:
-    monkeypatch.delenv(loader.BACKEND_ENV, raising=False)
+    monkeypatch.delenv(backend.BACKEND_ENV, raising=False)
     (out, lse), (sim_out, sim_lse) = _triton_and_replay(name)
     assert torch.equal(sim_out, out)
     assert torch.equal(sim_lse, lse)
@@ -1127,7 +1160,7 @@ def test_ascendc_schedule_replay_equals_the_triton_kernel(monkeypatch, name: str
 
 def test_replay_does_not_depend_on_the_core_count(monkeypatch) -> None:
     """How many vector cores share the work items moves no bit (each item is whole on one core)."""
-    monkeypatch.delenv(loader.BACKEND_ENV, raising=False)
+    monkeypatch.delenv(backend.BACKEND_ENV, raising=False)
     _, reference = _triton_and_replay("paged_fp16_h80_group3_window", num_cores=1)
     for cores in (2, 7, 40):
         _, replayed = _triton_and_replay("paged_fp16_h80_group3_window", num_cores=cores)
@@ -1137,7 +1170,7 @@ def test_replay_does_not_depend_on_the_core_count(monkeypatch) -> None:
 def test_schedule_replay_detects_a_different_schedule(monkeypatch) -> None:
     """Negative controls: the numerics-v1 schedule (one state per item, no segments), another KV tile and
     a missing accumulator rescale each give other bits."""
-    monkeypatch.delenv(loader.BACKEND_ENV, raising=False)
+    monkeypatch.delenv(backend.BACKEND_ENV, raising=False)
     for replay in ({"seg": 4096}, {"tile_n": 32}, {"rescale_accumulator": False}):
         (out, _), (sim_out, _) = _triton_and_replay("varlen_bf16_h64_group2", **replay)
         assert not torch.equal(sim_out, out), replay
@@ -1146,9 +1179,9 @@ def test_schedule_replay_detects_a_different_schedule(monkeypatch) -> None:
 def test_ascendc_formula_forms_stay_close_to_fp64(monkeypatch) -> None:
     """The kernel's instruction forms (exp2 as exp(x ln 2), acc + P@V) on the same schedule: correct to
     fp64 within the dtype's rounding (their device bits are proven only on an NPU)."""
-    from samepath.ascendc_fallback import simulate
+    from samepath.kernels.attention.ascendc import replay as simulate
 
-    monkeypatch.delenv(loader.BACKEND_ENV, raising=False)
+    monkeypatch.delenv(backend.BACKEND_ENV, raising=False)
     case = SIM_CASES["mqa_fp32_h48_group20_noncausal"]
     _, (forms, _) = _triton_and_replay("mqa_fp32_h48_group20_noncausal", primitives=simulate.ASCENDC_FORMS)
     query, key, value, cu, *_ = _attention_inputs(case, 0)
@@ -1183,8 +1216,8 @@ BWD_CASES = {
 def _triton_and_replayed_backward(name: str):
     """The Triton backward's ``(dq, dk, dv)`` for ``BWD_CASES[name]`` (once per case) and a function replaying
     the Ascend C backward with changed tiles or order."""
-    from samepath.ascendc_fallback import simulate
-    from samepath.kernels.attention import _attention_backward, _launch_forward
+    from samepath.kernels.attention import run_backward, run_forward
+    from samepath.kernels.attention.ascendc import replay as simulate
     from samepath.kernels.config import AttentionConfig, row_reduce_config
 
     case = BWD_CASES[name]
@@ -1198,15 +1231,16 @@ def _triton_and_replayed_backward(name: str):
     causal, window, scale = case.get("causal", True), case.get("window"), head**-0.5
     config = AttentionConfig(block_m=16, tile_n=32, seg=64, bwd_block_m=16, bwd_block_n=16)
     out = torch.empty_like(q)
-    lse = _launch_forward(q, k, v, cu, cu, cu[1:] - cu[:-1], None, scale, causal, window, config, True, out)
+    batch = _training_batch(q, k, v, cu, scale, causal, window, config)
+    lse = run_forward(batch, out, store_lse=True)
     if name not in _BWD_RESULTS:
-        _BWD_RESULTS[name] = _attention_backward(q, k, v, out, lse, grad, cu, scale, causal, window, config)
+        _BWD_RESULTS[name] = run_backward(batch, out, lse, grad)
     delta = simulate.replay_delta(grad, out, row_reduce_config("cpu").vocab_chunk)
 
-    def replayed(two_pass: bool = False, **change):
-        tiles = {"bwd_block_m": 16, "bwd_block_n": 16, **change}
+    def replayed(two_pass: bool = False, bwd_block_m: int = 16, bwd_block_n: int = 16, **options):
+        tiles = _tiles(bwd_block_m=bwd_block_m, bwd_block_n=bwd_block_n)
         run = simulate.simulate_backward_two_pass if two_pass else simulate.simulate_backward
-        return run(q, k, v, lse, delta, grad, cu, scale, causal, window, **tiles)
+        return run(dataclasses.replace(batch, config=tiles), lse, delta, grad, **options)
 
     return _BWD_RESULTS[name], replayed
 
@@ -1214,7 +1248,7 @@ def _triton_and_replayed_backward(name: str):
 @pytest.mark.parametrize("name", list(BWD_CASES))
 def test_backward_replay_equals_the_triton_backward(monkeypatch, name: str) -> None:
     """The one-pass Ascend C backward, replayed step by step, is bitwise the Triton backward (numerics 3)."""
-    monkeypatch.delenv(loader.BACKEND_ENV, raising=False)
+    monkeypatch.delenv(backend.BACKEND_ENV, raising=False)
     expected, replay = _triton_and_replayed_backward(name)
     for grad_name, got, want in zip(("dq", "dk", "dv"), replay(), expected, strict=True):
         assert torch.equal(got, want), grad_name
@@ -1222,7 +1256,7 @@ def test_backward_replay_equals_the_triton_backward(monkeypatch, name: str) -> N
 
 def test_backward_replay_does_not_depend_on_the_core_count(monkeypatch) -> None:
     """The dQ turns order the partials whatever the cores interleave: 1, 2 or 7 cores, the same bits."""
-    monkeypatch.delenv(loader.BACKEND_ENV, raising=False)
+    monkeypatch.delenv(backend.BACKEND_ENV, raising=False)
     expected, replay = _triton_and_replayed_backward("bf16_h80_group4_window")
     for cores in (1, 2, 7):
         assert all(torch.equal(a, b) for a, b in zip(replay(num_cores=cores), expected, strict=True)), cores
@@ -1231,7 +1265,7 @@ def test_backward_replay_does_not_depend_on_the_core_count(monkeypatch) -> None:
 def test_backward_replay_detects_another_schedule(monkeypatch) -> None:
     """Negative controls: numerics 2's two-pass order, another KV tile, another query tile, and dQ partials
     summed from the last KV tile down each give other bits (and the same gradient within rounding)."""
-    monkeypatch.delenv(loader.BACKEND_ENV, raising=False)
+    monkeypatch.delenv(backend.BACKEND_ENV, raising=False)
     (dq, dk, dv), replay = _triton_and_replayed_backward("fp32_h64_group2")
     two_pass = replay(two_pass=True)
     assert not torch.equal(two_pass[0], dq) and not torch.equal(two_pass[1], dk)
@@ -1253,9 +1287,9 @@ def test_backward_replay_detects_another_schedule(monkeypatch) -> None:
 def test_backward_replay_with_the_kernel_forms_stays_close(monkeypatch) -> None:
     """The kernel's instruction forms (exp2 as exp(x ln 2), acc + dot) on the same schedule: the same
     gradient as the Triton backward within fp32 rounding (their device bits are proven only on an NPU)."""
-    from samepath.ascendc_fallback import simulate
+    from samepath.kernels.attention.ascendc import replay as simulate
 
-    monkeypatch.delenv(loader.BACKEND_ENV, raising=False)
+    monkeypatch.delenv(backend.BACKEND_ENV, raising=False)
     expected, replay = _triton_and_replayed_backward("fp32_h80_group2_window")
     for got, want in zip(replay(primitives=simulate.ASCENDC_FORMS), expected, strict=True):
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
@@ -1263,7 +1297,7 @@ def test_backward_replay_with_the_kernel_forms_stays_close(monkeypatch) -> None:
 
 def test_delta_replay_is_the_row_sum_kernel() -> None:
     """``replay_delta`` is bitwise ``reductions.row_sum`` (the launchers' delta); another chunk is not."""
-    from samepath.ascendc_fallback import simulate
+    from samepath.kernels.attention.ascendc import replay as simulate
     from samepath.kernels.config import row_reduce_config
     from samepath.kernels.reductions import row_sum
 
@@ -1275,12 +1309,12 @@ def test_delta_replay_is_the_row_sum_kernel() -> None:
 
 
 def test_backward_schedule_guard_accepts_numerics_3_and_refuses_a_future_version() -> None:
-    assert loader.ASCENDC_BACKWARD_SCHEDULE_VERSION == NUMERICS_VERSION == 3
-    loader.check_backward_schedule()
-    loader.check_backward_schedule(3)
+    assert build.ASCENDC_BACKWARD_SCHEDULE_VERSION == NUMERICS_VERSION == 3
+    build.check_backward_schedule()
+    build.check_backward_schedule(3)
     for other in (2, 4):
         with pytest.raises(RuntimeError, match="training on this backend is refused"):
-            loader.check_backward_schedule(other)
+            build.check_backward_schedule(other)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -1451,36 +1485,38 @@ def test_backward_launch_convention_matches_the_generated_wrapper() -> None:
 def test_backend_switch_routes_the_backward(monkeypatch) -> None:
     """With ``ascendc`` the trainer's backward goes to the Ascend C kernel: it checks its tiles, refuses a
     Triton backward of another numerics version, and refuses CPU tensors (never a silent Triton fallback)."""
-    from samepath.kernels.attention import _attention_backward
+    from samepath.kernels.attention import run_backward
     from samepath.kernels.config import AttentionConfig
 
     q, k, v, cu, _, _ = _small_inputs()
     config = AttentionConfig(block_m=16, tile_n=32, seg=64)
     lse = torch.zeros(q.shape[:2])
-    monkeypatch.setenv(loader.BACKEND_ENV, "ascendc")
+    batch = _training_batch(q, k, v, cu, 0.125, True, None, config)
+    wide = dataclasses.replace(batch, config=AttentionConfig(16, 32, 64, bwd_block_n=128))
+    monkeypatch.setenv(backend.BACKEND_ENV, "ascendc")
     with pytest.raises(RuntimeError, match="NPU tensors only"):
-        _attention_backward(q, k, v, q, lse, q, cu, 0.125, True, None, config)
+        run_backward(batch, q, lse, q)
     with pytest.raises(ValueError, match="block_n"):
-        _attention_backward(q, k, v, q, lse, q, cu, 0.125, True, None, AttentionConfig(16, 32, 64, bwd_block_n=128))
-    monkeypatch.setattr(loader, "ASCENDC_BACKWARD_SCHEDULE_VERSION", NUMERICS_VERSION + 1)
+        run_backward(wide, q, lse, q)
+    monkeypatch.setattr(build, "ASCENDC_BACKWARD_SCHEDULE_VERSION", NUMERICS_VERSION + 1)
     with pytest.raises(RuntimeError, match="training on this backend is refused"):
-        _attention_backward(q, k, v, q, lse, q, cu, 0.125, True, None, config)
-    monkeypatch.setenv(loader.BACKEND_ENV, "triton")
-    dq, _, _ = _attention_backward(q, k, v, q, lse, q, cu, 0.125, True, None, config)
+        run_backward(batch, q, lse, q)
+    monkeypatch.setenv(backend.BACKEND_ENV, "triton")
+    dq, _, _ = run_backward(batch, q, lse, q)
     assert dq.shape == q.shape
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
 def test_ascendc_kernel_backward_matches_fp64_and_is_deterministic(monkeypatch, dtype: torch.dtype) -> None:
     """On the NPU: the Ascend C backward's gradients are close to fp64 autograd and bitwise the same run to run."""
-    reasons = loader.missing_requirements()
+    reasons = build.missing_requirements()
     if reasons:
         pytest.skip("needs CANN and an Ascend NPU: " + "; ".join(reasons))
     try:
-        loader.check_backward_schedule()
+        build.check_backward_schedule()
     except RuntimeError as refusal:
         pytest.skip(f"the Ascend C backward is not ported to the current backward schedule: {refusal}")
-    monkeypatch.setenv(loader.BACKEND_ENV, "ascendc")
+    monkeypatch.setenv(backend.BACKEND_ENV, "ascendc")
     gen = torch.Generator().manual_seed(5)
     lengths, heads, kv_heads, head = [37, 70], 4, 2, 128
     cu = torch.tensor(_cumsum(lengths), dtype=torch.int32)

@@ -241,18 +241,18 @@ BACKWARD_CASES = {
 def _guarded_backward(q, k, v, grad_out, cu_seqlens, causal, window, problems: list[str]) -> tuple:
     """The forward (with the log-sum-exp) and backward launchers on unchecked ``cu_seqlens``, every
     tensor a guarded view; a changed guard is added to ``problems``."""
-    from samepath.kernels.attention import _attention_backward, _launch_forward
+    from samepath.kernels.attention import AttentionBatch, run_backward, run_forward
     from samepath.kernels.config import attention_config
 
     cfg = attention_config(64, torch.float32, torch.device("cpu"))
     out = _guarded(q.shape)
-    lse = _launch_forward(
-        q, k, v, cu_seqlens, cu_seqlens, cu_seqlens[1:] - cu_seqlens[:-1], None, 0.125, causal, window, cfg,
-        store_lse=True, out=out,
-    )  # fmt: skip
+    batch = AttentionBatch(
+        q, k, v, cu_seqlens, cu_seqlens, cu_seqlens[1:] - cu_seqlens[:-1], None, 0.125, causal, window, cfg
+    )
+    lse = run_forward(batch, out, store_lse=True)
     lse_view = _guarded(lse.shape).copy_(lse)
     grads = tuple(_guarded(t.shape) for t in (q, k, v))
-    _attention_backward(q, k, v, out, lse_view, grad_out, cu_seqlens, 0.125, causal, window, cfg, grads=grads)
+    run_backward(batch, out, lse_view, grad_out, grads=grads)
     for what, view in (("out", out), ("lse", lse_view), ("grad_out", grad_out), ("q", q), ("k", k), ("v", v)):
         if not torch.isnan(_guard_of(view)).all():
             problems.append(f"{what}'s guard changed")

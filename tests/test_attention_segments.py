@@ -9,8 +9,8 @@ import pytest
 import torch
 from attention_harness import make_batch, mismatched_rows, reference_attention, run_schedule
 
-from samepath.kernels import attention as attention_module
 from samepath.kernels import config as config_module
+from samepath.kernels.attention import forward as attention_forward
 from samepath.kernels.attention import packed_attention, varlen_attention
 from samepath.kernels.config import AttentionConfig, attention_config
 
@@ -127,7 +127,7 @@ def test_split_workspace_limit_picks_the_serial_schedule(monkeypatch: pytest.Mon
     """Above the workspace limit the launcher runs segments serially; the bits are the same."""
     batch = make_batch([2 * SEG + 3], num_heads=2, num_kv_heads=1, head_size=64, dtype=torch.float32, seed=12)
     split = run_schedule(batch, [[50, 17]], 16, 1, 0.125, config=SMALL)
-    monkeypatch.setattr(attention_module, "SPLIT_WORKSPACE_BYTES", 0)
+    monkeypatch.setattr(attention_forward, "SPLIT_WORKSPACE_BYTES", 0)
     serial = run_schedule(batch, [[50, 17]], 16, 1, 0.125, config=SMALL)
     assert torch.equal(split, serial)
 

@@ -100,18 +100,18 @@ def test_old_schedule_overrides_are_scoped_and_change_no_default() -> None:
     from bench import old_schedule
 
     attention, rms_norm, matmul_module = (
-        old_schedule.attention_module,
+        old_schedule.attention_plan_module,
         old_schedule.rms_norm_module,
         old_schedule.matmul_module,
     )
-    assert attention.__name__ == "samepath.kernels.attention" and rms_norm.__name__ == "samepath.kernels.rms_norm"
+    assert attention.__name__ == "samepath.kernels.attention.plan" and rms_norm.__name__ == "samepath.kernels.rms_norm"
     before = samepath.fingerprint()
-    packing, tiling, grid = attention._packing, rms_norm._tiling, matmul_module.grid
+    packing, tiling, grid = attention.packing, rms_norm._tiling, matmul_module.grid
     with old_schedule.unpacked_heads(), old_schedule.one_row_per_norm_program(), old_schedule.non_persistent_matmul():
-        assert attention._packing(4, 16).head_chunk == 1 and rms_norm._tiling(128, torch.device("cpu")).rows == 1
+        assert attention.packing(4, 16).head_chunk == 1 and rms_norm._tiling(128, torch.device("cpu")).rows == 1
         assert matmul_module.grid.num_programs(1000, "cpu", persistent=True) == 1000
-    assert (attention._packing, rms_norm._tiling, matmul_module.grid) == (packing, tiling, grid)
-    assert attention._packing(4, 16).head_chunk == 4
+    assert (attention.packing, rms_norm._tiling, matmul_module.grid) == (packing, tiling, grid)
+    assert attention.packing(4, 16).head_chunk == 4
     assert samepath.fingerprint() == before
     assert old_schedule.attention_config(128, torch.bfloat16, torch.device("cpu")).seg >= 1 << 20
 

@@ -1,37 +1,11 @@
-"""``python -m samepath.ascendc_fallback build``: build the Ascend C attention for this machine, once.
+"""``python -m samepath.ascendc_fallback build``: build the Ascend C attention for this machine, once
+(:mod:`samepath.kernels.attention.ascendc.__main__`; ``key`` prints the build key and library path)."""
 
-Run it after installing samepath (and before starting vLLM workers or trainer ranks) on a machine with
-CANN (``source <CANN>/set_env.sh``), torch_npu and an NPU. ``key`` prints the build key and the library
-path without building.
-"""
-
-from __future__ import annotations
-
-import argparse
-import dataclasses
-import json
 import sys
 
-from samepath.ascendc_fallback import loader
+from samepath.kernels.attention.ascendc.__main__ import main
 
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m samepath.ascendc_fallback", description=__doc__)
-    parser.add_argument("command", choices=("build", "key"))
-    parser.add_argument("--soc", help=f"SoC to compile for (default: {loader.SOC_VERSION_ENV} or the device's)")
-    args = parser.parse_args(argv)
-    try:
-        key = loader.current_build_key(args.soc)
-        if args.command == "key":
-            print(json.dumps({**dataclasses.asdict(key), "library": str(loader.library_path(key))}, indent=1))
-            return 0
-        path = loader.build(args.soc)
-    except RuntimeError as error:
-        print(f"samepath.ascendc_fallback {args.command}: {error}", file=sys.stderr)
-        return 1
-    print(path)
-    return 0
-
+__all__ = ["main"]
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -41,10 +41,10 @@ from typing import Any
 
 import torch
 
-from samepath.ascendc_fallback.loader import attention_backend
 from samepath.integrations.formulas import NORM_WEIGHT_MODES, rope_formula
 from samepath.integrations.moe import experts_forward
 from samepath.kernels.attention import LaunchPlan, packed_attention, varlen_attention
+from samepath.kernels.attention.backend import attention_backend
 from samepath.kernels.gelu_tanh_mul import gelu_tanh_mul
 from samepath.kernels.logprobs import IGNORE_INDEX, LM_HEAD_TOKEN_CHUNK, linear_token_logprobs
 from samepath.kernels.rms_norm import rms_norm

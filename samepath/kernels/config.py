@@ -12,6 +12,7 @@ import dataclasses
 import hashlib
 import importlib
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -336,14 +337,25 @@ def uncovered_allowed() -> dict[str, tuple[str, ...]]:
     return dict(_UNCOVERED_ALLOWED)
 
 
-def _table_payload() -> dict:
-    # Every op module registers its formula when imported; importing this module imported the
-    # samepath.kernels package, which imports them all.
-    from samepath.ascendc_fallback.loader import backend_fingerprint
+#: What the fingerprint hashes about the selected attention backend: registered by
+#: ``samepath.kernels.attention.backend`` when it is imported (``import samepath`` imports it).
+_attention_backend_rows: list[Callable[[], dict[str, object]]] = []
 
+
+def register_attention_backend_rows(rows: Callable[[], dict[str, object]]) -> None:
+    """Declare the function whose result is the fingerprint's ``attention_backend`` entry (the selected
+    backend's name, formula and schedule); one registration, the attention backend registry's."""
+    _attention_backend_rows[:] = [rows]
+
+
+def _table_payload() -> dict:
+    # Every op module registers its formula when imported, and the attention package its backend
+    # rows; importing this module imported the samepath.kernels package, which imports them all.
+    if not _attention_backend_rows:
+        raise RuntimeError("no attention backend registry is loaded: import samepath.kernels.attention first")
     return {
         "numerics_version": NUMERICS_VERSION,
-        "attention_backend": backend_fingerprint(),
+        "attention_backend": _attention_backend_rows[0](),
         "attention_formula": ATTENTION_FORMULA,
         "op_formulas": OP_FORMULAS,
         "attention": {"/".join(map(str, key)): dataclasses.asdict(cfg) for key, cfg in sorted(ATTENTION_TABLE.items())},

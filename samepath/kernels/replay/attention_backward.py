@@ -1,4 +1,4 @@
-"""CPU replay of the one-pass attention backward, :func:`samepath.kernels.attention._attention_bwd_kernel`.
+"""CPU replay of the one-pass attention backward, :func:`samepath.kernels.attention.backward._attention_bwd_kernel`.
 
 The kernel's work item is one KV tile (``BLOCK_N`` keys of one KV head of one sequence). It folds
 ``dV += cast(P)^T dO`` and ``dK += cast(dS)^T Q`` over the GQA-packed query tiles that see it, head
@@ -66,7 +66,7 @@ def fold_dq_partials(partials: np.ndarray) -> np.ndarray:
     return partials
 
 
-@register_replay("samepath.kernels.attention._attention_bwd_kernel")
+@register_replay("samepath.kernels.attention.backward._attention_bwd_kernel")
 def attention_bwd(
     grid,
     *,

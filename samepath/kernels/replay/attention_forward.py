@@ -1,7 +1,7 @@
-"""CPU replays of the attention forward: :func:`~samepath.kernels.attention._attention_fwd_kernel`
-(with its helpers ``_visible``, ``_kv_tile_offsets``, ``_segment_state``, ``_merge_segment`` and
-``_store_rows``), :func:`~samepath.kernels.attention._attention_merge_kernel` and
-:func:`~samepath.kernels.attention._write_kv_cache_kernel`.
+"""CPU replays of the attention forward: :func:`~samepath.kernels.attention.forward._attention_fwd_kernel`
+(with its helpers ``visible``, ``_kv_tile_offsets``, ``_segment_state``, ``merge.merge_segment`` and
+``merge.store_rows``), :func:`~samepath.kernels.attention.merge._attention_merge_kernel` and
+:func:`~samepath.kernels.attention.kv_cache._write_kv_cache_kernel`.
 
 The forward replay computes every work item ``(query block, KV head, head chunk[, segment])`` of the
 launch at once: each item's ``[BLOCK_M, BLOCK_D]`` GQA-packed query tile, and its ``(m, l, acc)``
@@ -133,7 +133,7 @@ def _as_interpreted_cast(values: np.ndarray, dtype: np.dtype) -> np.ndarray:
 
 
 def _merge(m_run, l_run, acc_run, m_seg, l_seg, acc_seg):
-    """``_merge_segment`` on stacked ``[..., rows]`` states."""
+    """``merge_segment`` on stacked ``[..., rows]`` states."""
     m_new = np.maximum(m_run, m_seg)
     m_shift = np.where(m_new == _NEG_INF, _F32(0.0), m_new)
     alpha = np.exp2(m_run - m_shift)
@@ -149,7 +149,7 @@ def _merge(m_run, l_run, acc_run, m_seg, l_seg, acc_seg):
 
 
 def _finish(m, l_sum, acc, store_lse: bool):
-    """``_store_rows``'s values: ``acc / l`` (fp32; the caller casts) and the base-2 log-sum-exp."""
+    """``store_rows``'s values: ``acc / l`` (fp32; the caller casts) and the base-2 log-sum-exp."""
     l_safe = np.where(l_sum == _F32(0.0), _F32(1.0), l_sum)
     out = acc / l_safe[..., None]
     lse = np.where(l_sum == _F32(0.0), _F32("inf"), m + np.log2(l_safe)) if store_lse else None
@@ -348,7 +348,7 @@ def _run_tiles(fwd: _Forward, items: np.ndarray, begin: np.ndarray, end: np.ndar
     return m, l_sum, acc
 
 
-@register_replay("samepath.kernels.attention._attention_fwd_kernel")
+@register_replay("samepath.kernels.attention.forward._attention_fwd_kernel")
 def attention_fwd_replay(grid: tuple, **p) -> None:
     """Replay of ``_attention_fwd_kernel`` (serial segments or ``SPLIT`` items), see the module docstring."""
     fwd = _Forward(grid, p)
@@ -430,7 +430,7 @@ def _serial_batch(fwd: _Forward, items: np.ndarray, q: np.ndarray, exact_order: 
 # ----------------------------------------------------------------------------------------------
 
 
-@register_replay("samepath.kernels.attention._attention_merge_kernel")
+@register_replay("samepath.kernels.attention.merge._attention_merge_kernel")
 def attention_merge_replay(grid: tuple, **p) -> None:
     """Replay of ``_attention_merge_kernel``: every row's segments folded in ascending order at once."""
     num_rows, num_heads, num_segments = p["num_rows"], p["num_heads"], p["num_segments"]
@@ -468,7 +468,7 @@ def attention_merge_replay(grid: tuple, **p) -> None:
 # ----------------------------------------------------------------------------------------------
 
 
-@register_replay("samepath.kernels.attention._write_kv_cache_kernel")
+@register_replay("samepath.kernels.attention.kv_cache._write_kv_cache_kernel")
 def write_kv_cache_replay(grid: tuple, **p) -> None:
     """Replay of ``_write_kv_cache_kernel``: every token's heads copied at once; a slot written by
     several tokens keeps the last one the interpreter writes."""

@@ -3,14 +3,14 @@
 The forward's is described here; the backward's (numerics version 3's one-pass schedule) is at the end
 (:func:`compute_bwd_tiling`, :func:`bwd_query_blocks`, :func:`dq_contributors`, :func:`dq_tile_index`).
 
-The kernel runs the schedule of samepath's Triton attention kernel (``samepath/kernels/attention.py``,
+The kernel runs the schedule of samepath's Triton attention kernel (``samepath/kernels/attention/forward.py``,
 numerics version 2, its serial-segment form):
 
 * GQA packing: a query tile of ``block_m`` rows holds ``head_chunk = min(group, block_m)`` query heads
   of one KV group for each of ``block_q = block_m // head_chunk`` consecutive queries of one sequence
   (row ``r``: query ``r // head_chunk``, head ``chunk * head_chunk + r % head_chunk`` of the group);
   ``num_chunks = ceil(group / head_chunk)`` tiles cover a group;
-* blocks of ``block_q`` queries numbered as the Triton launcher's ``_program_map`` numbers them
+* blocks of ``block_q`` queries numbered as the Triton launcher's ``plan.program_map`` numbers them
   (``num_blocks`` real ones, within an upper bound of ``num_tokens // block_q + num_seqs``);
 * one work item per (block, KV head, head chunk), the chunk fastest: ``num_blocks * num_kv_heads *
   num_chunks`` items;
@@ -23,7 +23,7 @@ numerics version 2, its serial-segment form):
   state in ascending order.
 
 Every function here has a twin in the C++ header; ``tests/test_ascendc_fallback.py`` compiles a driver
-with g++ and checks that both give identical values, and runs :mod:`.simulate` (this schedule, step by
+with g++ and checks that both give identical values, and runs :mod:`.replay` (this schedule, step by
 step as the kernel computes it) against the Triton kernel bit for bit.
 """
 
@@ -33,6 +33,14 @@ import dataclasses
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from samepath.kernels.attention.forward import LOG2E
+from samepath.kernels.attention.plan import packing
+from samepath.kernels.config import dtype_name, padded_head_size
+
+if TYPE_CHECKING:
+    from samepath.kernels.attention.batch import AttentionBatch
 
 #: Unified buffer of one A2 (910B) vector core, in bytes. On a device the host passes the platform's own
 #: size (``GetCoreMemSize(CoreMemType::UB)``) as ``ub_capacity``; this is the default for checks here.
@@ -99,6 +107,28 @@ class FlashAttentionParams:
     seg: int = 256
     ub_capacity: int = UB_BYTES
 
+    @classmethod
+    def from_batch(cls, batch: AttentionBatch, *, num_cores: int, store_lse: bool = True) -> FlashAttentionParams:
+        """The parameters of one forward launch over ``batch`` (its ``config``'s ``block_m`` / ``tile_n`` /
+        ``seg``); strides left at 0 (the replay addresses tensors itself)."""
+        return cls(
+            num_tokens=batch.num_tokens,
+            num_heads=batch.num_heads,
+            num_kv_heads=batch.num_kv_heads,
+            head_size=batch.head_size,
+            num_seqs=batch.num_seqs,
+            block_m=batch.config.block_m,
+            tile_n=batch.config.tile_n,
+            page_size=batch.key.shape[1] if batch.paged else 0,
+            dtype=dtype_name(batch.query.dtype, "query.dtype"),
+            causal=batch.causal,
+            store_lse=store_lse,
+            sliding_window=batch.sliding_window or 0,
+            num_cores=num_cores,
+            qk_scale=batch.scale * LOG2E,
+            seg=batch.config.seg,
+        )
+
 
 @dataclass(frozen=True)
 class FlashAttentionTiling:
@@ -162,14 +192,6 @@ def align_up(value: int, align: int) -> int:
 
 def elem_bytes(dtype: str) -> int:
     return 4 if dtype == "float32" else 2
-
-
-def padded_head_size(head_size: int) -> int:
-    """The power-of-two block a head is zero-padded to (``config.padded_head_size``)."""
-    block = 16
-    while block < head_size:
-        block *= 2
-    return block
 
 
 def to_float32(value: float) -> float:
@@ -316,17 +338,17 @@ def compute_tiling(params: FlashAttentionParams) -> FlashAttentionTiling:
 
 
 def head_chunk(group: int, block_m: int) -> int:
-    """Query heads of one KV group per query in a tile (the Triton launcher's ``_packing``)."""
-    return min(group, block_m)
+    """Query heads of one KV group per query in a tile (:func:`.plan.packing`)."""
+    return packing(group, block_m).head_chunk
 
 
 def num_programs(num_tokens: int, num_seqs: int, block_q: int) -> int:
-    """The blocks launched without a host sync, as ``_program_map`` numbers them."""
+    """The blocks launched without a host sync, as ``plan.program_map`` numbers them."""
     return num_tokens // block_q + num_seqs
 
 
 def program_map(cu_seqlens: Sequence[int], block_q: int, num_tokens: int) -> tuple[list[int], list[int], int]:
-    """``_program_map`` on the host: ``(program_seq, program_block, num_blocks)`` for the upper bound of
+    """``plan.program_map`` on the host: ``(program_seq, program_block, num_blocks)`` for the upper bound of
     blocks of ``block_q`` queries; blocks ``num_blocks ..`` are never run (they get sequence ``num_seqs``)."""
     num_seqs = len(cu_seqlens) - 1
     blocks = [(cu_seqlens[s + 1] - cu_seqlens[s] + block_q - 1) // block_q for s in range(num_seqs)]
@@ -598,6 +620,26 @@ class FlashAttentionBwdParams:
     sm_scale: float
     strides: tuple[int, ...] = (0,) * len(BWD_STRIDE_FIELDS)
     ub_capacity: int = UB_BYTES
+
+    @classmethod
+    def from_batch(cls, batch: AttentionBatch, *, num_cores: int) -> FlashAttentionBwdParams:
+        """The parameters of one backward launch over a training ``batch`` (``query_start_loc`` the
+        ``cu_seqlens``; its ``config``'s ``bwd_block_m`` / ``bwd_block_n``)."""
+        return cls(
+            num_tokens=batch.num_tokens,
+            num_heads=batch.num_heads,
+            num_kv_heads=batch.num_kv_heads,
+            head_size=batch.head_size,
+            num_seqs=max(batch.num_seqs, 0),
+            block_m=batch.config.bwd_block_m,
+            block_n=batch.config.bwd_block_n,
+            dtype=dtype_name(batch.query.dtype, "query.dtype"),
+            causal=batch.causal,
+            sliding_window=batch.sliding_window or 0,
+            num_cores=num_cores,
+            qk_scale=batch.scale * LOG2E,
+            sm_scale=batch.scale,
+        )
 
 
 def compute_bwd_tiling(params: FlashAttentionBwdParams) -> dict[str, int | float]:

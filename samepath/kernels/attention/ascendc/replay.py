@@ -1,5 +1,6 @@
 """The Ascend C FlashAttention replayed in numpy, step by step as ``csrc/flash_attention_fwd.cpp`` and
-``csrc/flash_attention_bwd.cpp`` compute.
+``csrc/flash_attention_bwd.cpp`` compute,
+from the :class:`~samepath.kernels.attention.batch.AttentionBatch` the launcher takes.
 
 :func:`simulate_forward` replays the forward; :func:`simulate_backward` the one-pass backward of numerics
 version 3 (KV-tile work items on interleaved vector cores, dQ partials added in ascending KV-tile order
@@ -31,9 +32,11 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from samepath.ascendc_fallback import tiling
+from samepath.kernels.attention.ascendc import tiling
+from samepath.kernels.attention.batch import AttentionBatch
+from samepath.kernels.attention.forward import LOG2E
+from samepath.kernels.config import dtype_name, padded_head_size
 
-LOG2E = 1.4426950408889634
 _FLT_MAX = np.float32(np.finfo(np.float32).max)
 _NEG_INF = np.float32(-np.inf)
 
@@ -76,8 +79,6 @@ ASCENDC_FORMS = Primitives(
     row_max=lambda x: np.max(x, axis=1),
     row_sum=lambda x: np.sum(x, axis=1),
 )
-
-_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
 
 def _operand(values: torch.Tensor) -> np.ndarray:
@@ -231,25 +232,14 @@ class _Kernel:
 
 
 def simulate_forward(
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    query_start_loc: torch.Tensor,
-    kv_start_loc: torch.Tensor,
-    seq_lens: torch.Tensor,
-    block_table: torch.Tensor | None,
-    scale: float,
-    causal: bool = True,
-    sliding_window: int | None = None,
+    batch: AttentionBatch,
     *,
-    block_m: int,
-    tile_n: int,
-    seg: int,
     num_cores: int = 3,
     primitives: Primitives = TRITON_INTERPRETER,
     rescale_accumulator: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Replay the Ascend C forward on CPU tensors (the arguments of ``loader.flash_attention_fwd``).
+    """Replay the Ascend C forward of ``batch`` on CPU tensors (what ``launch.flash_attention_fwd`` runs;
+    ``batch.config``'s ``block_m`` / ``tile_n`` / ``seg``).
 
     Returns ``(out, lse)``: ``out`` in the query's dtype, ``lse`` the base-2 log-sum-exp
     ``[num_tokens, num_heads]`` fp32. ``num_cores`` only distributes the work items (it cannot change a
@@ -258,40 +248,19 @@ def simulate_forward(
     Raises:
         ValueError: an argument the kernel's tiling refuses (named).
     """
-    if query.dtype not in _DTYPES:
-        raise ValueError(f"query.dtype must be one of {list(_DTYPES)}, got {query.dtype}")
+    query = batch.query
     if query.dim() != 3:
         raise ValueError(f"query must be [num_tokens, num_heads, head_size], got shape {tuple(query.shape)}")
-    paged = block_table is not None
-    num_tokens, num_heads, head_size = query.shape
-    qsl = [int(x) for x in query_start_loc.tolist()]
-    params = tiling.FlashAttentionParams(
-        num_tokens=num_tokens,
-        num_heads=num_heads,
-        num_kv_heads=key.shape[-2],
-        head_size=head_size,
-        num_seqs=len(qsl) - 1,
-        block_m=block_m,
-        tile_n=tile_n,
-        page_size=key.shape[1] if paged else 0,
-        dtype=_DTYPES[query.dtype],
-        causal=causal,
-        store_lse=True,
-        sliding_window=sliding_window or 0,
-        num_cores=num_cores,
-        qk_scale=scale * LOG2E,
-        seg=seg,
-    )
-    t = tiling.compute_tiling(params)
+    t = tiling.compute_tiling(tiling.FlashAttentionParams.from_batch(batch, num_cores=num_cores, store_lse=True))
     kernel = _Kernel(
         t,
         query,
-        key,
-        value,
-        qsl,
-        [int(x) for x in kv_start_loc.tolist()],
-        [int(x) for x in seq_lens.tolist()],
-        block_table.tolist() if paged else None,
+        batch.key,
+        batch.value,
+        [int(x) for x in batch.query_start_loc.tolist()],
+        [int(x) for x in batch.kv_start_loc.tolist()],
+        [int(x) for x in batch.seq_lens.tolist()],
+        batch.block_table.tolist() if batch.paged else None,
         primitives,
         rescale_accumulator,
     )
@@ -335,19 +304,11 @@ def _masked_queries(pos_k, q_start, block_m, seq_len, causal, sliding_window):
 
 
 def simulate_backward_two_pass(
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
+    batch: AttentionBatch,
     lse: torch.Tensor,
     delta: torch.Tensor,
     grad_out: torch.Tensor,
-    cu_seqlens: torch.Tensor,
-    scale: float,
-    causal: bool = True,
-    sliding_window: int | None = None,
     *,
-    bwd_block_m: int,
-    bwd_block_n: int,
     primitives: Primitives = TRITON_INTERPRETER,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Numerics version 2's two-pass backward (a dQ pass, then a dK/dV pass), replayed in numpy: ``(dq, dk, dv)``.
@@ -368,13 +329,15 @@ def simulate_backward_two_pass(
     ``[d, m]`` in dK / dV, transposes as views), so that with :data:`TRITON_INTERPRETER` the replay is
     bitwise the Triton backward under the interpreter.
     """
-    if query.dtype not in _DTYPES:
-        raise ValueError(f"query.dtype must be one of {list(_DTYPES)}, got {query.dtype}")
+    query, key, value, cu_seqlens = batch.query, batch.key, batch.value, batch.query_start_loc
+    scale, causal, sliding_window = batch.scale, batch.causal, batch.sliding_window
+    bwd_block_m, bwd_block_n = batch.config.bwd_block_m, batch.config.bwd_block_n
+    dtype_name(query.dtype, "query.dtype")
     ops, dtype = primitives, query.dtype
     num_tokens, num_heads, head_size = query.shape
     num_kv_heads = key.shape[1]
     group = num_heads // num_kv_heads
-    block_d = tiling.padded_head_size(head_size)
+    block_d = padded_head_size(head_size)
     chunk = tiling.head_chunk(group, bwd_block_m)
     block_q, num_chunks = bwd_block_m // chunk, -(-group // chunk)
     qk_scale, sm_scale = np.float32(tiling.to_float32(scale * LOG2E)), np.float32(tiling.to_float32(scale))
@@ -609,26 +572,19 @@ class _BackwardKernel:
 
 
 def simulate_backward(
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
+    batch: AttentionBatch,
     lse: torch.Tensor,
     delta: torch.Tensor,
     grad_out: torch.Tensor,
-    cu_seqlens: torch.Tensor,
-    scale: float,
-    causal: bool = True,
-    sliding_window: int | None = None,
     *,
-    bwd_block_m: int,
-    bwd_block_n: int,
     num_cores: int = 3,
     primitives: Primitives = TRITON_INTERPRETER,
     dq_order: str = "ascending",
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The one-pass backward (numerics version 3) as ``csrc/flash_attention_bwd.cpp`` runs it: ``(dq, dk, dv)``.
 
-    A work item is one KV tile (``bwd_block_n`` keys of one KV head of one sequence, numbered by
+    The tiles are ``batch.config``'s ``bwd_block_m`` / ``bwd_block_n``; ``batch.query_start_loc`` is the
+    ``cu_seqlens``. A work item is one KV tile (``bwd_block_n`` keys of one KV head of one sequence, numbered by
     :func:`.tiling.program_map` over blocks of ``bwd_block_n``); ``num_cores`` vector cores take the items
     round-robin, each in ascending order. An item stages K and V, then visits the GQA-packed query tiles
     that see it (head chunks in order, query blocks of ``block_q`` ascending), and per tile: the cube's
@@ -642,37 +598,19 @@ def simulate_backward(
     ``delta`` is :func:`replay_delta` / ``reductions.row_sum`` of ``dO * O``, ``lse`` the forward's base-2 lse.
     ``num_cores`` moves no bit; ``dq_order="descending"`` (partials summed from the last KV tile down)
     exists for negative controls. With :data:`TRITON_INTERPRETER` the replay is bitwise the Triton
-    backward (``_attention_bwd_kernel``) under the interpreter.
+    backward (``backward._attention_bwd_kernel``) under the interpreter.
 
     Raises:
         ValueError: an argument the kernel's tiling refuses (named).
     """
-    if query.dtype not in _DTYPES:
-        raise ValueError(f"query.dtype must be one of {list(_DTYPES)}, got {query.dtype}")
+    query, head_size = batch.query, batch.head_size
     if dq_order not in ("ascending", "descending"):
         raise ValueError(f"dq_order must be 'ascending' or 'descending', got {dq_order!r}")
-    num_tokens, num_heads, head_size = query.shape
-    cu = [int(x) for x in cu_seqlens.tolist()]
-    t = tiling.compute_bwd_tiling(
-        tiling.FlashAttentionBwdParams(
-            num_tokens=num_tokens,
-            num_heads=num_heads,
-            num_kv_heads=key.shape[1],
-            head_size=head_size,
-            num_seqs=len(cu) - 1,
-            block_m=bwd_block_m,
-            block_n=bwd_block_n,
-            dtype=_DTYPES[query.dtype],
-            causal=causal,
-            sliding_window=sliding_window or 0,
-            num_cores=num_cores,
-            qk_scale=scale * LOG2E,
-            sm_scale=scale,
-        )
-    )
+    cu = [int(x) for x in batch.query_start_loc.tolist()]
+    t = tiling.compute_bwd_tiling(tiling.FlashAttentionBwdParams.from_batch(batch, num_cores=num_cores))
     kernel = _BackwardKernel(
         t,
-        *(_operand(x) for x in (query, key, value, grad_out)),
+        *(_operand(x) for x in (query, batch.key, batch.value, grad_out)),
         lse.float().numpy(),
         delta.float().numpy(),
         cu,

@@ -1,0 +1,304 @@
+"""The attention backward (training): one deterministic pass per KV tile, and the autograd Function.
+
+:func:`launch_backward` is the Triton backend's backward launcher (``triton_backend.py`` registers
+it); :class:`VarlenAttentionFunction` runs the selected backend's forward and backward
+(:mod:`.backend`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import triton.language as tl
+
+import samepath.kernels.attention.plan as plan
+from samepath.kernels import grid
+from samepath.kernels.attention.backend import run_backward, run_forward
+from samepath.kernels.attention.batch import AttentionBatch, last_dim_contiguous
+from samepath.kernels.attention.forward import DOT_PRECISION, LOG2E, visible_mask
+from samepath.kernels.config import padded_head_size
+from samepath.kernels.dispatch import jit
+from samepath.kernels.reductions import row_sum
+
+
+@jit
+def _attention_bwd_kernel(
+    Q,
+    K,
+    V,
+    dOut,
+    Lse,
+    Delta,
+    dQ,
+    dK,
+    dV,
+    DqAcc,
+    Sync,
+    cu_seqlens,
+    program_seq,
+    program_block,
+    num_blocks,
+    num_kv_heads,
+    qk_scale,
+    sm_scale,
+    sliding_window,
+    stride_q_tok,
+    stride_q_head,
+    stride_k_tok,
+    stride_k_head,
+    stride_v_tok,
+    stride_v_head,
+    stride_do_tok,
+    stride_do_head,
+    stride_dq_tok,
+    stride_dq_head,
+    stride_dk_tok,
+    stride_dk_head,
+    stride_dv_tok,
+    stride_dv_head,
+    stride_acc_tok,
+    stride_acc_head,
+    stride_lse_tok,
+    HEAD_SIZE: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    GROUP: tl.constexpr,
+    HEAD_CHUNK: tl.constexpr,
+    NUM_CHUNKS: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """One pass of the backward. A work item is one KV tile (``BLOCK_N`` keys of one KV head of
+    one sequence): it keeps dK and dV in registers while it visits the GQA-packed query tiles that
+    see it (head chunks in order, query blocks ascending), computing per pair ``S``, ``dP``,
+    ``dV += P^T dO``, ``dK += dS^T Q`` and the dQ partial ``dS K`` — five tile matmuls.
+
+    dQ partials are summed in ascending KV-tile order with no atomics on data: ``Sync[1 + t]``
+    (``t`` one per packed query tile) counts the KV tiles that have added theirs to the fp32 row
+    sums in ``DqAcc``; KV tile ``j`` waits until the count is ``j - first`` (``first`` the lowest
+    KV tile that visits the query tile), adds, and releases. The first contributor writes its
+    partial, the last one scales, casts and writes dQ. Items are taken in ascending order from the
+    ticket counter ``Sync[0]``, and item ``j`` only waits for item ``j - 1`` of its sequence and
+    head, taken earlier by a running program: the lowest unfinished item never waits, so no grid
+    size, residency or dispatch order can deadlock (and the interpreter, which runs programs one
+    after the other, takes every item in program 0).
+
+    The kernel trusts ``cu_seqlens`` and the program map built from it; the launcher hands it
+    :func:`.plan.clamp_cu_seqlens` of the caller's metadata and the map of that, so every row it touches
+    lies inside the tensors, query tiles of different sequences never share a counter, and every
+    KV tile a counter waits for is a work item, whatever unchecked metadata held."""
+    offs_r = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_valid = offs_d < HEAD_SIZE
+    num_work = tl.load(num_blocks) * num_kv_heads
+    work = tl.atomic_add(Sync, 1)
+    while work < num_work:
+        kv_head = work % num_kv_heads
+        seq = tl.load(program_seq + work // num_kv_heads)
+        block = tl.load(program_block + work // num_kv_heads)
+        start = tl.load(cu_seqlens + seq)
+        seq_len = tl.load(cu_seqlens + seq + 1) - start
+
+        offs_n = block * BLOCK_N + tl.arange(0, BLOCK_N)
+        kv_rows = (start + offs_n).to(tl.int64)
+        kd_mask = (offs_n < seq_len)[:, None] & d_valid[None, :]
+        k = tl.load(
+            K + kv_rows[:, None] * stride_k_tok + kv_head * stride_k_head + offs_d[None, :], mask=kd_mask, other=0.0
+        )
+        v = tl.load(
+            V + kv_rows[:, None] * stride_v_tok + kv_head * stride_v_head + offs_d[None, :], mask=kd_mask, other=0.0
+        )
+
+        q_begin = 0
+        if CAUSAL:
+            q_begin = block * BLOCK_N
+        q_end = seq_len
+        if HAS_WINDOW:
+            q_end = tl.minimum(seq_len, (block + 1) * BLOCK_N + sliding_window - 1)
+        last_tile = (seq_len - 1) // BLOCK_N
+
+        dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+        dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+        for chunk in range(NUM_CHUNKS):
+            head_in_group = chunk * HEAD_CHUNK + offs_r % HEAD_CHUNK
+            head = kv_head * GROUP + head_in_group
+            for q_block in range(q_begin // BLOCK_Q, tl.cdiv(q_end, BLOCK_Q)):
+                offs_m = q_block * BLOCK_Q + offs_r // HEAD_CHUNK
+                row_valid = (offs_r < BLOCK_Q * HEAD_CHUNK) & (head_in_group < GROUP) & (offs_m < seq_len)
+                rows = (start + offs_m).to(tl.int64)
+                qd_mask = row_valid[:, None] & d_valid[None, :]
+                q = tl.load(
+                    Q + rows[:, None] * stride_q_tok + head[:, None] * stride_q_head + offs_d[None, :],
+                    mask=qd_mask,
+                    other=0.0,
+                )
+                do = tl.load(
+                    dOut + rows[:, None] * stride_do_tok + head[:, None] * stride_do_head + offs_d[None, :],
+                    mask=qd_mask,
+                    other=0.0,
+                )
+                lse = tl.load(Lse + rows * stride_lse_tok + head, mask=row_valid, other=0.0)
+                delta = tl.load(Delta + rows * stride_lse_tok + head, mask=row_valid, other=0.0)
+
+                scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+                visible = visible_mask(offs_m, offs_n, seq_len, sliding_window, CAUSAL, HAS_WINDOW) & row_valid[:, None]
+                p = tl.where(visible, tl.exp2(scores * qk_scale - lse[:, None]), 0.0)
+                dv = tl.dot(tl.trans(p.to(do.dtype)), do, dv, input_precision=DOT_PRECISION)
+                dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
+                ds = (p * (dp - delta[:, None])).to(q.dtype)
+                dk = tl.dot(tl.trans(ds), q, dk, input_precision=DOT_PRECISION)
+                dq = tl.dot(ds, k, input_precision=DOT_PRECISION)
+
+                # The KV tiles that visit this query tile are first..last, one contiguous range.
+                first = 0
+                if HAS_WINDOW:
+                    first = tl.maximum(0, q_block * BLOCK_Q - sliding_window + 1) // BLOCK_N
+                last = last_tile
+                if CAUSAL:
+                    last = tl.minimum(last_tile, ((q_block + 1) * BLOCK_Q - 1) // BLOCK_N)
+                q_tile = ((start + q_block * BLOCK_Q).to(tl.int64) * num_kv_heads + kv_head) * NUM_CHUNKS + chunk
+                sync = Sync + 1 + q_tile
+                while tl.atomic_add(sync, 0) != block - first:
+                    pass
+                tl.debug_barrier()
+                acc_ptrs = DqAcc + rows[:, None] * stride_acc_tok + head[:, None] * stride_acc_head + offs_d[None, :]
+                if block > first:
+                    dq = tl.load(acc_ptrs, mask=qd_mask, other=0.0, cache_modifier=".cg") + dq
+                if block == last:
+                    tl.store(
+                        dQ + rows[:, None] * stride_dq_tok + head[:, None] * stride_dq_head + offs_d[None, :],
+                        (dq * sm_scale).to(dQ.dtype.element_ty),
+                        mask=qd_mask,
+                    )
+                else:
+                    tl.store(acc_ptrs, dq, mask=qd_mask, cache_modifier=".cg")
+                    tl.debug_barrier()
+                    tl.atomic_add(sync, 1)
+
+        dk = dk * sm_scale
+        tl.store(
+            dK + kv_rows[:, None] * stride_dk_tok + kv_head * stride_dk_head + offs_d[None, :],
+            dk.to(dK.dtype.element_ty),
+            mask=kd_mask,
+        )
+        tl.store(
+            dV + kv_rows[:, None] * stride_dv_tok + kv_head * stride_dv_head + offs_d[None, :],
+            dv.to(dV.dtype.element_ty),
+            mask=kd_mask,
+        )
+        work = tl.atomic_add(Sync, 1)
+
+
+def launch_backward(
+    batch: AttentionBatch,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    grad_out: torch.Tensor,
+    grads: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """dQ, dK, dV in one launch of :func:`_attention_bwd_kernel` (one item per KV tile and KV head),
+    written into ``grads = (dq, dk, dv)`` when given (shaped like query, key, value).
+
+    ``batch.query_start_loc`` is the clamped ``cu_seqlens`` (:func:`.backend.run_backward` clamps it),
+    so whatever unchecked metadata held, the kernel reads and writes only rows of the given tensors and
+    every dQ counter wait ends: the clamped sequences are disjoint, and each KV tile that a query tile's
+    counter waits for is a work item of the program map built from the same clamped values. Rows
+    outside every clamped sequence are left unwritten.
+
+    Workspace, O(tokens): the fp32 dQ row sums (``[tokens, heads, head_size]``) and one int32
+    counter per packed query tile (plus the ticket counter), zeroed here on the device."""
+    query, key, value, config = batch.query, batch.key, batch.value, batch.config
+    cu_seqlens = batch.query_start_loc
+    num_tokens, num_heads, head_size = query.shape
+    num_kv_heads = key.shape[1]
+    delta = row_sum(grad_out.float() * out.float())
+    dq, dk, dv = grads if grads is not None else (torch.empty_like(t) for t in (query, key, value))
+    num_seqs = cu_seqlens.numel() - 1
+    if num_tokens == 0 or num_seqs == 0:
+        return dq.zero_(), dk.zero_(), dv.zero_()
+    group = num_heads // num_kv_heads
+    pack = plan.packing(group, config.bwd_block_m)
+    dq_acc = torch.empty((num_tokens, num_heads, head_size), dtype=torch.float32, device=query.device)
+    sync = torch.zeros(1 + num_tokens * num_kv_heads * pack.num_chunks, dtype=torch.int32, device=query.device)
+    if batch.plan is None:
+        program_seq, program_block, num_blocks = plan.program_map(cu_seqlens, config.bwd_block_n, num_tokens)
+    else:
+        _, program_seq, program_block, num_blocks = batch.plan.clamped_program_map(config.bwd_block_n)
+    programs = grid.num_programs(program_seq.numel() * num_kv_heads, query.device, uses_dot=True)
+    _attention_bwd_kernel[(programs,)](
+        query,
+        key,
+        value,
+        grad_out,
+        lse,
+        delta,
+        dq,
+        dk,
+        dv,
+        dq_acc,
+        sync,
+        cu_seqlens,
+        program_seq,
+        program_block,
+        num_blocks,
+        num_kv_heads,
+        batch.scale * LOG2E,
+        batch.scale,
+        batch.sliding_window or 0,
+        query.stride(0),
+        query.stride(1),
+        key.stride(0),
+        key.stride(1),
+        value.stride(0),
+        value.stride(1),
+        grad_out.stride(0),
+        grad_out.stride(1),
+        dq.stride(0),
+        dq.stride(1),
+        dk.stride(0),
+        dk.stride(1),
+        dv.stride(0),
+        dv.stride(1),
+        dq_acc.stride(0),
+        dq_acc.stride(1),
+        lse.stride(0),
+        HEAD_SIZE=head_size,
+        BLOCK_D=padded_head_size(head_size),
+        BLOCK_M=config.bwd_block_m,
+        BLOCK_Q=pack.block_q,
+        BLOCK_N=config.bwd_block_n,
+        GROUP=group,
+        HEAD_CHUNK=pack.head_chunk,
+        NUM_CHUNKS=pack.num_chunks,
+        CAUSAL=batch.causal,
+        HAS_WINDOW=batch.sliding_window is not None,
+        DOT_PRECISION=DOT_PRECISION,
+        num_warps=config.num_warps,
+        num_stages=config.num_stages,
+    )
+    return dq, dk, dv
+
+
+class VarlenAttentionFunction(torch.autograd.Function):
+    """Autograd for :func:`~samepath.kernels.attention.varlen_attention` over one :class:`AttentionBatch`
+    (whose query, key and value are the Function's tensor inputs); the backward is deterministic (no
+    atomics)."""
+
+    @staticmethod
+    def forward(ctx, query, key, value, batch):  # type: ignore[override]
+        out = torch.empty_like(query)
+        lse = run_forward(batch, out, store_lse=True)
+        ctx.save_for_backward(query, key, value, out, lse, batch.query_start_loc)
+        ctx.batch = batch  # its tensors are the saved ones; backward rebuilds it from those (version-checked)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):  # type: ignore[override]
+        query, key, value, out, lse, cu_seqlens = ctx.saved_tensors
+        batch = dataclasses.replace(ctx.batch, query=query, key=key, value=value, query_start_loc=cu_seqlens)
+        dq, dk, dv = run_backward(batch, out, lse, last_dim_contiguous(grad_out))
+        return dq, dk, dv, None

@@ -1,0 +1,457 @@
+"""The attention forward: one Triton kernel for training, prefill, chunked prefill and paged decode.
+
+Contract (docs/numerics.md): a query at sequence position ``t`` attends over KV tiles of
+``tile_n`` positions anchored at position 0 of its sequence, inside a ``[block_m, head]`` query
+tile that holds the query heads of one KV group (GQA packing), with one formula. The tiles are
+grouped into segments of ``seg`` positions, also anchored at position 0: each segment's softmax
+state starts fresh and the segments are merged in ascending order. Segments run either as their
+own programs followed by the merge kernel (``merge.py``: decode, chunked prefill) or serially
+inside one program (training); both orders of execution give the same bits. The training kernel
+over contiguous KV and the paged kernel over a block table are the same Triton source (``PAGED``
+only changes how a KV row's address is found), so a token's output row is bit-identical however
+it is batched, chunked, paged or decoded.
+
+:func:`launch_forward` is the Triton backend's forward launcher (``triton_backend.py`` registers it).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton.language as tl
+
+import samepath.kernels.attention.plan as plan
+from samepath.kernels import grid
+from samepath.kernels.attention.batch import AttentionBatch
+from samepath.kernels.attention.merge import launch_merge, merge_segment, store_rows
+from samepath.kernels.config import padded_head_size
+from samepath.kernels.dispatch import jit
+
+LOG2E = 1.4426950408889634
+#: fp32 inputs are multiplied in full fp32 (no TF32) so results stay close to the fp64 reference.
+DOT_PRECISION = "ieee"
+#: The split schedule's partial states (fp32 m, l and a padded accumulator per row and segment)
+#: may take at most this much memory; above it the launcher runs the same segments serially.
+SPLIT_WORKSPACE_BYTES = 256 * 1024 * 1024
+#: Bytes of one row's partial state per segment beyond its accumulator: fp32 ``m`` and ``l``.
+_STATE_WORDS = 2
+_FP32_BYTES = 4
+
+
+@jit
+def visible_mask(pos_q, pos_k, kv_len, sliding_window, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr):
+    """[rows, cols] mask of the keys a query may see; everything else becomes -inf by select."""
+    visible = pos_k[None, :] < kv_len
+    if CAUSAL:
+        visible = visible & (pos_k[None, :] <= pos_q[:, None])
+    if HAS_WINDOW:
+        visible = visible & (pos_q[:, None] - pos_k[None, :] < sliding_window)
+    return visible
+
+
+@jit
+def _kv_tile_offsets(
+    offs_n,
+    kv_len,
+    seq,
+    kv_row_start,
+    block_table,
+    stride_table_seq,
+    stride_k_page,
+    stride_k_pos,
+    stride_v_page,
+    stride_v_pos,
+    kv_rows,
+    PAGE_SIZE: tl.constexpr,
+    PAGED: tl.constexpr,
+):
+    """Element offsets of the sequence's keys ``offs_n`` (indices into its ``kv_len`` keys) in K and
+    in V, and which of them lie inside the caches (``kv_rows``: the pages of a paged cache, the rows
+    of contiguous K/V). Paged: the tile's page ids are gathered from the block table once and serve
+    both caches; contiguous: packed rows from ``kv_row_start``. ``kv_len`` never exceeds the block
+    table's columns (the launcher's cap), so the gather stays inside the table."""
+    if PAGED:
+        page = tl.load(block_table + seq * stride_table_seq + offs_n // PAGE_SIZE, mask=offs_n < kv_len, other=0)
+        page = page.to(tl.int64)
+        slot = (offs_n % PAGE_SIZE).to(tl.int64)
+        inside = (page >= 0) & (page < kv_rows)
+        return page * stride_k_page + slot * stride_k_pos, page * stride_v_page + slot * stride_v_pos, inside
+    else:
+        rows = (kv_row_start + offs_n).to(tl.int64)
+        inside = (rows >= 0) & (rows < kv_rows)
+        return rows * stride_k_pos, rows * stride_v_pos, inside
+
+
+@jit
+def _segment_state(
+    q,
+    pos_q,
+    tile_begin,
+    tile_end,
+    K,
+    V,
+    kv_head,
+    kv_len,
+    seq,
+    kv_row_start,
+    kv_pos0,
+    block_table,
+    kv_rows,
+    qk_scale,
+    sliding_window,
+    stride_table_seq,
+    stride_k_page,
+    stride_k_pos,
+    stride_k_head,
+    stride_v_page,
+    stride_v_pos,
+    stride_v_head,
+    HEAD_SIZE: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    TILE_N: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    PAGED: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+    KV_OFFSET: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """The online-softmax state ``(m, l, acc)`` of one KV segment, from a fresh ``(-inf, 0, 0)``:
+    the tiles starting at ``tile_begin, tile_begin + TILE_N, ... < tile_end``, in ascending order.
+    Tiles and ``kv_len`` are in absolute positions; with ``KV_OFFSET`` the sequence's key ``j``
+    sits at position ``kv_pos0 + j`` and the positions before ``kv_pos0`` (a tile may hold some)
+    have no key: like a key whose address falls outside the caches (only with unchecked
+    metadata), they are neither read nor visible."""
+    offs_d = tl.arange(0, BLOCK_D)
+    d_valid = offs_d < HEAD_SIZE
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    for tile_start in range(tile_begin, tile_end, TILE_N):
+        offs_n = tile_start + tl.arange(0, TILE_N)
+        key_index = offs_n
+        num_keys = kv_len
+        if KV_OFFSET:
+            key_index = offs_n - kv_pos0
+            num_keys = kv_len - kv_pos0
+        k_rows, v_rows, inside = _kv_tile_offsets(
+            key_index,
+            num_keys,
+            seq,
+            kv_row_start,
+            block_table,
+            stride_table_seq,
+            stride_k_page,
+            stride_k_pos,
+            stride_v_page,
+            stride_v_pos,
+            kv_rows,
+            PAGE_SIZE,
+            PAGED,
+        )
+        if KV_OFFSET:
+            inside = inside & (key_index >= 0)
+        kv_valid = (key_index < num_keys) & inside
+        k = tl.load(
+            K + k_rows[None, :] + kv_head * stride_k_head + offs_d[:, None],
+            mask=kv_valid[None, :] & d_valid[:, None],
+            other=0.0,
+        )
+        scores = tl.dot(q, k, input_precision=DOT_PRECISION)
+        visible = visible_mask(pos_q, offs_n, kv_len, sliding_window, CAUSAL, HAS_WINDOW) & inside[None, :]
+        scores = tl.where(visible, scores * qk_scale, float("-inf"))
+
+        m_new = tl.maximum(m_i, tl.max(scores, 1))
+        m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_shift)
+        p = tl.exp2(scores - m_shift[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+
+        v = tl.load(
+            V + v_rows[:, None] + kv_head * stride_v_head + offs_d[None, :],
+            mask=kv_valid[:, None] & d_valid[None, :],
+            other=0.0,
+        )
+        acc = acc * alpha[:, None]
+        acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
+        m_i = m_new
+    return m_i, l_i, acc
+
+
+@jit
+def _attention_fwd_kernel(
+    Q,
+    K,
+    V,
+    Out,
+    Lse,
+    PartM,
+    PartL,
+    PartAcc,
+    query_start_loc,
+    kv_start_loc,
+    seq_lens,
+    kv_first_pos,
+    block_table,
+    program_seq,
+    program_block,
+    num_blocks,
+    num_programs_mapped,
+    num_seqs,
+    num_q_rows,
+    kv_rows,
+    max_kv_len,
+    num_kv_heads,
+    num_segments,
+    qk_scale,
+    sliding_window,
+    stride_q_tok,
+    stride_q_head,
+    stride_k_page,
+    stride_k_pos,
+    stride_k_head,
+    stride_v_page,
+    stride_v_pos,
+    stride_v_head,
+    stride_o_tok,
+    stride_o_head,
+    stride_lse_tok,
+    stride_table_seq,
+    HEAD_SIZE: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    TILE_N: tl.constexpr,
+    SEG: tl.constexpr,
+    GROUP: tl.constexpr,
+    HEAD_CHUNK: tl.constexpr,
+    NUM_CHUNKS: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    PAGED: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+    KV_OFFSET: tl.constexpr,
+    STORE_LSE: tl.constexpr,
+    SPLIT: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """Work items ``(query block, KV head, head chunk[, KV segment])``, flattened with the last
+    fastest. A query block is ``BLOCK_Q`` consecutive queries of one sequence; its tile holds
+    ``HEAD_CHUNK`` query heads of one KV group per query (row ``r``: query ``r // HEAD_CHUNK``,
+    head ``r % HEAD_CHUNK`` of the chunk), so each K/V tile is read once for the whole group.
+
+    KV positions are cut into segments of ``SEG`` positions anchored at position 0; each segment's
+    softmax state starts fresh. ``KV_OFFSET``: sequence ``s``'s ``seq_lens[s]`` keys sit at the
+    absolute positions ``kv_first_pos[s] + j`` (a windowed cache that dropped the first positions);
+    its queries are its last positions, tiles and segments stay anchored at position 0, and a
+    ``SPLIT`` item's segment index counts from the segment holding ``kv_first_pos[s]``.
+    ``SPLIT``: the item is one segment, whose state is written to ``PartM/PartL/PartAcc`` for
+    :func:`.merge._attention_merge_kernel`; otherwise the item folds its segments into the running state
+    serially, with the same merge.
+
+    Memory safety whatever the metadata (``validate=False`` trusts it for the results only): the
+    work count is capped by the program map's length (``num_programs_mapped``), the sequence index
+    by ``num_seqs``, a KV length by ``max_kv_len`` (the block table's span, or the contiguous
+    keys); query rows outside ``[0, num_q_rows)`` are neither read nor written, and keys outside
+    the caches are masked (:func:`_segment_state`). For consistent metadata none of these bounds
+    binds, so they change no bit."""
+    num_heads = num_kv_heads * GROUP
+    items_per_block = num_kv_heads * NUM_CHUNKS
+    if SPLIT:
+        items_per_block = items_per_block * num_segments
+    num_work = tl.minimum(tl.load(num_blocks), num_programs_mapped) * items_per_block
+    for work in range(tl.program_id(0), num_work, tl.num_programs(0)):
+        rest = work % items_per_block
+        segment = 0
+        if SPLIT:
+            segment = rest % num_segments
+            rest = rest // num_segments
+        chunk = rest % NUM_CHUNKS
+        kv_head = rest // NUM_CHUNKS
+        seq = tl.minimum(tl.maximum(tl.load(program_seq + work // items_per_block), 0), num_seqs - 1)
+        block = tl.load(program_block + work // items_per_block)
+
+        q_start = tl.load(query_start_loc + seq)
+        q_len = tl.load(query_start_loc + seq + 1) - q_start
+        kv_len = tl.minimum(tl.load(seq_lens + seq), max_kv_len)
+        kv_row_start = tl.load(kv_start_loc + seq)
+        kv_pos0 = 0
+        if KV_OFFSET:
+            kv_pos0 = tl.load(kv_first_pos + seq)
+            kv_len = kv_pos0 + kv_len
+        context = kv_len - q_len
+
+        offs_r = tl.arange(0, BLOCK_M)
+        offs_d = tl.arange(0, BLOCK_D)
+        head_in_group = chunk * HEAD_CHUNK + offs_r % HEAD_CHUNK
+        offs_m = block * BLOCK_Q + offs_r // HEAD_CHUNK
+        q_rows = (q_start + offs_m).to(tl.int64)
+        row_valid = (offs_r < BLOCK_Q * HEAD_CHUNK) & (head_in_group < GROUP) & (offs_m < q_len)
+        row_valid = row_valid & (q_rows >= 0) & (q_rows < num_q_rows)
+        head = kv_head * GROUP + head_in_group
+        pos_q = context + offs_m
+        q = tl.load(
+            Q + q_rows[:, None] * stride_q_tok + head[:, None] * stride_q_head + offs_d[None, :],
+            mask=row_valid[:, None] & (offs_d < HEAD_SIZE)[None, :],
+            other=0.0,
+        )
+
+        # The KV range that any row of this block can see; tiles (and segments) outside it are
+        # fully masked for every row, which leaves a row's state bitwise unchanged.
+        kv_end = kv_len
+        if CAUSAL:
+            kv_end = tl.minimum(kv_len, context + tl.minimum(q_len, (block + 1) * BLOCK_Q))
+        kv_begin = 0
+        if HAS_WINDOW:
+            kv_begin = tl.maximum(0, context + block * BLOCK_Q - sliding_window + 1)
+        if KV_OFFSET:
+            kv_begin = tl.maximum(kv_begin, kv_pos0)
+        first_tile_start = (kv_begin // TILE_N) * TILE_N
+
+        if SPLIT:
+            seg_start = segment * SEG
+            if KV_OFFSET:
+                seg_start += (tl.maximum(kv_pos0, 0) // SEG) * SEG
+            tile_begin = tl.maximum(seg_start, first_tile_start)
+            tile_end = tl.minimum(seg_start + SEG, kv_end)
+            m_i, l_i, acc = _segment_state(
+                q, pos_q, tile_begin, tile_end, K, V, kv_head, kv_len, seq, kv_row_start, kv_pos0, block_table,
+                kv_rows, qk_scale, sliding_window, stride_table_seq, stride_k_page, stride_k_pos, stride_k_head,
+                stride_v_page, stride_v_pos, stride_v_head, HEAD_SIZE, BLOCK_D, BLOCK_M, TILE_N,
+                PAGE_SIZE, PAGED, CAUSAL, HAS_WINDOW, KV_OFFSET, DOT_PRECISION,
+            )  # fmt: skip
+            part = (q_rows * num_heads + head) * num_segments + segment
+            tl.store(PartM + part, m_i, mask=row_valid)
+            tl.store(PartL + part, l_i, mask=row_valid)
+            tl.store(
+                PartAcc + part[:, None] * BLOCK_D + offs_d[None, :],
+                acc,
+                mask=(row_valid & (offs_r * 0 + tile_end > tile_begin))[:, None],
+            )
+        else:
+            m_run = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+            l_run = tl.zeros([BLOCK_M], dtype=tl.float32)
+            acc_run = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+            for seg_start in range((first_tile_start // SEG) * SEG, kv_end, SEG):
+                tile_begin = tl.maximum(seg_start, first_tile_start)
+                tile_end = tl.minimum(seg_start + SEG, kv_end)
+                m_i, l_i, acc = _segment_state(
+                    q, pos_q, tile_begin, tile_end, K, V, kv_head, kv_len, seq, kv_row_start, kv_pos0,
+                    block_table, kv_rows, qk_scale, sliding_window, stride_table_seq, stride_k_page, stride_k_pos,
+                    stride_k_head, stride_v_page, stride_v_pos, stride_v_head, HEAD_SIZE, BLOCK_D, BLOCK_M, TILE_N,
+                    PAGE_SIZE, PAGED, CAUSAL, HAS_WINDOW, KV_OFFSET, DOT_PRECISION,
+                )  # fmt: skip
+                m_run, l_run, acc_run = merge_segment(m_run, l_run, acc_run, m_i, l_i, acc)
+            store_rows(
+                m_run, l_run, acc_run, Out, Lse, q_rows, head, row_valid, stride_o_tok, stride_o_head,
+                stride_lse_tok, HEAD_SIZE, BLOCK_D, STORE_LSE,
+            )  # fmt: skip
+
+
+def launch_forward(
+    batch: AttentionBatch, out: torch.Tensor, store_lse: bool, split_kv: bool | None = None
+) -> torch.Tensor | None:
+    """Run the forward schedule on ``batch``, writing ``out``; returns the base-2 lse when ``store_lse``.
+
+    ``split_kv`` picks how the KV segments are executed — ``True``: one program per segment plus the
+    merge kernel, ``False``: serially inside each program, ``None``: split when there is more than
+    one segment, no log-sum-exp is asked for (training runs serially) and the partial states fit
+    :data:`SPLIT_WORKSPACE_BYTES`. The choice never changes a bit of the result. ``batch.kv_first_pos``
+    (contiguous KV only): the absolute position of each sequence's first key (``None``: position 0,
+    the kernel specialisation every other caller runs)."""
+    query, key, value, config = batch.query, batch.key, batch.value, batch.config
+    num_tokens, num_heads, head_size = query.shape
+    num_kv_heads, paged, group = batch.num_kv_heads, batch.paged, batch.group
+    pack = plan.packing(group, config.block_m)
+    block_d = padded_head_size(head_size)
+    lse = torch.empty((num_tokens, num_heads), dtype=torch.float32, device=query.device) if store_lse else None
+    num_seqs = batch.num_seqs
+    if num_tokens == 0 or num_seqs == 0:
+        return lse
+    if batch.plan is None:
+        program_seq, program_block, num_blocks = plan.program_map(batch.query_start_loc, pack.block_q, num_tokens)
+    else:
+        program_seq, program_block, num_blocks = batch.plan.program_map(pack.block_q)
+    if paged:
+        k_strides, v_strides = key.stride()[:3], value.stride()[:3]
+        page_size = key.shape[1]
+        table, stride_table = batch.block_table, batch.block_table.stride(0)
+        max_kv_len = batch.block_table.shape[1] * page_size
+    else:
+        k_strides, v_strides = (0, *key.stride()[:2]), (0, *value.stride()[:2])
+        page_size = 1
+        table, stride_table = batch.query_start_loc, 0
+        max_kv_len = key.shape[0]
+    kv_rows = key.shape[0]
+    num_segments = plan.num_segments(max_kv_len, config.seg)
+    kv_offset = batch.kv_first_pos is not None
+    rows = num_tokens * num_heads
+    if split_kv is None:
+        workspace = rows * (num_segments + kv_offset) * (block_d + _STATE_WORDS) * _FP32_BYTES
+        split_kv = not store_lse and num_segments > 1 and workspace <= SPLIT_WORKSPACE_BYTES
+    if kv_offset:  # keys at kv_first_pos .. kv_first_pos + max_kv_len may straddle one more segment
+        num_segments += 1
+    if split_kv:
+        part_m = torch.empty(rows * num_segments, dtype=torch.float32, device=query.device)
+        part_l = torch.empty_like(part_m)
+        part_acc = torch.empty(rows * num_segments * block_d, dtype=torch.float32, device=query.device)
+    else:
+        part_m = part_l = part_acc = out
+    work = program_seq.numel() * num_kv_heads * pack.num_chunks * (num_segments if split_kv else 1)
+    _attention_fwd_kernel[(grid.num_programs(work, query.device, uses_dot=True),)](
+        query,
+        key,
+        value,
+        out,
+        lse if store_lse else out,
+        part_m,
+        part_l,
+        part_acc,
+        batch.query_start_loc,
+        batch.kv_start_loc,
+        batch.seq_lens,
+        batch.kv_first_pos if kv_offset else batch.seq_lens,
+        table,
+        program_seq,
+        program_block,
+        num_blocks,
+        program_seq.numel(),
+        num_seqs,
+        num_tokens,
+        kv_rows,
+        max_kv_len,
+        num_kv_heads,
+        num_segments,
+        batch.scale * LOG2E,
+        batch.sliding_window or 0,
+        query.stride(0),
+        query.stride(1),
+        *k_strides,
+        *v_strides,
+        out.stride(0),
+        out.stride(1),
+        lse.stride(0) if store_lse else 0,
+        stride_table,
+        HEAD_SIZE=head_size,
+        BLOCK_D=block_d,
+        BLOCK_M=config.block_m,
+        BLOCK_Q=pack.block_q,
+        TILE_N=config.tile_n,
+        SEG=config.seg,
+        GROUP=group,
+        HEAD_CHUNK=pack.head_chunk,
+        NUM_CHUNKS=pack.num_chunks,
+        PAGE_SIZE=page_size,
+        PAGED=paged,
+        CAUSAL=batch.causal,
+        HAS_WINDOW=batch.sliding_window is not None,
+        KV_OFFSET=kv_offset,
+        STORE_LSE=store_lse,
+        SPLIT=bool(split_kv),
+        DOT_PRECISION=DOT_PRECISION,
+        num_warps=config.num_warps,
+        num_stages=config.num_stages,
+    )
+    if split_kv:
+        launch_merge(part_m, part_l, part_acc, out, lse, num_segments, block_d)
+    return lse

@@ -1,0 +1,147 @@
+"""The split schedule's second step: fold the KV segments' softmax states of every (token, head) row.
+
+The forward (``forward.py``) runs the fixed KV segments either serially inside one program or as
+one program each, writing each segment's state ``(m, l, acc)`` to a workspace; this kernel then
+folds a row's segments in ascending order with :func:`merge_segment` — the serial schedule's very
+merge — and divides and casts with :func:`store_rows`, so both executions give the same bits.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton.language as tl
+
+from samepath.kernels import grid, ub_fit
+from samepath.kernels.dispatch import jit
+
+#: Rows of the merge kernel's programs (``ub_fit`` sizes its buffers from the same number).
+MERGE_BLOCK_ROWS = ub_fit.MERGE_BLOCK_ROWS
+#: Warps of the merge kernel's programs.
+MERGE_NUM_WARPS = 4
+
+
+@jit
+def merge_segment(m_run, l_run, acc_run, m_seg, l_seg, acc_seg):
+    """Fold one segment's state into the running state (segments in ascending order). A segment
+    in which a row sees nothing (``m_seg = -inf``) leaves that row's running state bitwise as it was."""
+    m_new = tl.maximum(m_run, m_seg)
+    m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_run - m_shift)
+    beta = tl.exp2(m_seg - m_shift)
+    l_new = l_run * alpha + l_seg * beta
+    acc_new = acc_run * alpha[:, None] + acc_seg * beta[:, None]
+    empty = m_seg == float("-inf")
+    return (
+        tl.where(empty, m_run, m_new),
+        tl.where(empty, l_run, l_new),
+        tl.where(empty[:, None], acc_run, acc_new),
+    )
+
+
+@jit
+def store_rows(
+    m_i,
+    l_i,
+    acc,
+    Out,
+    Lse,
+    q_rows,
+    head,
+    row_valid,
+    stride_o_tok,
+    stride_o_head,
+    stride_lse_tok,
+    HEAD_SIZE: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    STORE_LSE: tl.constexpr,
+):
+    """``acc / l`` cast once to the output dtype (and the base-2 log-sum-exp, ``+inf`` for a row
+    that saw nothing)."""
+    offs_d = tl.arange(0, BLOCK_D)
+    l_safe = tl.where(l_i == 0.0, 1.0, l_i)
+    out = acc / l_safe[:, None]
+    tl.store(
+        Out + q_rows[:, None] * stride_o_tok + head[:, None] * stride_o_head + offs_d[None, :],
+        out.to(Out.dtype.element_ty),
+        mask=row_valid[:, None] & (offs_d < HEAD_SIZE)[None, :],
+    )
+    if STORE_LSE:
+        lse = tl.where(l_i == 0.0, float("inf"), m_i + tl.log2(l_safe))
+        tl.store(Lse + q_rows * stride_lse_tok + head, lse, mask=row_valid)
+
+
+@jit
+def _attention_merge_kernel(
+    PartM,
+    PartL,
+    PartAcc,
+    Out,
+    Lse,
+    num_rows,
+    num_heads,
+    num_segments,
+    stride_o_tok,
+    stride_o_head,
+    stride_lse_tok,
+    HEAD_SIZE: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    STORE_LSE: tl.constexpr,
+):
+    """Second step of the split schedule: each (token, head) row folds its segments' states into
+    one, in ascending segment order with :func:`merge_segment` (the serial schedule's merge),
+    then divides and casts as the serial schedule does."""
+    offs_d = tl.arange(0, BLOCK_D)
+    num_work = tl.cdiv(num_rows, BLOCK_R)
+    for work in range(tl.program_id(0), num_work, tl.num_programs(0)):
+        offs_r = work * BLOCK_R + tl.arange(0, BLOCK_R)
+        row_valid = offs_r < num_rows
+        rows = offs_r.to(tl.int64)
+        m_run = tl.full([BLOCK_R], float("-inf"), dtype=tl.float32)
+        l_run = tl.zeros([BLOCK_R], dtype=tl.float32)
+        acc_run = tl.zeros([BLOCK_R, BLOCK_D], dtype=tl.float32)
+        for segment in range(0, num_segments):
+            part = rows * num_segments + segment
+            m_seg = tl.load(PartM + part, mask=row_valid, other=float("-inf"))
+            l_seg = tl.load(PartL + part, mask=row_valid, other=0.0)
+            seen = row_valid & (m_seg > float("-inf"))
+            acc_seg = tl.load(PartAcc + part[:, None] * BLOCK_D + offs_d[None, :], mask=seen[:, None], other=0.0)
+            m_run, l_run, acc_run = merge_segment(m_run, l_run, acc_run, m_seg, l_seg, acc_seg)
+        store_rows(
+            m_run, l_run, acc_run, Out, Lse, rows // num_heads, rows % num_heads, row_valid, stride_o_tok,
+            stride_o_head, stride_lse_tok, HEAD_SIZE, BLOCK_D, STORE_LSE,
+        )  # fmt: skip
+
+
+def launch_merge(
+    part_m: torch.Tensor,
+    part_l: torch.Tensor,
+    part_acc: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor | None,
+    num_segments: int,
+    block_d: int,
+) -> None:
+    """Fold the ``num_segments`` partial states of every row of ``out`` (``[tokens, heads, head_size]``)
+    into ``out`` (and the base-2 ``lse`` when given)."""
+    num_tokens, num_heads, head_size = out.shape
+    rows = num_tokens * num_heads
+    merge_work = -(-rows // MERGE_BLOCK_ROWS)
+    _attention_merge_kernel[(grid.num_programs(merge_work, out.device),)](
+        part_m,
+        part_l,
+        part_acc,
+        out,
+        out if lse is None else lse,
+        rows,
+        num_heads,
+        num_segments,
+        out.stride(0),
+        out.stride(1),
+        0 if lse is None else lse.stride(0),
+        HEAD_SIZE=head_size,
+        BLOCK_D=block_d,
+        BLOCK_R=MERGE_BLOCK_ROWS,
+        STORE_LSE=lse is not None,
+        num_warps=MERGE_NUM_WARPS,
+    )
