@@ -148,7 +148,7 @@ def patch_sampler(patcher: Patcher) -> bool:
 
 
 def patch_sampling_edits(patcher: Patcher) -> bool:
-    """vLLM's top-k / top-p step (``applytop_k_top_p``, looked up by name in
+    """vLLM's top-k / top-p step (``apply_top_k_top_p``, looked up by name in
     ``topk_topp_sampler`` by the native and CPU samplers) and its min-p processor on samepath's
     :func:`~samepath.kernels.sampling.sampling_keep_mask`, the functions the trainer's
     :func:`samepath.processed_logprobs` runs; and the request-time refusal of every other edit in
@@ -173,8 +173,8 @@ def patch_sampling_edits(patcher: Patcher) -> bool:
 
     from vllm.v1.sample.sampler import Sampler
 
-    patcher.set(Sampler, "applypenalties", staticmethod(penalties))
-    patcher.set(topk_topp_sampler, "applytop_k_top_p", top_k_top_p)
+    patcher.set(Sampler, "apply_penalties", staticmethod(penalties))
+    patcher.set(topk_topp_sampler, "apply_top_k_top_p", top_k_top_p)
     patcher.set(MinPLogitsProcessor, "apply", min_p_apply)
     patcher.set(InputProcessor, "_validate_params", validate_params)
     return True
