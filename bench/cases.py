@@ -7,7 +7,7 @@ baselines are stock PyTorch (eager math as Hugging Face writes it, ``F.linear``,
 import and suit the device and dtype.
 
 samepath is called the way its integrations call it (:data:`SAMEPATH_CALLS`): the attention
-kernels validate their metadata as ``integrations/hf.py`` and ``integrations/vllm.py`` leave them
+kernels validate their metadata as ``integrations/hf.py`` and ``integrations/vllm/attention.py`` leave them
 to, ``token_logprobs`` skips the label check as ``integrations/verl.py`` does.
 
 Decode and chunked prefill read a paged KV cache (vLLM's layout, pages shuffled) on every side:
@@ -56,7 +56,7 @@ OPS = (
 #: How each samepath call is made, matching the integration that makes it.
 SAMEPATH_CALLS = (
     "varlen_attention(validate=True) as integrations/hf.py; "
-    "paged_attention(validate=True) as integrations/vllm.py; "
+    "paged_attention(validate=True) as integrations/vllm/attention.py; "
     "token_logprobs(validate=False) as integrations/verl.py; "
     "linear_token_logprobs(validate=False) (the fused lm_head) as integrations/verl.py's use_fused_kernels path; "
     "linear / rms_norm / silu_mul / apply_rotary as integrations/hf.py; "

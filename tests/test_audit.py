@@ -13,11 +13,12 @@ import torch
 transformers = pytest.importorskip("transformers", reason="transformers is not installed (pip install -e .[hf])")
 
 import samepath  # noqa: E402
-from samepath import integrations  # noqa: E402
+from samepath import audit, integrations  # noqa: E402
 from samepath.check.cli import main  # noqa: E402
-from samepath.check.harness import DEFAULT_MODEL_CONFIG  # noqa: E402
-from samepath.integrations import audit, hf  # noqa: E402
+from samepath.check.harness import DEFAULT_MODEL_CONFIG, audit_model_dir  # noqa: E402
+from samepath.integrations import hf  # noqa: E402
 from samepath.integrations.formulas import UnsupportedModelError, model_formulas  # noqa: E402
+from samepath.integrations.hf_audit import audit_hf_model  # noqa: E402
 from samepath.kernels.config import split_fingerprint, tensor_parallel_size_of  # noqa: E402
 
 FAMILIES = {
@@ -57,7 +58,7 @@ def tiny(arch: str, dtype: torch.dtype = torch.float32, **overrides) -> torch.nn
 @pytest.fixture(autouse=True)
 def clean_state(monkeypatch):
     monkeypatch.delenv(audit.ALLOW_ENV_VAR, raising=False)
-    monkeypatch.setattr(audit, "_warned", set())  # "warn once" is per process
+    monkeypatch.setattr(audit.report, "_warned", set())  # "warn once" is per process
     yield
     integrations.unpatch_all()
 
@@ -98,7 +99,7 @@ def test_audit_cli_on_the_embedded_default(tmp_path, capsys):
 @pytest.mark.parametrize("arch", list(FAMILIES))
 def test_audit_reports_full_coverage_for_each_family(arch, tmp_path):
     tiny(arch).save_pretrained(tmp_path)
-    report = audit.audit_model_dir(str(tmp_path))
+    report = audit_model_dir(str(tmp_path))
     assert report.fully_covered, report.format()
     assert report.model_type == arch
     ops = {e.op for e in report.entries if e.status == audit.COVERED}
@@ -206,7 +207,7 @@ def test_negative_control_the_mismatch_the_refusal_prevents():
 
 
 def test_unpatched_model_is_reported_uncovered():
-    report = audit.audit_hf_model(tiny("llama"))
+    report = audit_hf_model(tiny("llama"))
     assert not report.fully_covered
     ops = {e.op for e in report.uncovered}
     assert {"attention", "rms_norm", "silu_mul", "rotary", "linear"} <= ops
@@ -382,7 +383,7 @@ def test_gemma3_is_accepted_by_the_cli_and_refuses_what_it_does_not_implement(tm
     from samepath.check.harness import CheckInputError, load_model
 
     tiny("gemma3_text").save_pretrained(tmp_path / "ok")
-    report = audit.audit_model_dir(str(tmp_path / "ok"))
+    report = audit_model_dir(str(tmp_path / "ok"))
     ops = {e.op for e in report.entries if e.status == audit.COVERED}
     assert report.fully_covered and {"gelu_tanh_mul", "rms_norm", "rotary", "attention"} <= ops
     assert "silu_mul" not in ops
@@ -417,7 +418,7 @@ def test_gemma2_is_refused_for_its_softcapping_only():
 def test_an_embedding_scale_multiplied_as_stored_must_be_in_the_model_dtype() -> None:
     """vLLM's Gemma 3 multiplies the embeddings by its ``normalizer`` buffer as stored: in bf16 it is
     Hugging Face's factor (``embed_scale`` rounded to bf16); in fp32 it would multiply unrounded."""
-    from samepath.integrations.audit import NEUTRAL, UNCOVERED, embedding_scale_entry
+    from samepath.audit import NEUTRAL, UNCOVERED, embedding_scale_entry
     from samepath.integrations.formulas import sqrt_hidden_scale
 
     module = torch.nn.Identity()

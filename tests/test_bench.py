@@ -176,7 +176,7 @@ def test_quick_bench_csv_and_table_carry_device_versions_and_fingerprint(quick_r
     assert head["fingerprint"] == samepath.fingerprint()
     assert head["torch"] == torch.__version__
     assert head["triton"] and head["mode"].startswith("quick")
-    assert "validate=True" in head["samepath_calls"] and "integrations/vllm.py" in head["samepath_calls"]
+    assert "validate=True" in head["samepath_calls"] and "integrations/vllm/attention.py" in head["samepath_calls"]
     assert "min / median / max" in head["timing"] and "L2" in head["timing"]
     assert list(rows[0]) == report.FIELDS
     assert len(rows) == len(quick_run["rows"])

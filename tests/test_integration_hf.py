@@ -303,7 +303,7 @@ def test_a_failed_patch_all_leaves_nothing_behind(bad) -> None:
 def test_a_patch_all_that_fails_on_the_model_undoes_the_process_patch() -> None:
     model = tiny_model("qwen3", torch.float32)
     model.config.model_type = "not_a_model_type"
-    from samepath.integrations.audit import UncoveredOpsError
+    from samepath.audit import UncoveredOpsError
 
     with pytest.raises(UncoveredOpsError, match="model_type 'not_a_model_type' is not covered"):
         integrations.patch_all(model)
@@ -532,7 +532,7 @@ def test_gemma3_stock_trainer_differs_and_each_layer_type_has_its_rope() -> None
         local = dict(one_rope.config.rope_parameters["sliding_attention"])
         one_rope.config.rope_parameters = {"sliding_attention": local, "full_attention": dict(local)}
         assert not torch.equal(trainer_padded(one_rope, prompts, generated, 0.8), rollout_lp)
-        assert type(model.model.rotary_emb).forward is hf._rotary_embedding_forward
+        assert type(model.model.rotary_emb).forward is hf.rotary_embedding_forward
     stock = copy.deepcopy(model)
     stock.set_attn_implementation("sdpa")
     assert not integrations.enabled()

@@ -404,7 +404,7 @@ def test_install_pins_vllms_v1_model_runner(monkeypatch):
 
     from samepath.integrations import vllm as samepath_vllm
     from samepath.integrations import vllm_plugin
-    from samepath.integrations._vllm_common import MODEL_RUNNER_ENV_VAR, ModelRunnerError
+    from samepath.integrations.vllm.env import MODEL_RUNNER_ENV_VAR, ModelRunnerError
 
     loads = []
 
@@ -582,7 +582,7 @@ def test_cuda_backend_patches_map_vllm_metadata(backend, dtype):
             impl.forward(None, query.flatten(1), key, value, kv_cache, refused, output)
     finally:
         samepath_vllm.uninstall()
-    assert impl_cls.forward is not samepath_vllm._attention_forward
+    assert impl_cls.forward is not samepath_vllm.attention_forward
 
 
 def test_the_trainers_tensor_parallel_degree_is_checked_in_each_worker(monkeypatch):
@@ -597,9 +597,9 @@ def test_the_trainers_tensor_parallel_degree_is_checked_in_each_worker(monkeypat
     try:
         monkeypatch.setattr(vllm.distributed, "get_tensor_model_parallel_world_size", lambda: 1)
         with pytest.raises(samepath.NumericsMismatchError):
-            samepath_vllm._check_tensor_parallel_numerics()
+            samepath_vllm.check_tensor_parallel_numerics()
         monkeypatch.setattr(vllm.distributed, "get_tensor_model_parallel_world_size", lambda: 2)
-        samepath_vllm._check_tensor_parallel_numerics()
+        samepath_vllm.check_tensor_parallel_numerics()
     finally:
         samepath_vllm.uninstall()
 
@@ -615,12 +615,12 @@ ROPE_MAX_MODEL_LEN = 128  # longrope's original_max_position_embeddings: its sho
 
 @pytest.fixture
 def plugin_installed(monkeypatch):
-    from samepath.integrations import audit
+    from samepath import audit
     from samepath.integrations import vllm as samepath_vllm
 
     monkeypatch.delenv(samepath_vllm.FINGERPRINT_ENV_VAR, raising=False)
     monkeypatch.delenv(audit.ALLOW_ENV_VAR, raising=False)
-    monkeypatch.setattr(audit, "_warned", set())
+    monkeypatch.setattr(audit.report, "_warned", set())
     samepath_vllm.install()
     yield samepath_vllm
     samepath_vllm.uninstall()
@@ -747,7 +747,7 @@ def test_load_audit_refuses_uncovered_vllm_layers_by_name(plugin_installed, monk
     from vllm.config import VllmConfig, set_current_vllm_config
     from vllm.model_executor.layers.activation import GeluAndMul
 
-    from samepath.integrations import audit
+    from samepath import audit
 
     config = transformers.Qwen3Config(**DEFAULT_MODEL_CONFIG)
     covered = _vllm_module_tree(config.rms_norm_eps, {})
@@ -795,7 +795,8 @@ def test_load_audit_refuses_a_rotary_layer_in_no_layer_of_a_per_layer_type_rope(
     from vllm.config import VllmConfig, set_current_vllm_config
     from vllm.model_executor.layers.rotary_embedding import get_rope
 
-    from samepath.integrations import audit
+    from samepath import audit
+    from samepath.integrations import vllm as samepath_vllm
 
     config = gemma3_config()
     with set_current_vllm_config(VllmConfig()):
@@ -803,10 +804,10 @@ def test_load_audit_refuses_a_rotary_layer_in_no_layer_of_a_per_layer_type_rope(
             config.head_dim, config.max_position_embeddings, True, {"rope_type": "default", "rope_theta": 10000.0}
         )
     tree = torch.nn.ModuleDict({"rotary": rope, "layers": torch.nn.ModuleList([torch.nn.ModuleDict({"rotary": rope})])})
-    entries = {e.name: e for e in audit.audit_vllm_model(tree, config).entries}
+    entries = {e.name: e for e in audit.audit_vllm_model(tree, config, rules=samepath_vllm.vllm_rules()).entries}
     assert entries["rotary"].status == audit.UNCOVERED
     assert "cannot tell which layer type's rope" in entries["rotary"].detail
-    placed = audit.audit_vllm_model(torch.nn.ModuleDict({"layers": tree["layers"]}), config)
+    placed = audit.audit_vllm_model(torch.nn.ModuleDict({"layers": tree["layers"]}), config, samepath_vllm.vllm_rules())
     assert {e.name: e.status for e in placed.entries}["layers.0.rotary"] == audit.COVERED
 
 
@@ -891,8 +892,9 @@ def ascend_standins(monkeypatch):
     import vllm.distributed.parallel_state as parallel_state
     from vllm.model_executor.layers.rotary_embedding.base import RotaryEmbeddingBase
 
-    from samepath.integrations import audit, vllm_ascend
+    from samepath import audit
     from samepath.integrations import vllm as samepath_vllm
+    from samepath.integrations import vllm_ascend
     from samepath.kernels.config import record_uncovered
 
     if importlib.util.find_spec("vllm_ascend") is not None:
@@ -902,12 +904,12 @@ def ascend_standins(monkeypatch):
         monkeypatch.setitem(sys.modules, name, module)
     if parallel_state._TP is None:
         monkeypatch.setattr(parallel_state, "_TP", types.SimpleNamespace(rank_in_group=0, world_size=1))
-    monkeypatch.setattr(vllm_ascend, "installed", lambda: True)
+    monkeypatch.setattr(vllm_ascend.state, "installed", lambda: True)
     impl = modules["vllm_ascend.attention.attention_v1"].AscendAttentionBackendImpl
-    monkeypatch.setitem(vllm_ascend._ORIGINALS, (impl, "forward_impl"), _AscendImpl)
-    monkeypatch.setattr(RotaryEmbeddingBase, "forward", samepath_vllm._rotary_forward)
+    monkeypatch.setitem(vllm_ascend.ORIGINALS, (impl, "forward_impl"), _AscendImpl)
+    monkeypatch.setattr(RotaryEmbeddingBase, "forward", samepath_vllm.rotary_forward)
     monkeypatch.delenv(audit.ALLOW_ENV_VAR, raising=False)
-    monkeypatch.setattr(audit, "_warned", set())
+    monkeypatch.setattr(audit.report, "_warned", set())
     yield modules
     record_uncovered("vllm-ascend", ())
 
@@ -958,8 +960,9 @@ def _statuses(report) -> dict[str, str]:
 def test_ascend_load_audit_covers_vllm_ascends_classes(ascend_standins):
     """A decoder layer of the classes vllm-ascend builds passes vllm-ascend's gate; each Ascend
     class is classified as its op, not as ``unknown``."""
-    from samepath.integrations import audit, vllm_ascend
+    from samepath import audit
     from samepath.integrations import vllm as samepath_vllm
+    from samepath.integrations import vllm_ascend
 
     config = transformers.Qwen3Config(**DEFAULT_MODEL_CONFIG)
     tree = _ascend_tree(ascend_standins, config)
@@ -980,8 +983,9 @@ def test_ascend_load_audit_refuses_uncovered_ascend_modules_by_name(ascend_stand
     from vllm.config import VllmConfig, set_current_vllm_config
     from vllm.model_executor.layers.layernorm import RMSNorm
 
-    from samepath.integrations import audit, vllm_ascend
+    from samepath import audit
     from samepath.integrations import vllm as samepath_vllm
+    from samepath.integrations import vllm_ascend
 
     ops = {name.rsplit(".", 1)[-1]: module for name, module in ascend_standins.items()}
     config = transformers.Qwen3Config(**DEFAULT_MODEL_CONFIG)
@@ -1054,7 +1058,8 @@ def test_ascend_load_audit_moe(ascend_standins):
     config's routing precision; grouped top-k, experts left on vllm-ascend's kernels, vLLM's own
     quant method (not vllm-ascend's, which samepath patches) or the other routing precision are
     refused by name."""
-    from samepath.integrations import audit, vllm_ascend
+    from samepath import audit
+    from samepath.integrations import vllm_ascend
     from samepath.integrations.formulas import model_formulas
 
     config = transformers.Qwen3MoeConfig(**DEFAULT_MODEL_CONFIG, **MOE_CONFIG)
@@ -1085,14 +1090,16 @@ def test_ascend_rules_do_not_leak_into_the_vllm_plugin(ascend_standins, plugin_i
     """Negative control, both ways: the vLLM plugin's rules refuse every vllm-ascend class (only
     the rotary rule, which is the same function on both platforms, and the containers pass) and
     still cover vLLM's own tree; vllm-ascend's rules refuse vLLM's RMSNorm."""
-    from samepath.integrations import audit, vllm_ascend
+    from samepath import audit
+    from samepath.integrations import vllm as samepath_vllm
+    from samepath.integrations import vllm_ascend
 
     config = transformers.Qwen3Config(**DEFAULT_MODEL_CONFIG)
     ascend_tree = _ascend_tree(ascend_standins, config)
-    on_vllm = _statuses(audit.audit_vllm_model(ascend_tree, config))
+    on_vllm = _statuses(audit.audit_vllm_model(ascend_tree, config, samepath_vllm.vllm_rules()))
     assert {name for name, status in on_vllm.items() if status != audit.UNCOVERED} == {"rotary"}, on_vllm
     vllm_tree = _vllm_module_tree(config.rms_norm_eps, {})
-    assert audit.audit_vllm_model(vllm_tree, config).fully_covered
+    assert audit.audit_vllm_model(vllm_tree, config, samepath_vllm.vllm_rules()).fully_covered
     plugin_installed.check_loaded_model(vllm_tree, config)
     on_ascend = audit.audit_vllm_model(vllm_tree, config, rules=vllm_ascend.ascend_rules())
     assert [e.name for e in on_ascend.uncovered] == ["norm"]
@@ -1104,8 +1111,10 @@ def test_ascend_model_loader_gate(ascend_standins, monkeypatch):
     from vllm.config import VllmConfig, set_current_vllm_config
     from vllm.model_executor.model_loader.base_loader import BaseModelLoader
 
-    from samepath.integrations import audit, vllm_ascend
-    from samepath.integrations._vllm_common import ModelRunnerError, Patcher
+    from samepath import audit
+    from samepath.integrations import vllm_ascend
+    from samepath.integrations.patcher import Patcher
+    from samepath.integrations.vllm.env import ModelRunnerError
 
     config = transformers.Qwen3Config(**DEFAULT_MODEL_CONFIG)
     built: list[torch.nn.Module] = []
@@ -1119,7 +1128,7 @@ def test_ascend_model_loader_gate(ascend_standins, monkeypatch):
     original = vars(_Loader)["load_model"]
     patcher = Patcher()
     try:
-        assert vllm_ascend._patch_model_loader(patcher)
+        assert vllm_ascend.patch_ascend_model_loader(patcher)
         runner = types.SimpleNamespace(use_v2_model_runner=False)
         model_config = types.SimpleNamespace(hf_config=config)
         built.append(_ascend_tree(ascend_standins, config, gemma=gemma))

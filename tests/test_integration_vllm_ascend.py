@@ -462,12 +462,12 @@ def _attributes(tree: dict[str, types.ModuleType]) -> dict[str, Any]:
 
 def test_install_uninstall_fake_tree(fake_vllm_ascend, step128, monkeypatch: pytest.MonkeyPatch) -> None:
     stock = _attributes(fake_vllm_ascend)
-    monkeypatch.setattr(vllm_ascend, "installed_version", lambda: "0.22.0")
+    monkeypatch.setattr(vllm_ascend.plugin, "installed_version", lambda: "0.22.0")
     with pytest.raises(vllm_ascend.UnsupportedVllmAscendError):
         vllm_ascend.install()
     assert not vllm_ascend.installed() and _attributes(fake_vllm_ascend) == stock, "a refused install patched"
 
-    monkeypatch.setattr(vllm_ascend, "installed_version", lambda: "0.23.0")
+    monkeypatch.setattr(vllm_ascend.plugin, "installed_version", lambda: "0.23.0")
     vllm_ascend.install()
     vllm_ascend.install()
     assert vllm_ascend.installed()
@@ -567,7 +567,7 @@ def test_patched_ops_fake_tree(fake_vllm_ascend, monkeypatch: pytest.MonkeyPatch
     """The op patches' wiring: samepath's kernels on plain layers, vllm-ascend's op otherwise."""
     import samepath
 
-    monkeypatch.setattr(vllm_ascend, "installed_version", lambda: "0.23.0")
+    monkeypatch.setattr(vllm_ascend.plugin, "installed_version", lambda: "0.23.0")
     vllm_ascend.install()
     tree = fake_vllm_ascend
     gen = torch.Generator().manual_seed(11)
@@ -619,12 +619,12 @@ def test_patched_ops_fake_tree(fake_vllm_ascend, monkeypatch: pytest.MonkeyPatch
 
 def test_vllm_install_refuses_engine_batch_invariant_mode(monkeypatch: pytest.MonkeyPatch) -> None:
     """The vLLM plugin refuses vLLM's own VLLM_BATCH_INVARIANT too, before patching anything."""
-    from samepath.integrations import _vllm_common
     from samepath.integrations import vllm as vllm_plugin
+    from samepath.integrations.vllm import env as vllm_env
 
     if vllm_plugin.installed():
         pytest.skip("samepath's vLLM plugin is already installed in this process")
     monkeypatch.setenv("VLLM_BATCH_INVARIANT", "1")
-    with pytest.raises(_vllm_common.EngineBatchInvariantModeError, match="vLLM's own batch-invariant mode"):
+    with pytest.raises(vllm_env.EngineBatchInvariantModeError, match="vLLM's own batch-invariant mode"):
         vllm_plugin.install()
     assert not vllm_plugin.installed() and not vllm_plugin.INSTALLED

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import samepath
-from samepath.integrations._vllm_common import check_processed_sampling, min_p_mask, penalties, top_k_top_p
+from samepath.integrations.vllm.sampler import check_processed_sampling, min_p_mask, penalties, top_k_top_p
 from samepath.kernels.config import OP_FORMULAS, RowReduceConfig
 
 #: Kernel tests run the Triton source itself under the interpreter (tests/conftest.py).

@@ -10,7 +10,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from samepath.integrations._vllm_common import (
+from samepath.integrations.vllm.env import (
     MODEL_RUNNER_ENV_VAR,
     ModelRunnerError,
     check_v1_model_runner,

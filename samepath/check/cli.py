@@ -331,13 +331,13 @@ def run_audit(args: argparse.Namespace) -> int:
     loads with some module uncovered is exit 1."""
     from samepath.check.harness import (
         CheckInputError,
+        audit_model_dir,
         canonical_dtype_name,
         check_model_config,
         check_model_dir,
         parse_dtype,
     )
     from samepath.check.report import SCHEMA_VERSION
-    from samepath.integrations.audit import audit_model_dir
 
     dtype = parse_dtype(args.dtype)
     args.dtype = canonical_dtype_name(args.dtype)

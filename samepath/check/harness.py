@@ -582,6 +582,32 @@ def run_stock_and_patched(
     return stock, patched
 
 
+def audit_model_dir(directory: str | None, dtype: torch.dtype = torch.float32):
+    """Load a Hugging Face causal LM directory (default: ``samepath check``'s embedded tiny Qwen3),
+    put it on samepath as ``patch_all`` would and return its audit
+    (:class:`samepath.audit.AuditReport`; a model type samepath does not patch is reported, not
+    raised), leaving the patch state as it was."""
+    from samepath import integrations
+    from samepath.integrations import hf
+    from samepath.integrations.hf_audit import audit_hf_model
+    from samepath.integrations.patcher import Patcher
+
+    transformers = _transformers()
+    with tempfile.TemporaryDirectory(prefix="samepath-audit-") as scratch:
+        if directory is None:
+            build_default_model(scratch)
+        source = directory or scratch
+        model = transformers.AutoModelForCausalLM.from_pretrained(source, dtype=dtype, local_files_only=True).eval()
+    was = integrations.enabled()
+    integrations.patch_all()
+    try:
+        hf.use_samepath(model, Patcher())  # a throwaway model: nothing to set back
+        return audit_hf_model(model)
+    finally:
+        if not was:
+            integrations.unpatch_all()
+
+
 __all__ = [
     "DEFAULT_MODEL_CONFIG",
     "DTYPES",
@@ -590,6 +616,7 @@ __all__ = [
     "LoadedModel",
     "Progress",
     "SideBySide",
+    "audit_model_dir",
     "build_default_model",
     "canonical_dtype_name",
     "check_model_config",

@@ -20,6 +20,7 @@ from contextlib import ExitStack, contextmanager
 
 import torch
 
+from samepath.integrations.patcher import Patcher
 from samepath.kernels.config import record_uncovered
 from samepath.kernels.matmul import batch_invariant
 
@@ -44,8 +45,8 @@ def patch_all(
     Args:
         model: optionally, an already-built Hugging Face model whose config is switched to
             ``attn_implementation="samepath"`` (its model type is patched even if not listed), then
-            audited (:func:`samepath.integrations.audit.audit_hf_model`): a module samepath does not
-            cover raises :class:`samepath.integrations.audit.UncoveredOpsError` naming it.
+            audited (:func:`samepath.integrations.hf_audit.audit_hf_model`): a module samepath does not
+            cover raises :class:`samepath.audit.UncoveredOpsError` naming it.
         model_types: the Hugging Face architectures to patch (``config.model_type``); default all
             of :data:`samepath.integrations.hf.MODEL_TYPES`.
         allow_uncovered: the explicit opt-out of that refusal: ``"all"`` or module class names,
@@ -56,7 +57,7 @@ def patch_all(
     if model is not None and not isinstance(getattr(getattr(model, "config", None), "model_type", None), str):
         raise ValueError(f"model must be a Hugging Face model (with config.model_type), got {type(model).__name__}")
     if allow_uncovered is not None:  # a wrong type is named before anything is patched
-        from samepath.integrations.audit import allowed_names
+        from samepath.audit import allowed_names
 
         allowed_names(allow_uncovered)
     with _lock:
@@ -68,7 +69,7 @@ def patch_all(
                 if importlib.util.find_spec("transformers") is not None:
                     from samepath.integrations import hf
 
-                    patcher = hf.Patcher()
+                    patcher = Patcher()
                     stack.callback(patcher.restore)
                     hf.register_interfaces(patcher, replace_defaults=True)
                     for model_type in model_types or sorted(hf.MODEL_TYPES):
@@ -91,7 +92,9 @@ def patch_all(
 
 def _patch_model(model: torch.nn.Module, allow_uncovered: str | Sequence[str] | None) -> None:
     """Switch ``model`` onto samepath and audit it; a refusal undoes this call's changes."""
-    from samepath.integrations import audit, hf
+    from samepath.audit import enforce
+    from samepath.integrations import hf
+    from samepath.integrations.hf_audit import audit_hf_model
 
     patcher = _current_patcher()
     added = None
@@ -102,7 +105,7 @@ def _patch_model(model: torch.nn.Module, allow_uncovered: str | Sequence[str] | 
             _patched_model_types.append(model_type)
             added = model_type
         hf.use_samepath(model, patcher)
-        audit.enforce(audit.audit_hf_model(model), allow_uncovered)
+        enforce(audit_hf_model(model), allow_uncovered)
     except BaseException:
         patcher.restore()
         if added is not None:  # its patches are undone: a later patch_all(model) applies them again
@@ -110,10 +113,8 @@ def _patch_model(model: torch.nn.Module, allow_uncovered: str | Sequence[str] | 
         raise
 
 
-def _current_patcher():
-    from samepath.integrations import hf
-
-    patcher = hf.Patcher()
+def _current_patcher() -> Patcher:
+    patcher = Patcher()
     assert _stack is not None
     _stack.callback(patcher.restore)
     return patcher

@@ -35,7 +35,7 @@ import dataclasses
 import functools
 import importlib
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -43,6 +43,7 @@ import torch
 
 from samepath.integrations.formulas import NORM_WEIGHT_MODES, rope_formula
 from samepath.integrations.moe import experts_forward
+from samepath.integrations.patcher import Patcher
 from samepath.kernels.attention import LaunchPlan, packed_attention, varlen_attention
 from samepath.kernels.attention.backend import attention_backend
 from samepath.kernels.gelu_tanh_mul import gelu_tanh_mul
@@ -68,41 +69,6 @@ MODEL_TYPES: dict[str, tuple[str, str]] = {
 
 #: model types whose ``{Prefix}MLP`` has one fused ``gate_up_proj`` (gate first, then up: vLLM's layout).
 FUSED_GATE_UP: frozenset[str] = frozenset({"phi3"})
-
-
-class Patcher:
-    """Records every attribute it replaces so that :meth:`restore` puts the originals back."""
-
-    def __init__(self) -> None:
-        self._originals: list[tuple[Any, str, bool, Any]] = []
-
-    def set(self, owner: Any, name: str, value: Any) -> None:
-        present = name in vars(owner) if isinstance(owner, type) else hasattr(owner, name)
-        self._originals.append((owner, name, present, getattr(owner, name, None)))
-        setattr(owner, name, value)
-
-    def set_item(self, mapping: dict, key: str, value: Any) -> None:
-        self._originals.append((mapping, key, key in mapping, mapping.get(key)))
-        mapping[key] = value
-
-    def on_restore(self, undo: Callable[[], object]) -> None:
-        """Have :meth:`restore` call ``undo`` (in reverse order with the recorded replacements)."""
-        self._originals.append((None, "", True, undo))
-
-    def restore(self) -> None:
-        while self._originals:
-            owner, name, present, original = self._originals.pop()
-            if owner is None:
-                original()
-            elif isinstance(owner, dict):
-                if present:
-                    owner[name] = original
-                else:
-                    owner.pop(name, None)
-            elif present:
-                setattr(owner, name, original)
-            else:
-                delattr(owner, name)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -546,13 +512,13 @@ MLP_OPS = {_mlp_forward: "silu_mul", _fused_mlp_forward: "silu_mul", _gelu_tanh_
 GELU_TANH_MLP: frozenset[str] = frozenset({"gemma3_text"})
 
 
-def _apply_rotary_pos_emb(
+def samepath_apply_rotary_pos_emb(
     q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, unsqueeze_dim: int = 1
 ) -> tuple[torch.Tensor, torch.Tensor]:
     return apply_rotary(q, k, cos, sin, unsqueeze_dim=unsqueeze_dim)
 
 
-def _rotary_embedding_forward(
+def rotary_embedding_forward(
     self: torch.nn.Module, x: torch.Tensor, position_ids: torch.Tensor, layer_type: str | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     rope = rope_formula(self.config, layer_type)  # Gemma 3: the rope of this layer type (local or global)
@@ -582,8 +548,8 @@ def apply_to_model_type(model_type: str, patcher: Patcher) -> None:
         else:
             mlp_forward = _fused_mlp_forward if model_type in FUSED_GATE_UP else _mlp_forward
         patcher.set(mlp, "forward", mlp_forward)
-    patcher.set(modeling, "apply_rotary_pos_emb", _apply_rotary_pos_emb)
-    patcher.set(getattr(modeling, f"{prefix}RotaryEmbedding"), "forward", _rotary_embedding_forward)
+    patcher.set(modeling, "apply_rotary_pos_emb", samepath_apply_rotary_pos_emb)
+    patcher.set(getattr(modeling, f"{prefix}RotaryEmbedding"), "forward", rotary_embedding_forward)
 
 
 def register_interfaces(patcher: Patcher, replace_defaults: bool) -> None:

@@ -81,7 +81,8 @@ from typing import Any
 
 import torch
 
-from samepath.integrations.hf import Patcher, fused_lm_head_logprobs
+from samepath.integrations.hf import fused_lm_head_logprobs
+from samepath.integrations.patcher import Patcher
 from samepath.kernels.logprobs import token_logprobs
 
 #: (module, attribute) of the originals this integration replaces, by the name verl defines them.

@@ -8,17 +8,16 @@ Declared in the package metadata::
 vLLM calls :func:`register` in every process it starts (the front end, the engine core, each
 worker) before any model is built. It does nothing unless ``SAMEPATH_VLLM=1``; then it installs
 :mod:`samepath.integrations.vllm_ascend` on vllm-ascend's platform and
-:mod:`samepath.integrations.vllm` everywhere else. The two share
-:mod:`samepath.integrations._vllm_common`; vllm_ascend reuses the vLLM plugin's rotary, load-audit and
-model-loader functions through lazy imports inside its patch functions, so importing either loads
-nothing of the other.
+:mod:`samepath.integrations.vllm` everywhere else. vllm_ascend reuses the vLLM package's shared
+pieces (:mod:`samepath.integrations.vllm.env`, ``common``, ``sampler``, the rotary and load-audit
+functions); the vLLM package imports nothing of vllm_ascend. Neither imports vLLM at module level.
 """
 
 from __future__ import annotations
 
 import importlib.util
 
-from samepath.integrations._vllm_common import ENV_VAR, FINGERPRINT_ENV_VAR, enabled_by_env
+from samepath.integrations.vllm.env import ENV_VAR, FINGERPRINT_ENV_VAR, enabled_by_env
 
 
 def vllm_ascend_platform() -> bool:

@@ -320,7 +320,7 @@ def tensor_parallel_numerics(tensor_parallel_size: int) -> dict[str, int]:
 
 
 #: side ("hf", "vllm", "vllm_ascend") -> the parts off samepath's contract that the user allowed
-#: (samepath.integrations.audit.enforce): part of the fingerprint while recorded.
+#: (samepath.audit.enforce): part of the fingerprint while recorded.
 _UNCOVERED_ALLOWED: dict[str, tuple[str, ...]] = {}
 
 
@@ -396,7 +396,7 @@ def fingerprint(tensor_parallel_size: int = 1, model_config=None) -> str:
     ``model_config`` (a Hugging Face config; optional) appends ``-`` + :func:`model_fingerprint`:
     the per-model formula choices, so a rollout and a trainer that resolved the model differently
     compare unequal. Parts of a model the user allowed off the contract
-    (``samepath.integrations.audit.enforce``) add ``-uncovered<hash>``: a marker for the record,
+    (``samepath.audit.enforce``) add ``-uncovered<hash>``: a marker for the record,
     which :func:`assert_same_numerics` does not compare (the opt-out already accepted them)."""
     table = _fingerprint_of(_table_payload(), tensor_parallel_size) + _uncovered_marker()
     return table if model_config is None else f"{table}-{model_fingerprint(model_config)}"

@@ -1,0 +1,470 @@
+"""vLLM's model ops on samepath: RMSNorm (and Gemma's), rotary (the Hugging Face rope parameters
+:func:`vllm_rope` reads off a vLLM rotary layer), SiLU·mul, GELU-tanh·mul, linear layers and the
+lm_head, the tensor-parallel row-parallel linear, and the fused MoE.
+
+Each ``patch_*`` function takes the plugin's :class:`~samepath.integrations.patcher.Patcher` and
+returns whether it applied; see :mod:`samepath.integrations.vllm` for what each replaces.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from samepath.integrations.patcher import Patcher
+from samepath.integrations.vllm.common import (
+    apply_rotary,
+    geglu_tanh,
+    has_dense_weight,
+    linear,
+    loading_model_routing_fp32,
+    moe,
+    optional_module,
+    rms_norm,
+    rotary_cos_sin,
+    swiglu,
+)
+from samepath.integrations.vllm.env import ENV_VAR
+from samepath.integrations.vllm.state import check_tensor_parallel_numerics
+
+
+def patch_rms_norm(patcher: Patcher) -> bool:
+    from vllm.model_executor.custom_op import CustomOp
+    from vllm.model_executor.layers.layernorm import RMSNorm
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        plain = (
+            type(self).forward_native is RMSNorm.forward_native
+            and self.variance_size_override is None
+            and self.has_weight
+            and getattr(self, "bias", None) is None
+            and x.dtype in (torch.float32, torch.bfloat16, torch.float16)
+            and self.weight.dtype == x.dtype
+        )
+        if not plain:
+            return CustomOp.forward(self, x, residual) if residual is not None else CustomOp.forward(self, x)
+        if residual is None:
+            return rms_norm(x, self.weight.data, self.variance_epsilon)
+        # HF's decoder layer: hidden = residual + hidden (rounded to the dtype), then the norm.
+        return rms_norm(x, self.weight.data, self.variance_epsilon, residual=residual)
+
+    patcher.set(RMSNorm, "forward", forward)
+    return True
+
+
+def plain_gemma_norm(module: Any, dtype: torch.dtype) -> bool:
+    from vllm.model_executor.layers.layernorm import GemmaRMSNorm
+
+    return (
+        type(module) is GemmaRMSNorm
+        and dtype in (torch.float32, torch.bfloat16, torch.float16)
+        and module.weight.dtype == dtype
+    )
+
+
+def patch_gemma_rms_norm(patcher: Patcher) -> bool:
+    """``GemmaRMSNorm.forward`` (Gemma 3's four norms per layer, its q/k norms and the final norm):
+    :func:`samepath.rms_norm` with ``weight_mode="fp32_one_plus_weight"`` — the fp32 row times
+    ``1 + weight.float()``, one rounding, as ``Gemma3RMSNorm`` computes. With a residual, vLLM's
+    fused add+norm (whose statistics read the unrounded fp32 sum) becomes ``s = x + residual``
+    rounded to the dtype, then the norm of ``s``: Hugging Face's decoder layer's rounding."""
+    from vllm.model_executor.custom_op import CustomOp
+    from vllm.model_executor.layers.layernorm import GemmaRMSNorm
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        if not plain_gemma_norm(self, x.dtype):
+            return CustomOp.forward(self, x, residual) if residual is not None else CustomOp.forward(self, x)
+        weight_mode = "fp32_one_plus_weight"
+        if residual is None:
+            return rms_norm(x, self.weight.data, self.variance_epsilon, weight_mode=weight_mode)
+        return rms_norm(x, self.weight.data, self.variance_epsilon, residual=residual, weight_mode=weight_mode)
+
+    patcher.set(GemmaRMSNorm, "forward", forward)
+    return True
+
+
+class UnsupportedRopeError(NotImplementedError):
+    """A vLLM rotary layer whose formula samepath cannot make equal to Hugging Face's."""
+
+
+def vllm_rope(layer: Any) -> tuple[int, float, dict[str, Any]]:
+    """``(rotary_dim, base, scaling)`` of a vLLM rotary layer: its own constructor arguments as
+    Hugging Face rope parameters, the input of :func:`samepath.rotary_cos_sin`.
+
+    Written against vLLM 0.32's ``rotary_embedding`` package: ``RotaryEmbedding`` (default),
+    ``LinearScalingRotaryEmbedding`` (one factor), ``DynamicNTKScalingRotaryEmbedding``
+    (``max_trained_positions == max_position_embeddings``: Hugging Face's formula below
+    ``max_position_embeddings``), ``YaRNScalingRotaryEmbedding``, ``Llama3RotaryEmbedding`` and
+    ``Phi3LongRoPEScaledRotaryEmbedding`` (short factors: ``max_model_len`` at most
+    ``original_max_position_embeddings``), neox style. Anything else — GPT-J (interleaved) style,
+    mrope, dual-chunk, DeepSeek / NTK-alpha / Fourier scaling, LoRA's multi-factor linear cache —
+    raises :class:`UnsupportedRopeError`: it is refused rather than left on vLLM's formula.
+    """
+    kind = rope_class_name(type(layer))
+    where = f"{type(layer).__name__} (vLLM rotary layer)"
+    if kind is None:
+        raise UnsupportedRopeError(f"{where}: samepath has no Hugging Face formula for this rotary layer")
+    if not getattr(layer, "is_neox_style", True):
+        raise UnsupportedRopeError(f"{where}: GPT-J (interleaved) style rotary is not supported")
+    base = float(layer.base)
+    if kind == "RotaryEmbedding":
+        return layer.rotary_dim, base, {"rope_type": "default"}
+    if kind == "LinearScalingRotaryEmbedding":
+        if len(layer.scaling_factors) != 1:
+            raise UnsupportedRopeError(f"{where}: several linear scaling factors {layer.scaling_factors}")
+        return layer.rotary_dim, base, {"rope_type": "linear", "factor": layer.scaling_factors[0]}
+    if kind == "DynamicNTKScalingRotaryEmbedding":
+        if layer.max_trained_positions != layer.max_position_embeddings:
+            raise UnsupportedRopeError(
+                f"{where}: max_trained_positions={layer.max_trained_positions} differs from "
+                f"max_position_embeddings={layer.max_position_embeddings} (not Hugging Face's dynamic rope)"
+            )
+        scaling = {"rope_type": "dynamic", "factor": layer.scaling_factor}
+        return layer.rotary_dim, base, {**scaling, "max_position_embeddings": layer.max_position_embeddings}
+    if kind == "YaRNScalingRotaryEmbedding":
+        return (
+            layer.rotary_dim,
+            base,
+            {
+                "rope_type": "yarn",
+                "factor": layer.scaling_factor,
+                "original_max_position_embeddings": layer.max_position_embeddings,
+                "beta_fast": layer.beta_fast,
+                "beta_slow": layer.beta_slow,
+                "truncate": layer.truncate,
+                "attention_factor": layer.mscale,
+            },
+        )
+    if kind == "Llama3RotaryEmbedding":
+        return (
+            layer.rotary_dim,
+            base,
+            {
+                "rope_type": "llama3",
+                "factor": layer.scaling_factor,
+                "low_freq_factor": layer.low_freq_factor,
+                "high_freq_factor": layer.high_freq_factor,
+                "original_max_position_embeddings": layer.orig_max_position,
+            },
+        )
+    if kind == "Phi3LongRoPEScaledRotaryEmbedding":
+        if layer.use_long_rope:
+            raise UnsupportedRopeError(
+                f"{where}: max_model_len exceeds original_max_position_embeddings="
+                f"{layer.original_max_position_embeddings}, so vLLM applies the long factors to every position "
+                "while Hugging Face applies the short ones below it; set max_model_len <= "
+                f"{layer.original_max_position_embeddings}"
+            )
+        return (
+            layer.rotary_dim,
+            base,
+            {
+                "rope_type": "longrope",
+                "short_factor": list(layer.short_factor),
+                "long_factor": list(layer.long_factor),
+                "original_max_position_embeddings": layer.original_max_position_embeddings,
+                "attention_factor": layer.short_mscale,
+                "max_position_embeddings": layer.max_position_embeddings,
+            },
+        )
+    raise UnsupportedRopeError(f"{where}: samepath has no Hugging Face formula for this rotary layer")
+
+
+#: vLLM 0.32 rotary classes :func:`vllm_rope` maps (by exact class, in vLLM's rotary package).
+ROPE_CLASSES = (
+    "RotaryEmbedding",
+    "LinearScalingRotaryEmbedding",
+    "DynamicNTKScalingRotaryEmbedding",
+    "YaRNScalingRotaryEmbedding",
+    "Llama3RotaryEmbedding",
+    "Phi3LongRoPEScaledRotaryEmbedding",
+)
+#: vllm-ascend's subclasses that keep their vLLM parent's parameters (only the kernel differs).
+ASCEND_ROPE_CLASSES = {
+    "AscendRotaryEmbedding": "RotaryEmbedding",
+    "AscendYaRNRotaryEmbedding": "YaRNScalingRotaryEmbedding",
+}
+
+
+def rope_class_name(cls: type) -> str | None:
+    """The vLLM rotary class whose parameters ``cls`` carries (see :data:`ROPE_CLASSES`), or ``None``."""
+    if cls.__module__.startswith("vllm.model_executor.layers.rotary_embedding") and cls.__name__ in ROPE_CLASSES:
+        return cls.__name__
+    if cls.__module__.startswith("vllm_ascend."):
+        return ASCEND_ROPE_CLASSES.get(cls.__name__)
+    return None
+
+
+def rotate(self: Any, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor | None):
+    """vLLM's rotary contract (``positions [T]``, ``query [T, H*D]``, ``key [T, Hkv*D]`` or ``None``)
+    on samepath: the layer's :func:`vllm_rope` parameters (cached on the layer), cos/sin from
+    :func:`samepath.rotary_cos_sin`, the rotation by :func:`samepath.apply_rotary`."""
+    cached = vars(self).get("_samepath_rope")
+    if cached is None:
+        cached = vllm_rope(self)
+        self._samepath_rope = cached
+    rotary_dim, base, scaling = cached
+    positions = positions.flatten()
+    tokens = positions.shape[0]
+    cos, sin = rotary_cos_sin(positions, rotary_dim, base, query.dtype, scaling)
+    q = query.reshape(tokens, -1, self.head_size)
+    if key is None:
+        q_out, _ = apply_rotary(q, q[:, :1], cos, sin, unsqueeze_dim=1)
+        return q_out.reshape(query.shape), None
+    k = key.reshape(tokens, -1, self.head_size)
+    q_out, k_out = apply_rotary(q, k, cos, sin, unsqueeze_dim=1)
+    return q_out.reshape(query.shape), k_out.reshape(key.shape)
+
+
+def rotary_forward(self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor | None = None, *args, **kw):
+    if args or any(v is not None for v in kw.values()):
+        raise UnsupportedRopeError(
+            f"{type(self).__name__}: extra rotary arguments ({len(args)} positional, {sorted(kw)}; e.g. LoRA offsets)"
+        )
+    return rotate(self, positions, query, key)
+
+
+def patch_rotary(patcher: Patcher) -> bool:
+    """Every vLLM rotary layer: cos/sin from :func:`samepath.rotary_cos_sin` with the Hugging Face
+    parameters :func:`vllm_rope` reads off the layer, the rotation by :func:`samepath.apply_rotary`;
+    a layer :func:`vllm_rope` cannot map raises instead of running vLLM's formula."""
+    from vllm.model_executor.layers import rotary_embedding as rope
+    from vllm.model_executor.layers.rotary_embedding.base import RotaryEmbeddingBase
+
+    patcher.set(RotaryEmbeddingBase, "forward", rotary_forward)
+    patcher.set(rope.Phi3LongRoPEScaledRotaryEmbedding, "forward", rotary_forward)
+    return True
+
+
+def patch_silu_mul(patcher: Patcher) -> bool:
+    from vllm.model_executor.custom_op import CustomOp
+    from vllm.model_executor.layers.activation import SiluAndMul
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if type(self) is not SiluAndMul or x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+            return CustomOp.forward(self, x)
+        return swiglu(x)
+
+    patcher.set(SiluAndMul, "forward", forward)
+    return True
+
+
+def patch_gelu_tanh_mul(patcher: Patcher) -> bool:
+    """``GeluAndMul.forward`` with ``approximate="tanh"`` (``gelu_pytorch_tanh``, Gemma's MLP):
+    :func:`samepath.geglu_tanh`, the function the Hugging Face side's ``Gemma3MLP`` runs on the
+    gate and up halves. The exact (erf) GELU stays on vLLM's kernel, and the audit calls it
+    uncovered."""
+    from vllm.model_executor.custom_op import CustomOp
+    from vllm.model_executor.layers.activation import GeluAndMul
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        plain = (
+            type(self) is GeluAndMul
+            and self.approximate == "tanh"
+            and x.dtype in (torch.float32, torch.bfloat16, torch.float16)
+        )
+        if not plain:
+            return CustomOp.forward(self, x)
+        return geglu_tanh(x)
+
+    patcher.set(GeluAndMul, "forward", forward)
+    return True
+
+
+# ----------------------------------------------------------------------------------------------
+# Linear layers and the lm_head
+# ----------------------------------------------------------------------------------------------
+
+
+def patch_linear(patcher: Patcher) -> bool:
+    from vllm.model_executor.layers import utils as layer_utils
+    from vllm.model_executor.layers.linear import UnquantizedLinearMethod
+    from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod
+
+    original_dispatch = layer_utils.dispatch_cpu_unquantized_gemm
+
+    def dispatch_cpu_unquantized_gemm(layer: torch.nn.Module, remove_weight: bool) -> None:
+        # Keep the plain weight (no oneDNN / sgl repacking, no removal): samepath.linear reads it.
+        if not has_dense_weight(layer):
+            return original_dispatch(layer, remove_weight)
+        layer.cpu_linear = lambda x, weight, bias: linear(x, weight, bias)
+        return None
+
+    patcher.set(layer_utils, "dispatch_cpu_unquantized_gemm", dispatch_cpu_unquantized_gemm)
+    for method in (UnquantizedLinearMethod, UnquantizedEmbeddingMethod):
+        original_apply = method.apply
+
+        def apply(self, layer, x, bias=None, _original=original_apply):
+            if not has_dense_weight(layer) or x.dtype != layer.weight.dtype:
+                return _original(self, layer, x, bias)
+            return linear(x, layer.weight, bias)
+
+        patcher.set(method, "apply", apply)
+    return True
+
+
+def patch_row_parallel(patcher: Patcher) -> bool:
+    """``RowParallelLinear.forward`` at ``tensor_parallel_size > 1``: instead of the partial
+    products' all-reduce (an order samepath does not control),
+    :func:`samepath.distributed.row_parallel_linear` over vLLM's TP group — fp32 partials
+    all-gathered and summed in rank order, equal to ``linear(x, w, b, k_slices=S)`` on one process
+    (the trainer's side: :func:`samepath.integrations.hf.tensor_parallel_numerics`)."""
+    from vllm.distributed import get_tp_group
+    from vllm.model_executor.layers.linear import RowParallelLinear, UnquantizedLinearMethod
+
+    from samepath.distributed import row_parallel_linear
+
+    original_forward = RowParallelLinear.forward
+
+    def forward(self, input_):
+        if self.tp_size == 1:
+            return original_forward(self, input_)
+        check_tensor_parallel_numerics()
+        problems = []
+        if not isinstance(self.quant_method, UnquantizedLinearMethod) or not has_dense_weight(self):
+            problems.append("quantized or non-dense weights")
+        if not self.reduce_results:
+            problems.append("a deferred (fused) all-reduce")
+        if problems:
+            raise NotImplementedError(
+                f"samepath's tensor-parallel RowParallelLinear does not implement {', '.join(problems)} "
+                f"({self.prefix}); unset {ENV_VAR} or use tensor_parallel_size=1"
+            )
+        if self.input_is_parallel:
+            input_parallel = input_
+        else:
+            input_parallel = input_.chunk(self.tp_size, dim=-1)[self.tp_rank].contiguous()
+        bias = None if self.skip_bias_add else self.bias
+        output = row_parallel_linear(input_parallel, self.weight, get_tp_group().device_group, bias)
+        if not self.return_bias:
+            return output
+        return output, (self.bias if self.skip_bias_add else None)
+
+    patcher.set(RowParallelLinear, "forward", forward)
+    return True
+
+
+# ----------------------------------------------------------------------------------------------
+# Mixture of experts
+# ----------------------------------------------------------------------------------------------
+
+
+def plain_experts(layer: Any) -> bool:
+    """Unquantized SwiGLU experts without bias, expert parallelism or router weights on the input."""
+    from vllm.model_executor.layers.fused_moe.activation import MoEActivation
+
+    return (
+        layer.activation == MoEActivation.SILU
+        and layer.moe_config.is_act_and_mul
+        and not layer.moe_config.has_bias
+        and layer.expert_map is None
+        and not layer.apply_router_weight_on_input
+        and layer.w13_weight.dtype in (torch.float32, torch.bfloat16, torch.float16)
+    )
+
+
+#: Routers whose top-k softmax selection is Hugging Face's (others are refused).
+PLAIN_ROUTERS = ("CPURouter", "FusedTopKRouter")
+
+
+def check_plain_routing(runner: Any) -> None:
+    router = runner.router
+    problems = []
+    if type(router).__name__ not in PLAIN_ROUTERS:
+        problems.append(f"the {type(router).__name__}")
+    if getattr(runner, "routed_scaling_factor", 1.0) != 1.0:
+        problems.append(f"routed_scaling_factor={runner.routed_scaling_factor}")
+    if getattr(runner, "routed_input_transform", None) is not None:
+        problems.append("a routed input transform (latent MoE)")
+    if getattr(runner, "routed_output_transform", None) is not None:
+        problems.append("a routed output transform")
+    if getattr(router, "scoring_func", "softmax") != "softmax":
+        problems.append(f"scoring_func={router.scoring_func!r}")
+    if getattr(router, "use_grouped_topk", False):
+        problems.append("grouped top-k")
+    if getattr(router, "e_score_correction_bias", None) is not None:
+        problems.append("a score-correction bias")
+    if getattr(router, "custom_routing_function", None) is not None:
+        problems.append("a custom routing function")
+    if getattr(router, "routed_scaling_factor", 1.0) != 1.0:
+        problems.append(f"routed_scaling_factor={router.routed_scaling_factor}")
+    if runner._shared_experts is not None:
+        problems.append("shared experts")
+    if problems:
+        raise NotImplementedError(
+            f"samepath's vLLM MoE does not implement {', '.join(problems)}; unset {ENV_VAR} to run vLLM's own kernel"
+        )
+
+
+def patch_moe(patcher: Patcher) -> bool:
+    """vLLM's fused MoE → :mod:`samepath.integrations.moe` (Hugging Face's router and expert loop).
+
+    ``UnquantizedFusedMoEMethod.process_weights_after_loading`` keeps plain experts' ``w13_weight``
+    ``[E, 2I, H]`` / ``w2_weight`` ``[E, H, I]`` as loaded (no repacking for a fused kernel) and
+    marks the layer; ``MoERunner._apply_quant_method`` then routes and runs those layers with
+    samepath. Written against vLLM 0.32's modular MoE (``fused_moe/runner/moe_runner.py``)."""
+    runner_module = optional_module("vllm.model_executor.layers.fused_moe.runner.moe_runner")
+    method_module = optional_module("vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method")
+    if runner_module is None or method_module is None:
+        return False
+    method_cls = method_module.UnquantizedFusedMoEMethod
+    runner_cls = runner_module.MoERunner
+    original_process = method_cls.process_weights_after_loading
+    original_apply = runner_cls._apply_quant_method
+
+    def process_weights_after_loading(self, layer):
+        if type(self) is not method_cls or not plain_experts(layer):
+            return original_process(self, layer)
+        if layer.moe_config.moe_parallel_config.tp_size > 1:
+            raise NotImplementedError(
+                f"samepath's vLLM MoE does not implement tensor-parallel experts; unset {ENV_VAR} or use "
+                "tensor_parallel_size=1"
+            )
+        super(method_cls, self).process_weights_after_loading(layer)
+        layer.samepath_experts = True
+        layer.samepath_routing_fp32 = loading_model_routing_fp32()
+        return None
+
+    def apply_quant_method(self, hidden_states, router_logits, shared_experts_input, input_ids=None, **kwargs):
+        experts = self.routed_experts
+        if not getattr(experts, "samepath_experts", False):
+            return original_apply(self, hidden_states, router_logits, shared_experts_input, input_ids, **kwargs)
+        check_plain_routing(self)
+        out = moe(
+            hidden_states,
+            router_logits,
+            experts.w13_weight,
+            experts.w2_weight,
+            self.router.top_k,
+            bool(self.router.renormalize),
+            bool(getattr(experts, "samepath_routing_fp32", False)),
+        )
+        return None, out
+
+    patcher.set(method_cls, "process_weights_after_loading", process_weights_after_loading)
+    patcher.set(runner_cls, "_apply_quant_method", apply_quant_method)
+    return True
+
+
+__all__ = [
+    "ASCEND_ROPE_CLASSES",
+    "PLAIN_ROUTERS",
+    "ROPE_CLASSES",
+    "UnsupportedRopeError",
+    "check_plain_routing",
+    "patch_gelu_tanh_mul",
+    "patch_gemma_rms_norm",
+    "patch_linear",
+    "patch_moe",
+    "patch_rms_norm",
+    "patch_rotary",
+    "patch_row_parallel",
+    "patch_silu_mul",
+    "plain_experts",
+    "plain_gemma_norm",
+    "rope_class_name",
+    "rotary_forward",
+    "rotate",
+    "vllm_rope",
+]
