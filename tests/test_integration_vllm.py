@@ -1055,7 +1055,7 @@ def test_ascend_load_audit_moe(ascend_standins):
     quant method (not vllm-ascend's, which samepath patches) or the other routing precision are
     refused by name."""
     from samepath.integrations import audit, vllm_ascend
-    from samepath.integrations.formulas import model_formulas
+    from samepath.models.formulas import model_formulas
 
     config = transformers.Qwen3MoeConfig(**DEFAULT_MODEL_CONFIG, **MOE_CONFIG)
     fp32 = "kept in fp32" in model_formulas(config)["moe"]["routing"]

@@ -28,7 +28,6 @@ from typing import Any
 
 import torch
 
-from samepath.integrations.formulas import routing_weights_fp32
 from samepath.integrations.moe import experts_forward, topk_softmax_routing
 from samepath.kernels.gelu_tanh_mul import geglu_tanh as _kernel_geglu_tanh
 from samepath.kernels.logprobs import log_softmax
@@ -40,6 +39,7 @@ from samepath.kernels.rotary import rotary_cos_sin as _kernel_rotary_cos_sin
 from samepath.kernels.sampling import apply_penalties as _kernel_apply_penalties
 from samepath.kernels.sampling import sampling_keep_mask
 from samepath.kernels.swiglu import swiglu as _kernel_swiglu
+from samepath.models.formulas import routing_weights_fp32
 
 #: Set to ``1`` to let the entry point install samepath in every vLLM process.
 ENV_VAR = "SAMEPATH_VLLM"

@@ -37,7 +37,7 @@ from typing import Any
 
 import torch
 
-from samepath.integrations.formulas import UnsupportedModelError, model_formulas
+from samepath.models.formulas import UnsupportedModelError, model_formulas
 
 #: Environment variable of the opt-out: ``all`` or comma-separated names (module class, qualified
 #: module name or op).
@@ -221,7 +221,7 @@ def embedding_scale_entry(
     then one dtype multiply. ``multiplied_as_stored``: the module multiplies by ``scale`` without
     casting it (vLLM's ``normalizer``), so ``scale`` must itself be in ``dtype`` (an fp32 factor
     would multiply unrounded)."""
-    from samepath.integrations.formulas import sqrt_hidden_scale
+    from samepath.models.formulas import sqrt_hidden_scale
 
     want = torch.tensor(sqrt_hidden_scale(hidden_size), dtype=torch.float32).to(dtype)
     if multiplied_as_stored and scale.dtype != dtype:
@@ -379,8 +379,8 @@ def audit_vllm_model(model: torch.nn.Module, hf_config: Any, rules: Any = None) 
     side's resolution of ``hf_config``, and each RMSNorm the config's epsilon.
     """
     from samepath.integrations import vllm as plugin
-    from samepath.integrations.formulas import layer_types, rope_formulas
     from samepath.kernels.rotary import rotary_inv_freq, rotary_position_limit
+    from samepath.models.formulas import layer_types, rope_formulas
 
     rules = rules or plugin.vllm_rules()
     model_type = getattr(hf_config, "model_type", None)

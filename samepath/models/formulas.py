@@ -9,105 +9,42 @@ JSON-serialisable dict. Both integrations compute their rotary tables from
 config, so a rollout and a trainer that resolved a model differently (another rope scaling, an
 override on one side, another checkpoint revision) compare unequal and refuse to run together.
 
-A config samepath cannot resolve into one of its formulas (another model type, partial rotary on
-a family that rotates the whole head, an activation other than SiLU, ...) is a
-:class:`UnsupportedModelError`, raised the same way on both sides.
+Which formula a model type gets (norm, activation, rope handling, MoE routing, attention scale
+and window) comes from its :class:`~samepath.models.family.ModelFamily` in
+:mod:`samepath.models.registry`. A config samepath cannot resolve into one of its formulas
+(another model type, partial rotary on a family that rotates the whole head, an activation other
+than the family's, ...) is a :class:`UnsupportedModelError`, raised the same way on both sides.
+:func:`model_fingerprint` hashes :func:`model_formulas`; importing this module registers it with
+:mod:`samepath.kernels.config`, whose ``fingerprint(model_config=...)`` appends it.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from samepath.kernels import config as numerics_config
 from samepath.kernels.rotary import ROPE_TYPES
+from samepath.models.family import (
+    PER_LAYER_TYPE_ROPE,
+    SOFTMAX_TOPK,
+    SOFTMAX_TOPK_FP32,
+    ModelFamily,
+    UnsupportedModelError,
+)
+from samepath.models.registry import find, refusal_reason, refusals
 
-#: model_type -> the formulas samepath implements for it, on the trainer (Hugging Face) and the
-#: rollout (vLLM, vllm-ascend) alike. A type that is not here is refused on both sides.
-FAMILIES: dict[str, dict[str, Any]] = {
-    "llama": {"norm": "rms_norm", "qk_norm": False, "mlp": "silu_mul", "moe": None},
-    "qwen2": {"norm": "rms_norm", "qk_norm": False, "mlp": "silu_mul", "moe": None},
-    "qwen3": {"norm": "rms_norm", "qk_norm": True, "mlp": "silu_mul", "moe": None},
-    "qwen3_moe": {"norm": "rms_norm", "qk_norm": True, "mlp": "silu_mul", "moe": "softmax_topk"},
-    # Llama's modules (vLLM: mistral.py, a LlamaModel) with the config's sliding window.
-    "mistral": {"norm": "rms_norm", "qk_norm": False, "mlp": "silu_mul", "moe": None},
-    # Llama's modules with fused q/k/v and gate/up projections (vLLM: phi3.py, a LlamaForCausalLM).
-    "phi3": {"norm": "rms_norm", "qk_norm": False, "mlp": "silu_mul", "moe": None},
-    # Mistral's attention with top-k softmax experts whose routing weights stay in fp32 (vLLM: mixtral.py).
-    "mixtral": {"norm": "rms_norm", "qk_norm": False, "mlp": None, "moe": "softmax_topk_fp32"},
-    # Gemma 3 text: (1 + weight) fp32 norms (four per layer, and q/k), GELU-tanh·mul, a scaled
-    # embedding, query_pre_attn_scalar, alternating sliding / full layers with a rope per layer type.
-    "gemma3_text": {"norm": "rms_norm", "qk_norm": True, "mlp": "gelu_tanh_mul", "moe": None},
-}
-
-#: model_type -> ``samepath.rms_norm``'s ``weight_mode`` of its norms (default ``cast_then_weight``).
-NORM_WEIGHT_MODES: dict[str, str] = {"gemma3_text": "fp32_one_plus_weight"}
-
-#: model_type -> why samepath refuses it, the same words on every side (``patch_all(model)``, the
-#: vLLM plugin's load audit, ``samepath check``/``audit``). Decided from what each architecture's
-#: modules compute in transformers 5 and vLLM, not from its name.
-REFUSED: dict[str, str] = {
-    "olmo2": (
-        "vLLM 0.32 runs Olmo2ForCausalLM through its Transformers backend, whose fusers swap the model's norms, "
-        "projections and attention for vLLM layers found from the modules' dataflow; samepath's vLLM plugin does "
-        "not patch or audit that backend. Olmo2RMSNorm's fp32 weight multiply before the cast is samepath's "
-        "rms_norm weight_mode='fp32_weight', but its q/k norms run over all heads at once (under tensor "
-        "parallelism a norm across ranks), which samepath's vLLM coverage does not include"
-    ),
-    "granite": (
-        "Granite's embedding_multiplier, residual_multiplier and logits_scaling are elementwise ops of the model "
-        "classes that samepath does not run: vLLM multiplies the logits by 1/logits_scaling where Hugging Face "
-        "divides (the same bits only for a power of two), and vLLM's torch.compile may fuse "
-        "residual + h * residual_multiplier without Hugging Face's rounding between the multiply and the add"
-    ),
-    "gemma2": (
-        "Gemma 2 uses attention logit soft-capping (tanh of the scores before the softmax, refused by samepath's "
-        "attention kernel) and final logit soft-capping; its (1 + weight) RMSNorm, GELU-tanh MLP, scaled embedding "
-        "and alternating sliding-window layers are Gemma 3's, which samepath implements (model_type gemma3_text)"
-    ),
-    "gemma3": (
-        "Gemma3ForConditionalGeneration is multimodal (a SigLIP vision tower, bidirectional attention over image "
-        "tokens), which samepath does not implement; the text-only Gemma3ForCausalLM (model_type gemma3_text) "
-        "is supported"
-    ),
-    "gpt_oss": (
-        "GPT-OSS uses attention sinks (s_aux, refused by samepath's attention) and clamped SwiGLU experts with "
-        "biases; neither is implemented"
-    ),
-    "deepseek_v2": (
-        "DeepSeek-V2 uses multi-head latent attention (low-rank compressed KV with rope on a slice of each head) "
-        "and grouped top-k routing with shared experts; neither is implemented"
-    ),
-    "deepseek_v3": (
-        "DeepSeek-V3 uses multi-head latent attention (low-rank compressed KV with rope on a slice of each head) "
-        "and sigmoid grouped top-k routing with shared experts; neither is implemented"
-    ),
-    "gpt2": (
-        "GPT-2 is not Llama-shaped: LayerNorm, a GELU MLP, learned absolute positions and Conv1D projections; "
-        "none is implemented"
-    ),
-}
+#: model_type -> why samepath refuses it (:func:`samepath.models.registry.refusals`).
+REFUSED = refusals()
 
 
 def unsupported_reason(model_type: object) -> str:
-    """Why samepath refuses ``model_type`` (one message for the API, the vLLM plugin and the CLI)."""
-    supported = ", ".join(sorted(FAMILIES))
-    if model_type in REFUSED:
-        return f"model_type {model_type!r} is not supported: {REFUSED[model_type]} (supported: {supported})"
-    return (
-        f"model_type {model_type!r} is not covered by samepath on both the trainer and the rollout side "
-        f"(supported: {supported})"
-    )
-
-
-_ACTIVATIONS = ("silu", "swish")
-#: model type -> the MLP activation its samepath formula implements (read from ``hidden_activation``).
-_FAMILY_ACTIVATIONS = {"gemma3_text": ("gelu_pytorch_tanh",)}
-
-
-class UnsupportedModelError(ValueError):
-    """The model's config selects a formula samepath does not implement on both sides."""
+    """Why samepath refuses ``model_type`` (:func:`samepath.models.registry.refusal_reason`)."""
+    return refusal_reason(model_type)
 
 
 @dataclass(frozen=True)
@@ -215,80 +152,91 @@ def rope_formula(config: Any, layer_type: str | None = None) -> RopeFormula:
 def routing_weights_fp32(config: Any) -> bool:
     """Whether the model's MoE routing weights stay in fp32 (Mixtral) instead of being cast to the
     activations' dtype (Qwen3-MoE) before they scale the experts' outputs."""
-    family = FAMILIES.get(getattr(config, "model_type", None))
-    return family is not None and family["moe"] == "softmax_topk_fp32"
+    family = find(getattr(config, "model_type", None))
+    return family is not None and family.moe == SOFTMAX_TOPK_FP32
+
+
+def _softmax_topk(config: Any) -> dict[str, Any]:
+    moe = {
+        "routing": "fp32 softmax, top-k, optional renormalisation, cast to the dtype (HF TopKRouter)",
+        "num_experts": int(config.num_experts),
+        "top_k": int(config.num_experts_per_tok),
+        "renormalize": bool(config.norm_topk_prob),
+        "experts": "ascending expert order, index_add per token",
+    }
+    if getattr(config, "shared_expert_intermediate_size", 0):
+        raise UnsupportedModelError("shared experts are not supported")
+    return moe
+
+
+def _softmax_topk_fp32(config: Any) -> dict[str, Any]:
+    moe = {
+        "routing": "fp32 softmax, top-k, renormalisation, weights kept in fp32 (HF MixtralTopKRouter)",
+        "num_experts": int(config.num_local_experts),
+        "top_k": int(config.num_experts_per_tok),
+        "renormalize": True,
+        "experts": "ascending expert order, index_add per token",
+    }
+    if getattr(config, "router_jitter_noise", 0.0):
+        raise UnsupportedModelError(
+            f"router_jitter_noise={config.router_jitter_noise} (random noise on the trainer's router in "
+            "train mode only) is not supported"
+        )
+    return moe
+
+
+#: A family's ``moe`` -> the routing formula it resolves a config to (refusing what it does not implement).
+MOE_ROUTINGS = {SOFTMAX_TOPK: _softmax_topk, SOFTMAX_TOPK_FP32: _softmax_topk_fp32}
+
+
+def _activation(family: ModelFamily, config: Any, model_type: str) -> str:
+    activation = family.activation
+    act = getattr(config, activation.config_key, activation.default)
+    if act not in activation.accepted:
+        raise UnsupportedModelError(
+            activation.refusal.format(key=activation.config_key, act=act, model_type=model_type)
+        )
+    return act
 
 
 def model_formulas(config: Any) -> dict[str, Any]:
     """The per-model formula choices of a Hugging Face config (see the module docstring).
 
-    Raises :class:`UnsupportedModelError` for a model type outside :data:`FAMILIES` or a choice
-    samepath does not implement on both sides.
+    Raises :class:`UnsupportedModelError` for a model type without a family in
+    :mod:`samepath.models.registry` or a choice samepath does not implement on both sides.
     """
     model_type = getattr(config, "model_type", None)
-    if model_type not in FAMILIES:
+    family = find(model_type)
+    if family is None:
         raise UnsupportedModelError(unsupported_reason(model_type))
-    family = FAMILIES[model_type]
     for key in ("llama_4_scaling", "ada_rms_norm_t_cond"):  # vLLM's Mistral-only extras
         if getattr(config, key, None):
             raise UnsupportedModelError(f"{key} ({model_type}) is not supported")
-    if model_type in _FAMILY_ACTIVATIONS:
-        act = getattr(config, "hidden_activation", None)
-        if act not in _FAMILY_ACTIVATIONS[model_type]:
-            raise UnsupportedModelError(
-                f"hidden_activation={act!r} is not supported for {model_type} (samepath implements GELU-tanh·mul, "
-                "gelu_pytorch_tanh)"
-            )
-    else:
-        act = getattr(config, "hidden_act", "silu")
-        if act not in _ACTIVATIONS:
-            raise UnsupportedModelError(f"hidden_act={act!r} is not supported (samepath implements SiLU·mul)")
-    gemma = model_type == "gemma3_text"
-    if gemma:
-        _check_gemma3(config)
+    act = _activation(family, config, model_type)
+    problems = family.config_problems(config) if family.config_problems is not None else []
+    if problems:
+        raise UnsupportedModelError(f"{model_type} with {'; '.join(problems)} is not supported")
     head_size = _head_size(config)
-    moe = None
-    if family["moe"] == "softmax_topk":
-        moe = {
-            "routing": "fp32 softmax, top-k, optional renormalisation, cast to the dtype (HF TopKRouter)",
-            "num_experts": int(config.num_experts),
-            "top_k": int(config.num_experts_per_tok),
-            "renormalize": bool(config.norm_topk_prob),
-            "experts": "ascending expert order, index_add per token",
-        }
-        if getattr(config, "shared_expert_intermediate_size", 0):
-            raise UnsupportedModelError("shared experts are not supported")
-    elif family["moe"] == "softmax_topk_fp32":
-        moe = {
-            "routing": "fp32 softmax, top-k, renormalisation, weights kept in fp32 (HF MixtralTopKRouter)",
-            "num_experts": int(config.num_local_experts),
-            "top_k": int(config.num_experts_per_tok),
-            "renormalize": True,
-            "experts": "ascending expert order, index_add per token",
-        }
-        if getattr(config, "router_jitter_noise", 0.0):
-            raise UnsupportedModelError(
-                f"router_jitter_noise={config.router_jitter_noise} (random noise on the trainer's router in "
-                "train mode only) is not supported"
-            )
-    # qwen2 windows only with use_sliding_window; mistral, phi3 and mixtral whenever sliding_window is set;
-    # gemma3_text on its sliding_attention layers.
-    sliding = bool(getattr(config, "use_sliding_window", model_type in ("mistral", "phi3", "mixtral", "gemma3_text")))
+    moe = MOE_ROUTINGS[family.moe](config) if family.moe is not None else None
+    # Some families (qwen2) window only with use_sliding_window, others whenever sliding_window is set
+    # (gemma3_text: on its sliding_attention layers).
+    sliding = bool(getattr(config, "use_sliding_window", family.sliding_window_by_default))
     ropes = rope_formulas(config)
+    scale = float(config.query_pre_attn_scalar) ** -0.5 if family.query_pre_attn_scalar else head_size**-0.5
     formulas = {
         "model_type": model_type,
         "rope": ropes[None].to_json() if None in ropes else {k: v.to_json() for k, v in ropes.items()},
         "norm": {
-            "kind": family["norm"],
-            "weight_mode": NORM_WEIGHT_MODES.get(model_type, "cast_then_weight"),
+            "kind": "rms_norm",
+            "weight_mode": family.norm_weight_mode,
             "eps": float(config.rms_norm_eps),
-            "qk_norm": family["qk_norm"],
-            "residual": "add rounded to the dtype, then the norm",
+            "qk_norm": family.qk_norm,
+            "residual": family.residual,
         },
         "activation": f"{act}·mul",
         "moe": moe,
         "attention": {
-            "scale": float(config.query_pre_attn_scalar) ** -0.5 if gemma else head_size**-0.5,
+            "scale": scale,
             "sliding_window": getattr(config, "sliding_window", None) if sliding else None,
             "max_window_layers": getattr(config, "max_window_layers", None) if sliding else None,
             "softcap": None,
@@ -296,20 +244,25 @@ def model_formulas(config: Any) -> dict[str, Any]:
         },
         "tie_word_embeddings": bool(getattr(config, "tie_word_embeddings", False)),
     }
-    if gemma:
-        formulas["norm"]["residual"] = (
-            "the sublayer's output normed (post_attention / post_feedforward), added to the residual rounded to "
-            "the dtype, then the next pre-norm"
-        )
+    if family.rope == PER_LAYER_TYPE_ROPE:
         formulas["attention"]["layer_types"] = list(config.layer_types)
+    if family.embedding_scale:
         formulas["embedding"] = {"scale": embedding_scale(config), "multiply": "in the model dtype, one rounding"}
     return formulas
+
+
+def model_fingerprint(model_config: Any) -> str:
+    """A short hash of a model's formula choices (:func:`model_formulas`: rope type and parameters,
+    norm, activation, MoE routing, attention scale) — ``m`` + 12 hex digits."""
+    payload = json.dumps(model_formulas(model_config), sort_keys=True, separators=(",", ":"))
+    return "m" + hashlib.sha256(payload.encode()).hexdigest()[:12]
 
 
 def embedding_scale(config: Any) -> float | None:
     """The factor a model multiplies its token embeddings by (Gemma 3: ``sqrt(hidden_size)``, held as
     an fp32 value that both sides round to the model dtype before the multiply), ``None`` for none."""
-    if getattr(config, "model_type", None) != "gemma3_text":
+    family = find(getattr(config, "model_type", None))
+    if family is None or not family.embedding_scale:
         return None
     return sqrt_hidden_scale(config.hidden_size)
 
@@ -319,40 +272,17 @@ def sqrt_hidden_scale(hidden_size: int) -> float:
     return float(torch.tensor(hidden_size**0.5, dtype=torch.float32))
 
 
-def _check_gemma3(config: Any) -> None:
-    """Gemma 3 text options outside samepath's formulas, refused the same way on both sides."""
-    problems = []
-    if getattr(config, "attn_logit_softcapping", None) is not None:
-        problems.append(
-            f"attn_logit_softcapping={config.attn_logit_softcapping} (attention logit soft-capping is refused by "
-            "samepath's attention kernel)"
-        )
-    if getattr(config, "final_logit_softcapping", None) is not None:
-        problems.append(
-            f"final_logit_softcapping={config.final_logit_softcapping} (tanh soft-capping of the logits: samepath's "
-            "log-probs take the raw lm_head logits on both sides)"
-        )
-    if getattr(config, "use_bidirectional_attention", False):
-        problems.append("use_bidirectional_attention=True (samepath's attention is causal)")
-    if getattr(config, "attention_bias", False):
-        problems.append("attention_bias=True (q/k/v/o biases)")
-    if getattr(config, "attention_dropout", 0.0):
-        problems.append(f"attention_dropout={config.attention_dropout}")
-    unknown = sorted(set(config.layer_types) - {"sliding_attention", "full_attention"})
-    if unknown:
-        problems.append(f"layer types {unknown}")
-    if problems:
-        raise UnsupportedModelError(f"gemma3_text with {'; '.join(problems)} is not supported")
+numerics_config.register_model_fingerprint(model_fingerprint)
 
 
 __all__ = [
-    "FAMILIES",
-    "NORM_WEIGHT_MODES",
+    "MOE_ROUTINGS",
     "REFUSED",
     "RopeFormula",
     "UnsupportedModelError",
     "embedding_scale",
     "layer_types",
+    "model_fingerprint",
     "model_formulas",
     "rope_formula",
     "rope_formulas",
