@@ -49,7 +49,7 @@ from samepath.kernels.logprobs import IGNORE_INDEX, LM_HEAD_TOKEN_CHUNK, linear_
 from samepath.kernels.rms_norm import rms_norm
 from samepath.kernels.rotary import apply_rotary, rotary_cos_sin
 from samepath.kernels.swiglu import silu_mul, swiglu
-from samepath.models.family import GELU_TANH_MUL, SILU_MUL, ModelFamily
+from samepath.models.descriptor import GELU_TANH_MUL, SILU_MUL, ModelFamily
 from samepath.models.formulas import rope_formula
 from samepath.models.registry import family_view, find, model_types_where
 

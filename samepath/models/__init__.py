@@ -8,7 +8,7 @@ classes by its descriptor. :mod:`samepath.models.refused` lists the families sam
 the reason. Adding a family is one file here and its tests.
 """
 
-from samepath.models.family import ModelFamily, UnsupportedModelError
+from samepath.models.descriptor import ModelFamily, UnsupportedModelError
 from samepath.models.formulas import model_fingerprint, model_formulas, rope_formula, rope_formulas
 from samepath.models.registry import families, family, find, refusal_reason, refusals, register, unregister
 

@@ -10,7 +10,7 @@ config, so a rollout and a trainer that resolved a model differently (another ro
 override on one side, another checkpoint revision) compare unequal and refuse to run together.
 
 Which formula a model type gets (norm, activation, rope handling, MoE routing, attention scale
-and window) comes from its :class:`~samepath.models.family.ModelFamily` in
+and window) comes from its :class:`~samepath.models.descriptor.ModelFamily` in
 :mod:`samepath.models.registry`. A config samepath cannot resolve into one of its formulas
 (another model type, partial rotary on a family that rotates the whole head, an activation other
 than the family's, ...) is a :class:`UnsupportedModelError`, raised the same way on both sides.
@@ -29,7 +29,7 @@ import torch
 
 from samepath.kernels import config as numerics_config
 from samepath.kernels.rotary import ROPE_TYPES
-from samepath.models.family import (
+from samepath.models.descriptor import (
     PER_LAYER_TYPE_ROPE,
     SOFTMAX_TOPK,
     SOFTMAX_TOPK_FP32,

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from samepath.models.family import GELU_TANH_MUL, GEMMA_NORM, PER_LAYER_TYPE_ROPE, ModelFamily
+from samepath.models.descriptor import GELU_TANH_MUL, GEMMA_NORM, PER_LAYER_TYPE_ROPE, ModelFamily
 
 
 def config_problems(config: Any) -> list[str]:

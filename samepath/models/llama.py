@@ -1,6 +1,6 @@
 """Llama (``model_type="llama"``): RMSNorm, SiLU·mul, one rope (every rope type samepath resolves)."""
 
-from samepath.models.family import ModelFamily
+from samepath.models.descriptor import ModelFamily
 
 FAMILY = ModelFamily(
     model_types=("llama",),

@@ -1,7 +1,7 @@
 """Mistral (``model_type="mistral"``): Llama's modules (vLLM: mistral.py, a LlamaModel) with the
 config's sliding window."""
 
-from samepath.models.family import ModelFamily
+from samepath.models.descriptor import ModelFamily
 
 FAMILY = ModelFamily(
     model_types=("mistral",),

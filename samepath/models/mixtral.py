@@ -1,7 +1,7 @@
 """Mixtral (``model_type="mixtral"``): Mistral's attention with top-k softmax experts whose routing
 weights stay in fp32 (vLLM: mixtral.py); no dense MLP."""
 
-from samepath.models.family import SOFTMAX_TOPK_FP32, ModelFamily
+from samepath.models.descriptor import SOFTMAX_TOPK_FP32, ModelFamily
 
 FAMILY = ModelFamily(
     model_types=("mixtral",),

@@ -1,7 +1,7 @@
 """Phi-3 (``model_type="phi3"``): Llama's modules with fused q/k/v and gate/up projections (vLLM:
 phi3.py, a LlamaForCausalLM) and the config's sliding window."""
 
-from samepath.models.family import ModelFamily
+from samepath.models.descriptor import ModelFamily
 
 FAMILY = ModelFamily(
     model_types=("phi3",),

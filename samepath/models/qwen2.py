@@ -1,6 +1,6 @@
 """Qwen2 (``model_type="qwen2"``): Llama's formulas; a sliding window only with ``use_sliding_window``."""
 
-from samepath.models.family import ModelFamily
+from samepath.models.descriptor import ModelFamily
 
 FAMILY = ModelFamily(
     model_types=("qwen2",),

@@ -1,6 +1,6 @@
 """Qwen3 (``model_type="qwen3"``): Llama's formulas plus RMSNorms on the query and key heads."""
 
-from samepath.models.family import ModelFamily
+from samepath.models.descriptor import ModelFamily
 
 FAMILY = ModelFamily(
     model_types=("qwen3",),

@@ -1,7 +1,7 @@
 """Qwen3-MoE (``model_type="qwen3_moe"``): Qwen3's attention, top-k softmax experts whose routing
 weights are cast to the activations' dtype (Hugging Face's ``TopKRouter``)."""
 
-from samepath.models.family import SOFTMAX_TOPK, ModelFamily
+from samepath.models.descriptor import SOFTMAX_TOPK, ModelFamily
 
 FAMILY = ModelFamily(
     model_types=("qwen3_moe",),

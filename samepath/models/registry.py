@@ -1,4 +1,4 @@
-"""The registry of model families: ``config.model_type`` -> its :class:`~samepath.models.family.ModelFamily`.
+"""The registry of model families: ``config.model_type`` -> its :class:`~samepath.models.descriptor.ModelFamily`.
 
 Every module of the :mod:`samepath.models` package that defines ``FAMILY`` (a ``ModelFamily``) is
 a family, found on first use (Liger-style: one place per family, dispatched by
@@ -16,10 +16,10 @@ from collections.abc import Callable, Iterator, Mapping, Set
 from types import MappingProxyType
 from typing import Any
 
-from samepath.models.family import ModelFamily
+from samepath.models.descriptor import ModelFamily
 
 #: Modules of the package that are not families.
-_NOT_FAMILIES = frozenset({"family", "formulas", "registry"})
+_NOT_FAMILIES = frozenset({"descriptor", "formulas", "registry"})
 
 _FAMILIES: dict[str, ModelFamily] = {}
 _REFUSALS: dict[str, str] = {}
@@ -92,9 +92,9 @@ def find(model_type: object) -> ModelFamily | None:
 
 
 def family(model_type: object) -> ModelFamily:
-    """The family of ``model_type``; :class:`~samepath.models.family.UnsupportedModelError` with
+    """The family of ``model_type``; :class:`~samepath.models.descriptor.UnsupportedModelError` with
     :func:`refusal_reason` for a type samepath does not support."""
-    from samepath.models.family import UnsupportedModelError
+    from samepath.models.descriptor import UnsupportedModelError
 
     found = find(model_type)
     if found is None:
