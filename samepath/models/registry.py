@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterator, Mapping, Set
 from types import MappingProxyType
 from typing import Any
 
-from samepath.models.descriptor import ModelFamily
+from samepath.models.descriptor import ModelFamily, UnsupportedModelError
 
 #: Modules of the package that are not families.
 _NOT_FAMILIES = frozenset({"descriptor", "formulas", "registry"})
@@ -94,8 +94,6 @@ def find(model_type: object) -> ModelFamily | None:
 def family(model_type: object) -> ModelFamily:
     """The family of ``model_type``; :class:`~samepath.models.descriptor.UnsupportedModelError` with
     :func:`refusal_reason` for a type samepath does not support."""
-    from samepath.models.descriptor import UnsupportedModelError
-
     found = find(model_type)
     if found is None:
         raise UnsupportedModelError(refusal_reason(model_type))
