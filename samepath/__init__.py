@@ -11,6 +11,7 @@ See docs/numerics.md for the contract.
 
 import torch
 
+import samepath.models  # noqa: F401  (registers the model part of fingerprint(model_config=...))
 from samepath.kernels.attention import paged_attention, varlen_attention, write_kv_cache
 from samepath.kernels.config import NumericsMismatchError, assert_same_numerics, fingerprint
 from samepath.kernels.gelu_tanh_mul import geglu_tanh, gelu_tanh_mul

@@ -17,9 +17,9 @@ from samepath import audit, integrations  # noqa: E402
 from samepath.check.cli import main  # noqa: E402
 from samepath.check.harness import DEFAULT_MODEL_CONFIG, audit_model_dir  # noqa: E402
 from samepath.integrations import hf  # noqa: E402
-from samepath.integrations.formulas import UnsupportedModelError, model_formulas  # noqa: E402
 from samepath.integrations.hf_audit import audit_hf_model  # noqa: E402
 from samepath.kernels.config import split_fingerprint, tensor_parallel_size_of  # noqa: E402
+from samepath.models.formulas import UnsupportedModelError, model_formulas  # noqa: E402
 
 FAMILIES = {
     "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM, {}),
@@ -318,9 +318,9 @@ def test_gemma2_softcap_is_refused_not_dropped():
 def test_both_sides_cover_the_same_model_types():
     """One resolution of the model on both sides: the Hugging Face patches, the formulas and the
     vLLM plugin's rules name the same model types, so none is covered on one side only."""
-    from samepath.integrations.formulas import FAMILIES as formula_families
+    from samepath.models import families
 
-    assert set(hf.MODEL_TYPES) == set(formula_families) == set(audit.VLLM_STRUCTURE) == set(audit.VLLM_ATTENTION_MLP)
+    assert set(hf.MODEL_TYPES) == set(families()) == set(audit.VLLM_STRUCTURE) == set(audit.VLLM_ATTENTION_MLP)
 
 
 REFUSED_CONFIGS = {
@@ -338,7 +338,7 @@ def test_refused_families_give_one_reason_everywhere(model_type, tmp_path, capsy
     """A family samepath does not implement on both sides is refused with the same reason by the
     formulas (what the vLLM plugin's load audit raises), patch_all(model) and `samepath check`
     (exit 2 from the config, before any weights load)."""
-    from samepath.integrations.formulas import REFUSED
+    from samepath.models.formulas import REFUSED
 
     small = {k: v for k, v in DEFAULT_MODEL_CONFIG.items() if k != "head_dim"}
     config = transformers.AutoConfig.for_model(model_type, **small, **REFUSED_CONFIGS[model_type])
@@ -409,7 +409,7 @@ def test_gemma3_is_accepted_by_the_cli_and_refuses_what_it_does_not_implement(tm
 
 def test_gemma2_is_refused_for_its_softcapping_only():
     """Gemma 2's refusal names what is missing (soft-capping), not what samepath now implements."""
-    from samepath.integrations.formulas import REFUSED, unsupported_reason
+    from samepath.models.formulas import REFUSED, unsupported_reason
 
     assert "soft-capping" in REFUSED["gemma2"] and "gemma3_text" in REFUSED["gemma2"]
     assert "none is implemented" not in unsupported_reason("gemma2")
@@ -419,7 +419,7 @@ def test_an_embedding_scale_multiplied_as_stored_must_be_in_the_model_dtype() ->
     """vLLM's Gemma 3 multiplies the embeddings by its ``normalizer`` buffer as stored: in bf16 it is
     Hugging Face's factor (``embed_scale`` rounded to bf16); in fp32 it would multiply unrounded."""
     from samepath.audit import NEUTRAL, UNCOVERED, embedding_scale_entry
-    from samepath.integrations.formulas import sqrt_hidden_scale
+    from samepath.models.formulas import sqrt_hidden_scale
 
     module = torch.nn.Identity()
     factor = torch.tensor(sqrt_hidden_scale(64))

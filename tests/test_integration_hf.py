@@ -498,8 +498,8 @@ def test_mixtral_routing_keeps_fp32_weights() -> None:
     """What the vLLM side must reproduce for Mixtral: samepath's router with fp32 weights
     (routing_weights_fp32) gives the bits of Hugging Face's Mixtral MoE block; the Qwen-MoE
     routing (weights cast to bf16) — the deliberate one-sided difference — does not."""
-    from samepath.integrations.formulas import routing_weights_fp32
     from samepath.integrations.moe import experts_forward, topk_softmax_routing
+    from samepath.models.formulas import routing_weights_fp32
 
     model = tiny_model("mixtral", torch.bfloat16)
     assert routing_weights_fp32(model.config) and not routing_weights_fp32(tiny_model("qwen3", torch.float32).config)

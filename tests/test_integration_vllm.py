@@ -1060,7 +1060,7 @@ def test_ascend_load_audit_moe(ascend_standins):
     refused by name."""
     from samepath import audit
     from samepath.integrations import vllm_ascend
-    from samepath.integrations.formulas import model_formulas
+    from samepath.models.formulas import model_formulas
 
     config = transformers.Qwen3MoeConfig(**DEFAULT_MODEL_CONFIG, **MOE_CONFIG)
     fp32 = "kept in fp32" in model_formulas(config)["moe"]["routing"]

@@ -15,8 +15,8 @@ transformers = pytest.importorskip("transformers", reason="transformers is not i
 
 import samepath  # noqa: E402
 from samepath import integrations  # noqa: E402
-from samepath.integrations.formulas import UnsupportedModelError, rope_formula  # noqa: E402
 from samepath.kernels.rotary import rotary_inv_freq, rotary_position_limit  # noqa: E402
+from samepath.models.formulas import UnsupportedModelError, rope_formula  # noqa: E402
 
 HEAD_DIM = 32
 MAX_POSITIONS = 512

@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import itertools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -28,8 +28,9 @@ from samepath.audit.report import (
     inside,
     module_entry,
 )
-from samepath.integrations.formulas import UnsupportedModelError, layer_types, model_formulas, rope_formulas
 from samepath.kernels.rotary import rotary_inv_freq, rotary_position_limit
+from samepath.models.formulas import UnsupportedModelError, layer_types, model_formulas, rope_formulas
+from samepath.models.registry import family_view
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,47 +67,17 @@ class ModuleRules:
 
 
 #: model_type -> (vLLM models module, class names whose own code is structure only); a name
-#: ``"module:Class"`` is looked up in that other module.
-VLLM_STRUCTURE: dict[str, tuple[str, tuple[str, ...]]] = {
-    "llama": ("vllm.model_executor.models.llama", ("LlamaForCausalLM", "LlamaModel", "LlamaDecoderLayer")),
-    "qwen2": ("vllm.model_executor.models.qwen2", ("Qwen2ForCausalLM", "Qwen2Model", "Qwen2DecoderLayer")),
-    "qwen3": ("vllm.model_executor.models.qwen3", ("Qwen3ForCausalLM", "Qwen3Model", "Qwen3DecoderLayer")),
-    "qwen3_moe": (
-        "vllm.model_executor.models.qwen3_moe",
-        ("Qwen3MoeForCausalLM", "Qwen3MoeModel", "Qwen3MoeDecoderLayer", "Qwen3MoeSparseMoeBlock"),
-    ),
-    "mistral": ("vllm.model_executor.models.mistral", ("MistralForCausalLM", "MistralModel", "MistralDecoderLayer")),
-    # vLLM's Phi3ForCausalLM is a LlamaForCausalLM (fused qkv / gate_up weights loaded into Llama's modules).
-    "phi3": (
-        "vllm.model_executor.models.llama",
-        ("LlamaModel", "LlamaDecoderLayer", "vllm.model_executor.models.phi3:Phi3ForCausalLM"),
-    ),
-    "mixtral": (
-        "vllm.model_executor.models.mixtral",
-        ("MixtralForCausalLM", "MixtralModel", "MixtralDecoderLayer", "MixtralMoE"),
-    ),
-    # Gemma3Model's own code also scales the embeddings (its ``normalizer``: checked separately).
-    "gemma3_text": ("vllm.model_executor.models.gemma3", ("Gemma3ForCausalLM", "Gemma3Model", "Gemma3DecoderLayer")),
-}
+#: ``"module:Class"`` is looked up in that other module. From each family's descriptor
+#: (:mod:`samepath.models`), read at each use, as :data:`VLLM_ATTENTION_MLP`.
+VLLM_STRUCTURE: Mapping[str, tuple[str, tuple[str, ...]]] = family_view(
+    lambda family: (family.vllm_module, family.vllm_structure)
+)
 
 #: model_type -> (module, attention class, MLP classes) in vLLM: the attention module's own code
 #: is q/k/v split, q/k norms, rotary, attention, o_proj; the MLP's gate_up, SiLU·mul (Gemma: GELU-tanh·mul), down.
-VLLM_ATTENTION_MLP: dict[str, tuple[str, str, tuple[str, ...]]] = {
-    "llama": ("vllm.model_executor.models.llama", "LlamaAttention", ("LlamaMLP",)),
-    "qwen2": ("vllm.model_executor.models.qwen2", "Qwen2Attention", ("Qwen2MLP",)),
-    "qwen3": ("vllm.model_executor.models.qwen3", "Qwen3Attention", ("Qwen3MLP",)),  # qwen2.Qwen2MLP there
-    "qwen3_moe": ("vllm.model_executor.models.qwen3_moe", "Qwen3MoeAttention", ("Qwen3MoeMLP",)),
-    # MistralAttention: LlamaAttention's forward plus llama_4_scaling, which the formulas refuse.
-    "mistral": (
-        "vllm.model_executor.models.mistral",
-        "MistralAttention",
-        ("vllm.model_executor.models.llama:LlamaMLP",),
-    ),
-    "phi3": ("vllm.model_executor.models.llama", "LlamaAttention", ("LlamaMLP",)),
-    "mixtral": ("vllm.model_executor.models.mixtral", "MixtralAttention", ()),
-    # Gemma3Attention: q/k norms (GemmaRMSNorm) on the heads, the rope of its layer type, its window.
-    "gemma3_text": ("vllm.model_executor.models.gemma3", "Gemma3Attention", ("Gemma3MLP",)),
-}
+VLLM_ATTENTION_MLP: Mapping[str, tuple[str, str, tuple[str, ...]]] = family_view(
+    lambda family: (family.vllm_module, family.vllm_attention, family.vllm_mlp)
+)
 
 
 def named_classes(module_name: str, names: Sequence[str]) -> tuple[type, ...]:

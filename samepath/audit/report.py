@@ -23,7 +23,7 @@ module class names / qualified names / ops); an opt-out warns once and is record
 This module holds the report, the rules every side shares and the refusal; the platform rules
 come from the integrations (:mod:`samepath.integrations.hf_audit`, the vLLM / vllm-ascend
 ``loader`` modules), the model-level formulas from
-:func:`samepath.integrations.formulas.model_formulas` on both sides: a model type covered on one
+:func:`samepath.models.formulas.model_formulas` on both sides: a model type covered on one
 side only (e.g. ``granite``, ``gemma2``) is refused on both.
 
 ``samepath audit [--model DIR] [--json OUT]`` prints the Hugging Face side's report.
@@ -171,12 +171,12 @@ def embedding_scale_entry(
     multiplied_as_stored: bool = False,
 ) -> AuditEntry:
     """A scaled embedding (Gemma 3; ``module`` the module that multiplies): neutral while the factor
-    it multiplies by, in the model dtype, is :func:`~samepath.integrations.formulas.sqrt_hidden_scale`
+    it multiplies by, in the model dtype, is :func:`~samepath.models.formulas.sqrt_hidden_scale`
     rounded to that dtype, the factor both sides use: a lookup,
     then one dtype multiply. ``multiplied_as_stored``: the module multiplies by ``scale`` without
     casting it (vLLM's ``normalizer``), so ``scale`` must itself be in ``dtype`` (an fp32 factor
     would multiply unrounded)."""
-    from samepath.integrations.formulas import sqrt_hidden_scale
+    from samepath.models.formulas import sqrt_hidden_scale
 
     want = torch.tensor(sqrt_hidden_scale(hidden_size), dtype=torch.float32).to(dtype)
     if multiplied_as_stored and scale.dtype != dtype:

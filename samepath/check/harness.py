@@ -139,7 +139,7 @@ def check_model_config(directory: str):
     implements. Returns the config; raises :class:`CheckInputError` with the reason."""
     transformers = _transformers()
     from samepath.integrations import hf
-    from samepath.integrations.formulas import UnsupportedModelError, model_formulas, unsupported_reason
+    from samepath.models.formulas import UnsupportedModelError, model_formulas, unsupported_reason
 
     check_model_dir(directory)
     try:

@@ -11,12 +11,13 @@ the device (:func:`cached_batch_layout`) and reused by every layer. Training (no
 :func:`samepath.varlen_attention` (differentiable); ``generate`` with a KV cache runs
 :func:`samepath.kernels.attention.packed_attention`.
 
-Per model type (``config.model_type``), Liger-style: ``{Prefix}RMSNorm.forward`` →
+Per model type (``config.model_type``; its family's descriptor in :mod:`samepath.models` says
+which norm, MLP and rope each gets), Liger-style: ``{Prefix}RMSNorm.forward`` →
 :func:`samepath.rms_norm` (Gemma 3: ``weight_mode="fp32_one_plus_weight"``), ``{Prefix}MLP.forward`` →
 :func:`samepath.silu_mul` (Phi-3's fused ``gate_up_proj``: :func:`samepath.kernels.swiglu.swiglu`,
 vLLM's layout; Gemma 3: :func:`samepath.gelu_tanh_mul`), the module's
 ``apply_rotary_pos_emb`` → :func:`samepath.apply_rotary`, ``{Prefix}RotaryEmbedding.forward`` →
-:func:`samepath.rotary_cos_sin` (every rope type :mod:`samepath.integrations.formulas` resolves,
+:func:`samepath.rotary_cos_sin` (every rope type :mod:`samepath.models.formulas` resolves,
 per layer type where the config has one rope per layer type: Gemma 3's local and global);
 MoE experts through ``ExpertsInterface``.
 Linear layers and the lm_head go through :func:`samepath.batch_invariant` (entered by
@@ -33,15 +34,13 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
-import importlib
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Mapping, Set
 from contextlib import contextmanager
 from typing import Any
 
 import torch
 
-from samepath.integrations.formulas import NORM_WEIGHT_MODES, rope_formula
 from samepath.integrations.moe import experts_forward
 from samepath.integrations.patcher import Patcher
 from samepath.kernels.attention import LaunchPlan, packed_attention, varlen_attention
@@ -51,24 +50,16 @@ from samepath.kernels.logprobs import IGNORE_INDEX, LM_HEAD_TOKEN_CHUNK, linear_
 from samepath.kernels.rms_norm import rms_norm
 from samepath.kernels.rotary import apply_rotary, rotary_cos_sin
 from samepath.kernels.swiglu import silu_mul, swiglu
+from samepath.models.descriptor import GELU_TANH_MUL, SILU_MUL, ModelFamily
+from samepath.models.formulas import rope_formula
+from samepath.models.registry import family_view, find, model_types_where
 
 #: The name models use in ``attn_implementation=`` / ``experts_implementation=``.
 IMPLEMENTATION = "samepath"
 
-#: model_type -> (modeling module, class-name prefix) of the architectures patched per type.
-MODEL_TYPES: dict[str, tuple[str, str]] = {
-    "llama": ("transformers.models.llama.modeling_llama", "Llama"),
-    "qwen2": ("transformers.models.qwen2.modeling_qwen2", "Qwen2"),
-    "qwen3": ("transformers.models.qwen3.modeling_qwen3", "Qwen3"),
-    "qwen3_moe": ("transformers.models.qwen3_moe.modeling_qwen3_moe", "Qwen3Moe"),
-    "mistral": ("transformers.models.mistral.modeling_mistral", "Mistral"),
-    "phi3": ("transformers.models.phi3.modeling_phi3", "Phi3"),
-    "mixtral": ("transformers.models.mixtral.modeling_mixtral", "Mixtral"),
-    "gemma3_text": ("transformers.models.gemma3.modeling_gemma3", "Gemma3"),
-}
-
-#: model types whose ``{Prefix}MLP`` has one fused ``gate_up_proj`` (gate first, then up: vLLM's layout).
-FUSED_GATE_UP: frozenset[str] = frozenset({"phi3"})
+#: model_type -> (modeling module, class-name prefix) of the architectures patched per type: the
+#: families of :mod:`samepath.models` (``hf_module`` / ``hf_prefix``), read at each use.
+MODEL_TYPES: Mapping[str, tuple[str, str]] = family_view(lambda family: (family.hf_module, family.hf_prefix))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -475,7 +466,7 @@ def _one_plus_weight_rms_norm_forward(self: torch.nn.Module, hidden_states: torc
     return rms_norm(hidden_states, self.weight, self.eps, weight_mode="fp32_one_plus_weight")
 
 
-#: ``weight_mode`` (:data:`samepath.integrations.formulas.NORM_WEIGHT_MODES`) -> the norm forward samepath installs.
+#: ``weight_mode`` (a family's ``norm_weight_mode``) -> the norm forward samepath installs.
 RMS_NORM_FORWARDS = {
     "cast_then_weight": _rms_norm_forward,
     "fp32_one_plus_weight": _one_plus_weight_rms_norm_forward,
@@ -503,13 +494,25 @@ def _gelu_tanh_mlp_forward(self: torch.nn.Module, x: torch.Tensor) -> torch.Tens
     return self.down_proj(gelu_tanh_mul(self.gate_proj(x), self.up_proj(x)))
 
 
-#: The MLP forwards samepath installs (``FUSED_GATE_UP`` types get the fused one, ``GELU_TANH_MLP``
-#: types the GELU-tanh one), by the op the audit reports.
+#: The MLP forwards samepath installs (:func:`mlp_forward_of` picks one per family), by the op the audit reports.
 MLP_FORWARDS = (_mlp_forward, _fused_mlp_forward, _gelu_tanh_mlp_forward)
 MLP_OPS = {_mlp_forward: "silu_mul", _fused_mlp_forward: "silu_mul", _gelu_tanh_mlp_forward: "gelu_tanh_mul"}
 
 #: model types whose ``{Prefix}MLP`` is ``act_fn(gate_proj(x)) * up_proj(x)`` with GELU-tanh.
-GELU_TANH_MLP: frozenset[str] = frozenset({"gemma3_text"})
+GELU_TANH_MLP: Set[str] = model_types_where(lambda family: family.activation == GELU_TANH_MUL)
+
+
+def mlp_forward_of(family: ModelFamily) -> Callable[[torch.nn.Module, torch.Tensor], torch.Tensor]:
+    """The ``{Prefix}MLP.forward`` samepath installs for a family: by its activation and whether its
+    gate and up projections are one fused ``gate_up_proj``."""
+    if family.activation == GELU_TANH_MUL and not family.fused_gate_up:
+        return _gelu_tanh_mlp_forward
+    if family.activation == SILU_MUL:
+        return _fused_mlp_forward if family.fused_gate_up else _mlp_forward
+    raise ValueError(
+        f"samepath has no Hugging Face MLP patch for {family.activation.op}"
+        f"{' with a fused gate_up_proj' if family.fused_gate_up else ''} (model_type={family.name!r})"
+    )
 
 
 def samepath_apply_rotary_pos_emb(
@@ -529,25 +532,21 @@ def apply_to_model_type(model_type: str, patcher: Patcher) -> None:
     """Patch one architecture's modeling module (works before or after its models are built).
 
     ``{Prefix}RotaryEmbedding.forward`` computes cos/sin with :func:`samepath.rotary_cos_sin` from
-    :func:`samepath.integrations.formulas.rope_formula` of the model's config — the function the
+    :func:`samepath.models.formulas.rope_formula` of the model's config — the function the
     vLLM plugin calls — rather than from the module's ``inv_freq`` buffer (which a
     ``model.to(dtype)`` would round)."""
-    if model_type not in MODEL_TYPES:
+    family = find(model_type)
+    if family is None:
         raise ValueError(
             f"samepath has no Hugging Face patches for model_type={model_type!r}; "
             f"supported: {', '.join(sorted(MODEL_TYPES))}"
         )
-    module_name, prefix = MODEL_TYPES[model_type]
-    modeling = importlib.import_module(module_name)
-    norm_forward = RMS_NORM_FORWARDS[NORM_WEIGHT_MODES.get(model_type, "cast_then_weight")]
-    patcher.set(getattr(modeling, f"{prefix}RMSNorm"), "forward", norm_forward)
+    modeling = family.hf_modeling()
+    prefix = family.hf_prefix
+    patcher.set(getattr(modeling, f"{prefix}RMSNorm"), "forward", RMS_NORM_FORWARDS[family.norm_weight_mode])
     mlp = getattr(modeling, f"{prefix}MLP", None)
     if mlp is not None:
-        if model_type in GELU_TANH_MLP:
-            mlp_forward = _gelu_tanh_mlp_forward
-        else:
-            mlp_forward = _fused_mlp_forward if model_type in FUSED_GATE_UP else _mlp_forward
-        patcher.set(mlp, "forward", mlp_forward)
+        patcher.set(mlp, "forward", mlp_forward_of(family))
     patcher.set(modeling, "apply_rotary_pos_emb", samepath_apply_rotary_pos_emb)
     patcher.set(getattr(modeling, f"{prefix}RotaryEmbedding"), "forward", rotary_embedding_forward)
 

@@ -23,8 +23,8 @@ from samepath.audit.report import (
     module_entry,
 )
 from samepath.integrations import hf
-from samepath.integrations.formulas import UnsupportedModelError, model_formulas
 from samepath.kernels.matmul import batch_invariant_enabled
+from samepath.models.formulas import UnsupportedModelError, model_formulas
 
 
 def audit_hf_model(model: torch.nn.Module) -> AuditReport:

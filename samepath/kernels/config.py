@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import importlib
 import json
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -378,12 +377,24 @@ def _uncovered_marker() -> str:
     return "-uncovered" + hashlib.sha256(json.dumps(flat).encode()).hexdigest()[:8]
 
 
+#: The function that hashes a model config's formulas (``samepath.models.formulas.model_fingerprint``,
+#: registered when :mod:`samepath.models` is imported, which ``import samepath`` does): the models
+#: room sits above this one, so it registers itself here instead of being imported.
+_MODEL_FINGERPRINT: list[Callable[[object], str]] = []
+
+
+def register_model_fingerprint(function: Callable[[object], str]) -> None:
+    """Make ``function`` (a model config -> ``m`` + 12 hex digits) the model part of :func:`fingerprint`."""
+    _MODEL_FINGERPRINT[:] = [function]
+
+
 def model_fingerprint(model_config) -> str:
-    """A short hash of a model's formula choices (``samepath.integrations.formulas.model_formulas``:
-    rope type and parameters, norm, activation, MoE routing, attention scale) — ``m`` + 12 hex digits."""
-    formulas = importlib.import_module("samepath.integrations.formulas").model_formulas(model_config)
-    payload = json.dumps(formulas, sort_keys=True, separators=(",", ":"))
-    return "m" + hashlib.sha256(payload.encode()).hexdigest()[:12]
+    """A short hash of a model's formula choices (``samepath.models.formulas.model_formulas``:
+    rope type and parameters, norm, activation, MoE routing, attention scale) — ``m`` + 12 hex
+    digits; the function :mod:`samepath.models` registers (:func:`register_model_fingerprint`)."""
+    if not _MODEL_FINGERPRINT:
+        raise RuntimeError("no model fingerprint is registered: import samepath.models (import samepath does)")
+    return _MODEL_FINGERPRINT[0](model_config)
 
 
 def fingerprint(tensor_parallel_size: int = 1, model_config=None) -> str:
@@ -444,6 +455,6 @@ def assert_same_numerics(other_fingerprint: str, tensor_parallel_size: int = 1, 
         raise NumericsMismatchError(
             f"model formula mismatch: this process resolved the model as {model_fingerprint(model_config)}, "
             f"the other side as {model_part} (another rope scaling, norm, activation, MoE routing or model "
-            "type; compare samepath.integrations.formulas.model_formulas(config) on both sides). The "
+            "type; compare samepath.models.formulas.model_formulas(config) on both sides). The "
             "log-probabilities would not be bit-identical."
         )

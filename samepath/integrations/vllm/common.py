@@ -22,7 +22,6 @@ from typing import Any
 
 import torch
 
-from samepath.integrations.formulas import routing_weights_fp32
 from samepath.integrations.moe import experts_forward, topk_softmax_routing
 from samepath.integrations.patcher import Patcher
 from samepath.integrations.vllm.env import VALIDATE_ENV_VAR
@@ -33,6 +32,7 @@ from samepath.kernels.rms_norm import rms_norm as _kernel_rms_norm
 from samepath.kernels.rotary import apply_rotary as _kernel_apply_rotary
 from samepath.kernels.rotary import rotary_cos_sin as _kernel_rotary_cos_sin
 from samepath.kernels.swiglu import swiglu as _kernel_swiglu
+from samepath.models.formulas import routing_weights_fp32
 
 
 def apply_patch_groups(groups: Sequence[tuple[str, Callable[[Patcher], bool]]], installed: list[str]) -> ExitStack:
@@ -313,7 +313,7 @@ def _(hidden_states, router_logits, w13, w2, top_k, renormalize, weights_fp32):
 
 def loading_model_routing_fp32() -> bool:
     """For the model whose weights vLLM is loading now (its current ``VllmConfig``): whether its MoE
-    routing weights stay in fp32 (:func:`samepath.integrations.formulas.routing_weights_fp32`).
+    routing weights stay in fp32 (:func:`samepath.models.formulas.routing_weights_fp32`).
     Recorded on each MoE layer at weight loading; the load audit compares it with the config."""
     from vllm.config import get_current_vllm_config
 

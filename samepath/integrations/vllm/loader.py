@@ -150,7 +150,7 @@ def classify_module(
     classes only; a class without a rule is uncovered).
 
     ``formulas`` / ``hf_rope`` are the Hugging Face side's resolution of the model's config
-    (:func:`samepath.integrations.formulas.model_formulas`; ``(inv_freq, attention_scaling,
+    (:func:`samepath.models.formulas.model_formulas`; ``(inv_freq, attention_scaling,
     position_limit)`` of its rope), ``None`` when it could not be resolved: a rotary layer or norm
     that resolves differently from them is uncovered."""
     from vllm.model_executor.layers.linear import LinearBase
