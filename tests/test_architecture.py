@@ -29,6 +29,7 @@ MAX_LINES = 800
 # samepath.ascendc_fallback is the Ascend C backend of attention (its kernels live in
 # samepath/kernels/attention/ascendc/); ``python -m samepath.ascendc_fallback build`` stays public.
 ROOMS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("version", ("samepath.version",)),  # __version__ only: a leaf
     ("kernels", ("samepath.kernels", "samepath.ascendc_fallback")),
     ("distributed", ("samepath.distributed",)),
     ("models", ("samepath.models",)),
