@@ -137,7 +137,9 @@ class _Imports(ast.NodeVisitor):
         return name == self.package or name.startswith(self.package + ".")
 
     def _add(self, target: str, line: int) -> None:
-        self.module.imports.append((target, line, self.depth > 0))
+        entry = (target, line, self.depth > 0)
+        if entry not in self.module.imports:  # ``from m import a, b``: one import of m
+            self.module.imports.append(entry)
 
     def _check_private_module(self, target: str, line: int) -> None:
         """``_m`` in ``a.b._m`` is private to package ``a.b``: importing it from outside is not allowed."""
