@@ -21,8 +21,7 @@ from samepath.kernels.rms_norm import rms_norm
 from samepath.kernels.rotary import apply_rotary, rotary_cos_sin
 from samepath.kernels.sampling import processed_logprobs, sampling_keep_mask
 from samepath.kernels.swiglu import silu_mul, swiglu
-
-__version__ = "0.1.0"
+from samepath.version import __version__
 
 
 def logprobs(

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 import triton
 
 from samepath.kernels import config as config_module
-from samepath.kernels import grid
+from samepath.kernels import grid, routing
 from samepath.kernels.compile_check import compile_launch, record_launches
 from samepath.kernels.config import MatmulConfig, matmul_config
 from samepath.kernels.matmul import (
@@ -249,7 +249,7 @@ def test_parallel_partials_equal_the_serial_pieces(dtype: torch.dtype, k_slices:
     for partials, scratch in ((True, False), (False, False), (False, True)):
         out = torch.empty((1, m, n), dtype=torch.float32)
         with record_launches() as launches:
-            matmul_module._launch(
+            matmul_module.launch(
                 a[None], b[None], bias[None], out, k_slices=k_slices, alpha=0.5, beta=3.0, config=cfg,
                 partials=partials, scratch=scratch,
             )  # fmt: skip
@@ -266,7 +266,7 @@ def test_parallel_partials_equal_the_serial_pieces(dtype: torch.dtype, k_slices:
     _close_to(outs[True], reference, dtype)
     # negative control: the same comparison sees another piece count
     other = torch.empty((1, m, n), dtype=torch.float32)
-    matmul_module._launch(
+    matmul_module.launch(
         a[None], b[None], bias[None], other, k_slices=k_slices, alpha=0.5, beta=3.0, config=_split_config(dtype, 1)
     )
     assert not torch.equal(other, outs[True])
@@ -311,7 +311,7 @@ def test_group_m_and_program_count_are_neutral(monkeypatch: pytest.MonkeyPatch) 
 
 
 def test_persistent_grid_is_bound_to_the_sms(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(grid, "_cuda_sm_count", lambda index: 132)
+    monkeypatch.setattr(grid, "cuda_sm_count", lambda index: 132)
     assert grid.num_programs(1024, "cuda", uses_dot=True, persistent=True) == 132
     assert grid.num_programs(40, "cuda:0", uses_dot=True, persistent=True) == 40
     assert grid.num_programs(1024, "cuda", uses_dot=True) == 1024  # not persistent: one tile per program
@@ -505,8 +505,8 @@ def test_batch_invariant_autograd_runs_the_kernel() -> None:
 
 def test_extra_overrides_and_private_use1_key(monkeypatch: pytest.MonkeyPatch) -> None:
     """Other ops' modules hook in through register_override; an NPU backend adds PrivateUse1."""
-    others = [(name, fn) for name, fn in matmul_module.OVERRIDES if name != "_log_softmax"]
-    monkeypatch.setattr(matmul_module, "OVERRIDES", others)
+    others = [(name, fn) for name, fn in routing.OVERRIDES if name != "_log_softmax"]
+    monkeypatch.setattr(routing, "OVERRIDES", others)
     monkeypatch.setattr(torch._C, "_get_privateuse1_backend_name", lambda: "npu")
     calls = []
 
@@ -514,11 +514,11 @@ def test_extra_overrides_and_private_use1_key(monkeypatch: pytest.MonkeyPatch) -
         calls.append(x.shape)
         return torch.ops.aten._log_softmax.out(x, dim, half_to_float, out=torch.empty(0, dtype=x.dtype))
 
-    matmul_module.register_override("aten::_log_softmax", log_softmax)
-    matmul_module.register_override("_log_softmax", log_softmax)  # idempotent
+    routing.register_override("aten::_log_softmax", log_softmax)
+    routing.register_override("_log_softmax", log_softmax)  # idempotent
     with pytest.raises(ValueError, match="already has"):
-        matmul_module.register_override("_log_softmax", lambda *args: None)
-    assert matmul_module.dispatch_keys() == ["CPU", "CUDA", "PrivateUse1"]
+        routing.register_override("_log_softmax", lambda *args: None)
+    assert routing.dispatch_keys() == ["CPU", "CUDA", "PrivateUse1"]
     x = _randn(4, 10, dtype=torch.float32, seed=90)
     stock = torch.log_softmax(x, -1)
     with batch_invariant():
@@ -549,7 +549,7 @@ def test_matmul_kernel_compiles_for_hopper() -> None:
         matmul(x, w.t(), config=cuda)
         linear(x.repeat(300, 1), w.repeat(32, 1), config=cuda)  # 12 x 4 tiles: the serial form
         out = torch.empty((1, 5, 16), dtype=torch.bfloat16)
-        matmul_module._launch(x[None], w.t()[None], None, out, config=cuda, partials=False, scratch=True)
+        matmul_module.launch(x[None], w.t()[None], None, out, config=cuda, partials=False, scratch=True)
     forms = {(launch.kwargs["PARTIALS"], launch.kwargs["SCRATCH"]) for launch in launches if "SCRATCH" in launch.kwargs}
     assert forms == {(True, False), (False, False), (False, True)}
     assert {launch.name for launch in launches} == {"_matmul_kernel", "_matmul_reduce_kernel"}

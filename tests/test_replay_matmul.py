@@ -128,7 +128,7 @@ def test_launcher_forms(dtype: torch.dtype, k_slices: int) -> None:
     for k_split in (1, 3):
         for partials, scratch in ((True, False), (False, False), (False, True)):
             out = torch.empty((1, m, n), dtype=dtype)
-            matmul_module._launch(
+            matmul_module.launch(
                 a[None], b[None], bias[None], out, k_slices=k_slices, alpha=0.5, beta=3.0,
                 config=_config(dtype, k_split=k_split, group_m=3), partials=partials, scratch=scratch,
             )  # fmt: skip
@@ -142,7 +142,7 @@ def test_persistent_grid_scratch(monkeypatch: pytest.MonkeyPatch) -> None:
     b = _randn(96, 90, dtype=torch.bfloat16, seed=31, scale=0.1)
     for k_split in (2, 3):
         out = torch.empty((1, 70, 90), dtype=torch.bfloat16)
-        matmul_module._launch(
+        matmul_module.launch(
             a[None], b[None], None, out, k_slices=2, config=_config(torch.bfloat16, k_split=k_split),
             partials=False, scratch=True,
         )  # fmt: skip

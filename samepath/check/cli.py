@@ -61,7 +61,8 @@ def _common(parser: argparse.ArgumentParser, new_tokens: int) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    import samepath
+    from samepath.kernels.config import fingerprint
+    from samepath.version import __version__
 
     parser = _Parser(
         prog="samepath",
@@ -69,9 +70,7 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=EXIT_STATUS_HELP,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument(
-        "--version", action="version", version=f"samepath {samepath.__version__} (numerics {samepath.fingerprint()})"
-    )
+    parser.add_argument("--version", action="version", version=f"samepath {__version__} (numerics {fingerprint()})")
     sub = parser.add_subparsers(dest="command", metavar="{check,doctor,audit,train-check}", parser_class=_Parser)
     check = sub.add_parser(
         "check",
@@ -202,11 +201,12 @@ def _train_check_parser(sub) -> None:
 def run_train_check(args: argparse.Namespace) -> int:
     """``samepath train-check``: the loop stock, then with samepath; exit 0 iff samepath's rollout and
     trainer log-probs are bit-identical at every step."""
-    import samepath
     from samepath.check.harness import CheckInputError
     from samepath.check.report import SCHEMA_VERSION, environment
+    from samepath.kernels.config import fingerprint
     from samepath.rl.grpo import PRECISIONS
     from samepath.rl.train_check import TrainCheckSpec, format_table, plot, run
+    from samepath.version import __version__
 
     for flag, value, least in (("--steps", args.steps, 1), ("--prompts", args.prompts, 1)):
         if value < least:
@@ -281,8 +281,8 @@ def run_train_check(args: argparse.Namespace) -> int:
             {
                 "schema_version": SCHEMA_VERSION,
                 "tool": "samepath train-check",
-                "samepath_version": samepath.__version__,
-                "fingerprint": samepath.fingerprint(),
+                "samepath_version": __version__,
+                "fingerprint": fingerprint(),
                 "model": {
                     "source": args.model or "embedded-default",
                     "model_type": model_type,
@@ -433,9 +433,9 @@ def _format_audit(source: str, dtype: str, report, refusal: str | None, every_mo
 
 
 def _transformers_or_fail() -> None:
-    from samepath.check.harness import _transformers
+    from samepath.check.harness import import_transformers
 
-    _transformers()
+    import_transformers()
 
 
 #: The smallest sampling temperature taken (0 means greedy): below it the logits divided by the

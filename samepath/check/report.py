@@ -109,7 +109,7 @@ def _version(module: str) -> str | None:
 def environment(device: torch.device | str, vllm: bool = False) -> dict:
     """Where the report was made: the device (with its name), how the kernels ran there, and the
     versions of samepath, torch, triton, transformers (and vLLM for a vLLM rollout)."""
-    import samepath
+    from samepath.version import __version__
 
     device = torch.device(device)
     name = str(device)
@@ -122,7 +122,7 @@ def environment(device: torch.device | str, vllm: bool = False) -> dict:
     else:
         executor = "triton (compiled)"
     versions = {
-        "samepath": samepath.__version__,
+        "samepath": __version__,
         "torch": torch.__version__,
         "triton": _version("triton") or _version("triton-ascend"),
         "transformers": _version("transformers"),
@@ -174,7 +174,7 @@ class CheckReport:
     # -- JSON ------------------------------------------------------------------------------------
 
     def to_json(self) -> dict:
-        import samepath
+        from samepath.version import __version__
 
         cfg = self.model.model.config
 
@@ -196,7 +196,7 @@ class CheckReport:
         return {
             "schema_version": SCHEMA_VERSION,
             "tool": "samepath check",
-            "samepath_version": samepath.__version__,
+            "samepath_version": __version__,
             "model": {
                 "source": self.model.source,
                 "model_type": self.model.model_type,

@@ -352,11 +352,11 @@ def _child(spec: VLLMRolloutSpec, engines: dict | None = None) -> dict:
             refusals.append(str(exc))
     fingerprint = model_fingerprint = None
     if spec.samepath:
-        import samepath
         from samepath.integrations import vllm as samepath_vllm
+        from samepath.kernels.config import fingerprint as samepath_fingerprint
         from samepath.kernels.config import model_fingerprint as model_hash
 
-        fingerprint = samepath.fingerprint(spec.tensor_parallel_size)
+        fingerprint = samepath_fingerprint(spec.tensor_parallel_size)
         loaded = samepath_vllm.LOADED_MODEL_CONFIG
         try:
             model_fingerprint = None if loaded is None else model_hash(loaded)

@@ -160,7 +160,7 @@ def dry_launches(
         raise ValueError(f"device_kind must be 'cuda' (the report compiles for CUDA), got {device_kind!r}")
     launches: list[Launch] = []
     original_run = DualJITFunction.run
-    saved = (config_module.device_kind, grid_module.device_kind, grid_module._cuda_sm_count)
+    saved = (config_module.device_kind, grid_module.device_kind, grid_module.cuda_sm_count)
 
     def recording_run(self: DualJITFunction, *args: Any, grid: Any, warmup: bool, **kwargs: Any) -> None:
         launches.append(Launch(self, args, kwargs, tuple(grid)))
@@ -172,12 +172,12 @@ def dry_launches(
     DualJITFunction.run = recording_run  # type: ignore[method-assign]
     config_module.device_kind = kind
     grid_module.device_kind = kind
-    grid_module._cuda_sm_count = lambda index: programs_at_once
+    grid_module.cuda_sm_count = lambda index: programs_at_once
     try:
         yield launches
     finally:
         DualJITFunction.run = original_run  # type: ignore[method-assign]
-        config_module.device_kind, grid_module.device_kind, grid_module._cuda_sm_count = saved
+        config_module.device_kind, grid_module.device_kind, grid_module.cuda_sm_count = saved
 
 
 def compile_specialized(launch: Launch, target: GPUTarget = HOPPER) -> Any:
@@ -306,7 +306,7 @@ def _token_logprobs() -> None:
 
 
 def _vocab_parallel() -> None:
-    from samepath.distributed import merge_shard_lse, shard_lse
+    from samepath.kernels.vocab_parallel import merge_shard_lse, shard_lse
 
     logits, labels = _empty(1024, 151936), torch.zeros(1024, dtype=torch.int64)
     states = [shard_lse(logits[:, s * 75968 : (s + 1) * 75968], labels, s * 75968, 0.7) for s in range(2)]

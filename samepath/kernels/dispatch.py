@@ -209,6 +209,12 @@ def register_replay(kernel: str) -> Callable[[Replay], Replay]:
     return register
 
 
+def registered_replays() -> tuple[str, ...]:
+    """The kernel keys that have a replay (the replay package loaded)."""
+    replay_for("")
+    return tuple(_replays)
+
+
 def replay_for(kernel: Any) -> Replay | None:
     """The registered replay of a kernel (a ``JITFunction`` or its key), or ``None``."""
     global _replays_loaded

@@ -79,7 +79,7 @@ CPU_CONCURRENT_PROGRAMS = 16
 
 
 @functools.cache
-def _cuda_sm_count(index: int | None) -> int:
+def cuda_sm_count(index: int | None) -> int:
     if not torch.cuda.is_available():
         return DEFAULT_CUDA_SMS
     properties = torch.cuda.get_device_properties(torch.cuda.current_device() if index is None else index)
@@ -97,7 +97,7 @@ def concurrent_programs(device: torch.device | str, *, uses_dot: bool = False) -
         device_type, index = device.type, device.index
     kind = device_kind(device_type)
     if kind == "cuda":
-        return _cuda_sm_count(index)
+        return cuda_sm_count(index)
     if kind == "npu":
         return core_count(device, uses_dot=uses_dot)
     return CPU_CONCURRENT_PROGRAMS

@@ -5,7 +5,7 @@ A MoE layer with ``E`` experts and top-``k`` routing has ``P = tokens * k`` (tok
 :func:`expert_plan` sorts the pairs by expert on the device (no host synchronisation) and cuts
 each expert's pairs into tiles of ``block_m`` rows; :func:`grouped_linear` runs one program per
 (row tile, column tile): the tile's rows are gathered through the plan, multiplied by that
-expert's weight with the K loop of :func:`samepath.kernels.matmul` (:func:`_k_piece`: the same
+expert's weight with the K loop of :func:`samepath.kernels.matmul` (:func:`k_piece`: the same
 ``block_k`` tiles, ``k_split`` pieces added in piece order, the tile shapes of the frozen matmul
 table), and stored at each pair's own row. So pair ``p``'s output row has exactly the bits of
 ``linear(x[src(p)], weight[expert(p)])`` computed alone or inside any batch: the per-expert loop
@@ -28,7 +28,7 @@ from samepath.kernels import grid
 from samepath.kernels.checks import check_operands
 from samepath.kernels.config import MatmulConfig, matmul_config
 from samepath.kernels.dispatch import jit
-from samepath.kernels.matmul import DOT_PRECISION, _k_piece
+from samepath.kernels.matmul import DOT_PRECISION, k_piece
 from samepath.kernels.swiglu import silu_mul, silu_mul_backward
 
 
@@ -56,7 +56,7 @@ def _grouped_matmul_kernel(
             a_rows = X + (pairs // src_div)[:, None] * stride_xm
             b_cols = W + tl.cast(expert, tl.int64) * stride_we + cols[None, :] * stride_wn
             if K_SPLIT == 1:
-                total = _k_piece(
+                total = k_piece(
                     a_rows, b_cols, m_valid, n_valid, 0, K, piece_k, stride_xk, stride_wk,
                     BLOCK_M, BLOCK_N, BLOCK_K, K_SPLIT, DOT_PRECISION,
                 )  # fmt: skip
@@ -69,7 +69,7 @@ def _grouped_matmul_kernel(
                     + tl.arange(0, BLOCK_N)[None, :]
                 )
                 for part in range(0, K_SPLIT):
-                    acc = _k_piece(
+                    acc = k_piece(
                         a_rows, b_cols, m_valid, n_valid, part, K, piece_k, stride_xk, stride_wk,
                         BLOCK_M, BLOCK_N, BLOCK_K, K_SPLIT, DOT_PRECISION,
                     )  # fmt: skip

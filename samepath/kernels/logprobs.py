@@ -37,8 +37,6 @@ log-softmax ``dx = (g - p * sum(g)) / T`` with ``sum(g)`` folded in the same fix
 
 from __future__ import annotations
 
-import math
-
 import torch
 import triton.language as tl
 
@@ -50,9 +48,21 @@ from samepath.kernels.config import (
     register_formula,
     row_reduce_config,
 )
-from samepath.kernels.dispatch import SUPPORTED_DEVICE_TYPES, device_kind, jit
-from samepath.kernels.matmul import _launch as _launch_matmul
+from samepath.kernels.dispatch import SUPPORTED_DEVICE_TYPES, jit
+from samepath.kernels.matmul import launch as launch_matmul
 from samepath.kernels.matmul import matmul, register_override
+from samepath.kernels.row_reduce import (  # noqa: F401 (re-exported: the names the logprobs always had)
+    MIN_TEMPERATURE,
+    check_labels,
+    check_logits,
+    check_temperature,
+    launch_options,
+    resolve_config,
+    row_lse,
+    row_offsets,
+    scaled_chunk,
+    vocab_chunk,
+)
 
 #: The label value whose rows return 0 and get no gradient (PyTorch's and HF's convention).
 IGNORE_INDEX = -100
@@ -88,56 +98,6 @@ LM_HEAD_TOKEN_CHUNK = 1024
 # ----------------------------------------------------------------------------------------------
 # Kernels
 # ----------------------------------------------------------------------------------------------
-
-
-@jit
-def _scaled_chunk(row_ptr, cols, stride_v, V, temperature):
-    """fp32 ``x / T`` of columns ``cols`` of a row; -inf past the vocabulary (by select)."""
-    valid = cols < V
-    x = tl.load(row_ptr + cols.to(tl.int64) * stride_v, mask=valid, other=0.0).to(tl.float32)
-    return tl.where(valid, tl.math.div_rn(x, temperature), float("-inf"))
-
-
-@jit
-def _div_rn_scalar(a, b):
-    """IEEE ``a / b`` of two scalars, computed in lane 0 of a 16-lane vector (the other lanes are
-    0 / 1, so the sum is exactly the quotient): Triton-Ascend cannot lower a scalar ``div_rn``."""
-    lanes = tl.arange(0, 16)
-    return tl.sum(tl.math.div_rn(tl.where(lanes == 0, a, 0.0), tl.where(lanes == 0, b, 1.0)), 0)
-
-
-@jit
-def row_lse(row_ptr, stride_v, V, temperature, CHUNK: tl.constexpr, ENTROPY: tl.constexpr):
-    """``(lse, entropy)``: the fp32 online log-sum-exp of the ``V`` columns of one row of ``x / T``
-    (``row_ptr``, column stride ``stride_v``), folded in ``CHUNK``-column chunks in ascending order
-    from the row's first column, and its entropy when ``ENTROPY`` (else a value to ignore).
-
-    The device function of the contract: every kernel that needs a row's lse calls it (this
-    module's and the vocabulary shards' of :mod:`samepath.distributed`), so all see the same bits.
-    """
-    offs = tl.arange(0, CHUNK)
-    m = tl.full([], float("-inf"), tl.float32)
-    s = tl.full([], 0.0, tl.float32)
-    w = tl.full([], 0.0, tl.float32)
-    for start in range(0, V, CHUNK):
-        z = _scaled_chunk(row_ptr, start + offs, stride_v, V, temperature)
-        m_new = tl.maximum(m, tl.max(z, 0))
-        # While the row has seen only -inf, keep the state at exactly (-inf, 0, 0).
-        m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp(m - m_shift)
-        e = tl.exp(z - m_shift)
-        s_new = s * alpha + tl.sum(e, 0)
-        if ENTROPY:
-            # -inf entries (e = 0) and an empty state (alpha = s = w = 0) contribute exactly 0;
-            # the selects keep inf * 0 (NaN) out of the arithmetic.
-            z_safe = tl.where(z == float("-inf"), m_shift, z)
-            m_safe = tl.where(m == float("-inf"), m_shift, m)
-            w = alpha * (w + (m_shift - m_safe) * s) + tl.sum(e * (m_shift - z_safe), 0)
-        s = s_new
-        m = m_new
-    lse = m + tl.log(s)
-    entropy = tl.log(s) + _div_rn_scalar(w, s)
-    return lse, entropy
 
 
 @jit
@@ -228,7 +188,7 @@ def _token_logprobs_bwd_kernel(
                 entropy = tl.load(Entropy + row)
             for start in range(0, V, CHUNK):
                 cols = start + offs
-                z = _scaled_chunk(row_ptr, cols, stride_v, V, temperature)
+                z = scaled_chunk(row_ptr, cols, stride_v, V, temperature)
                 logp = z - lse
                 p = tl.exp(logp)
                 g = tl.zeros([CHUNK], tl.float32)
@@ -261,7 +221,7 @@ def _log_softmax_fwd_kernel(
         offs = tl.arange(0, CHUNK)
         for start in range(0, V, CHUNK):
             cols = start + offs
-            z = _scaled_chunk(row_ptr, cols, stride_v, V, temperature)
+            z = scaled_chunk(row_ptr, cols, stride_v, V, temperature)
             tl.store(out_row + cols, z - lse, mask=cols < V)
 
 
@@ -291,7 +251,7 @@ def _log_softmax_bwd_kernel(
             g_sum = g_sum + tl.sum(tl.load(g_row + cols, mask=cols < V, other=0.0), 0)
         for start in range(0, V, CHUNK):
             cols = start + offs
-            z = _scaled_chunk(row_ptr, cols, stride_v, V, temperature)
+            z = scaled_chunk(row_ptr, cols, stride_v, V, temperature)
             p = tl.exp(z - lse)
             g = tl.load(g_row + cols, mask=cols < V, other=0.0)
             dx = tl.math.div_rn(g - p * g_sum, temperature)
@@ -301,30 +261,6 @@ def _log_softmax_bwd_kernel(
 # ----------------------------------------------------------------------------------------------
 # Launchers
 # ----------------------------------------------------------------------------------------------
-
-
-def row_offsets(logits: torch.Tensor) -> torch.Tensor:
-    """int64 element offset of each row ``logits[i, j, ..., :]``, flattened in row-major order of
-    the leading dimensions: how the kernels address rows of any leading strides (e.g.
-    ``logits[:, :-1]``) without copying the logits."""
-    lead = logits.shape[:-1]
-    offsets = torch.zeros(lead, dtype=torch.int64, device=logits.device)
-    for dim, (size, stride) in enumerate(zip(lead, logits.stride()[:-1], strict=True)):
-        view = [1] * len(lead)
-        view[dim] = size
-        offsets = offsets + torch.arange(size, dtype=torch.int64, device=logits.device).view(view) * stride
-    return offsets.reshape(-1)
-
-
-def _chunk(config: RowReduceConfig) -> int:
-    chunk = config.vocab_chunk
-    if not isinstance(chunk, int) or chunk < 16 or chunk & (chunk - 1):
-        raise ValueError(f"config.vocab_chunk must be a power of two >= 16, got {chunk!r}")
-    return chunk
-
-
-def _launch_options(config: RowReduceConfig) -> dict:
-    return dict(num_warps=config.num_warps)
 
 
 def _token_forward(logits, labels_flat, offsets, temperature, ignore_index, entropy, config):
@@ -347,10 +283,10 @@ def _token_forward(logits, labels_flat, offsets, temperature, ignore_index, entr
         vocab,
         temperature,
         ignore_index if ignore_index is not None else 0,
-        CHUNK=_chunk(config),
+        CHUNK=vocab_chunk(config),
         ENTROPY=entropy,
         HAS_IGNORE=ignore_index is not None,
-        **_launch_options(config),
+        **launch_options(config),
     )
     return logprob, ent, lse
 
@@ -394,11 +330,11 @@ def token_logprobs_backward(
         vocab,
         temperature,
         ignore_index if ignore_index is not None else 0,
-        CHUNK=_chunk(config),
+        CHUNK=vocab_chunk(config),
         HAS_GRAD_LP=grad_lp is not None,
         HAS_GRAD_H=grad_h is not None,
         HAS_IGNORE=ignore_index is not None,
-        **_launch_options(config),
+        **launch_options(config),
     )
     return dx
 
@@ -419,8 +355,8 @@ def _log_softmax_forward(logits, offsets, temperature, config):
         logits.stride(-1),
         vocab,
         temperature,
-        CHUNK=_chunk(config),
-        **_launch_options(config),
+        CHUNK=vocab_chunk(config),
+        **launch_options(config),
     )
     return out, lse
 
@@ -442,8 +378,8 @@ def _log_softmax_backward(logits, offsets, lse, grad_out, temperature, config):
         logits.stride(-1),
         vocab,
         temperature,
-        CHUNK=_chunk(config),
-        **_launch_options(config),
+        CHUNK=vocab_chunk(config),
+        **launch_options(config),
     )
     return dx
 
@@ -508,74 +444,6 @@ class LogSoftmaxFunction(torch.autograd.Function):
 # ----------------------------------------------------------------------------------------------
 # Public functions
 # ----------------------------------------------------------------------------------------------
-
-
-def check_logits(logits: torch.Tensor, name: str = "logits") -> None:
-    """``ValueError`` naming ``name`` unless ``logits`` is a ``[..., V]`` tensor the kernels take."""
-    if not isinstance(logits, torch.Tensor) or logits.dim() < 1:
-        raise ValueError(f"{name} must be a tensor [..., vocab] with at least one dimension")
-    dtype_name(logits.dtype, f"{name}.dtype")
-    device_kind(logits.device)
-    if logits.shape[-1] < 1:
-        raise ValueError(f"{name}.shape[-1] (the vocabulary) must be at least 1, got {logits.shape[-1]}")
-    if logits.shape[-1] >= 2**31:
-        raise ValueError(f"{name}.shape[-1] = {logits.shape[-1]} is too large (at most 2**31 - 1 columns)")
-
-
-#: The smallest temperature accepted: vLLM samples greedily below it (its ``_SAMPLING_EPS``), and
-#: smaller ones overflow fp32 ``logits / T`` into inf and the log-probs into NaN.
-MIN_TEMPERATURE = 1e-5
-
-
-def check_temperature(temperature: float) -> float:
-    """The temperature as a Python float; ``ValueError`` unless finite and at least
-    :data:`MIN_TEMPERATURE` (also in fp32)."""
-    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)):
-        raise ValueError(f"temperature must be a positive finite float, got {temperature!r}")
-    value = float(temperature)
-    if not math.isfinite(value) or value < MIN_TEMPERATURE or not math.isfinite(float(torch.tensor(value))):
-        raise ValueError(
-            f"temperature must be a finite float >= {MIN_TEMPERATURE} (also in fp32), got {temperature!r}; "
-            "for greedy rollouts pass the temperature the log-probs are reported at (1.0)"
-        )
-    return value
-
-
-def resolve_config(config: RowReduceConfig | None, device: torch.device) -> RowReduceConfig:
-    """``config``, or the frozen row-reduction config of ``device`` when ``None``; ``ValueError``
-    if its ``vocab_chunk`` is not a power of two >= 16."""
-    cfg = config if config is not None else row_reduce_config(device)
-    _chunk(cfg)
-    return cfg
-
-
-def check_labels(
-    labels: torch.Tensor, logits: torch.Tensor, vocab: int, ignore_index: int | None, *, validate: bool = True
-) -> None:
-    """``ValueError`` unless ``labels`` is an int32/int64 tensor of ``logits.shape[:-1]`` on the
-    logits' device whose values (when ``validate``: a device-to-host copy) are in ``[0, vocab)`` or
-    ``ignore_index`` (an int or ``None``). ``vocab`` is the whole vocabulary, also for a shard."""
-    if not isinstance(labels, torch.Tensor) or labels.dtype not in (torch.int32, torch.int64):
-        got = labels.dtype if isinstance(labels, torch.Tensor) else type(labels).__name__
-        raise ValueError(f"labels must be an int32/int64 tensor, got {got}")
-    if labels.shape != logits.shape[:-1]:
-        raise ValueError(
-            f"labels shape {tuple(labels.shape)} must equal logits.shape[:-1] = {tuple(logits.shape[:-1])}"
-        )
-    if labels.device != logits.device:
-        raise ValueError(f"labels is on {labels.device}, expected {logits.device} (the logits' device)")
-    if ignore_index is not None and (isinstance(ignore_index, bool) or not isinstance(ignore_index, int)):
-        raise ValueError(f"ignore_index must be an int or None, got {ignore_index!r}")
-    if validate and labels.numel():
-        values = labels.detach().cpu().to(torch.int64)
-        bad = (values < 0) | (values >= vocab)
-        if ignore_index is not None:
-            bad &= values != ignore_index
-        if bad.any():
-            first = int(values[bad][0])
-            raise ValueError(
-                f"labels hold values outside [0, {vocab}) (e.g. {first}) that are not ignore_index={ignore_index}"
-            )
 
 
 def token_logprobs(
@@ -681,7 +549,7 @@ class LinearTokenLogprobsFunction(torch.autograd.Function):
                 # (the running sum as its bias) and written back in place: the sum
                 # ``grad_weight + partial`` without a second [V, H] fp32 buffer.
                 running = grad_weight.unsqueeze(0)
-                _launch_matmul(dlogits.t().unsqueeze(0), rows.unsqueeze(0), running, running)
+                launch_matmul(dlogits.t().unsqueeze(0), rows.unsqueeze(0), running, running)
         if want_weight and grad_weight is None:
             grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
         return (

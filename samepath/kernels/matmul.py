@@ -44,11 +44,8 @@ Public functions:
 
 from __future__ import annotations
 
-import threading
-import warnings
 from collections import Counter
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 
 import torch
 import triton
@@ -58,6 +55,13 @@ from samepath.kernels import grid
 from samepath.kernels.checks import check_operands
 from samepath.kernels.config import MatmulConfig, matmul_config, register_formula
 from samepath.kernels.dispatch import jit
+from samepath.kernels.routing import (  # noqa: F401 (re-exported: samepath.kernels.matmul.batch_invariant)
+    OVERRIDES,
+    batch_invariant,
+    batch_invariant_enabled,
+    dispatch_keys,
+    register_override,
+)
 
 #: fp32 inputs are multiplied in full fp32 (no TF32) so results stay close to the fp64 reference.
 DOT_PRECISION = "ieee"
@@ -104,7 +108,7 @@ def _tile_of(work, tiles_m, tiles_n, GROUP_M: tl.constexpr):
 
 
 @jit
-def _k_piece(
+def k_piece(
     a_rows,
     b_cols,
     m_valid,
@@ -223,7 +227,7 @@ def _matmul_kernel(
     """C[b] = alpha * (A[b] @ B[b]) + beta * Bias[b], one [BLOCK_M, BLOCK_N] tile at a time.
 
     K is ``K_SLICES * slice_k``; each slice is cut into ``K_SPLIT`` pieces of ``piece_k`` columns
-    (a multiple of BLOCK_K; the last may be shorter or empty), each folded by :func:`_k_piece` into
+    (a multiple of BLOCK_K; the last may be shorter or empty), each folded by :func:`k_piece` into
     its own fp32 partial. The partials of a slice are added in piece order, the slices' sums in
     slice order (the first of each taken as is).
 
@@ -249,7 +253,7 @@ def _matmul_kernel(
         b_cols = B + batch * stride_b_batch + cols[None, :] * stride_bn
         if PARTIALS:
             piece = rest // batch_count
-            acc = _k_piece(
+            acc = k_piece(
                 a_rows, b_cols, m_valid, n_valid, piece, slice_k, piece_k, stride_ak, stride_bk,
                 BLOCK_M, BLOCK_N, BLOCK_K, K_SPLIT, DOT_PRECISION,
             )  # fmt: skip
@@ -268,7 +272,7 @@ def _matmul_kernel(
             )
             slices_plane = at + BLOCK_M * BLOCK_N
             for piece in range(0, K_SLICES * K_SPLIT):
-                acc = _k_piece(
+                acc = k_piece(
                     a_rows, b_cols, m_valid, n_valid, piece, slice_k, piece_k, stride_ak, stride_bk,
                     BLOCK_M, BLOCK_N, BLOCK_K, K_SPLIT, DOT_PRECISION,
                 )  # fmt: skip
@@ -291,12 +295,12 @@ def _matmul_kernel(
         else:
             total = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
             for s in tl.static_range(K_SLICES):
-                slice_total = _k_piece(
+                slice_total = k_piece(
                     a_rows, b_cols, m_valid, n_valid, s * K_SPLIT, slice_k, piece_k, stride_ak, stride_bk,
                     BLOCK_M, BLOCK_N, BLOCK_K, K_SPLIT, DOT_PRECISION,
                 )  # fmt: skip
                 for part in tl.static_range(1, K_SPLIT):
-                    slice_total = slice_total + _k_piece(
+                    slice_total = slice_total + k_piece(
                         a_rows, b_cols, m_valid, n_valid, s * K_SPLIT + part, slice_k, piece_k, stride_ak, stride_bk,
                         BLOCK_M, BLOCK_N, BLOCK_K, K_SPLIT, DOT_PRECISION,
                     )  # fmt: skip
@@ -401,7 +405,7 @@ def uses_partials(tiles: int, pieces: int, device: torch.device) -> bool:
     return pieces > 1 and tiles < grid.concurrent_programs(device, uses_dot=True)
 
 
-def _launch(
+def launch(
     a: torch.Tensor,
     b: torch.Tensor,
     bias: torch.Tensor | None,
@@ -550,7 +554,7 @@ def matmul(
         _check_config(config)
     out = torch.empty((m, n), dtype=out_dtype, device=device)
     bias3 = None if bias is None else bias.expand(m, n).unsqueeze(0)
-    _launch(a.unsqueeze(0), b.unsqueeze(0), bias3, out.unsqueeze(0), k_slices=k_slices, config=config)
+    launch(a.unsqueeze(0), b.unsqueeze(0), bias3, out.unsqueeze(0), k_slices=k_slices, config=config)
     return out
 
 
@@ -580,7 +584,7 @@ class LinearFunction(torch.autograd.Function):
         ctx.has_bias, ctx.k_slices, ctx.config = bias is not None, k_slices, config
         out = torch.empty((x2d.shape[0], weight.shape[0]), dtype=x2d.dtype, device=x2d.device)
         bias3 = None if bias is None else bias.view(1, 1, -1)
-        _launch(x2d.unsqueeze(0), weight.t().unsqueeze(0), bias3, out.unsqueeze(0), k_slices=k_slices, config=config)
+        launch(x2d.unsqueeze(0), weight.t().unsqueeze(0), bias3, out.unsqueeze(0), k_slices=k_slices, config=config)
         return out
 
     @staticmethod
@@ -591,16 +595,16 @@ class LinearFunction(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             # dX = dY [M, N] @ W [N, K]: row i of dX depends only on row i of dY (batch-invariant).
             grad_x = torch.empty_like(x2d, memory_format=torch.contiguous_format)
-            _launch(grad_out.unsqueeze(0), weight.unsqueeze(0), None, grad_x.unsqueeze(0), config=config)
+            launch(grad_out.unsqueeze(0), weight.unsqueeze(0), None, grad_x.unsqueeze(0), config=config)
         if ctx.needs_input_grad[1]:
             # dW = dY^T [N, M] @ X [M, K], reduced over rows in ascending block_k tiles: deterministic.
             grad_w = torch.empty_like(weight, memory_format=torch.contiguous_format)
-            _launch(grad_out.t().unsqueeze(0), x2d.unsqueeze(0), None, grad_w.unsqueeze(0), config=config)
+            launch(grad_out.t().unsqueeze(0), x2d.unsqueeze(0), None, grad_w.unsqueeze(0), config=config)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             # db = 1^T [1, M] @ dY [M, N]: the same kernel and reduction order as dW.
             ones = torch.ones((1, 1, grad_out.shape[0]), dtype=grad_out.dtype, device=grad_out.device)
             grad_b = torch.empty((1, 1, grad_out.shape[1]), dtype=grad_out.dtype, device=grad_out.device)
-            _launch(ones, grad_out.unsqueeze(0), None, grad_b, config=config)
+            launch(ones, grad_out.unsqueeze(0), None, grad_b, config=config)
             grad_b = grad_b.view(-1)
         return grad_x, grad_w, grad_b, None, None
 
@@ -700,7 +704,7 @@ def _mm_override(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         return _fallback("mm", lambda: torch.ops.aten.mm.out(a, b, out=out), self=a, mat2=b)
     ROUTED_CALLS["mm"] += 1
     out = torch.empty((a.shape[0], b.shape[1]), dtype=a.dtype, device=a.device)
-    return _launch(a.unsqueeze(0), b.unsqueeze(0), None, out.unsqueeze(0)).squeeze(0)
+    return launch(a.unsqueeze(0), b.unsqueeze(0), None, out.unsqueeze(0)).squeeze(0)
 
 
 def _addmm_override(bias: torch.Tensor, a: torch.Tensor, b: torch.Tensor, *, beta=1, alpha=1) -> torch.Tensor:
@@ -716,7 +720,7 @@ def _addmm_override(bias: torch.Tensor, a: torch.Tensor, b: torch.Tensor, *, bet
     m, n = a.shape[0], b.shape[1]
     out = torch.empty((m, n), dtype=a.dtype, device=a.device)
     bias3 = bias.expand(m, n).unsqueeze(0)
-    return _launch(a.unsqueeze(0), b.unsqueeze(0), bias3, out.unsqueeze(0), alpha=alpha, beta=beta).squeeze(0)
+    return launch(a.unsqueeze(0), b.unsqueeze(0), bias3, out.unsqueeze(0), alpha=alpha, beta=beta).squeeze(0)
 
 
 def _bmm_override(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -726,94 +730,10 @@ def _bmm_override(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         return _fallback("bmm", lambda: torch.ops.aten.bmm.out(a, b, out=out), self=a, mat2=b)
     ROUTED_CALLS["bmm"] += 1
     out = torch.empty((a.shape[0], a.shape[1], b.shape[2]), dtype=a.dtype, device=a.device)
-    return _launch(a, b, None, out)
+    return launch(a, b, None, out)
 
 
-#: (aten op name, implementation) pairs registered by :func:`batch_invariant`, in order. The
-#: matmul family is samepath's; other ops' modules append theirs through
-#: :func:`register_override` (e.g. ``("_log_softmax", fn)``) at import.
-OVERRIDES: list[tuple[str, Callable[..., torch.Tensor]]] = [
-    ("mm", _mm_override),
-    ("addmm", _addmm_override),
-    ("bmm", _bmm_override),
-]
-
-
-def register_override(op_name: str, fn: Callable[..., torch.Tensor]) -> None:
-    """Add an ``aten`` op override to :func:`batch_invariant` (takes effect at the next outermost
-    entry). ``fn`` receives the op's arguments below autograd, for CPU/CUDA/NPU tensors, and must
-    handle (or hand back to torch's ``.out`` overload) every dtype the op accepts."""
-    if not isinstance(op_name, str) or not callable(fn):
-        raise ValueError("register_override takes an aten op name (str) and a callable")
-    name = op_name.removeprefix("aten::")
-    for existing, existing_fn in OVERRIDES:
-        if existing == name:
-            if existing_fn is fn:
-                return
-            raise ValueError(f"aten::{name} already has a batch-invariant override")
-    OVERRIDES.append((name, fn))
-
-
-def dispatch_keys() -> list[str]:
-    """Dispatch keys the overrides are registered for: CPU, CUDA, and PrivateUse1 when a backend
-    (torch_npu renames it to ``npu``) has claimed it."""
-    keys = ["CPU", "CUDA"]
-    if torch._C._get_privateuse1_backend_name() != "privateuseone":
-        keys.append("PrivateUse1")
-    return keys
-
-
-_routing_lock = threading.RLock()
-_routing_depth = 0
-_routing_library: torch.library.Library | None = None
-
-
-def _register() -> torch.library.Library:
-    library = torch.library.Library("aten", "IMPL")
-    try:
-        with warnings.catch_warnings():
-            # torch warns that the stock kernel is overridden: that is the point, and it comes back on exit.
-            warnings.filterwarnings("ignore", message=".*[Oo]verrid.*")
-            for key in dispatch_keys():
-                for op_name, fn in OVERRIDES:
-                    library.impl(op_name, fn, key)
-    except BaseException:
-        library._destroy()
-        raise
-    return library
-
-
-def batch_invariant_enabled() -> bool:
-    """Whether torch's matmul ops are currently routed to the samepath kernel."""
-    return _routing_depth > 0
-
-
-@contextmanager
-def batch_invariant() -> Iterator[None]:
-    """Route ``aten::mm``, ``aten::addmm``, ``aten::bmm`` (and :data:`OVERRIDES`) to samepath.
-
-    Inside the block, stock ``torch.mm``, ``F.linear``, ``x @ w`` (2-D and batched) and their
-    autograd backward compute with the batch-invariant kernel for fp32/bf16/fp16 tensors on CPU,
-    CUDA and NPU; anything else (fp64, integers, mixed dtypes) goes to torch's own ``.out``
-    kernel unchanged; operands of different dtypes, which torch refuses, raise
-    :class:`MixedDtypeError` (a ``RuntimeError``, as torch's refusal is) naming their dtypes.
-    ``addmm``'s ``beta``/``alpha`` are honoured (applied in fp32 after the K loop). On exit of the
-    outermost block the registrations are destroyed and torch's kernels are back exactly. Nesting
-    is safe (reference counted). The registration is process-wide: other threads see the routing
-    while any block is open. The other ops' modules add theirs: ``aten::_log_softmax``
-    (:mod:`samepath.kernels.logprobs`), ``aten::_softmax``, ``aten::sum.dim_IntList`` and
-    ``aten::mean.dim`` (:mod:`samepath.kernels.reductions`).
-    """
-    global _routing_depth, _routing_library
-    with _routing_lock:
-        if _routing_depth == 0:
-            _routing_library = _register()
-        _routing_depth += 1
-    try:
-        yield
-    finally:
-        with _routing_lock:
-            _routing_depth -= 1
-            if _routing_depth == 0 and _routing_library is not None:
-                _routing_library._destroy()
-                _routing_library = None
+# The matmul family, first in batch_invariant()'s overrides.
+register_override("mm", _mm_override)
+register_override("addmm", _addmm_override)
+register_override("bmm", _bmm_override)

@@ -54,8 +54,8 @@ import triton.language as tl
 from samepath.kernels import grid
 from samepath.kernels.config import SUPPORTED_DTYPES, register_formula, row_reduce_config
 from samepath.kernels.dispatch import SUPPORTED_DEVICE_TYPES, jit
-from samepath.kernels.logprobs import row_lse, row_offsets
 from samepath.kernels.matmul import register_override
+from samepath.kernels.row_reduce import row_lse, row_offsets
 
 REDUCTIONS_FORMULA = {
     "schedule": "one program per row; vocab_chunk columns per step, serially in ascending column order, fp32",

@@ -13,10 +13,14 @@ import importlib
 import pkgutil
 import threading
 from collections.abc import Callable, Iterator, Mapping, Set
+from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
 from samepath.models.descriptor import ModelFamily, UnsupportedModelError
+
+#: The package whose modules are the families (this module's own).
+_PACKAGE = __name__.rpartition(".")[0]
 
 #: Modules of the package that are not families.
 _NOT_FAMILIES = frozenset({"descriptor", "formulas", "registry"})
@@ -35,12 +39,10 @@ def _load() -> None:
     with _lock:
         if _loaded:
             return
-        import samepath.models as package
-
-        for info in sorted(pkgutil.iter_modules(package.__path__), key=lambda i: i.name):
+        for info in sorted(pkgutil.iter_modules([str(Path(__file__).parent)]), key=lambda i: i.name):
             if info.name in _NOT_FAMILIES or info.name.startswith("_"):
                 continue
-            module = importlib.import_module(f"{package.__name__}.{info.name}")
+            module = importlib.import_module(f"{_PACKAGE}.{info.name}")
             descriptor = getattr(module, "FAMILY", None)
             if descriptor is not None:
                 _add(descriptor, replace=False)

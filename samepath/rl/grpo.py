@@ -44,7 +44,7 @@ from typing import Protocol
 
 import torch
 
-import samepath
+from samepath.kernels.logprobs import token_logprobs
 
 #: The trainer precisions :class:`Trainer` implements.
 PRECISIONS = ("bf16", "fp32_master")
@@ -290,7 +290,7 @@ class Trainer:
     def token_logprobs(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """fp32 log-probs of ``labels`` under ``logits`` at the trainer's temperature: samepath's
         (the temperature divided in fp32 inside the kernel, as the rollout does)."""
-        return samepath.logprobs(logits, labels, self.temperature)
+        return token_logprobs(logits, labels, self.temperature)
 
     def step(
         self,
@@ -355,7 +355,7 @@ class HFRollout:
     def generate(
         self, prompts: list[list[int]], new_tokens: int, temperature: float, seed: int
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        from samepath.check.harness import rollout_hf
+        from samepath.rl.hf_harness import rollout_hf
 
         return rollout_hf(self.model, prompts, new_tokens, temperature, seed)
 

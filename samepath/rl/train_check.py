@@ -67,7 +67,7 @@ class StockTrainer(Trainer):
 
 def run_in_process(spec: TrainCheckSpec, on_step: Callable[[StepMetrics], None] | None = None) -> list[StepMetrics]:
     """Run ``spec`` here (the vLLM engine too, when ``spec.rollout == "vllm"``)."""
-    from samepath.check.harness import build_default_model, load_model
+    from samepath.rl.hf_harness import build_default_model, load_model
 
     with tempfile.TemporaryDirectory(prefix="samepath-train-check-") as scratch:
         directory = spec.model or scratch

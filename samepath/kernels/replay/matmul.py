@@ -99,7 +99,7 @@ def untile(tiles: np.ndarray, m: int, n: int) -> np.ndarray:
 
 
 def piece_columns(piece: int, k_split: int, slice_k: int, piece_k: int) -> tuple[int, int]:
-    """``[first, end)`` columns of K piece ``piece`` (``_k_piece``'s ``k_begin + [lo, hi)``), empty if none."""
+    """``[first, end)`` columns of K piece ``piece`` (``k_piece``'s ``k_begin + [lo, hi)``), empty if none."""
     k_begin = (piece // k_split) * slice_k
     lo = (piece % k_split) * piece_k
     hi = min(lo + piece_k, slice_k)

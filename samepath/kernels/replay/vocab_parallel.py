@@ -1,4 +1,4 @@
-"""CPU replays of :mod:`samepath.distributed`'s vocab-parallel logprob kernels (one shard's lse and
+"""CPU replays of :mod:`samepath.kernels.vocab_parallel`'s logprob kernels (one shard's lse and
 label logit, the ascending-shard merge), bit-identical to Triton's interpreter.
 
 ``_shard_lse_kernel`` is ``row_lse`` over the shard's columns plus the label's ``x / T`` as one
@@ -19,7 +19,7 @@ _F32 = np.float32
 _NEG_INF = _F32(-np.inf)
 
 
-@register_replay("samepath.distributed._shard_lse_kernel")
+@register_replay("samepath.kernels.vocab_parallel._shard_lse_kernel")
 @quiet
 def shard_lse(grid, *, X, row_offsets, Labels, Lse, ZLabel, rows, stride_v, V_shard, col_begin, temperature, CHUNK):
     """``_shard_lse_kernel``: the shard's lse and the label's ``x / T`` (-inf when not in the shard)."""
@@ -37,7 +37,7 @@ def shard_lse(grid, *, X, row_offsets, Labels, Lse, ZLabel, rows, stride_v, V_sh
     flat(ZLabel)[:rows] = np.where(in_shard, z_label, _NEG_INF)
 
 
-@register_replay("samepath.distributed._merge_kernel")
+@register_replay("samepath.kernels.vocab_parallel._merge_kernel")
 @quiet
 def merge(grid, *, Lse, ZLabel, Labels, LogProb, MergedLse, rows, V_shard, ignore_index, NUM_SHARDS, BLOCK, HAS_IGNORE):
     """``_merge_kernel``: ``[S, rows]`` shard states merged in ascending shard order."""
