@@ -238,12 +238,12 @@ CASES = [
     pytest.param("qwen3", "bfloat16", 1.0, id="qwen3-bf16-sampled", marks=pytest.mark.slow),
     pytest.param("qwen3", "float32", 0.0, id="qwen3-fp32-greedy", marks=pytest.mark.slow),
     pytest.param("qwen3", "bfloat16", 0.7, id="qwen3-bf16-T0.7", marks=pytest.mark.slow),
-    pytest.param("qwen3_moe", "bfloat16", 1.0, id="moe-bf16-sampled", marks=pytest.mark.slow),
+    pytest.param("qwen3_moe", "bfloat16", 1.0, id="moe-bf16-sampled"),
     pytest.param("qwen3_moe", "float32", 0.0, id="moe-fp32-greedy", marks=pytest.mark.slow),
-    pytest.param("mistral", "bfloat16", 1.0, id="mistral-bf16-sampled", marks=pytest.mark.slow),
-    pytest.param("phi3", "bfloat16", 0.7, id="phi3-bf16-T0.7", marks=pytest.mark.slow),
+    pytest.param("mistral", "bfloat16", 1.0, id="mistral-bf16-sampled"),
+    pytest.param("phi3", "bfloat16", 0.7, id="phi3-bf16-T0.7"),
     pytest.param("phi3", "float32", 0.0, id="phi3-fp32-greedy", marks=pytest.mark.slow),
-    pytest.param("mixtral", "bfloat16", 1.0, id="mixtral-bf16-sampled", marks=pytest.mark.slow),
+    pytest.param("mixtral", "bfloat16", 1.0, id="mixtral-bf16-sampled"),
     pytest.param("gemma3_text", "bfloat16", 0.8, id="gemma3-bf16-T0.8"),
     pytest.param("gemma3_text", "float32", 1.0, id="gemma3-fp32-sampled", marks=pytest.mark.slow),
 ]
@@ -325,7 +325,6 @@ def test_entry_point_reaches_engine_core_process(model_dirs, hf_patched):
         assert torch.equal(r, a), (r, a)
 
 
-@pytest.mark.slow
 @pytest.mark.skipif(not _entry_point_installed(), reason="samepath's vllm.general_plugins entry point is not installed")
 def test_tensor_parallel_rollout_equals_the_sliced_trainer(model_dirs, hf_patched):
     """vLLM at tensor_parallel_size=2 (two worker processes; row-parallel partials all-gathered and
