@@ -16,9 +16,9 @@ With ``samepath=True`` the child sets ``SAMEPATH_VLLM=1`` and calls the plugin's
 itself, so the entry point need not be installed (``entry_point=True`` leaves that to vLLM's
 plugin loader instead, with the engine core in its own process).
 
-:class:`VLLMRolloutPool` keeps such children alive between rollouts (one per environment: stock or
-samepath, expected fingerprint, extra variables), each serving specs one after another over its
-stdin and keeping the last engines it built, so many rollouts on one model pay vLLM's start-up once
+:class:`VLLMRolloutPool` keeps such children alive between rollouts (one per environment — stock or
+samepath, expected fingerprint, extra variables — and model), each serving specs one after another
+over its stdin and keeping the last engines it built, so many rollouts on one model pay vLLM's start-up once
 (``python -m samepath.check.vllm_rollout --serve``). A reused engine has served earlier requests: its
 prefix cache and its sampler's random state carry over, which samepath's numerics do not depend on.
 """
@@ -222,7 +222,8 @@ class _Worker:
 
 
 class VLLMRolloutPool:
-    """Long-lived rollout children, one per child environment; ``run(spec)`` as :func:`run_vllm_rollout`.
+    """Long-lived rollout children, one per child environment and model; ``run(spec)`` as
+    :func:`run_vllm_rollout`.
 
     Specs with ``entry_point=True`` or ``tensor_parallel_size > 1`` (vLLM's own worker processes)
     run in a fresh process each. A spec whose rollout fails restarts its child for the next one. At
@@ -238,7 +239,9 @@ class VLLMRolloutPool:
         if spec.entry_point or spec.tensor_parallel_size > 1:
             return run_vllm_rollout(spec, self.timeout)
         env = _child_env(spec)
-        key = json.dumps(sorted((k, v) for k, v in env.items() if k not in _VOLATILE_ENV))
+        # One child per model as well: vLLM sets its distributed state up for the first model a process
+        # builds (a dense model leaves no expert-parallel group for a later MoE one).
+        key = json.dumps([sorted((k, v) for k, v in env.items() if k not in _VOLATILE_ENV), spec.model])
         worker = self._workers.pop(key, None)
         if worker is None or not worker.alive():
             while len(self._workers) >= self.max_workers:
