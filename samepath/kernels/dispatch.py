@@ -73,16 +73,29 @@ def _restore_language(snapshot: list[tuple[Any, dict[str, Any]]]) -> None:
                 setattr(namespace, name, value)
 
 
-def bf16_bits_to_fp32(bits: np.ndarray) -> np.ndarray:
-    return (bits.astype(np.uint32) << 16).view(np.float32)
+def bf16_bits_to_fp32(bits: np.ndarray, order: str = "K") -> np.ndarray:
+    """bf16 bit patterns widened exactly to fp32 (shifted into the high half), in numpy ``order``."""
+    wide = bits.astype(np.uint32, order=order)
+    wide <<= 16
+    return wide.view(np.float32)
 
 
 def fp32_to_bf16_bits(values: np.ndarray) -> np.ndarray:
-    """Round to nearest even, as CUDA, Ascend and ``torch.Tensor.to(torch.bfloat16)`` do."""
+    """Round to nearest even, as CUDA, Ascend and ``torch.Tensor.to(torch.bfloat16)`` do (NaN: ``0x7FC0``).
+
+    ``(bits + 0x7FFF + ((bits >> 16) & 1)) >> 16`` in uint32, computed in place."""
     values = np.ascontiguousarray(values, dtype=np.float32)
     bits = values.view(np.uint32)
-    rounded = ((bits + np.uint32(0x7FFF) + ((bits >> 16) & np.uint32(1))) >> 16).astype(np.uint16)
-    return np.where(np.isnan(values), np.uint16(0x7FC0), rounded)
+    rounded = bits >> 16
+    rounded &= 1
+    rounded += bits
+    rounded += 0x7FFF
+    rounded >>= 16
+    out = rounded.astype(np.uint16)
+    nan = np.isnan(values)
+    if nan.any():
+        out[nan] = 0x7FC0
+    return out
 
 
 _original_create_dot = InterpreterBuilder.create_dot

@@ -17,7 +17,8 @@ from collections.abc import Callable
 import numpy as np
 
 from samepath.kernels.dispatch import register_replay
-from samepath.kernels.replay.elementwise import cast, row_chunks, strided, widen
+from samepath.kernels.replay.elementwise import row_chunks, strided, widen
+from samepath.kernels.replay.numerics import cast
 
 _ONE = np.float32(1.0)
 

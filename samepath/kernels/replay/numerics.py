@@ -36,11 +36,12 @@ def to_numpy(t: torch.Tensor) -> np.ndarray:
     return t.numpy()
 
 
-def widen(values: np.ndarray) -> np.ndarray:
-    """``.to(tl.float32)``: bf16 bits widened exactly, fp16 / fp32 by ``astype``."""
+def widen(values: np.ndarray, order: str = "K") -> np.ndarray:
+    """``.to(tl.float32)``: bf16 bits widened exactly, fp16 / fp32 by ``astype`` (a new array in numpy
+    ``order``: ``"C"`` where a ufunc or a reduction follows that needs a contiguous operand)."""
     if values.dtype == np.uint16:
-        return bf16_bits_to_fp32(values)
-    return values.astype(np.float32)
+        return bf16_bits_to_fp32(values, order)
+    return values.astype(np.float32, order=order)
 
 
 def cast(values: np.ndarray, dtype: torch.dtype) -> np.ndarray:

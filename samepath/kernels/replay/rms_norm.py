@@ -22,7 +22,8 @@ import numpy as np
 import torch
 
 from samepath.kernels.dispatch import register_replay
-from samepath.kernels.replay.elementwise import cast, row_chunks, strided, widen
+from samepath.kernels.replay.elementwise import row_chunks, strided, widen
+from samepath.kernels.replay.numerics import cast
 
 _ONE = np.float32(1.0)
 

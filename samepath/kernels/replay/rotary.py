@@ -16,7 +16,8 @@ import numpy as np
 import torch
 
 from samepath.kernels.dispatch import register_replay
-from samepath.kernels.replay.elementwise import CHUNK_ELEMENTS, cast, strided, widen
+from samepath.kernels.replay.elementwise import CHUNK_ELEMENTS, strided, widen
+from samepath.kernels.replay.numerics import cast
 
 
 def _rows(t: torch.Tensor, shape: tuple[int, int, int], strides: tuple[int, int, int], cols: int) -> np.ndarray:
