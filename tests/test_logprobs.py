@@ -178,6 +178,44 @@ def test_temperature_is_the_samplers_fp32_division(dtype: torch.dtype, temperatu
     assert torch.equal(log_softmax(x, temperature), log_softmax(pre))
 
 
+def _all_outputs(x: torch.Tensor, labels: torch.Tensor, temperature: float) -> list[torch.Tensor]:
+    """Every kernel's result: token logprob and entropy with both gradients, log-softmax and its gradient."""
+    leaf = x.clone().requires_grad_()
+    lp, h = token_logprobs(leaf, labels, temperature, return_entropy=True)
+    g = torch.Generator().manual_seed(62)
+    (lp * torch.randn(lp.shape, generator=g) + h * torch.randn(h.shape, generator=g)).sum().backward()
+    token_grad, leaf.grad = leaf.grad, None
+    out = log_softmax(leaf, temperature)
+    out.backward(torch.randn(out.shape, generator=g))
+    return [lp.detach(), h.detach(), token_grad, out.detach(), leaf.grad]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_temperature_one_skips_the_division_with_the_same_bits(
+    dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """At T = 1 the kernels skip ``x / T`` (``SCALED=False``); every output and gradient equals the
+    kernels that divide by 1 (the schedule before the skip), -inf / +inf / NaN logits included. Negative
+    control: skipping the division at T = 0.7 is seen."""
+    from samepath.kernels import logprobs as logprobs_module
+
+    vocab = 4103
+    x = _logits((3, 2, vocab), dtype, seed=61)
+    x[0, 1, ::5] = float("-inf")
+    x[2, 0, 7] = float("inf")
+    x[1, 1, 3] = float("nan")
+    labels = _labels((3, 2), vocab, seed=61)
+    assert logprobs_module.scaled(1.0) is False and logprobs_module.scaled(0.7) is True
+    skipped = _all_outputs(x, labels, 1.0)
+    monkeypatch.setattr(logprobs_module, "scaled", lambda temperature: True)
+    divided = _all_outputs(x, labels, 1.0)
+    for a, b in zip(skipped, divided, strict=True):
+        assert torch.equal(a.isnan(), b.isnan()) and torch.equal(a.nan_to_num(), b.nan_to_num())
+    warm = _all_outputs(x, labels, 0.7)
+    monkeypatch.setattr(logprobs_module, "scaled", lambda temperature: False)
+    assert not torch.equal(_all_outputs(x, labels, 0.7)[0], warm[0]), "negative control: T = 0.7 must divide"
+
+
 # ----------------------------------------------------------------------------------------------
 # Correctness and gradients
 # ----------------------------------------------------------------------------------------------

@@ -116,11 +116,12 @@ def _token_logprobs_fwd_kernel(
     CHUNK: tl.constexpr,
     ENTROPY: tl.constexpr,
     HAS_IGNORE: tl.constexpr,
+    SCALED: tl.constexpr,
 ):
     for row in range(tl.program_id(0), num_rows, tl.num_programs(0)):
         label = tl.load(Labels + row).to(tl.int64)
         row_ptr = X + tl.load(row_offsets + row)
-        lse, entropy = row_lse(row_ptr, stride_v, V, temperature, CHUNK, ENTROPY)
+        lse, entropy = row_lse(row_ptr, stride_v, V, temperature, CHUNK, ENTROPY, SCALED)
         # An out-of-range label (only possible with validate=False) gives NaN, never a wild read.
         in_range = (label >= 0) & (label < V)
         # The label's x / T as the one live lane of a 16-lane vector (x + 0 + ... is exactly x):
@@ -128,7 +129,9 @@ def _token_logprobs_fwd_kernel(
         lanes = tl.arange(0, 16)
         label_ptrs = row_ptr + (tl.where(in_range, label, 0) + lanes) * stride_v
         x_lanes = tl.load(label_ptrs, mask=lanes == 0, other=0.0).to(tl.float32)
-        z_label = tl.sum(tl.math.div_rn(x_lanes, temperature), 0)
+        if SCALED:
+            x_lanes = tl.math.div_rn(x_lanes, temperature)
+        z_label = tl.sum(x_lanes, 0)
         logprob = tl.where(in_range, z_label - lse, float("nan"))
         if HAS_IGNORE:
             # Selects, not a branch around the loop: Triton-Ascend cannot lower the latter.
@@ -163,6 +166,7 @@ def _token_logprobs_bwd_kernel(
     HAS_GRAD_LP: tl.constexpr,
     HAS_GRAD_H: tl.constexpr,
     HAS_IGNORE: tl.constexpr,
+    SCALED: tl.constexpr,
 ):
     offs = tl.arange(0, CHUNK)
     for row in range(tl.program_id(0), num_rows, tl.num_programs(0)):
@@ -188,7 +192,7 @@ def _token_logprobs_bwd_kernel(
                 entropy = tl.load(Entropy + row)
             for start in range(0, V, CHUNK):
                 cols = start + offs
-                z = scaled_chunk(row_ptr, cols, stride_v, V, temperature)
+                z = scaled_chunk(row_ptr, cols, stride_v, V, temperature, SCALED)
                 logp = z - lse
                 p = tl.exp(logp)
                 g = tl.zeros([CHUNK], tl.float32)
@@ -197,7 +201,9 @@ def _token_logprobs_bwd_kernel(
                 if HAS_GRAD_H:
                     # p log p -> 0 where p == 0 (logits of -inf), without computing 0 * -inf.
                     g = g - g_h * (p * (tl.where(p == 0.0, 0.0, logp) + entropy))
-                dx = tl.math.div_rn(g, temperature)
+                dx = g
+                if SCALED:
+                    dx = tl.math.div_rn(g, temperature)
                 tl.store(dx_row + cols, dx.to(dX.dtype.element_ty), mask=cols < V)
 
 
@@ -212,16 +218,17 @@ def _log_softmax_fwd_kernel(
     V,
     temperature,
     CHUNK: tl.constexpr,
+    SCALED: tl.constexpr,
 ):
     for row in range(tl.program_id(0), num_rows, tl.num_programs(0)):
         row_ptr = X + tl.load(row_offsets + row)
-        lse, _ = row_lse(row_ptr, stride_v, V, temperature, CHUNK, False)
+        lse, _ = row_lse(row_ptr, stride_v, V, temperature, CHUNK, False, SCALED)
         tl.store(Lse + row, lse)
         out_row = Out + tl.cast(row, tl.int64) * V
         offs = tl.arange(0, CHUNK)
         for start in range(0, V, CHUNK):
             cols = start + offs
-            z = scaled_chunk(row_ptr, cols, stride_v, V, temperature)
+            z = scaled_chunk(row_ptr, cols, stride_v, V, temperature, SCALED)
             tl.store(out_row + cols, z - lse, mask=cols < V)
 
 
@@ -237,6 +244,7 @@ def _log_softmax_bwd_kernel(
     V,
     temperature,
     CHUNK: tl.constexpr,
+    SCALED: tl.constexpr,
 ):
     """dx = (g - p * sum(g)) / T; sum(g) folded in the same fixed chunks, ascending."""
     for row in range(tl.program_id(0), num_rows, tl.num_programs(0)):
@@ -251,16 +259,24 @@ def _log_softmax_bwd_kernel(
             g_sum = g_sum + tl.sum(tl.load(g_row + cols, mask=cols < V, other=0.0), 0)
         for start in range(0, V, CHUNK):
             cols = start + offs
-            z = scaled_chunk(row_ptr, cols, stride_v, V, temperature)
+            z = scaled_chunk(row_ptr, cols, stride_v, V, temperature, SCALED)
             p = tl.exp(z - lse)
             g = tl.load(g_row + cols, mask=cols < V, other=0.0)
-            dx = tl.math.div_rn(g - p * g_sum, temperature)
+            dx = g - p * g_sum
+            if SCALED:
+                dx = tl.math.div_rn(dx, temperature)
             tl.store(dx_row + cols, dx.to(dX.dtype.element_ty), mask=cols < V)
 
 
 # ----------------------------------------------------------------------------------------------
 # Launchers
 # ----------------------------------------------------------------------------------------------
+
+
+def scaled(temperature: float) -> bool:
+    """Whether the kernels divide by ``temperature``: not at exactly 1 (``x / 1`` is ``x``, so
+    skipping the division gives the same bits)."""
+    return float(temperature) != 1.0
 
 
 def _token_forward(logits, labels_flat, offsets, temperature, ignore_index, entropy, config):
@@ -286,6 +302,7 @@ def _token_forward(logits, labels_flat, offsets, temperature, ignore_index, entr
         CHUNK=vocab_chunk(config),
         ENTROPY=entropy,
         HAS_IGNORE=ignore_index is not None,
+        SCALED=scaled(temperature),
         **launch_options(config),
     )
     return logprob, ent, lse
@@ -334,6 +351,7 @@ def token_logprobs_backward(
         HAS_GRAD_LP=grad_lp is not None,
         HAS_GRAD_H=grad_h is not None,
         HAS_IGNORE=ignore_index is not None,
+        SCALED=scaled(temperature),
         **launch_options(config),
     )
     return dx
@@ -356,6 +374,7 @@ def _log_softmax_forward(logits, offsets, temperature, config):
         vocab,
         temperature,
         CHUNK=vocab_chunk(config),
+        SCALED=scaled(temperature),
         **launch_options(config),
     )
     return out, lse
@@ -379,6 +398,7 @@ def _log_softmax_backward(logits, offsets, lse, grad_out, temperature, config):
         vocab,
         temperature,
         CHUNK=vocab_chunk(config),
+        SCALED=scaled(temperature),
         **launch_options(config),
     )
     return dx

@@ -17,11 +17,15 @@ from samepath.kernels.dispatch import device_kind, jit
 
 
 @jit
-def scaled_chunk(row_ptr, cols, stride_v, V, temperature):
-    """fp32 ``x / T`` of columns ``cols`` of a row; -inf past the vocabulary (by select)."""
+def scaled_chunk(row_ptr, cols, stride_v, V, temperature, SCALED: tl.constexpr = True):
+    """fp32 ``x / T`` of columns ``cols`` of a row; -inf past the vocabulary (by select).
+    ``SCALED=False`` (the launchers' choice at ``T == 1``) skips the division: ``x / 1`` is exactly
+    ``x``, so the bits are the same."""
     valid = cols < V
     x = tl.load(row_ptr + cols.to(tl.int64) * stride_v, mask=valid, other=0.0).to(tl.float32)
-    return tl.where(valid, tl.math.div_rn(x, temperature), float("-inf"))
+    if SCALED:
+        x = tl.math.div_rn(x, temperature)
+    return tl.where(valid, x, float("-inf"))
 
 
 @jit
@@ -33,10 +37,11 @@ def div_rn_scalar(a, b):
 
 
 @jit
-def row_lse(row_ptr, stride_v, V, temperature, CHUNK: tl.constexpr, ENTROPY: tl.constexpr):
+def row_lse(row_ptr, stride_v, V, temperature, CHUNK: tl.constexpr, ENTROPY: tl.constexpr, SCALED: tl.constexpr = True):
     """``(lse, entropy)``: the fp32 online log-sum-exp of the ``V`` columns of one row of ``x / T``
     (``row_ptr``, column stride ``stride_v``), folded in ``CHUNK``-column chunks in ascending order
     from the row's first column, and its entropy when ``ENTROPY`` (else a value to ignore).
+    ``SCALED=False`` at ``T == 1`` skips the division (same bits: :func:`scaled_chunk`).
 
     The device function of the contract: every kernel that needs a row's lse calls it (those of
     :mod:`samepath.kernels.logprobs`, :mod:`samepath.kernels.reductions` and the vocabulary shards'
@@ -47,7 +52,7 @@ def row_lse(row_ptr, stride_v, V, temperature, CHUNK: tl.constexpr, ENTROPY: tl.
     s = tl.full([], 0.0, tl.float32)
     w = tl.full([], 0.0, tl.float32)
     for start in range(0, V, CHUNK):
-        z = scaled_chunk(row_ptr, start + offs, stride_v, V, temperature)
+        z = scaled_chunk(row_ptr, start + offs, stride_v, V, temperature, SCALED)
         m_new = tl.maximum(m, tl.max(z, 0))
         # While the row has seen only -inf, keep the state at exactly (-inf, 0, 0).
         m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)

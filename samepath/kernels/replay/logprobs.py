@@ -134,9 +134,12 @@ class RowTiles:
         """``cols < V`` of the chunk at ``start`` (``[span]`` bool)."""
         return np.arange(start, start + self.span(start)) < self.V
 
-    def scaled(self, start: int, temperature: np.ndarray) -> np.ndarray:
-        """``_scaled_chunk``: ``where(cols < V, x.to(fp32) / fp32(T), -inf)``."""
-        z = np.divide(self.widened(start), temperature)
+    def scaled(self, start: int, temperature: np.ndarray | None) -> np.ndarray:
+        """``_scaled_chunk``: ``where(cols < V, x.to(fp32) / fp32(T), -inf)``; no division when
+        ``temperature`` is ``None`` (the kernels' ``SCALED=False``)."""
+        z = self.widened(start)
+        if temperature is not None:
+            z = np.divide(z, temperature)
         if start + self.span(start) > self.V:
             z = np.where(self.valid(start), z, _NEG_INF)
         return z
@@ -156,7 +159,7 @@ class RowTiles:
         return top
 
 
-def row_lse(tiles: RowTiles, temperature: np.ndarray, entropy: bool) -> tuple[np.ndarray, np.ndarray | None]:
+def row_lse(tiles: RowTiles, temperature: np.ndarray | None, entropy: bool) -> tuple[np.ndarray, np.ndarray | None]:
     """``row_lse`` for every row: ``(lse, entropy)`` ``[rows]`` fp32 (entropy ``None`` unless asked)."""
     rows = tiles.rows
     m = np.full(rows, _NEG_INF, _F32)
@@ -195,6 +198,16 @@ def quiet(replay: Callable[..., None]) -> Callable[..., None]:
     return run
 
 
+def divide(values: np.ndarray, temperature: np.ndarray | None) -> np.ndarray:
+    """``tl.math.div_rn(values, T)`` where the kernel divides (``temperature`` not ``None``)."""
+    return values if temperature is None else np.divide(values, temperature)
+
+
+def _temperature(temperature: float, scaled: bool) -> np.ndarray | None:
+    """The fp32 temperature a kernel launched with ``SCALED`` divides by, ``None`` when it does not."""
+    return fp32_scalar(temperature) if scaled else None
+
+
 def _int64(t: torch.Tensor, rows: int) -> np.ndarray:
     """``tl.load(T + row).to(tl.int64)`` for every row (labels, row offsets)."""
     return flat(t)[:rows].astype(np.int64)
@@ -209,12 +222,12 @@ def _scalar_column(t: torch.Tensor, rows: int, stride: int) -> np.ndarray:
 @quiet
 def token_logprobs_fwd(
     grid, *, X, row_offsets, Labels, LogProb, Entropy, Lse, num_rows, stride_v, V, temperature, ignore_index,
-    CHUNK, ENTROPY, HAS_IGNORE,
+    CHUNK, ENTROPY, HAS_IGNORE, SCALED,
 ):  # fmt: skip
     """``_token_logprobs_fwd_kernel``: logprob, lse (and entropy) of every row."""
     if num_rows == 0:
         return
-    temp = fp32_scalar(temperature)
+    temp = _temperature(temperature, SCALED)
     tiles = RowTiles(X, row_offsets, num_rows, stride_v, V, CHUNK)
     lse, ent = row_lse(tiles, temp, ENTROPY)
     label = _int64(Labels, num_rows)
@@ -222,7 +235,7 @@ def token_logprobs_fwd(
     lanes = np.zeros((num_rows, 16), dtype=np.float32)
     positions = _int64(row_offsets, num_rows) + np.where(in_range, label, 0) * stride_v
     lanes[:, 0] = widen(flat(X)[positions])
-    z_label = np.sum(np.divide(lanes, temp), axis=1)
+    z_label = np.sum(divide(lanes, temp), axis=1)
     logprob = np.where(in_range, z_label - lse, _F32(np.nan))
     if HAS_IGNORE:
         ignored = label == ignore_index
@@ -240,12 +253,12 @@ def token_logprobs_fwd(
 @quiet
 def token_logprobs_bwd(
     grid, *, X, row_offsets, Labels, Lse, Entropy, dLogProb, dEntropy, dX, num_rows, stride_v, stride_dlp, stride_dh,
-    V, temperature, ignore_index, CHUNK, HAS_GRAD_LP, HAS_GRAD_H, HAS_IGNORE,
+    V, temperature, ignore_index, CHUNK, HAS_GRAD_LP, HAS_GRAD_H, HAS_IGNORE, SCALED,
 ):  # fmt: skip
     """``_token_logprobs_bwd_kernel``: ``dX`` ``[rows, V]`` (contiguous rows), zero for ignored rows."""
     if num_rows == 0:
         return
-    temp = fp32_scalar(temperature)
+    temp = _temperature(temperature, SCALED)
     tiles = RowTiles(X, row_offsets, num_rows, stride_v, V, CHUNK)
     label = _int64(Labels, num_rows)
     lse = flat(Lse)[:num_rows][:, None]
@@ -267,7 +280,7 @@ def token_logprobs_bwd(
             g = (onehot - p) * g_lp
         if HAS_GRAD_H:
             g = g - g_h * (p * (np.where(p == _F32(0.0), _F32(0.0), logp) + entropy))
-        dx = np.divide(g, temp)
+        dx = divide(g, temp)
         width = min(CHUNK, V - start)
         out[:, start : start + width] = cast(np.ascontiguousarray(dx[:, :width]), dtype)
     if HAS_IGNORE:
@@ -278,11 +291,11 @@ def token_logprobs_bwd(
 
 @register_replay("samepath.kernels.logprobs._log_softmax_fwd_kernel")
 @quiet
-def log_softmax_fwd(grid, *, X, row_offsets, Out, Lse, num_rows, stride_v, V, temperature, CHUNK):
+def log_softmax_fwd(grid, *, X, row_offsets, Out, Lse, num_rows, stride_v, V, temperature, CHUNK, SCALED):
     """``_log_softmax_fwd_kernel``: fp32 ``z - lse`` into ``Out`` ``[rows, V]``, the lse into ``Lse``."""
     if num_rows == 0:
         return
-    temp = fp32_scalar(temperature)
+    temp = _temperature(temperature, SCALED)
     tiles = RowTiles(X, row_offsets, num_rows, stride_v, V, CHUNK)
     lse, _ = row_lse(tiles, temp, False)
     flat(Lse)[:num_rows] = lse
@@ -294,11 +307,11 @@ def log_softmax_fwd(grid, *, X, row_offsets, Out, Lse, num_rows, stride_v, V, te
 
 @register_replay("samepath.kernels.logprobs._log_softmax_bwd_kernel")
 @quiet
-def log_softmax_bwd(grid, *, X, row_offsets, Lse, dOut, dX, num_rows, stride_v, V, temperature, CHUNK):
+def log_softmax_bwd(grid, *, X, row_offsets, Lse, dOut, dX, num_rows, stride_v, V, temperature, CHUNK, SCALED):
     """``_log_softmax_bwd_kernel``: ``(g - p * sum(g)) / T`` with ``sum(g)`` folded chunk by chunk."""
     if num_rows == 0:
         return
-    temp = fp32_scalar(temperature)
+    temp = _temperature(temperature, SCALED)
     tiles = RowTiles(X, row_offsets, num_rows, stride_v, V, CHUNK)
     lse = flat(Lse)[:num_rows][:, None]
     grads = RowTiles(dOut, torch.arange(num_rows, dtype=torch.int64) * V, num_rows, 1, V, CHUNK)
@@ -309,6 +322,6 @@ def log_softmax_bwd(grid, *, X, row_offsets, Lse, dOut, dX, num_rows, stride_v, 
     dtype = dX.dtype
     for start in range(0, V, CHUNK):
         p = np.exp(tiles.scaled(start, temp) - lse)
-        dx = np.divide(grads.raw(start) - p * g_sum[:, None], temp)
+        dx = divide(grads.raw(start) - p * g_sum[:, None], temp)
         width = min(CHUNK, V - start)
         out[:, start : start + width] = cast(np.ascontiguousarray(dx[:, :width]), dtype)
