@@ -255,6 +255,40 @@ def test_backward_is_deterministic_and_dweight_order_is_fixed(monkeypatch) -> No
     assert torch.equal(other[0], first[0]) and not torch.equal(other[2], first[2])
 
 
+def test_dweight_partials_are_summed_in_fixed_spans(monkeypatch) -> None:
+    """More partials than one span: each span of ``DW_SPAN`` partials is summed from 0 in ascending
+    order, then the span sums in ascending order; deterministic and close to fp64. Negative control:
+    one serial chain over all the partials (the reduction before the spans) gives other bits."""
+    rms_norm_module = importlib.import_module("samepath.kernels.rms_norm")
+    monkeypatch.setattr(rms_norm_module, "GROUP_ELEMENTS", 16 * 256)  # 16 rows per partial
+    hidden, span = 200, rms_norm_module.DW_SPAN
+    rows = 16 * (span + 1) + 5  # 10 partials: spans of 8 and 2
+    x, w, r, dy = _inputs(rows, hidden, torch.float32, seed=17)
+    with record_launches() as launches:
+        first = _dweight_run(x, w, r, dy)
+    levels = [launch for launch in launches if launch.name == "_rms_norm_dw_reduce_kernel"]
+    assert [launch.args[3] for launch in levels] == [span, 2]  # the spans, then all the span sums
+    partials = levels[0].args[0].clone()
+    assert partials.shape == (10, hidden)
+    assert all(torch.equal(a, b) for a, b in zip(first, _dweight_run(x, w, r, dy), strict=True))
+
+    def serial(values: torch.Tensor) -> torch.Tensor:
+        acc = torch.zeros(hidden)
+        for value in values:
+            acc = acc + value
+        return acc
+
+    expected = serial(torch.stack([serial(partials[i : i + span]) for i in range(0, len(partials), span)]))
+    assert torch.equal(first[2], expected)
+    s = x + r
+    terms = dy * (s * torch.rsqrt(_interpreter_mean_square(s) + EPS))
+    assert _rel_err(first[2], terms.double().sum(0)) < 1e-5
+    assert not torch.equal(first[2], serial(partials)), "negative control: one chain over all partials"
+    # The column blocks of a level are free (each column is its own chain): CUDA's smaller blocks.
+    monkeypatch.setattr(rms_norm_module, "DW_REDUCE_BLOCK", 16)
+    assert torch.equal(_dweight_run(x, w, r, dy)[2], first[2])
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_head_dim_rows_share_a_program(dtype: torch.dtype) -> None:
     """Qwen3's q/k norm (hidden 128): 16 rows per tile, 1024 per dweight partial. Rows alone equal

@@ -26,7 +26,9 @@ from samepath.kernels.dispatch import device_kind
 #: ``model.to(dtype)`` rounds); rope types beyond default and llama3.
 #: 3: the attention backward is one pass per KV tile (GQA-packed query tiles, dK/dV in registers,
 #: dQ partials added in ascending KV-tile order through fp32 row sums).
-NUMERICS_VERSION = 3
+#: 4: RMSNorm dweight's partials summed in spans of 8, then the span sums (a second level over many
+#: CTAs); the fused lm_head's dweight as one GEMM over all tokens.
+NUMERICS_VERSION = 4
 
 #: dtypes the kernels accept, by the name used in the table.
 SUPPORTED_DTYPES: dict[torch.dtype, str] = {
@@ -187,6 +189,17 @@ def _matmul_rows() -> dict[tuple[str, str], MatmulConfig]:
 
 MATMUL_TABLE: dict[tuple[str, str], MatmulConfig] = _matmul_rows()
 
+#: How the matmul loads its operand tiles, per (device kind, dtype): ``"tma"`` (tensor descriptors:
+#: Hopper's tensor memory accelerator, where the device has one and the operands allow it;
+#: ``samepath.kernels.matmul_tma``) or ``"pointer"`` (masked pointer loads: the CPU's interpreter,
+#: Ascend, fp32's IEEE dots). The same tiles reach the same dots in the same order either way, so
+#: this is not part of the fingerprint.
+MATMUL_LOADS: dict[tuple[str, str], str] = {
+    (kind, dtype): "tma" if kind == "cuda" and dtype != "float32" else "pointer"
+    for kind in ("cpu", "cuda", "npu")
+    for dtype in SUPPORTED_DTYPES.values()
+}
+
 ROW_REDUCE_TABLE: dict[str, RowReduceConfig] = {
     "cpu": RowReduceConfig(vocab_chunk=4096),
     "cuda": RowReduceConfig(vocab_chunk=4096, num_warps=8),
@@ -200,6 +213,12 @@ def matmul_config(dtype: torch.dtype, device: torch.device | str) -> MatmulConfi
     """The frozen matmul tiles for inputs of this dtype on this device (or device type)."""
     key = (device_kind(device), dtype_name(dtype))
     return _with_tuned("matmul", key, MATMUL_TABLE[key])
+
+
+def matmul_loads(dtype: torch.dtype, device: torch.device | str) -> str:
+    """``"tma"`` or ``"pointer"``: how the matmul loads operand tiles of this dtype on this device
+    kind (:data:`MATMUL_LOADS`; numerics-neutral)."""
+    return MATMUL_LOADS[device_kind(device), dtype_name(dtype)]
 
 
 def row_reduce_config(device: torch.device | str) -> RowReduceConfig:

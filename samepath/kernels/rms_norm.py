@@ -38,12 +38,15 @@ boundary — rare for bf16/fp16 outputs, common for fp32 outputs).
 
 Backward (fp32, one cast per gradient): ``dn = g * w``,
 ``dx = rstd * (dn - n * sum(dn * n) / N)`` with ``n = h * rstd``, and
-``dweight = sum over rows of g * n.to(dtype)``. ``dweight`` is a two-level reduction of a fixed
-shape, without atomics: each program reduces a group of ``group`` rows (16 to 1024, a function of
-the hidden size only) — its tiles in ascending order, each tile's rows summed — into an fp32
-partial, and a second kernel sums the partials in ascending order. Many programs share the first
-level (a Qwen3 q/k norm at 32k tokens: 1024 of them rather than 65536 dependent steps in one);
-two runs give the same bits.
+``dweight = sum over rows of g * n.to(dtype)``. ``dweight`` is a reduction of a fixed shape,
+without atomics: each program reduces a group of ``group`` rows (16 to 1024, a function of the
+hidden size only) — its tiles in ascending order, each tile's rows summed — into an fp32 partial;
+then the partials are summed in spans of :data:`DW_SPAN` (each span from 0, its partials in
+ascending order, every (span, column block) its own program: a second level over many CTAs, with
+the span's loads issued together), and the span sums in ascending order (a third, small level; with
+one span the second level writes dweight itself). Many programs share every level (a Qwen3 q/k
+norm at 32k tokens: 1024 first-level programs, and 128 spans x 8 column blocks in the second,
+rather than 1024 dependent loads in one); two runs give the same bits.
 """
 
 from __future__ import annotations
@@ -63,8 +66,16 @@ from samepath.kernels.dispatch import device_kind, jit
 TILE_ELEMENTS = 2048
 #: Elements of the rows one dweight partial covers (16 to 1024 rows).
 GROUP_ELEMENTS = 131072
-#: Columns of the dweight partials one reduction program sums.
+#: Columns of the dweight partials one reduction program sums (at most; on CUDA fewer, down to
+#: :data:`DW_MIN_BLOCK`, until the level has :data:`DW_TARGET_PROGRAMS` programs). Each column is
+#: its own chain of fp32 adds, so the column blocks change no bit.
 DW_REDUCE_BLOCK = 256
+DW_MIN_BLOCK = 16
+DW_TARGET_PROGRAMS = 128
+#: dweight partials summed by one program of the second level (numerics: fixes the order).
+DW_SPAN = 8
+#: Partials one reduction program loads at once (unrolled, independent loads; no effect on bits).
+DW_BATCH = 8
 
 #: Where the weight multiplies the normalised row (``rms_norm(..., weight_mode=)``), by index in the kernels.
 WEIGHT_MODES = ("cast_then_weight", "fp32_weight", "fp32_one_plus_weight")
@@ -92,9 +103,11 @@ RMS_NORM_FORMULA = {
         "a row's statistics are tl.sum over its own columns"
     ),
     "dweight_reduction": (
-        f"two levels, no atomics: fp32 partials over groups of min(1024, max(16, {GROUP_ELEMENTS} // block)) rows "
+        f"no atomics: fp32 partials over groups of min(1024, max(16, {GROUP_ELEMENTS} // block)) rows "
         "(tiles of the group in ascending order, each tile's rows summed by tl.sum over axis 0; chunked rows: "
-        "16 rows added one by one), then the partials summed serially in ascending order"
+        f"16 rows added one by one); the partials in spans of {DW_SPAN}, each span summed from 0 serially in "
+        "ascending order into an fp32 span sum; the span sums summed from 0 serially in ascending order "
+        "(one span: its sum is dweight)"
     ),
 }
 register_formula("rms_norm", RMS_NORM_FORMULA)
@@ -307,15 +320,26 @@ def _rms_norm_bwd_chunk(
 
 
 @jit
-def _rms_norm_dw_reduce_kernel(dW_partial, dW, num_partials, N: tl.constexpr, BLOCK: tl.constexpr):
-    """dweight[cols] = sum of the partials in ascending order (one serial fp32 chain per column)."""
-    for work in range(tl.program_id(0), tl.cdiv(N, BLOCK), tl.num_programs(0)):
-        cols = work * BLOCK + tl.arange(0, BLOCK)
+def _rms_norm_dw_reduce_kernel(
+    dW_partial, Out, num_partials, span, N: tl.constexpr, BLOCK: tl.constexpr, BATCH: tl.constexpr
+):
+    """``Out[s, cols]`` = the partials ``s * span ..`` (at most ``span`` of them) added to 0 one by
+    one in ascending order (one serial fp32 chain per column), cast to ``Out``'s dtype; one work
+    item per (span, block of BLOCK columns). The partials are loaded BATCH at a time (independent
+    loads, issued together); a partial past the span's end is skipped by select (never added)."""
+    col_blocks = tl.cdiv(N, BLOCK)
+    for work in range(tl.program_id(0), col_blocks * tl.cdiv(num_partials, span), tl.num_programs(0)):
+        first = (work // col_blocks) * span
+        end = tl.minimum(first + span, num_partials)
+        cols = (work % col_blocks) * BLOCK + tl.arange(0, BLOCK)
         valid = cols < N
         acc = tl.zeros([BLOCK], dtype=tl.float32)
-        for p in range(num_partials):
-            acc = acc + tl.load(dW_partial + p * N + cols, mask=valid, other=0.0)
-        tl.store(dW + cols, acc.to(dW.dtype.element_ty), mask=valid)
+        for base in range(first, end, BATCH):
+            for i in tl.static_range(BATCH):
+                live = tl.zeros([BLOCK], tl.int32) + (base + i) < end  # a vector: the interpreter's masks
+                part = tl.load(dW_partial + tl.cast(base + i, tl.int64) * N + cols, mask=valid & live, other=0.0)
+                acc = tl.where(live, acc + part, acc)
+        tl.store(Out + tl.cast(work // col_blocks, tl.int64) * N + cols, acc.to(Out.dtype.element_ty), mask=valid)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -423,14 +447,40 @@ def _backward(x2, weight, rstd, grad_y, grad_s, mode):
         num_warps=cfg.num_warps,
     )
     dw = torch.empty_like(weight)
-    _rms_norm_dw_reduce_kernel[(grid.num_programs(triton.cdiv(N, DW_REDUCE_BLOCK), x2.device),)](
-        partial,
-        dw,
-        num_partials,
-        N=N,
-        BLOCK=DW_REDUCE_BLOCK,
-    )
+    spans = triton.cdiv(num_partials, DW_SPAN)
+    if spans > 1:
+        span_sums = torch.empty((spans, N), dtype=torch.float32, device=x2.device)
+        _reduce_partials(partial, span_sums, num_partials, DW_SPAN)
+        partial, num_partials = span_sums, spans
+    _reduce_partials(partial, dw, num_partials, num_partials)
     return dx, dw
+
+
+def dw_block(columns: int, spans: int, device: torch.device | str) -> int:
+    """Columns per program of a dweight reduction level of ``spans`` spans: :data:`DW_REDUCE_BLOCK`,
+    halved on CUDA (down to :data:`DW_MIN_BLOCK`) while the level has fewer than
+    :data:`DW_TARGET_PROGRAMS` programs. Numerics-neutral (every column is its own chain)."""
+    block = DW_REDUCE_BLOCK
+    if grid.device_kind(device) == "cuda":  # grid's: what an ahead-of-time compile report sets
+        while block > DW_MIN_BLOCK and triton.cdiv(columns, block) * spans < DW_TARGET_PROGRAMS:
+            block //= 2
+    return block
+
+
+def _reduce_partials(partial: torch.Tensor, out: torch.Tensor, num_partials: int, span: int) -> None:
+    """One level of the dweight reduction: ``out[s]`` = the sum of partials ``s * span ..``."""
+    N = partial.shape[1]
+    spans = triton.cdiv(num_partials, span)
+    block = dw_block(N, spans, partial.device)
+    _rms_norm_dw_reduce_kernel[(grid.num_programs(triton.cdiv(N, block) * spans, partial.device),)](
+        partial,
+        out,
+        num_partials,
+        span,
+        N=N,
+        BLOCK=block,
+        BATCH=DW_BATCH,
+    )
 
 
 class RMSNormFunction(torch.autograd.Function):

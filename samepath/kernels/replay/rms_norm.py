@@ -13,7 +13,8 @@ interpreter's zeros; the reductions keep the kernel's tiles:
   ``np.sum`` over a ``[ROWS, BLOCK_N]`` tile's rows, padded rows included), or, for chunked rows,
   of its rows' terms; groups are stacked, and a group with fewer tiles adds exact zeros, which
   leaves its partial's bits unchanged (a partial starts at ``+0.0`` and is never ``-0.0``);
-* the final dweight is each column's partials added one by one in ascending order.
+* a reduction level (``_rms_norm_dw_reduce_kernel``) adds each span's partials one by one in
+  ascending order from 0 (the span sums, or dweight itself).
 """
 
 from __future__ import annotations
@@ -207,8 +208,14 @@ def _ascending_sum(partials: np.ndarray) -> np.ndarray:
 
 
 @register_replay("samepath.kernels.rms_norm._rms_norm_dw_reduce_kernel")
-def rms_norm_dw_reduce(grid, *, dW_partial, dW, num_partials, N, BLOCK) -> None:
-    """``_rms_norm_dw_reduce_kernel``'s store: ``dW`` = the partials added one by one in ascending order."""
+def rms_norm_dw_reduce(grid, *, dW_partial, Out, num_partials, span, N, BLOCK, BATCH) -> None:
+    """``_rms_norm_dw_reduce_kernel``'s stores: ``Out[s]`` = partials ``s * span ..`` (at most ``span``)
+    added one by one in ascending order from 0, cast to ``Out``'s dtype."""
+    if num_partials == 0:
+        return
+    spans = -(-num_partials // span)
+    partials = _view(dW_partial, num_partials, N, N)
+    out = _view(Out, spans, N, N)
     with np.errstate(all="ignore"):
-        acc = _ascending_sum(_view(dW_partial, num_partials, N, N))
-        _view(dW, 1, N, N)[0] = cast(acc, dW.dtype)
+        for s in range(spans):
+            out[s] = cast(_ascending_sum(partials[s * span : (s + 1) * span]), Out.dtype)
