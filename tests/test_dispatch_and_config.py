@@ -6,6 +6,7 @@ import dataclasses
 import json
 import os
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -154,7 +155,8 @@ def test_kernels_depend_on_nothing_above_them() -> None:
 )
 def test_compile_report_runs_launchers_dry_with_the_cuda_table(tmp_path) -> None:
     """`python -m samepath.kernels.compile_check --target sm_90 --json OUT` on one case: the decode
-    GEMM runs its K pieces as parallel programs (grid of the CUDA SMs), uses wgmma, does not spill."""
+    GEMM runs its K pieces as parallel programs (grid of the CUDA SMs), loads its tiles through
+    tensor descriptors (TMA), uses wgmma, does not spill."""
     from samepath.kernels import compile_check
 
     out = tmp_path / "report.json"
@@ -164,13 +166,25 @@ def test_compile_report_runs_launchers_dry_with_the_cuda_table(tmp_path) -> None
     (case,) = report["cases"]
     kernels = {k["kernel"]: k for k in case["kernels"]}
     cuda = config_module.MATMUL_TABLE["cuda", "bfloat16"]
-    matmul = kernels["_matmul_kernel"]
-    assert matmul["mma"] == "wgmma" and matmul["num_warps"] == cuda.num_warps
+    matmul = kernels["_matmul_tma_kernel"]
+    assert matmul["mma"] == "wgmma" and matmul["tma"] and matmul["num_warps"] == cuda.num_warps
     assert matmul["constexprs"]["BLOCK_M"] == cuda.block_m and matmul["constexprs"]["PARTIALS"] is True
     assert matmul["grid"] == [min(132, 4096 // cuda.block_n * cuda.k_split)]
-    assert kernels["_matmul_reduce_kernel"]["mma"] == "none"
+    assert kernels["_matmul_reduce_kernel"]["mma"] == "none" and not kernels["_matmul_reduce_kernel"]["tma"]
     assert all(k["spill_stores"] == k["spill_loads"] == 0 and k["registers"] > 0 for k in case["kernels"])
     with pytest.raises(ValueError, match="target must be a CUDA architecture"):
         compile_check.target_of("gfx90a")
     with pytest.raises(ValueError, match="cases must be among"):
         compile_check.compile_report(cases=["nope"])
+
+
+def test_committed_compile_report_is_current() -> None:
+    """bench/results/compile-sm_90.json is the report of this process's numerics: regenerate it
+    (README, "Compile report") whenever the fingerprint changes."""
+    path = Path(__file__).resolve().parents[1] / "bench" / "results" / "compile-sm_90.json"
+    report = json.loads(path.read_text())
+    assert (report["numerics_version"], report["fingerprint"]) == (
+        config_module.NUMERICS_VERSION,
+        samepath.fingerprint(),
+    ), f"{path.name} is stale: python -m samepath.kernels.compile_check --target sm_90 --json {path}"
+    assert all("tma" in kernel for case in report["cases"] for kernel in case["kernels"]), "a report without TMA"

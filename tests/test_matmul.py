@@ -14,7 +14,7 @@ import triton
 
 from samepath.kernels import config as config_module
 from samepath.kernels import grid, routing
-from samepath.kernels.compile_check import compile_launch, record_launches
+from samepath.kernels.compile_check import HOPPER, compile_launch, record_launches
 from samepath.kernels.config import MatmulConfig, matmul_config
 from samepath.kernels.matmul import (
     MATMUL_FORMULA,
@@ -555,3 +555,34 @@ def test_matmul_kernel_compiles_for_hopper() -> None:
     assert {launch.name for launch in launches} == {"_matmul_kernel", "_matmul_reduce_kernel"}
     for launch in launches:
         assert compile_launch(launch).asm["cubin"]
+
+
+@pytest.mark.skipif(
+    not shutil.which("ptxas", path=os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")),
+    reason="Triton wheel without the bundled ptxas: cannot compile for CUDA on this machine",
+)
+def test_tma_kernel_compiles_for_hopper_with_tma_loads() -> None:
+    """With the CUDA table (launchers run dry), bf16 linear forward (B K-contiguous), dX (B
+    N-contiguous) and dW (A M-contiguous) take the tensor-descriptor kernel; each compiles for
+    sm_90 with TMA copies (``cp.async.bulk.tensor``) and wgmma, without spills. A row stride that
+    is not 16-byte aligned keeps the pointer kernel."""
+    from samepath.kernels.compile_check import compile_specialized, dry_launches, ptxas_usage, uses_tma
+
+    x = torch.empty(200, 64, dtype=torch.bfloat16, requires_grad=True)
+    w = torch.empty(96, 64, dtype=torch.bfloat16, requires_grad=True)
+    with torch.enable_grad(), dry_launches() as launches:
+        y = linear(x, w)
+        torch.autograd.grad(y, (x, w), torch.empty_like(y))
+        linear(torch.empty(3, 63, dtype=torch.bfloat16), torch.empty(16, 63, dtype=torch.bfloat16))
+    *tma, pointer = [launch for launch in launches if launch.name != "_matmul_reduce_kernel"]
+    assert [launch.name for launch in tma] == ["_matmul_tma_kernel"] * 3 and pointer.name == "_matmul_kernel"
+    assert [(launch.kwargs["A_T"], launch.kwargs["B_T"]) for launch in tma] == [
+        (False, True),
+        (False, False),
+        (True, False),
+    ]
+    for launch in tma:
+        ptx = compile_specialized(launch).asm["ptx"]
+        assert uses_tma(ptx) and "wgmma.mma_async" in ptx
+        usage = ptxas_usage(ptx, HOPPER)
+        assert usage["spill_stores"] == usage["spill_loads"] == 0

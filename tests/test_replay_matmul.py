@@ -57,7 +57,8 @@ def _config(dtype: torch.dtype, **changes: int):
 
 def test_every_kernel_has_a_replay() -> None:
     assert current_cpu_executor() == "verify"
-    for kernel in (matmul_module._matmul_kernel, matmul_module._matmul_reduce_kernel):
+    tma_kernel = importlib.import_module("samepath.kernels.matmul_tma")._matmul_tma_kernel
+    for kernel in (matmul_module._matmul_kernel, matmul_module._matmul_reduce_kernel, tma_kernel):
         assert replay_for(kernel) is not None
     for kernel in (grouped_module._grouped_matmul_kernel, grouped_module._grouped_weight_grad_kernel):
         assert replay_for(kernel) is not None
@@ -132,6 +133,75 @@ def test_launcher_forms(dtype: torch.dtype, k_slices: int) -> None:
                 a[None], b[None], bias[None], out, k_slices=k_slices, alpha=0.5, beta=3.0,
                 config=_config(dtype, k_split=k_split, group_m=3), partials=partials, scratch=scratch,
             )  # fmt: skip
+
+
+def _aligned(rows: int, cols: int, dtype: torch.dtype, seed: int, transposed: bool = False) -> torch.Tensor:
+    """``[rows, cols]`` with an unaligned size inside a buffer whose row stride is 16-byte aligned
+    (what a tensor descriptor needs); ``transposed``: the transpose of such a ``[cols, rows]``."""
+    if transposed:
+        return _aligned(cols, rows, dtype, seed).t()
+    pad = -cols % (16 // torch.tensor([], dtype=dtype).element_size())
+    return _randn(rows, cols + pad, dtype=dtype, seed=seed, scale=0.3)[:, :cols]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_tma_form_equals_the_pointer_form(dtype: torch.dtype) -> None:
+    """The tensor-descriptor kernel (CUDA's form for 16-bit inputs): its replay equals the interpreter
+    (verify) for K- or M-contiguous A and K- or N-contiguous B (``x @ w.t()``, dY^T @ X), unaligned
+    M / N / K, K pieces serial and parallel, a bias with alpha and beta, a batch; and it gives the
+    pointer kernel's bits — wherever the interpreter multiplies the same operand layouts: it
+    multiplies a transposed bf16 tile (``tl.trans``) column-major, through another BLAS routine
+    whose fp32 sums may differ (a device's MMA takes either layout; the CPU runs the pointer form).
+    Negative control: another ``k_split`` is seen."""
+    from samepath.kernels.compile_check import record_launches
+
+    m, k, n = 21, 136, 40  # K pieces of two 32-column tiles, the last one short
+    bias = _randn(m, n, dtype=dtype, seed=60)
+    for a_t in (False, True):
+        for b_t in (False, True):
+            a = _aligned(m, k, dtype, seed=61 + a_t, transposed=a_t)
+            b = _aligned(k, n, dtype, seed=63 + b_t, transposed=b_t)
+            for k_split, partials in ((3, False), (3, True), (1, False)):
+                config = _config(dtype, k_split=k_split, group_m=2)
+                outs = []
+                for tma in (True, False):
+                    out = torch.empty((1, m, n), dtype=dtype)
+                    with record_launches() as launches:
+                        matmul_module.launch(
+                            a[None], b[None], bias[None], out, alpha=0.5, beta=2.0, config=config,
+                            partials=partials, tma=tma,
+                        )  # fmt: skip
+                    assert (launches[0].name == "_matmul_tma_kernel") == tma
+                    outs.append(out)
+                if dtype == torch.float16 or not (a_t or b_t):
+                    assert torch.equal(outs[0], outs[1]), (a_t, b_t, k_split, partials)
+    pieces, whole = (torch.empty((1, m, n), dtype=torch.float32) for _ in range(2))  # the fp32 sums
+    matmul_module.launch(a[None], b[None], None, pieces, config=_config(dtype, k_split=3), tma=True)
+    matmul_module.launch(a[None], b[None], None, whole, config=_config(dtype, k_split=1), tma=True)
+    assert not torch.equal(pieces, whole), "negative control: another k_split"
+    batched_a = torch.stack([_aligned(9, 24, dtype, seed=70 + i) for i in range(3)])
+    batched_b = _aligned(24, 3 * 17, dtype, seed=73).view(24, 3, 17).transpose(0, 1)
+    outs = [torch.empty((3, 9, 17), dtype=dtype) for _ in range(2)]
+    for out, tma in zip(outs, (True, False), strict=True):
+        matmul_module.launch(batched_a, batched_b, None, out, config=_config(dtype, k_split=2), tma=tma)
+    assert torch.equal(outs[0], outs[1])
+
+
+def test_tma_needs_addressable_operands() -> None:
+    """The pointer form runs where a descriptor cannot address an operand: an unaligned row stride,
+    no contiguous dimension, K slices, fp32 (CUDA's table: pointer loads), and on the CPU by default."""
+    from samepath.kernels.matmul_tma import tma_descriptors
+
+    config = _config(torch.bfloat16)
+    a, b = _aligned(5, 24, torch.bfloat16, seed=80), _aligned(24, 16, torch.bfloat16, seed=81)
+    assert tma_descriptors(a[None], b[None], config, 1, any_device=True) is not None
+    assert tma_descriptors(a[None], b[None], config, 1) is None  # the CPU table: pointer loads
+    assert tma_descriptors(a[None], b[None], config, 2, any_device=True) is None
+    unaligned = _randn(5, 23, dtype=torch.bfloat16, seed=82)
+    assert tma_descriptors(unaligned[None], _randn(23, 16, dtype=torch.bfloat16, seed=83)[None], config, 1,
+                           any_device=True) is None  # fmt: skip
+    assert tma_descriptors(a[None, :, ::2], b[None, ::2], config, 1, any_device=True) is None
+    assert tma_descriptors(a[None].float(), b[None].float(), config, 1, any_device=True) is None
 
 
 def test_persistent_grid_scratch(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -223,7 +293,7 @@ def test_negative_control_another_k_order_is_caught(monkeypatch: pytest.MonkeyPa
         grouped_linear(x, weight, plan, rows_per_pair=False)
 
 
-def _reversed_piece_partial(a, b, first, end, bm, bn, bk):
+def _reversed_piece_partial(a, b, first, end, bm, bn, bk, a_t=False, b_t=False):
     at = replay_matmul.a_tiles(a[:, :, first:end], bm, bk)
     bt = replay_matmul.b_tiles(b[:, first:end, :], bk, bn)
     return _reversed_fold(at, bt)

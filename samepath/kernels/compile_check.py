@@ -14,7 +14,8 @@ and 8 KV heads, 4096 x 4096 matmuls, a 151936-column vocabulary) without running
 specialization — 16-byte alignment and divisibility hints, arguments equal to 1 folded — that
 Triton's own launcher would give it (:func:`compile_specialized`), and reports per kernel the
 registers, spills, shared memory, ``num_warps`` / ``num_stages``, the MMA instructions of the PTX
-(``wgmma`` or ``mma.sync``) and the grid. No GPU is needed.
+(``wgmma`` or ``mma.sync``), whether it loads through the tensor memory accelerator (TMA:
+``cp.async.bulk.tensor`` in the PTX, :func:`uses_tma`) and the grid. No GPU is needed.
 """
 
 from __future__ import annotations
@@ -35,6 +36,11 @@ import torch
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
+
+try:
+    from triton.tools.tensor_descriptor import TensorDescriptor
+except ImportError:  # Triton-Ascend (Triton 3.2): no host tensor descriptors
+    TensorDescriptor = ()
 
 from samepath.kernels import config as config_module
 from samepath.kernels import grid as grid_module
@@ -104,6 +110,8 @@ def compile_launch(launch: Launch, target: GPUTarget = HOPPER) -> Any:
     kernel = launch.kernel
     bound = dict(zip(kernel.arg_names, launch.args, strict=False))
     bound.update({k: v for k, v in launch.kwargs.items() if k in kernel.arg_names})
+    if any(isinstance(value, TensorDescriptor) for value in bound.values()):
+        return compile_specialized(launch, target)  # Triton's binder types descriptors
     signature, constexprs = {}, {}
     for param in kernel.params:
         value = bound[param.name]
@@ -203,7 +211,7 @@ _PTXAS_USAGE = re.compile(
 )
 
 
-def _ptxas_usage(ptx: str, target: GPUTarget) -> dict[str, int]:
+def ptxas_usage(ptx: str, target: GPUTarget) -> dict[str, int]:
     """Registers and spills of ``ptx`` by the bundled ``ptxas -v`` (the flags Triton uses)."""
     from triton.backends.nvidia.compiler import get_ptxas, sm_arch_from_capability
 
@@ -230,6 +238,11 @@ def _ptxas_usage(ptx: str, target: GPUTarget) -> dict[str, int]:
         raise RuntimeError(f"unexpected ptxas -v output: {done.stdout + done.stderr}")
     stack, stores, loads, registers = map(int, match.groups())
     return {"registers": registers, "spill_stores": stores, "spill_loads": loads, "stack_bytes": stack}
+
+
+def uses_tma(ptx: str) -> bool:
+    """Whether a kernel's PTX copies tiles with the tensor memory accelerator (``cp.async.bulk.tensor``)."""
+    return "cp.async.bulk.tensor" in ptx
 
 
 def _mma(ptx: str) -> str:
@@ -397,7 +410,9 @@ REPORT_CASES: tuple[ReportCase, ...] = (
 )
 
 #: Constexpr arguments shown per kernel in the report (the ones that pick a variant or a tile).
-_SHOWN_CONSTEXPRS = re.compile(r"^(BLOCK|TILE|K_|PAGED|HAS_|PARTIALS|GROUP|BACKWARD|NUM_|ROWS|CHUNK|ENTROPY|SEG|GQA)")
+_SHOWN_CONSTEXPRS = re.compile(
+    r"^(BLOCK|TILE|K_|PAGED|HAS_|PARTIALS|GROUP|BACKWARD|NUM_|ROWS|CHUNK|ENTROPY|SEG|GQA|A_T$|B_T$|SCALED|BATCH)"
+)
 
 
 def compile_report(
@@ -421,7 +436,7 @@ def compile_report(
             if key not in compiled_cache:
                 ptx = compiled.asm["ptx"]
                 compiled_cache[key] = {
-                    **_ptxas_usage(ptx, target),
+                    **ptxas_usage(ptx, target),
                     "shared_bytes": compiled.metadata.shared,
                     "num_warps": compiled.metadata.num_warps,
                     "num_stages": compiled.metadata.num_stages,
@@ -429,6 +444,7 @@ def compile_report(
                     "wgmma": _mma(ptx) == "wgmma",
                     # Also mma.sync: a kernel whose dots with M < 64 fall back (the backward's).
                     "mma_sync": "mma.sync" in ptx,
+                    "tma": uses_tma(ptx),
                 }
             shown = {k: _jsonable(v) for k, v in launch.kwargs.items() if _SHOWN_CONSTEXPRS.match(k)}
             kernels.append(
@@ -463,7 +479,7 @@ def _row(case: str, kernel: dict) -> str:
     return (
         f"{case:24s} {kernel['kernel']:28s} regs {kernel['registers']:3d}  spills {spills:5d}  "
         f"smem {kernel['shared_bytes']:6d}  warps {kernel['num_warps']}  stages {kernel['num_stages']}  "
-        f"{kernel['mma']:8s}  grid {tuple(kernel['grid'])}"
+        f"{kernel['mma']:8s}  {'tma' if kernel['tma'] else '   '}  grid {tuple(kernel['grid'])}"
     )
 
 
@@ -471,7 +487,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m samepath.kernels.compile_check",
         description="Compile every samepath kernel at realistic shapes for a CUDA target (no GPU needed) and "
-        "report registers, spills, shared memory, warps/stages, wgmma and grids.",
+        "report registers, spills, shared memory, warps/stages, wgmma, TMA and grids.",
     )
     parser.add_argument("--target", default="sm_90", help="CUDA architecture (default: sm_90)")
     parser.add_argument("--json", type=Path, help="write the report here")

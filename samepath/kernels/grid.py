@@ -86,6 +86,27 @@ def cuda_sm_count(index: int | None) -> int:
     return properties.multi_processor_count
 
 
+#: The compute capability assumed for CUDA devices that cannot be queried (an H100 / H200).
+DEFAULT_CUDA_CAPABILITY = (9, 0)
+
+
+@functools.cache
+def cuda_capability(index: int | None) -> tuple[int, int]:
+    if not torch.cuda.is_available():
+        return DEFAULT_CUDA_CAPABILITY
+    return torch.cuda.get_device_capability(torch.cuda.current_device() if index is None else index)
+
+
+def supports_tma(device: torch.device | str) -> bool:
+    """Whether ``device`` has a tensor memory accelerator (CUDA, compute capability 9 or more)."""
+    if isinstance(device, str):
+        device_type, _, index_text = device.partition(":")
+        index = int(index_text) if index_text else None
+    else:
+        device_type, index = device.type, device.index
+    return device_kind(device_type) == "cuda" and cuda_capability(index) >= (9, 0)
+
+
 def concurrent_programs(device: torch.device | str, *, uses_dot: bool = False) -> int:
     """How many programs ``device`` runs at once: SMs on CUDA, the AI or vector cores on an NPU,
     :data:`CPU_CONCURRENT_PROGRAMS` on the CPU. Launchers use it to pick between numerics-neutral

@@ -55,6 +55,7 @@ from samepath.kernels import grid
 from samepath.kernels.checks import check_operands
 from samepath.kernels.config import MatmulConfig, matmul_config, register_formula
 from samepath.kernels.dispatch import jit
+from samepath.kernels.matmul_tma import epilogue, launch_tma, tile_of, tma_descriptors
 from samepath.kernels.routing import (  # noqa: F401 (re-exported: samepath.kernels.matmul.batch_invariant)
     OVERRIDES,
     batch_invariant,
@@ -92,22 +93,6 @@ register_formula("matmul", MATMUL_FORMULA)
 
 
 @jit
-def _tile_of(work, tiles_m, tiles_n, GROUP_M: tl.constexpr):
-    """``(pid_m, pid_n, rest)`` of work item ``work``: output tiles numbered in groups of GROUP_M
-    tile rows (column by column inside a group, so programs running together share operand tiles),
-    ``rest`` the index of the batch (and K piece) above them. Only which program computes which
-    tile depends on this, never a bit of a result."""
-    tiles = tiles_m * tiles_n
-    tile = work % tiles
-    per_group = GROUP_M * tiles_n
-    first_m = (tile // per_group) * GROUP_M
-    rows_in_group = tl.minimum(tiles_m - first_m, GROUP_M)
-    pid_m = first_m + (tile % per_group) % rows_in_group
-    pid_n = (tile % per_group) // rows_in_group
-    return pid_m, pid_n, work // tiles
-
-
-@jit
 def k_piece(
     a_rows,
     b_cols,
@@ -140,48 +125,6 @@ def k_piece(
         b = tl.load(b_cols + k_index[:, None] * stride_bk, mask=k_valid[:, None] & n_valid[None, :], other=0.0)
         acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
     return acc
-
-
-@jit
-def _epilogue(
-    total,
-    C,
-    Bias,
-    batch,
-    rows,
-    cols,
-    m_valid,
-    n_valid,
-    alpha,
-    beta,
-    stride_c_batch,
-    stride_cm,
-    stride_cn,
-    stride_bias_batch,
-    stride_bias_m,
-    stride_bias_n,
-    HAS_BIAS: tl.constexpr,
-    SCALE_ACC: tl.constexpr,
-    SCALE_BIAS: tl.constexpr,
-):
-    """``alpha * total + beta * bias`` in fp32 (each only where not 1 / absent), one cast, store."""
-    if SCALE_ACC:
-        total = total * alpha
-    out_mask = m_valid[:, None] & n_valid[None, :]
-    if HAS_BIAS:
-        bias = tl.load(
-            Bias + batch * stride_bias_batch + rows[:, None] * stride_bias_m + cols[None, :] * stride_bias_n,
-            mask=out_mask,
-            other=0.0,
-        ).to(tl.float32)
-        if SCALE_BIAS:
-            bias = bias * beta
-        total = total + bias
-    tl.store(
-        C + batch * stride_c_batch + rows[:, None] * stride_cm + cols[None, :] * stride_cn,
-        total.to(C.dtype.element_ty),
-        mask=out_mask,
-    )
 
 
 @jit
@@ -241,7 +184,7 @@ def _matmul_kernel(
     if PARTIALS:
         work_items = work_items * (K_SLICES * K_SPLIT)
     for work in range(tl.program_id(0), work_items, tl.num_programs(0)):
-        pid_m, pid_n, rest = _tile_of(work, tiles_m, tiles_n, GROUP_M)
+        pid_m, pid_n, rest = tile_of(work, tiles_m, tiles_n, GROUP_M)
         batch = tl.cast(rest % batch_count, tl.int64)
         offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -287,7 +230,7 @@ def _matmul_kernel(
                 tl.debug_barrier()
             total = tl.load(slices_plane)
             tl.debug_barrier()
-            _epilogue(
+            epilogue(
                 total, C, Bias, batch, rows, cols, m_valid, n_valid, alpha, beta,
                 stride_c_batch, stride_cm, stride_cn, stride_bias_batch, stride_bias_m, stride_bias_n,
                 HAS_BIAS, SCALE_ACC, SCALE_BIAS,
@@ -308,7 +251,7 @@ def _matmul_kernel(
                     total = slice_total
                 else:
                     total = total + slice_total
-            _epilogue(
+            epilogue(
                 total, C, Bias, batch, rows, cols, m_valid, n_valid, alpha, beta,
                 stride_c_batch, stride_cm, stride_cn, stride_bias_batch, stride_bias_m, stride_bias_n,
                 HAS_BIAS, SCALE_ACC, SCALE_BIAS,
@@ -365,7 +308,7 @@ def _matmul_reduce_kernel(
                 total = slice_total
             else:
                 total = total + slice_total
-        _epilogue(
+        epilogue(
             total, C, Bias, batch, rows, cols, m_valid, n_valid, alpha, beta,
             stride_c_batch, stride_cm, stride_cn, stride_bias_batch, stride_bias_m, stride_bias_n,
             HAS_BIAS, SCALE_ACC, SCALE_BIAS,
@@ -417,14 +360,18 @@ def launch(
     config: MatmulConfig | None = None,
     partials: bool | None = None,
     scratch: bool | None = None,
+    tma: bool | None = None,
 ) -> torch.Tensor:
     """Launch on 3-D operands: a [B, M, K], b [B, K, N], bias broadcast to [B, M, N], out [B, M, N].
 
     Inputs are validated by the callers; strides may be anything (0 for broadcast dimensions).
     ``partials`` forces the parallel (``True``) or serial (``False``) form of the K pieces
     (tests); ``None`` lets :func:`uses_partials` choose. ``scratch`` forces whether the serial
-    form carries its running sums through a scratch tile (``None``: on CUDA, where two live
-    accumulator tiles would spill registers).
+    pointer form carries its running sums through a scratch tile (``None``: on CUDA, where two live
+    accumulator tiles next to its address registers would spill). ``tma`` forces the
+    tensor-descriptor form (``True``, where the operands allow one: tests on the CPU) or the
+    pointer form (``False``); ``None`` follows the device's table
+    (:func:`samepath.kernels.matmul_tma.tma_descriptors`). No choice changes a bit.
     """
     batch, m, k = a.shape
     n = b.shape[2]
@@ -442,6 +389,22 @@ def launch(
     if partials is None:
         partials = uses_partials(tiles, pieces, a.device)
     partial = torch.empty((pieces, batch, m, n), dtype=torch.float32, device=a.device) if partials else out
+    descriptors = _descriptors(a, b, cfg, k_slices, tma)
+    if descriptors is not None:
+        programs = grid.num_programs(tiles * (pieces if partials else 1), a.device, uses_dot=True, persistent=True)
+        flags = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, K_SPLIT=cfg.k_split, HAS_BIAS=has_bias)
+        flags.update(SCALE_ACC=alpha != 1, SCALE_BIAS=beta != 1)
+        epilogue_args = (float(alpha), float(beta), *out.stride(), *bias_strides)
+        piece_k = piece_length(k, cfg.k_split, cfg.block_k)
+        launch_tma(
+            descriptors, (batch, m, n, k), out, bias_arg, partial, programs, epilogue_args, piece_k, cfg, flags,
+            partials, DOT_PRECISION,
+        )  # fmt: skip
+        if partials:
+            _matmul_reduce_kernel[(grid.num_programs(tiles, a.device),)](
+                partial, out, bias_arg, batch, m, n, *epilogue_args, **flags, K_SLICES=1, num_warps=cfg.num_warps
+            )
+        return out
     if scratch is None:
         scratch = pieces > 1 and grid.device_kind(a.device) == "cuda"
     scratch = bool(scratch) and pieces > 1 and not partials
@@ -491,6 +454,13 @@ def launch(
             partial, out, bias_arg, batch, m, n, *epilogue_args, **flags, num_warps=cfg.num_warps
         )
     return out
+
+
+def _descriptors(a, b, cfg: MatmulConfig, k_slices: int, tma: bool | None):
+    """The tensor descriptors of the TMA form, or ``None`` for the pointer form (see :func:`launch`)."""
+    if tma is False:
+        return None
+    return tma_descriptors(a, b, cfg, k_slices, any_device=bool(tma))
 
 
 def _check_k_slices(k_slices: int, k: int) -> None:

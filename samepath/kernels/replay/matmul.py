@@ -1,4 +1,6 @@
-"""CPU replays of :mod:`samepath.kernels.matmul`'s ``_matmul_kernel`` and ``_matmul_reduce_kernel``.
+"""CPU replays of :mod:`samepath.kernels.matmul`'s ``_matmul_kernel`` and ``_matmul_reduce_kernel``,
+and of :mod:`samepath.kernels.matmul_tma`'s ``_matmul_tma_kernel`` (the same sums with ``K_SLICES = 1``,
+its operands addressed through the tensor descriptors' bases and strides).
 
 Every output tile of every batch is computed at once. Per K piece (slice ``piece // K_SPLIT``,
 part ``piece % K_SPLIT``), the piece's columns are zero padded to whole ``BLOCK_K`` tiles starting
@@ -106,10 +108,21 @@ def piece_columns(piece: int, k_split: int, slice_k: int, piece_k: int) -> tuple
     return k_begin + lo, k_begin + max(hi, lo)
 
 
-def piece_partial(a: np.ndarray, b: np.ndarray, first: int, end: int, bm: int, bn: int, bk: int) -> np.ndarray:
+def column_major(tiles: np.ndarray) -> np.ndarray:
+    """The same tiles, each laid out column-major (the interpreter's ``tl.trans`` of a loaded tile,
+    which it multiplies as such: BLAS's transposed-operand form)."""
+    return np.ascontiguousarray(tiles.swapaxes(-1, -2)).swapaxes(-1, -2)
+
+
+def piece_partial(
+    a: np.ndarray, b: np.ndarray, first: int, end: int, bm: int, bn: int, bk: int, a_t: bool = False, b_t: bool = False
+) -> np.ndarray:
     """One K piece's fp32 partial ``[G, TM, TN, BM, BN]`` of ``a [G, M, K] @ b [G, K, N]``: columns
-    ``[first, end)`` in ``BLOCK_K`` tiles from ``first``."""
-    return fold_k_tiles(a_tiles(a[:, :, first:end], bm, bk), b_tiles(b[:, first:end, :], bk, bn))
+    ``[first, end)`` in ``BLOCK_K`` tiles from ``first``; ``a_t`` / ``b_t``: that operand's tiles
+    column-major (:func:`column_major`)."""
+    at = a_tiles(a[:, :, first:end], bm, bk)
+    bt = b_tiles(b[:, first:end, :], bk, bn)
+    return fold_k_tiles(column_major(at) if a_t else at, column_major(bt) if b_t else bt)
 
 
 def tile_of(work: np.ndarray, tiles_m: int, tiles_n: int, group_m: int) -> tuple[np.ndarray, ...]:
@@ -147,22 +160,53 @@ def epilogue(total: np.ndarray, params: dict, batch: int, m: int, n: int) -> Non
 def matmul_replay(grid: tuple[int, int, int], **params) -> None:
     """``_matmul_kernel`` in every mode (plain, ``PARTIALS``, ``SCRATCH``), any strides, any grid."""
     batch, m, n = params["batch_count"], params["M"], params["N"]
-    bm, bn, bk = params["BLOCK_M"], params["BLOCK_N"], params["BLOCK_K"]
-    k_slices, k_split = params["K_SLICES"], params["K_SPLIT"]
-    slice_k, piece_k = params["slice_k"], params["piece_k"]
-    tiles_m, tiles_n = cdiv(m, bm), cdiv(n, bn)
-    if batch * tiles_m * tiles_n == 0:
+    if batch * m * n == 0:
         return
-    k = k_slices * slice_k
+    k = params["K_SLICES"] * params["slice_k"]
     a_strides = (params["stride_a_batch"], params["stride_am"], params["stride_ak"])
     b_strides = (params["stride_b_batch"], params["stride_bk"], params["stride_bn"])
     a = to_numpy(strided(params["A"], (batch, m, k), a_strides))
     b = to_numpy(strided(params["B"], (batch, k, n), b_strides))
+    _sums(a, b, grid, params, params["K_SLICES"], params["slice_k"], params["SCRATCH"], (False, False))
+
+
+def _operand(desc, shape: tuple[int, int, int], transposed: bool) -> np.ndarray:
+    """The ``[batch, rows, cols]`` operand a descriptor over it (``transposed``: over ``[batch, cols,
+    rows]``) addresses."""
+    batch_stride, row_stride, _ = desc.strides
+    strides = (batch_stride, 1, row_stride) if transposed else (batch_stride, row_stride, 1)
+    return to_numpy(strided(desc.base, shape, strides))
+
+
+@register_replay("samepath.kernels.matmul_tma._matmul_tma_kernel")
+def matmul_tma_replay(grid: tuple[int, int, int], **params) -> None:
+    """``_matmul_tma_kernel`` (plain and ``PARTIALS``): ``_matmul_kernel``'s sums with one K slice."""
+    batch, m, n, k = params["batch_count"], params["M"], params["N"], params["K"]
+    if batch * m * n == 0:
+        return
+    a = _operand(params["A_desc"], (batch, m, k), params["A_T"])
+    b = _operand(params["B_desc"], (batch, k, n), params["B_T"])
+    # The interpreter multiplies a transposed tile in its transposed layout when it widens bf16
+    # (dispatch's widening keeps the layout); numpy's fp16 matmul multiplies C-contiguous copies.
+    bf16 = a.dtype == np.uint16  # to_numpy's bf16 bits
+    _sums(a, b, grid, params, 1, k, False, (params["A_T"] and bf16, params["B_T"] and bf16))
+
+
+def _sums(
+    a: np.ndarray, b: np.ndarray, grid, params: dict, k_slices: int, slice_k: int, scratch: bool, layout: tuple
+) -> None:
+    """The stores of a matmul kernel on ``a [batch, M, K]``, ``b [batch, K, N]``: the pieces' fp32
+    partials (``PARTIALS``) or the pieces and slices summed in order, the scratch planes, the epilogue.
+    ``layout``: whether the kernel multiplies A's / B's tiles transposed (:func:`piece_partial`)."""
+    batch, m, n = params["batch_count"], params["M"], params["N"]
+    bm, bn, bk = params["BLOCK_M"], params["BLOCK_N"], params["BLOCK_K"]
+    k_split, piece_k = params["K_SPLIT"], params["piece_k"]
+    tiles_m, tiles_n = cdiv(m, bm), cdiv(n, bn)
     pieces = k_slices * k_split
 
     def partial(piece: int) -> np.ndarray:
         first, end = piece_columns(piece, k_split, slice_k, piece_k)
-        return piece_partial(a, b, first, end, bm, bn, bk)
+        return piece_partial(a, b, first, end, bm, bn, bk, *layout)
 
     if params["PARTIALS"]:
         out = strided(params["Partial"], (pieces, batch, m, n), (batch * m * n, m * n, n, 1))
@@ -178,7 +222,7 @@ def matmul_replay(grid: tuple[int, int, int], **params) -> None:
                 running = slice_total
             slice_total = slice_total + partial(s * k_split + part)
         total = slice_total if s == 0 else total + slice_total
-    if params["SCRATCH"]:
+    if scratch:
         work = last_work(grid[0], batch * tiles_m * tiles_n)
         pid_m, pid_n, rest = tile_of(work, tiles_m, tiles_n, params["GROUP_M"])
         planes = strided(params["Scratch"], (work.shape[0], 2, bm, bn), (2 * bm * bn, bm * bn, bn, 1)).numpy()
