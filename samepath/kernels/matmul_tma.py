@@ -7,15 +7,20 @@ element's K pieces in order, each piece folded from 0 in ascending ``BLOCK_K`` t
 added in piece order (the first taken as is), then the epilogue — but loads its operand tiles
 through tensor descriptors (Hopper's tensor memory accelerator: ``cp.async.bulk.tensor``, no
 per-thread address arithmetic, out-of-range rows and columns filled with 0 as the pointer
-kernel's masked loads fill them) and runs the K tiles of all pieces as one loop, so the pipeline
-is not drained and refilled at each piece boundary: at a piece's last tile its partial joins the
-running total (a second register tile) and the accumulator restarts from 0.
+kernel's masked loads fill them) and keeps the running total of the pieces in a second register
+tile (the pointer kernel passes it through a scratch tile in global memory: its address registers
+leave no room). The pieces are a loop around the K loop: on sm_90 this compiles to 154 registers
+with asynchronous wgmma (``wgmma.wait_group 1``). One flat loop over the K tiles of all pieces
+(adding the partial to the total at each piece's last tile) would not restart the pipeline at
+piece boundaries, but compiled to 181 registers with a synchronous wgmma (``wait_group 0``), and
+Triton 3.9 does not fuse this loop nest (``flatten=True``); which is faster needs a GPU.
 
 Which form runs is a launch choice (:func:`tma_descriptors`: the device kind's loads in
 :data:`samepath.kernels.config.MATMUL_LOADS`, a CUDA device of compute capability 9 or more, and
-operands a descriptor can address); it never changes a bit, so it is not part of the fingerprint.
-An empty piece (past K) is not visited: the pointer kernel adds its zero partial, and
-``total + 0.0`` is ``total`` because a piece's partial starts at ``+0.0`` and so is never ``-0.0``.
+operands a descriptor can address). The same tiles reach the same dots in the same order, so it
+is not part of the fingerprint (checked on the CPU by the interpreter and the replay; the two
+compiled forms' bits on a GPU are yet to be compared on one).
+An empty piece (past K) adds its zero partial, as the pointer kernel's does.
 """
 
 from __future__ import annotations
@@ -183,17 +188,18 @@ def _matmul_tma_kernel(
             )
         else:
             total = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-            for t in range(0, k_tiles):
-                a, b = _operand_tiles(
-                    A_desc, B_desc, batch, off_m, off_n, t * BLOCK_K, BLOCK_M, BLOCK_N, BLOCK_K, A_T, B_T
-                )
-                acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
-                if ((t + 1) % piece_tiles == 0) | (t + 1 == k_tiles):  # the last tile of a piece
-                    if t < piece_tiles:
-                        total = acc
-                    else:
-                        total = total + acc
-                    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+            for piece in range(0, K_SPLIT):
+                acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+                first = piece * piece_tiles
+                for t in range(first, tl.minimum(first + piece_tiles, k_tiles)):
+                    a, b = _operand_tiles(
+                        A_desc, B_desc, batch, off_m, off_n, t * BLOCK_K, BLOCK_M, BLOCK_N, BLOCK_K, A_T, B_T
+                    )
+                    acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
+                if piece == 0:
+                    total = acc
+                else:
+                    total = total + acc
             epilogue(
                 total, C, Bias, tl.cast(batch, tl.int64), rows, cols, m_valid, n_valid, alpha, beta,
                 stride_c_batch, stride_cm, stride_cn, stride_bias_batch, stride_bias_m, stride_bias_n,
