@@ -10,8 +10,8 @@ import samepath
 from samepath.check.harness import DEFAULT_MODEL_CONFIG
 
 PINNED = {
-    1: "sp4-70d6eaaa67bfa32f",
-    2: "sp4-f3e5477dce3e7bbf",
+    1: "sp4-25bb45ef2918e4c0",
+    2: "sp4-7f2fc664d86302cd",
 }
 
 

@@ -465,8 +465,8 @@ def test_batch_invariant_routes_torch_log_softmax() -> None:
 def test_linear_token_logprobs_equal_logprobs_of_the_linear(dtype: torch.dtype) -> None:
     """The trainer's fused lm_head + logprobs (token chunks of 16 rows; vocabulary chunks of 256
     columns, 600 columns) has the bits of the rollout's ``token_logprobs(linear(hidden, weight))``,
-    logprobs and entropy; the hidden-state gradient too. Negative control: logits from a matmul
-    with another block_k."""
+    logprobs and entropy; both gradients have the unfused backward's bits. Negative controls: logits
+    from a matmul with another block_k; dweight summed over token chunks."""
     import samepath
     from samepath.kernels.config import MatmulConfig, RowReduceConfig
     from samepath.kernels.logprobs import linear_token_logprobs
@@ -497,12 +497,18 @@ def test_linear_token_logprobs_equal_logprobs_of_the_linear(dtype: torch.dtype) 
             samepath.logprobs(hidden, labels, 0.7, weight=weight), token_logprobs(linear(hidden, weight), labels, 0.7)
         )
 
-    # dweight: fp32 chunk partials in chunk order; deterministic and close to fp64
+    # dweight: one matmul over all tokens, the unfused backward's bits; deterministic, close to fp64
+    assert torch.equal(w2.grad, w1.grad)
     h3, w3 = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
     again = linear_token_logprobs(h3, w3, labels, 0.7, return_entropy=True, config=cfg, token_chunk=16)
+    torch.autograd.backward(again, (g_lp, g_h), retain_graph=True)
+    assert torch.equal(w3.grad, w2.grad) and torch.equal(h3.grad, h2.grad)
+    # a second backward through the same graph (its kept logits became dlogits) recomputes them
+    w3.grad = h3.grad = None
     torch.autograd.backward(again, (g_lp, g_h))
-    assert torch.equal(w3.grad, w2.grad)
-    # ... exactly the fp32 partials of the unfused backward's dlogits, summed in chunk order, one cast
+    assert torch.equal(w3.grad, w2.grad) and torch.equal(h3.grad, h2.grad)
+    # negative control: the fp32 partials of token chunks of 16 summed in chunk order (the schedule
+    # before numerics version 4)
     h4, w4 = hidden.clone(), weight.clone().requires_grad_()
     logits = linear(h4, w4)
     logits.retain_grad()
@@ -510,7 +516,9 @@ def test_linear_token_logprobs_equal_logprobs_of_the_linear(dtype: torch.dtype) 
     torch.autograd.backward((lp4, ent4), (g_lp, g_h))
     dlogits, rows = logits.grad.reshape(-1, 600), hidden.reshape(-1, 64)
     partials = [matmul(dlogits[c : c + 16].t(), rows[c : c + 16], out_dtype=torch.float32) for c in range(0, 39, 16)]
-    assert torch.equal(w2.grad, (partials[0] + partials[1] + partials[2]).to(dtype))
+    whole = matmul(dlogits.t(), rows, out_dtype=torch.float32)
+    assert torch.equal(w2.grad, whole.to(dtype))
+    assert not torch.equal(whole, partials[0] + partials[1] + partials[2])
     # a frozen lm_head (hidden-only gradient) gives the same hidden gradient
     h5 = hidden.clone().requires_grad_()
     frozen = linear_token_logprobs(h5, weight, labels, 0.7, return_entropy=True, config=cfg, token_chunk=16)

@@ -318,6 +318,14 @@ def _token_logprobs() -> None:
     torch.autograd.grad(out, logits, torch.empty(out.shape, dtype=torch.float32))
 
 
+def _lm_head_training() -> None:
+    from samepath.kernels.logprobs import linear_token_logprobs
+
+    hidden, weight = _empty(1024, 4096, grad=True), _empty(151936, 4096, grad=True)
+    labels = torch.zeros(1024, dtype=torch.int64)
+    _backward(linear_token_logprobs(hidden, weight, labels, 0.7, return_entropy=True), (hidden, weight))
+
+
 def _vocab_parallel() -> None:
     from samepath.kernels.vocab_parallel import merge_shard_lse, shard_lse
 
@@ -390,6 +398,11 @@ REPORT_CASES: tuple[ReportCase, ...] = (
     ReportCase("matmul-decode", "linear, 64 tokens, 4096 x 4096 weight", _linear(64, 4096, 4096, False)),
     ReportCase("lm-head-decode", "linear, 64 tokens, 151936 x 4096 weight", _linear(64, 151936, 4096, False)),
     ReportCase("logprobs", "token_logprobs (+entropy) and log_softmax fwd+bwd, 1024 x 151936", _token_logprobs),
+    ReportCase(
+        "lm-head-training",
+        "linear_token_logprobs (+entropy) fwd+bwd, 1024 tokens, 151936 x 4096 weight",
+        _lm_head_training,
+    ),
     ReportCase("logprobs-vocab-parallel", "shard_lse x 2 shards + merge, 1024 x 151936", _vocab_parallel),
     ReportCase("rms-norm-hidden", "rms_norm fwd+bwd (and with residual), 4096 x 4096", _rms_norm(4096, 4096)),
     ReportCase(

@@ -49,7 +49,6 @@ from samepath.kernels.config import (
     row_reduce_config,
 )
 from samepath.kernels.dispatch import SUPPORTED_DEVICE_TYPES, jit
-from samepath.kernels.matmul import launch as launch_matmul
 from samepath.kernels.matmul import matmul, register_override
 from samepath.kernels.row_reduce import (  # noqa: F401 (re-exported: the names the logprobs always had)
     MIN_TEMPERATURE,
@@ -83,10 +82,11 @@ LOGPROBS_FORMULA = {
     "backward": "fp32: ((onehot - p) * g_logprob - g_entropy * p * (log p + H)) / T, one cast to the logits dtype",
     "fp_fusion": "disabled",
     "linear_logprobs": (
-        "hidden @ weight^T by samepath's matmul (the bits of linear(hidden, weight)) in fixed chunks of "
-        "token_chunk rows, each chunk's logits reduced as above; backward per chunk: dlogits by the "
-        "backward kernel, dhidden = dlogits @ weight, dweight = fp32 partials dlogits^T @ hidden summed "
-        "in ascending chunk order, one cast"
+        "hidden @ weight^T by samepath's matmul (the bits of linear(hidden, weight)), each row's logits "
+        "reduced as above (without gradients: in chunks of token_chunk rows; with them: all rows' logits "
+        "kept in the input dtype); backward: dlogits by the backward kernel (in place of the kept logits), "
+        "dhidden = dlogits @ weight and dweight = dlogits^T @ hidden, each one matmul over all rows "
+        "(the bits of linear's backward)"
     ),
 }
 register_formula("logprobs", LOGPROBS_FORMULA)
@@ -319,14 +319,18 @@ def token_logprobs_backward(
     temperature: float,
     ignore_index: int | None,
     config: RowReduceConfig,
+    *,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``d/d logits`` of the token logprobs (and entropy) of rows whose fp32 ``lse`` (``[rows]``)
     is given: ``((onehot(label) - p) * g_lp - g_h * p * (log p + H)) / T`` with ``p = exp(z - lse)``,
     in ``logits.dtype``, 0 for rows labelled ``ignore_index``. A label outside ``[0, V)`` adds no
     one-hot term (a vocabulary shard's rows whose label another shard holds). Rows are addressed
-    through ``offsets`` (:func:`row_offsets`); inputs are not validated."""
+    through ``offsets`` (:func:`row_offsets`); inputs are not validated. ``out``: a contiguous
+    ``[rows, V]`` tensor to write into — ``logits`` itself when contiguous (each row's chunk is read
+    before it is written, by the row's one program)."""
     rows, vocab = labels_flat.numel(), logits.shape[-1]
-    dx = torch.empty((*logits.shape[:-1], vocab), dtype=logits.dtype, device=logits.device)
+    dx = out if out is not None else torch.empty((*logits.shape[:-1], vocab), dtype=logits.dtype, device=logits.device)
     if rows == 0:
         return dx
     grad_lp = grad_lp.reshape(-1) if grad_lp is not None else None
@@ -511,72 +515,66 @@ def token_logprobs(
 
 
 class LinearTokenLogprobsFunction(torch.autograd.Function):
-    """Autograd for :func:`linear_token_logprobs`: logits exist one token chunk at a time, in the
-    forward and again (recomputed) in the backward."""
+    """Autograd for :func:`linear_token_logprobs`. Without gradients the logits exist one token chunk
+    at a time. With them (``keep``) all rows' logits are computed by one matmul and kept in the
+    input dtype; the backward turns them into dlogits in place and runs two matmuls over all rows
+    (dhidden, dweight): three GEMM passes in all, no fp32 dweight running sum."""
 
     @staticmethod
-    def forward(ctx, hidden2d, weight, labels_flat, temperature, ignore_index, entropy, config, chunk):  # type: ignore[override]
-        outs = []
-        for start in range(0, hidden2d.shape[0], chunk):
-            logits = matmul(hidden2d[start : start + chunk], weight.t())
-            labels = labels_flat[start : start + chunk]
-            outs.append(_token_forward(logits, labels, row_offsets(logits), temperature, ignore_index, entropy, config))
+    def forward(ctx, hidden2d, weight, labels_flat, temperature, ignore_index, entropy, config, chunk, keep):  # type: ignore[override]
         rows = hidden2d.shape[0]
         device = hidden2d.device
-        logprob = torch.cat([o[0] for o in outs]) if outs else torch.empty(0, dtype=torch.float32, device=device)
-        lse = torch.cat([o[2] for o in outs]) if outs else torch.empty(0, dtype=torch.float32, device=device)
-        ent = torch.cat([o[1] for o in outs]) if entropy and outs else None
+        logits = None
+        if keep:
+            logits = matmul(hidden2d, weight.t())
+            logprob, ent, lse = _token_forward(
+                logits, labels_flat, row_offsets(logits), temperature, ignore_index, entropy, config
+            )
+        else:
+            outs = []
+            for start in range(0, rows, chunk):
+                part = matmul(hidden2d[start : start + chunk], weight.t())
+                labels = labels_flat[start : start + chunk]
+                outs.append(_token_forward(part, labels, row_offsets(part), temperature, ignore_index, entropy, config))
+            empty = torch.empty(0, dtype=torch.float32, device=device)
+            logprob = torch.cat([o[0] for o in outs]) if outs else empty
+            lse = torch.cat([o[2] for o in outs]) if outs else empty
+            ent = torch.cat([o[1] for o in outs]) if entropy and outs else None
         if entropy and ent is None:
             ent = torch.empty(rows, dtype=torch.float32, device=device)
         ctx.set_materialize_grads(False)
         ctx.save_for_backward(hidden2d, weight, labels_flat, lse, ent)
-        ctx.temperature, ctx.ignore_index, ctx.config, ctx.chunk = temperature, ignore_index, config, chunk
+        ctx.logits = logits
+        ctx.temperature, ctx.ignore_index, ctx.config = temperature, ignore_index, config
         return logprob, ent
 
     @staticmethod
     def backward(ctx, grad_lp, grad_h):  # type: ignore[override]
         hidden2d, weight, labels_flat, lse, ent = ctx.saved_tensors
-        none = (None,) * 6
+        none = (None,) * 7
         if grad_lp is None and (grad_h is None or ent is None):
             return None, None, *none
-        want_hidden, want_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        grad_hidden = torch.empty_like(hidden2d, memory_format=torch.contiguous_format) if want_hidden else None
-        grad_weight = None
-        for start in range(0, hidden2d.shape[0], ctx.chunk):
-            part = slice(start, start + ctx.chunk)
-            rows = hidden2d[part]
-            logits = matmul(rows, weight.t())
-            dlogits = token_logprobs_backward(
-                logits,
-                labels_flat[part],
-                row_offsets(logits),
-                lse[part],
-                ent[part] if ent is not None else None,
-                grad_lp[part] if grad_lp is not None else None,
-                grad_h[part] if grad_h is not None and ent is not None else None,
-                ctx.temperature,
-                ctx.ignore_index,
-                ctx.config,
-            )
-            if want_hidden:
-                grad_hidden[part] = matmul(dlogits, weight)
-            if not want_weight:
-                continue
-            if grad_weight is None:
-                grad_weight = matmul(dlogits.t(), rows, out_dtype=torch.float32)
-            else:
-                # running sum + this chunk's fp32 partial, added in fp32 in the kernel's epilogue
-                # (the running sum as its bias) and written back in place: the sum
-                # ``grad_weight + partial`` without a second [V, H] fp32 buffer.
-                running = grad_weight.unsqueeze(0)
-                launch_matmul(dlogits.t().unsqueeze(0), rows.unsqueeze(0), running, running)
-        if want_weight and grad_weight is None:
-            grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
-        return (
-            grad_hidden if want_hidden else None,
-            grad_weight.to(weight.dtype) if want_weight else None,
-            *none,
+        # The kept logits become dlogits in place; a second backward (retain_graph) recomputes them
+        # (the same bits: every logits row is a batch-invariant matmul row).
+        logits, ctx.logits = ctx.logits, None
+        if logits is None:
+            logits = matmul(hidden2d, weight.t())
+        dlogits = token_logprobs_backward(
+            logits,
+            labels_flat,
+            row_offsets(logits),
+            lse,
+            ent,
+            grad_lp,
+            grad_h if ent is not None else None,
+            ctx.temperature,
+            ctx.ignore_index,
+            ctx.config,
+            out=logits,
         )
+        grad_hidden = matmul(dlogits, weight) if ctx.needs_input_grad[0] else None
+        grad_weight = matmul(dlogits.t(), hidden2d) if ctx.needs_input_grad[1] else None
+        return grad_hidden, grad_weight, *none
 
 
 def linear_token_logprobs(
@@ -591,13 +589,13 @@ def linear_token_logprobs(
     token_chunk: int = LM_HEAD_TOKEN_CHUNK,
     validate: bool = True,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """``token_logprobs(linear(hidden, weight), labels, temperature)`` without ``[tokens, vocab]``
-    logits: the lm_head and the logprobs fused over fixed chunks of ``token_chunk`` rows.
+    """``token_logprobs(linear(hidden, weight), labels, temperature)``, the lm_head and the logprobs
+    fused: without gradients over fixed chunks of ``token_chunk`` rows (no ``[tokens, vocab]``
+    logits); with them, in three GEMM passes (see Returns).
 
     Bit-identical (logprobs and entropy) to ``token_logprobs(samepath.linear(hidden, weight), ...)``
     — what a rollout that materialises its logits computes — because every logits row is
-    samepath's batch-invariant matmul row and every logprob row is reduced alone. Only
-    ``[token_chunk, vocab]`` logits exist at a time (recomputed in the backward).
+    samepath's batch-invariant matmul row and every logprob row is reduced alone.
 
     Args:
         hidden: ``[..., H]`` hidden states (float32 / bfloat16 / float16).
@@ -607,10 +605,13 @@ def linear_token_logprobs(
         token_chunk: rows per chunk (a positive int).
 
     Returns:
-        fp32 ``[...]`` logprobs (and entropy). Differentiable in ``hidden`` and ``weight``:
-        ``d hidden`` equals the unfused backward's bit for bit (each row is ``dlogits @ weight``);
-        ``d weight`` sums fp32 per-chunk partials in ascending chunk order (deterministic; other
-        bits than the unfused ``dlogits^T @ hidden``, which folds all tokens in one K loop).
+        fp32 ``[...]`` logprobs (and entropy). Differentiable in ``hidden`` and ``weight``: both
+        gradients equal the unfused backward's bit for bit (``dlogits @ weight`` and
+        ``dlogits^T @ hidden``, one matmul each over all rows). When a gradient will be taken, the
+        ``[tokens, vocab]`` logits are kept in the input dtype from the forward to the backward
+        (which overwrites them with dlogits): three GEMM passes rather than four, and half the
+        memory of the fp32 upcast a stock loss holds; without one, only ``[token_chunk, vocab]``
+        logits exist at a time.
     """
     if not isinstance(hidden, torch.Tensor) or hidden.dim() < 1:
         raise ValueError("hidden must be a tensor [..., H] with at least one dimension")
@@ -631,8 +632,9 @@ def linear_token_logprobs(
     lead = hidden.shape[:-1]
     hidden2d = hidden.reshape(-1, hidden.shape[-1])
     labels_flat = labels.reshape(-1).contiguous()
+    keep = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
     logprob, entropy = LinearTokenLogprobsFunction.apply(
-        hidden2d, weight, labels_flat, temperature, ignore_index, return_entropy, cfg, token_chunk
+        hidden2d, weight, labels_flat, temperature, ignore_index, return_entropy, cfg, token_chunk, keep
     )
     if return_entropy:
         return logprob.reshape(lead), entropy.reshape(lead)
