@@ -10,8 +10,8 @@ import samepath
 from samepath.check.harness import DEFAULT_MODEL_CONFIG
 
 PINNED = {
-    1: "sp4-25bb45ef2918e4c0",
-    2: "sp4-7f2fc664d86302cd",
+    1: "sp4-150b188fe8f57b44",
+    2: "sp4-e8812c2ade7321c4",
 }
 
 

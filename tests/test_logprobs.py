@@ -519,6 +519,14 @@ def test_linear_token_logprobs_equal_logprobs_of_the_linear(dtype: torch.dtype) 
     whole = matmul(dlogits.t(), rows, out_dtype=torch.float32)
     assert torch.equal(w2.grad, whole.to(dtype))
     assert not torch.equal(whole, partials[0] + partials[1] + partials[2])
+    # save_logits=False: token chunks of 16 logits at a time, dweight from those chunk partials
+    h6, w6 = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    streamed = linear_token_logprobs(
+        h6, w6, labels, 0.7, return_entropy=True, config=cfg, token_chunk=16, save_logits=False
+    )
+    torch.autograd.backward(streamed, (g_lp, g_h))
+    assert torch.equal(streamed[0], lp) and torch.equal(h6.grad, h1.grad)
+    assert torch.equal(w6.grad, (partials[0] + partials[1] + partials[2]).to(dtype))
     # a frozen lm_head (hidden-only gradient) gives the same hidden gradient
     h5 = hidden.clone().requires_grad_()
     frozen = linear_token_logprobs(h5, weight, labels, 0.7, return_entropy=True, config=cfg, token_chunk=16)
@@ -541,6 +549,8 @@ def test_linear_token_logprobs_equal_logprobs_of_the_linear(dtype: torch.dtype) 
     else:
         other_logits = matmul_fp32(hidden, weight)
     assert not torch.equal(token_logprobs(other_logits, labels, 0.7, config=cfg), lp.detach())
+    with pytest.raises(ValueError, match="save_logits must be a bool"):
+        linear_token_logprobs(hidden, weight, labels, save_logits=1)
     with pytest.raises(ValueError, match="token_chunk must be a positive int"):
         linear_token_logprobs(hidden, weight, labels, token_chunk=0)
     with pytest.raises(ValueError, match=r"weight must be \[V, H\]"):

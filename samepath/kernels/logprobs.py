@@ -49,6 +49,7 @@ from samepath.kernels.config import (
     row_reduce_config,
 )
 from samepath.kernels.dispatch import SUPPORTED_DEVICE_TYPES, jit
+from samepath.kernels.matmul import launch as launch_matmul
 from samepath.kernels.matmul import matmul, register_override
 from samepath.kernels.row_reduce import (  # noqa: F401 (re-exported: the names the logprobs always had)
     MIN_TEMPERATURE,
@@ -86,7 +87,8 @@ LOGPROBS_FORMULA = {
         "reduced as above (without gradients: in chunks of token_chunk rows; with them: all rows' logits "
         "kept in the input dtype); backward: dlogits by the backward kernel (in place of the kept logits), "
         "dhidden = dlogits @ weight and dweight = dlogits^T @ hidden, each one matmul over all rows "
-        "(the bits of linear's backward)"
+        "(the bits of linear's backward); save_logits=False: per chunk recomputed logits, dlogits, "
+        "dhidden rows, dweight = fp32 partials summed in ascending chunk order, one cast"
     ),
 }
 register_formula("logprobs", LOGPROBS_FORMULA)
@@ -515,10 +517,11 @@ def token_logprobs(
 
 
 class LinearTokenLogprobsFunction(torch.autograd.Function):
-    """Autograd for :func:`linear_token_logprobs`. Without gradients the logits exist one token chunk
-    at a time. With them (``keep``) all rows' logits are computed by one matmul and kept in the
-    input dtype; the backward turns them into dlogits in place and runs two matmuls over all rows
-    (dhidden, dweight): three GEMM passes in all, no fp32 dweight running sum."""
+    """Autograd for :func:`linear_token_logprobs`. ``keep``: all rows' logits are computed by one
+    matmul and kept in the input dtype; the backward turns them into dlogits in place and runs two
+    matmuls over all rows (dhidden, dweight): three GEMM passes in all. Otherwise the logits exist
+    one token chunk at a time, in the forward and again (recomputed) in the backward, whose
+    dweight sums fp32 per-chunk partials in chunk order (four passes and a running sum)."""
 
     @staticmethod
     def forward(ctx, hidden2d, weight, labels_flat, temperature, ignore_index, entropy, config, chunk, keep):  # type: ignore[override]
@@ -544,8 +547,8 @@ class LinearTokenLogprobsFunction(torch.autograd.Function):
             ent = torch.empty(rows, dtype=torch.float32, device=device)
         ctx.set_materialize_grads(False)
         ctx.save_for_backward(hidden2d, weight, labels_flat, lse, ent)
-        ctx.logits = logits
-        ctx.temperature, ctx.ignore_index, ctx.config = temperature, ignore_index, config
+        ctx.logits, ctx.keep = logits, keep
+        ctx.temperature, ctx.ignore_index, ctx.config, ctx.chunk = temperature, ignore_index, config, chunk
         return logprob, ent
 
     @staticmethod
@@ -554,6 +557,8 @@ class LinearTokenLogprobsFunction(torch.autograd.Function):
         none = (None,) * 7
         if grad_lp is None and (grad_h is None or ent is None):
             return None, None, *none
+        if not ctx.keep:
+            return (*_streamed_backward(ctx, hidden2d, weight, labels_flat, lse, ent, grad_lp, grad_h), *none)
         # The kept logits become dlogits in place; a second backward (retain_graph) recomputes them
         # (the same bits: every logits row is a batch-invariant matmul row).
         logits, ctx.logits = ctx.logits, None
@@ -577,6 +582,44 @@ class LinearTokenLogprobsFunction(torch.autograd.Function):
         return grad_hidden, grad_weight, *none
 
 
+def _streamed_backward(ctx, hidden2d, weight, labels_flat, lse, ent, grad_lp, grad_h):
+    """The backward without kept logits: per token chunk, logits recomputed, dlogits, dhidden rows
+    (``dlogits @ weight``, the bits of the one-matmul form) and an fp32 dweight partial added to the
+    running sum in chunk order (in the matmul's epilogue, the running sum as its bias); one cast."""
+    want_hidden, want_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+    grad_hidden = torch.empty_like(hidden2d, memory_format=torch.contiguous_format) if want_hidden else None
+    grad_weight = None
+    for start in range(0, hidden2d.shape[0], ctx.chunk):
+        part = slice(start, start + ctx.chunk)
+        rows = hidden2d[part]
+        logits = matmul(rows, weight.t())
+        dlogits = token_logprobs_backward(
+            logits,
+            labels_flat[part],
+            row_offsets(logits),
+            lse[part],
+            ent[part] if ent is not None else None,
+            grad_lp[part] if grad_lp is not None else None,
+            grad_h[part] if grad_h is not None and ent is not None else None,
+            ctx.temperature,
+            ctx.ignore_index,
+            ctx.config,
+            out=logits,
+        )
+        if want_hidden:
+            grad_hidden[part] = matmul(dlogits, weight)
+        if not want_weight:
+            continue
+        if grad_weight is None:
+            grad_weight = matmul(dlogits.t(), rows, out_dtype=torch.float32)
+        else:
+            running = grad_weight.unsqueeze(0)
+            launch_matmul(dlogits.t().unsqueeze(0), rows.unsqueeze(0), running, running)
+    if want_weight and grad_weight is None:
+        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+    return grad_hidden, grad_weight.to(weight.dtype) if want_weight else None
+
+
 def linear_token_logprobs(
     hidden: torch.Tensor,
     weight: torch.Tensor,
@@ -588,6 +631,7 @@ def linear_token_logprobs(
     config: RowReduceConfig | None = None,
     token_chunk: int = LM_HEAD_TOKEN_CHUNK,
     validate: bool = True,
+    save_logits: bool = True,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """``token_logprobs(linear(hidden, weight), labels, temperature)``, the lm_head and the logprobs
     fused: without gradients over fixed chunks of ``token_chunk`` rows (no ``[tokens, vocab]``
@@ -603,15 +647,19 @@ def linear_token_logprobs(
         labels, temperature, return_entropy, ignore_index, config, validate: as
             :func:`token_logprobs`.
         token_chunk: rows per chunk (a positive int).
+        save_logits: with gradients, keep all tokens' logits (``[tokens, vocab]`` in the input dtype,
+            reused for their gradient) for three GEMM passes and the unfused dweight bits
+            (default); ``False``: only ``[token_chunk, vocab]`` logits at a time, recomputed in the
+            backward, dweight summed from fp32 per-chunk partials (other bits, deterministic).
 
     Returns:
         fp32 ``[...]`` logprobs (and entropy). Differentiable in ``hidden`` and ``weight``: both
-        gradients equal the unfused backward's bit for bit (``dlogits @ weight`` and
-        ``dlogits^T @ hidden``, one matmul each over all rows). When a gradient will be taken, the
-        ``[tokens, vocab]`` logits are kept in the input dtype from the forward to the backward
-        (which overwrites them with dlogits): three GEMM passes rather than four, and half the
-        memory of the fp32 upcast a stock loss holds; without one, only ``[token_chunk, vocab]``
-        logits exist at a time.
+        gradients (dweight: unless ``save_logits=False``) equal the unfused backward's bit for bit
+        (``dlogits @ weight`` and ``dlogits^T @ hidden``, one matmul each over all rows). When a
+        gradient will be taken, the ``[tokens, vocab]`` logits are kept in the input dtype from the
+        forward to the backward (which overwrites them with dlogits): three GEMM passes rather than
+        four, and half the memory of the fp32 upcast a stock loss holds; without one (or with
+        ``save_logits=False``), only ``[token_chunk, vocab]`` logits exist at a time.
     """
     if not isinstance(hidden, torch.Tensor) or hidden.dim() < 1:
         raise ValueError("hidden must be a tensor [..., H] with at least one dimension")
@@ -632,7 +680,9 @@ def linear_token_logprobs(
     lead = hidden.shape[:-1]
     hidden2d = hidden.reshape(-1, hidden.shape[-1])
     labels_flat = labels.reshape(-1).contiguous()
-    keep = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
+    if not isinstance(save_logits, bool):
+        raise ValueError(f"save_logits must be a bool, got {save_logits!r}")
+    keep = save_logits and torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
     logprob, entropy = LinearTokenLogprobsFunction.apply(
         hidden2d, weight, labels_flat, temperature, ignore_index, return_entropy, cfg, token_chunk, keep
     )
