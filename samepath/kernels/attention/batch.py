@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from samepath.kernels.attention.plan import clamp_cu_seqlens, program_map
+from samepath.kernels.attention.plan import clamp_cu_seqlens, program_map, segment_work
 from samepath.kernels.config import AttentionConfig, attention_config, check_head_size, dtype_name
 from samepath.kernels.dispatch import device_kind
 
@@ -193,6 +193,26 @@ class LaunchPlan:
             return (clamped, *program_map(clamped, block, self.num_tokens))
 
         return self._cached(("clamped map", block), build)
+
+    def segment_work(
+        self,
+        block: int,
+        seq_lens: torch.Tensor,
+        kv_first_pos: torch.Tensor | None,
+        max_kv_len: int,
+        seg: int,
+        max_segments: int,
+    ) -> torch.Tensor:
+        """:func:`.plan.segment_work` of the ``block``-row program map over ``seq_lens`` (the split
+        schedule's work list), built once per step on the device for these very tensors."""
+        key = ("segments", block, id(seq_lens), id(kv_first_pos), max_kv_len, seg, max_segments)
+
+        def build():
+            program_seq, _, num_blocks = self.program_map(block)
+            work = segment_work(program_seq, num_blocks, seq_lens, kv_first_pos, max_kv_len, seg, max_segments)
+            return seq_lens, kv_first_pos, work  # the tensors held, so that their ids stay theirs
+
+        return self._cached(key, build)[2]
 
     def kv_lens(self) -> torch.Tensor:
         """``cu[1:] - cu[:-1]`` of ``cu_seqlens_kv`` (``cu_seqlens_q`` when there is none)."""
