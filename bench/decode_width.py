@@ -1,0 +1,233 @@
+"""Paged decode against the block table's width: the time of one decode step's attention with a
+tight block table and with one as wide as a long ``max_model_len`` (vLLM's), same sequences.
+
+``python -m bench.decode_width`` (CPU: the kernels' replays; ``--device cuda`` on a GPU). Each
+call is :func:`samepath.paged_attention` as vLLM's integration makes it (a ``LaunchPlan``,
+``validate=False``) and, for reference, the public default (``validate=True``: one device-to-host
+copy of the metadata, the block table's used pages included). The ratio wide / tight is the
+issue-31 figure (129x before the split schedule's work list). ``--vllm`` adds one decode step's
+attention through vLLM's patched backend (``CPUAttentionBackendImpl``; vllm must be installed):
+the wall time of the step's layers on the host and the device-to-host reads counted, in the
+default mode and with ``SAMEPATH_VLLM_VALIDATE=1``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from contextlib import ExitStack
+
+import torch
+
+from samepath.kernels import dispatch
+from samepath.kernels.attention import LaunchPlan, paged_attention
+
+FORWARD = "samepath.kernels.attention.forward._attention_fwd_kernel"
+
+
+def _median_ms(fn: Callable[[], object], device: torch.device, repeats: int) -> float:
+    fn()
+    times = []
+    for _ in range(repeats):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        times.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(times)
+
+
+def decode_inputs(batch: int, context: int, width: int, heads: int, kv_heads: int, head: int, dtype, device):
+    """A decode step over ``batch`` sequences of ``context`` cached positions (plus the new one),
+    pages shuffled; a tight table and one ``width`` pages wide (its extra columns hold page ids
+    inside the cache, as a padded table may)."""
+    page = 16
+    span = context + 1
+    pages = -(-span // page)
+    gen = torch.Generator().manual_seed(0)
+    num_pages = batch * pages + 1
+    order = torch.randperm(num_pages, generator=gen)[: batch * pages].view(batch, pages).to(torch.int32)
+    wide = torch.randint(0, num_pages, (batch, width), generator=gen, dtype=torch.int32)
+    wide[:, :pages] = order
+    kc = torch.randn(num_pages, page, kv_heads, head, generator=gen).to(dtype)
+    vc = torch.randn(num_pages, page, kv_heads, head, generator=gen).to(dtype)
+    query = torch.randn(batch, heads, head, generator=gen).to(dtype)
+    qsl = torch.arange(batch + 1, dtype=torch.int32)
+    seq_lens = torch.full((batch,), span, dtype=torch.int32)
+    moved = [t.to(device) for t in (query, kc, vc, order, wide, qsl, seq_lens)]
+    return moved
+
+
+def width_rows(args) -> list[str]:
+    device = torch.device(args.device)
+    dtype = getattr(torch, args.dtype)
+    query, kc, vc, tight, wide, qsl, seq_lens = decode_inputs(
+        args.batch, args.context, args.width, args.heads, args.kv_heads, args.head, dtype, device
+    )
+    scale = args.head**-0.5
+    launches: list[int] = []
+    original = dispatch.replay_for(FORWARD)
+
+    def counted(grid, **p):
+        launches.append(grid[0])
+        return original(grid, **p)
+
+    rows = []
+    results = {}
+    for label, table in (("tight", tight), ("wide", wide)):
+        for mode in ("integration", "public"):
+            if mode == "integration":
+                plan = LaunchPlan(qsl, args.batch)
+
+                def call(table=table, plan=plan):
+                    return paged_attention(query, kc, vc, table, qsl, seq_lens, scale, validate=False, plan=plan)
+
+            else:
+
+                def call(table=table):
+                    return paged_attention(query, kc, vc, table, qsl, seq_lens, scale)
+
+            results[label, mode] = _median_ms(call, device, args.repeats)
+        with ExitStack() as stack:
+            if device.type == "cpu":
+                stack.enter_context(_wrapped_replay(counted))
+            launches.clear()
+            out = paged_attention(query, kc, vc, table, qsl, seq_lens, scale, validate=False)
+        results[label, "out"] = out
+        results[label, "grid"] = list(launches)
+    same = torch.equal(results["tight", "out"], results["wide", "out"])
+    rows.append(
+        f"batch {args.batch}, context {args.context} (+1 new token), {args.heads} q / {args.kv_heads} KV heads, "
+        f"head {args.head}, {args.dtype}, page 16; tight table {tight.shape[1]} pages, wide {args.width} pages"
+    )
+    executor = dispatch.current_cpu_executor() if device.type == "cpu" else "triton"
+    rows.append(f"device: {_device_name(device)}; executor: {executor}")
+    for mode, what in (("integration", "LaunchPlan, validate=False (vLLM's call)"), ("public", "validate=True")):
+        t, w = results["tight", mode], results["wide", mode]
+        rows.append(f"{what:42s} tight {t:9.3f} ms   wide {w:9.3f} ms   wide/tight {w / t:6.2f}")
+    if device.type == "cpu":
+        rows.append(f"forward grid (programs): tight {results['tight', 'grid']}  wide {results['wide', 'grid']}")
+    rows.append(f"same bits (torch.equal): {same}")
+    return rows
+
+
+class _wrapped_replay:
+    def __init__(self, replay) -> None:
+        self.replay = replay
+
+    def __enter__(self):
+        self.saved = dispatch.replay_for(FORWARD)
+        dispatch._replays[FORWARD] = self.replay
+        return self
+
+    def __exit__(self, *exc) -> None:
+        dispatch._replays[FORWARD] = self.saved
+
+
+def _device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return f"cpu ({os.cpu_count()} cores visible)"
+
+
+def vllm_rows(args) -> list[str]:
+    """One decode step's attention layers through vLLM's patched CPU backend: host wall time and
+    device-to-host reads, default mode against ``SAMEPATH_VLLM_VALIDATE=1``."""
+    try:
+        from vllm.v1.attention.backend import AttentionType
+        from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackendImpl, CPUAttentionMetadata
+    except ImportError as error:
+        return [f"vLLM decode step: skipped ({error})"]
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
+    from host_counts import OpCounter
+
+    from samepath.integrations import vllm as samepath_vllm
+
+    dtype = getattr(torch, args.dtype)
+    batch, context, layers, block = args.batch, args.context, args.layers, 16
+    heads, kv_heads, head = args.heads, args.kv_heads, args.head
+    query, _, _, _, wide, qsl, seq_lens = decode_inputs(batch, context, args.width, heads, kv_heads, head, dtype, "cpu")
+    num_pages = int(wide.max()) + 1
+    last = (seq_lens - 1).long()
+    slot_mapping = wide[torch.arange(batch), last // block].long() * block + last % block
+    gen = torch.Generator().manual_seed(1)
+    caches = [torch.randn(num_pages, kv_heads, block, 2 * head, generator=gen).to(dtype) for _ in range(layers)]
+    impls = []
+    for _ in range(layers):
+        impl = object.__new__(CPUAttentionBackendImpl)
+        impl.num_heads, impl.num_kv_heads, impl.head_size, impl.scale = heads, kv_heads, head, head**-0.5
+        impl.sliding_window, impl.attn_type, impl.kv_cache_dtype = None, AttentionType.DECODER, "auto"
+        impl.alibi_slopes, impl.sinks, impl.logits_soft_cap = None, None, None
+        impls.append(impl)
+    q2d = query.reshape(batch, heads * head)
+    key = torch.randn(batch, kv_heads, head, generator=gen).to(dtype)
+    output = torch.zeros(batch, heads * head, dtype=dtype)
+
+    def metadata():
+        return CPUAttentionMetadata(
+            num_actual_tokens=batch, max_query_len=1, query_start_loc=qsl, max_seq_len=context + 1,
+            seq_lens=seq_lens, block_table=wide, slot_mapping=slot_mapping, scheduler_metadata=None,
+        )  # fmt: skip
+
+    def step():
+        attn_metadata = metadata()
+        for impl, kv_cache in zip(impls, caches, strict=True):
+            impl.do_kv_cache_update(None, key, key, kv_cache, slot_mapping)
+            impl.forward(None, q2d, key, key, kv_cache, attn_metadata, output)
+
+    rows = [f"vLLM decode step: {layers} attention layers (CPUAttentionBackendImpl patched), table {args.width} pages"]
+    saved = os.environ.get("SAMEPATH_VLLM_VALIDATE")
+    samepath_vllm.install()
+    try:
+        for label, value in (("default", None), ("SAMEPATH_VLLM_VALIDATE=1", "1")):
+            if value is None:
+                os.environ.pop("SAMEPATH_VLLM_VALIDATE", None)
+            else:
+                os.environ["SAMEPATH_VLLM_VALIDATE"] = value
+            ms = _median_ms(step, torch.device("cpu"), args.repeats)
+            with OpCounter() as counter:
+                step()
+            rows.append(f"  {label:26s} host time {ms:9.3f} ms per step   host reads per step {counter.reads}")
+    finally:
+        samepath_vllm.uninstall()
+        if saved is None:
+            os.environ.pop("SAMEPATH_VLLM_VALIDATE", None)
+        else:
+            os.environ["SAMEPATH_VLLM_VALIDATE"] = saved
+    return rows
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m bench.decode_width", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--context", type=int, default=95, help="cached positions; the step adds one")
+    parser.add_argument("--width", type=int, default=2048, help="pages of the wide table (2048: 32k at page 16)")
+    parser.add_argument("--heads", type=int, default=8)
+    parser.add_argument("--kv-heads", type=int, default=2)
+    parser.add_argument("--head", type=int, default=64)
+    parser.add_argument("--layers", type=int, default=4, help="--vllm: attention layers per step")
+    parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--vllm", action="store_true", help="add the vLLM decode step (needs vllm)")
+    parser.add_argument("--out", help="also write the rows to this file")
+    args = parser.parse_args(argv)
+    rows = [f"python -m bench.decode_width {' '.join(argv if argv is not None else sys.argv[1:])}".rstrip()]
+    rows += width_rows(args)
+    if args.vllm:
+        rows += vllm_rows(args)
+    text = "\n".join(rows) + "\n"
+    print(text, end="")
+    if args.out:
+        with open(args.out, "w") as handle:
+            handle.write(text)
+
+
+if __name__ == "__main__":
+    main()
