@@ -18,6 +18,7 @@ from attention_harness import lengths_to_cu, make_batch
 
 from samepath.kernels import dispatch
 from samepath.kernels.attention import LaunchPlan, paged_attention, varlen_attention, write_kv_cache
+from samepath.kernels.attention import batch as attention_batch
 from samepath.kernels.attention import plan as attention_plan
 
 FORWARD = "samepath.kernels.attention.forward._attention_fwd_kernel"
@@ -94,6 +95,7 @@ def test_wide_table_runs_the_same_programs_and_bits(launches, dtype) -> None:
     table 64x wider launches the same grids with the same work items and gives the same bits,
     which are the trainer's rows."""
     query, kc, vc, tight, wide, qsl, seq_lens, trained = _decode_case([37, 96, 150], dtype, seed=5)
+    launches.clear()
     out_tight = _decode(query, kc, vc, tight, qsl, seq_lens)
     tight_launches = list(launches)
     launches.clear()
@@ -110,6 +112,7 @@ def test_wide_table_under_the_interpreter(launches) -> None:
     """The same through the Triton source (``verify``: the interpreter and the replay, bit for bit,
     every tensor argument, the work list and the merge's per-row counts included)."""
     query, kc, vc, tight, wide, qsl, seq_lens, trained = _decode_case([20, 70], torch.float16, seed=8, heads=8)
+    launches.clear()
     with dispatch.cpu_executor("verify"):
         out_wide = _decode(query, kc, vc, wide, qsl, seq_lens)
         out_tight = _decode(query, kc, vc, tight, qsl, seq_lens)
@@ -122,6 +125,7 @@ def test_negative_controls(launches, monkeypatch) -> None:
     the workspace's segments, the old enumeration: the same bits, 64x the work), and a wide table
     that points one page of the context elsewhere (different bits)."""
     query, kc, vc, tight, wide, qsl, seq_lens, _ = _decode_case([37, 96, 150], torch.float32, seed=5)
+    launches.clear()
     out_tight = _decode(query, kc, vc, tight, qsl, seq_lens)
     tight_work = launches[0][2]
 
@@ -131,6 +135,7 @@ def test_negative_controls(launches, monkeypatch) -> None:
 
     with monkeypatch.context() as patch:
         patch.setattr(attention_plan, "segment_work", width_work)
+        patch.setattr(attention_batch, "segment_work", width_work)  # the LaunchPlan's
         launches.clear()
         out_width = _decode(query, kc, vc, wide, qsl, seq_lens)
     assert torch.equal(out_width, out_tight)
