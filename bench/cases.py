@@ -51,6 +51,7 @@ OPS = (
     "rotary",
     "moe_experts",
     "e2e",
+    "vllm_decode_step",
 )
 
 #: How each samepath call is made, matching the integration that makes it.
@@ -1119,5 +1120,13 @@ def plan(ops: list[str], device: torch.device, dtype: torch.dtype, quick: bool, 
             else:
                 size = E2ESize(VOCAB, 1024, 3072, 4, 16, 8, 128, 8, 256, 16 if quick else 64)
             yield from e2e_cases(size, dtype, device)
+        elif op == "vllm_decode_step":  # bench/decode_width.py: host time of vLLM's patched decode step
+            from bench import decode_width
+
+            b, ctx, width, layers = (2, 31, 64, 2) if cpu else (64, 1023, 2048, 4)
+            h, hk, d = (4, 2, 16) if cpu else (32, 8, 128)
+            case = decode_width.vllm_decode_step_case(b, ctx, width, layers, h, hk, d, *args)
+            if case is not None:
+                yield case
         else:
             raise ValueError(f"unknown op {op!r}; choose from {', '.join(OPS)}")

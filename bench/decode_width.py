@@ -138,69 +138,122 @@ def _device_name(device: torch.device) -> str:
 
 def vllm_rows(args) -> list[str]:
     """One decode step's attention layers through vLLM's patched CPU backend: host wall time and
-    device-to-host reads, default mode against ``SAMEPATH_VLLM_VALIDATE=1``."""
-    try:
-        from vllm.v1.attention.backend import AttentionType
-        from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackendImpl, CPUAttentionMetadata
-    except ImportError as error:
-        return [f"vLLM decode step: skipped ({error})"]
+    device-to-host reads per step, default mode against ``SAMEPATH_VLLM_VALIDATE=1``."""
+    from types import SimpleNamespace
+
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
     from host_counts import OpCounter
 
+    found = SimpleNamespace(missing={})
+    device = torch.device(args.device)
+    case = vllm_decode_step_case(
+        args.batch, args.context, args.width, args.layers, args.heads, args.kv_heads, args.head,
+        getattr(torch, args.dtype), device, found,
+    )  # fmt: skip
+    if case is None:
+        return [f"vLLM decode step: skipped ({found.missing})"]
+    rows = [f"vLLM decode step: {case.config}; {case.what}"]
+    for name, fn in (("default", case.samepath), *case.baselines.items()):
+        with case.context("samepath" if name == "default" else name):
+            timing = case.timer(fn, [None], device, 2, args.repeats)
+            with OpCounter() as counter:
+                fn(None)
+        rows.append(f"  {name:36s} host {timing.median_ms:9.3f} ms per step   host reads per step {counter.reads}")
+    return rows
+
+
+def _host_step_timer(fn, sets, device, warmup: int, repeats: int):
+    """Wall time of each call with no device synchronization: on a device, the host's time to
+    issue the step's work (metadata checks and host syncs included)."""
+    from bench.timing import Timing
+
+    n = len(sets)
+    for i in range(warmup):
+        fn(sets[i % n])
+    times = []
+    for i in range(max(repeats, 1)):
+        start = time.perf_counter()
+        fn(sets[(warmup + i) % n])
+        times.append((time.perf_counter() - start) * 1e3)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    times.sort()
+    return Timing(times[0], times[len(times) // 2], times[-1], len(times))
+
+
+def vllm_decode_step_case(batch: int, context: int, width: int, layers: int, heads: int, kv_heads: int, head: int,
+                          dtype, device, found):  # fmt: skip
+    """The bench's ``vllm_decode_step`` case: one decode step's ``layers`` attention layers (KV
+    write + attention) through vLLM's patched backend, host time per step, in the default mode
+    (samepath) against ``SAMEPATH_VLLM_VALIDATE=1`` (the per-step debug checks); ``None`` (and the
+    reason in ``found.missing``) where vLLM does not import."""
+    from contextlib import contextmanager
+
+    from bench.cases import Case
+
+    try:
+        from vllm.v1.attention.backend import AttentionType
+        from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackendImpl, CPUAttentionMetadata
+    except Exception as error:
+        found.missing["vLLM decode step"] = f"vLLM's attention backend does not import: {type(error).__name__}"
+        return None
     from samepath.integrations import vllm as samepath_vllm
 
-    dtype = getattr(torch, args.dtype)
-    batch, context, layers, block = args.batch, args.context, args.layers, 16
-    heads, kv_heads, head = args.heads, args.kv_heads, args.head
-    query, _, _, _, wide, qsl, seq_lens = decode_inputs(batch, context, args.width, heads, kv_heads, head, dtype, "cpu")
+    block = 16
+    query, _, _, _, wide, qsl, seq_lens = decode_inputs(batch, context, width, heads, kv_heads, head, dtype, device)
     num_pages = int(wide.max()) + 1
     last = (seq_lens - 1).long()
-    slot_mapping = wide[torch.arange(batch), last // block].long() * block + last % block
+    slot_mapping = wide[torch.arange(batch, device=device), last // block].long() * block + last % block
     gen = torch.Generator().manual_seed(1)
-    caches = [torch.randn(num_pages, kv_heads, block, 2 * head, generator=gen).to(dtype) for _ in range(layers)]
+    cache_shape = (num_pages, kv_heads, block, 2 * head)
+    caches = [torch.randn(cache_shape, generator=gen).to(dtype).to(device) for _ in range(layers)]
     impls = []
     for _ in range(layers):
-        impl = object.__new__(CPUAttentionBackendImpl)
+        impl = object.__new__(CPUAttentionBackendImpl)  # the patched forward is the same for every backend
         impl.num_heads, impl.num_kv_heads, impl.head_size, impl.scale = heads, kv_heads, head, head**-0.5
         impl.sliding_window, impl.attn_type, impl.kv_cache_dtype = None, AttentionType.DECODER, "auto"
         impl.alibi_slopes, impl.sinks, impl.logits_soft_cap = None, None, None
         impls.append(impl)
     q2d = query.reshape(batch, heads * head)
-    key = torch.randn(batch, kv_heads, head, generator=gen).to(dtype)
-    output = torch.zeros(batch, heads * head, dtype=dtype)
+    key = torch.randn(batch, kv_heads, head, generator=gen).to(dtype).to(device)
+    output = torch.zeros(batch, heads * head, dtype=dtype, device=device)
 
-    def metadata():
-        return CPUAttentionMetadata(
+    def step(_inputs):
+        attn_metadata = CPUAttentionMetadata(
             num_actual_tokens=batch, max_query_len=1, query_start_loc=qsl, max_seq_len=context + 1,
             seq_lens=seq_lens, block_table=wide, slot_mapping=slot_mapping, scheduler_metadata=None,
         )  # fmt: skip
-
-    def step():
-        attn_metadata = metadata()
         for impl, kv_cache in zip(impls, caches, strict=True):
             impl.do_kv_cache_update(None, key, key, kv_cache, slot_mapping)
             impl.forward(None, q2d, key, key, kv_cache, attn_metadata, output)
+        return output
 
-    rows = [f"vLLM decode step: {layers} attention layers (CPUAttentionBackendImpl patched), table {args.width} pages"]
-    saved = os.environ.get("SAMEPATH_VLLM_VALIDATE")
-    samepath_vllm.install()
-    try:
-        for label, value in (("default", None), ("SAMEPATH_VLLM_VALIDATE=1", "1")):
-            if value is None:
-                os.environ.pop("SAMEPATH_VLLM_VALIDATE", None)
-            else:
-                os.environ["SAMEPATH_VLLM_VALIDATE"] = value
-            ms = _median_ms(step, torch.device("cpu"), args.repeats)
-            with OpCounter() as counter:
-                step()
-            rows.append(f"  {label:26s} host time {ms:9.3f} ms per step   host reads per step {counter.reads}")
-    finally:
-        samepath_vllm.uninstall()
-        if saved is None:
+    debug = "samepath, SAMEPATH_VLLM_VALIDATE=1"
+
+    @contextmanager
+    def mode(impl_name: str):
+        saved = os.environ.pop("SAMEPATH_VLLM_VALIDATE", None)
+        if impl_name == debug:
+            os.environ["SAMEPATH_VLLM_VALIDATE"] = "1"
+        samepath_vllm.install()
+        try:
+            yield
+        finally:
+            samepath_vllm.uninstall()
             os.environ.pop("SAMEPATH_VLLM_VALIDATE", None)
-        else:
-            os.environ["SAMEPATH_VLLM_VALIDATE"] = saved
-    return rows
+            if saved is not None:
+                os.environ["SAMEPATH_VLLM_VALIDATE"] = saved
+
+    return Case(
+        op="vllm_decode_step",
+        config=f"B={batch} ctx={context + 1} table={width} pages x16 L={layers} {heads}q/{kv_heads}kv d={head}",
+        make=lambda seed: {"q": q2d},
+        samepath=step,
+        baselines={debug: step},
+        context=mode,
+        timer=_host_step_timer,
+        what="host ms per decode step's attention layers (no device sync); samepath = the default mode",
+    )
 
 
 def main(argv: list[str] | None = None) -> None:
