@@ -442,7 +442,8 @@ def launch_forward(
             segment_work = plan.segment_work(program_seq, num_blocks, *work_args)
         else:
             segment_work = launch_plan.segment_work(pack.block_q, *work_args)
-        programs = split_programs(query.device)
+        # The adapter (grid.py) sizes every launch: here for the fixed number of persistent slots.
+        programs = grid.num_programs(split_programs(query.device), query.device, uses_dot=True)
     else:
         part_m = part_l = part_acc = out
         row_segments = segment_work = num_blocks
