@@ -34,10 +34,10 @@ DOT_PRECISION = "ieee"
 SPLIT_WORKSPACE_BYTES = 256 * 1024 * 1024
 #: Bytes of one row's partial state per segment beyond its accumulator: fp32 ``m`` and ``l``.
 _STATE_WORDS = 2
+_FP32_BYTES = 4
 #: Programs of the split schedule's persistent grid per SM (CUDA) or, on the CPU, per
 #: :data:`.grid.CPU_CONCURRENT_PROGRAMS`; each walks the work list. Changes no bit.
 SPLIT_PROGRAMS_PER_CORE = 4
-_FP32_BYTES = 4
 
 
 @jit

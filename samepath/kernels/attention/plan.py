@@ -1,6 +1,8 @@
 """The attention schedule's bookkeeping, on the host and the device: which program runs which query
-block (the program map), how query heads fill a tile (GQA packing) and how many KV segments a
-launch needs. Pure functions of the shapes and the cumulative lengths; no kernel lives here.
+block (the program map), how query heads fill a tile (GQA packing), how many KV segments a
+launch needs and which of them hold keys (the split schedule's work list). Pure functions of the
+shapes, the cumulative lengths and the KV lengths, on the device without host syncs; no kernel
+lives here.
 
 Every backend numbers its work the same way: the Ascend C tiling (``ascendc/tiling.py``) has the
 host twins of :func:`program_map` and :func:`packing`.

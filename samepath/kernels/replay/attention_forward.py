@@ -4,12 +4,14 @@
 :func:`~samepath.kernels.attention.kv_cache._write_kv_cache_kernel`.
 
 The forward replay computes every work item ``(query block, KV head, head chunk[, segment])`` of the
-launch at once: each item's ``[BLOCK_M, BLOCK_D]`` GQA-packed query tile, and its ``(m, l, acc)``
-states stacked in front. Only the KV tiles are visited serially, in each item's ascending order, and
-each step computes exactly the items whose tile range holds that tile (the other items' states are
-not touched, as the kernel never visits those tiles). Serially executed segments start from a fresh
-state and are folded in ascending order with the kernel's merge; split segments store their states
-for the merge kernel, whose replay folds every row's segments in ascending order at once.
+launch at once (split: the items of the work list ``segment_work``, each block's own segments, found
+as the kernel's binary search finds them): each item's ``[BLOCK_M, BLOCK_D]`` GQA-packed query
+tile, and its ``(m, l, acc)`` states stacked in front. Only the KV tiles are visited serially, in
+each item's ascending order, and each step computes exactly the items whose tile range holds that
+tile (the other items' states are not touched, as the kernel never visits those tiles). Serially
+executed segments start from a fresh state and are folded in ascending order with the kernel's
+merge; split segments store their states (and segment 0 its block's segment count per row) for the
+merge kernel, whose replay folds every row's own segments in ascending order at once.
 
 Bit-identity with Triton's interpreter holds because every step is the interpreter's operation on
 the same operands: ``tl.dot`` as ``np.matmul(..., dtype=float32) + acc`` on stacks of the kernel's
