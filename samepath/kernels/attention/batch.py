@@ -518,8 +518,9 @@ def check_paged_metadata(
     query_start_loc: torch.Tensor,
     seq_lens: torch.Tensor,
 ) -> None:
-    """Value checks of :func:`~samepath.kernels.attention.paged_attention`'s metadata (one device-to-host
-    copy): consistent query offsets, KV lengths at least the query counts, a block table wide enough and
+    """Value checks of :func:`~samepath.kernels.attention.paged_attention`'s metadata (device-to-host
+    copies of the lengths and of the block table's columns in use, not of its whole width):
+    consistent query offsets, KV lengths at least the query counts, a block table wide enough and
     page ids inside the caches."""
     num_seqs = query_start_loc.numel() - 1
     q_lens = check_cu_seqlens("query_start_loc", query_start_loc, query.shape[0])
@@ -533,7 +534,8 @@ def check_paged_metadata(
             f"block_table is too short: a sequence of {int(kv_lens.max())} tokens needs "
             f"{int(needed.max())} blocks of {block_size}, the table has {block_table.shape[1]} columns"
         )
-    pages = block_table.detach().cpu()[:num_seqs]
-    used = torch.arange(block_table.shape[1])[None, :] < needed[:, None]
+    width = int(needed.max()) if num_seqs else 0  # only the columns in use cross to the host
+    pages = block_table.detach()[:num_seqs, :width].cpu()
+    used = torch.arange(width)[None, :] < needed[:, None]
     if used.any() and (pages[used].min() < 0 or pages[used].max() >= key_cache.shape[0]):
         raise ValueError(f"block_table holds page ids outside [0, {key_cache.shape[0]})")
