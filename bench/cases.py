@@ -615,9 +615,7 @@ def gqa_decode_case(batch: int, context: int, heads: int, kv_heads: int, head: i
         return paged_attention(d["q"], d["kc"], d["vc"], table, qsl, seq_lens, scale, validate=False, plan=plan)
 
     def ungrouped(d):
-        return paged_attention(
-            d["q"], d["kc_all"], d["vc_all"], table, qsl, seq_lens, scale, validate=False, plan=plan
-        )
+        return paged_attention(d["q"], d["kc_all"], d["vc_all"], table, qsl, seq_lens, scale, validate=False, plan=plan)
 
     def old(d):
         return old_schedule.paged_attention(d["q"], d["kc"], d["vc"], table, qsl, seq_lens, scale)
