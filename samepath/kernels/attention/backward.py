@@ -13,16 +13,17 @@ import torch
 import triton.language as tl
 
 import samepath.kernels.attention.plan as plan
-from samepath.kernels import grid
+from samepath.kernels import grid, ub_fit
 from samepath.kernels.attention.backend import run_backward, run_forward
 from samepath.kernels.attention.batch import AttentionBatch, last_dim_contiguous
 from samepath.kernels.attention.forward import DOT_PRECISION, LOG2E
 from samepath.kernels.config import padded_head_size
 from samepath.kernels.dispatch import jit
 
-#: Rows (token, head) of ``delta`` per step of :func:`_attention_bwd_preprocess_kernel`; the rows are
-#: independent, so this fixes no bit (a row's sum is over its head only).
-DELTA_ROWS = 16
+#: Rows (token, head) of ``delta`` per step of :func:`_attention_bwd_preprocess_kernel` (sized for an
+#: Ascend core's UB by ``ub_fit``); the rows are independent, so this fixes no bit (a row's sum is over
+#: its head only).
+DELTA_ROWS = ub_fit.DELTA_ROWS
 DELTA_NUM_WARPS = 4
 
 
