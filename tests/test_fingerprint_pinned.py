@@ -10,8 +10,8 @@ import samepath
 from samepath.check.harness import DEFAULT_MODEL_CONFIG
 
 PINNED = {
-    1: "sp3-769aff5997324428",
-    2: "sp3-db26ef0f109ba2e8",
+    1: "sp4-7d592a94d26393da",
+    2: "sp4-11c41cd5c589d346",
 }
 
 

@@ -26,7 +26,11 @@ from samepath.kernels.dispatch import device_kind
 #: ``model.to(dtype)`` rounds); rope types beyond default and llama3.
 #: 3: the attention backward is one pass per KV tile (GQA-packed query tiles, dK/dV in registers,
 #: dQ partials added in ascending KV-tile order through fp32 row sums).
-NUMERICS_VERSION = 3
+#: 4: the backward computes key-major (S^T = K Q^T, dP^T = V dO^T, dQ^T = K^T dS^T: the same products
+#: and sums per element) and ``delta = rowsum(dO * O)`` in its own preprocessing kernel (one fp32
+#: ``tl.sum`` over the padded head per row) instead of the generic row sum; CUDA 16-bit tiles: forward
+#: 128 query rows, backward 128-key tiles with 32 packed query rows.
+NUMERICS_VERSION = 4
 
 #: dtypes the kernels accept, by the name used in the table.
 SUPPORTED_DTYPES: dict[torch.dtype, str] = {
@@ -59,6 +63,10 @@ ATTENTION_FORMULA = {
     "head_chunk = min(group, block_m)",
     "backward": "one item per KV tile: dK, dV in fp32 registers over GQA-packed query tiles (head chunks, then "
     "query blocks ascending); dQ = scale * (fp32 sum of dot(dS, K) partials in ascending KV-tile order)",
+    "backward_orientation": "key-major: S^T = dot(K, Q^T), dP^T = dot(V, dO^T), dV += dot(cast(P^T), dO), "
+    "dK += dot(cast(dS^T), Q), dQ partial^T = dot(K^T, cast(dS^T))",
+    "backward_delta": "delta = 0 + tl.sum(fp32(dO) * fp32(O)) over the zero-padded head, one row at a time, "
+    "in the backward's preprocessing kernel",
 }
 
 
@@ -103,20 +111,23 @@ def _attention_rows() -> dict[tuple[str, str, int], AttentionConfig]:
             # CPU (interpreter): small tiles keep numpy's work per program low; a short segment so
             # that the tests' sequences cross segment boundaries.
             rows["cpu", dtype, block_d] = AttentionConfig(block_m=16, tile_n=32, seg=64)
-            # CUDA: 16-bit inputs get 64-row query tiles (Hopper's wgmma needs M >= 64), with 8
-            # warps so that the segment's and the running accumulators stay in registers (no spills
-            # for sm_90). The backward's 64-key tiles put its dK/dV dots on wgmma; 32 packed query
-            # rows keep its registers below spilling (64 spill). fp32 dots are IEEE (no tensor
-            # cores) and keep small tiles, as do 256-wide heads (registers and shared memory).
+            # CUDA: 16-bit inputs get 128-row query tiles in 8 warps: Hopper's wgmma splits a chained
+            # dot's M over every warp (4 warps per 64 rows), so 128 rows put each warp on its own 16
+            # rows (a 64-row tile ran the same rows in both warpgroups) and a row's max and sum stay
+            # inside one warp; no spills for sm_90 (every caller, decode included, uses this tile,
+            # which is what keeps their rows bit-identical on the GPU). The backward works key-major:
+            # its 128-key tiles are the M of the S^T, dP^T, dV and dK dots and the head that of dQ^T
+            # (all five on wgmma), 32 packed query rows their N / K (64 spill). fp32 dots are IEEE
+            # (no tensor cores) and keep small tiles, as do 256-wide heads (registers and shared memory).
             small = dtype == "float32" or block_d == 256
             rows["cuda", dtype, block_d] = AttentionConfig(
-                block_m=16 if small else 64,
+                block_m=16 if small else 128,
                 tile_n=32 if small else 64,
                 seg=256,
                 num_warps=4 if small else 8,
                 num_stages=2 if small else 3,
                 bwd_block_m=16 if small else 32,
-                bwd_block_n=16 if small else 64,
+                bwd_block_n=16 if small else 128,
             )
             # Ascend (Triton-Ascend): cube units work on 16x16 fractals; tiles sized for ~192 KB UB.
             rows["npu", dtype, block_d] = AttentionConfig(
