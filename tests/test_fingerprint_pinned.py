@@ -10,8 +10,8 @@ import samepath
 from samepath.check.harness import DEFAULT_MODEL_CONFIG
 
 PINNED = {
-    1: "sp3-769aff5997324428",
-    2: "sp3-db26ef0f109ba2e8",
+    1: "sp3-6f5929a145f9bbaf",
+    2: "sp3-e5872f4362155316",
 }
 
 

@@ -295,6 +295,11 @@ DISTRIBUTED_FORMULA = {
     "one cast == matmul(dY, W, k_slices=S); dW_r = dY_r^T @ X, db_r = 1^T @ dY_r, plain kernel",
     "vocab_parallel_backward": "no collective; per shard token_logprobs' backward kernel with the merged lse: "
     "((onehot - exp(z - lse)) * g) / T, 0 for ignore_index rows",
+    "moe_tensor_parallel": "S > 1: each expert's intermediate dim in S contiguous slices (rank r: gate and up rows "
+    "r*I/S..(r+1)*I/S-1, down columns the same); per slice the grouped per-expert gate_up and silu_mul in the "
+    "activation dtype, down as an fp32 accumulator times fp32(weight), each token's pairs added in ascending "
+    "expert order in fp32; the S fp32 partials all_gathered, summed in ascending rank order (first as is), one "
+    "cast; S = 1: the plain layer",
     "expert_parallel": "E/k contiguous experts per rank; each (token, slot) pair's weighted expert output "
     "computed by its expert's rank with the per-expert linear's bits, all_gather of the raw bits, each pair's "
     "row taken from its owner, each token's pairs added in ascending expert order in the activation dtype "
