@@ -170,11 +170,19 @@ def vllm_rollout(
 
 
 def trainer_logprobs(
-    model_dir: str, dtype: str, all_prompts, results, temperature: float, tensor_parallel: int = 1
+    model_dir: str,
+    dtype: str,
+    all_prompts,
+    results,
+    temperature: float,
+    tensor_parallel: int = 1,
+    expert_parallel: bool = False,
+    padded: bool = True,
 ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """Patched HF forward: each sequence alone, and all of them in one right-padded batch; log-probs
-    at the sampling temperature (vLLM's ``processed_logprobs``); row-parallel linears in
-    ``tensor_parallel`` K slices (the numerics of a TP rollout)."""
+    """Patched HF forward: each sequence alone, and (``padded``) all of them in one right-padded
+    batch; log-probs at the sampling temperature (vLLM's ``processed_logprobs``); row-parallel
+    linears in ``tensor_parallel`` K slices and MoE experts in ``tensor_parallel`` intermediate
+    slices, or whole with ``expert_parallel`` (the numerics of a TP / TP + EP rollout)."""
     from samepath.integrations.hf import tensor_parallel_numerics
 
     temperature = temperature or 1.0
@@ -183,13 +191,13 @@ def trainer_logprobs(
     ).eval()
     seqs = [torch.tensor(p + r.tokens) for p, r in zip(all_prompts, results, strict=True)]
     alone = []
-    with torch.no_grad(), tensor_parallel_numerics(model, tensor_parallel):
+    with torch.no_grad(), tensor_parallel_numerics(model, tensor_parallel, expert_parallel=expert_parallel):
         for prompt, seq in zip(all_prompts, seqs, strict=True):
             logits = model(input_ids=seq[None], use_cache=False).logits[0]
             alone.append(samepath.logprobs(logits[len(prompt) - 1 : -1], seq[len(prompt) :], temperature))
         generated = torch.tensor([r.tokens for r in results])
-        padded = list(trainer_forward(model, all_prompts, generated, temperature))
-    return alone, padded
+        batch = list(trainer_forward(model, all_prompts, generated, temperature)) if padded else []
+    return alone, batch
 
 
 def fused_trainer_logprobs(model_dir: str, dtype: str, all_prompts, results, temperature: float) -> list[torch.Tensor]:
@@ -341,6 +349,55 @@ def test_tensor_parallel_rollout_equals_the_sliced_trainer(model_dirs, hf_patche
     unsliced, _ = trainer_logprobs(model_dir, "float32", all_prompts, results, 1.0)
     equal, total, _ = fraction_equal(rollout, unsliced)
     assert equal < total
+
+
+@pytest.mark.skipif(not _entry_point_installed(), reason="samepath's vllm.general_plugins entry point is not installed")
+@pytest.mark.parametrize("expert_parallel", [False, True], ids=["tp2", "tp2-ep2"])
+def test_moe_tensor_and_expert_parallel_rollouts_equal_the_trainer(
+    model_dirs, hf_patched, monkeypatch, expert_parallel
+):
+    """A bf16 Qwen3-MoE on vLLM at tensor_parallel_size=2: without expert parallelism each expert's
+    intermediate dimension is sharded and samepath gathers the ranks' fp32 partials and sums them in
+    rank order (``samepath.distributed.tensor_parallel_experts``); with ``enable_expert_parallel``
+    each rank holds 2 of the 4 experts and samepath's exchange (``expert_parallel_experts``)
+    combines them. Each equals the one-process trainer with the matching numerics
+    (``tensor_parallel_numerics(model, 2, expert_parallel=...)``) on every generated token (each
+    sequence alone and in a padded batch). Negative controls: the other layout's trainer differs,
+    and for the TP run so does a trainer whose slices' partials are rounded to bf16 before the sum
+    (a bf16 combine; with two ranks the fp32 rank order cannot matter: two adds commute)."""
+    from samepath.kernels import expert_slices
+
+    model_dir = model_dirs("qwen3_moe", "bfloat16")
+    engine_args = {"enable_expert_parallel": True} if expert_parallel else None
+    all_prompts, results = vllm_rollout(
+        model_dir, "bfloat16", 1.0, plugin=True, tensor_parallel=2, engine_args=engine_args
+    )
+    rollout = rollout_logprobs(results)
+    alone, padded = trainer_logprobs(
+        model_dir, "bfloat16", all_prompts, results, 1.0, tensor_parallel=2, expert_parallel=expert_parallel
+    )
+    label = "TP=2 + EP=2" if expert_parallel else "TP=2"
+    print(f"\n[qwen3-moe bf16 {label}] samepath vLLM vs trainer: {fraction_equal(rollout, alone)}")
+    for r, a, p in zip(rollout, alone, padded, strict=True):
+        assert torch.equal(r, a) and torch.equal(r, p)
+    other, _ = trainer_logprobs(
+        model_dir, "bfloat16", all_prompts, results, 1.0, tensor_parallel=2, expert_parallel=not expert_parallel,
+        padded=False,
+    )  # fmt: skip
+    equal, total, _ = fraction_equal(rollout, other)
+    print(f"[qwen3-moe bf16 {label}] vs the other layout's trainer: {(equal, total)}")
+    assert equal < total
+    if not expert_parallel:
+        sum_slices = expert_slices.sum_slices
+        monkeypatch.setattr(
+            expert_slices, "sum_slices", lambda parts, dtype: sum_slices([p.to(dtype).float() for p in parts], dtype)
+        )
+        bf16_combine, _ = trainer_logprobs(
+            model_dir, "bfloat16", all_prompts, results, 1.0, tensor_parallel=2, padded=False
+        )
+        equal, total, _ = fraction_equal(rollout, bf16_combine)
+        print(f"[qwen3-moe bf16 {label}] vs a bf16-combine trainer: {(equal, total)}")
+        assert equal < total
 
 
 def test_samepath_check_rollout_vllm(tmp_path, capsys):

@@ -98,6 +98,10 @@ def vllm_moe_entry(name: str, module: torch.nn.Module, formulas: dict | None):
         return None
     experts = module.routed_experts
     if not getattr(experts, "samepath_experts", False):
+        method = getattr(experts, "quant_method", None)
+        if method is not None and "Unquantized" not in type(method).__name__:
+            detail = f"a quantised MoE ({type(method).__name__}): samepath's experts run unquantised weights only"
+            return module_entry(name, module, "moe", UNCOVERED, detail)
         return module_entry(name, module, "moe", UNCOVERED, "experts left on vLLM's fused kernel")
     try:
         check_plain_routing(module)
@@ -106,7 +110,9 @@ def vllm_moe_entry(name: str, module: torch.nn.Module, formulas: dict | None):
     problem = moe_formula_problem(experts, formulas)
     if problem is not None:
         return module_entry(name, module, "moe", UNCOVERED, problem)
-    return module_entry(name, module, "moe", COVERED, "samepath.integrations.moe routing and experts")
+    kind, size = getattr(experts, "samepath_parallel", ("plain", 1))
+    layout = "" if kind == "plain" else f" ({kind}-parallel over {size} ranks)"
+    return module_entry(name, module, "moe", COVERED, f"samepath.integrations.moe routing and experts{layout}")
 
 
 def vllm_rules() -> ModuleRules:
