@@ -30,6 +30,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
 import types
 from importlib.metadata import entry_points
 
@@ -823,6 +824,77 @@ def test_load_audit_refuses_uncovered_vllm_layers_by_name(plugin_installed, monk
     assert samepath.fingerprint().startswith(plain + "-uncovered")
     plugin_installed.uninstall()
     assert samepath.fingerprint() == plain
+
+
+def _moe_layer(experts=4, ep=1, rank=0, tp=1, strategy="linear", **parallel):
+    """A stand-in for vLLM's ``RoutedExperts`` with the fields :func:`moe_parallel_layout` reads."""
+    local = experts // ep if ep > 1 else experts
+    expert_map = None
+    if ep > 1:
+        expert_map = torch.full((experts,), -1, dtype=torch.int32)
+        expert_map[rank * local : (rank + 1) * local] = torch.arange(local, dtype=torch.int32)
+    config = dict(dp_size=1, pcp_size=1, is_sequence_parallel=False, enable_eplb=False, use_ep=ep > 1)
+    config.update(ep_size=ep, ep_rank=rank, tp_size=tp, **parallel)
+    moe_config = types.SimpleNamespace(
+        num_experts=experts,
+        num_logical_experts=experts,
+        intermediate_size=64,
+        moe_parallel_config=types.SimpleNamespace(**config),
+    )
+    width = 64 // tp
+    return types.SimpleNamespace(
+        layer_name="model.layers.0.mlp.experts",
+        moe_config=moe_config,
+        expert_placement_strategy=strategy,
+        expert_map=expert_map,
+        w13_weight=torch.empty(local, 2 * width, 8),
+        w2_weight=torch.empty(local, 8, width),
+    )
+
+
+def test_vllm_moe_layouts_samepath_cannot_reproduce_are_refused_by_name():
+    """At weight loading (``process_weights_after_loading``) each plain MoE layer's layout is read:
+    TP and EP layouts it implements are recorded, the others refused with a message naming them —
+    never run with different bits."""
+    from samepath.integrations.vllm.layers import moe_parallel_layout
+
+    assert moe_parallel_layout(_moe_layer()) == ("plain", 1)
+    assert moe_parallel_layout(_moe_layer(tp=2)) == ("tensor", 2)
+    assert moe_parallel_layout(_moe_layer(ep=2, rank=1)) == ("expert", 2)
+    refusals = {
+        "6 experts are not divisible by the expert-parallel size 4": _moe_layer(experts=6, ep=4),
+        "expert_placement_strategy='round_robin' is not implemented": _moe_layer(ep=2, strategy="round_robin"),
+        "data_parallel_size=2": _moe_layer(dp_size=2),
+        "expert-parallel load balancer": _moe_layer(ep=2, enable_eplb=True),
+        "sequence-parallel MoE": _moe_layer(is_sequence_parallel=True),
+        "padded per-rank intermediate": _moe_layer(tp=2),
+    }
+    refusals["padded per-rank intermediate"].moe_config.intermediate_size = 60
+    shifted = _moe_layer(ep=2, rank=1)
+    shifted.expert_map = torch.tensor([-1, 0, 1, -1], dtype=torch.int32)
+    refusals["rank 1's expert map is not the contiguous block of experts 2..3"] = shifted
+    for message, layer in refusals.items():
+        with pytest.raises(NotImplementedError, match=re.escape(message)) as refused:
+            moe_parallel_layout(layer)
+        assert "model.layers.0.mlp.experts" in str(refused.value)
+
+
+def test_load_audit_names_a_quantised_moe(plugin_installed):
+    """A MoE layer whose experts vLLM quantised (its quant method is not the unquantised one
+    samepath replaces) is refused at load as a quantised MoE, by its method's name."""
+    from vllm.model_executor.layers.fused_moe.runner.moe_runner import MoERunner
+
+    from samepath import audit
+
+    class Fp8MoEMethod:  # the name of vLLM's fp8 MoE method; only its class name is read
+        pass
+
+    runner = torch.nn.Module.__new__(MoERunner)
+    torch.nn.Module.__init__(runner)
+    runner.routed_experts = types.SimpleNamespace(quant_method=Fp8MoEMethod())
+    config = transformers.Qwen3MoeConfig(**DEFAULT_MODEL_CONFIG, **MOE_CONFIG)
+    with pytest.raises(audit.UncoveredOpsError, match=r"a quantised MoE \(Fp8MoEMethod\)"):
+        plugin_installed.check_loaded_model(_vllm_module_tree(config.rms_norm_eps, {"moe": runner}), config)
 
 
 def test_load_audit_compares_the_trainers_model_fingerprint(monkeypatch):
