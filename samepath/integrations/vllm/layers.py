@@ -364,7 +364,7 @@ def plain_experts(layer: Any) -> bool:
     )
 
 
-def moe_parallel_layout(layer: Any) -> tuple[str, int]:
+def moe_parallel_layout(layer: Any, expert_map: torch.Tensor | None = None) -> tuple[str, int]:
     """How vLLM laid a plain MoE layer's experts out, as samepath runs it: ``("plain", 1)`` (every
     expert whole on this rank), ``("tensor", S)`` (each expert's intermediate dimension sharded over
     the TP group: :func:`samepath.distributed.tensor_parallel_experts`) or ``("expert", k)`` (whole
@@ -373,7 +373,9 @@ def moe_parallel_layout(layer: Any) -> tuple[str, int]:
     Raises ``NotImplementedError`` naming what the frozen formulas cannot reproduce: data / context /
     sequence parallel MoE, the expert-parallel load balancer (EPLB) or redundant experts, a number
     of experts the expert-parallel size does not divide, an expert placement other than
-    ``"linear"`` (contiguous blocks in rank order), a padded per-rank intermediate dimension."""
+    ``"linear"`` (contiguous blocks in rank order), a padded per-rank intermediate dimension.
+    ``expert_map``: the global-to-local map to check (default ``layer.expert_map``; vllm-ascend keeps
+    its own in ``layer._expert_map``)."""
     config = layer.moe_config
     parallel = config.moe_parallel_config
     where = f"samepath's vLLM MoE ({getattr(layer, 'layer_name', type(layer).__name__)})"
@@ -404,7 +406,7 @@ def moe_parallel_layout(layer: Any) -> tuple[str, int]:
         local = experts // size
         expected = torch.full((experts,), -1, dtype=torch.int64)
         expected[rank * local : (rank + 1) * local] = torch.arange(local)
-        expert_map = layer.expert_map
+        expert_map = layer.expert_map if expert_map is None else expert_map
         if expert_map is None or not torch.equal(expert_map[:experts].to("cpu", torch.int64), expected):
             raise NotImplementedError(
                 f"{where}: rank {rank}'s expert map is not the contiguous block of experts "
@@ -521,7 +523,7 @@ def parallel_moe(
     """A tensor- or expert-parallel MoE layer (:func:`moe_parallel_layout`'s ``kind``): Hugging
     Face's router on the (replicated) logits, then :func:`samepath.distributed.tensor_parallel_experts`
     over vLLM's TP group or :func:`samepath.distributed.expert_parallel_experts` over its EP group;
-    the whole layer's output on every rank."""
+    the whole layer's output on every rank. (vllm-ascend's path calls it too.)"""
     from vllm.distributed import get_ep_group, get_tp_group
 
     from samepath.distributed import expert_parallel_experts, tensor_parallel_experts
