@@ -353,52 +353,56 @@ def test_tensor_parallel_rollout_equals_the_sliced_trainer(model_dirs, hf_patche
 
 
 @pytest.mark.skipif(not _entry_point_installed(), reason="samepath's vllm.general_plugins entry point is not installed")
-@pytest.mark.parametrize("expert_parallel", [False, True], ids=["tp2", "tp2-ep2"])
-def test_moe_tensor_and_expert_parallel_rollouts_equal_the_trainer(
-    model_dirs, hf_patched, monkeypatch, expert_parallel
-):
-    """A bf16 Qwen3-MoE on vLLM at tensor_parallel_size=2: without expert parallelism each expert's
-    intermediate dimension is sharded and samepath gathers the ranks' fp32 partials and sums them in
-    rank order (``samepath.distributed.tensor_parallel_experts``); with ``enable_expert_parallel``
-    each rank holds 2 of the 4 experts and samepath's exchange (``expert_parallel_experts``)
-    combines them. Each equals the one-process trainer with the matching numerics
-    (``tensor_parallel_numerics(model, 2, expert_parallel=...)``) on every generated token (each
-    sequence alone and in a padded batch). Negative controls: the other layout's trainer differs,
-    and for the TP run so does a trainer whose slices' partials are rounded to bf16 before the sum
-    (a bf16 combine; with two ranks the fp32 rank order cannot matter: two adds commute)."""
+def test_moe_tensor_and_expert_parallel_rollouts_equal_the_trainer(model_dirs, hf_patched, monkeypatch):
+    """A bf16 Qwen3-MoE on vLLM at tensor_parallel_size=2, twice. Without expert parallelism each
+    expert's intermediate dimension is sharded and samepath gathers the ranks' fp32 partials and
+    sums them in rank order (``samepath.distributed.tensor_parallel_experts``); with
+    ``enable_expert_parallel`` each rank holds 2 of the 4 experts and samepath's exchange
+    (``expert_parallel_experts``) combines them. Each rollout equals the one-process trainer with
+    the matching numerics (``tensor_parallel_numerics(model, 2, expert_parallel=...)``) on every
+    generated token, each sequence alone and in a padded batch. Negative controls: each rollout
+    differs from the other layout's trainer, and the TP rollout from a trainer whose slices'
+    partials are rounded to bf16 before the sum (a bf16 combine; with two ranks the fp32 rank
+    order cannot matter: two adds commute). Two engines: vLLM's start-up at TP=2 is most of the
+    time."""
     from samepath.kernels import expert_slices
 
     model_dir = model_dirs("qwen3_moe", "bfloat16")
-    engine_args = {"enable_expert_parallel": True} if expert_parallel else None
-    all_prompts, results = vllm_rollout(
-        model_dir, "bfloat16", 1.0, plugin=True, tensor_parallel=2, engine_args=engine_args
-    )
-    rollout = rollout_logprobs(results)
-    alone, padded = trainer_logprobs(
-        model_dir, "bfloat16", all_prompts, results, 1.0, tensor_parallel=2, expert_parallel=expert_parallel
-    )
-    label = "TP=2 + EP=2" if expert_parallel else "TP=2"
-    print(f"\n[qwen3-moe bf16 {label}] samepath vLLM vs trainer: {fraction_equal(rollout, alone)}")
-    for r, a, p in zip(rollout, alone, padded, strict=True):
-        assert torch.equal(r, a) and torch.equal(r, p)
-    other, _ = trainer_logprobs(
-        model_dir, "bfloat16", all_prompts, results, 1.0, tensor_parallel=2, expert_parallel=not expert_parallel,
-        padded=False,
-    )  # fmt: skip
-    equal, total, _ = fraction_equal(rollout, other)
-    print(f"[qwen3-moe bf16 {label}] vs the other layout's trainer: {(equal, total)}")
-    assert equal < total
-    if not expert_parallel:
-        sum_slices = expert_slices.sum_slices
-        monkeypatch.setattr(
-            expert_slices, "sum_slices", lambda parts, dtype: sum_slices([p.to(dtype).float() for p in parts], dtype)
+    runs = {}
+    for expert_parallel in (False, True):
+        engine_args = {"enable_expert_parallel": True} if expert_parallel else None
+        runs[expert_parallel] = vllm_rollout(
+            model_dir, "bfloat16", 1.0, plugin=True, tensor_parallel=2, engine_args=engine_args
         )
-        bf16_combine, _ = trainer_logprobs(
-            model_dir, "bfloat16", all_prompts, results, 1.0, tensor_parallel=2, padded=False
+    # One trainer per layout, on its own rollout's sequences (alone and padded) and, alone, on the
+    # other rollout's (the negative control).
+    for expert_parallel, (all_prompts, results) in runs.items():
+        rollout = rollout_logprobs(results)
+        label = "TP=2 + EP=2" if expert_parallel else "TP=2"
+        alone, padded = trainer_logprobs(
+            model_dir, "bfloat16", all_prompts, results, 1.0, tensor_parallel=2, expert_parallel=expert_parallel
         )
-        equal, total, _ = fraction_equal(rollout, bf16_combine)
-        print(f"[qwen3-moe bf16 {label}] vs a bf16-combine trainer: {(equal, total)}")
+        print(f"\n[qwen3-moe bf16 {label}] samepath vLLM vs its trainer: {fraction_equal(rollout, alone)}")
+        for r, a, p in zip(rollout, alone, padded, strict=True):
+            assert torch.equal(r, a) and torch.equal(r, p)
+        other, _ = trainer_logprobs(
+            model_dir, "bfloat16", all_prompts[:3], results[:3], 1.0, tensor_parallel=2,
+            expert_parallel=not expert_parallel, padded=False,
+        )  # fmt: skip
+        equal, total, _ = fraction_equal(rollout[:3], other)
+        print(f"[qwen3-moe bf16 {label}] vs the other layout's trainer: {(equal, total)}")
         assert equal < total
+    all_prompts, results = runs[False]
+    sum_slices = expert_slices.sum_slices
+    monkeypatch.setattr(
+        expert_slices, "sum_slices", lambda parts, dtype: sum_slices([p.to(dtype).float() for p in parts], dtype)
+    )
+    bf16_combine, _ = trainer_logprobs(
+        model_dir, "bfloat16", all_prompts[:3], results[:3], 1.0, tensor_parallel=2, padded=False
+    )
+    equal, total, _ = fraction_equal(rollout_logprobs(results[:3]), bf16_combine)
+    print(f"[qwen3-moe bf16 TP=2] vs a bf16-combine trainer: {(equal, total)}")
+    assert equal < total
 
 
 def test_samepath_check_rollout_vllm(tmp_path, capsys):
