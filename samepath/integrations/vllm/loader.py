@@ -38,7 +38,7 @@ from samepath.integrations.vllm.layers import (
     rotary_forward,
     vllm_rope,
 )
-from samepath.integrations.vllm.state import expected_fingerprint, installed
+from samepath.integrations.vllm.state import expected_fingerprint, expert_parallel, installed
 from samepath.kernels.config import assert_same_numerics
 from samepath.kernels.rotary import rotary_inv_freq, rotary_position_limit
 
@@ -292,7 +292,8 @@ def check_loaded_model(
     if trainer is not None and not report.problems:
         from vllm.distributed import get_tensor_model_parallel_world_size
 
-        assert_same_numerics(trainer, get_tensor_model_parallel_world_size(), model_config=hf_config)
+        size = get_tensor_model_parallel_world_size()
+        assert_same_numerics(trainer, size, model_config=hf_config, expert_parallel=expert_parallel())
     LOADED_MODEL_CONFIG = hf_config
     logger.info("samepath: %s model audited (%s)", side, report.counts())
 

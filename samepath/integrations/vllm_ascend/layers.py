@@ -23,6 +23,7 @@ from samepath.integrations.vllm.layers import (
     rotary_forward,
     rotate,
 )
+from samepath.integrations.vllm.state import record_expert_parallel
 from samepath.integrations.vllm_ascend.state import original, set_original
 from samepath.kernels.matmul import linear
 from samepath.kernels.rms_norm import rms_norm
@@ -269,6 +270,8 @@ def patch_moe(patcher: Patcher) -> bool:
             return original(owner, "process_weights_after_loading")(self, layer)
         # Refuses, at load, a layout samepath cannot reproduce (vllm-ascend's own map: _expert_map).
         layout = moe_parallel_layout(layer, getattr(layer, "_expert_map", None))
+        if layout[0] == "expert":
+            record_expert_parallel()  # the load gate compares fingerprint(S, expert_parallel=True)
         # What vllm-ascend runs first, then nothing: w13 [E, 2I, H] / w2 [E, H, I] stay as loaded.
         super(UnquantizedFusedMoEMethod, self).process_weights_after_loading(layer)
         layer.samepath_experts = True
