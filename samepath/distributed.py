@@ -112,6 +112,7 @@ from samepath.kernels.config import (
     fingerprint,
     tensor_parallel_numerics,
 )
+from samepath.kernels.expert_slices import expert_slice_partial, sum_slices
 from samepath.kernels.grouped_matmul import (
     combine_in_expert_order,
     expert_projections,
@@ -428,6 +429,37 @@ def column_parallel_linear(
 
 
 # ----------------------------------------------------------------------------------------------
+# Tensor-parallel experts (each expert's intermediate dimension sharded)
+# ----------------------------------------------------------------------------------------------
+
+
+def tensor_parallel_experts(
+    hidden_states: torch.Tensor,
+    gate_up_shard: torch.Tensor,
+    down_shard: torch.Tensor,
+    top_k_index: torch.Tensor,
+    top_k_weights: torch.Tensor,
+    group: dist.ProcessGroup | None = None,
+) -> torch.Tensor:
+    """A routed SwiGLU MoE layer with every expert's intermediate dimension sharded over the ``S``
+    ranks of ``group`` (vLLM's TP MoE): this rank's fp32 partial
+    (:func:`samepath.kernels.expert_slices.expert_slice_partial` on its shard: ``gate_up_shard``
+    ``[E, 2I/S, H]``, its gate rows then its up rows, ``down_shard`` ``[E, H, I/S]``), the partials
+    ``all_gather``-ed and summed in ascending rank order in fp32, one cast
+    (:func:`samepath.kernels.expert_slices.sum_slices`). A collective: every rank passes the same
+    ``hidden_states`` ``[tokens, H]`` and routing ``[tokens, top_k]``; every rank returns the same
+    ``[tokens, H]``, bit-identical to the one-process
+    :func:`samepath.kernels.expert_slices.sliced_experts` with ``slices = S``. Inference only: a
+    tensor needing a gradient is refused (a TP trainer differentiates ``sliced_experts``)."""
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (hidden_states, gate_up_shard, down_shard)):
+        raise NotImplementedError(
+            "tensor_parallel_experts has no backward; differentiate samepath.kernels.expert_slices.sliced_experts"
+        )
+    partial = expert_slice_partial(hidden_states, gate_up_shard, down_shard, top_k_index, top_k_weights)
+    return sum_slices(_gather(partial, group), hidden_states.dtype)
+
+
+# ----------------------------------------------------------------------------------------------
 # Expert parallelism
 # ----------------------------------------------------------------------------------------------
 
@@ -592,6 +624,7 @@ __all__ = [
     "shard_lse",
     "sharded_token_logprobs",
     "sum_partials",
+    "tensor_parallel_experts",
     "tensor_parallel_numerics",
     "vocab_parallel_token_logprobs",
 ]

@@ -10,8 +10,8 @@ import samepath
 from samepath.check.harness import DEFAULT_MODEL_CONFIG
 
 PINNED = {
-    1: "sp4-7d592a94d26393da",
-    2: "sp4-11c41cd5c589d346",
+    1: "sp4-fe3c414d240c088d",
+    2: "sp4-0d7a5a4d2444bd1e",
 }
 
 

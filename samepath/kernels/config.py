@@ -306,6 +306,11 @@ DISTRIBUTED_FORMULA = {
     "one cast == matmul(dY, W, k_slices=S); dW_r = dY_r^T @ X, db_r = 1^T @ dY_r, plain kernel",
     "vocab_parallel_backward": "no collective; per shard token_logprobs' backward kernel with the merged lse: "
     "((onehot - exp(z - lse)) * g) / T, 0 for ignore_index rows",
+    "moe_tensor_parallel": "S > 1: each expert's intermediate dim in S contiguous slices (rank r: gate and up rows "
+    "r*I/S..(r+1)*I/S-1, down columns the same); per slice the grouped per-expert gate_up and silu_mul in the "
+    "activation dtype, down as an fp32 accumulator times fp32(weight), each token's pairs added in ascending "
+    "expert order in fp32; the S fp32 partials all_gathered, summed in ascending rank order (first as is), one "
+    "cast; S = 1: the plain layer",
     "expert_parallel": "E/k contiguous experts per rank; each (token, slot) pair's weighted expert output "
     "computed by its expert's rank with the per-expert linear's bits, all_gather of the raw bits, each pair's "
     "row taken from its owner, each token's pairs added in ascending expert order in the activation dtype "
@@ -318,15 +323,26 @@ DISTRIBUTED_FORMULA = {
 register_formula("distributed", DISTRIBUTED_FORMULA)
 
 
-def tensor_parallel_numerics(tensor_parallel_size: int) -> dict[str, int]:
+def tensor_parallel_numerics(tensor_parallel_size: int, expert_parallel: bool = False) -> dict[str, int | str]:
     """The TP-dependent numerics constants for a rollout of TP degree ``S`` (the fingerprint's
     ``tensor_parallel`` entry): the row-parallel ``k_slices``, the vocabulary shards of the
     logprobs and the slices of the column-parallel input gradient, all ``S``. ``S = 1`` is the
-    unsharded schedule. A one-process trainer passes the ``S`` it runs ``k_slices`` with."""
+    unsharded schedule. A one-process trainer passes the ``S`` it runs ``k_slices`` with.
+    ``expert_parallel`` (``S > 1``): the MoE experts are placed whole across the ranks (vLLM's
+    ``enable_expert_parallel``; the plain layer) instead of sliced along their intermediate
+    dimension (the ``moe_tensor_parallel`` formula) — an extra ``moe_experts`` entry."""
     if not isinstance(tensor_parallel_size, int) or isinstance(tensor_parallel_size, bool) or tensor_parallel_size < 1:
         raise ValueError(f"tensor_parallel_size must be a positive int, got {tensor_parallel_size!r}")
     size = tensor_parallel_size
-    return {"tensor_parallel_size": size, "k_slices": size, "vocab_shards": size, "grad_input_slices": size}
+    entry: dict[str, int | str] = {
+        "tensor_parallel_size": size,
+        "k_slices": size,
+        "vocab_shards": size,
+        "grad_input_slices": size,
+    }
+    if expert_parallel and size > 1:
+        entry["moe_experts"] = "expert_parallel"
+    return entry
 
 
 #: side ("hf", "vllm", "vllm_ascend") -> the parts off samepath's contract that the user allowed
@@ -374,8 +390,8 @@ def _table_payload() -> dict:
     }
 
 
-def _fingerprint_of(table: dict, tensor_parallel_size: int) -> str:
-    tensor_parallel = tensor_parallel_numerics(tensor_parallel_size)
+def _fingerprint_of(table: dict, tensor_parallel_size: int, expert_parallel: bool = False) -> str:
+    tensor_parallel = tensor_parallel_numerics(tensor_parallel_size, expert_parallel)
     payload = json.dumps({**table, "tensor_parallel": tensor_parallel}, sort_keys=True, separators=(",", ":"))
     return f"sp{NUMERICS_VERSION}-" + hashlib.sha256(payload.encode()).hexdigest()[:16]
 
@@ -408,19 +424,22 @@ def model_fingerprint(model_config) -> str:
     return _MODEL_FINGERPRINT[0](model_config)
 
 
-def fingerprint(tensor_parallel_size: int = 1, model_config=None) -> str:
+def fingerprint(tensor_parallel_size: int = 1, model_config=None, *, expert_parallel: bool = False) -> str:
     """A short hash of every numerics-relevant constant. Equal strings mean equal schedules.
 
     ``tensor_parallel_size`` is the rollout's TP degree S: the matmul's K slices and the vocabulary
     shards of the logprobs (:func:`tensor_parallel_numerics`) are part of the
     numerics, so a trainer that runs the S-slice kernels and a TP-S rollout compare equal.
+    ``expert_parallel``: the rollout runs its MoE experts expert-parallel (vLLM's
+    ``enable_expert_parallel=True``), the trainer ``tensor_parallel_numerics(model, S,
+    expert_parallel=True)``; without it a MoE's experts are TP-sliced (:func:`tensor_parallel_numerics`).
 
     ``model_config`` (a Hugging Face config; optional) appends ``-`` + :func:`model_fingerprint`:
     the per-model formula choices, so a rollout and a trainer that resolved the model differently
     compare unequal. Parts of a model the user allowed off the contract
     (``samepath.audit.enforce``) add ``-uncovered<hash>``: a marker for the record,
     which :func:`assert_same_numerics` does not compare (the opt-out already accepted them)."""
-    table = _fingerprint_of(_table_payload(), tensor_parallel_size) + _uncovered_marker()
+    table = _fingerprint_of(_table_payload(), tensor_parallel_size, expert_parallel) + _uncovered_marker()
     return table if model_config is None else f"{table}-{model_fingerprint(model_config)}"
 
 
@@ -436,11 +455,11 @@ def split_fingerprint(value: str) -> tuple[str, str | None]:
 def tensor_parallel_size_of(other_fingerprint: str, max_size: int = 64) -> int | None:
     """The ``S`` in ``1..max_size`` for which ``fingerprint(S)`` equals ``other_fingerprint``'s
     numerics part, or ``None`` when no TP degree of this process's table gives it (another version
-    or table)."""
+    or table); with or without expert-parallel experts."""
     numerics, _ = split_fingerprint(other_fingerprint)
     table = _table_payload()
     for size in range(1, max_size + 1):
-        if _fingerprint_of(table, size) == numerics:
+        if numerics in (_fingerprint_of(table, size), _fingerprint_of(table, size, True)):
             return size
     return None
 
@@ -449,17 +468,20 @@ class NumericsMismatchError(RuntimeError):
     """Raised when two processes would compute logprobs with different numerics tables."""
 
 
-def assert_same_numerics(other_fingerprint: str, tensor_parallel_size: int = 1, model_config=None) -> None:
+def assert_same_numerics(
+    other_fingerprint: str, tensor_parallel_size: int = 1, model_config=None, *, expert_parallel: bool = False
+) -> None:
     """Raise :class:`NumericsMismatchError` unless ``other_fingerprint`` equals this process's
     ``fingerprint(tensor_parallel_size)`` — and, when ``other_fingerprint`` carries a model part and
     ``model_config`` is given, ``fingerprint(tensor_parallel_size, model_config)``. A model part
     with no ``model_config`` to compare it to is checked later (only the numerics part now)."""
     numerics, model_part = split_fingerprint(other_fingerprint)
-    mine = _fingerprint_of(_table_payload(), tensor_parallel_size)
+    mine = _fingerprint_of(_table_payload(), tensor_parallel_size, expert_parallel)
     if numerics != mine:
         raise NumericsMismatchError(
             f"numerics fingerprint mismatch: this process runs {mine}, the other side {other_fingerprint}. "
-            "Trainer and rollout must install the same samepath version and config table, or their "
+            "Trainer and rollout must install the same samepath version and config table (and agree on "
+            "tensor_parallel_size and on expert parallelism: fingerprint(S, expert_parallel=...)), or their "
             "log-probabilities will not be bit-identical."
         )
     if model_part is not None and model_config is not None and model_part != model_fingerprint(model_config):

@@ -195,6 +195,7 @@ def grouped_linear(
     *,
     rows_per_pair: bool,
     config: MatmulConfig | None = None,
+    out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """``out[p] = x[src(p)] @ weight[expert(p)].T`` for every pair ``p`` of ``plan``; not differentiable.
 
@@ -204,9 +205,12 @@ def grouped_linear(
         weight: ``[E, N, K]`` (Hugging Face's ``gate_up_proj`` / ``down_proj``, vLLM's ``w13`` / ``w2``).
         plan: from :func:`expert_plan` with ``block_m`` equal to the config's.
         config: the matmul tiles; default the frozen table's for ``x``'s dtype and device.
+        out_dtype: ``None`` (``x.dtype``) or ``torch.float32``: the fp32 accumulator before the
+            cast (a tensor-parallel shard's partial, :mod:`samepath.kernels.expert_slices`).
 
     Returns:
-        ``[P, N]`` in ``x.dtype``, each row bit-identical to the per-expert :func:`samepath.linear`.
+        ``[P, N]`` in ``out_dtype``, each row bit-identical to the per-expert :func:`samepath.linear`
+        (with ``out_dtype=torch.float32``: to ``matmul(..., out_dtype=torch.float32)``).
     """
     dtype, device = check_operands(x=x, weight=weight)
     if x.dim() != 2 or weight.dim() != 3 or weight.shape[2] != x.shape[1]:
@@ -216,11 +220,13 @@ def grouped_linear(
     expected_rows = plan.num_pairs if rows_per_pair else plan.num_pairs // max(plan.top_k, 1)
     if x.shape[0] != expected_rows:
         raise ValueError(f"x has {x.shape[0]} rows; the plan needs {expected_rows}")
+    if out_dtype not in (None, dtype, torch.float32):
+        raise ValueError(f"out_dtype must be None, {dtype} or torch.float32, got {out_dtype}")
     cfg = config or matmul_config(dtype, device)
     if plan.block_m != cfg.block_m:
         raise ValueError(f"plan.block_m = {plan.block_m} differs from the config's block_m = {cfg.block_m}")
     n, k = weight.shape[1], weight.shape[2]
-    out = torch.empty((plan.num_pairs, n), dtype=dtype, device=device)
+    out = torch.empty((plan.num_pairs, n), dtype=out_dtype or dtype, device=device)
     if plan.num_pairs == 0 or n == 0:
         return out
     if k == 0:
