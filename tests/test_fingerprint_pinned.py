@@ -10,8 +10,8 @@ import samepath
 from samepath.check.harness import DEFAULT_MODEL_CONFIG
 
 PINNED = {
-    1: "sp3-769aff5997324428",
-    2: "sp3-db26ef0f109ba2e8",
+    1: "sp3-f7dffec6702ac2a5",
+    2: "sp3-e646bd9d53c2b0e6",
 }
 
 
