@@ -73,31 +73,39 @@ applied inside the TP region to a rank's heads only, like Qwen3's per-head q/k n
 partial gradient per rank; summing those is the trainer's business and is not covered here.)
 
 **Expert parallelism** (a MoE layer's ``E`` experts split into ``k`` contiguous blocks of
-``E/k``, rank ``r`` holding experts ``r*E/k .. (r+1)*E/k - 1``; tokens and routing replicated).
-Each rank computes the weighted output of every (token, slot) pair routed to its experts with the
-grouped kernel (:func:`samepath.kernels.grouped_matmul.routed_pair_outputs`: a pair's row has the
-bits of its expert's linear whatever else is in the launch), the ranks ``all_gather`` those rows
-as raw bits, every rank takes each pair's row from the rank that owns its expert (a selection, no
-arithmetic), and each token's pairs are added in ascending expert order in the activation dtype
-(:func:`samepath.kernels.grouped_matmul.combine_in_expert_order`) — the one-process layer's adds.
-So EP = k equals EP = 1 bit for bit for every k, and a trainer and a rollout on different expert
-layouts agree (:func:`expert_parallel_experts`).
+``E/k``, rank ``r`` holding experts ``r*E/k .. (r+1)*E/k - 1``). Every path combines with one
+formula (:func:`samepath.kernels.grouped_matmul.expert_sum`, ``OP_FORMULAS["moe"]``): a token's
+output is its pairs' terms ``fp32(expert_out[p]) * fp32(weight[p])`` added in ascending expert
+order in fp32, cast once; a pair's ``expert_out`` row has its expert's linear bits whatever else
+shares the grouped launch. So the only question is where each row travels, and the exchange moves
+rows as raw bytes with ``all_to_all_single`` (split sizes from the routing, rank order):
 
-Its backward (the upstream gradient ``dY`` replicated) is the one-process grouped backward
-(:class:`samepath.kernels.grouped_matmul.GroupedExpertsFunction`) cut along the same line: each
-rank runs it for its experts' pairs — ``dW`` of its experts (each expert's pairs folded in plan
-order, which is the same order whatever other experts the plan holds), each pair's routing-weight
-gradient (an fp32 row sum of ``dY * expert_out``) and each pair's input-gradient row — and one
-``all_gather`` moves the last two as raw bytes; every rank selects each pair's from its owner and
-adds each token's input-gradient rows in ascending expert order in fp32, one cast. No sum crosses
-ranks, so no reduction order depends on k: the gradients of EP = k equal EP = 1's bit for bit.
+* ``tokens="replicated"`` (a TP x EP rollout: tokens and routing the same on every rank). No
+  dispatch: rank ``r`` computes its experts' pairs of every token; each pair's ``expert_out`` row
+  goes to the rank that combines its token (the tokens cut into :func:`token_chunks`, contiguous,
+  in rank order; :func:`expert_parallel_splits` counts the rows); that rank combines its chunk and
+  one ``all_gather`` of the combined rows gives every rank the whole output.
+* ``tokens="local"`` (an FSDP / data-parallel + EP trainer: each rank its own tokens). The
+  per-destination pair counts are exchanged first (``all_to_all_single``), then each pair's hidden
+  row and expert id go to its expert's rank (source ranks in rank order, each source's pairs in
+  pair order), the ``expert_out`` rows come back the same way, and the token's rank combines.
+
+Backward (deterministic, no atomics): each pair's ``d expert_out = (fp32(dY) * fp32(w)).to(dtype)``
+and ``d w`` (the fp32 row sum of ``fp32(dY) * fp32(expert_out)``) where the token's combine ran,
+the experts' grouped backward (SiLU·mul backward, both projections' input rows) on the expert's
+rank, each pair's input-gradient row sent back the way its output came and each token's rows added
+in ascending expert order in fp32, one cast. Each expert's ``dW`` folds its pairs in plan order:
+replicated, all tokens' (the one-process fold); local, each source rank's pairs on their own and
+the sources' gradients added in rank order in the parameter dtype — the one-process trainer that
+accumulates the ranks' micro-batches. No sum crosses ranks in any other way, so EP = k equals
+EP = 1 bit for bit, forward and backward, for every k.
 
 **S is part of the numerics.** Trainer and rollout must agree on it:
 :func:`tensor_parallel_numerics` is the TP-dependent entry of the fingerprint, and
 :func:`assert_same_numerics_across_group` exchanges every rank's fingerprint and S with
 ``all_gather_object`` and raises :class:`samepath.NumericsMismatchError` when they differ.
-Transport is torch.distributed (gloo on CPU, NCCL/HCCL on devices); only ``all_gather`` (and
-``all_gather_object`` for the check) is used.
+Transport is torch.distributed (gloo on CPU, NCCL/HCCL on devices): ``all_gather``,
+``all_to_all_single`` (expert parallelism) and ``all_gather_object`` for the check; no all-reduce.
 """
 
 from __future__ import annotations
