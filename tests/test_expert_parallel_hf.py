@@ -139,3 +139,44 @@ def test_fsdp_and_expert_parallel_trainer_equals_one_process(tmp_path) -> None:
     name = "model.layers.0.mlp.experts.gate_up_proj"
     one_batch = dict(concatenated.named_parameters())[name].grad
     assert not torch.equal(one_batch[:local], results[0]["d" + name])
+
+
+def test_shard_experts_refuses_what_it_cannot_reproduce(tmp_path) -> None:
+    """By name, before any weight is cut: an unpatched model (the stock loop would run on the
+    shard), an unknown token layout, a model without experts, an expert count the group size does
+    not divide, expert biases, a module sharded twice."""
+    from samepath.integrations.expert_parallel import expert_shard, shard_experts
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        model = _model()
+        with pytest.raises(ValueError, match="patch_all"):
+            shard_experts(model)
+        with integrations.patched(model):
+            with pytest.raises(ValueError, match="tokens = 'sharded'"):
+                shard_experts(model, tokens="sharded")
+            dense = transformers.Qwen3ForCausalLM(
+                transformers.Qwen3Config(**{k: v for k, v in CONFIG.items() if "expert" not in k and "moe" not in k})
+            )
+            with pytest.raises(ValueError, match="no experts module"):
+                shard_experts(dense)
+            experts = model.model.layers[0].mlp.experts
+            last = model.model.layers[-1].mlp.experts
+            last.gate_up_proj_bias = torch.nn.Parameter(torch.zeros(EXPERTS, 2 * CONFIG["moe_intermediate_size"]))
+            with pytest.raises(ValueError, match="expert biases \\(gate_up_proj_bias\\)"):
+                shard_experts(model)
+            assert expert_shard(experts) is None, "nothing is cut when a later module is refused"
+            last.gate_up_proj_bias = None
+            params = shard_experts(model)  # one rank: every expert stays, the exchange runs
+            assert len(params) == 2 * CONFIG["num_hidden_layers"] and expert_shard(experts).num_experts == EXPERTS
+            with pytest.raises(ValueError, match="already sharded"):
+                shard_experts(model)
+    finally:
+        dist.destroy_process_group()
+    group_of_three = type("Group", (), {})()
+    model = _model()
+    with integrations.patched(model), pytest.MonkeyPatch.context() as patch:
+        patch.setattr(dist, "get_world_size", lambda group=None: 3)
+        patch.setattr(dist, "get_rank", lambda group=None: 0)
+        with pytest.raises(ValueError, match="num_experts = 8 is not a multiple of the group size 3"):
+            shard_experts(model, group_of_three)

@@ -85,18 +85,17 @@ def shard_experts(
 
     if tokens not in EXPERT_PARALLEL_TOKENS:
         raise ValueError(f"tokens = {tokens!r} must be one of {EXPERT_PARALLEL_TOKENS}")
+    modules = _experts_modules(model)
+    if not modules:
+        raise ValueError(f"{type(model).__name__} has no experts module (3-D gate_up_proj and down_proj)")
     implementation = getattr(getattr(model, "config", None), "_experts_implementation", None)
     if ExpertsInterface._global_mapping.get(implementation) is not samepath_experts_forward:
         raise ValueError(
             f"shard_experts needs a model whose experts run samepath's (experts implementation "
             f"{implementation!r}): call samepath.integrations.patch_all(model) first"
         )
-    modules = _experts_modules(model)
-    if not modules:
-        raise ValueError(f"{type(model).__name__} has no experts module (3-D gate_up_proj and down_proj)")
     world, rank = dist.get_world_size(group), dist.get_rank(group)
-    params: list[torch.nn.Parameter] = []
-    for name, module in modules:
+    for name, module in modules:  # every module checked before any weight is cut
         num_experts = module.gate_up_proj.shape[0]
         if expert_shard(module) is not None:
             raise ValueError(f"{name} is already sharded")
@@ -105,6 +104,9 @@ def shard_experts(
         biases = [attr for attr in ("gate_up_proj_bias", "down_proj_bias") if getattr(module, attr, None) is not None]
         if biases:
             raise ValueError(f"{name}: expert biases ({', '.join(biases)}) are not supported by expert parallelism")
+    params: list[torch.nn.Parameter] = []
+    for _, module in modules:
+        num_experts = module.gate_up_proj.shape[0]
         local = slice(rank * (num_experts // world), (rank + 1) * (num_experts // world))
         for attr in ("gate_up_proj", "down_proj"):
             full = getattr(module, attr)
