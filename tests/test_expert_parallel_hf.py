@@ -1,9 +1,9 @@
 """An FSDP2 + EP trainer of a Hugging Face Qwen3-MoE (two gloo processes on the CPU): each rank
 holds half the experts (``samepath.integrations.expert_parallel.shard_experts``, the all-to-all
-exchange with each rank's own tokens) and FSDP2 (``fully_shard``) shards the rest. Each rank's
-logits and log-probs equal the one-process model's on its micro-batch, and after the backward the
-dense gradients (FSDP's average over the ranks) and each rank's expert gradients equal a one-process
-trainer accumulating the two micro-batches in rank order, bit for bit."""
+exchange with each rank's own tokens) and FSDP2 (``fully_shard``) shards the rest. In fp32 and
+bf16, each rank's logits and log-probs equal the one-process model's on its micro-batch, and after
+the backward the dense gradients (FSDP's average over the ranks) and each rank's expert gradients
+equal a one-process trainer accumulating the two micro-batches in rank order, bit for bit."""
 
 from __future__ import annotations
 
@@ -39,13 +39,16 @@ CONFIG = dict(
 )
 
 
-def _model() -> torch.nn.Module:
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def _model(dtype: torch.dtype = torch.float32) -> torch.nn.Module:
     torch.manual_seed(0)
     model = transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(**CONFIG))
     with torch.no_grad():  # spread the logits out
         for param in model.parameters():
             param.mul_(4.0 if param.dim() == 1 else 2.0)
-    return model
+    return model.to(dtype)
 
 
 def _batches() -> list[dict[str, torch.Tensor]]:
@@ -82,18 +85,20 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=WORLD)
     try:
-        model = _model().train()
-        integrations.patch_all(model)
-        experts = set(shard_experts(model))
         mesh = init_device_mesh("cpu", (WORLD,))
-        for layer in model.model.layers:
-            fully_shard(layer, mesh=mesh, ignored_params=experts)
-        fully_shard(model, mesh=mesh, ignored_params=experts)
-        result = _step(model, _batches()[rank])
-        for name, param in model.named_parameters():
-            grad = param.grad
-            result["d" + name] = grad if _is_expert(name) else grad.full_tensor()
-        torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
+        results = {}
+        for key, dtype in DTYPES.items():
+            model = _model(dtype).train()
+            integrations.patch_all(model)
+            experts = set(shard_experts(model))
+            for layer in model.model.layers:
+                fully_shard(layer, mesh=mesh, ignored_params=experts)
+            fully_shard(model, mesh=mesh, ignored_params=experts)
+            result = results[key] = _step(model, _batches()[rank])
+            for name, param in model.named_parameters():
+                grad = param.grad
+                result["d" + name] = grad if _is_expert(name) else grad.full_tensor()
+        torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
         dist.barrier()
     finally:
         integrations.unpatch_all()
@@ -106,39 +111,60 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def test_fsdp_and_expert_parallel_trainer_equals_one_process(tmp_path) -> None:
+def _one_process(dtype: torch.dtype) -> tuple[list[dict], dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """The one-process trainer: each rank's micro-batch in rank order, gradients accumulated; and
+    the expert gradients of one micro-batch holding both ranks' tokens."""
+    batches = _batches()
+    model, concatenated = _model(dtype).train(), _model(dtype).train()
+    with integrations.patched(model):
+        one = [_step(model, batch) for batch in batches]
+    grads = {name: param.grad.clone() for name, param in model.named_parameters()}
+    with integrations.patched(concatenated):
+        _step(concatenated, {key: torch.cat([batch[key] for batch in batches]) for key in batches[0]})
+    one_batch = {name: param.grad for name, param in concatenated.named_parameters() if _is_expert(name)}
+    return one, grads, one_batch
+
+
+def test_fsdp_and_expert_parallel_trainer_equals_one_process(tmp_path, monkeypatch) -> None:
+    """fp32 and bf16. Negative controls: the previous combine (a token's pairs added in the
+    activation dtype), and the stock Hugging Face model, give other log-probs; one micro-batch of
+    both ranks' tokens gives other expert gradients."""
+    from samepath.integrations import moe
+    from samepath.kernels import grouped_matmul
+
     mp.spawn(_worker, args=(_free_port(), str(tmp_path)), nprocs=WORLD, join=True)
     results = [torch.load(tmp_path / f"rank{rank}.pt") for rank in range(WORLD)]
-    model = _model().train()
-    batches = _batches()
-    with integrations.patched(model):
-        one = [_step(model, batch) for batch in batches]  # gradients accumulate over the micro-batches
-        grads = {name: param.grad.clone() for name, param in model.named_parameters()}
-        concatenated = _model().train()
-        integrations.patch_all(concatenated)
-        both = {key: torch.cat([batch[key] for batch in batches]) for key in batches[0]}
-        _step(concatenated, both)
     local = EXPERTS // WORLD
-    assert len(grads) == len(results[0]) - 2 and all(torch.isfinite(g).all() for g in grads.values())
-    for rank, result in enumerate(results):
-        for key in ("logits", "logprobs"):
-            assert torch.equal(result[key], one[rank][key]), f"rank {rank}: {key} differ"
-        for name, grad in grads.items():
-            if _is_expert(name):  # the sum over the micro-batches: this rank's experts
-                want = grad[rank * local : (rank + 1) * local]
-            else:  # FSDP's average over the ranks: exact halving
-                want = grad / WORLD
-            assert torch.equal(result["d" + name], want), f"rank {rank}: d{name} differs"
-    # Negative controls: the stock Hugging Face experts (bf16-free, fp32 here: the combine adds
-    # into the activations with index_add_ in the slot order of each expert's loop) give other
-    # log-probs; one micro-batch of both ranks' tokens gives other expert gradients.
-    stock = _model().train()
+    for key, dtype in DTYPES.items():
+        one, grads, one_batch = _one_process(dtype)
+        assert len(grads) == len(results[0][key]) - 2 and all(torch.isfinite(g).all() for g in grads.values())
+        for rank, result in enumerate(r[key] for r in results):
+            for out in ("logits", "logprobs"):
+                assert torch.equal(result[out], one[rank][out]), f"{key} rank {rank}: {out} differ"
+            for name, grad in grads.items():
+                if _is_expert(name):  # the sum over the micro-batches: this rank's experts
+                    want = grad[rank * local : (rank + 1) * local]
+                else:  # FSDP's average over the ranks: exact halving
+                    want = grad / WORLD
+                assert torch.equal(result["d" + name], want), f"{key} rank {rank}: d{name} differs"
+        name = "model.layers.0.mlp.experts.gate_up_proj"
+        assert not torch.equal(one_batch[name][:local], results[0][key]["d" + name]), key
+    batch = _batches()[0]
+    stock = _model(torch.bfloat16).train()
     stock.set_experts_implementation("eager")
-    stock_lp = samepath.token_logprobs(stock(input_ids=batches[0]["ids"]).logits, batches[0]["labels"])
-    assert not torch.equal(stock_lp.detach(), results[0]["logprobs"])
-    name = "model.layers.0.mlp.experts.gate_up_proj"
-    one_batch = dict(concatenated.named_parameters())[name].grad
-    assert not torch.equal(one_batch[:local], results[0]["d" + name])
+    stock_lp = samepath.token_logprobs(stock(input_ids=batch["ids"]).logits, batch["labels"])
+    assert not torch.equal(stock_lp.detach(), results[0]["bf16"]["logprobs"])
+
+    def activation_dtype_combine(expert_out, top_k_weights, top_k_index, dtype):
+        terms = (expert_out * top_k_weights.reshape(-1, 1)).to(dtype)
+        return grouped_matmul.combine_in_expert_order(terms, top_k_index)
+
+    monkeypatch.setattr(grouped_matmul, "expert_sum", activation_dtype_combine)
+    monkeypatch.setattr(moe, "expert_sum", activation_dtype_combine)
+    model = _model(torch.bfloat16)
+    with integrations.patched(model), torch.no_grad():
+        previous = samepath.token_logprobs(model(input_ids=batch["ids"]).logits, batch["labels"])
+    assert not torch.equal(previous, results[0]["bf16"]["logprobs"])
 
 
 def test_shard_experts_refuses_what_it_cannot_reproduce(tmp_path) -> None:

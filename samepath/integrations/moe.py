@@ -23,7 +23,7 @@ import torch
 
 from samepath.kernels.config import SUPPORTED_DTYPES
 from samepath.kernels.dispatch import SUPPORTED_DEVICE_TYPES
-from samepath.kernels.grouped_matmul import GroupedExpertsFunction, combine_in_expert_order, routed_pair_outputs
+from samepath.kernels.grouped_matmul import GroupedExpertsFunction, expert_projections, expert_sum
 from samepath.kernels.swiglu import silu_mul
 
 
@@ -92,11 +92,12 @@ def experts_forward(
 
 def _experts_grouped(hidden_states, gate_up_proj, down_proj, top_k_index, top_k_weights) -> torch.Tensor:
     """The loop's bits in two grouped launches: pairs sorted by expert, each pair's rows through
-    its expert's projections (:func:`samepath.kernels.grouped_matmul.routed_pair_outputs`: fp32
-    terms), then each token's terms added in ascending expert order in fp32, one cast — the adds
-    the loop's fp32 ``index_add_`` makes when it visits the experts in order."""
-    pairs = routed_pair_outputs(hidden_states, gate_up_proj, down_proj, top_k_index, top_k_weights)
-    return combine_in_expert_order(pairs, top_k_index).to(hidden_states.dtype)
+    its expert's projections (:func:`samepath.kernels.grouped_matmul.expert_projections`), then
+    the combine (:func:`samepath.kernels.grouped_matmul.expert_sum`: each token's fp32 terms added
+    in ascending expert order in fp32, one cast) — the adds the loop's fp32 ``index_add_`` makes
+    when it visits the experts in order."""
+    expert_out = expert_projections(hidden_states, gate_up_proj, down_proj, top_k_index).expert_out
+    return expert_sum(expert_out, top_k_weights, top_k_index, hidden_states.dtype)
 
 
 def _experts_loop(hidden_states, gate_up_proj, down_proj, top_k_index, top_k_weights) -> torch.Tensor:
