@@ -63,11 +63,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def _weights(dtype: torch.dtype, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _router() -> torch.Tensor:
+    return torch.randn(EXPERTS, HIDDEN, generator=torch.Generator().manual_seed(2)) * HIDDEN**-0.5
+
+
+def _weights(dtype: torch.dtype, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
     w13 = (torch.randn(EXPERTS, 2 * INTER, HIDDEN, generator=gen) * HIDDEN**-0.5).to(dtype)
     w2 = (torch.randn(EXPERTS, HIDDEN, INTER, generator=gen) * INTER**-0.5).to(dtype)
-    router = torch.randn(EXPERTS, HIDDEN, generator=gen) * HIDDEN**-0.5
-    return w13, w2, router
+    return w13, w2
 
 
 def _routing(x: torch.Tensor, router: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -116,7 +119,8 @@ def _baselines(w13: torch.Tensor, w2: torch.Tensor, dtype: torch.dtype) -> tuple
 
 def layer_rows(tokens_list: list[int], dtype: torch.dtype, repeats: int) -> tuple[list[str], list[str]]:
     gen = torch.Generator().manual_seed(0)
-    w13, w2, router = _weights(dtype, gen)
+    w13, w2 = _weights(dtype, gen)
+    router = _router()
     baselines, missing = _baselines(w13, w2, dtype)
     lines = [f"{'tokens':>6}  {'implementation':<46} {'min ms':>9} {'median ms':>10} {'max ms':>9} {'x samepath':>10}"]
     notes = [f"not timed: {name} ({why})" for name, why in missing.items()]
@@ -148,9 +152,8 @@ def layer_rows(tokens_list: list[int], dtype: torch.dtype, repeats: int) -> tupl
 
 def exchange_rows(route_tokens: int, dtype: torch.dtype) -> list[str]:
     gen = torch.Generator().manual_seed(1)
-    _, _, router = _weights(torch.float32, torch.Generator().manual_seed(0))
     x = torch.randn(route_tokens, HIDDEN, generator=gen)
-    index, _ = _routing(x, router, dtype)
+    index, _ = _routing(x, _router(), dtype)
     row = HIDDEN * torch.empty((), dtype=dtype).element_size()  # bytes of one hidden row
     pairs = route_tokens * TOP_K
     lines = [
@@ -189,7 +192,8 @@ def main(argv: list[str] | None = None) -> None:
         f"# Routed experts at Qwen3-30B-A3B's shape (E={EXPERTS}, top-{TOP_K}, H={HIDDEN}, I={INTER}), {args.dtype}, "
         "forward; and the EP exchange's bytes per token",
         f"# date: {datetime.datetime.now(datetime.timezone.utc).isoformat(timespec='seconds')}",
-        f"# machine: {platform.machine()}, {os.cpu_count()} CPUs, torch threads {torch.get_num_threads()}",
+        f"# machine: {platform.machine()}, {os.cpu_count()} CPUs, torch threads {torch.get_num_threads()}, "
+        f"load average at the end {os.getloadavg()[0]:.1f} (other jobs on the machine make times noisy)",
         f"# {versions}",
         f"# fingerprint: {samepath.fingerprint()}",
         "# CPU numbers, not device numbers (samepath: its kernels' CPU replays); small token counts by design",
