@@ -590,7 +590,7 @@ class _ExpertParallelFunction(torch.autograd.Function):
             # The chunk's routing-weight gradients where its expert outputs are; every pair's expert-output
             # gradient from the replicated upstream gradient on its owner.
             _, grad_weights = combine_backward(grad_out[ctx.chunk], pair_out, top_k_weights[ctx.chunk], top_k)
-            grad_expert_out, _ = combine_backward(grad_out, proj.expert_out, top_k_weights, top_k)
+            grad_expert_out, _ = combine_backward(grad_out, proj.expert_out, top_k_weights, top_k, weights=False)
         else:
             grad_expert_out, grad_weights = combine_backward(grad_out, pair_out, top_k_weights, top_k)
             grad_expert_out = _exchange(grad_expert_out[ctx.order], ctx.send, ctx.recv, group)

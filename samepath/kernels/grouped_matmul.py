@@ -354,15 +354,15 @@ def expert_sum(
 
 
 def combine_backward(
-    grad_out: torch.Tensor, expert_out: torch.Tensor, top_k_weights: torch.Tensor, top_k: int
-) -> tuple[torch.Tensor, torch.Tensor]:
+    grad_out: torch.Tensor, expert_out: torch.Tensor, top_k_weights: torch.Tensor, top_k: int, *, weights: bool = True
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """:func:`expert_sum`'s backward for the pairs of ``grad_out``'s tokens: ``(d expert_out [P,
     hidden] = (fp32(dY[t]) * fp32(weight[p])).to(expert_out.dtype), d weight [P] = fp32 row sum of
     fp32(dY[t]) * fp32(expert_out[p]))`` (samepath's row-sum kernel: a row's bits do not depend on
-    the other rows)."""
+    the other rows); ``weights=False`` skips the second (``None``)."""
     grad_pairs = grad_out.float().repeat_interleave(top_k, dim=0)
     grad_expert_out = (grad_pairs * top_k_weights.reshape(-1, 1).float()).to(expert_out.dtype)
-    return grad_expert_out, row_sum(grad_pairs * expert_out.float())
+    return grad_expert_out, row_sum(grad_pairs * expert_out.float()) if weights else None
 
 
 class GroupedExpertsFunction(torch.autograd.Function):
