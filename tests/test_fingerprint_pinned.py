@@ -10,8 +10,8 @@ import samepath
 from samepath.check.harness import DEFAULT_MODEL_CONFIG
 
 PINNED = {
-    1: "sp4-fe3c414d240c088d",
-    2: "sp4-0d7a5a4d2444bd1e",
+    1: "sp4-1e247617b27347a0",
+    2: "sp4-5f67084fe094472d",
 }
 
 

@@ -443,11 +443,19 @@ def attention_forward(
     return out.view(batch, q_len, num_heads, head_size), None
 
 
+#: The attribute of an experts module sharded by :func:`samepath.integrations.expert_parallel.shard_experts`.
+EXPERT_PARALLEL_ATTR = "samepath_expert_parallel"
+
+
 def samepath_experts_forward(
     self: torch.nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
 ) -> torch.Tensor:
     """``ExpertsInterface`` function: :func:`samepath.integrations.moe.experts_forward` on the
-    module's ``gate_up_proj`` / ``down_proj`` (the loop vLLM's MoE layers run under the plugin)."""
+    module's ``gate_up_proj`` / ``down_proj`` (the loop vLLM's MoE layers run under the plugin), or
+    on an expert-parallel shard its exchange (same bits)."""
+    shard = getattr(self, EXPERT_PARALLEL_ATTR, None)
+    if shard is not None:
+        return shard(self, hidden_states, top_k_index, top_k_weights)
     return experts_forward(hidden_states, self.gate_up_proj, self.down_proj, top_k_index, top_k_weights)
 
 

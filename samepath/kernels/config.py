@@ -300,7 +300,7 @@ DISTRIBUTED_FORMULA = {
     "shard's first column) and fp32 x[label]/T or -inf; merged in ascending shard order: "
     "c = m == -inf ? 0 : m with m = max(lse, lse_s); lse = c + log(exp(lse - c) + exp(lse_s - c)); "
     "logprob = zlab - lse",
-    "collective": "all_gather only; no all_reduce",
+    "collective": "all_gather and all_to_all_single; no all_reduce",
     "row_parallel_backward": "no collective; dX_r = dY @ W_r, dW_r = dY^T @ X_r, db = 1^T @ dY, plain kernel",
     "column_parallel_backward": "dX: fp32 partials dY_r @ W_r, all_gather, summed in ascending rank order in fp32, "
     "one cast == matmul(dY, W, k_slices=S); dW_r = dY_r^T @ X, db_r = 1^T @ dY_r, plain kernel",
@@ -311,16 +311,30 @@ DISTRIBUTED_FORMULA = {
     "activation dtype, down as an fp32 accumulator times fp32(weight), each token's pairs added in ascending "
     "expert order in fp32; the S fp32 partials all_gathered, summed in ascending rank order (first as is), one "
     "cast; S = 1: the plain layer",
-    "expert_parallel": "E/k contiguous experts per rank; each (token, slot) pair's weighted expert output "
-    "computed by its expert's rank with the per-expert linear's bits, all_gather of the raw bits, each pair's "
-    "row taken from its owner, each token's pairs added in ascending expert order in the activation dtype "
-    "== the one-process experts",
-    "expert_parallel_backward": "each rank the grouped backward for its experts' pairs (dW per expert folded "
-    "in plan order; per pair fp32 routing-weight gradient and input-gradient row), one all_gather of those "
-    "two as raw bits, each pair's taken from its owner, each token's input-gradient rows added in ascending "
-    "expert order in fp32, one cast == the one-process grouped backward",
+    "expert_parallel": "E/k contiguous experts per rank; tokens replicated: each rank its experts' pairs with the "
+    "per-expert linear's bits, all_to_all_single of the expert_out rows (raw bytes) to the rank that combines "
+    "the token (tensor_split chunks in rank order), the moe combine there, all_gather of the combined rows; "
+    "tokens local: all_to_all_single of the pairs' hidden rows and expert ids to the owner, expert_out rows "
+    "back, the moe combine on the token's rank == the one-process experts",
+    "expert_parallel_backward": "each pair's dexpert_out and dweight by the moe combine's backward on the "
+    "token's rank (replicated: its chunk), the experts' backward on the owner, the pairs' input-gradient rows "
+    "all_to_all back and added in ascending expert order in fp32, one cast; dW per expert folded in plan "
+    "order (local tokens: per source rank, the sources' dW added in rank order in the parameter dtype) "
+    "== the one-process grouped backward (local tokens: accumulated over the ranks' micro-batches)",
 }
 register_formula("distributed", DISTRIBUTED_FORMULA)
+
+#: The routed experts of a MoE layer (``samepath.kernels.grouped_matmul``), the same on every
+#: device and expert-parallel layout.
+MOE_FORMULA = {
+    "pair": "expert_out = down(silu·mul(gate_up(x))) with the per-expert linear's bits (grouped == loop)",
+    "combine": "each token's pair terms fp32(expert_out) * fp32(weight) added in ascending expert order "
+    "(stable) in fp32 from 0, one cast to the activation dtype",
+    "backward": "dexpert_out = (fp32(dY) * fp32(weight)).to(dtype); dweight = fp32 row sum of fp32(dY) * "
+    "fp32(expert_out); input-gradient rows added in ascending expert order in fp32, one cast; dW per expert "
+    "folded in plan order in fp32, one cast",
+}
+register_formula("moe", MOE_FORMULA)
 
 
 def tensor_parallel_numerics(tensor_parallel_size: int, expert_parallel: bool = False) -> dict[str, int | str]:
