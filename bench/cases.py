@@ -7,8 +7,10 @@ baselines are stock PyTorch (eager math as Hugging Face writes it, ``F.linear``,
 import and suit the device and dtype.
 
 samepath is called the way its integrations call it (:data:`SAMEPATH_CALLS`): the attention
-kernels validate their metadata as ``integrations/hf.py`` and ``integrations/vllm/attention.py`` leave them
-to, ``token_logprobs`` skips the label check as ``integrations/verl.py`` does.
+kernels with ``validate=False`` and a :class:`~samepath.kernels.attention.LaunchPlan` built once per
+step (per input set here) and shared by the calls, as ``integrations/hf.py`` (one plan per model forward)
+and ``integrations/vllm/attention.py`` (one per step) call them; ``token_logprobs`` skips the label check
+as ``integrations/verl.py`` does.
 
 Decode and chunked prefill read a paged KV cache (vLLM's layout, pages shuffled) on every side:
 the torch SDPA baselines gather the pages first (what a paged SDPA path such as Hugging Face's
@@ -32,7 +34,7 @@ import samepath
 from bench import old_schedule
 from bench.baselines import VLLM_SEGMENTS, Baselines
 from bench.timing import Timing, measure_peak_memory
-from samepath.kernels.attention import paged_attention, varlen_attention
+from samepath.kernels.attention import LaunchPlan, paged_attention, varlen_attention
 from samepath.kernels.logprobs import LM_HEAD_TOKEN_CHUNK, linear_token_logprobs
 
 #: Op groups, in the order they run (``--ops`` takes a comma-separated subset).
@@ -51,18 +53,20 @@ OPS = (
     "rotary",
     "moe_experts",
     "e2e",
+    "vllm_decode_step",
 )
 
 #: How each samepath call is made, matching the integration that makes it.
 SAMEPATH_CALLS = (
-    "varlen_attention(validate=True) as integrations/hf.py; "
-    "paged_attention(validate=True) as integrations/vllm/attention.py; "
+    "varlen_attention(validate=False, plan=LaunchPlan built once per step) as integrations/hf.py; "
+    "paged_attention(validate=False, plan=LaunchPlan built once per step) as integrations/vllm/attention.py; "
     "token_logprobs(validate=False) as integrations/verl.py; "
     "linear_token_logprobs(validate=False) (the fused lm_head) as integrations/verl.py's use_fused_kernels path; "
     "linear / rms_norm / silu_mul / apply_rotary as integrations/hf.py; "
     "moe.experts_forward (grouped expert GEMMs) as integrations/hf.py's ExpertsInterface and vLLM's fused-MoE "
     "replacement; "
-    f"'{old_schedule.LABEL}': the same kernels on the schedule before issue 14 (bench/old_schedule.py)"
+    f"'{old_schedule.LABEL}': the same kernels on the schedule before issue 14 (bench/old_schedule.py); "
+    "no old-schedule row for the attention backward (today's backward kernel is not the pre-issue-14 one)"
 )
 
 VOCAB = 151936  # Qwen2/Qwen3's padded vocabulary
@@ -170,6 +174,9 @@ def varlen_case(op: str, lens: list[int], heads: int, kv_heads: int, head: int, 
     scale = head**-0.5
     starts = [0, *torch.tensor(lens).cumsum(0).tolist()]
     longest = max(lens)
+    # One layout for every input set, planned once (as a trainer plans once per forward for all layers).
+    cu = torch.tensor(starts, dtype=torch.int32, device=device)
+    plan = LaunchPlan(cu, total)
 
     def make(seed: int) -> dict:
         gen = _generator(seed, device)
@@ -177,7 +184,7 @@ def varlen_case(op: str, lens: list[int], heads: int, kv_heads: int, head: int, 
             "q": _randn((total, heads, head), dtype, device, gen),
             "k": _randn((total, kv_heads, head), dtype, device, gen),
             "v": _randn((total, kv_heads, head), dtype, device, gen),
-            "cu": torch.tensor(starts, dtype=torch.int32, device=device),
+            "cu": cu,
         }
         if backward:
             for name in ("q", "k", "v"):
@@ -192,7 +199,8 @@ def varlen_case(op: str, lens: list[int], heads: int, kv_heads: int, head: int, 
 
     def ours(d):
         with torch.set_grad_enabled(backward):
-            return finish(d, varlen_attention(d["q"], d["k"], d["v"], d["cu"], scale, True, validate=True))
+            out = varlen_attention(d["q"], d["k"], d["v"], d["cu"], scale, True, validate=False, plan=plan)
+            return finish(d, out)
 
     def per_sequence(attend):
         def run(d):
@@ -209,7 +217,9 @@ def varlen_case(op: str, lens: list[int], heads: int, kv_heads: int, head: int, 
         with torch.set_grad_enabled(backward), old_schedule.unpacked_heads():
             return finish(d, old_schedule.varlen_attention(d["q"], d["k"], d["v"], d["cu"], scale))
 
-    baselines: dict[str, Callable[[dict], object]] = {old_schedule.LABEL: old}
+    # The old schedule's forward only: its backward would be today's kernel on other tiles, not the
+    # backward that schedule ran, so no honest old-backward row exists.
+    baselines: dict[str, Callable[[dict], object]] = {} if backward else {old_schedule.LABEL: old}
     for name, backend in found.sdpa.items():
         native = backend.gqa_native
         baselines[name] = per_sequence(
@@ -293,8 +303,10 @@ def paged_case(
 
         return {"q": _randn((batch * chunk, heads, head), dtype, device, gen), "kc": cache(), "vc": cache()}
 
+    plan = LaunchPlan(qsl, batch * chunk)  # one per step, shared by the step's layers
+
     def ours(d):
-        return paged_attention(d["q"], d["kc"], d["vc"], table, qsl, seq_lens, scale, validate=True)
+        return paged_attention(d["q"], d["kc"], d["vc"], table, qsl, seq_lens, scale, validate=False, plan=plan)
 
     def gathered(cache: torch.Tensor) -> torch.Tensor:  # [B, Hkv, span, D]
         return cache[table_long].flatten(1, 2)[:, :span].transpose(1, 2)
@@ -599,11 +611,13 @@ def gqa_decode_case(batch: int, context: int, heads: int, kv_heads: int, head: i
         d["kc"], d["vc"], d["kc_all"], d["vc_all"] = cache(kv_heads), cache(kv_heads), cache(heads), cache(heads)
         return d
 
+    plan = LaunchPlan(qsl, batch)  # one per step, shared by the step's layers
+
     def grouped(d):
-        return paged_attention(d["q"], d["kc"], d["vc"], table, qsl, seq_lens, scale, validate=True)
+        return paged_attention(d["q"], d["kc"], d["vc"], table, qsl, seq_lens, scale, validate=False, plan=plan)
 
     def ungrouped(d):
-        return paged_attention(d["q"], d["kc_all"], d["vc_all"], table, qsl, seq_lens, scale, validate=True)
+        return paged_attention(d["q"], d["kc_all"], d["vc_all"], table, qsl, seq_lens, scale, validate=False, plan=plan)
 
     def old(d):
         return old_schedule.paged_attention(d["q"], d["kc"], d["vc"], table, qsl, seq_lens, scale)
@@ -1119,5 +1133,13 @@ def plan(ops: list[str], device: torch.device, dtype: torch.dtype, quick: bool, 
             else:
                 size = E2ESize(VOCAB, 1024, 3072, 4, 16, 8, 128, 8, 256, 16 if quick else 64)
             yield from e2e_cases(size, dtype, device)
+        elif op == "vllm_decode_step":  # bench/decode_width.py: host time of vLLM's patched decode step
+            from bench import decode_width
+
+            b, ctx, width, layers = (2, 31, 64, 2) if cpu else (64, 1023, 2048, 4)
+            h, hk, d = (4, 2, 16) if cpu else (32, 8, 128)
+            case = decode_width.vllm_decode_step_case(b, ctx, width, layers, h, hk, d, *args)
+            if case is not None:
+                yield case
         else:
             raise ValueError(f"unknown op {op!r}; choose from {', '.join(OPS)}")

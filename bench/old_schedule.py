@@ -12,9 +12,8 @@ What it restores, per kernel:
 * attention — one query head per tile row block (:func:`unpacked_heads`: ``head_chunk = 1``, so a
   KV group's heads are separate programs that each read the K/V tiles), no KV segments and no
   split (one segment longer than any sequence, run serially), and the old tiles (CUDA 16-bit:
-  ``block_m = 32``, ``tile_n = 64``, 4 warps, 2 stages); the backward is the library's current
-  backward kernel run with unpacked heads and the old backward tiles (not a copy of an older
-  backward kernel);
+  ``block_m = 32``, ``tile_n = 64``, 4 warps, 2 stages), forward only: the library's backward
+  kernel is not the one that schedule ran, so the bench has no old-schedule backward row;
 * matmul — the old tiles (CUDA 16-bit: 64 x 64 x 64, fp32: 64 x 32 x 32; 4 warps), K in one piece
   (``k_split = 1``), no GROUP_M swizzle (``group_m = 1``) and one program per output tile
   (:func:`non_persistent_matmul`);
@@ -133,19 +132,20 @@ def one_row_per_norm_program() -> Iterator[None]:
 
 
 def paged_attention(query, key_cache, value_cache, block_table, query_start_loc, seq_lens, scale):
-    """:func:`samepath.paged_attention` on the old schedule (validated, as the vLLM integration calls it)."""
+    """:func:`samepath.paged_attention` on the old schedule, unvalidated as the vLLM integration calls it."""
     config = attention_config(query.shape[-1], query.dtype, query.device)
     with unpacked_heads():
         return samepath.paged_attention(
-            query, key_cache, value_cache, block_table, query_start_loc, seq_lens, scale, config=config, split_kv=False
-        )
+            query, key_cache, value_cache, block_table, query_start_loc, seq_lens, scale, config=config,
+            split_kv=False, validate=False,
+        )  # fmt: skip
 
 
 def varlen_attention(query, key, value, cu_seqlens, scale):
-    """:func:`samepath.varlen_attention` (causal) on the old schedule; its backward too when called
-    under autograd inside :func:`unpacked_heads` (the caller keeps the context for the backward)."""
+    """:func:`samepath.varlen_attention` (causal, unvalidated as the Hugging Face integration calls it)
+    on the old schedule's forward (call it inside :func:`unpacked_heads`)."""
     config = attention_config(query.shape[-1], query.dtype, query.device)
-    return samepath.varlen_attention(query, key, value, cu_seqlens, scale, True, config=config)
+    return samepath.varlen_attention(query, key, value, cu_seqlens, scale, True, config=config, validate=False)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

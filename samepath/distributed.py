@@ -73,34 +73,45 @@ applied inside the TP region to a rank's heads only, like Qwen3's per-head q/k n
 partial gradient per rank; summing those is the trainer's business and is not covered here.)
 
 **Expert parallelism** (a MoE layer's ``E`` experts split into ``k`` contiguous blocks of
-``E/k``, rank ``r`` holding experts ``r*E/k .. (r+1)*E/k - 1``; tokens and routing replicated).
-Each rank computes the weighted output of every (token, slot) pair routed to its experts with the
-grouped kernel (:func:`samepath.kernels.grouped_matmul.routed_pair_outputs`: a pair's row has the
-bits of its expert's linear whatever else is in the launch), the ranks ``all_gather`` those rows
-as raw bits, every rank takes each pair's row from the rank that owns its expert (a selection, no
-arithmetic), and each token's pairs are added in ascending expert order in the activation dtype
-(:func:`samepath.kernels.grouped_matmul.combine_in_expert_order`) — the one-process layer's adds.
-So EP = k equals EP = 1 bit for bit for every k, and a trainer and a rollout on different expert
-layouts agree (:func:`expert_parallel_experts`).
+``E/k``, rank ``r`` holding experts ``r*E/k .. (r+1)*E/k - 1``). Every path combines with one
+formula (:func:`samepath.kernels.grouped_matmul.expert_sum`, ``OP_FORMULAS["moe"]``): a token's
+output is its pairs' terms ``fp32(expert_out[p]) * fp32(weight[p])`` added in ascending expert
+order in fp32, cast once; a pair's ``expert_out`` row has its expert's linear bits whatever else
+shares the grouped launch. So the only question is where each row travels, and the exchange moves
+rows as raw bytes with ``all_to_all_single`` (split sizes from the routing, rank order):
 
-Its backward (the upstream gradient ``dY`` replicated) is the one-process grouped backward
-(:class:`samepath.kernels.grouped_matmul.GroupedExpertsFunction`) cut along the same line: each
-rank runs it for its experts' pairs — ``dW`` of its experts (each expert's pairs folded in plan
-order, which is the same order whatever other experts the plan holds), each pair's routing-weight
-gradient (an fp32 row sum of ``dY * expert_out``) and each pair's input-gradient row — and one
-``all_gather`` moves the last two as raw bytes; every rank selects each pair's from its owner and
-adds each token's input-gradient rows in ascending expert order in fp32, one cast. No sum crosses
-ranks, so no reduction order depends on k: the gradients of EP = k equal EP = 1's bit for bit.
+* ``tokens="replicated"`` (a TP x EP rollout: tokens and routing the same on every rank). No
+  dispatch: rank ``r`` computes its experts' pairs of every token; each pair's ``expert_out`` row
+  goes to the rank that combines its token (the tokens cut into :func:`token_chunks`, contiguous,
+  in rank order; :func:`expert_parallel_splits` counts the rows); that rank combines its chunk and
+  one ``all_gather`` of the combined rows gives every rank the whole output.
+* ``tokens="local"`` (an FSDP / data-parallel + EP trainer: each rank its own tokens). The
+  per-destination pair counts are exchanged first (``all_to_all_single``), then each pair's hidden
+  row and expert id go to its expert's rank (source ranks in rank order, each source's pairs in
+  pair order), the ``expert_out`` rows come back the same way, and the token's rank combines.
+
+Backward (deterministic, no atomics): each pair's ``d expert_out = (fp32(dY) * fp32(w)).to(dtype)``
+and ``d w`` (the fp32 row sum of ``fp32(dY) * fp32(expert_out)``) where the token's combine ran,
+the experts' grouped backward (SiLU·mul backward, both projections' input rows) on the expert's
+rank, each pair's input-gradient row sent back the way its output came and each token's rows added
+in ascending expert order in fp32, one cast. Each expert's ``dW`` folds its pairs in plan order:
+replicated, all tokens' (the one-process fold); local, each source rank's pairs on their own and
+the sources' gradients added in rank order in the parameter dtype — the one-process trainer that
+accumulates the ranks' micro-batches. No sum crosses ranks in any other way, so EP = k equals
+EP = 1 bit for bit, forward and backward, for every k.
 
 **S is part of the numerics.** Trainer and rollout must agree on it:
 :func:`tensor_parallel_numerics` is the TP-dependent entry of the fingerprint, and
 :func:`assert_same_numerics_across_group` exchanges every rank's fingerprint and S with
 ``all_gather_object`` and raises :class:`samepath.NumericsMismatchError` when they differ.
-Transport is torch.distributed (gloo on CPU, NCCL/HCCL on devices); only ``all_gather`` (and
-``all_gather_object`` for the check) is used.
+Transport is torch.distributed (gloo on CPU, NCCL/HCCL on devices): ``all_gather``,
+``all_to_all_single`` (expert parallelism) and ``all_gather_object`` for the check; no all-reduce.
 """
 
 from __future__ import annotations
+
+import math
+from dataclasses import replace
 
 import torch
 import torch.distributed as dist
@@ -112,9 +123,13 @@ from samepath.kernels.config import (
     fingerprint,
     tensor_parallel_numerics,
 )
+from samepath.kernels.expert_slices import expert_slice_partial, sum_slices
 from samepath.kernels.grouped_matmul import (
+    combine_backward,
     combine_in_expert_order,
+    expert_plan,
     expert_projections,
+    expert_sum,
     grouped_linear,
     grouped_weight_grad,
 )
@@ -126,7 +141,6 @@ from samepath.kernels.logprobs import (
     resolve_config,
 )
 from samepath.kernels.matmul import linear, matmul
-from samepath.kernels.reductions import row_sum
 from samepath.kernels.swiglu import silu_mul_backward
 from samepath.kernels.vocab_parallel import merge_shard_lse, merge_states, shard_grad, shard_lse
 
@@ -428,86 +442,214 @@ def column_parallel_linear(
 
 
 # ----------------------------------------------------------------------------------------------
-# Expert parallelism
+# Tensor-parallel experts (each expert's intermediate dimension sharded)
 # ----------------------------------------------------------------------------------------------
 
 
-def _pairs_from_owners(rows: torch.Tensor, top_k_index: torch.Tensor, local: int, group) -> torch.Tensor:
-    """``[P, ...]`` rows of which this rank computed those of its experts' pairs: ``all_gather`` of
-    the raw bytes, each pair's row taken from the rank that owns its expert (a selection, no
-    arithmetic). Every rank gets the same tensor."""
-    bits = rows.contiguous().view(torch.uint8)  # raw bytes: every backend moves them exactly
-    gathered = [torch.empty_like(bits) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(gathered, bits, group=group)
-    owner = top_k_index.reshape(-1).to(torch.int64) // local
-    return torch.stack(gathered)[owner, torch.arange(owner.numel(), device=owner.device)].view(rows.dtype)
+def tensor_parallel_experts(
+    hidden_states: torch.Tensor,
+    gate_up_shard: torch.Tensor,
+    down_shard: torch.Tensor,
+    top_k_index: torch.Tensor,
+    top_k_weights: torch.Tensor,
+    group: dist.ProcessGroup | None = None,
+) -> torch.Tensor:
+    """A routed SwiGLU MoE layer with every expert's intermediate dimension sharded over the ``S``
+    ranks of ``group`` (vLLM's TP MoE): this rank's fp32 partial
+    (:func:`samepath.kernels.expert_slices.expert_slice_partial` on its shard: ``gate_up_shard``
+    ``[E, 2I/S, H]``, its gate rows then its up rows, ``down_shard`` ``[E, H, I/S]``), the partials
+    ``all_gather``-ed and summed in ascending rank order in fp32, one cast
+    (:func:`samepath.kernels.expert_slices.sum_slices`). A collective: every rank passes the same
+    ``hidden_states`` ``[tokens, H]`` and routing ``[tokens, top_k]``; every rank returns the same
+    ``[tokens, H]``, bit-identical to the one-process
+    :func:`samepath.kernels.expert_slices.sliced_experts` with ``slices = S``. Inference only: a
+    tensor needing a gradient is refused (a TP trainer differentiates ``sliced_experts``)."""
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (hidden_states, gate_up_shard, down_shard)):
+        raise NotImplementedError(
+            "tensor_parallel_experts has no backward; differentiate samepath.kernels.expert_slices.sliced_experts"
+        )
+    partial = expert_slice_partial(hidden_states, gate_up_shard, down_shard, top_k_index, top_k_weights)
+    return sum_slices(_gather(partial, group), hidden_states.dtype)
 
 
-def _local_pairs(top_k_index: torch.Tensor, first_expert: int, local: int) -> torch.Tensor:
-    """``[P, 1]`` bool: the pairs routed to experts ``first_expert .. first_expert + local - 1``."""
-    offset = top_k_index.reshape(-1, 1) - first_expert
-    return (offset >= 0) & (offset < local)
+# ----------------------------------------------------------------------------------------------
+# Expert parallelism
+# ----------------------------------------------------------------------------------------------
+
+#: ``tokens=`` of :func:`expert_parallel_experts`: every rank the same tokens (a TP x EP rollout),
+#: or each rank its own (an FSDP / data-parallel + EP trainer).
+EXPERT_PARALLEL_TOKENS = ("replicated", "local")
+
+
+def token_chunks(tokens: int, world: int) -> list[int]:
+    """The rows per rank of ``torch.tensor_split(range(tokens), world)``: rank ``r`` combines (in the
+    replicated layout) the ``r``-th contiguous chunk of the tokens."""
+    base, extra = divmod(tokens, world)
+    return [base + (rank < extra) for rank in range(world)]
+
+
+def expert_parallel_splits(top_k_index: torch.Tensor, num_experts: int, world: int) -> torch.Tensor:
+    """``[world, world]`` int64 on the host: entry ``[o, c]`` is the number of (token, slot) pairs
+    whose expert lives on rank ``o`` (``E / world`` contiguous experts per rank) and whose token is
+    in :func:`token_chunks`' chunk ``c`` — the split sizes of the exchange (row ``o``: what rank
+    ``o`` sends; column ``c``: what rank ``c`` receives), one host synchronisation."""
+    tokens, top_k = top_k_index.shape
+    owner = top_k_index.reshape(-1).to(torch.int64) // (num_experts // world)
+    sizes = torch.tensor(token_chunks(tokens, world), device=owner.device)
+    chunk = torch.repeat_interleave(torch.arange(world, device=owner.device), sizes * top_k)
+    return torch.bincount(owner * world + chunk, minlength=world * world).view(world, world).cpu()
+
+
+def _row_bytes(rows: torch.Tensor) -> torch.Tensor:
+    """``[n, ...]`` rows as ``[n, bytes per row]`` uint8 (``n`` may be 0)."""
+    width = math.prod(rows.shape[1:]) * rows.element_size()
+    return rows.contiguous().view(torch.uint8).reshape(rows.shape[0], width)
+
+
+def _exchange(rows: torch.Tensor, send: list[int], recv: list[int], group) -> torch.Tensor:
+    """``all_to_all_single`` of ``[n, ...]`` rows as raw bytes (every backend moves them exactly):
+    ``send[r]`` consecutive rows to rank ``r``, ``recv[r]`` rows from rank ``r``, in rank order."""
+    bits = _row_bytes(rows)
+    out = torch.empty((sum(recv), bits.shape[1]), dtype=torch.uint8, device=rows.device)
+    dist.all_to_all_single(out, bits, recv, send, group=group)
+    return out.view(rows.dtype).view(-1, *rows.shape[1:])
+
+
+def _gather_rows(rows: torch.Tensor, sizes: list[int], group) -> torch.Tensor:
+    """``all_gather`` of each rank's ``[sizes[rank], ...]`` rows (raw bytes, padded to the largest),
+    concatenated in rank order."""
+    bits = _row_bytes(rows)
+    padded = torch.zeros((max(sizes), bits.shape[1]), dtype=torch.uint8, device=rows.device)
+    padded[: bits.shape[0]] = bits
+    parts = _gather(padded, group)
+    return torch.cat([part[:size] for part, size in zip(parts, sizes, strict=True)]).view(rows.dtype)
+
+
+def _place(rows: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
+    """``out[order[i]] = rows[i]``: received rows back at their pairs' positions."""
+    out = torch.empty_like(rows)
+    out[order] = rows
+    return out
+
+
+def _unpack(rows: torch.Tensor, widths: tuple[int, ...], dtypes: tuple[torch.dtype, ...]) -> list[torch.Tensor]:
+    """Split ``[n, sum(widths)]`` uint8 rows into ``[n, width]`` tensors of ``dtypes``' bytes."""
+    parts = torch.split(rows, list(widths), dim=1)
+    return [part.contiguous().view(dtype) for part, dtype in zip(parts, dtypes, strict=True)]
+
+
+def _bytes(*tensors: torch.Tensor) -> torch.Tensor:
+    """Rows of several ``[n, ...]`` tensors side by side as uint8 (one exchange for all)."""
+    return torch.cat([_row_bytes(t) for t in tensors], dim=1)
+
+
+def _source_weight_grads(grad_out, x, plan_by_source, local: int, recv: list[int], config) -> torch.Tensor:
+    """The local experts' weight gradient in the ``local`` tokens layout: each source rank's pairs
+    folded on their own (``plan_by_source``: virtual expert ``source * local + expert``), the
+    sources' gradients added in rank order in the parameter dtype — what a one-process trainer
+    accumulates over the ranks' micro-batches."""
+    total = None
+    for source in range(len(recv)):
+        experts = slice(source * local, (source + 1) * local)
+        plan = replace(
+            plan_by_source,
+            expert_start=plan_by_source.expert_start[experts],
+            expert_count=plan_by_source.expert_count[experts],
+        )
+        grad = grouped_weight_grad(grad_out, x, plan, local, rows_per_pair=True, config=config)
+        total = grad if total is None else total + grad
+    return total
 
 
 class _ExpertParallelFunction(torch.autograd.Function):
-    """Autograd for :func:`expert_parallel_experts`: the forward of the module docstring; the
-    backward is :class:`samepath.kernels.grouped_matmul.GroupedExpertsFunction`'s, each rank running
-    it on its experts' pairs, with the two per-pair results that leave a rank (a pair's input
-    gradient row and its routing-weight gradient) exchanged as raw bytes in one ``all_gather``."""
+    """Autograd for :func:`expert_parallel_experts` (module docstring). Forward and backward run
+    the same collectives on every rank whatever needs a gradient."""
 
     @staticmethod
-    def forward(ctx, hidden_states, gate_up_local, down_local, top_k_index, top_k_weights, num_experts, group):  # type: ignore[override]
-        local = num_experts // dist.get_world_size(group)
-        first = dist.get_rank(group) * local
-        projections = expert_projections(hidden_states, gate_up_local, down_local, top_k_index, first)
-        mine = _local_pairs(top_k_index, first, local)
-        weighted = (projections.expert_out * top_k_weights.reshape(-1, 1)).to(hidden_states.dtype)
-        pairs = _pairs_from_owners(torch.where(mine, weighted, 0), top_k_index, local, group)
-        ctx.save_for_backward(
-            hidden_states, gate_up_local, down_local, top_k_index, top_k_weights, projections.gate_up, projections.act
-        )
-        ctx.expert_out, ctx.plan, ctx.config = projections.expert_out, projections.plan, projections.config
-        ctx.local, ctx.first, ctx.group = local, first, group
-        return combine_in_expert_order(pairs, top_k_index)
+    def forward(ctx, hidden_states, gate_up_local, down_local, top_k_index, top_k_weights, num_experts, group, tokens):  # type: ignore[override]
+        world, rank = dist.get_world_size(group), dist.get_rank(group)
+        local = num_experts // world
+        ctx.group, ctx.tokens, ctx.local, ctx.world, ctx.rank = group, tokens, local, world, rank
+        dtype, top_k = hidden_states.dtype, top_k_index.shape[1]
+        owner = top_k_index.reshape(-1).to(torch.int64) // local
+        if tokens == "replicated":
+            # Every rank holds every token: no dispatch. Rank r computes its experts' pairs, sends each
+            # chunk's to the rank that combines it, combines its chunk, and the chunks are gathered.
+            projections = expert_projections(hidden_states, gate_up_local, down_local, top_k_index, rank * local)
+            splits = expert_parallel_splits(top_k_index, num_experts, world)
+            send, recv = splits[rank].tolist(), splits[:, rank].tolist()
+            sizes = token_chunks(top_k_index.shape[0], world)
+            begin = sum(sizes[:rank]) * top_k
+            mine = torch.nonzero(owner == rank).squeeze(1)  # pair order = chunk order
+            arrival = torch.argsort(owner[begin : begin + sizes[rank] * top_k], stable=True)
+            pair_out = _place(_exchange(projections.expert_out[mine], send, recv, group), arrival)
+            chunk = slice(begin // top_k, begin // top_k + sizes[rank])
+            out = expert_sum(pair_out, top_k_weights[chunk], top_k_index[chunk], dtype)
+            ctx.sizes, ctx.chunk, ctx.mine, ctx.arrival = sizes, chunk, mine, arrival
+            received = hidden_states
+            full = _gather_rows(out, sizes, group)
+        else:
+            # Each rank its own tokens: its pairs' hidden rows (and expert ids) go to the experts' ranks
+            # in rank order, the expert outputs come back, the token's rank combines them.
+            order = torch.argsort(owner, stable=True)
+            send_counts = torch.bincount(owner, minlength=world)
+            recv_counts = torch.empty_like(send_counts)
+            dist.all_to_all_single(recv_counts, send_counts, group=group)
+            send, recv = torch.stack([send_counts, recv_counts]).tolist()
+            expert_ids = top_k_index.reshape(-1, 1)[order].to(torch.int32)
+            payload = _exchange(_bytes(hidden_states[order // top_k], expert_ids), send, recv, group)
+            width = hidden_states.shape[1] * hidden_states.element_size()
+            received, ids = _unpack(payload, (width, 4), (dtype, torch.int32))
+            projections = expert_projections(received, gate_up_local, down_local, ids, rank * local)
+            pair_out = _place(_exchange(projections.expert_out, recv, send, group), order)
+            full = expert_sum(pair_out, top_k_weights, top_k_index, dtype)
+            source = torch.repeat_interleave(torch.arange(world, device=ids.device), recv_counts.to(ids.device))
+            ctx.by_source = expert_plan(
+                source[:, None] * local + ids - rank * local, world * local, projections.config.block_m
+            )
+            ctx.order = order
+        ctx.send, ctx.recv = send, recv
+        ctx.save_for_backward(received, gate_up_local, down_local, top_k_index, top_k_weights, pair_out)
+        ctx.projections = projections
+        return full
 
     @staticmethod
     def backward(ctx, grad_out):  # type: ignore[override]
-        hidden_states, gate_up_local, down_local, top_k_index, top_k_weights, gate_up, act = ctx.saved_tensors
-        expert_out, plan, config, local = ctx.expert_out, ctx.plan, ctx.config, ctx.local
-        mine = _local_pairs(top_k_index, ctx.first, local)
-        top_k = top_k_index.shape[1]
-        weight_dtype = torch.promote_types(expert_out.dtype, top_k_weights.dtype)
-        grad_pairs = grad_out.repeat_interleave(top_k, dim=0).to(weight_dtype)
-        grad_expert_out = (grad_pairs * top_k_weights.reshape(-1, 1)).to(expert_out.dtype)
-        grad_weights = row_sum(grad_pairs * torch.where(mine, expert_out, 0).to(weight_dtype))
+        received, gate_up_local, down_local, top_k_index, top_k_weights, pair_out = ctx.saved_tensors
+        proj, group, top_k = ctx.projections, ctx.group, top_k_index.shape[1]
+        plan, config, dtype = proj.plan, proj.config, received.dtype
+        if ctx.tokens == "replicated":
+            # The chunk's routing-weight gradients where its expert outputs are; every pair's expert-output
+            # gradient from the replicated upstream gradient on its owner.
+            _, grad_weights = combine_backward(grad_out[ctx.chunk], pair_out, top_k_weights[ctx.chunk], top_k)
+            grad_expert_out, _ = combine_backward(grad_out, proj.expert_out, top_k_weights, top_k, weights=False)
+        else:
+            grad_expert_out, grad_weights = combine_backward(grad_out, pair_out, top_k_weights, top_k)
+            grad_expert_out = _exchange(grad_expert_out[ctx.order], ctx.send, ctx.recv, group)
         grad_act = grouped_linear(grad_expert_out, down_local.transpose(1, 2), plan, rows_per_pair=True, config=config)
-        grad_down = grouped_weight_grad(grad_expert_out, act, plan, local, rows_per_pair=True, config=config)
-        gate, up = gate_up.chunk(2, dim=-1)
-        grad_gate_up = torch.empty_like(gate_up)
-        grad_gate, grad_up = grad_gate_up.chunk(2, dim=-1)
-        silu_mul_backward(gate, up, grad_act, grad_gate, grad_up)
-        grad_x_pairs = grouped_linear(
-            grad_gate_up, gate_up_local.transpose(1, 2), plan, rows_per_pair=True, config=config
-        )
-        grad_gate_up_local = grouped_weight_grad(
-            grad_gate_up, hidden_states, plan, local, rows_per_pair=False, config=config
-        )
-        # One exchange: each pair's input-gradient row and fp32 weight gradient, as bytes side by side.
-        x_bytes = torch.where(mine, grad_x_pairs, 0).view(torch.uint8)
-        w_bytes = torch.where(mine[:, 0], grad_weights, 0).reshape(-1, 1).view(torch.uint8)
-        rows = _pairs_from_owners(torch.cat([x_bytes, w_bytes], dim=1), top_k_index, local, ctx.group)
-        grad_x_rows = rows[:, : x_bytes.shape[1]].contiguous().view(grad_x_pairs.dtype)
-        grad_weights = rows[:, x_bytes.shape[1] :].contiguous().view(torch.float32).reshape(top_k_index.shape)
-        grad_hidden = combine_in_expert_order(grad_x_rows.float(), top_k_index).to(hidden_states.dtype)
-        return (
-            grad_hidden,
-            grad_gate_up_local,
-            grad_down,
-            None,
-            grad_weights.to(top_k_weights.dtype),
-            None,
-            None,
-        )
+        gate, up = proj.gate_up.chunk(2, dim=-1)
+        grad_gate_up = torch.empty_like(proj.gate_up)
+        silu_mul_backward(gate, up, grad_act, *grad_gate_up.chunk(2, dim=-1))
+        grad_x = grouped_linear(grad_gate_up, gate_up_local.transpose(1, 2), plan, rows_per_pair=True, config=config)
+        if ctx.tokens == "replicated":
+            local = ctx.local
+            grad_down = grouped_weight_grad(grad_expert_out, proj.act, plan, local, rows_per_pair=True, config=config)
+            grad_gate_up_local = grouped_weight_grad(
+                grad_gate_up, received, plan, local, rows_per_pair=False, config=config
+            )
+            rows = _place(_exchange(grad_x[ctx.mine], ctx.send, ctx.recv, group), ctx.arrival)
+            grad_chunk = combine_in_expert_order(rows.float(), top_k_index[ctx.chunk]).to(dtype)
+            width = grad_chunk.shape[1] * grad_chunk.element_size()
+            both = _gather_rows(_bytes(grad_chunk, grad_weights.view(-1, top_k)), ctx.sizes, group)
+            grad_hidden, grad_weights = _unpack(both, (width, 4 * top_k), (dtype, torch.float32))
+        else:
+            args = (ctx.by_source, ctx.local, ctx.recv, config)
+            grad_down = _source_weight_grads(grad_expert_out, proj.act, *args)
+            grad_gate_up_local = _source_weight_grads(grad_gate_up, received, *args)
+            rows = _place(_exchange(grad_x, ctx.recv, ctx.send, group), ctx.order)
+            grad_hidden = combine_in_expert_order(rows.float(), top_k_index).to(dtype)
+        grad_weights = grad_weights.reshape(top_k_index.shape).to(top_k_weights.dtype)
+        return grad_hidden, grad_gate_up_local, grad_down, None, grad_weights, None, None, None
 
 
 def expert_parallel_experts(
@@ -518,23 +660,36 @@ def expert_parallel_experts(
     top_k_weights: torch.Tensor,
     num_experts: int,
     group: dist.ProcessGroup | None = None,
+    *,
+    tokens: str = "replicated",
 ) -> torch.Tensor:
     """A routed SwiGLU MoE layer over ``k`` expert-parallel ranks, bit-identical to the
     one-process :func:`samepath.integrations.moe.experts_forward` (see the module docstring).
 
-    A collective: every rank of ``group`` calls it with the same ``hidden_states`` ``[tokens, H]``,
-    ``top_k_index`` / ``top_k_weights`` ``[tokens, top_k]`` and its own experts' weights
-    ``gate_up_local`` ``[E/k, 2I, H]`` and ``down_local`` ``[E/k, H, I]`` (rank ``r`` holds experts
-    ``r*E/k`` to ``(r+1)*E/k - 1``). Returns ``[tokens, H]`` in ``hidden_states.dtype`` on every
-    rank.
+    A collective: every rank of ``group`` calls it with its own experts' weights ``gate_up_local``
+    ``[E/k, 2I, H]`` and ``down_local`` ``[E/k, H, I]`` (rank ``r`` holds experts ``r*E/k`` to
+    ``(r+1)*E/k - 1``), ``hidden_states`` ``[tokens, H]`` and ``top_k_index`` / ``top_k_weights``
+    ``[tokens, top_k]``:
 
-    Differentiable (one ``all_gather`` in the backward; the upstream gradient must be the same on
-    every rank, as it is for the replicated output): the gradients of ``hidden_states`` and
-    ``top_k_weights`` (the same on every rank) and of this rank's ``gate_up_local`` / ``down_local``
-    are bit-identical to :class:`samepath.kernels.grouped_matmul.GroupedExpertsFunction`'s on one
-    process with all ``E`` experts (this rank's slice of its weight gradients).
+    * ``tokens="replicated"`` (a TP x EP rollout): the same tokens and routing on every rank;
+      returns all ``[tokens, H]`` rows on every rank. Differentiable with the same upstream
+      gradient on every rank: the gradients of ``hidden_states`` and ``top_k_weights`` (the same
+      on every rank) and this rank's slice of the weight gradients equal
+      :class:`samepath.kernels.grouped_matmul.GroupedExpertsFunction`'s on one process.
+    * ``tokens="local"`` (an FSDP / data-parallel + EP trainer): each rank its own tokens (any
+      number, 0 included); returns its tokens' rows. Differentiable: this rank's ``hidden_states``
+      and ``top_k_weights`` gradients equal the one-process backward of its own tokens; the weight
+      gradients are the sum, in rank order in the parameter dtype, of each rank's tokens'
+      one-process gradients — a one-process trainer accumulating the ranks' micro-batches in order.
+
+    Traffic (all ``all_to_all_single`` with split sizes from the routing; :func:`expert_parallel_splits`):
+    replicated, each pair's output row travels once to the rank combining its token, then one
+    ``all_gather`` of the combined rows; local, each pair's hidden row to its expert's rank and
+    its output row back.
     """
     world = dist.get_world_size(group)
+    if tokens not in EXPERT_PARALLEL_TOKENS:
+        raise ValueError(f"tokens = {tokens!r} must be one of {EXPERT_PARALLEL_TOKENS}")
     if not isinstance(num_experts, int) or num_experts < 1 or num_experts % world:
         raise ValueError(f"num_experts = {num_experts!r} must be a positive multiple of the group size {world}")
     local = num_experts // world
@@ -543,10 +698,12 @@ def expert_parallel_experts(
             f"gate_up_local {tuple(gate_up_local.shape)} and down_local {tuple(down_local.shape)} must hold this "
             f"rank's {local} experts (num_experts {num_experts} over {world} ranks)"
         )
-    if hidden_states.dim() != 2 or top_k_index.shape != top_k_weights.shape:
+    if hidden_states.dim() != 2 or top_k_index.shape != top_k_weights.shape or top_k_index.dim() != 2:
         raise ValueError("hidden_states must be [tokens, H] and top_k_index / top_k_weights both [tokens, top_k]")
+    if top_k_index.shape[0] != hidden_states.shape[0]:
+        raise ValueError(f"top_k_index has {top_k_index.shape[0]} rows, hidden_states {hidden_states.shape[0]}")
     return _ExpertParallelFunction.apply(
-        hidden_states, gate_up_local, down_local, top_k_index, top_k_weights, num_experts, group
+        hidden_states, gate_up_local, down_local, top_k_index, top_k_weights, num_experts, group, tokens
     )
 
 
@@ -583,15 +740,19 @@ def assert_same_numerics_across_group(tensor_parallel_size: int, group: dist.Pro
 
 __all__ = [
     "DISTRIBUTED_FORMULA",
+    "EXPERT_PARALLEL_TOKENS",
     "assert_same_numerics_across_group",
     "column_parallel_linear",
     "column_sharded_linear",
     "expert_parallel_experts",
+    "expert_parallel_splits",
     "merge_shard_lse",
     "row_parallel_linear",
     "shard_lse",
     "sharded_token_logprobs",
     "sum_partials",
+    "tensor_parallel_experts",
     "tensor_parallel_numerics",
+    "token_chunks",
     "vocab_parallel_token_logprobs",
 ]

@@ -44,11 +44,12 @@ class OpCounter(TorchDispatchMode):
         return sum(count for name, count in self.ops.items() if name in HOST_READS)
 
 
-def counting(monkeypatch) -> type[OpCounter]:
+def counting(monkeypatch, copies: bool = False) -> type[OpCounter]:
     """An :class:`OpCounter` class whose instances also count ``Tensor.tolist`` / ``Tensor.numpy``
-    (which do not dispatch on a CPU tensor) as host reads, through ``monkeypatch``."""
+    (which do not dispatch on a CPU tensor) as host reads, through ``monkeypatch``; ``copies``: also
+    ``Tensor.cpu`` (a device-to-host copy on a device; nothing on the CPU)."""
     active: list[OpCounter] = []
-    for name in ("tolist", "numpy"):
+    for name in ("tolist", "numpy", "cpu") if copies else ("tolist", "numpy"):
         original = getattr(torch.Tensor, name)
 
         def wrapped(self, *args, _original=original, **kwargs):

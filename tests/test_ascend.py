@@ -77,6 +77,7 @@ def test_every_kernel_lowers_for_ascend(dtype: torch.dtype) -> None:
     assert set(results.values()) <= {"mlir", "binary"}
     assert len(results) >= 12, sorted(results)
     assert {"_matmul_kernel", "_matmul_reduce_kernel", "_rms_norm_fwd_kernel", "_silu_mul_kernel"} <= set(results)
+    assert {"_attention_fwd_kernel", "_attention_bwd_preprocess_kernel", "_attention_bwd_kernel"} <= set(results)
     assert {
         "_softmax_kernel",
         "_row_sum_kernel",

@@ -1028,7 +1028,7 @@ def test_build_command_reports_what_is_missing(monkeypatch, capsys) -> None:
 
 
 def test_schedule_guard_fails_closed() -> None:
-    build.check_schedule()  # the forward schedule is version 2's, unchanged in version 3
+    build.check_schedule()  # the forward schedule is version 2's, unchanged in versions 3 and 4
     with pytest.raises(RuntimeError, match="numerics version"):
         build.check_schedule(max(build.FORWARD_SCHEDULE_VERSIONS) + 1)
 
@@ -1218,7 +1218,7 @@ def _triton_and_replayed_backward(name: str):
     the Ascend C backward with changed tiles or order."""
     from samepath.kernels.attention import run_backward, run_forward
     from samepath.kernels.attention.ascendc import replay as simulate
-    from samepath.kernels.config import AttentionConfig, row_reduce_config
+    from samepath.kernels.config import AttentionConfig
 
     case = BWD_CASES[name]
     gen = torch.Generator().manual_seed(3)
@@ -1235,7 +1235,7 @@ def _triton_and_replayed_backward(name: str):
     lse = run_forward(batch, out, store_lse=True)
     if name not in _BWD_RESULTS:
         _BWD_RESULTS[name] = run_backward(batch, out, lse, grad)
-    delta = simulate.replay_delta(grad, out, row_reduce_config("cpu").vocab_chunk)
+    delta = simulate.replay_delta(grad, out)
 
     def replayed(two_pass: bool = False, bwd_block_m: int = 16, bwd_block_n: int = 16, **options):
         tiles = _tiles(bwd_block_m=bwd_block_m, bwd_block_n=bwd_block_n)
@@ -1295,24 +1295,28 @@ def test_backward_replay_with_the_kernel_forms_stays_close(monkeypatch) -> None:
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
 
 
-def test_delta_replay_is_the_row_sum_kernel() -> None:
-    """``replay_delta`` is bitwise ``reductions.row_sum`` (the launchers' delta); another chunk is not."""
+@pytest.mark.parametrize("dtype,head", [(torch.bfloat16, 80), (torch.float32, 16), (torch.float16, 256)], ids=str)
+def test_delta_replay_is_the_preprocessing_kernel(dtype: torch.dtype, head: int) -> None:
+    """``replay_delta`` is bitwise the backward's preprocessing kernel (``backward_delta``, every backend's
+    delta), run by the interpreter; a left-to-right sum of the same products is not."""
     from samepath.kernels.attention.ascendc import replay as simulate
-    from samepath.kernels.config import row_reduce_config
-    from samepath.kernels.reductions import row_sum
+    from samepath.kernels.attention.backward import backward_delta
+    from samepath.kernels.dispatch import cpu_executor
 
     gen = torch.Generator().manual_seed(8)
-    grad, out = (torch.randn(40, 3, 80, generator=gen).to(torch.bfloat16) for _ in range(2))
-    expected = row_sum(grad.float() * out.float())
-    assert torch.equal(simulate.replay_delta(grad, out, row_reduce_config("cpu").vocab_chunk), expected)
-    assert not torch.equal(simulate.replay_delta(grad, out, 8), expected)
+    grad, out = (torch.randn(21, 3, head, generator=gen).to(dtype) for _ in range(2))
+    with cpu_executor("interpreter"):
+        expected = backward_delta(out, grad, torch.empty(21, 3))
+    assert torch.equal(simulate.replay_delta(grad, out), expected)
+    sequential = torch.cumsum(grad.float() * out.float(), -1)[..., -1]
+    assert not torch.equal(sequential, expected)
 
 
-def test_backward_schedule_guard_accepts_numerics_3_and_refuses_a_future_version() -> None:
-    assert build.ASCENDC_BACKWARD_SCHEDULE_VERSION == NUMERICS_VERSION == 3
+def test_backward_schedule_guard_accepts_numerics_4_and_refuses_another_version() -> None:
+    assert build.ASCENDC_BACKWARD_SCHEDULE_VERSION == NUMERICS_VERSION == 4
     build.check_backward_schedule()
-    build.check_backward_schedule(3)
-    for other in (2, 4):
+    build.check_backward_schedule(4)
+    for other in (3, 5):
         with pytest.raises(RuntimeError, match="training on this backend is refused"):
             build.check_backward_schedule(other)
 

@@ -142,3 +142,31 @@ def test_sm90_build_orders_the_dq_sums_through_l2() -> None:
     ptx = compile_launch(launch).asm["ptx"]
     assert "atom.global.gpu.acq_rel.add" in ptx
     assert "ld.global.cg" in ptx and "st.global.cg" in ptx
+
+
+@pytest.mark.skipif(
+    importlib.util.find_spec("triton.backends.ascend") is not None,
+    reason="Triton-Ascend replaces upstream Triton, which compiles for CUDA",
+)
+def test_sm90_training_attention_tiles(monkeypatch) -> None:
+    """The compile report's training case (bf16, head 128, GQA 32/8) on the CUDA table: the forward at
+    128 query rows on wgmma, every backward dot on wgmma (no mma.sync), delta in the preprocessing
+    kernel, nothing spills. Negative control: 16-key backward tiles (M = 16) fall back to mma.sync."""
+    from samepath.kernels import compile_check
+    from samepath.kernels import config as config_module
+
+    def kernels() -> dict[str, dict]:
+        (case,) = compile_check.compile_report(cases=["attention-training"])["cases"]
+        return {k["kernel"]: k for k in case["kernels"]}
+
+    found = kernels()
+    assert set(found) == {"_attention_fwd_kernel", "_attention_bwd_preprocess_kernel", "_attention_bwd_kernel"}
+    forward, backward = found["_attention_fwd_kernel"], found["_attention_bwd_kernel"]
+    assert forward["constexprs"]["BLOCK_M"] == 128 and forward["mma"] == "wgmma" and forward["num_warps"] == 8
+    assert backward["mma"] == "wgmma" and not backward["mma_sync"]
+    assert all(k["spill_stores"] == k["spill_loads"] == 0 for k in found.values())
+    table = dict(config_module.ATTENTION_TABLE)
+    key = ("cuda", "bfloat16", 128)
+    table[key] = dataclasses.replace(table[key], bwd_block_n=16)
+    monkeypatch.setattr(config_module, "ATTENTION_TABLE", table)
+    assert kernels()["_attention_bwd_kernel"]["mma_sync"]

@@ -94,6 +94,45 @@ def test_quick_bench_times_the_old_schedule_in_the_same_run(quick_run: dict) -> 
         assert len(old) == 1 and math.isfinite(old[0]["speedup"]), op
 
 
+def test_attention_backward_has_no_old_schedule_row() -> None:
+    """The old schedule is a forward-only baseline: today's backward kernel on old tiles would not be
+    the backward that schedule ran, so the forward + backward case has no such row (the forward has)."""
+    from bench import baselines as baselines_module
+    from bench import old_schedule
+    from bench.cases import varlen_case
+
+    found = baselines_module.find(torch.device("cpu"), torch.bfloat16)
+    args = ([20, 12], 4, 2, 64, torch.bfloat16, torch.device("cpu"), found)
+    assert old_schedule.LABEL in varlen_case("varlen_fwd", *args).baselines
+    assert not [name for name in varlen_case("varlen_fwdbwd", *args).baselines if "old" in name]
+
+
+def test_bench_calls_attention_as_the_integrations_do(monkeypatch) -> None:
+    """samepath's attention in the bench: ``validate=False`` and a LaunchPlan, as integrations/hf.py and
+    integrations/vllm/attention.py call it (the plan built once, not per call)."""
+    from bench import baselines as baselines_module
+    from bench import cases
+
+    calls: list[dict] = []
+    for name in ("varlen_attention", "paged_attention"):
+        original = getattr(cases, name)
+
+        def spy(*args, original=original, **kwargs):
+            calls.append(kwargs)
+            return original(*args, **kwargs)
+
+        monkeypatch.setattr(cases, name, spy)
+    cpu = torch.device("cpu")
+    found = baselines_module.find(cpu, torch.float32)
+    varlen = cases.varlen_case("varlen_fwd", [9, 5], 4, 2, 32, torch.float32, cpu, found)
+    paged = cases.paged_case("paged_decode", 2, 20, 1, 4, 2, 32, torch.float32, cpu, found)
+    for case in (varlen, paged, varlen, paged):
+        case.samepath(case.make(0))
+    assert len(calls) == 4 and all(call["validate"] is False for call in calls)
+    assert all(isinstance(call["plan"], cases.LaunchPlan) for call in calls)
+    assert calls[0]["plan"] is calls[2]["plan"] and calls[1]["plan"] is calls[3]["plan"]
+
+
 def test_old_schedule_overrides_are_scoped_and_change_no_default() -> None:
     """The bench's old-schedule overrides restore the library on exit and leave the fingerprint,
     and the packing / tiling / grid functions, as they were."""
@@ -176,7 +215,9 @@ def test_quick_bench_csv_and_table_carry_device_versions_and_fingerprint(quick_r
     assert head["fingerprint"] == samepath.fingerprint()
     assert head["torch"] == torch.__version__
     assert head["triton"] and head["mode"].startswith("quick")
-    assert "validate=True" in head["samepath_calls"] and "integrations/vllm/attention.py" in head["samepath_calls"]
+    calls = head["samepath_calls"]
+    assert "validate=True" not in calls and "integrations/vllm/attention.py" in calls
+    assert calls.count("validate=False, plan=LaunchPlan") == 2
     assert "min / median / max" in head["timing"] and "L2" in head["timing"]
     assert list(rows[0]) == report.FIELDS
     assert len(rows) == len(quick_run["rows"])

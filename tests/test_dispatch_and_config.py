@@ -115,7 +115,7 @@ def test_kernels_compile_for_hopper(dtype: torch.dtype) -> None:
         "_attention_merge_kernel",
         "_attention_bwd_kernel",
         "_write_kv_cache_kernel",
-        "_row_sum_kernel",  # the backward's delta = rowsum(dO * O)
+        "_attention_bwd_preprocess_kernel",  # the backward's delta = rowsum(dO * O)
     }
 
 

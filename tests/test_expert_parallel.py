@@ -1,6 +1,8 @@
-"""Expert parallelism (gloo processes on the CPU): EP = k equals the one-process experts bit for bit,
-forward and backward (the gradients of the hidden states, the routing weights and every rank's
-expert weights equal the one-process grouped backward's for the same experts); a tiny MoE block on
+"""Expert parallelism (gloo processes on the CPU, the all-to-all exchange): EP = k equals the
+one-process experts bit for bit, forward and backward, with replicated tokens (the gradients of the
+hidden states, the routing weights and every rank's expert weights equal the one-process grouped
+backward's for the same experts) and with each rank's own tokens (the one-process layer on them, the
+expert-weight gradients accumulated over the ranks' micro-batches); a tiny MoE block on
 TP x EP layouts equals one device (logits, log-probs, gradients); the EP formulas are in the
 fingerprint."""
 
@@ -20,8 +22,10 @@ from samepath.distributed import (
     column_parallel_linear,
     column_sharded_linear,
     expert_parallel_experts,
+    expert_parallel_splits,
     row_parallel_linear,
     sharded_token_logprobs,
+    token_chunks,
     vocab_parallel_token_logprobs,
 )
 from samepath.integrations import moe
@@ -31,8 +35,8 @@ from samepath.kernels.grouped_matmul import (
     GroupedExpertsFunction,
     combine_in_expert_order,
     expert_projections,
+    expert_sum,
     grouped_linear,
-    routed_pair_outputs,
 )
 from samepath.kernels.matmul import linear
 from samepath.kernels.rms_norm import rms_norm
@@ -60,93 +64,29 @@ def _one_process(layer: dict[str, torch.Tensor]) -> torch.Tensor:
         return moe.experts_forward(layer["hidden"], layer["gate_up"], layer["down"], layer["index"], layer["weights"])
 
 
-def _worker(rank: int, world: int, port: int, layers: dict[str, dict[str, torch.Tensor]], out_dir: str) -> None:
-    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
-        local = EXPERTS // world
-        experts = slice(rank * local, (rank + 1) * local)
-        with torch.no_grad():
-            result = {
-                name: expert_parallel_experts(
-                    w["hidden"], w["gate_up"][experts], w["down"][experts], w["index"], w["weights"], EXPERTS
-                )
-                for name, w in layers.items()
-            }
-        torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
-
-
 def _free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
 
 
-@pytest.mark.parametrize("world", [2, 4])
-def test_expert_parallel_equals_one_process(world: int, tmp_path) -> None:
-    layers = {"bf16": _layer(torch.bfloat16, 1), "fp32": _layer(torch.float32, 2)}
-    mp.spawn(_worker, args=(world, _free_port(), layers, str(tmp_path)), nprocs=world, join=True)
-    for rank in range(world):
-        result = torch.load(tmp_path / f"rank{rank}.pt")
-        for name, layer in layers.items():
-            assert torch.equal(result[name], _one_process(layer)), f"EP-{world} rank {rank} {name} differs from EP-1"
-
-
-def test_negative_controls_other_combine_orders() -> None:
-    """The harness can fail: adding a token's pairs in slot order, or each rank's pairs first and
-    the ranks' partial sums after (a reduce of bf16 partials), gives other bits than EP = 1."""
-    layer = _layer(torch.bfloat16, 3)
-    want = _one_process(layer)
-    with torch.no_grad():
-        pairs = routed_pair_outputs(layer["hidden"], layer["gate_up"], layer["down"], layer["index"], layer["weights"])
-    per_slot = pairs.view(TOKENS, TOP_K, HIDDEN)
-    slot_order = torch.zeros_like(want)
-    for slot in range(TOP_K):
-        slot_order = slot_order + per_slot[:, slot]
-    assert not torch.equal(slot_order, want)
-    owner = layer["index"] // (EXPERTS // 2)
-    rank_partials = [torch.zeros_like(want), torch.zeros_like(want)]
-    for slot in range(TOP_K):
-        for rank in (0, 1):
-            rank_partials[rank] = rank_partials[rank] + torch.where(owner[:, slot, None] == rank, per_slot[:, slot], 0)
-    assert not torch.equal(rank_partials[0] + rank_partials[1], want)
-
-
-def test_bad_arguments_are_named(tmp_path) -> None:
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
-    try:
-        layer = _layer(torch.float32, 4)
-        with pytest.raises(ValueError, match="num_experts"):
-            expert_parallel_experts(
-                layer["hidden"], layer["gate_up"], layer["down"], layer["index"], layer["weights"], 0
-            )
-        with pytest.raises(ValueError, match="this rank's 8 experts"):
-            expert_parallel_experts(
-                layer["hidden"], layer["gate_up"][:4], layer["down"], layer["index"], layer["weights"], EXPERTS
-            )
-        with torch.no_grad():
-            alone = expert_parallel_experts(
-                layer["hidden"], layer["gate_up"], layer["down"], layer["index"], layer["weights"], EXPERTS
-            )
-        assert torch.equal(alone, _one_process(layer))
-    finally:
-        dist.destroy_process_group()
-
-
-# ----------------------------------------------------------------------------------------------
-# Backward
-# ----------------------------------------------------------------------------------------------
-
 GRAD_NAMES = ("hidden", "weights", "gate_up", "down")
 
+#: ``tokens="local"``: how many of the layer's tokens each rank holds (in rank order; a rank with none).
+LOCAL_TOKENS = {2: [11, 8], 4: [7, 0, 5, 7]}
 
-def _leaves(layer: dict[str, torch.Tensor], experts: slice = slice(None)) -> dict[str, torch.Tensor]:
-    """The layer's differentiable inputs (``experts``: this rank's expert weights) as fresh leaves."""
-    leaves = {name: layer[name].detach().clone().requires_grad_() for name in ("hidden", "weights")}
+
+def _rows(world: int, rank: int) -> slice:
+    sizes = LOCAL_TOKENS[world]
+    return slice(sum(sizes[:rank]), sum(sizes[: rank + 1]))
+
+
+def _leaves(
+    layer: dict[str, torch.Tensor], experts: slice = slice(None), rows: slice = slice(None)
+) -> dict[str, torch.Tensor]:
+    """The layer's differentiable inputs (``experts``: this rank's expert weights; ``rows``: its
+    tokens) as fresh leaves."""
+    leaves = {name: layer[name][rows].detach().clone().requires_grad_() for name in ("hidden", "weights")}
     for name in ("gate_up", "down"):
         leaves[name] = layer[name][experts].detach().clone().requires_grad_()
     return leaves
@@ -166,26 +106,67 @@ def _one_process_grads(layer: dict[str, torch.Tensor]) -> dict[str, torch.Tensor
     return _grads(out, leaves, layer["upstream"])
 
 
-def _grad_worker(rank: int, world: int, port: int, layers: dict[str, dict[str, torch.Tensor]], out_dir: str) -> None:
+def _one_process_micro_batches(layer: dict[str, torch.Tensor], world: int) -> list[dict[str, torch.Tensor]]:
+    """One process, all experts, the ranks' tokens as micro-batches in rank order with the expert
+    weights' gradients accumulated by autograd (what an FSDP + EP trainer's one-device twin runs):
+    per micro-batch its output and its tokens' gradients, the accumulated weight gradients in each."""
+    experts = {name: layer[name].detach().clone().requires_grad_() for name in ("gate_up", "down")}
+    results = []
+    for rank in range(world):
+        rows = _rows(world, rank)
+        leaves = {**_leaves(layer, rows=rows), **experts}
+        if rows.stop == rows.start:  # an empty micro-batch adds nothing
+            results.append({"out": layer["hidden"][rows], "hidden": leaves["hidden"], "weights": leaves["weights"]})
+            continue
+        with samepath.batch_invariant():
+            out = GroupedExpertsFunction.apply(
+                leaves["hidden"], experts["gate_up"], experts["down"], layer["index"][rows], leaves["weights"]
+            )
+        results.append(_grads(out, leaves, layer["upstream"][rows]))
+    for result in results:
+        result.update({name: experts[name].grad for name in ("gate_up", "down")})
+    return results
+
+
+def _worker(rank: int, world: int, port: int, layers: dict[str, dict[str, torch.Tensor]], out_dir: str) -> None:
+    """Each layer on this rank: ``tokens="replicated"`` forward (no grad, the rollout's call) and
+    forward + backward, and ``tokens="local"`` forward + backward on this rank's tokens."""
     os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
         local = EXPERTS // world
+        experts = slice(rank * local, (rank + 1) * local)
         result = {}
-        for name, layer in layers.items():
-            leaves = _leaves(layer, slice(rank * local, (rank + 1) * local))
+        for name, w in layers.items():
+            with torch.no_grad():
+                result["no_grad", name] = expert_parallel_experts(
+                    w["hidden"], w["gate_up"][experts], w["down"][experts], w["index"], w["weights"], EXPERTS
+                )
+            leaves = _leaves(w, experts)
             out = expert_parallel_experts(
-                leaves["hidden"], leaves["gate_up"], leaves["down"], layer["index"], leaves["weights"], EXPERTS
+                leaves["hidden"], leaves["gate_up"], leaves["down"], w["index"], leaves["weights"], EXPERTS
             )
-            result[name] = _grads(out, leaves, layer["upstream"])
+            result["replicated", name] = _grads(out, leaves, w["upstream"])
+            rows = _rows(world, rank)
+            leaves = _leaves(w, experts, rows)
+            out = expert_parallel_experts(
+                leaves["hidden"],
+                leaves["gate_up"],
+                leaves["down"],
+                w["index"][rows],
+                leaves["weights"],
+                EXPERTS,
+                tokens="local",
+            )
+            result["local", name] = _grads(out, leaves, w["upstream"][rows])
         torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
         dist.barrier()
     finally:
         dist.destroy_process_group()
 
 
-def _grad_layers() -> dict[str, dict[str, torch.Tensor]]:
+def _layers() -> dict[str, dict[str, torch.Tensor]]:
     layers = {"bf16": _layer(torch.bfloat16, 5), "fp32": _layer(torch.float32, 6)}
     for seed, layer in enumerate(layers.values()):
         layer["upstream"] = torch.randn(TOKENS, HIDDEN, generator=torch.Generator().manual_seed(7 + seed))
@@ -194,27 +175,121 @@ def _grad_layers() -> dict[str, dict[str, torch.Tensor]]:
 
 
 @pytest.mark.parametrize("world", [2, 4])
-def test_expert_parallel_backward_equals_one_process_grouped_backward(world: int, tmp_path) -> None:
-    layers = _grad_layers()
-    mp.spawn(_grad_worker, args=(world, _free_port(), layers, str(tmp_path)), nprocs=world, join=True)
+def test_expert_parallel_equals_one_process(world: int, tmp_path) -> None:
+    """EP = 2 and 4 over gloo through the all-to-all, one spawn: with replicated tokens the output
+    (with and without autograd), the hidden-state and routing-weight gradients equal the one-process
+    grouped layer's on every rank and each rank's expert-weight gradients are its slice of the
+    one-process ones; with each rank's own tokens (one rank without any at EP = 4) its output and
+    its tokens' gradients equal the one-process layer on them, the expert-weight gradients the
+    one-process accumulation over the ranks' micro-batches."""
+    layers = _layers()
+    mp.spawn(_worker, args=(world, _free_port(), layers, str(tmp_path)), nprocs=world, join=True)
     local = EXPERTS // world
     for name, layer in layers.items():
         want = _one_process_grads(layer)
+        assert torch.equal(want["out"], _one_process(layer)), "the recorded forward is the inference forward"
+        micro = _one_process_micro_batches(layer, world)
         assert all(torch.isfinite(g).all() for g in want.values())
         for rank in range(world):
-            got = torch.load(tmp_path / f"rank{rank}.pt")[name]
+            result = torch.load(tmp_path / f"rank{rank}.pt")
             experts = slice(rank * local, (rank + 1) * local)
+            assert torch.equal(result["no_grad", name], want["out"]), f"EP-{world} rank {rank} {name}: no-grad out"
+            got = result["replicated", name]
             for key in ("out", "hidden", "weights"):
                 assert torch.equal(got[key], want[key]), f"EP-{world} rank {rank} {name}: {key} differs"
             for key in ("gate_up", "down"):
                 assert torch.equal(got[key], want[key][experts]), f"EP-{world} rank {rank} {name}: d{key} differs"
+            got = result["local", name]
+            assert got["out"].shape[0] == LOCAL_TOKENS[world][rank]
+            assert torch.equal(got["out"], want["out"][_rows(world, rank)]), "a row does not depend on the batch"
+            for key in ("out", "hidden", "weights"):
+                assert torch.equal(got[key], micro[rank][key]), f"EP-{world} local rank {rank} {name}: {key} differs"
+            for key in ("gate_up", "down"):
+                expected = micro[rank][key][experts]
+                assert torch.equal(got[key], expected), f"EP-{world} local rank {rank} {name}: d{key} differs"
+
+
+def test_negative_controls_other_combines() -> None:
+    """The harness can fail: adding a token's pairs in the activation dtype (the previous formula),
+    in slot order, or each rank's pairs first and the ranks' partial sums after (an all_reduce of
+    bf16 partials, vLLM's stock EP) gives other bits than the one-process fp32 combine; and the
+    local layout's expert-weight gradient, folded over all ranks' tokens at once (one micro-batch),
+    differs from the accumulation over the ranks' micro-batches."""
+    layer = _layer(torch.bfloat16, 3)
+    want = _one_process(layer)
+    with torch.no_grad():
+        proj = expert_projections(layer["hidden"], layer["gate_up"], layer["down"], layer["index"])
+    bf16_terms = (proj.expert_out * layer["weights"].reshape(-1, 1)).to(torch.bfloat16)
+    assert torch.equal(expert_sum(proj.expert_out, layer["weights"], layer["index"], torch.bfloat16), want)
+    assert not torch.equal(combine_in_expert_order(bf16_terms, layer["index"]), want)
+    per_slot = bf16_terms.view(TOKENS, TOP_K, HIDDEN)
+    slot_order = torch.zeros(TOKENS, HIDDEN)
+    for slot in range(TOP_K):
+        slot_order = slot_order + per_slot[:, slot].float()
+    assert not torch.equal(slot_order.to(torch.bfloat16), want)
+    owner = layer["index"] // (EXPERTS // 2)
+    rank_partials = [torch.zeros_like(want), torch.zeros_like(want)]
+    for slot in range(TOP_K):
+        for rank in (0, 1):
+            rank_partials[rank] = rank_partials[rank] + torch.where(owner[:, slot, None] == rank, per_slot[:, slot], 0)
+    assert not torch.equal(rank_partials[0] + rank_partials[1], want)
+    layer = _layers()["bf16"]
+    accumulated, one_batch = _one_process_micro_batches(layer, 2)[-1], _one_process_grads(layer)
+    assert not torch.equal(accumulated["gate_up"], one_batch["gate_up"])
+
+
+def test_expert_parallel_splits_count_the_routed_pairs() -> None:
+    """The exchange's split sizes: entry [o, c] counts the pairs of chunk c's tokens routed to rank
+    o's experts (brute force), and the replicated layout moves fewer bytes than an all_gather of
+    every rank's pair rows."""
+    layer = _layer(torch.bfloat16, 11)
+    for world in (1, 2, 4):
+        splits = expert_parallel_splits(layer["index"], EXPERTS, world)
+        sizes = token_chunks(TOKENS, world)
+        assert sum(sizes) == TOKENS and splits.sum() == TOKENS * TOP_K
+        for owner in range(world):
+            for chunk in range(world):
+                tokens = layer["index"][sum(sizes[:chunk]) : sum(sizes[: chunk + 1])]
+                assert splits[owner, chunk] == int((tokens // (EXPERTS // world) == owner).sum())
+        moved = splits.sum() - splits.diagonal().sum()  # pair rows that leave their rank
+        assert moved < (world - 1) * world * TOKENS * TOP_K or world == 1
+
+
+def test_bad_arguments_are_named(tmp_path) -> None:
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        layer = _layer(torch.float32, 4)
+        with pytest.raises(ValueError, match="num_experts"):
+            expert_parallel_experts(
+                layer["hidden"], layer["gate_up"], layer["down"], layer["index"], layer["weights"], 0
+            )
+        with pytest.raises(ValueError, match="this rank's 8 experts"):
+            expert_parallel_experts(
+                layer["hidden"], layer["gate_up"][:4], layer["down"], layer["index"], layer["weights"], EXPERTS
+            )
+        with torch.no_grad():
+            alone = expert_parallel_experts(
+                layer["hidden"], layer["gate_up"], layer["down"], layer["index"], layer["weights"], EXPERTS
+            )
+        assert torch.equal(alone, _one_process(layer))
+        with pytest.raises(ValueError, match="tokens = 'sharded'"):
+            expert_parallel_experts(
+                layer["hidden"], layer["gate_up"], layer["down"], layer["index"], layer["weights"], 8, tokens="sharded"
+            )
+        with torch.no_grad():
+            alone = expert_parallel_experts(
+                layer["hidden"], layer["gate_up"], layer["down"], layer["index"], layer["weights"], 8, tokens="local"
+            )
+        assert torch.equal(alone, _one_process(layer))
+    finally:
+        dist.destroy_process_group()
 
 
 def test_negative_control_rank_partials_of_the_input_gradient() -> None:
     """The harness can fail: each rank's pairs' input-gradient rows summed first (fp32, what an
     all_reduce / reduce_scatter of per-rank partials computes) and the two partials added after
     gives other bits than each token's pairs added in ascending expert order."""
-    layer = _grad_layers()["fp32"]
+    layer = _layers()["fp32"]
     want = _one_process_grads(layer)["hidden"]
     with torch.no_grad():
         proj = expert_projections(layer["hidden"], layer["gate_up"], layer["down"], layer["index"])
@@ -469,16 +544,22 @@ def test_tp_x_ep_layouts_equal_one_device(world: int, tmp_path) -> None:
 
 
 def test_fingerprint_covers_the_expert_parallel_formula(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The EP combine order and the EP backward are fingerprinted (and no EP degree is: EP = k is
-    EP = 1), so a side whose EP formula differs — its pairs added in slot order — is refused."""
-    formulas = OP_FORMULAS["distributed"]
-    assert "ascending expert order" in formulas["expert_parallel"]
-    assert "ascending expert order" in formulas["expert_parallel_backward"]
+    """The MoE combine (fp32, ascending expert order), the EP exchange and the EP backward are
+    fingerprinted (and no EP degree is: EP = k is EP = 1), so a side whose formula differs — its
+    pairs added in slot order or in the activation dtype — is refused."""
+    changes = {
+        ("moe", "combine"): ("ascending expert order", "slot order"),
+        ("moe", "backward"): ("ascending expert order", "slot order"),
+        ("distributed", "expert_parallel"): ("all_to_all_single", "all_gather"),
+        ("distributed", "expert_parallel_backward"): ("ascending expert order", "slot order"),
+    }
+    assert "fp32" in OP_FORMULAS["moe"]["combine"]
     mine = samepath.fingerprint()
-    for key in ("expert_parallel", "expert_parallel_backward"):
-        other = dict(formulas, **{key: formulas[key].replace("ascending expert order", "slot order")})
+    for (op, key), (was, now) in changes.items():
+        assert was in OP_FORMULAS[op][key], (op, key)
+        other = dict(OP_FORMULAS[op], **{key: OP_FORMULAS[op][key].replace(was, now)})
         with monkeypatch.context() as patch:
-            patch.setitem(OP_FORMULAS, "distributed", other)
+            patch.setitem(OP_FORMULAS, op, other)
             theirs = samepath.fingerprint()
         assert theirs != mine, key
         with pytest.raises(NumericsMismatchError, match="numerics fingerprint mismatch"):

@@ -10,8 +10,8 @@ import samepath
 from samepath.check.harness import DEFAULT_MODEL_CONFIG
 
 PINNED = {
-    1: "sp4-150b188fe8f57b44",
-    2: "sp4-e8812c2ade7321c4",
+    1: "sp5-5dc4e40e99ae37c2",
+    2: "sp5-526fca7cc31a856e",
 }
 
 

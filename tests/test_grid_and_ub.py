@@ -33,6 +33,7 @@ from samepath.kernels.matmul import matmul
 ALL_KERNELS = {
     "_attention_fwd_kernel",
     "_attention_bwd_kernel",
+    "_attention_bwd_preprocess_kernel",
     "_attention_merge_kernel",
     "_write_kv_cache_kernel",
     "_matmul_kernel",

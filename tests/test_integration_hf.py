@@ -314,7 +314,8 @@ def test_a_patch_all_that_fails_on_the_model_undoes_the_process_patch() -> None:
 def test_tensor_parallel_numerics_slices_the_row_parallel_linears():
     """``hf.tensor_parallel_numerics(model, S)``: o_proj and down_proj run ``linear(k_slices=S)``
     (what a TP-S vLLM rollout's row-parallel layers compute), the rest is untouched, and leaving
-    the block restores the model. MoE models and bad degrees are refused."""
+    the block restores the model; a MoE model's experts are sliced too (tests/test_moe_tensor_parallel.py).
+    Bad degrees are refused."""
     from samepath.integrations.hf import tensor_parallel_numerics
 
     # fp32: at this size a bf16 model's fp32 partial sums are exact, so slicing changes no bit there.
@@ -332,9 +333,10 @@ def test_tensor_parallel_numerics_slices_the_row_parallel_linears():
         assert "forward" not in vars(o_proj)
     with tensor_parallel_numerics(tiny_model("qwen3_moe", torch.bfloat16), 1):  # S = 1: nothing to slice
         pass
-    with pytest.raises(ValueError, match="mixture-of-experts"):
-        with tensor_parallel_numerics(tiny_model("qwen3_moe", torch.bfloat16), 2):
-            pass
+    moe_model = tiny_model("qwen3_moe", torch.bfloat16)
+    with tensor_parallel_numerics(moe_model, 2):
+        assert all("forward" in vars(layer.mlp.experts) for layer in moe_model.model.layers)
+    assert not any("forward" in vars(layer.mlp.experts) for layer in moe_model.model.layers)
     with pytest.raises(ValueError, match="not divisible"):
         with tensor_parallel_numerics(model, 5):
             pass

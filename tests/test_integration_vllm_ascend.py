@@ -628,3 +628,94 @@ def test_vllm_install_refuses_engine_batch_invariant_mode(monkeypatch: pytest.Mo
     with pytest.raises(vllm_env.EngineBatchInvariantModeError, match="vLLM's own batch-invariant mode"):
         vllm_plugin.install()
     assert not vllm_plugin.installed() and not vllm_plugin.INSTALLED
+
+
+# ----------------------------------------------------------------------------------------------
+# MoE at tensor / expert parallelism on vllm-ascend (wiring on the fake tree; the rollout needs an NPU)
+# ----------------------------------------------------------------------------------------------
+
+
+class MoECommType(enum.Enum):
+    """vllm-ascend 0.23's ``vllm_ascend.ascend_forward_context.MoECommType``."""
+
+    ALLGATHER = 0
+    MC2 = 1
+    ALLTOALL = 2
+    FUSED_MC2 = 3
+
+
+def test_ascend_moe_parallel_wiring_fake_tree(fake_vllm_ascend, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Installed, samepath makes vllm-ascend pick the ALLGATHER MoE communication (every token on
+    every TP rank: samepath's exchange replaces MC2 / all-to-all dispatch), refuses a TP / EP layer
+    under any other communication or flash-comm by name, and refuses at load a layout its formulas
+    cannot reproduce; uninstalled, vllm-ascend's selection is back."""
+    from samepath.integrations.vllm_ascend.layers import check_allgather_comm
+
+    context = fake_vllm_ascend["vllm_ascend.ascend_forward_context"]
+    stock = lambda num_tokens, vllm_config, is_draft_model=False: None if num_tokens == 0 else MoECommType.MC2  # noqa: E731
+    monkeypatch.setattr(context, "MoECommType", MoECommType)
+    monkeypatch.setattr(context, "select_moe_comm_method", stock)
+    monkeypatch.setattr(vllm_ascend.plugin, "installed_version", lambda: "0.23.0")
+    vllm_ascend.install()
+    try:
+        assert context.select_moe_comm_method(64, None) is MoECommType.ALLGATHER
+        assert context.select_moe_comm_method(0, None) is None, "a dense model keeps no MoE communication"
+        layer = types.SimpleNamespace(layer_name="model.layers.3.mlp.experts")
+        context._EXTRA_CTX = types.SimpleNamespace(moe_comm_type=MoECommType.ALLGATHER, flash_comm_v1_enabled=False)
+        check_allgather_comm(layer)
+        for comm in (MoECommType.MC2, MoECommType.ALLTOALL, MoECommType.FUSED_MC2):
+            context._EXTRA_CTX.moe_comm_type = comm
+            with pytest.raises(NotImplementedError, match=rf"model\.layers\.3\.mlp\.experts.*not {comm}"):
+                check_allgather_comm(layer)
+        context._EXTRA_CTX = types.SimpleNamespace(moe_comm_type=MoECommType.ALLGATHER, flash_comm_v1_enabled=True)
+        with pytest.raises(NotImplementedError, match="flash-comm v1"):
+            check_allgather_comm(layer)
+
+        method_cls = fake_vllm_ascend["vllm_ascend.ops.fused_moe.fused_moe"].AscendUnquantizedFusedMoEMethod
+        method = method_cls()
+        method.moe, method.dynamic_eplb = types.SimpleNamespace(has_bias=False, is_act_and_mul=True), False
+        parallel = dict(dp_size=1, pcp_size=1, is_sequence_parallel=False, enable_eplb=False, use_ep=True)
+        moe = types.SimpleNamespace(
+            num_experts=6,
+            num_logical_experts=6,
+            intermediate_size=32,
+            moe_parallel_config=types.SimpleNamespace(**parallel, ep_size=4, ep_rank=0, tp_size=1),
+        )
+        experts = types.SimpleNamespace(
+            layer_name="model.layers.3.mlp.experts", activation="silu", apply_router_weight_on_input=False,
+            moe_config=moe, w13_weight=torch.empty(2, 64, 8, dtype=torch.bfloat16), w2_weight=torch.empty(2, 8, 32),
+            _expert_map=torch.tensor([0, 1, -1, -1, -1, -1]),
+        )  # fmt: skip
+        with pytest.raises(NotImplementedError, match=r"6 experts are not divisible by the expert-parallel size 4"):
+            method.process_weights_after_loading(experts)
+        moe.num_experts = moe.num_logical_experts = 8
+        experts._expert_map = torch.tensor([-1, -1, 0, 1, -1, -1, -1, -1])  # rank 0 given experts 2, 3
+        with pytest.raises(NotImplementedError, match=r"rank 0's expert map is not the contiguous block"):
+            method.process_weights_after_loading(experts)
+    finally:
+        vllm_ascend.uninstall()
+    assert context.select_moe_comm_method is stock
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_the_ascend_all_reduce_carries_rank_zeros_bits_in_any_order(dtype: torch.dtype) -> None:
+    """vllm-ascend all-reduces the routed output over the TP group after samepath's exchange has put
+    the whole layer on every rank: rank 0 hands in its bits, the others -0.0, and any order or
+    accumulation precision of that sum returns rank 0's bits (+0.0 and -0.0 included). Negative
+    control: +0.0 from the other ranks turns rank 0's -0.0 into +0.0."""
+    from samepath.integrations.vllm_ascend.layers import for_the_all_reduce
+
+    out = torch.randn(5, 16, generator=torch.Generator().manual_seed(3)).to(dtype)
+    out[0, :4] = torch.tensor([0.0, -0.0, float("inf"), -float("inf")], dtype=dtype)
+    shares = [for_the_all_reduce(out, rank) for rank in range(4)]
+    assert torch.equal(shares[0], out) and all(
+        torch.equal(s.view(torch.uint8), shares[1].view(torch.uint8)) for s in shares[1:]
+    )
+    for order in itertools.permutations(range(4)):
+        for acc in (dtype, torch.float32):
+            total = shares[order[0]].to(acc)
+            for rank in order[1:]:
+                total = total + shares[rank].to(acc)
+            assert torch.equal(total.to(dtype).view(torch.uint8), out.view(torch.uint8)), (order, acc)
+    plus = out + torch.zeros_like(out)
+    assert not torch.equal(plus.view(torch.uint8), out.view(torch.uint8))

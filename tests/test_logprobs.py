@@ -508,7 +508,7 @@ def test_linear_token_logprobs_equal_logprobs_of_the_linear(dtype: torch.dtype) 
     torch.autograd.backward(again, (g_lp, g_h))
     assert torch.equal(w3.grad, w2.grad) and torch.equal(h3.grad, h2.grad)
     # negative control: the fp32 partials of token chunks of 16 summed in chunk order (the schedule
-    # before numerics version 4)
+    # before numerics version 5)
     h4, w4 = hidden.clone(), weight.clone().requires_grad_()
     logits = linear(h4, w4)
     logits.retain_grad()

@@ -84,7 +84,8 @@ class VLLMRequestResult:
 @dataclass
 class VLLMRolloutResult:
     requests: list[VLLMRequestResult]
-    #: the child's ``samepath.fingerprint(tensor_parallel_size)`` when samepath was installed
+    #: the child's ``samepath.fingerprint(tensor_parallel_size, expert_parallel=...)`` (from
+    #: ``engine_args["enable_expert_parallel"]``) when samepath was installed
     fingerprint: str | None
     #: ``samepath.kernels.config.model_fingerprint`` of the model vLLM loaded (when the engine ran
     #: in the child's own process, i.e. not with ``entry_point=True``)
@@ -359,7 +360,8 @@ def _child(spec: VLLMRolloutSpec, engines: dict | None = None) -> dict:
         from samepath.kernels.config import fingerprint as samepath_fingerprint
         from samepath.kernels.config import model_fingerprint as model_hash
 
-        fingerprint = samepath_fingerprint(spec.tensor_parallel_size)
+        ep = bool(spec.engine_args.get("enable_expert_parallel"))
+        fingerprint = samepath_fingerprint(spec.tensor_parallel_size, expert_parallel=ep)
         loaded = samepath_vllm.LOADED_MODEL_CONFIG
         try:
             model_fingerprint = None if loaded is None else model_hash(loaded)

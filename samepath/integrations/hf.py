@@ -33,14 +33,13 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import functools
 import weakref
-from collections.abc import Callable, Iterator, Mapping, Set
-from contextlib import contextmanager
+from collections.abc import Callable, Mapping, Set
 from typing import Any
 
 import torch
 
+from samepath.integrations.hf_parallel import ROW_PARALLEL_LINEARS, tensor_parallel_numerics  # noqa: F401 (public here)
 from samepath.integrations.moe import experts_forward
 from samepath.integrations.patcher import Patcher
 from samepath.kernels.attention import LaunchPlan, packed_attention, varlen_attention
@@ -444,11 +443,19 @@ def attention_forward(
     return out.view(batch, q_len, num_heads, head_size), None
 
 
+#: The attribute of an experts module sharded by :func:`samepath.integrations.expert_parallel.shard_experts`.
+EXPERT_PARALLEL_ATTR = "samepath_expert_parallel"
+
+
 def samepath_experts_forward(
     self: torch.nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
 ) -> torch.Tensor:
     """``ExpertsInterface`` function: :func:`samepath.integrations.moe.experts_forward` on the
-    module's ``gate_up_proj`` / ``down_proj`` (the loop vLLM's MoE layers run under the plugin)."""
+    module's ``gate_up_proj`` / ``down_proj`` (the loop vLLM's MoE layers run under the plugin), or
+    on an expert-parallel shard its exchange (same bits)."""
+    shard = getattr(self, EXPERT_PARALLEL_ATTR, None)
+    if shard is not None:
+        return shard(self, hidden_states, top_k_index, top_k_weights)
     return experts_forward(hidden_states, self.gate_up_proj, self.down_proj, top_k_index, top_k_weights)
 
 
@@ -583,61 +590,6 @@ def use_samepath(model: torch.nn.Module, patcher: Patcher) -> None:
     if hasattr(model, "set_experts_implementation") and experts:
         model.set_experts_implementation(IMPLEMENTATION)
         patcher.on_restore(lambda: model.set_experts_implementation(experts))
-
-
-#: The ``nn.Linear`` submodules of a decoder layer that a tensor-parallel rollout (vLLM's
-#: ``RowParallelLinear``) shards along K: their output is a sum over the ranks' partials.
-ROW_PARALLEL_LINEARS = ("self_attn.o_proj", "mlp.down_proj")
-
-
-@contextmanager
-def tensor_parallel_numerics(model: torch.nn.Module, tensor_parallel_size: int) -> Iterator[None]:
-    """Run ``model`` (a patched dense Hugging Face decoder) with the numerics of a rollout at tensor
-    parallelism ``S``: every row-parallel linear (:data:`ROW_PARALLEL_LINEARS`) computes
-    ``samepath.linear(x, w, b, k_slices=S)`` — the K dimension in ``S`` slices summed in slice
-    order, what ``samepath.distributed.row_parallel_linear`` computes across ``S`` ranks and what
-    samepath's vLLM plugin runs at ``tensor_parallel_size=S``. The other layers need nothing: a
-    column-parallel or head-parallel split does not change any reduction. Differentiable.
-
-    Raises ``ValueError`` for a mixture-of-experts model (its experts are row-parallel too, and
-    the vLLM plugin refuses expert tensor parallelism) or a row-parallel layer whose input features
-    are not divisible by ``S``.
-    """
-    from samepath.kernels.matmul import linear
-
-    if isinstance(tensor_parallel_size, bool) or not isinstance(tensor_parallel_size, int) or tensor_parallel_size < 1:
-        raise ValueError(f"tensor_parallel_size must be a positive int, got {tensor_parallel_size!r}")
-    if tensor_parallel_size == 1:  # the unsliced schedule: nothing to change
-        yield
-        return
-    layers = []
-    for name, module in model.named_modules():
-        if name.endswith(".experts"):
-            raise ValueError(f"tensor_parallel_numerics does not cover mixture-of-experts layers ({name})")
-        if isinstance(module, torch.nn.Linear) and name.endswith(tuple("." + p for p in ROW_PARALLEL_LINEARS)):
-            if module.in_features % tensor_parallel_size:
-                raise ValueError(
-                    f"{name} has {module.in_features} input features, not divisible by "
-                    f"tensor_parallel_size={tensor_parallel_size}"
-                )
-            layers.append(module)
-    if not layers:
-        raise ValueError("model has no row-parallel linears (self_attn.o_proj / mlp.down_proj) to slice")
-
-    def sliced(module: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, module.weight, module.bias, k_slices=tensor_parallel_size)
-
-    saved = [vars(module).get("forward") for module in layers]  # e.g. accelerate's hooks
-    for module in layers:
-        module.forward = functools.partial(sliced, module)
-    try:
-        yield
-    finally:
-        for module, forward in zip(layers, saved, strict=True):
-            if forward is None:
-                del module.forward
-            else:
-                module.forward = forward
 
 
 # ----------------------------------------------------------------------------------------------

@@ -9,8 +9,9 @@ same bits whichever engine computes it and however many other tokens share the b
   router keeps the weights in fp32). Each step is a per-row torch op.
 * :func:`experts_forward` is transformers' eager experts loop on samepath kernels: experts in
   ascending order, each expert's tokens through one batch-invariant linear per projection,
-  :func:`samepath.silu_mul` with Hugging Face's rounding, the weighted output added into each
-  token's row with ``index_add_`` (per token, in expert order). It runs as two grouped launches
+  :func:`samepath.silu_mul` with Hugging Face's rounding, each token's terms ``fp32(expert_out) *
+  fp32(weight)`` added in ascending expert order in fp32 and cast once (``OP_FORMULAS["moe"]``:
+  the combine expert parallelism runs at every degree). It runs as two grouped launches
   (:mod:`samepath.kernels.grouped_matmul`, no host synchronisation) with the loop's bits; a
   forward autograd records gets a grouped backward too (deterministic; its gradients are not the
   loop's bits, which nothing compares).
@@ -22,7 +23,7 @@ import torch
 
 from samepath.kernels.config import SUPPORTED_DTYPES
 from samepath.kernels.dispatch import SUPPORTED_DEVICE_TYPES
-from samepath.kernels.grouped_matmul import GroupedExpertsFunction, combine_in_expert_order, routed_pair_outputs
+from samepath.kernels.grouped_matmul import GroupedExpertsFunction, expert_projections, expert_sum
 from samepath.kernels.swiglu import silu_mul
 
 
@@ -91,17 +92,19 @@ def experts_forward(
 
 def _experts_grouped(hidden_states, gate_up_proj, down_proj, top_k_index, top_k_weights) -> torch.Tensor:
     """The loop's bits in two grouped launches: pairs sorted by expert, each pair's rows through
-    its expert's projections (:func:`samepath.kernels.grouped_matmul.routed_pair_outputs`), then
-    each token's weighted outputs added in ascending expert order in the activation dtype — the
-    adds ``index_add_`` makes when the loop visits the experts in order."""
-    pairs = routed_pair_outputs(hidden_states, gate_up_proj, down_proj, top_k_index, top_k_weights)
-    return combine_in_expert_order(pairs, top_k_index)
+    its expert's projections (:func:`samepath.kernels.grouped_matmul.expert_projections`), then
+    the combine (:func:`samepath.kernels.grouped_matmul.expert_sum`: each token's fp32 terms added
+    in ascending expert order in fp32, one cast) — the adds the loop's fp32 ``index_add_`` makes
+    when it visits the experts in order."""
+    expert_out = expert_projections(hidden_states, gate_up_proj, down_proj, top_k_index).expert_out
+    return expert_sum(expert_out, top_k_weights, top_k_index, hidden_states.dtype)
 
 
 def _experts_loop(hidden_states, gate_up_proj, down_proj, top_k_index, top_k_weights) -> torch.Tensor:
     """The reference definition (transformers' eager loop on samepath's linear): the grouped paths
     equal it bit for bit in the forward (``tests/test_moe_grouped.py``)."""
-    out = torch.zeros_like(hidden_states)
+    acc = torch.promote_types(hidden_states.dtype, torch.float32)  # fp32 (fp64 stays fp64)
+    out = torch.zeros(hidden_states.shape, dtype=acc, device=hidden_states.device)
     for expert in range(gate_up_proj.shape[0]):
         top_k_pos, token_idx = torch.where(top_k_index.T == expert)
         if token_idx.numel() == 0:
@@ -109,6 +112,5 @@ def _experts_loop(hidden_states, gate_up_proj, down_proj, top_k_index, top_k_wei
         gate_up = torch.nn.functional.linear(hidden_states[token_idx], gate_up_proj[expert])
         gate, up = gate_up.chunk(2, dim=-1)
         expert_out = torch.nn.functional.linear(silu_mul(gate, up), down_proj[expert])
-        expert_out = expert_out * top_k_weights[token_idx, top_k_pos, None]
-        out.index_add_(0, token_idx, expert_out.to(out.dtype))
-    return out
+        out.index_add_(0, token_idx, expert_out.to(acc) * top_k_weights[token_idx, top_k_pos, None].to(acc))
+    return out.to(hidden_states.dtype)

@@ -26,9 +26,13 @@ from samepath.kernels.dispatch import device_kind
 #: ``model.to(dtype)`` rounds); rope types beyond default and llama3.
 #: 3: the attention backward is one pass per KV tile (GQA-packed query tiles, dK/dV in registers,
 #: dQ partials added in ascending KV-tile order through fp32 row sums).
-#: 4: RMSNorm dweight's partials summed in spans of 8, then the span sums (a second level over many
+#: 4: the backward computes key-major (S^T = K Q^T, dP^T = V dO^T, dQ^T = K^T dS^T: the same products
+#: and sums per element) and ``delta = rowsum(dO * O)`` in its own preprocessing kernel (one fp32
+#: ``tl.sum`` over the padded head per row) instead of the generic row sum; CUDA 16-bit tiles: forward
+#: 128 query rows, backward 128-key tiles with 32 packed query rows.
+#: 5: RMSNorm dweight's partials summed in spans of 8, then the span sums (a second level over many
 #: CTAs); the fused lm_head's dweight as one GEMM over all tokens.
-NUMERICS_VERSION = 4
+NUMERICS_VERSION = 5
 
 #: dtypes the kernels accept, by the name used in the table.
 SUPPORTED_DTYPES: dict[torch.dtype, str] = {
@@ -61,6 +65,10 @@ ATTENTION_FORMULA = {
     "head_chunk = min(group, block_m)",
     "backward": "one item per KV tile: dK, dV in fp32 registers over GQA-packed query tiles (head chunks, then "
     "query blocks ascending); dQ = scale * (fp32 sum of dot(dS, K) partials in ascending KV-tile order)",
+    "backward_orientation": "key-major: S^T = dot(K, Q^T), dP^T = dot(V, dO^T), dV += dot(cast(P^T), dO), "
+    "dK += dot(cast(dS^T), Q), dQ partial^T = dot(K^T, cast(dS^T))",
+    "backward_delta": "delta = 0 + tl.sum(fp32(dO) * fp32(O)) over the zero-padded head, one row at a time, "
+    "in the backward's preprocessing kernel",
 }
 
 
@@ -105,20 +113,23 @@ def _attention_rows() -> dict[tuple[str, str, int], AttentionConfig]:
             # CPU (interpreter): small tiles keep numpy's work per program low; a short segment so
             # that the tests' sequences cross segment boundaries.
             rows["cpu", dtype, block_d] = AttentionConfig(block_m=16, tile_n=32, seg=64)
-            # CUDA: 16-bit inputs get 64-row query tiles (Hopper's wgmma needs M >= 64), with 8
-            # warps so that the segment's and the running accumulators stay in registers (no spills
-            # for sm_90). The backward's 64-key tiles put its dK/dV dots on wgmma; 32 packed query
-            # rows keep its registers below spilling (64 spill). fp32 dots are IEEE (no tensor
-            # cores) and keep small tiles, as do 256-wide heads (registers and shared memory).
+            # CUDA: 16-bit inputs get 128-row query tiles in 8 warps: Hopper's wgmma splits a chained
+            # dot's M over every warp (4 warps per 64 rows), so 128 rows put each warp on its own 16
+            # rows (a 64-row tile ran the same rows in both warpgroups) and a row's max and sum stay
+            # inside one warp; no spills for sm_90 (every caller, decode included, uses this tile,
+            # which is what keeps their rows bit-identical on the GPU). The backward works key-major:
+            # its 128-key tiles are the M of the S^T, dP^T, dV and dK dots and the head that of dQ^T
+            # (all five on wgmma), 32 packed query rows their N / K (64 spill). fp32 dots are IEEE
+            # (no tensor cores) and keep small tiles, as do 256-wide heads (registers and shared memory).
             small = dtype == "float32" or block_d == 256
             rows["cuda", dtype, block_d] = AttentionConfig(
-                block_m=16 if small else 64,
+                block_m=16 if small else 128,
                 tile_n=32 if small else 64,
                 seg=256,
                 num_warps=4 if small else 8,
                 num_stages=2 if small else 3,
                 bwd_block_m=16 if small else 32,
-                bwd_block_n=16 if small else 64,
+                bwd_block_n=16 if small else 128,
             )
             # Ascend (Triton-Ascend): cube units work on 16x16 fractals; tiles sized for ~192 KB UB.
             rows["npu", dtype, block_d] = AttentionConfig(
@@ -308,33 +319,63 @@ DISTRIBUTED_FORMULA = {
     "shard's first column) and fp32 x[label]/T or -inf; merged in ascending shard order: "
     "c = m == -inf ? 0 : m with m = max(lse, lse_s); lse = c + log(exp(lse - c) + exp(lse_s - c)); "
     "logprob = zlab - lse",
-    "collective": "all_gather only; no all_reduce",
+    "collective": "all_gather and all_to_all_single; no all_reduce",
     "row_parallel_backward": "no collective; dX_r = dY @ W_r, dW_r = dY^T @ X_r, db = 1^T @ dY, plain kernel",
     "column_parallel_backward": "dX: fp32 partials dY_r @ W_r, all_gather, summed in ascending rank order in fp32, "
     "one cast == matmul(dY, W, k_slices=S); dW_r = dY_r^T @ X, db_r = 1^T @ dY_r, plain kernel",
     "vocab_parallel_backward": "no collective; per shard token_logprobs' backward kernel with the merged lse: "
     "((onehot - exp(z - lse)) * g) / T, 0 for ignore_index rows",
-    "expert_parallel": "E/k contiguous experts per rank; each (token, slot) pair's weighted expert output "
-    "computed by its expert's rank with the per-expert linear's bits, all_gather of the raw bits, each pair's "
-    "row taken from its owner, each token's pairs added in ascending expert order in the activation dtype "
-    "== the one-process experts",
-    "expert_parallel_backward": "each rank the grouped backward for its experts' pairs (dW per expert folded "
-    "in plan order; per pair fp32 routing-weight gradient and input-gradient row), one all_gather of those "
-    "two as raw bits, each pair's taken from its owner, each token's input-gradient rows added in ascending "
-    "expert order in fp32, one cast == the one-process grouped backward",
+    "moe_tensor_parallel": "S > 1: each expert's intermediate dim in S contiguous slices (rank r: gate and up rows "
+    "r*I/S..(r+1)*I/S-1, down columns the same); per slice the grouped per-expert gate_up and silu_mul in the "
+    "activation dtype, down as an fp32 accumulator times fp32(weight), each token's pairs added in ascending "
+    "expert order in fp32; the S fp32 partials all_gathered, summed in ascending rank order (first as is), one "
+    "cast; S = 1: the plain layer",
+    "expert_parallel": "E/k contiguous experts per rank; tokens replicated: each rank its experts' pairs with the "
+    "per-expert linear's bits, all_to_all_single of the expert_out rows (raw bytes) to the rank that combines "
+    "the token (tensor_split chunks in rank order), the moe combine there, all_gather of the combined rows; "
+    "tokens local: all_to_all_single of the pairs' hidden rows and expert ids to the owner, expert_out rows "
+    "back, the moe combine on the token's rank == the one-process experts",
+    "expert_parallel_backward": "each pair's dexpert_out and dweight by the moe combine's backward on the "
+    "token's rank (replicated: its chunk), the experts' backward on the owner, the pairs' input-gradient rows "
+    "all_to_all back and added in ascending expert order in fp32, one cast; dW per expert folded in plan "
+    "order (local tokens: per source rank, the sources' dW added in rank order in the parameter dtype) "
+    "== the one-process grouped backward (local tokens: accumulated over the ranks' micro-batches)",
 }
 register_formula("distributed", DISTRIBUTED_FORMULA)
 
+#: The routed experts of a MoE layer (``samepath.kernels.grouped_matmul``), the same on every
+#: device and expert-parallel layout.
+MOE_FORMULA = {
+    "pair": "expert_out = down(silu·mul(gate_up(x))) with the per-expert linear's bits (grouped == loop)",
+    "combine": "each token's pair terms fp32(expert_out) * fp32(weight) added in ascending expert order "
+    "(stable) in fp32 from 0, one cast to the activation dtype",
+    "backward": "dexpert_out = (fp32(dY) * fp32(weight)).to(dtype); dweight = fp32 row sum of fp32(dY) * "
+    "fp32(expert_out); input-gradient rows added in ascending expert order in fp32, one cast; dW per expert "
+    "folded in plan order in fp32, one cast",
+}
+register_formula("moe", MOE_FORMULA)
 
-def tensor_parallel_numerics(tensor_parallel_size: int) -> dict[str, int]:
+
+def tensor_parallel_numerics(tensor_parallel_size: int, expert_parallel: bool = False) -> dict[str, int | str]:
     """The TP-dependent numerics constants for a rollout of TP degree ``S`` (the fingerprint's
     ``tensor_parallel`` entry): the row-parallel ``k_slices``, the vocabulary shards of the
     logprobs and the slices of the column-parallel input gradient, all ``S``. ``S = 1`` is the
-    unsharded schedule. A one-process trainer passes the ``S`` it runs ``k_slices`` with."""
+    unsharded schedule. A one-process trainer passes the ``S`` it runs ``k_slices`` with.
+    ``expert_parallel`` (``S > 1``): the MoE experts are placed whole across the ranks (vLLM's
+    ``enable_expert_parallel``; the plain layer) instead of sliced along their intermediate
+    dimension (the ``moe_tensor_parallel`` formula) — an extra ``moe_experts`` entry."""
     if not isinstance(tensor_parallel_size, int) or isinstance(tensor_parallel_size, bool) or tensor_parallel_size < 1:
         raise ValueError(f"tensor_parallel_size must be a positive int, got {tensor_parallel_size!r}")
     size = tensor_parallel_size
-    return {"tensor_parallel_size": size, "k_slices": size, "vocab_shards": size, "grad_input_slices": size}
+    entry: dict[str, int | str] = {
+        "tensor_parallel_size": size,
+        "k_slices": size,
+        "vocab_shards": size,
+        "grad_input_slices": size,
+    }
+    if expert_parallel and size > 1:
+        entry["moe_experts"] = "expert_parallel"
+    return entry
 
 
 #: side ("hf", "vllm", "vllm_ascend") -> the parts off samepath's contract that the user allowed
@@ -382,8 +423,8 @@ def _table_payload() -> dict:
     }
 
 
-def _fingerprint_of(table: dict, tensor_parallel_size: int) -> str:
-    tensor_parallel = tensor_parallel_numerics(tensor_parallel_size)
+def _fingerprint_of(table: dict, tensor_parallel_size: int, expert_parallel: bool = False) -> str:
+    tensor_parallel = tensor_parallel_numerics(tensor_parallel_size, expert_parallel)
     payload = json.dumps({**table, "tensor_parallel": tensor_parallel}, sort_keys=True, separators=(",", ":"))
     return f"sp{NUMERICS_VERSION}-" + hashlib.sha256(payload.encode()).hexdigest()[:16]
 
@@ -416,19 +457,22 @@ def model_fingerprint(model_config) -> str:
     return _MODEL_FINGERPRINT[0](model_config)
 
 
-def fingerprint(tensor_parallel_size: int = 1, model_config=None) -> str:
+def fingerprint(tensor_parallel_size: int = 1, model_config=None, *, expert_parallel: bool = False) -> str:
     """A short hash of every numerics-relevant constant. Equal strings mean equal schedules.
 
     ``tensor_parallel_size`` is the rollout's TP degree S: the matmul's K slices and the vocabulary
     shards of the logprobs (:func:`tensor_parallel_numerics`) are part of the
     numerics, so a trainer that runs the S-slice kernels and a TP-S rollout compare equal.
+    ``expert_parallel``: the rollout runs its MoE experts expert-parallel (vLLM's
+    ``enable_expert_parallel=True``), the trainer ``tensor_parallel_numerics(model, S,
+    expert_parallel=True)``; without it a MoE's experts are TP-sliced (:func:`tensor_parallel_numerics`).
 
     ``model_config`` (a Hugging Face config; optional) appends ``-`` + :func:`model_fingerprint`:
     the per-model formula choices, so a rollout and a trainer that resolved the model differently
     compare unequal. Parts of a model the user allowed off the contract
     (``samepath.audit.enforce``) add ``-uncovered<hash>``: a marker for the record,
     which :func:`assert_same_numerics` does not compare (the opt-out already accepted them)."""
-    table = _fingerprint_of(_table_payload(), tensor_parallel_size) + _uncovered_marker()
+    table = _fingerprint_of(_table_payload(), tensor_parallel_size, expert_parallel) + _uncovered_marker()
     return table if model_config is None else f"{table}-{model_fingerprint(model_config)}"
 
 
@@ -444,11 +488,11 @@ def split_fingerprint(value: str) -> tuple[str, str | None]:
 def tensor_parallel_size_of(other_fingerprint: str, max_size: int = 64) -> int | None:
     """The ``S`` in ``1..max_size`` for which ``fingerprint(S)`` equals ``other_fingerprint``'s
     numerics part, or ``None`` when no TP degree of this process's table gives it (another version
-    or table)."""
+    or table); with or without expert-parallel experts."""
     numerics, _ = split_fingerprint(other_fingerprint)
     table = _table_payload()
     for size in range(1, max_size + 1):
-        if _fingerprint_of(table, size) == numerics:
+        if numerics in (_fingerprint_of(table, size), _fingerprint_of(table, size, True)):
             return size
     return None
 
@@ -457,17 +501,20 @@ class NumericsMismatchError(RuntimeError):
     """Raised when two processes would compute logprobs with different numerics tables."""
 
 
-def assert_same_numerics(other_fingerprint: str, tensor_parallel_size: int = 1, model_config=None) -> None:
+def assert_same_numerics(
+    other_fingerprint: str, tensor_parallel_size: int = 1, model_config=None, *, expert_parallel: bool = False
+) -> None:
     """Raise :class:`NumericsMismatchError` unless ``other_fingerprint`` equals this process's
     ``fingerprint(tensor_parallel_size)`` — and, when ``other_fingerprint`` carries a model part and
     ``model_config`` is given, ``fingerprint(tensor_parallel_size, model_config)``. A model part
     with no ``model_config`` to compare it to is checked later (only the numerics part now)."""
     numerics, model_part = split_fingerprint(other_fingerprint)
-    mine = _fingerprint_of(_table_payload(), tensor_parallel_size)
+    mine = _fingerprint_of(_table_payload(), tensor_parallel_size, expert_parallel)
     if numerics != mine:
         raise NumericsMismatchError(
             f"numerics fingerprint mismatch: this process runs {mine}, the other side {other_fingerprint}. "
-            "Trainer and rollout must install the same samepath version and config table, or their "
+            "Trainer and rollout must install the same samepath version and config table (and agree on "
+            "tensor_parallel_size and on expert parallelism: fingerprint(S, expert_parallel=...)), or their "
             "log-probabilities will not be bit-identical."
         )
     if model_part is not None and model_config is not None and model_part != model_fingerprint(model_config):

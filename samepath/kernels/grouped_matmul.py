@@ -14,6 +14,11 @@ many tokens share the launch.
 
 The grid is the static upper bound ``(cdiv(P, block_m) + E) * cdiv(N, block_n)`` work items of a
 persistent loop; items past the plan's real tiles return at once.
+
+**The combine** (:func:`expert_sum`, ``OP_FORMULAS["moe"]``): a token's output is its pairs' terms
+``fp32(expert_out[p]) * fp32(weight[p])`` added in ascending expert order in fp32 from 0, cast once
+to the activation dtype. The one-device layer and expert parallelism at every degree
+(:func:`samepath.distributed.expert_parallel_experts`) run it, so EP = k equals one device.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ from samepath.kernels.checks import check_operands
 from samepath.kernels.config import MatmulConfig, matmul_config
 from samepath.kernels.dispatch import jit
 from samepath.kernels.matmul import DOT_PRECISION, k_piece
+from samepath.kernels.reductions import row_sum
 from samepath.kernels.swiglu import silu_mul, silu_mul_backward
 
 
@@ -195,6 +201,7 @@ def grouped_linear(
     *,
     rows_per_pair: bool,
     config: MatmulConfig | None = None,
+    out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """``out[p] = x[src(p)] @ weight[expert(p)].T`` for every pair ``p`` of ``plan``; not differentiable.
 
@@ -204,9 +211,12 @@ def grouped_linear(
         weight: ``[E, N, K]`` (Hugging Face's ``gate_up_proj`` / ``down_proj``, vLLM's ``w13`` / ``w2``).
         plan: from :func:`expert_plan` with ``block_m`` equal to the config's.
         config: the matmul tiles; default the frozen table's for ``x``'s dtype and device.
+        out_dtype: ``None`` (``x.dtype``) or ``torch.float32``: the fp32 accumulator before the
+            cast (a tensor-parallel shard's partial, :mod:`samepath.kernels.expert_slices`).
 
     Returns:
-        ``[P, N]`` in ``x.dtype``, each row bit-identical to the per-expert :func:`samepath.linear`.
+        ``[P, N]`` in ``out_dtype``, each row bit-identical to the per-expert :func:`samepath.linear`
+        (with ``out_dtype=torch.float32``: to ``matmul(..., out_dtype=torch.float32)``).
     """
     dtype, device = check_operands(x=x, weight=weight)
     if x.dim() != 2 or weight.dim() != 3 or weight.shape[2] != x.shape[1]:
@@ -216,11 +226,13 @@ def grouped_linear(
     expected_rows = plan.num_pairs if rows_per_pair else plan.num_pairs // max(plan.top_k, 1)
     if x.shape[0] != expected_rows:
         raise ValueError(f"x has {x.shape[0]} rows; the plan needs {expected_rows}")
+    if out_dtype not in (None, dtype, torch.float32):
+        raise ValueError(f"out_dtype must be None, {dtype} or torch.float32, got {out_dtype}")
     cfg = config or matmul_config(dtype, device)
     if plan.block_m != cfg.block_m:
         raise ValueError(f"plan.block_m = {plan.block_m} differs from the config's block_m = {cfg.block_m}")
     n, k = weight.shape[1], weight.shape[2]
-    out = torch.empty((plan.num_pairs, n), dtype=dtype, device=device)
+    out = torch.empty((plan.num_pairs, n), dtype=out_dtype or dtype, device=device)
     if plan.num_pairs == 0 or n == 0:
         return out
     if k == 0:
@@ -309,32 +321,59 @@ def routed_pair_outputs(
     top_k_weights: torch.Tensor,
     first_expert: int = 0,
 ) -> torch.Tensor:
-    """Each (token, slot) pair's weighted SwiGLU expert output, ``[tokens * top_k, hidden]`` in
-    ``hidden_states.dtype``: ``(down(silu(gate) * up) * weight).to(dtype)`` with the per-expert
-    linear's bits, for the experts ``first_expert .. first_expert + E - 1`` of the given weights
-    (``E = gate_up_proj.shape[0]``); rows of pairs routed to other experts are 0."""
+    """Each (token, slot) pair's term of the combine, ``[tokens * top_k, hidden]`` in fp32:
+    ``fp32(down(silu(gate) * up)) * fp32(weight)`` with the per-expert linear's bits, for the
+    experts ``first_expert .. first_expert + E - 1`` of the given weights (``E =
+    gate_up_proj.shape[0]``); rows of pairs routed to other experts are 0. :func:`combine_in_expert_order`
+    of these rows, cast once, is :func:`expert_sum`."""
     expert_out = expert_projections(hidden_states, gate_up_proj, down_proj, top_k_index, first_expert).expert_out
-    weighted = (expert_out * top_k_weights.reshape(-1, 1)).to(hidden_states.dtype)
     local = top_k_index.reshape(-1, 1) - first_expert
-    return torch.where((local >= 0) & (local < gate_up_proj.shape[0]), weighted, 0)
+    return torch.where((local >= 0) & (local < gate_up_proj.shape[0]), pair_terms(expert_out, top_k_weights), 0)
+
+
+def pair_terms(expert_out: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+    """``[P, hidden]`` fp32: ``fp32(expert_out[p]) * fp32(weight[p])`` (exact for bf16 / fp16 operands)."""
+    return expert_out.float() * top_k_weights.reshape(-1, 1).float()
 
 
 def combine_in_expert_order(pair_outputs: torch.Tensor, top_k_index: torch.Tensor) -> torch.Tensor:
-    """``[tokens, hidden]``: each token's ``top_k`` pair outputs added in ascending expert order in
-    their dtype, starting from 0 — the adds of a per-expert loop with ``index_add_``."""
+    """``[tokens, hidden]``: each token's ``top_k`` pair rows added in ascending expert order (a
+    stable sort: an expert that appears twice keeps slot order) in their dtype, starting from 0."""
     tokens, top_k = top_k_index.shape
     by_expert = torch.argsort(top_k_index, dim=1, stable=True)
     rows = (torch.arange(tokens, device=by_expert.device)[:, None] * top_k + by_expert).reshape(-1)
-    ordered = pair_outputs[rows].view(tokens, top_k, -1)
+    ordered = pair_outputs[rows].view(tokens, top_k, pair_outputs.shape[-1])
     out = torch.zeros((tokens, pair_outputs.shape[-1]), dtype=pair_outputs.dtype, device=pair_outputs.device)
     for slot in range(top_k):
         out = out + ordered[:, slot]
     return out
 
 
+def expert_sum(
+    expert_out: torch.Tensor, top_k_weights: torch.Tensor, top_k_index: torch.Tensor, dtype: torch.dtype
+) -> torch.Tensor:
+    """The frozen MoE combine (``OP_FORMULAS["moe"]``), ``[tokens, hidden]`` in ``dtype``: each
+    token's pair terms ``fp32(expert_out[p]) * fp32(weight[p])`` added in ascending expert order
+    in fp32 from 0, one cast. Every caller (the one-device grouped path, its loop reference,
+    expert parallelism at any degree) combines with this formula."""
+    return combine_in_expert_order(pair_terms(expert_out, top_k_weights), top_k_index).to(dtype)
+
+
+def combine_backward(
+    grad_out: torch.Tensor, expert_out: torch.Tensor, top_k_weights: torch.Tensor, top_k: int, *, weights: bool = True
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """:func:`expert_sum`'s backward for the pairs of ``grad_out``'s tokens: ``(d expert_out [P,
+    hidden] = (fp32(dY[t]) * fp32(weight[p])).to(expert_out.dtype), d weight [P] = fp32 row sum of
+    fp32(dY[t]) * fp32(expert_out[p]))`` (samepath's row-sum kernel: a row's bits do not depend on
+    the other rows); ``weights=False`` skips the second (``None``)."""
+    grad_pairs = grad_out.float().repeat_interleave(top_k, dim=0)
+    grad_expert_out = (grad_pairs * top_k_weights.reshape(-1, 1).float()).to(expert_out.dtype)
+    return grad_expert_out, row_sum(grad_pairs * expert_out.float()) if weights else None
+
+
 class GroupedExpertsFunction(torch.autograd.Function):
-    """Routed SwiGLU experts with a grouped backward: the forward is :func:`routed_pair_outputs`
-    then :func:`combine_in_expert_order` (the per-expert loop's bits); the backward runs grouped
+    """Routed SwiGLU experts with a grouped backward: the forward is :func:`expert_projections`
+    then :func:`expert_sum` (the per-expert loop's bits); the backward runs grouped
     launches too (dX of both projections, :func:`grouped_weight_grad` for their weights, samepath's
     SiLU·mul backward), deterministic: each token's input gradient sums its pairs in ascending
     expert order in fp32, each weight gradient folds its expert's pairs in plan order."""
@@ -342,25 +381,20 @@ class GroupedExpertsFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden_states, gate_up_proj, down_proj, top_k_index, top_k_weights):  # type: ignore[override]
         projections = expert_projections(hidden_states, gate_up_proj, down_proj, top_k_index)
-        weighted = projections.expert_out * top_k_weights.reshape(-1, 1)
         ctx.save_for_backward(
             hidden_states, gate_up_proj, down_proj, top_k_index, top_k_weights, projections.gate_up, projections.act
         )
         ctx.expert_out = projections.expert_out
         ctx.plan, ctx.config = projections.plan, projections.config
-        return combine_in_expert_order(weighted.to(hidden_states.dtype), top_k_index)
+        return expert_sum(projections.expert_out, top_k_weights, top_k_index, hidden_states.dtype)
 
     @staticmethod
     def backward(ctx, grad_out):  # type: ignore[override]
         hidden_states, gate_up_proj, down_proj, top_k_index, top_k_weights, gate_up, act = ctx.saved_tensors
         expert_out, plan, config = ctx.expert_out, ctx.plan, ctx.config
         num_experts, top_k = gate_up_proj.shape[0], top_k_index.shape[1]
-        weight_dtype = torch.promote_types(expert_out.dtype, top_k_weights.dtype)
-        grad_pairs = grad_out.repeat_interleave(top_k, dim=0).to(weight_dtype)
-        grad_expert_out = (grad_pairs * top_k_weights.reshape(-1, 1)).to(expert_out.dtype)
-        from samepath.kernels.reductions import row_sum
-
-        grad_weights = row_sum(grad_pairs * expert_out.to(weight_dtype)).reshape(top_k_index.shape)
+        grad_expert_out, grad_weights = combine_backward(grad_out, expert_out, top_k_weights, top_k)
+        grad_weights = grad_weights.reshape(top_k_index.shape)
         grad_act = grouped_linear(grad_expert_out, down_proj.transpose(1, 2), plan, rows_per_pair=True, config=config)
         grad_down = grouped_weight_grad(grad_expert_out, act, plan, num_experts, rows_per_pair=True, config=config)
         gate, up = gate_up.chunk(2, dim=-1)
@@ -381,10 +415,13 @@ __all__ = [
     "ExpertPlan",
     "ExpertProjections",
     "GroupedExpertsFunction",
+    "combine_backward",
     "combine_in_expert_order",
     "expert_plan",
     "expert_projections",
+    "expert_sum",
     "grouped_linear",
     "grouped_weight_grad",
+    "pair_terms",
     "routed_pair_outputs",
 ]

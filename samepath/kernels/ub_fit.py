@@ -48,6 +48,8 @@ UB_BYTES = 192 * 1024
 L1_BYTES = 512 * 1024
 #: Rows per program of the attention merge kernel (``attention.MERGE_BLOCK_ROWS``).
 MERGE_BLOCK_ROWS = 16
+#: Rows per step of the attention backward's preprocessing kernel (``backward.DELTA_ROWS``).
+DELTA_ROWS = 16
 #: Every buffer starts at a multiple of this many bytes.
 ALIGN = 32
 BUDGETS = {"ub": UB_BYTES, "l1": L1_BYTES}
@@ -128,6 +130,16 @@ def attention_forward_buffers(block_m: int, tile_n: int, head_size: int, dtype: 
         Buffer("m, l, m_new, alpha", (4, block_m), "float32"),
         Buffer("query positions", (block_m,), "int32"),
         *_cast("output cast", (block_m, d), dt),
+    ]
+
+
+def attention_delta_buffers(rows: int, head_size: int, dtype: object) -> list[Buffer]:
+    """``_attention_bwd_preprocess_kernel`` in one step of its loop: ``delta = rowsum(dO * O)``."""
+    dt, d = _dtype(dtype), padded_head_size(head_size)
+    return [
+        Buffer("o and dout", (2, rows, d), dt, copies=2),
+        Buffer("o and dout widened, their product", (3, rows, d), "float32"),
+        Buffer("token, head, delta", (3, rows), "float32"),
     ]
 
 
@@ -279,6 +291,11 @@ def check_attention(config: AttentionConfig, head_size: int, dtype: object, argu
             attention_merge_buffers(MERGE_BLOCK_ROWS, head_size, dt),
             argument,
             f"_attention_merge_kernel ({MERGE_BLOCK_ROWS} rows, {shape})",
+        ),
+        check_fits(
+            attention_delta_buffers(DELTA_ROWS, head_size, dt),
+            argument,
+            f"_attention_bwd_preprocess_kernel ({DELTA_ROWS} rows, {shape})",
         ),
         check_fits(
             attention_backward_buffers(config.bwd_block_m, config.bwd_block_n, head_size, dt),

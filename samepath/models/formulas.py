@@ -162,7 +162,7 @@ def _softmax_topk(config: Any) -> dict[str, Any]:
         "num_experts": int(config.num_experts),
         "top_k": int(config.num_experts_per_tok),
         "renormalize": bool(config.norm_topk_prob),
-        "experts": "ascending expert order, index_add per token",
+        "experts": "ascending expert order, fp32 terms and sum, one cast",
     }
     if getattr(config, "shared_expert_intermediate_size", 0):
         raise UnsupportedModelError("shared experts are not supported")
@@ -175,7 +175,7 @@ def _softmax_topk_fp32(config: Any) -> dict[str, Any]:
         "num_experts": int(config.num_local_experts),
         "top_k": int(config.num_experts_per_tok),
         "renormalize": True,
-        "experts": "ascending expert order, index_add per token",
+        "experts": "ascending expert order, fp32 terms and sum, one cast",
     }
     if getattr(config, "router_jitter_noise", 0.0):
         raise UnsupportedModelError(

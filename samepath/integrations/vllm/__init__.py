@@ -22,8 +22,9 @@ What :func:`install` replaces (every original recorded; :func:`uninstall` restor
   soft-capping, fp8 KV cache, encoder attention) is refused with a clear error rather than
   silently left on vLLM's kernel. Host work per step, not per layer: the first layer that sees a
   step's metadata object builds the kernel's :class:`~samepath.kernels.attention.LaunchPlan` and
-  (``SAMEPATH_VLLM_VALIDATE=step``, the default; ``off`` skips it) checks the metadata's values
-  once; the other layers reuse the plan and read nothing from the device.
+  checks the metadata's values the first time the process sees its layout (the default;
+  ``SAMEPATH_VLLM_VALIDATE=1``: every step, ``off``: never), so a steady step reads nothing from
+  the device; the other layers reuse the plan.
 * **RMSNorm** — ``vllm.model_executor.layers.layernorm.RMSNorm.forward``: :func:`samepath.rms_norm`;
   vLLM's fused add+norm ``norm(x, residual)`` becomes ``s = x + residual`` rounded to the model
   dtype, then the norm of ``s`` — the rounding of Hugging Face's decoder layer.

@@ -101,21 +101,39 @@ def attention_forward(
     n = attn_metadata.num_actual_tokens
     key_cache, value_cache = kv_views(self, kv_cache)
     plan, first_layer = step_plans.get(attn_metadata, lambda: LaunchPlan(attn_metadata.query_start_loc, n))
+    block_table = attn_metadata.block_table
+    if first_layer:
+        check_host_metadata(attn_metadata, block_table, key_cache.shape[1])
+    validate = first_layer and validate_metadata(
+        (n, attn_metadata.query_start_loc.numel(), tuple(block_table.shape), tuple(key_cache.shape), str(query.device))
+    )
     paged_attention(
         query[:n].view(n, self.num_heads, self.head_size),
         key_cache,
         value_cache,
-        attn_metadata.block_table,
+        block_table,
         attn_metadata.query_start_loc,
         attn_metadata.seq_lens,
         self.scale,
         causal=bool(attn_metadata.causal),
         sliding_window=window(self),
         out=output[:n].view(n, self.num_heads, self.head_size),
-        validate=first_layer and validate_metadata(),
+        validate=validate,
         plan=plan,
     )
     return output
+
+
+def check_host_metadata(attn_metadata: Any, block_table: torch.Tensor, block_size: int) -> None:
+    """The checks of a step's metadata that read no device value (every step): vLLM's host-side
+    ``max_seq_len`` must fit the block table (``ValueError`` naming it). The checks of the device
+    values are :func:`.common.validate_metadata`'s (once per layout by default)."""
+    max_seq_len = getattr(attn_metadata, "max_seq_len", None)
+    if isinstance(max_seq_len, int) and max_seq_len > block_table.shape[1] * block_size:
+        raise ValueError(
+            f"attn_metadata.max_seq_len = {max_seq_len} does not fit the block table: "
+            f"{block_table.shape[1]} pages of {block_size}"
+        )
 
 
 #: One step's launch plan per attention metadata object, shared by the step's layers.
@@ -173,6 +191,7 @@ __all__ = [
     "ORIGINAL_UPDATE",
     "UNSUPPORTED_METADATA",
     "attention_forward",
+    "check_host_metadata",
     "check_supported",
     "decoder_attention",
     "do_kv_cache_update",

@@ -5,7 +5,8 @@
 * :class:`StepCache`: values derived from one step's attention metadata, built by the first
   layer that sees that metadata object and reused by the others.
 * :func:`cached_cos_sin`: rotary cos/sin of one step's positions, computed once per step.
-* :func:`validate_metadata`: whether the first layer of a step checks the metadata's values.
+* :func:`validate_metadata`: whether the first layer of a step checks the metadata's values (once per
+  layout by default).
 * :func:`rms_norm`, :func:`linear`, :func:`swiglu`, :func:`geglu_tanh`, :func:`apply_rotary`, :func:`rotary_cos_sin`,
   :func:`moe`: the kernels, as opaque custom ops when called inside a torch.compile'd region.
 """
@@ -80,12 +81,33 @@ def capturing_graph() -> bool:
     return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
-def validate_metadata() -> bool:
-    """Whether the first attention layer of a step should check the metadata's values
-    (:data:`VALIDATE_ENV_VAR`); never while a graph is captured or compiled."""
-    if os.environ.get(VALIDATE_ENV_VAR, "step").strip().lower() in ("0", "off", "false", "no"):
+#: Metadata layouts whose values were checked once (``SAMEPATH_VLLM_VALIDATE`` unset: ``shape``).
+_checked_layouts: set[tuple] = set()
+_VALIDATE_MODES = {
+    "": "shape", "shape": "shape",
+    "1": "step", "step": "step", "on": "step", "true": "step", "yes": "step",
+    "0": "off", "off": "off", "false": "off", "no": "off",
+}  # fmt: skip
+
+
+def validate_metadata(layout: tuple) -> bool:
+    """Whether the first attention layer of a step should check the metadata's values, one
+    device-to-host copy (:data:`VALIDATE_ENV_VAR`): ``shape`` (the default) the first time this
+    process sees the ``layout`` (the metadata's shapes), so a steady decode step reads nothing
+    from the device; ``1`` / ``step`` (debugging) every step; ``off`` never. Never while a graph is
+    captured or compiled."""
+    value = os.environ.get(VALIDATE_ENV_VAR, "").strip().lower()
+    if value not in _VALIDATE_MODES:
+        raise ValueError(f"{VALIDATE_ENV_VAR}={value!r}: expected shape (the default), 1 / step, or 0 / off")
+    mode = _VALIDATE_MODES[value]
+    if mode == "off" or capturing_graph() or torch.compiler.is_compiling():
         return False
-    return not capturing_graph() and not torch.compiler.is_compiling()
+    if mode == "step":
+        return True
+    if layout in _checked_layouts:
+        return False
+    _checked_layouts.add(layout)
+    return True
 
 
 class StepCache:

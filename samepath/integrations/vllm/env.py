@@ -16,8 +16,10 @@ from typing import Any
 ENV_VAR = "SAMEPATH_VLLM"
 #: Optional: the trainer's ``samepath.fingerprint()``; a different one in vLLM is refused.
 FINGERPRINT_ENV_VAR = "SAMEPATH_EXPECT_FINGERPRINT"
-#: ``step`` (default): the first attention layer of each step checks the metadata's values (one
-#: device-to-host copy per step, skipped while a CUDA graph is captured); ``off``: never.
+#: ``shape`` (default): the first attention layer of a step checks the metadata's values (one
+#: device-to-host copy) the first time the process sees its layout (shapes), so a steady step reads
+#: nothing from the device; ``1`` / ``step`` (debugging): every step; ``off``: never. Skipped while
+#: a CUDA graph is captured. The checks that need no device value run every step.
 VALIDATE_ENV_VAR = "SAMEPATH_VLLM_VALIDATE"
 #: vLLM's (and vllm-ascend's) own batch-invariant mode; vLLM reads it as ``bool(int(value))``.
 ENGINE_BATCH_INVARIANT_ENV_VAR = "VLLM_BATCH_INVARIANT"

@@ -26,7 +26,7 @@ from samepath.integrations.vllm.common import (
     swiglu,
 )
 from samepath.integrations.vllm.env import ENV_VAR
-from samepath.integrations.vllm.state import check_tensor_parallel_numerics
+from samepath.integrations.vllm.state import check_tensor_parallel_numerics, record_expert_parallel
 
 
 def patch_rms_norm(patcher: Patcher) -> bool:
@@ -351,17 +351,77 @@ def patch_row_parallel(patcher: Patcher) -> bool:
 
 
 def plain_experts(layer: Any) -> bool:
-    """Unquantized SwiGLU experts without bias, expert parallelism or router weights on the input."""
+    """Unquantized SwiGLU experts without bias or router weights on the input (their parallel layout
+    is :func:`moe_parallel_layout`'s business)."""
     from vllm.model_executor.layers.fused_moe.activation import MoEActivation
 
     return (
         layer.activation == MoEActivation.SILU
         and layer.moe_config.is_act_and_mul
         and not layer.moe_config.has_bias
-        and layer.expert_map is None
         and not layer.apply_router_weight_on_input
         and layer.w13_weight.dtype in (torch.float32, torch.bfloat16, torch.float16)
     )
+
+
+def moe_parallel_layout(layer: Any, expert_map: torch.Tensor | None = None) -> tuple[str, int]:
+    """How vLLM laid a plain MoE layer's experts out, as samepath runs it: ``("plain", 1)`` (every
+    expert whole on this rank), ``("tensor", S)`` (each expert's intermediate dimension sharded over
+    the TP group: :func:`samepath.distributed.tensor_parallel_experts`) or ``("expert", k)`` (whole
+    experts in ``k`` contiguous blocks over the EP group: :func:`samepath.distributed.expert_parallel_experts`).
+
+    Raises ``NotImplementedError`` naming what the frozen formulas cannot reproduce: data / context /
+    sequence parallel MoE, the expert-parallel load balancer (EPLB) or redundant experts, a number
+    of experts the expert-parallel size does not divide, an expert placement other than
+    ``"linear"`` (contiguous blocks in rank order), a padded per-rank intermediate dimension.
+    ``expert_map``: the global-to-local map to check (default ``layer.expert_map``; vllm-ascend keeps
+    its own in ``layer._expert_map``)."""
+    config = layer.moe_config
+    parallel = config.moe_parallel_config
+    where = f"samepath's vLLM MoE ({getattr(layer, 'layer_name', type(layer).__name__)})"
+    problems = []
+    if parallel.dp_size > 1:
+        problems.append(f"data_parallel_size={parallel.dp_size}")
+    if getattr(parallel, "pcp_size", 1) > 1:
+        problems.append(f"prefill_context_parallel_size={parallel.pcp_size}")
+    if parallel.is_sequence_parallel:
+        problems.append("sequence-parallel MoE")
+    if parallel.enable_eplb or config.num_experts != getattr(config, "num_logical_experts", config.num_experts):
+        problems.append("the expert-parallel load balancer (EPLB) / redundant experts")
+    if problems:
+        raise NotImplementedError(f"{where} does not implement {', '.join(problems)}; unset {ENV_VAR} to run vLLM's")
+    if parallel.use_ep and parallel.ep_size > 1:
+        experts, size, rank = config.num_experts, parallel.ep_size, parallel.ep_rank
+        if experts % size:
+            raise NotImplementedError(
+                f"{where}: {experts} experts are not divisible by the expert-parallel size {size} (vLLM would give "
+                "the ranks unequal blocks); samepath's expert parallelism needs equal contiguous blocks"
+            )
+        strategy = getattr(layer, "expert_placement_strategy", "linear")
+        if strategy != "linear":
+            raise NotImplementedError(
+                f"{where}: expert_placement_strategy={strategy!r} is not implemented; samepath places experts in "
+                "contiguous blocks in rank order (expert_placement_strategy='linear')"
+            )
+        local = experts // size
+        expected = torch.full((experts,), -1, dtype=torch.int64)
+        expected[rank * local : (rank + 1) * local] = torch.arange(local)
+        expert_map = layer.expert_map if expert_map is None else expert_map
+        if expert_map is None or not torch.equal(expert_map[:experts].to("cpu", torch.int64), expected):
+            raise NotImplementedError(
+                f"{where}: rank {rank}'s expert map is not the contiguous block of experts "
+                f"{rank * local}..{(rank + 1) * local - 1}"
+            )
+        return "expert", size
+    if parallel.tp_size > 1:
+        width = config.intermediate_size // parallel.tp_size
+        if layer.w2_weight.shape[2] != width or layer.w13_weight.shape[1] != 2 * width:
+            raise NotImplementedError(
+                f"{where}: a padded per-rank intermediate dimension ({tuple(layer.w2_weight.shape)} for "
+                f"intermediate_size {config.intermediate_size} over {parallel.tp_size} ranks)"
+            )
+        return "tensor", parallel.tp_size
+    return "plain", 1
 
 
 #: Routers whose top-k softmax selection is Hugging Face's (others are refused).
@@ -413,16 +473,17 @@ def patch_moe(patcher: Patcher) -> bool:
     original_process = method_cls.process_weights_after_loading
     original_apply = runner_cls._apply_quant_method
 
+    original_reduce = runner_cls._maybe_reduce_final_output
+
     def process_weights_after_loading(self, layer):
         if type(self) is not method_cls or not plain_experts(layer):
             return original_process(self, layer)
-        if layer.moe_config.moe_parallel_config.tp_size > 1:
-            raise NotImplementedError(
-                f"samepath's vLLM MoE does not implement tensor-parallel experts; unset {ENV_VAR} or use "
-                "tensor_parallel_size=1"
-            )
+        layout = moe_parallel_layout(layer)  # refuses, at load, a layout samepath cannot reproduce
+        if layout[0] == "expert":
+            record_expert_parallel()  # part of the fingerprint the trainer's must equal
         super(method_cls, self).process_weights_after_loading(layer)
         layer.samepath_experts = True
+        layer.samepath_parallel = layout
         layer.samepath_routing_fp32 = loading_model_routing_fp32()
         return None
 
@@ -431,20 +492,53 @@ def patch_moe(patcher: Patcher) -> bool:
         if not getattr(experts, "samepath_experts", False):
             return original_apply(self, hidden_states, router_logits, shared_experts_input, input_ids, **kwargs)
         check_plain_routing(self)
-        out = moe(
-            hidden_states,
-            router_logits,
-            experts.w13_weight,
-            experts.w2_weight,
-            self.router.top_k,
-            bool(self.router.renormalize),
-            bool(getattr(experts, "samepath_routing_fp32", False)),
-        )
-        return None, out
+        routing = (self.router.top_k, bool(self.router.renormalize))
+        weights_fp32 = bool(getattr(experts, "samepath_routing_fp32", False))
+        kind, _ = getattr(experts, "samepath_parallel", ("plain", 1))
+        if kind == "plain":
+            w13, w2 = experts.w13_weight, experts.w2_weight
+            return None, moe(hidden_states, router_logits, w13, w2, *routing, weights_fp32)
+        return None, parallel_moe(experts, kind, hidden_states, router_logits, *routing, weights_fp32)
+
+    def reduce_final_output(self, states, trunc_size, output_is_reduced=None):
+        # samepath's TP / EP experts return the whole layer on every rank (their frozen exchange
+        # replaces vLLM's all-reduce): only the truncation is left.
+        if getattr(self.routed_experts, "samepath_parallel", ("plain", 1))[0] != "plain":
+            return states[..., :trunc_size] if trunc_size is not None else states
+        return original_reduce(self, states, trunc_size, output_is_reduced)
 
     patcher.set(method_cls, "process_weights_after_loading", process_weights_after_loading)
     patcher.set(runner_cls, "_apply_quant_method", apply_quant_method)
+    patcher.set(runner_cls, "_maybe_reduce_final_output", reduce_final_output)
     return True
+
+
+def parallel_moe(
+    experts: Any,
+    kind: str,
+    hidden_states: torch.Tensor,
+    router_logits: torch.Tensor,
+    top_k: int,
+    renormalize: bool,
+    weights_fp32: bool,
+) -> torch.Tensor:
+    """A tensor- or expert-parallel MoE layer (:func:`moe_parallel_layout`'s ``kind``): Hugging
+    Face's router on the (replicated) logits, then :func:`samepath.distributed.tensor_parallel_experts`
+    over vLLM's TP group or :func:`samepath.distributed.expert_parallel_experts` over its EP group;
+    the whole layer's output on every rank. (vllm-ascend's path calls it too.)"""
+    from vllm.distributed import get_ep_group, get_tp_group
+
+    from samepath.distributed import expert_parallel_experts, tensor_parallel_experts
+    from samepath.integrations.moe import topk_softmax_routing
+
+    check_tensor_parallel_numerics()
+    dtype = torch.float32 if weights_fp32 else hidden_states.dtype
+    index, weights = topk_softmax_routing(router_logits, top_k, renormalize, dtype)
+    w13, w2 = experts.w13_weight, experts.w2_weight
+    if kind == "tensor":
+        return tensor_parallel_experts(hidden_states, w13, w2, index, weights, get_tp_group().device_group)
+    group = get_ep_group().device_group
+    return expert_parallel_experts(hidden_states, w13, w2, index, weights, experts.global_num_experts, group)
 
 
 __all__ = [
@@ -453,6 +547,8 @@ __all__ = [
     "ROPE_CLASSES",
     "UnsupportedRopeError",
     "check_plain_routing",
+    "moe_parallel_layout",
+    "parallel_moe",
     "patch_gelu_tanh_mul",
     "patch_gemma_rms_norm",
     "patch_linear",

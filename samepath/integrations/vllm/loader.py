@@ -38,7 +38,7 @@ from samepath.integrations.vllm.layers import (
     rotary_forward,
     vllm_rope,
 )
-from samepath.integrations.vllm.state import expected_fingerprint, installed
+from samepath.integrations.vllm.state import expected_fingerprint, expert_parallel, installed
 from samepath.kernels.config import assert_same_numerics
 from samepath.kernels.rotary import rotary_inv_freq, rotary_position_limit
 
@@ -98,6 +98,10 @@ def vllm_moe_entry(name: str, module: torch.nn.Module, formulas: dict | None):
         return None
     experts = module.routed_experts
     if not getattr(experts, "samepath_experts", False):
+        method = getattr(experts, "quant_method", None)
+        if method is not None and "Unquantized" not in type(method).__name__:
+            detail = f"a quantised MoE ({type(method).__name__}): samepath's experts run unquantised weights only"
+            return module_entry(name, module, "moe", UNCOVERED, detail)
         return module_entry(name, module, "moe", UNCOVERED, "experts left on vLLM's fused kernel")
     try:
         check_plain_routing(module)
@@ -106,7 +110,9 @@ def vllm_moe_entry(name: str, module: torch.nn.Module, formulas: dict | None):
     problem = moe_formula_problem(experts, formulas)
     if problem is not None:
         return module_entry(name, module, "moe", UNCOVERED, problem)
-    return module_entry(name, module, "moe", COVERED, "samepath.integrations.moe routing and experts")
+    kind, size = getattr(experts, "samepath_parallel", ("plain", 1))
+    layout = "" if kind == "plain" else f" ({kind}-parallel over {size} ranks)"
+    return module_entry(name, module, "moe", COVERED, f"samepath.integrations.moe routing and experts{layout}")
 
 
 def vllm_rules() -> ModuleRules:
@@ -286,7 +292,8 @@ def check_loaded_model(
     if trainer is not None and not report.problems:
         from vllm.distributed import get_tensor_model_parallel_world_size
 
-        assert_same_numerics(trainer, get_tensor_model_parallel_world_size(), model_config=hf_config)
+        size = get_tensor_model_parallel_world_size()
+        assert_same_numerics(trainer, size, model_config=hf_config, expert_parallel=expert_parallel())
     LOADED_MODEL_CONFIG = hf_config
     logger.info("samepath: %s model audited (%s)", side, report.counts())
 

@@ -19,6 +19,8 @@ INSTALLED: list[str] = []
 MAX_TENSOR_PARALLEL_SIZE = 64
 _expected_fingerprint: str | None = None
 _tensor_parallel_checked = False
+#: Whether a MoE layer of the model loaded in this process runs expert-parallel (recorded at weight loading).
+_expert_parallel = False
 
 
 def installed() -> bool:
@@ -28,9 +30,9 @@ def installed() -> bool:
 def set_installed(stack: ExitStack | None, expected: str | None = None) -> ExitStack | None:
     """Record ``stack`` (``None``: uninstalled) and the trainer's fingerprint ``expected``; returns
     the stack recorded before."""
-    global _stack, _expected_fingerprint, _tensor_parallel_checked
+    global _stack, _expected_fingerprint, _tensor_parallel_checked, _expert_parallel
     previous, _stack = _stack, stack
-    _expected_fingerprint, _tensor_parallel_checked = expected, False
+    _expected_fingerprint, _tensor_parallel_checked, _expert_parallel = expected, False, False
     return previous
 
 
@@ -39,15 +41,28 @@ def expected_fingerprint() -> str | None:
     return _expected_fingerprint
 
 
+def record_expert_parallel() -> None:
+    """A MoE layer of the model being loaded runs expert-parallel (its fingerprint says so)."""
+    global _expert_parallel
+    _expert_parallel = True
+
+
+def expert_parallel() -> bool:
+    """Whether this process's model runs its MoE experts expert-parallel (:func:`record_expert_parallel`)."""
+    return _expert_parallel
+
+
 def check_tensor_parallel_numerics() -> None:
     """Once vLLM's TP group exists (first attention or row-parallel call in a worker): the trainer's
-    fingerprint must be ``fingerprint(S)`` for this rollout's TP degree ``S``."""
+    fingerprint must be ``fingerprint(S, expert_parallel=...)`` for this rollout's TP degree ``S``
+    and expert layout."""
     global _tensor_parallel_checked
     if _expected_fingerprint is None or _tensor_parallel_checked:
         return
     from vllm.distributed import get_tensor_model_parallel_world_size
 
-    assert_same_numerics(_expected_fingerprint, get_tensor_model_parallel_world_size())
+    size = get_tensor_model_parallel_world_size()
+    assert_same_numerics(_expected_fingerprint, size, expert_parallel=_expert_parallel)
     _tensor_parallel_checked = True
 
 
@@ -56,6 +71,8 @@ __all__ = [
     "MAX_TENSOR_PARALLEL_SIZE",
     "check_tensor_parallel_numerics",
     "expected_fingerprint",
+    "expert_parallel",
     "installed",
+    "record_expert_parallel",
     "set_installed",
 ]

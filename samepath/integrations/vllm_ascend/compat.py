@@ -35,7 +35,7 @@ REQUIRED_API: dict[str, tuple[str, ...]] = {
         "AscendAttentionState.SpecDecoding",
         "AscendMetadata",
     ),
-    "vllm_ascend.ascend_forward_context": ("_EXTRA_CTX",),
+    "vllm_ascend.ascend_forward_context": ("_EXTRA_CTX", "select_moe_comm_method", "MoECommType.ALLGATHER"),
     "vllm_ascend.ops.layernorm": ("AscendRMSNorm.forward_oot",),
     "vllm_ascend.utils": ("get_weight_prefetch_method",),
     "vllm_ascend.ops.activation": ("AscendSiluAndMul.forward_oot",),

@@ -16,7 +16,14 @@ from samepath.audit import ALLOW_ENV_VAR, allowed_names
 from samepath.integrations.moe import experts_forward, topk_softmax_routing
 from samepath.integrations.patcher import Patcher
 from samepath.integrations.vllm.common import has_dense_weight, loading_model_routing_fp32, optional_module
-from samepath.integrations.vllm.layers import UnsupportedRopeError, rotary_forward, rotate
+from samepath.integrations.vllm.layers import (
+    UnsupportedRopeError,
+    moe_parallel_layout,
+    parallel_moe,
+    rotary_forward,
+    rotate,
+)
+from samepath.integrations.vllm.state import record_expert_parallel
 from samepath.integrations.vllm_ascend.state import original, set_original
 from samepath.kernels.matmul import linear
 from samepath.kernels.rms_norm import rms_norm
@@ -187,7 +194,6 @@ def plain_experts(method: Any, layer: Any) -> bool:
         str(getattr(layer, "activation", "silu")).lower().endswith("silu")
         and not getattr(moe, "has_bias", False)
         and getattr(moe, "is_act_and_mul", True)
-        and getattr(layer, "expert_map", None) is None
         and not getattr(layer, "apply_router_weight_on_input", False)
         and not getattr(method, "dynamic_eplb", False)
         and isinstance(getattr(layer, "w13_weight", None), torch.Tensor)
@@ -198,6 +204,7 @@ def plain_experts(method: Any, layer: Any) -> bool:
 def check_plain_routing(layer: Any, kwargs: dict[str, Any]) -> None:
     from vllm.distributed import get_tensor_model_parallel_world_size
 
+    kind = getattr(layer, "samepath_parallel", ("plain", 1))[0]
     problems = []
     if kwargs.get("use_grouped_topk"):
         problems.append("grouped top-k")
@@ -209,14 +216,16 @@ def check_plain_routing(layer: Any, kwargs: dict[str, Any]) -> None:
         problems.append("a score-correction bias")
     if kwargs.get("routed_scaling_factor", 1.0) != 1.0:
         problems.append(f"routed_scaling_factor={kwargs['routed_scaling_factor']}")
-    if kwargs.get("expert_map") is not None or kwargs.get("global_redundant_expert_num", 0):
-        problems.append("expert parallelism / redundant experts")
+    if kwargs.get("global_redundant_expert_num", 0):
+        problems.append("redundant experts")
+    if (kwargs.get("expert_map") is not None) != (kind == "expert"):
+        problems.append("an expert map that differs from the layout read at load")
     if kwargs.get("apply_router_weight_on_input"):
         problems.append("router weights on the input")
     if getattr(layer, "zero_expert_num", 0) or getattr(layer, "n_shared_experts", 0):
         problems.append("zero or shared experts in the routed set")
-    if get_tensor_model_parallel_world_size() != 1:
-        problems.append("tensor-parallel experts")
+    if kind == "plain" and get_tensor_model_parallel_world_size() != 1:
+        problems.append("experts not laid out for this TP group")
     if problems:
         raise NotImplementedError(
             f"samepath's vllm-ascend MoE does not implement {', '.join(problems)}; "
@@ -224,19 +233,49 @@ def check_plain_routing(layer: Any, kwargs: dict[str, Any]) -> None:
         )
 
 
+def check_allgather_comm(layer: Any) -> None:
+    """A tensor- or expert-parallel layer runs under vllm-ascend's ``ALLGATHER`` MoE communication
+    (every rank of the TP group holds every token; samepath's exchange replaces the dispatch and
+    combine) and without flash-comm sequence parallelism; anything else is refused by name."""
+    from vllm_ascend.ascend_forward_context import _EXTRA_CTX, MoECommType
+
+    comm = getattr(_EXTRA_CTX, "moe_comm_type", None)
+    if comm != MoECommType.ALLGATHER or getattr(_EXTRA_CTX, "flash_comm_v1_enabled", False):
+        raise NotImplementedError(
+            f"samepath's vllm-ascend MoE ({getattr(layer, 'layer_name', '?')}) runs its tensor / expert parallel "
+            f"experts under the ALLGATHER MoE communication without flash-comm, not {comm}"
+            f"{' with flash-comm v1' if getattr(_EXTRA_CTX, 'flash_comm_v1_enabled', False) else ''}"
+        )
+
+
+def for_the_all_reduce(out: torch.Tensor, rank: int) -> torch.Tensor:
+    """What a TP rank hands vllm-ascend's all-reduce (or reduce-scatter) of the routed output when
+    every rank already holds the whole layer ``out``: rank 0 ``out``, the others ``-0.0``
+    everywhere. ``x + (-0.0) == x`` exactly for every x (``+0.0`` included) and ``-0.0 + -0.0 ==
+    -0.0``, so the sum returns rank 0's bits in any order and any accumulation precision: the
+    stock collective stays, carrying no arithmetic."""
+    return out if rank == 0 else torch.full_like(out, -0.0)
+
+
 def patch_moe(patcher: Patcher) -> bool:
     from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import UnquantizedFusedMoEMethod
     from vllm_ascend.ops.fused_moe.fused_moe import AscendUnquantizedFusedMoEMethod
     from vllm_ascend.ops.fused_moe.moe_comm_method import FusedExpertsResult
 
+    ascend_forward_context = importlib.import_module("vllm_ascend.ascend_forward_context")
     owner = AscendUnquantizedFusedMoEMethod
 
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
         if not plain_experts(self, layer):
             return original(owner, "process_weights_after_loading")(self, layer)
+        # Refuses, at load, a layout samepath cannot reproduce (vllm-ascend's own map: _expert_map).
+        layout = moe_parallel_layout(layer, getattr(layer, "_expert_map", None))
+        if layout[0] == "expert":
+            record_expert_parallel()  # the load gate compares fingerprint(S, expert_parallel=True)
         # What vllm-ascend runs first, then nothing: w13 [E, 2I, H] / w2 [E, H, I] stay as loaded.
         super(UnquantizedFusedMoEMethod, self).process_weights_after_loading(layer)
         layer.samepath_experts = True
+        layer.samepath_parallel = layout
         layer.samepath_routing_fp32 = loading_model_routing_fp32()
         return None
 
@@ -255,18 +294,37 @@ def patch_moe(patcher: Patcher) -> bool:
                 self, layer, x, use_grouped_topk, top_k, router_logits, renormalize, **kwargs
             )
         check_plain_routing(layer, {"use_grouped_topk": use_grouped_topk, **kwargs})
-        dtype = torch.float32 if getattr(layer, "samepath_routing_fp32", False) else x.dtype
-        index, weights = topk_softmax_routing(router_logits, top_k, bool(renormalize), dtype)
-        return FusedExpertsResult(routed_out=experts_forward(x, layer.w13_weight, layer.w2_weight, index, weights))
+        weights_fp32 = bool(getattr(layer, "samepath_routing_fp32", False))
+        kind, _ = getattr(layer, "samepath_parallel", ("plain", 1))
+        if kind == "plain":
+            dtype = torch.float32 if weights_fp32 else x.dtype
+            index, weights = topk_softmax_routing(router_logits, top_k, bool(renormalize), dtype)
+            return FusedExpertsResult(routed_out=experts_forward(x, layer.w13_weight, layer.w2_weight, index, weights))
+        from vllm.distributed import get_tensor_model_parallel_rank
+
+        check_allgather_comm(layer)
+        out = parallel_moe(layer, kind, x, router_logits, top_k, bool(renormalize), weights_fp32)
+        return FusedExpertsResult(routed_out=for_the_all_reduce(out, get_tensor_model_parallel_rank()))
+
+    original_select = ascend_forward_context.select_moe_comm_method
+
+    def select_moe_comm_method(*args, **kwargs):
+        # Expert parallelism's MC2 / all-to-all split the tokens across the TP ranks and dispatch
+        # them with vllm-ascend's kernels; samepath's exchange needs every token on every rank.
+        chosen = original_select(*args, **kwargs)
+        return chosen if chosen is None else ascend_forward_context.MoECommType.ALLGATHER
 
     set_original(patcher, owner, "process_weights_after_loading", process_weights_after_loading)
     set_original(patcher, owner, "apply", apply)
+    patcher.set(ascend_forward_context, "select_moe_comm_method", select_moe_comm_method)
     return True
 
 
 __all__ = [
     "FLOATS",
+    "check_allgather_comm",
     "check_plain_routing",
+    "for_the_all_reduce",
     "norm_variant",
     "patch_linear",
     "patch_moe",

@@ -13,13 +13,68 @@ import torch
 import triton.language as tl
 
 import samepath.kernels.attention.plan as plan
-from samepath.kernels import grid
+from samepath.kernels import grid, ub_fit
 from samepath.kernels.attention.backend import run_backward, run_forward
 from samepath.kernels.attention.batch import AttentionBatch, last_dim_contiguous
-from samepath.kernels.attention.forward import DOT_PRECISION, LOG2E, visible_mask
+from samepath.kernels.attention.forward import DOT_PRECISION, LOG2E
 from samepath.kernels.config import padded_head_size
 from samepath.kernels.dispatch import jit
-from samepath.kernels.reductions import row_sum
+
+#: Rows (token, head) of ``delta`` per step of :func:`_attention_bwd_preprocess_kernel` (sized for an
+#: Ascend core's UB by ``ub_fit``); the rows are independent, so this fixes no bit (a row's sum is over
+#: its head only).
+DELTA_ROWS = ub_fit.DELTA_ROWS
+DELTA_NUM_WARPS = 4
+
+
+@jit
+def _attention_bwd_preprocess_kernel(
+    Out,
+    dOut,
+    Delta,
+    num_rows,
+    num_heads,
+    stride_o_tok,
+    stride_o_head,
+    stride_do_tok,
+    stride_do_head,
+    stride_delta_tok,
+    HEAD_SIZE: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+):
+    """The backward's preprocessing: ``delta[t, h] = 0 + sum_d fp32(dO[t, h, d]) * fp32(O[t, h, d])``, one
+    ``tl.sum`` over the zero-padded head per row (``BLOCK_R`` rows ``t * num_heads + h`` per step)."""
+    offs_r = tl.arange(0, BLOCK_R)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_valid = offs_d < HEAD_SIZE
+    for start in range(tl.program_id(0) * BLOCK_R, num_rows, tl.num_programs(0) * BLOCK_R):
+        row = start + offs_r
+        valid = row < num_rows
+        token = (row // num_heads).to(tl.int64)
+        head = row % num_heads
+        mask = valid[:, None] & d_valid[None, :]
+        o = tl.load(
+            Out + token[:, None] * stride_o_tok + head[:, None] * stride_o_head + offs_d[None, :], mask=mask, other=0.0
+        )
+        do = tl.load(
+            dOut + token[:, None] * stride_do_tok + head[:, None] * stride_do_head + offs_d[None, :],
+            mask=mask,
+            other=0.0,
+        )
+        delta = 0.0 + tl.sum(do.to(tl.float32) * o.to(tl.float32), 1)
+        tl.store(Delta + token * stride_delta_tok + head, delta, mask=valid)
+
+
+@jit
+def _visible_mask_t(pos_q, pos_k, kv_len, sliding_window, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr):
+    """:func:`.forward.visible_mask` transposed, ``[keys, queries]`` (the backward works key-major)."""
+    visible = pos_k[:, None] < kv_len
+    if CAUSAL:
+        visible = visible & (pos_k[:, None] <= pos_q[None, :])
+    if HAS_WINDOW:
+        visible = visible & (pos_q[None, :] - pos_k[:, None] < sliding_window)
+    return visible
 
 
 @jit
@@ -74,8 +129,11 @@ def _attention_bwd_kernel(
 ):
     """One pass of the backward. A work item is one KV tile (``BLOCK_N`` keys of one KV head of
     one sequence): it keeps dK and dV in registers while it visits the GQA-packed query tiles that
-    see it (head chunks in order, query blocks ascending), computing per pair ``S``, ``dP``,
-    ``dV += P^T dO``, ``dK += dS^T Q`` and the dQ partial ``dS K`` — five tile matmuls.
+    see it (head chunks in order, query blocks ascending), computing per pair ``S^T``, ``dP^T``,
+    ``dV += P^T dO``, ``dK += dS^T Q`` and the dQ partial ``(dS K)^T`` — five tile matmuls, key-major
+    (the keys are the rows, so Hopper's wgmma runs each with M = ``BLOCK_N`` or the head size; every
+    element is the same products summed in the same order as the query-major forms). ``Delta`` is
+    :func:`_attention_bwd_preprocess_kernel`'s ``rowsum(dO * O)``.
 
     dQ partials are summed in ascending KV-tile order with no atomics on data: ``Sync[1 + t]``
     (``t`` one per packed query tile) counts the KV tiles that have added theirs to the fp32 row
@@ -144,14 +202,17 @@ def _attention_bwd_kernel(
                 lse = tl.load(Lse + rows * stride_lse_tok + head, mask=row_valid, other=0.0)
                 delta = tl.load(Delta + rows * stride_lse_tok + head, mask=row_valid, other=0.0)
 
-                scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
-                visible = visible_mask(offs_m, offs_n, seq_len, sliding_window, CAUSAL, HAS_WINDOW) & row_valid[:, None]
-                p = tl.where(visible, tl.exp2(scores * qk_scale - lse[:, None]), 0.0)
-                dv = tl.dot(tl.trans(p.to(do.dtype)), do, dv, input_precision=DOT_PRECISION)
-                dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
-                ds = (p * (dp - delta[:, None])).to(q.dtype)
-                dk = tl.dot(tl.trans(ds), q, dk, input_precision=DOT_PRECISION)
-                dq = tl.dot(ds, k, input_precision=DOT_PRECISION)
+                # Key-major: the KV tile's keys are the rows (the M of four of the five dots, the
+                # head that of the dQ partial's), the packed query rows the columns.
+                scores_t = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION)
+                visible_t = _visible_mask_t(offs_m, offs_n, seq_len, sliding_window, CAUSAL, HAS_WINDOW)
+                visible_t = visible_t & row_valid[None, :]
+                p_t = tl.where(visible_t, tl.exp2(scores_t * qk_scale - lse[None, :]), 0.0)
+                dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=DOT_PRECISION)
+                dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
+                ds_t = (p_t * (dp_t - delta[None, :])).to(q.dtype)
+                dk = tl.dot(ds_t, q, dk, input_precision=DOT_PRECISION)
+                dq_t = tl.dot(tl.trans(k), ds_t, input_precision=DOT_PRECISION)
 
                 # The KV tiles that visit this query tile are first..last, one contiguous range.
                 first = 0
@@ -165,17 +226,18 @@ def _attention_bwd_kernel(
                 while tl.atomic_add(sync, 0) != block - first:
                     pass
                 tl.debug_barrier()
-                acc_ptrs = DqAcc + rows[:, None] * stride_acc_tok + head[:, None] * stride_acc_head + offs_d[None, :]
+                acc_ptrs = DqAcc + rows[None, :] * stride_acc_tok + head[None, :] * stride_acc_head + offs_d[:, None]
+                dq_mask_t = d_valid[:, None] & row_valid[None, :]
                 if block > first:
-                    dq = tl.load(acc_ptrs, mask=qd_mask, other=0.0, cache_modifier=".cg") + dq
+                    dq_t = tl.load(acc_ptrs, mask=dq_mask_t, other=0.0, cache_modifier=".cg") + dq_t
                 if block == last:
                     tl.store(
-                        dQ + rows[:, None] * stride_dq_tok + head[:, None] * stride_dq_head + offs_d[None, :],
-                        (dq * sm_scale).to(dQ.dtype.element_ty),
-                        mask=qd_mask,
+                        dQ + rows[None, :] * stride_dq_tok + head[None, :] * stride_dq_head + offs_d[:, None],
+                        (dq_t * sm_scale).to(dQ.dtype.element_ty),
+                        mask=dq_mask_t,
                     )
                 else:
-                    tl.store(acc_ptrs, dq, mask=qd_mask, cache_modifier=".cg")
+                    tl.store(acc_ptrs, dq_t, mask=dq_mask_t, cache_modifier=".cg")
                     tl.debug_barrier()
                     tl.atomic_add(sync, 1)
 
@@ -191,6 +253,36 @@ def _attention_bwd_kernel(
             mask=kd_mask,
         )
         work = tl.atomic_add(Sync, 1)
+
+
+def backward_delta(out: torch.Tensor, grad_out: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
+    """The backward's preprocessing: ``delta = rowsum(dO * O)`` (``[tokens, heads]`` fp32, laid out like
+    ``lse``) by :func:`_attention_bwd_preprocess_kernel` — one launch reading ``out`` and ``grad_out``
+    (``[tokens, heads, head_size]``, last dimension contiguous) once, no fp32 copies. Every attention
+    backend's backward takes its ``delta`` from here."""
+    num_tokens, num_heads, head_size = out.shape
+    delta = torch.empty_like(lse)
+    rows = num_tokens * num_heads
+    if rows == 0:
+        return delta
+    programs = grid.num_programs(-(-rows // DELTA_ROWS), out.device)
+    _attention_bwd_preprocess_kernel[(programs,)](
+        out,
+        grad_out,
+        delta,
+        rows,
+        num_heads,
+        out.stride(0),
+        out.stride(1),
+        grad_out.stride(0),
+        grad_out.stride(1),
+        delta.stride(0),
+        HEAD_SIZE=head_size,
+        BLOCK_D=padded_head_size(head_size),
+        BLOCK_R=DELTA_ROWS,
+        num_warps=DELTA_NUM_WARPS,
+    )
+    return delta
 
 
 def launch_backward(
@@ -209,13 +301,14 @@ def launch_backward(
     counter waits for is a work item of the program map built from the same clamped values. Rows
     outside every clamped sequence are left unwritten.
 
-    Workspace, O(tokens): the fp32 dQ row sums (``[tokens, heads, head_size]``) and one int32
-    counter per packed query tile (plus the ticket counter), zeroed here on the device."""
+    Workspace, O(tokens): ``delta`` (:func:`backward_delta`), the fp32 dQ row sums
+    (``[tokens, heads, head_size]``) and one int32 counter per packed query tile (plus the ticket
+    counter), zeroed here on the device."""
     query, key, value, config = batch.query, batch.key, batch.value, batch.config
     cu_seqlens = batch.query_start_loc
     num_tokens, num_heads, head_size = query.shape
     num_kv_heads = key.shape[1]
-    delta = row_sum(grad_out.float() * out.float())
+    delta = backward_delta(out, grad_out, lse)
     dq, dk, dv = grads if grads is not None else (torch.empty_like(t) for t in (query, key, value))
     num_seqs = cu_seqlens.numel() - 1
     if num_tokens == 0 or num_seqs == 0:

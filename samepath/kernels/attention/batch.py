@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from samepath.kernels.attention.plan import clamp_cu_seqlens, program_map
+from samepath.kernels.attention.plan import clamp_cu_seqlens, program_map, segment_work
 from samepath.kernels.config import AttentionConfig, attention_config, check_head_size, dtype_name
 from samepath.kernels.dispatch import device_kind
 
@@ -193,6 +193,26 @@ class LaunchPlan:
             return (clamped, *program_map(clamped, block, self.num_tokens))
 
         return self._cached(("clamped map", block), build)
+
+    def segment_work(
+        self,
+        block: int,
+        seq_lens: torch.Tensor,
+        kv_first_pos: torch.Tensor | None,
+        max_kv_len: int,
+        seg: int,
+        max_segments: int,
+    ) -> torch.Tensor:
+        """:func:`.plan.segment_work` of the ``block``-row program map over ``seq_lens`` (the split
+        schedule's work list), built once per step on the device for these very tensors."""
+        key = ("segments", block, id(seq_lens), id(kv_first_pos), max_kv_len, seg, max_segments)
+
+        def build():
+            program_seq, _, num_blocks = self.program_map(block)
+            work = segment_work(program_seq, num_blocks, seq_lens, kv_first_pos, max_kv_len, seg, max_segments)
+            return seq_lens, kv_first_pos, work  # the tensors held, so that their ids stay theirs
+
+        return self._cached(key, build)[2]
 
     def kv_lens(self) -> torch.Tensor:
         """``cu[1:] - cu[:-1]`` of ``cu_seqlens_kv`` (``cu_seqlens_q`` when there is none)."""
@@ -498,8 +518,9 @@ def check_paged_metadata(
     query_start_loc: torch.Tensor,
     seq_lens: torch.Tensor,
 ) -> None:
-    """Value checks of :func:`~samepath.kernels.attention.paged_attention`'s metadata (one device-to-host
-    copy): consistent query offsets, KV lengths at least the query counts, a block table wide enough and
+    """Value checks of :func:`~samepath.kernels.attention.paged_attention`'s metadata (device-to-host
+    copies of the lengths and of the block table's columns in use, not of its whole width):
+    consistent query offsets, KV lengths at least the query counts, a block table wide enough and
     page ids inside the caches."""
     num_seqs = query_start_loc.numel() - 1
     q_lens = check_cu_seqlens("query_start_loc", query_start_loc, query.shape[0])
@@ -513,7 +534,8 @@ def check_paged_metadata(
             f"block_table is too short: a sequence of {int(kv_lens.max())} tokens needs "
             f"{int(needed.max())} blocks of {block_size}, the table has {block_table.shape[1]} columns"
         )
-    pages = block_table.detach().cpu()[:num_seqs]
-    used = torch.arange(block_table.shape[1])[None, :] < needed[:, None]
+    width = int(needed.max()) if num_seqs else 0  # only the columns in use cross to the host
+    pages = block_table.detach()[:num_seqs, :width].cpu()
+    used = torch.arange(width)[None, :] < needed[:, None]
     if used.any() and (pages[used].min() < 0 or pages[used].max() >= key_cache.shape[0]):
         raise ValueError(f"block_table holds page ids outside [0, {key_cache.shape[0]})")

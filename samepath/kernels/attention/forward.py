@@ -24,7 +24,7 @@ from samepath.kernels import grid
 from samepath.kernels.attention.batch import AttentionBatch
 from samepath.kernels.attention.merge import launch_merge, merge_segment, store_rows
 from samepath.kernels.config import padded_head_size
-from samepath.kernels.dispatch import jit
+from samepath.kernels.dispatch import device_kind, jit
 
 LOG2E = 1.4426950408889634
 #: fp32 inputs are multiplied in full fp32 (no TF32) so results stay close to the fp64 reference.
@@ -35,6 +35,9 @@ SPLIT_WORKSPACE_BYTES = 256 * 1024 * 1024
 #: Bytes of one row's partial state per segment beyond its accumulator: fp32 ``m`` and ``l``.
 _STATE_WORDS = 2
 _FP32_BYTES = 4
+#: Programs of the split schedule's persistent grid per SM (CUDA) or, on the CPU, per
+#: :data:`.grid.CPU_CONCURRENT_PROGRAMS`; each walks the work list. Changes no bit.
+SPLIT_PROGRAMS_PER_CORE = 4
 
 
 @jit
@@ -188,6 +191,7 @@ def _attention_fwd_kernel(
     PartM,
     PartL,
     PartAcc,
+    RowSegments,
     query_start_loc,
     kv_start_loc,
     seq_lens,
@@ -196,6 +200,8 @@ def _attention_fwd_kernel(
     program_seq,
     program_block,
     num_blocks,
+    segment_work,
+    search_steps,
     num_programs_mapped,
     num_seqs,
     num_q_rows,
@@ -249,8 +255,16 @@ def _attention_fwd_kernel(
     :func:`.merge._attention_merge_kernel`; otherwise the item folds its segments into the running state
     serially, with the same merge.
 
+    ``SPLIT`` items come from the work list ``segment_work`` (:func:`.plan.segment_work`, built on
+    the device): block ``b`` of the program map owns ``segment_work[b] - segment_work[b - 1]``
+    segments, the ones that hold its sequence's keys, so the work follows the context and not
+    ``max_kv_len`` (a block table as wide as the model's longest context), and the grid is a
+    fixed, device-sized persistent one. The item of segment 0 also writes the block's segment
+    count to ``RowSegments`` for each of its rows: the merge's bound.
+
     Memory safety whatever the metadata (``validate=False`` trusts it for the results only): the
-    work count is capped by the program map's length (``num_programs_mapped``), the sequence index
+    work count is capped by the program map's length (``num_programs_mapped``; split: the work
+    list, whose counts are clamped to the workspace's ``num_segments``), the sequence index
     by ``num_seqs``, a KV length by ``max_kv_len`` (the block table's span, or the contiguous
     keys); query rows outside ``[0, num_q_rows)`` are neither read nor written, and keys outside
     the caches are masked (:func:`_segment_state`). For consistent metadata none of these bounds
@@ -258,18 +272,37 @@ def _attention_fwd_kernel(
     num_heads = num_kv_heads * GROUP
     items_per_block = num_kv_heads * NUM_CHUNKS
     if SPLIT:
-        items_per_block = items_per_block * num_segments
-    num_work = tl.minimum(tl.load(num_blocks), num_programs_mapped) * items_per_block
+        num_work = tl.load(segment_work + num_programs_mapped - 1) * items_per_block
+    else:
+        num_work = tl.minimum(tl.load(num_blocks), num_programs_mapped) * items_per_block
     for work in range(tl.program_id(0), num_work, tl.num_programs(0)):
-        rest = work % items_per_block
         segment = 0
         if SPLIT:
-            segment = rest % num_segments
-            rest = rest // num_segments
+            # The work list: block b owns the items from segment_work[b - 1] * items_per_block on,
+            # (KV head, head chunk, segment) with the segment fastest; b by binary search.
+            target = work // items_per_block
+            lo = target * 0
+            hi = lo + num_programs_mapped
+            for _ in range(search_steps):
+                active = lo < hi
+                mid = (lo + hi) // 2
+                below = tl.load(segment_work + tl.minimum(mid, num_programs_mapped - 1)) <= target
+                hi = tl.where(active & below, hi, tl.where(active, mid, hi))
+                lo = tl.where(active & below, mid + 1, lo)
+            block_index = lo
+            first_item = tl.load(segment_work + tl.maximum(block_index - 1, 0))
+            first_item = tl.where(block_index > 0, first_item, 0)
+            block_segments = tl.load(segment_work + block_index) - first_item
+            rest = work - first_item * items_per_block
+            segment = rest % block_segments
+            rest = rest // block_segments
+        else:
+            block_index = work // items_per_block
+            rest = work % items_per_block
         chunk = rest % NUM_CHUNKS
         kv_head = rest // NUM_CHUNKS
-        seq = tl.minimum(tl.maximum(tl.load(program_seq + work // items_per_block), 0), num_seqs - 1)
-        block = tl.load(program_block + work // items_per_block)
+        seq = tl.minimum(tl.maximum(tl.load(program_seq + block_index), 0), num_seqs - 1)
+        block = tl.load(program_block + block_index)
 
         q_start = tl.load(query_start_loc + seq)
         q_len = tl.load(query_start_loc + seq + 1) - q_start
@@ -328,6 +361,9 @@ def _attention_fwd_kernel(
                 acc,
                 mask=(row_valid & (offs_r * 0 + tile_end > tile_begin))[:, None],
             )
+            # The merge folds each row's segments 0 .. block_segments - 1 (its block's own count).
+            first = row_valid & (offs_r * 0 + segment == 0)
+            tl.store(RowSegments + q_rows * num_heads + head, offs_r * 0 + block_segments, mask=first)
         else:
             m_run = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
             l_run = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -368,10 +404,11 @@ def launch_forward(
     num_seqs = batch.num_seqs
     if num_tokens == 0 or num_seqs == 0:
         return lse
-    if batch.plan is None:
+    launch_plan = batch.plan
+    if launch_plan is None:
         program_seq, program_block, num_blocks = plan.program_map(batch.query_start_loc, pack.block_q, num_tokens)
     else:
-        program_seq, program_block, num_blocks = batch.plan.program_map(pack.block_q)
+        program_seq, program_block, num_blocks = launch_plan.program_map(pack.block_q)
     if paged:
         k_strides, v_strides = key.stride()[:3], value.stride()[:3]
         page_size = key.shape[1]
@@ -387,18 +424,32 @@ def launch_forward(
     kv_offset = batch.kv_first_pos is not None
     rows = num_tokens * num_heads
     if split_kv is None:
+        # Paged (decode): split whatever the table's width, so that neither the schedule nor the
+        # grid follows it; contiguous KV: split only where there are several segments.
         workspace = rows * (num_segments + kv_offset) * (block_d + _STATE_WORDS) * _FP32_BYTES
-        split_kv = not store_lse and num_segments > 1 and workspace <= SPLIT_WORKSPACE_BYTES
+        several = paged or num_segments > 1
+        split_kv = not store_lse and several and workspace <= SPLIT_WORKSPACE_BYTES
     if kv_offset:  # keys at kv_first_pos .. kv_first_pos + max_kv_len may straddle one more segment
         num_segments += 1
+    first_pos = batch.kv_first_pos
     if split_kv:
         part_m = torch.empty(rows * num_segments, dtype=torch.float32, device=query.device)
         part_l = torch.empty_like(part_m)
         part_acc = torch.empty(rows * num_segments * block_d, dtype=torch.float32, device=query.device)
+        row_segments = torch.zeros(rows, dtype=torch.int32, device=query.device)
+        work_args = (batch.seq_lens, first_pos, max_kv_len, config.seg, num_segments)
+        if launch_plan is None:
+            segment_work = plan.segment_work(program_seq, num_blocks, *work_args)
+        else:
+            segment_work = launch_plan.segment_work(pack.block_q, *work_args)
+        # The adapter (grid.py) sizes every launch: here for the fixed number of persistent slots.
+        programs = grid.num_programs(split_programs(query.device), query.device, uses_dot=True)
     else:
         part_m = part_l = part_acc = out
-    work = program_seq.numel() * num_kv_heads * pack.num_chunks * (num_segments if split_kv else 1)
-    _attention_fwd_kernel[(grid.num_programs(work, query.device, uses_dot=True),)](
+        row_segments = segment_work = num_blocks
+        work = program_seq.numel() * num_kv_heads * pack.num_chunks
+        programs = grid.num_programs(work, query.device, uses_dot=True)
+    _attention_fwd_kernel[(programs,)](
         query,
         key,
         value,
@@ -407,6 +458,7 @@ def launch_forward(
         part_m,
         part_l,
         part_acc,
+        row_segments,
         batch.query_start_loc,
         batch.kv_start_loc,
         batch.seq_lens,
@@ -415,6 +467,8 @@ def launch_forward(
         program_seq,
         program_block,
         num_blocks,
+        segment_work,
+        program_seq.numel().bit_length(),
         program_seq.numel(),
         num_seqs,
         num_tokens,
@@ -453,5 +507,15 @@ def launch_forward(
         num_stages=config.num_stages,
     )
     if split_kv:
-        launch_merge(part_m, part_l, part_acc, out, lse, num_segments, block_d)
+        launch_merge(part_m, part_l, part_acc, row_segments, out, lse, num_segments, block_d)
     return lse
+
+
+def split_programs(device: torch.device) -> int:
+    """The split schedule's persistent grid: :data:`SPLIT_PROGRAMS_PER_CORE` programs per SM
+    (:func:`.grid.concurrent_programs`; the CPU's constant there), one per AI core on an NPU,
+    whatever the batch, the context or the block table; the programs walk the work list."""
+    cores = grid.concurrent_programs(device, uses_dot=True)
+    if device_kind(device) == "npu":  # Triton-Ascend: at most one program per physical core
+        return min(cores, grid.MAX_PROGRAMS)
+    return cores * SPLIT_PROGRAMS_PER_CORE

@@ -75,6 +75,7 @@ def _attention_merge_kernel(
     PartM,
     PartL,
     PartAcc,
+    RowSegments,
     Out,
     Lse,
     num_rows,
@@ -90,21 +91,26 @@ def _attention_merge_kernel(
 ):
     """Second step of the split schedule: each (token, head) row folds its segments' states into
     one, in ascending segment order with :func:`merge_segment` (the serial schedule's merge),
-    then divides and casts as the serial schedule does."""
+    then divides and casts as the serial schedule does. A row folds the segments its block owns
+    in the forward's work list (``RowSegments``, clamped to the workspace's ``num_segments``); the
+    segments past them are empty for the row, as folding them would leave its state unchanged."""
     offs_d = tl.arange(0, BLOCK_D)
     num_work = tl.cdiv(num_rows, BLOCK_R)
     for work in range(tl.program_id(0), num_work, tl.num_programs(0)):
         offs_r = work * BLOCK_R + tl.arange(0, BLOCK_R)
         row_valid = offs_r < num_rows
         rows = offs_r.to(tl.int64)
+        row_segments = tl.load(RowSegments + rows, mask=row_valid, other=0)
+        row_segments = tl.minimum(tl.maximum(row_segments, 0), num_segments)
         m_run = tl.full([BLOCK_R], float("-inf"), dtype=tl.float32)
         l_run = tl.zeros([BLOCK_R], dtype=tl.float32)
         acc_run = tl.zeros([BLOCK_R, BLOCK_D], dtype=tl.float32)
-        for segment in range(0, num_segments):
+        for segment in range(0, tl.max(row_segments, 0)):
             part = rows * num_segments + segment
-            m_seg = tl.load(PartM + part, mask=row_valid, other=float("-inf"))
-            l_seg = tl.load(PartL + part, mask=row_valid, other=0.0)
-            seen = row_valid & (m_seg > float("-inf"))
+            owned = row_valid & (segment < row_segments)
+            m_seg = tl.load(PartM + part, mask=owned, other=float("-inf"))
+            l_seg = tl.load(PartL + part, mask=owned, other=0.0)
+            seen = owned & (m_seg > float("-inf"))
             acc_seg = tl.load(PartAcc + part[:, None] * BLOCK_D + offs_d[None, :], mask=seen[:, None], other=0.0)
             m_run, l_run, acc_run = merge_segment(m_run, l_run, acc_run, m_seg, l_seg, acc_seg)
         store_rows(
@@ -117,13 +123,15 @@ def launch_merge(
     part_m: torch.Tensor,
     part_l: torch.Tensor,
     part_acc: torch.Tensor,
+    row_segments: torch.Tensor,
     out: torch.Tensor,
     lse: torch.Tensor | None,
     num_segments: int,
     block_d: int,
 ) -> None:
-    """Fold the ``num_segments`` partial states of every row of ``out`` (``[tokens, heads, head_size]``)
-    into ``out`` (and the base-2 ``lse`` when given)."""
+    """Fold the partial states of every row of ``out`` (``[tokens, heads, head_size]``; ``num_segments``
+    per row in the workspace, of which row ``r`` folds its first ``row_segments[r]``) into ``out``
+    (and the base-2 ``lse`` when given)."""
     num_tokens, num_heads, head_size = out.shape
     rows = num_tokens * num_heads
     merge_work = -(-rows // MERGE_BLOCK_ROWS)
@@ -131,6 +139,7 @@ def launch_merge(
         part_m,
         part_l,
         part_acc,
+        row_segments,
         out,
         out if lse is None else lse,
         rows,

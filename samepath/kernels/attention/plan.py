@@ -1,6 +1,8 @@
 """The attention schedule's bookkeeping, on the host and the device: which program runs which query
-block (the program map), how query heads fill a tile (GQA packing) and how many KV segments a
-launch needs. Pure functions of the shapes and the cumulative lengths; no kernel lives here.
+block (the program map), how query heads fill a tile (GQA packing), how many KV segments a
+launch needs and which of them hold keys (the split schedule's work list). Pure functions of the
+shapes, the cumulative lengths and the KV lengths, on the device without host syncs; no kernel
+lives here.
 
 Every backend numbers its work the same way: the Ascend C tiling (``ascendc/tiling.py``) has the
 host twins of :func:`program_map` and :func:`packing`.
@@ -63,3 +65,41 @@ def packing(group: int, block_m: int) -> Packing:
 def num_segments(max_kv_len: int, seg: int) -> int:
     """KV segments of ``seg`` positions (anchored at position 0) that cover ``max_kv_len`` keys; at least one."""
     return max(1, -(-max_kv_len // seg))
+
+
+def segment_work(
+    program_seq: torch.Tensor,
+    num_blocks: torch.Tensor,
+    seq_lens: torch.Tensor,
+    kv_first_pos: torch.Tensor | None,
+    max_kv_len: int,
+    seg: int,
+    max_segments: int,
+) -> torch.Tensor:
+    """The split schedule's work list, on the device (no host sync): ``cu[b]``, the number of KV
+    segments of the program map's blocks ``0 .. b`` (inclusive; ``int32``, as long as the map).
+
+    Block ``b`` (of sequence ``s = program_seq[b]``, clamped to a real sequence as the kernel does)
+    owns the segments ``0 .. cu[b] - cu[b - 1] - 1``: those that hold any of ``s``'s keys, counted
+    from the segment of its first key (``kv_first_pos[s]``, 0 without it) — the
+    ``ceil((kv_pos0 + min(seq_lens[s], max_kv_len) - base) / seg)`` segments from
+    ``base = (max(kv_pos0, 0) // seg) * seg``, clamped to ``[0, max_segments]`` (the workspace's
+    segments, so even unchecked metadata stays inside it). Blocks past ``num_blocks`` own none.
+    Every segment past them is empty for every row of the block (the kernel leaves such a row's
+    state fresh), so skipping them changes no bit; the work, the grid and the merge follow the
+    context, not ``max_kv_len`` (a block table's width)."""
+    num_seqs = seq_lens.numel()
+    mapped = program_seq.numel()
+    if num_seqs == 0 or mapped == 0:
+        return torch.zeros(mapped, dtype=torch.int32, device=program_seq.device)
+    seq = program_seq.to(torch.int64).clamp(0, num_seqs - 1)
+    kv_len = torch.clamp(seq_lens, max=max_kv_len)
+    base = torch.zeros_like(kv_len)
+    if kv_first_pos is not None:
+        kv_pos0 = kv_first_pos.to(kv_len.dtype)
+        kv_len = kv_pos0 + kv_len
+        base = torch.div(kv_pos0.clamp(min=0), seg, rounding_mode="floor") * seg
+    count = torch.div(kv_len.to(torch.int64) - base + (seg - 1), seg, rounding_mode="floor").clamp(0, max_segments)
+    real = torch.arange(mapped, device=program_seq.device) < num_blocks.to(torch.int64)
+    per_block = torch.where(real, count[seq], 0)
+    return torch.cumsum(per_block, 0).to(torch.int32)

@@ -196,20 +196,21 @@ def attention_bwd(
             k, v = k_tiles[act], v_tiles[act]
             pos_q = qb * BQ + r // HEAD_CHUNK
             pos_k = offs_n[act]
-            visible = (pos_k < seq_len[act, None])[:, None, :]
+            visible_t = (pos_k < seq_len[act, None])[:, :, None]
             if CAUSAL:
-                visible = visible & (pos_k[:, None, :] <= pos_q[:, None])
+                visible_t = visible_t & (pos_k[:, :, None] <= pos_q[None, None, :])
             if HAS_WINDOW:
-                visible = visible & (pos_q[:, None] - pos_k[:, None, :] < window)
-            visible = visible[:, None] & row_valid[tile, :, chunk][..., None]
+                visible_t = visible_t & (pos_q[None, None, :] - pos_k[:, :, None] < window)
+            visible_t = visible_t[:, None] & row_valid[tile, :, chunk][:, :, None, :]
 
-            scores = dot(q, _t(k), np.zeros((act.size, H, BM, BN), np.float32))
-            p = np.where(visible, np.exp2(scores * qk - lse_tiles[tile, :, chunk][..., None]), zero)
-            dv[act] = dot(_t(cast(p, dOut.dtype)), do, dv[act])
-            dp = dot(do, _t(v), np.zeros((act.size, H, BM, BN), np.float32))
-            ds = cast(p * (dp - delta_tiles[tile, :, chunk][..., None]), q_dtype)
-            dk[act] = dot(_t(ds), q, dk[act])
-            partials = dot(ds, k, np.zeros((act.size, H, BM, BD), np.float32))
+            # Key-major, as the kernel: [items, kv heads, BLOCK_N, BLOCK_M] score and dP tiles.
+            scores_t = dot(k, _t(q), np.zeros((act.size, H, BN, BM), np.float32))
+            p_t = np.where(visible_t, np.exp2(scores_t * qk - lse_tiles[tile, :, chunk][..., None, :]), zero)
+            dv[act] = dot(cast(p_t, dOut.dtype), do, dv[act])
+            dp_t = dot(v, _t(do), np.zeros((act.size, H, BN, BM), np.float32))
+            ds_t = cast(p_t * (dp_t - delta_tiles[tile, :, chunk][..., None, :]), q_dtype)
+            dk[act] = dot(ds_t, q, dk[act])
+            partials = _t(dot(_t(k), ds_t, np.zeros((act.size, H, BD, BM), np.float32)))
 
             first = np.maximum(0, qb * BQ - window + 1) // BN if HAS_WINDOW else np.zeros_like(act)
             first = np.broadcast_to(first, act.shape)
@@ -248,3 +249,37 @@ def attention_bwd(
     kd_offsets = kv_offsets(stride_dk_tok, stride_dk_head)
     _scatter(_flat(dK), kd_offsets, cast(dk * sm, out_dtypes[1]), kd_mask)
     _scatter(_flat(dV), kv_offsets(stride_dv_tok, stride_dv_head), cast(dv, out_dtypes[2]), kd_mask)
+
+
+@register_replay("samepath.kernels.attention.backward._attention_bwd_preprocess_kernel")
+def attention_bwd_preprocess(
+    grid,
+    *,
+    Out,
+    dOut,
+    Delta,
+    num_rows,
+    num_heads,
+    stride_o_tok,
+    stride_o_head,
+    stride_do_tok,
+    stride_do_head,
+    stride_delta_tok,
+    HEAD_SIZE,
+    BLOCK_D,
+    BLOCK_R,
+):
+    """``_attention_bwd_preprocess_kernel``: every row's ``0 + sum(fp32(dO) * fp32(O))`` over the
+    zero-padded head at once (rows are independent; numpy sums each row of the ``[rows, BLOCK_D]``
+    product as the interpreter sums each of a tile's)."""
+    del BLOCK_R
+    if num_rows == 0:
+        return
+    row = np.arange(num_rows)
+    token, head = row // num_heads, row % num_heads
+    d = np.arange(BLOCK_D)
+    mask = np.broadcast_to(d < HEAD_SIZE, (num_rows, BLOCK_D))
+    o = _gather(_flat(Out), (token * stride_o_tok + head * stride_o_head)[:, None] + d, mask)
+    do = _gather(_flat(dOut), (token * stride_do_tok + head * stride_do_head)[:, None] + d, mask)
+    delta = np.float32(0) + np.sum(widen(do, "C") * widen(o, "C"), axis=1)
+    _flat(Delta)[token * stride_delta_tok + head] = delta

@@ -4,12 +4,14 @@
 :func:`~samepath.kernels.attention.kv_cache._write_kv_cache_kernel`.
 
 The forward replay computes every work item ``(query block, KV head, head chunk[, segment])`` of the
-launch at once: each item's ``[BLOCK_M, BLOCK_D]`` GQA-packed query tile, and its ``(m, l, acc)``
-states stacked in front. Only the KV tiles are visited serially, in each item's ascending order, and
-each step computes exactly the items whose tile range holds that tile (the other items' states are
-not touched, as the kernel never visits those tiles). Serially executed segments start from a fresh
-state and are folded in ascending order with the kernel's merge; split segments store their states
-for the merge kernel, whose replay folds every row's segments in ascending order at once.
+launch at once (split: the items of the work list ``segment_work``, each block's own segments, found
+as the kernel's binary search finds them): each item's ``[BLOCK_M, BLOCK_D]`` GQA-packed query
+tile, and its ``(m, l, acc)`` states stacked in front. Only the KV tiles are visited serially, in
+each item's ascending order, and each step computes exactly the items whose tile range holds that
+tile (the other items' states are not touched, as the kernel never visits those tiles). Serially
+executed segments start from a fresh state and are folded in ascending order with the kernel's
+merge; split segments store their states (and segment 0 its block's segment count per row) for the
+merge kernel, whose replay folds every row's own segments in ascending order at once.
 
 Bit-identity with Triton's interpreter holds because every step is the interpreter's operation on
 the same operands: ``tl.dot`` as ``np.matmul(..., dtype=float32) + acc`` on stacks of the kernel's
@@ -182,21 +184,28 @@ class _Forward:
 
         group, head_chunk, block_q = p["GROUP"], p["HEAD_CHUNK"], p["BLOCK_Q"]
         num_kv_heads, num_segments = p["num_kv_heads"], p["num_segments"]
-        items_per_block = num_kv_heads * p["NUM_CHUNKS"] * (num_segments if self.split else 1)
-        mapped = min(int(_flat(p["num_blocks"])[0]), p["num_programs_mapped"])
-        self.num_work = max(mapped * items_per_block, 0)
-        work = _execution_order(self.num_work, grid[0])
-        self.ordered = work.shape[0] == 0 or bool((work[1:] > work[:-1]).all())
-        work = work.astype(np.int32)
+        items_per_block = num_kv_heads * p["NUM_CHUNKS"]
+        mapped = p["num_programs_mapped"]
+        if self.split:  # the work list: block b owns segment_work[b] - segment_work[b - 1] segments
+            segment_work = _flat(p["segment_work"])[:mapped].astype(np.int64)
+            self.num_work = max(int(segment_work[-1]) * items_per_block, 0)
+        else:
+            self.num_work = max(min(int(_flat(p["num_blocks"])[0]), mapped) * items_per_block, 0)
+        work = _execution_order(self.num_work, grid[0]).astype(np.int32)
 
-        rest = work % np.int32(items_per_block)
         segment = np.zeros_like(work)
         if self.split:
-            segment = rest % np.int32(num_segments)
-            rest = rest // np.int32(num_segments)
+            block_index = np.searchsorted(segment_work, work // np.int32(items_per_block), side="right")
+            first_item = np.where(block_index > 0, segment_work[np.maximum(block_index - 1, 0)], 0)
+            self.block_segments = (segment_work[block_index] - first_item).astype(np.int32)
+            rest = (work - first_item * items_per_block).astype(np.int32)
+            segment = rest % self.block_segments
+            rest = rest // self.block_segments
+        else:
+            rest = work % np.int32(items_per_block)
+            block_index = work // np.int32(items_per_block)
         chunk = rest % np.int32(p["NUM_CHUNKS"])
         kv_head = rest // np.int32(p["NUM_CHUNKS"])
-        block_index = work // np.int32(items_per_block)
         seq = np.minimum(np.maximum(_flat(p["program_seq"])[block_index], 0), _int(p["num_seqs"] - 1))
         block = _flat(p["program_block"])[block_index]
 
@@ -240,6 +249,8 @@ class _Forward:
             self.tile_begin = tile_begin.astype(np.int64)
             self.tile_end = tile_end.astype(np.int64)
             self.has_acc = tile_end > tile_begin
+            self.row_index = q_rows * (num_kv_heads * group) + head
+            self.first_segment = segment == 0
 
         self.seq, self.kv_head, self.kv_len, self.kv_pos0 = seq, kv_head, kv_len, kv_pos0
         self.kv_row_start, self.pos_q, self.q_rows, self.head = kv_row_start, pos_q, q_rows, head
@@ -355,12 +366,13 @@ def attention_fwd_replay(grid: tuple, **p) -> None:
     total = fwd.seq.shape[0]
     if total == 0:
         return
-    exact_order = not fwd.ordered
+    # Items write disjoint addresses (consistent metadata), so any order of them gives the
+    # interpreter's bits; where two write one address, the items run in the interpreter's order.
     if fwd.split:
         targets = fwd.part[fwd.row_valid]
     else:
         targets = (fwd.q_rows * p["stride_o_tok"] + fwd.head.astype(np.int64) * p["stride_o_head"])[fwd.row_valid]
-    exact_order = exact_order or np.unique(targets).shape[0] != targets.shape[0]
+    exact_order = np.unique(targets).shape[0] != targets.shape[0]
     if exact_order:
         order = np.arange(total)
     elif fwd.split:
@@ -388,6 +400,9 @@ def _split_batch(fwd: _Forward, items: np.ndarray, q: np.ndarray, exact_order: b
     _store(_flat(p["PartL"]), part, l_sum, valid, exact_order)
     acc_valid = valid & fwd.has_acc[items][:, None]
     _store_rows_at(_flat(p["PartAcc"]), part * fwd.block_d, acc, acc_valid, exact_order)
+    counts = np.broadcast_to(fwd.block_segments[items][:, None], valid.shape)
+    first = valid & fwd.first_segment[items][:, None]
+    _store(_flat(p["RowSegments"]), fwd.row_index[items], counts, first, exact_order)
 
 
 def _serial_batch(fwd: _Forward, items: np.ndarray, q: np.ndarray, exact_order: bool) -> None:
@@ -432,7 +447,8 @@ def _serial_batch(fwd: _Forward, items: np.ndarray, q: np.ndarray, exact_order: 
 
 @register_replay("samepath.kernels.attention.merge._attention_merge_kernel")
 def attention_merge_replay(grid: tuple, **p) -> None:
-    """Replay of ``_attention_merge_kernel``: every row's segments folded in ascending order at once."""
+    """Replay of ``_attention_merge_kernel``: every row's own segments (``RowSegments``) folded in
+    ascending order at once."""
     num_rows, num_heads, num_segments = p["num_rows"], p["num_heads"], p["num_segments"]
     block_d, head_size = p["BLOCK_D"], p["HEAD_SIZE"]
     if num_rows <= 0:
@@ -440,17 +456,20 @@ def attention_merge_replay(grid: tuple, **p) -> None:
     part_m = _flat(p["PartM"])[: num_rows * num_segments].reshape(num_rows, num_segments)
     part_l = _flat(p["PartL"])[: num_rows * num_segments].reshape(num_rows, num_segments)
     part_acc = _flat(p["PartAcc"])[: num_rows * num_segments * block_d].reshape(num_rows, num_segments, block_d)
+    row_segments = np.clip(_flat(p["RowSegments"])[:num_rows].astype(np.int64), 0, num_segments)
     out_flat = _flat(p["Out"])
     chunk = max(1, _BATCH_ELEMENTS // block_d)
     for begin in range(0, num_rows, chunk):
         rows = np.arange(begin, min(begin + chunk, num_rows), dtype=np.int64)
         span = slice(begin, begin + rows.shape[0])
+        owned_segments = row_segments[span]
         m_run = np.full(rows.shape[0], _NEG_INF, dtype=np.float32)
         l_run = np.zeros(rows.shape[0], dtype=np.float32)
         acc_run = np.zeros((rows.shape[0], block_d), dtype=np.float32)
-        for segment in range(num_segments):
-            m_seg = np.ascontiguousarray(part_m[span, segment])
-            l_seg = np.ascontiguousarray(part_l[span, segment])
+        for segment in range(int(owned_segments.max(initial=0))):
+            owned = segment < owned_segments
+            m_seg = np.where(owned, part_m[span, segment], _NEG_INF)
+            l_seg = np.where(owned, part_l[span, segment], _F32(0.0))
             seen = m_seg > _NEG_INF
             acc_seg = np.where(seen[:, None], part_acc[span, segment], _F32(0.0))
             m_run, l_run, acc_run = _merge(m_run, l_run, acc_run, m_seg, l_seg, acc_seg)

@@ -30,10 +30,12 @@ _BITS = {torch.bfloat16: torch.int16}
 
 def to_numpy(t: torch.Tensor) -> np.ndarray:
     """A tensor's values in the interpreter's representation (bf16 as ``uint16`` bits), a copy-free
-    view where the layout allows."""
+    view where the layout allows. Through DLPack rather than ``Tensor.numpy()``, which marks the
+    tensor's storage not resizable for good (FSDP frees and re-allocates its parameters' storage
+    with ``resize_``)."""
     if t.dtype == torch.bfloat16:
-        return t.view(torch.int16).numpy().view(np.uint16)
-    return t.numpy()
+        return np.from_dlpack(t.detach().view(torch.int16)).view(np.uint16)
+    return np.from_dlpack(t.detach())
 
 
 def widen(values: np.ndarray, order: str = "K") -> np.ndarray:

@@ -58,25 +58,28 @@ ASCENDC_ATTENTION_FORMULA = {
 }
 
 #: The samepath numerics version whose Triton forward schedule the Ascend C forward replays, and the
-#: versions whose forward is that schedule (version 3 changed only the backward).
+#: versions whose forward is that schedule (versions 3 and 4 changed only the backward and CUDA's tiles).
 ASCENDC_SCHEDULE_VERSION = 2
-FORWARD_SCHEDULE_VERSIONS = (2, 3)
+FORWARD_SCHEDULE_VERSIONS = (2, 3, 4)
 #: The numerics version whose Triton backward schedule (``_attention_bwd_kernel``, one pass per KV tile) the
 #: Ascend C backward replays (``replay.simulate_backward``); any other version is refused for training
-#: (:func:`check_backward_schedule`) until the new schedule is ported.
-ASCENDC_BACKWARD_SCHEDULE_VERSION = 3
+#: (:func:`check_backward_schedule`) until the new schedule is ported. Version 4 kept version 3's schedule
+#: and sums (its key-major dots multiply and add the same elements; ``replay.simulate_backward`` still
+#: equals the Triton backward bit for bit) and moved ``delta`` into the backward's preprocessing kernel,
+#: which this backend's launcher calls too.
+ASCENDC_BACKWARD_SCHEDULE_VERSION = 4
 ASCENDC_SCHEDULE = (
     "v2: GQA-packed query tiles (head_chunk = min(group, block_m)), tile_n KV tiles and seg KV segments "
     "anchored at 0, segments merged in ascending order, serial per work item"
 )
 
 ASCENDC_BACKWARD_SCHEDULE = (
-    "ascendc-fa-bwd-2 (numerics v3 one pass): one item per KV tile of bwd_block_n keys and KV head, items "
+    "ascendc-fa-bwd-3 (numerics v4 one pass): one item per KV tile of bwd_block_n keys and KV head, items "
     "round-robin over vector cores in ascending order; each visits its GQA-packed query tiles (bwd_block_m rows, "
     "head chunks in order, query blocks ascending); P = where(visible, exp2(S * qk_scale - lse), 0), "
     "dV += cast(P)^T dO, dS = cast(P * (dP - delta)), dK += dS^T Q in fp32 by a vector Add; dQ partials dS K added "
     "to fp32 row sums in ascending KV-tile order under one turn counter per packed query tile (no atomics); "
-    "delta = reductions.row_sum(dO * O)"
+    "delta = attention.backward.backward_delta (0 + one fp32 sum of dO * O over the padded head per row)"
 )
 
 _lock = threading.Lock()

@@ -18,10 +18,10 @@ import torch
 
 from samepath.kernels.attention.ascendc import build, tiling
 from samepath.kernels.attention.backend import BACKEND_ENV, AttentionBackend, register_backend
+from samepath.kernels.attention.backward import backward_delta
 from samepath.kernels.attention.batch import AttentionBatch
 from samepath.kernels.attention.plan import clamp_cu_seqlens
 from samepath.kernels.config import dtype_name
-from samepath.kernels.reductions import row_sum
 
 NAME = "ascendc"
 #: The most positions one page may hold (the kernel keeps a page offset in 16 bits).
@@ -142,7 +142,8 @@ def attention_backward(
     deterministic (dQ partials added in ascending KV-tile order, no atomics on data). The gradients are
     new tensors (``grads`` is not written).
 
-    ``delta = (grad_out * out).sum(-1)`` in fp32 is computed here by samepath's row sum, as the Triton launcher does.
+    ``delta = rowsum(grad_out * out)`` in fp32 is the Triton backward's preprocessing kernel
+    (:func:`.backward.backward_delta`), as the Triton launcher computes it.
 
     Raises:
         ValueError: tiles or head size the kernels cannot run (named).
@@ -154,7 +155,7 @@ def attention_backward(
     build.check_backward_schedule()
     _require_npu(batch.query)
     build.load()
-    delta = row_sum(grad_out.float() * out.float())
+    delta = backward_delta(out, grad_out, lse)
     config = batch.config
     dq, dk, dv = torch.ops.samepath_ascendc.flash_attention_bwd(
         batch.query,

@@ -3,9 +3,9 @@
 from the :class:`~samepath.kernels.attention.batch.AttentionBatch` the launcher takes.
 
 :func:`simulate_forward` replays the forward; :func:`simulate_backward` the one-pass backward of numerics
-version 3 (KV-tile work items on interleaved vector cores, dQ partials added in ascending KV-tile order
+versions 3 and 4 (KV-tile work items on interleaved vector cores, dQ partials added in ascending KV-tile order
 under per-tile turn counters), bitwise the Triton backward under the interpreter; :func:`replay_delta`
-the row-sum kernel's ``delta``; :func:`simulate_backward_two_pass` numerics 2's backward, kept as a
+the backward preprocessing's ``delta``; :func:`simulate_backward_two_pass` numerics 2's backward, kept as a
 negative control.
 
 Without an NPU the kernel cannot run, but its schedule can: this module walks the same work items, in
@@ -313,7 +313,7 @@ def simulate_backward_two_pass(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Numerics version 2's two-pass backward (a dQ pass, then a dK/dV pass), replayed in numpy: ``(dq, dk, dv)``.
 
-    Kept as the negative control of :func:`simulate_backward`: the Triton backward of numerics 3 sums in
+    Kept as the negative control of :func:`simulate_backward`: the Triton backward of numerics 3 and 4 sums in
     another order, so this replay must differ from it.
 
     dQ: work items (block of ``bwd_block_m // head_chunk`` queries, KV head, head chunk), GQA-packed as
@@ -436,19 +436,16 @@ def simulate_backward_two_pass(
     return tuple(torch.from_numpy(t[..., :head_size].copy()).to(dtype) for t in (dq_out, dk_out, dv_out))
 
 
-def replay_delta(grad_out: torch.Tensor, out: torch.Tensor, chunk: int) -> torch.Tensor:
-    """``delta = rowsum(dO * O)`` as samepath's row-sum kernel computes it (``reductions.row_sum``): the
-    fp32 product, then per row ``0 + tl.sum(chunk)`` over ``chunk`` columns at a time (zero-padded),
-    chunks in ascending order. ``[tokens, heads]`` fp32."""
-    product = (grad_out.float() * out.float()).numpy()
-    rows = product.reshape(-1, product.shape[-1])
-    total = np.zeros(rows.shape[0], np.float32)
-    for start in range(0, rows.shape[1], chunk):
-        padded = np.zeros((rows.shape[0], chunk), np.float32)
-        width = min(chunk, rows.shape[1] - start)
-        padded[:, :width] = rows[:, start : start + width]
-        total = np.array([total[r] + np.sum(padded[r], axis=0) for r in range(rows.shape[0])], np.float32)
-    return torch.from_numpy(total.reshape(product.shape[:-1]))
+def replay_delta(grad_out: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """``delta = rowsum(dO * O)`` as the backward's preprocessing kernel computes it
+    (``backward.backward_delta``): per row ``0 + sum(fp32(dO) * fp32(O))``, one sum over the head
+    zero-padded to its power-of-two block. ``[tokens, heads]`` fp32."""
+    head_size = out.shape[-1]
+    product = (grad_out.float() * out.float()).numpy().reshape(-1, head_size)
+    padded = np.zeros((product.shape[0], padded_head_size(head_size)), np.float32)
+    padded[:, :head_size] = product
+    total = np.float32(0) + np.sum(padded, axis=1)
+    return torch.from_numpy(total.reshape(out.shape[:-1]))
 
 
 class _BackwardKernel:
@@ -581,7 +578,7 @@ def simulate_backward(
     primitives: Primitives = TRITON_INTERPRETER,
     dq_order: str = "ascending",
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The one-pass backward (numerics version 3) as ``csrc/flash_attention_bwd.cpp`` runs it: ``(dq, dk, dv)``.
+    """The one-pass backward (numerics versions 3 and 4) as ``csrc/flash_attention_bwd.cpp`` runs it: ``(dq, dk, dv)``.
 
     The tiles are ``batch.config``'s ``bwd_block_m`` / ``bwd_block_n``; ``batch.query_start_loc`` is the
     ``cu_seqlens``. A work item is one KV tile (``bwd_block_n`` keys of one KV head of one sequence, numbered by
@@ -595,7 +592,7 @@ def simulate_backward(
     that visits the query tile, adds, and advances it; no atomics on data); the last one scales by
     ``scale``, casts and stores dQ. dK is scaled, dK and dV cast once.
 
-    ``delta`` is :func:`replay_delta` / ``reductions.row_sum`` of ``dO * O``, ``lse`` the forward's base-2 lse.
+    ``delta`` is :func:`replay_delta` (``backward.backward_delta``) of ``dO * O``, ``lse`` the forward's base-2 lse.
     ``num_cores`` moves no bit; ``dq_order="descending"`` (partials summed from the last KV tile down)
     exists for negative controls. With :data:`TRITON_INTERPRETER` the replay is bitwise the Triton
     backward (``backward._attention_bwd_kernel``) under the interpreter.
