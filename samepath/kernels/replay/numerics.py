@@ -34,8 +34,31 @@ def to_numpy(t: torch.Tensor) -> np.ndarray:
     tensor's storage not resizable for good (FSDP frees and re-allocates its parameters' storage
     with ``resize_``)."""
     if t.dtype == torch.bfloat16:
-        return np.from_dlpack(t.detach().view(torch.int16)).view(np.uint16)
-    return np.from_dlpack(t.detach())
+        return _writable_view(t.detach().view(torch.int16)).view(np.uint16)
+    return _writable_view(t.detach())
+
+
+class _ArrayInterface:
+    """The tensor's memory described by numpy's array interface (keeps the tensor alive)."""
+
+    def __init__(self, t: torch.Tensor, dtype: np.dtype) -> None:
+        self.tensor = t
+        self.__array_interface__ = {
+            "version": 3,
+            "shape": tuple(t.shape),
+            "typestr": dtype.str,
+            "data": (t.data_ptr(), False),
+            "strides": tuple(stride * t.element_size() for stride in t.stride()),
+        }
+
+
+def _writable_view(t: torch.Tensor) -> np.ndarray:
+    """A writable numpy view of ``t``. numpy < 2.1 marks DLPack imports read-only; the array
+    interface gives the same view there."""
+    values = np.from_dlpack(t)
+    if values.flags.writeable or t.numel() == 0:
+        return values
+    return np.asarray(_ArrayInterface(t, values.dtype))
 
 
 def widen(values: np.ndarray, order: str = "K") -> np.ndarray:
