@@ -16,10 +16,11 @@ import samepath.kernels.attention.plan as plan
 from samepath.kernels import grid
 from samepath.kernels.attention.backend import run_backward, run_forward
 from samepath.kernels.attention.batch import AttentionBatch, last_dim_contiguous
-from samepath.kernels.attention.forward import DOT_PRECISION, LOG2E, visible_mask
+from samepath.kernels.attention.forward import DOT_PRECISION, score_scales, visible_mask
 from samepath.kernels.config import padded_head_size
 from samepath.kernels.dispatch import jit
 from samepath.kernels.reductions import row_sum
+from samepath.kernels.softcap import tanh_fp32
 
 
 @jit
@@ -71,6 +72,8 @@ def _attention_bwd_kernel(
     CAUSAL: tl.constexpr,
     HAS_WINDOW: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    softcap_scale,
+    SOFTCAP: tl.constexpr,
 ):
     """One pass of the backward. A work item is one KV tile (``BLOCK_N`` keys of one KV head of
     one sequence): it keeps dK and dV in registers while it visits the GQA-packed query tiles that
@@ -145,11 +148,16 @@ def _attention_bwd_kernel(
                 delta = tl.load(Delta + rows * stride_lse_tok + head, mask=row_valid, other=0.0)
 
                 scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+                if SOFTCAP:  # the forward's t = tanh(dot * scale / cap); d(score) / d(dot) is scale * (1 - t * t)
+                    scores = tanh_fp32(scores * softcap_scale)
                 visible = visible_mask(offs_m, offs_n, seq_len, sliding_window, CAUSAL, HAS_WINDOW) & row_valid[:, None]
                 p = tl.where(visible, tl.exp2(scores * qk_scale - lse[:, None]), 0.0)
                 dv = tl.dot(tl.trans(p.to(do.dtype)), do, dv, input_precision=DOT_PRECISION)
                 dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
-                ds = (p * (dp - delta[:, None])).to(q.dtype)
+                ds = p * (dp - delta[:, None])
+                if SOFTCAP:
+                    ds = ds * (1.0 - scores * scores)
+                ds = ds.to(q.dtype)
                 dk = tl.dot(tl.trans(ds), q, dk, input_precision=DOT_PRECISION)
                 dq = tl.dot(ds, k, input_precision=DOT_PRECISION)
 
@@ -246,7 +254,7 @@ def launch_backward(
         program_block,
         num_blocks,
         num_kv_heads,
-        batch.scale * LOG2E,
+        score_scales(batch)[0],
         batch.scale,
         batch.sliding_window or 0,
         query.stride(0),
@@ -277,6 +285,8 @@ def launch_backward(
         CAUSAL=batch.causal,
         HAS_WINDOW=batch.sliding_window is not None,
         DOT_PRECISION=DOT_PRECISION,
+        softcap_scale=score_scales(batch)[1],
+        SOFTCAP=batch.softcap is not None,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
     )

@@ -28,6 +28,7 @@ import torch
 
 from samepath.kernels.dispatch import register_replay
 from samepath.kernels.replay.numerics import cast, dot, to_numpy, widen
+from samepath.kernels.replay.softcap import tanh_fp32
 
 
 def _flat(t: torch.Tensor) -> np.ndarray:
@@ -117,6 +118,8 @@ def attention_bwd(
     CAUSAL,
     HAS_WINDOW,
     DOT_PRECISION,
+    softcap_scale,
+    SOFTCAP,
 ):
     """Replay one launch of ``_attention_bwd_kernel`` (see the module docstring)."""
     del DOT_PRECISION  # fp32 dots are numpy's fp32 matmul under the interpreter whatever it says
@@ -128,6 +131,7 @@ def attention_bwd(
         return
     q_dtype, out_dtypes = Q.dtype, (dQ.dtype, dK.dtype, dV.dtype)
     qk, sm, window = np.float32(qk_scale), np.float32(sm_scale), int(sliding_window)
+    cap_scale, one = np.float32(softcap_scale), np.float32(1)
     zero = np.float32(0)
     cu = cu_seqlens.detach().numpy().astype(np.int64)
     items = np.arange(num_work // H)
@@ -204,10 +208,15 @@ def attention_bwd(
             visible = visible[:, None] & row_valid[tile, :, chunk][..., None]
 
             scores = dot(q, _t(k), np.zeros((act.size, H, BM, BN), np.float32))
+            if SOFTCAP:
+                scores = tanh_fp32(scores * cap_scale)
             p = np.where(visible, np.exp2(scores * qk - lse_tiles[tile, :, chunk][..., None]), zero)
             dv[act] = dot(_t(cast(p, dOut.dtype)), do, dv[act])
             dp = dot(do, _t(v), np.zeros((act.size, H, BM, BN), np.float32))
-            ds = cast(p * (dp - delta_tiles[tile, :, chunk][..., None]), q_dtype)
+            ds = p * (dp - delta_tiles[tile, :, chunk][..., None])
+            if SOFTCAP:
+                ds = ds * (one - scores * scores)
+            ds = cast(ds, q_dtype)
             dk[act] = dot(_t(ds), q, dk[act])
             partials = dot(ds, k, np.zeros((act.size, H, BM, BD), np.float32))
 
