@@ -122,7 +122,9 @@ def test_generate_equals_trainer_bit_for_bit(dtype) -> None:
             for layer in trainer.model.layers:
                 layer.self_attn.attn_logit_softcapping = trainer.config.attn_logit_softcapping
             assert not torch.equal(trainer_padded(trainer, prompts, generated, 0.8), rollout_lp), key
-    assert not is_softcapped_forward(type(model).forward)  # unpatched again
+    assert not is_softcapped_forward(type(model).forward)  # unpatched again: the audit says so, by name
+    (logits,) = [e for e in audit_hf_model(model).entries if e.op == "logits"]
+    assert logits.status == "uncovered" and "final logit soft-capping in torch" in logits.detail
     stock = copy.deepcopy(model)
     stock.set_attn_implementation("eager")
     assert not torch.equal(trainer_padded(stock, prompts, generated, 0.8), rollout_lp)
