@@ -285,6 +285,16 @@ def test_vllm_logprobs_equal_trainer(model_dirs, hf_patched, arch, dtype, temper
         fused = fused_trainer_logprobs(model_dir, dtype, all_prompts, results, temperature)
         for r, f in zip(rollout, fused, strict=True):
             assert torch.equal(r, f), (r, f)
+        # Negative control, one-sided: the trainer with its attention cap 1% larger differs from the
+        # rollout (test_stock_vllm_differs, -m slow for Gemma 2: stock vLLM differs too).
+        model = transformers.AutoModelForCausalLM.from_pretrained(
+            model_dir, dtype=getattr(torch, dtype), attn_implementation="samepath"
+        ).eval()
+        for layer in model.model.layers:
+            layer.self_attn.attn_logit_softcapping *= 1.01
+        with torch.no_grad():
+            moved = trainer_forward(model, all_prompts, torch.tensor([r.tokens for r in results]), temperature)
+        assert not all(torch.equal(r, m) for r, m in zip(rollout, moved, strict=True))
 
 
 @pytest.mark.parametrize(
@@ -295,7 +305,7 @@ def test_vllm_logprobs_equal_trainer(model_dirs, hf_patched, arch, dtype, temper
         pytest.param("qwen3_moe", "bfloat16", id="moe-bf16", marks=pytest.mark.slow),
         pytest.param("phi3", "bfloat16", id="phi3-bf16", marks=pytest.mark.slow),
         pytest.param("gemma3_text", "bfloat16", id="gemma3-bf16"),
-        pytest.param("gemma2", "bfloat16", id="gemma2-bf16"),
+        pytest.param("gemma2", "bfloat16", id="gemma2-bf16", marks=pytest.mark.slow),
     ],
 )
 def test_stock_vllm_differs(model_dirs, hf_patched, arch, dtype):
@@ -780,6 +790,33 @@ def test_load_audit_refuses_uncovered_vllm_layers_by_name(plugin_installed, monk
     assert samepath.fingerprint().startswith(plain + "-uncovered")
     plugin_installed.uninstall()
     assert samepath.fingerprint() == plain
+
+
+def test_load_audit_checks_gemma2s_final_logit_cap(plugin_installed):
+    """Gemma 2's LogitsProcessor(soft_cap=...): covered (and run by samepath's softcap_logits) with the
+    config's final_logit_softcapping; another cap is refused by name; without the plugin's forward the
+    processor's own tanh is uncovered."""
+    from vllm.config import VllmConfig, set_current_vllm_config
+    from vllm.model_executor.layers.logits_processor import LogitsProcessor
+
+    from samepath import audit
+    from samepath.kernels.softcap import softcap_logits
+    from tests.test_family_gemma2 import gemma2_config
+
+    config = gemma2_config()
+    cap = config.final_logit_softcapping
+    with set_current_vllm_config(VllmConfig()):
+        ok = LogitsProcessor(config.vocab_size, logits_as_input=True, soft_cap=cap)
+        other = LogitsProcessor(config.vocab_size, logits_as_input=True, soft_cap=cap * 2)
+    plugin_installed.check_loaded_model(torch.nn.ModuleDict({"logits": ok}), config)
+    logits = torch.randn(3, config.vocab_size, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16) * 20
+    assert torch.equal(ok(None, logits), softcap_logits(logits, cap))
+    with pytest.raises(audit.UncoveredOpsError, match="differs from the config's final_logit_softcapping"):
+        plugin_installed.check_loaded_model(torch.nn.ModuleDict({"logits": other}), config)
+    plugin_installed.uninstall()
+    report = audit.audit_vllm_model(torch.nn.ModuleDict({"logits": ok}), config, plugin_installed.vllm_rules())
+    (entry,) = [e for e in report.entries if e.op == "logits"]
+    assert entry.status == audit.UNCOVERED and "own tanh" in entry.detail
 
 
 def test_load_audit_compares_the_trainers_model_fingerprint(monkeypatch):
