@@ -63,6 +63,7 @@ from samepath.kernels.row_reduce import (  # noqa: F401 (re-exported: the names 
     scaled_chunk,
     vocab_chunk,
 )
+from samepath.kernels.softcap import check_softcap, softcap_backward, softcap_logits
 
 #: The label value whose rows return 0 and get no gradient (PyTorch's and HF's convention).
 IGNORE_INDEX = -100
@@ -495,10 +496,12 @@ class LinearTokenLogprobsFunction(torch.autograd.Function):
     forward and again (recomputed) in the backward."""
 
     @staticmethod
-    def forward(ctx, hidden2d, weight, labels_flat, temperature, ignore_index, entropy, config, chunk):  # type: ignore[override]
+    def forward(ctx, hidden2d, weight, labels_flat, temperature, ignore_index, entropy, config, chunk, softcap):  # type: ignore[override]
         outs = []
         for start in range(0, hidden2d.shape[0], chunk):
             logits = matmul(hidden2d[start : start + chunk], weight.t())
+            if softcap is not None:  # Gemma 2's final logit soft-capping: the unfused path's kernel
+                logits = softcap_logits(logits, softcap)
             labels = labels_flat[start : start + chunk]
             outs.append(_token_forward(logits, labels, row_offsets(logits), temperature, ignore_index, entropy, config))
         rows = hidden2d.shape[0]
@@ -511,12 +514,13 @@ class LinearTokenLogprobsFunction(torch.autograd.Function):
         ctx.set_materialize_grads(False)
         ctx.save_for_backward(hidden2d, weight, labels_flat, lse, ent)
         ctx.temperature, ctx.ignore_index, ctx.config, ctx.chunk = temperature, ignore_index, config, chunk
+        ctx.softcap = softcap
         return logprob, ent
 
     @staticmethod
     def backward(ctx, grad_lp, grad_h):  # type: ignore[override]
         hidden2d, weight, labels_flat, lse, ent = ctx.saved_tensors
-        none = (None,) * 6
+        none = (None,) * 7
         if grad_lp is None and (grad_h is None or ent is None):
             return None, None, *none
         want_hidden, want_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
@@ -525,7 +529,8 @@ class LinearTokenLogprobsFunction(torch.autograd.Function):
         for start in range(0, hidden2d.shape[0], ctx.chunk):
             part = slice(start, start + ctx.chunk)
             rows = hidden2d[part]
-            logits = matmul(rows, weight.t())
+            raw = matmul(rows, weight.t())
+            logits = raw if ctx.softcap is None else softcap_logits(raw, ctx.softcap)
             dlogits = token_logprobs_backward(
                 logits,
                 labels_flat[part],
@@ -538,6 +543,8 @@ class LinearTokenLogprobsFunction(torch.autograd.Function):
                 ctx.ignore_index,
                 ctx.config,
             )
+            if ctx.softcap is not None:
+                dlogits = softcap_backward(raw, dlogits, ctx.softcap)
             if want_hidden:
                 grad_hidden[part] = matmul(dlogits, weight)
             if not want_weight:
@@ -570,6 +577,7 @@ def linear_token_logprobs(
     config: RowReduceConfig | None = None,
     token_chunk: int = LM_HEAD_TOKEN_CHUNK,
     validate: bool = True,
+    softcap: float | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """``token_logprobs(linear(hidden, weight), labels, temperature)`` without ``[tokens, vocab]``
     logits: the lm_head and the logprobs fused over fixed chunks of ``token_chunk`` rows.
@@ -585,6 +593,9 @@ def linear_token_logprobs(
         labels, temperature, return_entropy, ignore_index, config, validate: as
             :func:`token_logprobs`.
         token_chunk: rows per chunk (a positive int).
+        softcap: final logit soft-capping (Gemma 2): each chunk's logits go through
+            :func:`samepath.kernels.softcap.softcap_logits` first, the bits of
+            ``token_logprobs(softcap_logits(linear(hidden, weight), softcap), ...)``, forward and backward.
 
     Returns:
         fp32 ``[...]`` logprobs (and entropy). Differentiable in ``hidden`` and ``weight``:
@@ -606,13 +617,14 @@ def linear_token_logprobs(
     if isinstance(token_chunk, bool) or not isinstance(token_chunk, int) or token_chunk < 1:
         raise ValueError(f"token_chunk must be a positive int, got {token_chunk!r}")
     temperature = check_temperature(temperature)
+    softcap = check_softcap(softcap)
     check_labels(labels, hidden, weight.shape[0], ignore_index, validate=validate)
     cfg = resolve_config(config, hidden.device)
     lead = hidden.shape[:-1]
     hidden2d = hidden.reshape(-1, hidden.shape[-1])
     labels_flat = labels.reshape(-1).contiguous()
     logprob, entropy = LinearTokenLogprobsFunction.apply(
-        hidden2d, weight, labels_flat, temperature, ignore_index, return_entropy, cfg, token_chunk
+        hidden2d, weight, labels_flat, temperature, ignore_index, return_entropy, cfg, token_chunk, softcap
     )
     if return_entropy:
         return logprob.reshape(lead), entropy.reshape(lead)
