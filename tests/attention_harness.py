@@ -46,9 +46,10 @@ def make_batch(
 
 
 def reference_attention(
-    batch: Batch, scale: float, causal: bool = True, sliding_window: int | None = None
+    batch: Batch, scale: float, causal: bool = True, sliding_window: int | None = None, softcap: float | None = None
 ) -> torch.Tensor:
-    """fp64 softmax(QK^T * scale) V per sequence, heads grouped as GQA."""
+    """fp64 softmax(QK^T * scale) V per sequence, heads grouped as GQA (scores ``cap * tanh(s / cap)``
+    with a ``softcap``)."""
     q, k, v = (t.double() for t in (batch.query, batch.key, batch.value))
     group = q.shape[1] // k.shape[1]
     outs = []
@@ -57,6 +58,8 @@ def reference_attention(
         ks = k[start : start + length].repeat_interleave(group, 1).transpose(0, 1)
         vs = v[start : start + length].repeat_interleave(group, 1).transpose(0, 1)
         scores = qs @ ks.transpose(-1, -2) * scale
+        if softcap is not None:
+            scores = softcap * torch.tanh(scores / softcap)
         i = torch.arange(length)[:, None]
         j = torch.arange(length)[None, :]
         visible = torch.ones(length, length, dtype=torch.bool)
@@ -106,6 +109,7 @@ def run_schedule(
     sliding_window: int | None = None,
     config=None,
     split_kv: bool | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Serve ``batch`` as vLLM would: step ``s`` takes chunk ``s`` of every sequence that still has
     one, writes its KV into a paged cache, and runs one paged_attention call over the step's
@@ -143,6 +147,7 @@ def run_schedule(
             sliding_window=sliding_window,
             config=config,
             split_kv=split_kv,
+            softcap=softcap,
         )
     assert done == batch.lens
     return out

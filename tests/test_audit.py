@@ -42,6 +42,11 @@ FAMILIES = {
         transformers.Gemma3ForCausalLM,
         dict(layer_types=["sliding_attention", "full_attention"], sliding_window=16, query_pre_attn_scalar=24),
     ),
+    "gemma2": (  # with Gemma 2's default caps (attention 50, final logits 30)
+        transformers.Gemma2Config,
+        transformers.Gemma2ForCausalLM,
+        dict(layer_types=["sliding_attention", "full_attention"], sliding_window=16, query_pre_attn_scalar=24),
+    ),
 }
 
 
@@ -105,6 +110,7 @@ def test_audit_reports_full_coverage_for_each_family(arch, tmp_path):
     ops = {e.op for e in report.entries if e.status == audit.COVERED}
     assert {"attention", "rms_norm", "rotary", "linear"} <= ops
     assert ("experts" in ops) == (arch in ("qwen3_moe", "mixtral"))
+    assert ("logits" in ops) == (arch == "gemma2")  # final logit soft-capping on samepath's kernel
 
 
 def test_audit_cli_names_what_is_not_covered(tmp_path, capsys):
@@ -256,7 +262,6 @@ def _qkv(batch: int = 1, length: int = 5):
 @pytest.mark.parametrize(
     ("kwargs", "named"),
     [
-        ({"softcap": 50.0}, "softcap=50.0"),
         ({"s_aux": torch.zeros(4)}, "s_aux"),
         ({"dropout": 0.1}, "dropout=0.1"),
         ({"output_attentions": True}, "output_attentions"),
@@ -296,23 +301,19 @@ def test_attention_accepts_what_transformers_passes():
     assert torch.equal(got, want)
 
 
-def test_gemma2_softcap_is_refused_not_dropped():
-    """patch_all() routes "eager" to samepath; Gemma 2's softcap must stop it, not vanish."""
-    config = transformers.Gemma2Config(
-        vocab_size=64,
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=1,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        attn_logit_softcapping=50.0,
-    )
-    model = transformers.Gemma2ForCausalLM(config).eval()
-    model.set_attn_implementation("eager")
-    integrations.patch_all()
-    with pytest.raises(hf.UnsupportedAttentionError, match=r"softcap=50\.0"), torch.no_grad():
-        model(input_ids=torch.tensor([[1, 2, 3]]))
+def test_gemma2_softcap_reaches_the_kernel_not_dropped():
+    """Gemma 2's attention softcap (a keyword transformers passes) goes to samepath's kernel: the
+    Hugging Face attention's rows are varlen_attention's with that softcap, not without it."""
+    from samepath.kernels.attention import varlen_attention
+
+    q, k, v = _qkv(length=7)
+    q = q * 4.0
+    module = torch.nn.Module()
+    got, _ = hf.attention_forward(module, q, k, v, None, softcap=2.0)
+    flat = [t.transpose(1, 2).reshape(7, -1, 32) for t in (q, k, v)]
+    cu = torch.tensor([0, 7], dtype=torch.int32)
+    assert torch.equal(got[0], varlen_attention(*flat, cu, softcap=2.0))
+    assert not torch.equal(got[0], varlen_attention(*flat, cu))
 
 
 def test_both_sides_cover_the_same_model_types():
@@ -326,7 +327,6 @@ def test_both_sides_cover_the_same_model_types():
 REFUSED_CONFIGS = {
     "olmo2": {},
     "granite": dict(logits_scaling=8.0, residual_multiplier=0.5, embedding_multiplier=12.0),
-    "gemma2": dict(attn_logit_softcapping=50.0),
     "gpt_oss": {},
     "deepseek_v3": {},
 }
@@ -405,14 +405,6 @@ def test_gemma3_is_accepted_by_the_cli_and_refuses_what_it_does_not_implement(tm
     with pytest.raises(audit.UncoveredOpsError, match="final_logit_softcapping"):
         integrations.patch_all(tiny("gemma3_text", final_logit_softcapping=30.0))
     assert not integrations.enabled()
-
-
-def test_gemma2_is_refused_for_its_softcapping_only():
-    """Gemma 2's refusal names what is missing (soft-capping), not what samepath now implements."""
-    from samepath.models.formulas import REFUSED, unsupported_reason
-
-    assert "soft-capping" in REFUSED["gemma2"] and "gemma3_text" in REFUSED["gemma2"]
-    assert "none is implemented" not in unsupported_reason("gemma2")
 
 
 def test_an_embedding_scale_multiplied_as_stored_must_be_in_the_model_dtype() -> None:

@@ -316,6 +316,30 @@ def test_verl_linear_cross_entropy_refuses_what_it_does_not_compute():
     assert torch.equal(lp, expected[0]) and torch.equal(entropy, expected[1])
 
 
+def test_verl_fused_forward_refuses_gemma2s_final_logit_cap(verl_tf):
+    """verl's fused-kernel model forward feeds the hidden states to the fused lm_head without Gemma 2's
+    final logit soft-capping: under samepath its decoder pass (``dense_common.forward_base_model``)
+    refuses such a model by name; a model without a cap goes on to verl's own function."""
+    import types
+
+    dense_common = _import_or_skip("verl.models.transformers.dense_common")
+    from samepath.integrations import verl as sp_verl
+
+    original = dense_common.forward_base_model
+    sp_verl.install()
+    assert dense_common.forward_base_model is sp_verl.forward_base_model
+    gemma2 = types.SimpleNamespace(config=types.SimpleNamespace(model_type="gemma2", final_logit_softcapping=30.0))
+    with pytest.raises(NotImplementedError, match="use_fused_kernels=False"):
+        dense_common.forward_base_model(gemma2, input_ids=None)
+    calls = []
+    sp_verl._ORIGINAL_BASE_MODEL[:] = [lambda self, *a, **k: calls.append(self)]
+    qwen3 = types.SimpleNamespace(config=types.SimpleNamespace(model_type="qwen3"))
+    dense_common.forward_base_model(qwen3, input_ids=None)
+    assert calls == [qwen3]
+    sp_verl.uninstall()
+    assert dense_common.forward_base_model is original
+
+
 def test_importing_with_samepath_verl_set_patches_every_process_that_imports_verl():
     _import_or_skip("verl.utils.torch_functional")
     code = (

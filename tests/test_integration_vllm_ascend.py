@@ -522,6 +522,10 @@ def test_install_uninstall_fake_tree(fake_vllm_ascend, step128, monkeypatch: pyt
     )
     _assert_equal_to_trainer(step, output, want)
     assert fake_vllm_ascend["vllm_ascend.attention.attention_v1"].fences == [1], "the KV-pool fence must be kept"
+    impl.logits_soft_cap = 50.0  # Gemma 2's attention soft-capping: not this integration's, refused by name
+    with pytest.raises(NotImplementedError, match="logits soft-capping"):
+        impl.forward_impl(query, None, None, (step.key_cache, step.value_cache), None, output)
+    impl.logits_soft_cap = None
     impl.sinks = torch.zeros(HEADS)
     with pytest.raises(NotImplementedError, match="sinks"):
         impl.forward_impl(query, None, None, (step.key_cache, step.value_cache), None, output)

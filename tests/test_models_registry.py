@@ -25,8 +25,8 @@ from samepath.models.descriptor import (
 )
 
 #: What samepath supports today, by model type (a change here is a change of what samepath covers).
-SUPPORTED = {"llama", "qwen2", "qwen3", "qwen3_moe", "mistral", "phi3", "mixtral", "gemma3_text"}
-REFUSED = {"olmo2", "granite", "gemma2", "gemma3", "gpt_oss", "deepseek_v2", "deepseek_v3", "gpt2"}
+SUPPORTED = {"llama", "qwen2", "qwen3", "qwen3_moe", "mistral", "phi3", "mixtral", "gemma3_text", "gemma2"}
+REFUSED = {"olmo2", "granite", "gemma3", "gpt_oss", "deepseek_v2", "deepseek_v3", "gpt2"}
 
 
 def test_every_supported_model_type_has_one_descriptor_in_its_own_file():
@@ -39,20 +39,27 @@ def test_every_supported_model_type_has_one_descriptor_in_its_own_file():
         assert registry.family(model_type) is descriptor
     assert set(hf.MODEL_TYPES) == SUPPORTED
     assert hf.MODEL_TYPES["gemma3_text"] == ("transformers.models.gemma3.modeling_gemma3", "Gemma3")
-    assert set(hf.GELU_TANH_MLP) == {"gemma3_text"} and "llama" not in hf.GELU_TANH_MLP
+    assert set(hf.GELU_TANH_MLP) == {"gemma3_text", "gemma2"} and "llama" not in hf.GELU_TANH_MLP
 
 
 def test_the_descriptors_say_what_each_family_computes():
     """The per-family choices that were tables and ``"gemma3_text"`` branches before the registry."""
     fam = models.families()
-    assert {t for t, f in fam.items() if f.norm_weight_mode == GEMMA_NORM} == {"gemma3_text"}
-    assert {t for t, f in fam.items() if f.activation == GELU_TANH_MUL} == {"gemma3_text"}
+    assert {t for t, f in fam.items() if f.norm_weight_mode == GEMMA_NORM} == {"gemma3_text", "gemma2"}
+    assert {t for t, f in fam.items() if f.activation == GELU_TANH_MUL} == {"gemma3_text", "gemma2"}
     assert {t for t, f in fam.items() if f.rope == PER_LAYER_TYPE_ROPE} == {"gemma3_text"}
     assert {t for t, f in fam.items() if f.qk_norm} == {"qwen3", "qwen3_moe", "gemma3_text"}
     assert {t for t, f in fam.items() if f.fused_gate_up} == {"phi3"}
     assert {t: f.moe for t, f in fam.items() if f.moe} == {"qwen3_moe": "softmax_topk", "mixtral": "softmax_topk_fp32"}
-    assert {t for t, f in fam.items() if f.sliding_window_by_default} == {"mistral", "phi3", "mixtral", "gemma3_text"}
-    assert {t for t, f in fam.items() if f.query_pre_attn_scalar or f.embedding_scale} == {"gemma3_text"}
+    assert {t for t, f in fam.items() if f.sliding_window_by_default} == {
+        "mistral",
+        "phi3",
+        "mixtral",
+        "gemma3_text",
+        "gemma2",
+    }
+    assert {t for t, f in fam.items() if f.query_pre_attn_scalar or f.embedding_scale} == {"gemma3_text", "gemma2"}
+    assert {t for t, f in fam.items() if f.softcap or f.layer_types} == {"gemma2"}
     assert {t for t, f in fam.items() if not f.dense_mlp} == {"mixtral"}
 
 
@@ -71,7 +78,6 @@ def test_the_descriptors_name_the_vllm_classes_the_load_audit_uses():
 REFUSAL_STARTS = {
     "olmo2": "vLLM 0.32 runs Olmo2ForCausalLM through its Transformers backend",
     "granite": "Granite's embedding_multiplier, residual_multiplier and logits_scaling",
-    "gemma2": "Gemma 2 uses attention logit soft-capping",
     "gemma3": "Gemma3ForConditionalGeneration is multimodal",
     "gpt_oss": "GPT-OSS uses attention sinks (s_aux, refused by samepath's attention)",
     "deepseek_v2": "DeepSeek-V2 uses multi-head latent attention",
@@ -110,7 +116,7 @@ def test_a_model_type_is_registered_once():
     with pytest.raises(ValueError, match="already registered"):
         models.register(dataclasses.replace(models.family("llama")))
     with pytest.raises(ValueError, match="already registered"):
-        models.register(dataclasses.replace(models.family("llama"), model_types=("gemma2",)))
+        models.register(dataclasses.replace(models.family("llama"), model_types=("gemma3",)))
     with pytest.raises(ValueError, match="norm_weight_mode"):
         dataclasses.replace(models.family("llama"), norm_weight_mode="fp32_weight")
 

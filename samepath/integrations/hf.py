@@ -40,6 +40,7 @@ from typing import Any
 import torch
 
 from samepath.integrations.hf_parallel import ROW_PARALLEL_LINEARS, tensor_parallel_numerics  # noqa: F401 (public here)
+from samepath.integrations.hf_softcap import softcapped_causal_lm_forward
 from samepath.integrations.moe import experts_forward
 from samepath.integrations.patcher import Patcher
 from samepath.kernels.attention import LaunchPlan, packed_attention, varlen_attention
@@ -50,7 +51,7 @@ from samepath.kernels.rms_norm import rms_norm
 from samepath.kernels.rotary import apply_rotary, rotary_cos_sin
 from samepath.kernels.swiglu import silu_mul, swiglu
 from samepath.models.descriptor import GELU_TANH_MUL, SILU_MUL, ModelFamily
-from samepath.models.formulas import rope_formula
+from samepath.models.formulas import final_logit_softcap, rope_formula
 from samepath.models.registry import family_view, find, model_types_where
 
 #: The name models use in ``attn_implementation=`` / ``experts_implementation=``.
@@ -344,8 +345,6 @@ def _check_attention_kwargs(
     problems = []
     if dropout:
         problems.append(f"dropout={dropout} (attention dropout in train mode; set attention_dropout=0)")
-    if kwargs.get("softcap") is not None:
-        problems.append(f"softcap={kwargs['softcap']} (logit soft-capping, e.g. Gemma 2)")
     if kwargs.get("s_aux") is not None:
         problems.append("s_aux (attention sinks, e.g. GPT-OSS)")
     if kwargs.get("output_attentions"):
@@ -392,7 +391,10 @@ def attention_forward(
     computation, the trainer's forward and the rollout's paged kernel. What cannot be attended
     over exactly raises :class:`SlidingWindowCacheError`.
 
-    Raises :class:`UnsupportedAttentionError` for dropout > 0, a ``softcap``, sinks (``s_aux``),
+    A ``softcap`` (Gemma 2's attention logit soft-capping) goes to the kernel, which caps the scores with
+    the formula every caller runs (:mod:`samepath.kernels.softcap`).
+
+    Raises :class:`UnsupportedAttentionError` for dropout > 0, sinks (``s_aux``),
     ``output_attentions=True``, ``cu_seq_lens_*`` other than the sequences it cuts out itself, or
     any keyword it does not know.
     """
@@ -422,8 +424,9 @@ def attention_forward(
     v = value.transpose(1, 2).reshape(batch * kv_len, num_kv_heads, head_size)
     if layout.cu_kv is None:
         out = varlen_attention(
-            q, k, v, layout.cu_q, scale, causal, sliding_window=sliding_window, validate=False, plan=layout.plan
-        )
+            q, k, v, layout.cu_q, scale, causal, sliding_window=sliding_window, validate=False, plan=layout.plan,
+            softcap=kwargs.get("softcap"),
+        )  # fmt: skip
     else:
         out = packed_attention(
             q,
@@ -437,6 +440,7 @@ def attention_forward(
             validate=False,
             plan=layout.plan,
             kv_start=layout.kv_start,
+            softcap=kwargs.get("softcap"),
         )
     if layout.query_valid is not None:
         out = torch.where(layout.query_valid[:, None, None], out, 0.0)
@@ -556,6 +560,9 @@ def apply_to_model_type(model_type: str, patcher: Patcher) -> None:
         patcher.set(mlp, "forward", mlp_forward_of(family))
     patcher.set(modeling, "apply_rotary_pos_emb", samepath_apply_rotary_pos_emb)
     patcher.set(getattr(modeling, f"{prefix}RotaryEmbedding"), "forward", rotary_embedding_forward)
+    if family.softcap:  # Gemma 2: the final logits capped by samepath's kernel (vLLM's LogitsProcessor's too)
+        causal_lm = getattr(modeling, f"{prefix}ForCausalLM")
+        patcher.set(causal_lm, "forward", softcapped_causal_lm_forward(causal_lm.forward))
 
 
 def register_interfaces(patcher: Patcher, replace_defaults: bool) -> None:
@@ -607,8 +614,10 @@ def fused_lm_head_logprobs(
     ignore_index: int | None = IGNORE_INDEX,
     token_chunk: int = LM_HEAD_TOKEN_CHUNK,
     validate: bool = True,
+    softcap: float | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """:func:`samepath.kernels.logprobs.linear_token_logprobs` of ``hidden @ weight.T``, with the
+    """:func:`samepath.kernels.logprobs.linear_token_logprobs` of ``hidden @ weight.T`` (soft-capped by
+    ``softcap``: Gemma 2's final logits), with the
     operands the unfused lm_head call ``F.linear(hidden, weight)`` would multiply: under
     ``torch.autocast`` both are cast to the autocast dtype first (differentiably), as autocast casts
     a linear's operands. The result (fp32 ``[...]`` log-probs, and the entropy) has the bits of
@@ -628,6 +637,7 @@ def fused_lm_head_logprobs(
         ignore_index=ignore_index,
         token_chunk=token_chunk,
         validate=validate,
+        softcap=softcap,
     )
 
 
@@ -709,4 +719,5 @@ def causal_lm_logprobs(
         temperature,
         return_entropy=return_entropy,
         token_chunk=token_chunk,
+        softcap=final_logit_softcap(model.config),
     )

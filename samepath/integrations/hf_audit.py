@@ -23,6 +23,7 @@ from samepath.audit.report import (
     module_entry,
 )
 from samepath.integrations import hf
+from samepath.integrations.hf_softcap import is_softcapped_forward
 from samepath.kernels.matmul import batch_invariant_enabled
 from samepath.models.formulas import UnsupportedModelError, model_formulas
 
@@ -132,6 +133,10 @@ def hf_entry(
     if family_class(module, "TopKRouter"):
         detail = "Hugging Face's fp32 softmax top-k: the router the vLLM plugin runs (samepath.integrations.moe)"
         return module_entry(name, module, "moe_routing", COVERED, detail)
+    if family_class(module, "ForCausalLM") and getattr(module.config, "final_logit_softcapping", None) is not None:
+        if is_softcapped_forward(kind.forward):
+            return module_entry(name, module, "logits", COVERED, "samepath.kernels.softcap.softcap_logits")
+        return module_entry(name, module, "logits", UNCOVERED, "final logit soft-capping in torch (stock)")
     for suffix in ("ForCausalLM", "Model", "TextModel", "DecoderLayer", "SparseMoeBlock"):
         if family_class(module, suffix):
             return module_entry(name, module, "structure", NEUTRAL, "residual adds in the model dtype, reshapes")

@@ -84,12 +84,14 @@ import torch
 from samepath.integrations.hf import fused_lm_head_logprobs
 from samepath.integrations.patcher import Patcher
 from samepath.kernels.logprobs import token_logprobs
+from samepath.models.formulas import final_logit_softcap
 
 #: (module, attribute) of the originals this integration replaces, by the name verl defines them.
 TARGETS = (
     ("verl.utils.torch_functional", "logprobs_from_logits"),
     ("verl.workers.engine.fsdp.transformer_impl", "_scale_logits_by_temperature"),
     ("verl.utils.kernel.linear_cross_entropy", "linear_cross_entropy"),
+    ("verl.models.transformers.dense_common", "forward_base_model"),
 )
 
 #: (module, class, method) of the methods this integration replaces on the class itself.
@@ -180,11 +182,33 @@ def linear_cross_entropy(
     return fused_linear_for_ppo_forward(None, hidden, weight, labels, temperature)
 
 
+#: verl's own ``dense_common.forward_base_model`` (set by :func:`install`).
+_ORIGINAL_BASE_MODEL: list[Any] = []
+
+
+def forward_base_model(self: Any, *args: Any, **kwargs: Any) -> Any:
+    """verl's ``dense_common.forward_base_model`` (the decoder pass of its fused-kernel model forward),
+    refusing a model whose logits are soft-capped (Gemma 2's ``final_logit_softcapping``): verl's fused
+    forward hands the hidden states to the fused lm_head without the cap, so its log-probs would not be
+    the rollout's. ``NotImplementedError`` naming the fix (``use_fused_kernels=False``: the model's own
+    forward caps with samepath's kernel); verl's function otherwise."""
+    cap = final_logit_softcap(getattr(self, "config", None))
+    if cap is not None:
+        raise NotImplementedError(
+            f"verl's fused-kernel forward (use_fused_kernels=True) skips {type(self).__name__}'s final logit "
+            f"soft-capping (final_logit_softcapping={cap}), which the rollout applies; samepath refuses it. Set "
+            "actor_rollout_ref.model.use_fused_kernels=False: the model's forward then caps the logits with "
+            "samepath's kernel, as the rollout does"
+        )
+    return _ORIGINAL_BASE_MODEL[0](self, *args, **kwargs)
+
+
 _REPLACEMENTS = {
     "logprobs_from_logits": logprobs_from_logits,
     "_scale_logits_by_temperature": scale_logits_by_temperature,
     "linear_cross_entropy": linear_cross_entropy,
     "FusedLinearForPPO.forward": fused_linear_for_ppo_forward,
+    "forward_base_model": forward_base_model,
 }
 
 
@@ -248,6 +272,7 @@ def install() -> dict[str, int]:
         if _patcher is not None:
             return {}
         found = originals()
+        _ORIGINAL_BASE_MODEL[:] = [found.get("forward_base_model")]
         patcher = Patcher()
         counts: dict[str, int] = {}
         try:

@@ -63,6 +63,7 @@ from samepath.kernels.row_reduce import (  # noqa: F401 (re-exported: the names 
     scaled_chunk,
     vocab_chunk,
 )
+from samepath.kernels.softcap import check_softcap, softcap_backward, softcap_logits
 
 #: The label value whose rows return 0 and get no gradient (PyTorch's and HF's convention).
 IGNORE_INDEX = -100
@@ -524,19 +525,23 @@ class LinearTokenLogprobsFunction(torch.autograd.Function):
     dweight sums fp32 per-chunk partials in chunk order (four passes and a running sum)."""
 
     @staticmethod
-    def forward(ctx, hidden2d, weight, labels_flat, temperature, ignore_index, entropy, config, chunk, keep):  # type: ignore[override]
+    def forward(ctx, hidden2d, weight, labels_flat, temperature, ignore_index, entropy, config, chunk, keep, softcap):  # type: ignore[override]
         rows = hidden2d.shape[0]
         device = hidden2d.device
         logits = None
         if keep:
             logits = matmul(hidden2d, weight.t())
+            capped = logits if softcap is None else softcap_logits(logits, softcap)
             logprob, ent, lse = _token_forward(
-                logits, labels_flat, row_offsets(logits), temperature, ignore_index, entropy, config
+                capped, labels_flat, row_offsets(capped), temperature, ignore_index, entropy, config
             )
+            del capped
         else:
             outs = []
             for start in range(0, rows, chunk):
                 part = matmul(hidden2d[start : start + chunk], weight.t())
+                if softcap is not None:  # Gemma 2's final logit soft-capping: the unfused path's kernel
+                    part = softcap_logits(part, softcap)
                 labels = labels_flat[start : start + chunk]
                 outs.append(_token_forward(part, labels, row_offsets(part), temperature, ignore_index, entropy, config))
             empty = torch.empty(0, dtype=torch.float32, device=device)
@@ -549,21 +554,23 @@ class LinearTokenLogprobsFunction(torch.autograd.Function):
         ctx.save_for_backward(hidden2d, weight, labels_flat, lse, ent)
         ctx.logits, ctx.keep = logits, keep
         ctx.temperature, ctx.ignore_index, ctx.config, ctx.chunk = temperature, ignore_index, config, chunk
+        ctx.softcap = softcap
         return logprob, ent
 
     @staticmethod
     def backward(ctx, grad_lp, grad_h):  # type: ignore[override]
         hidden2d, weight, labels_flat, lse, ent = ctx.saved_tensors
-        none = (None,) * 7
+        none = (None,) * 8
         if grad_lp is None and (grad_h is None or ent is None):
             return None, None, *none
         if not ctx.keep:
             return (*_streamed_backward(ctx, hidden2d, weight, labels_flat, lse, ent, grad_lp, grad_h), *none)
         # The kept logits become dlogits in place; a second backward (retain_graph) recomputes them
         # (the same bits: every logits row is a batch-invariant matmul row).
-        logits, ctx.logits = ctx.logits, None
-        if logits is None:
-            logits = matmul(hidden2d, weight.t())
+        raw, ctx.logits = ctx.logits, None
+        if raw is None:
+            raw = matmul(hidden2d, weight.t())
+        logits = raw if ctx.softcap is None else softcap_logits(raw, ctx.softcap)
         dlogits = token_logprobs_backward(
             logits,
             labels_flat,
@@ -577,6 +584,8 @@ class LinearTokenLogprobsFunction(torch.autograd.Function):
             ctx.config,
             out=logits,
         )
+        if ctx.softcap is not None:
+            dlogits = softcap_backward(raw, dlogits, ctx.softcap)
         grad_hidden = matmul(dlogits, weight) if ctx.needs_input_grad[0] else None
         grad_weight = matmul(dlogits.t(), hidden2d) if ctx.needs_input_grad[1] else None
         return grad_hidden, grad_weight, *none
@@ -592,7 +601,8 @@ def _streamed_backward(ctx, hidden2d, weight, labels_flat, lse, ent, grad_lp, gr
     for start in range(0, hidden2d.shape[0], ctx.chunk):
         part = slice(start, start + ctx.chunk)
         rows = hidden2d[part]
-        logits = matmul(rows, weight.t())
+        raw = matmul(rows, weight.t())
+        logits = raw if ctx.softcap is None else softcap_logits(raw, ctx.softcap)
         dlogits = token_logprobs_backward(
             logits,
             labels_flat[part],
@@ -606,6 +616,8 @@ def _streamed_backward(ctx, hidden2d, weight, labels_flat, lse, ent, grad_lp, gr
             ctx.config,
             out=logits,
         )
+        if ctx.softcap is not None:
+            dlogits = softcap_backward(raw, dlogits, ctx.softcap)
         if want_hidden:
             grad_hidden[part] = matmul(dlogits, weight)
         if not want_weight:
@@ -632,6 +644,7 @@ def linear_token_logprobs(
     token_chunk: int = LM_HEAD_TOKEN_CHUNK,
     validate: bool = True,
     save_logits: bool = True,
+    softcap: float | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """``token_logprobs(linear(hidden, weight), labels, temperature)``, the lm_head and the logprobs
     fused: without gradients over fixed chunks of ``token_chunk`` rows (no ``[tokens, vocab]``
@@ -651,6 +664,9 @@ def linear_token_logprobs(
             reused for their gradient) for three GEMM passes and the unfused dweight bits
             (default); ``False``: only ``[token_chunk, vocab]`` logits at a time, recomputed in the
             backward, dweight summed from fp32 per-chunk partials (other bits, deterministic).
+        softcap: final logit soft-capping (Gemma 2): the logits go through
+            :func:`samepath.kernels.softcap.softcap_logits` first, the bits of
+            ``token_logprobs(softcap_logits(linear(hidden, weight), softcap), ...)``, forward and backward.
 
     Returns:
         fp32 ``[...]`` logprobs (and entropy). Differentiable in ``hidden`` and ``weight``: both
@@ -675,6 +691,7 @@ def linear_token_logprobs(
     if isinstance(token_chunk, bool) or not isinstance(token_chunk, int) or token_chunk < 1:
         raise ValueError(f"token_chunk must be a positive int, got {token_chunk!r}")
     temperature = check_temperature(temperature)
+    softcap = check_softcap(softcap)
     check_labels(labels, hidden, weight.shape[0], ignore_index, validate=validate)
     cfg = resolve_config(config, hidden.device)
     lead = hidden.shape[:-1]
@@ -684,7 +701,7 @@ def linear_token_logprobs(
         raise ValueError(f"save_logits must be a bool, got {save_logits!r}")
     keep = save_logits and torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
     logprob, entropy = LinearTokenLogprobsFunction.apply(
-        hidden2d, weight, labels_flat, temperature, ignore_index, return_entropy, cfg, token_chunk, keep
+        hidden2d, weight, labels_flat, temperature, ignore_index, return_entropy, cfg, token_chunk, keep, softcap
     )
     if return_entropy:
         return logprob.reshape(lead), entropy.reshape(lead)

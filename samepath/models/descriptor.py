@@ -88,7 +88,9 @@ class ModelFamily:
       ``use_sliding_window`` is false (Qwen2 windows only with ``use_sliding_window``);
       ``query_pre_attn_scalar``: the attention scale is ``config.query_pre_attn_scalar ** -0.5``
       instead of ``head_size ** -0.5``; ``embedding_scale``: the embeddings are multiplied by
-      ``sqrt(hidden_size)`` (Gemma);
+      ``sqrt(hidden_size)`` (Gemma); ``layer_types``: ``config.layer_types`` picks each layer's sliding or
+      full attention (recorded in the formulas); ``softcap``: the config's ``attn_logit_softcapping`` and
+      ``final_logit_softcapping`` are applied, by :mod:`samepath.kernels.softcap` on both sides (Gemma 2);
     * ``config_problems``: the config options of this family samepath refuses (soft-capping,
       bidirectional attention, ...) as ``config -> [problem, ...]``;
     * ``vllm_module`` / ``vllm_structure`` / ``vllm_attention`` / ``vllm_mlp``: vLLM's models
@@ -115,6 +117,8 @@ class ModelFamily:
     sliding_window_by_default: bool = False
     query_pre_attn_scalar: bool = False
     embedding_scale: bool = False
+    layer_types: bool = False
+    softcap: bool = False
     config_problems: Callable[[Any], list[str]] | None = None
 
     def __post_init__(self) -> None:

@@ -29,6 +29,7 @@ import torch
 
 from samepath.kernels import config as numerics_config
 from samepath.kernels.rotary import ROPE_TYPES
+from samepath.kernels.softcap import SOFTCAP_FORMULA
 from samepath.models.descriptor import (
     PER_LAYER_TYPE_ROPE,
     SOFTMAX_TOPK,
@@ -239,16 +240,34 @@ def model_formulas(config: Any) -> dict[str, Any]:
             "scale": scale,
             "sliding_window": getattr(config, "sliding_window", None) if sliding else None,
             "max_window_layers": getattr(config, "max_window_layers", None) if sliding else None,
-            "softcap": None,
+            "softcap": attention_softcap(family, config),
             "sinks": False,
         },
         "tie_word_embeddings": bool(getattr(config, "tie_word_embeddings", False)),
     }
-    if family.rope == PER_LAYER_TYPE_ROPE:
+    if family.rope == PER_LAYER_TYPE_ROPE or family.layer_types:
         formulas["attention"]["layer_types"] = list(config.layer_types)
+    if family.softcap:
+        cap = final_logit_softcap(config)
+        formulas["final_logit_softcap"] = None if cap is None else {"cap": cap, "formula": SOFTCAP_FORMULA["logits"]}
     if family.embedding_scale:
         formulas["embedding"] = {"scale": embedding_scale(config), "multiply": "in the model dtype, one rounding"}
     return formulas
+
+
+def attention_softcap(family: ModelFamily, config: Any) -> dict[str, Any] | None:
+    """The attention logit soft-capping of a family that applies it (``config.attn_logit_softcapping``:
+    the cap and samepath's formula), ``None`` for none."""
+    cap = getattr(config, "attn_logit_softcapping", None) if family.softcap else None
+    return None if cap is None else {"cap": float(cap), "formula": SOFTCAP_FORMULA["attention"]}
+
+
+def final_logit_softcap(config: Any) -> float | None:
+    """The cap both sides apply to the logits (``config.final_logit_softcapping`` of a family that
+    soft-caps, :func:`samepath.kernels.softcap.softcap_logits`), ``None`` for none."""
+    family = find(getattr(config, "model_type", None))
+    cap = getattr(config, "final_logit_softcapping", None) if family is not None and family.softcap else None
+    return None if cap is None else float(cap)
 
 
 def model_fingerprint(model_config: Any) -> str:
@@ -280,7 +299,9 @@ __all__ = [
     "REFUSED",
     "RopeFormula",
     "UnsupportedModelError",
+    "attention_softcap",
     "embedding_scale",
+    "final_logit_softcap",
     "layer_types",
     "model_fingerprint",
     "model_formulas",

@@ -19,11 +19,6 @@ REFUSALS: dict[str, str] = {
         "divides (the same bits only for a power of two), and vLLM's torch.compile may fuse "
         "residual + h * residual_multiplier without Hugging Face's rounding between the multiply and the add"
     ),
-    "gemma2": (
-        "Gemma 2 uses attention logit soft-capping (tanh of the scores before the softmax, refused by samepath's "
-        "attention kernel) and final logit soft-capping; its (1 + weight) RMSNorm, GELU-tanh MLP, scaled embedding "
-        "and alternating sliding-window layers are Gemma 3's, which samepath implements (model_type gemma3_text)"
-    ),
     "gemma3": (
         "Gemma3ForConditionalGeneration is multimodal (a SigLIP vision tower, bidirectional attention over image "
         "tokens), which samepath does not implement; the text-only Gemma3ForCausalLM (model_type gemma3_text) "

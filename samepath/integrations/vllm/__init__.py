@@ -14,12 +14,13 @@ What :func:`install` replaces (every original recorded; :func:`uninstall` restor
   ``TritonAttentionImpl`` (``triton_attn``, CUDA/ROCm) and ``FlashAttentionImpl`` (``flash_attn``,
   CUDA): ``forward``
   runs :func:`samepath.paged_attention` with vLLM's own metadata (``query_start_loc``,
-  ``seq_lens``, ``block_table``, ``causal``, the layer's scale and window) and
+  ``seq_lens``, ``block_table``, ``causal``, the layer's scale, window and ``logits_soft_cap``: Gemma 2's
+  attention logit soft-capping, the kernel's ``softcap``) and
   ``do_kv_cache_update`` runs :func:`samepath.write_kv_cache` with ``slot_mapping``. Both read the
   cache tensor ``[num_blocks, num_kv_heads, block_size, 2 * head_size]`` as samepath's
   ``[num_blocks, block_size, num_kv_heads, head_size]`` key and value views (the Triton backend's
   own view). Decoder self-attention only; anything samepath does not implement (ALiBi, sinks,
-  soft-capping, fp8 KV cache, encoder attention) is refused with a clear error rather than
+  fp8 KV cache, encoder attention) is refused with a clear error rather than
   silently left on vLLM's kernel. Host work per step, not per layer: the first layer that sees a
   step's metadata object builds the kernel's :class:`~samepath.kernels.attention.LaunchPlan` and
   checks the metadata's values the first time the process sees its layout (the default;
@@ -56,6 +57,9 @@ What :func:`install` replaces (every original recorded; :func:`uninstall` restor
   the trainer's equal is ``samepath.logprobs(logits, tokens, temperature)``. Under tensor
   parallelism vLLM gathers the vocabulary-parallel logits first, so these log-probs are unsharded.
   The draw itself is vLLM's: it decides *which* token is drawn, not the log-prob samepath reports.
+* **Final logit soft-capping** — ``LogitsProcessor.forward`` with ``soft_cap`` (Gemma 2):
+  :func:`samepath.kernels.softcap.softcap_logits`, the function Hugging Face's patched
+  ``Gemma2ForCausalLM.forward`` and the fused lm_head run (vLLM's own forward without a cap).
 * **Sampling edits** — vLLM's ``Sampler.apply_penalties`` runs
   :func:`samepath.kernels.sampling.apply_penalties`, its top-k / top-p step
   (``topk_topp_sampler.apply_top_k_top_p``) and ``MinPLogitsProcessor.apply`` run

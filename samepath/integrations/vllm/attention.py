@@ -30,8 +30,6 @@ def check_supported(impl: Any) -> None:
         problems.append("ALiBi")
     if getattr(impl, "sinks", None) is not None:
         problems.append("attention sinks")
-    if getattr(impl, "logits_soft_cap", None):
-        problems.append("logits soft-capping")
     if str(getattr(impl, "kv_cache_dtype", "auto")) != "auto":
         problems.append(f"kv_cache_dtype={impl.kv_cache_dtype!r}")
     if problems:
@@ -39,6 +37,13 @@ def check_supported(impl: Any) -> None:
             f"samepath's vLLM attention does not implement {', '.join(problems)} "
             f"({type(impl).__name__}); unset {ENV_VAR} to run vLLM's own kernel"
         )
+
+
+def softcap(impl: Any) -> float | None:
+    """The attention logit soft-cap vLLM gave the backend (Gemma 2's ``attn_logit_softcapping``; the
+    backends store 0 for none), for :func:`samepath.paged_attention`'s ``softcap``."""
+    cap = getattr(impl, "logits_soft_cap", None)
+    return float(cap) if cap else None
 
 
 def kv_views(impl: Any, kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -120,6 +125,7 @@ def attention_forward(
         out=output[:n].view(n, self.num_heads, self.head_size),
         validate=validate,
         plan=plan,
+        softcap=softcap(self),
     )
     return output
 
@@ -200,6 +206,7 @@ __all__ = [
     "patch_cpu_attention",
     "patch_flash_attention",
     "patch_triton_attention",
+    "softcap",
     "step_plans",
     "window",
 ]

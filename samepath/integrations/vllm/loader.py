@@ -29,6 +29,7 @@ from samepath.audit import (
 )
 from samepath.integrations.patcher import Patcher
 from samepath.integrations.vllm.attention import ORIGINAL_FORWARD, check_supported, decoder_attention
+from samepath.integrations.vllm.attention import softcap as attention_softcap
 from samepath.integrations.vllm.common import has_dense_weight, optional_module
 from samepath.integrations.vllm.env import check_v1_model_runner
 from samepath.integrations.vllm.layers import (
@@ -38,6 +39,7 @@ from samepath.integrations.vllm.layers import (
     rotary_forward,
     vllm_rope,
 )
+from samepath.integrations.vllm.sampler import logits_processor_forward
 from samepath.integrations.vllm.state import expected_fingerprint, expert_parallel, installed
 from samepath.kernels.config import assert_same_numerics
 from samepath.kernels.rotary import rotary_inv_freq, rotary_position_limit
@@ -237,6 +239,11 @@ def classify_module(
         scale = formulas["attention"]["scale"] if formulas else None
         if scale is not None and getattr(impl, "scale", scale) != scale:
             problems.append(f"scale {impl.scale} differs from the config's {scale} (the trainer's)")
+        if formulas and attention_softcap(impl) != (formulas["attention"]["softcap"] or {}).get("cap"):
+            problems.append(
+                f"attention logit soft-cap {attention_softcap(impl)} differs from the config's (the trainer's) "
+                f"{(formulas['attention']['softcap'] or {}).get('cap')}"
+            )
         if problems:
             return module_entry(name, module, "attention", UNCOVERED, "; ".join(problems))
         return module_entry(name, module, "attention", COVERED, "samepath.paged_attention / write_kv_cache")
@@ -244,11 +251,26 @@ def classify_module(
     if entry is not None:
         return entry
     if kind in rules.logits:
+        if module.soft_cap is not None and module.scale == 1.0:
+            return softcap_logits_entry(name, module, formulas)
         if module.soft_cap is not None or module.scale != 1.0:
             detail = f"soft_cap={module.soft_cap}, scale={module.scale}"
             return module_entry(name, module, "logits", UNCOVERED, detail)
         return module_entry(name, module, "logits", NEUTRAL, "the lm_head's logits, gathered")
     return module_entry(name, module, "unknown", UNCOVERED, "samepath has no rule for this module class")
+
+
+def softcap_logits_entry(name: str, module: torch.nn.Module, formulas: dict | None):
+    """A ``LogitsProcessor`` with ``soft_cap`` (Gemma 2's final logits): covered when samepath's forward
+    runs it (:func:`samepath.kernels.softcap.softcap_logits`) with the config's cap (the trainer's)."""
+    want = ((formulas or {}).get("final_logit_softcap") or {}).get("cap")
+    if type(module).forward is not logits_processor_forward:
+        detail = f"soft_cap={module.soft_cap} with this logits processor's own tanh (not samepath's)"
+        return module_entry(name, module, "logits", UNCOVERED, detail)
+    if formulas is not None and module.soft_cap != want:
+        detail = f"soft_cap={module.soft_cap} differs from the config's final_logit_softcapping {want} (the trainer's)"
+        return module_entry(name, module, "logits", UNCOVERED, detail)
+    return module_entry(name, module, "logits", COVERED, f"samepath.kernels.softcap.softcap_logits (cap {want})")
 
 
 def norm_entry(name: str, module: torch.nn.Module, formulas: dict | None, weight_mode: str):

@@ -88,6 +88,7 @@ PATCH_GROUPS = [
     ("row_parallel", layers.patch_row_parallel),
     ("moe", layers.patch_moe),
     ("sampler_logprobs", sampler.patch_sampler),
+    ("logits_softcap", sampler.patch_logits_processor),
     ("sampling_edits", sampler.patch_sampling_edits),
     ("model_audit", loader.patch_model_loader),
 ]

@@ -18,6 +18,7 @@ from samepath.integrations.patcher import Patcher
 from samepath.kernels.logprobs import log_softmax
 from samepath.kernels.sampling import apply_penalties as _kernel_apply_penalties
 from samepath.kernels.sampling import sampling_keep_mask
+from samepath.kernels.softcap import softcap_logits
 
 
 def compute_logprobs(logits: torch.Tensor) -> torch.Tensor:
@@ -140,6 +141,35 @@ def check_processed_sampling(params: Any, vllm_config: Any, *, sampling_masks: b
         )
 
 
+#: vLLM's own ``LogitsProcessor.forward`` (set by :func:`patch_logits_processor`).
+ORIGINAL_LOGITS_FORWARD: list[Any] = []
+
+
+def logits_processor_forward(
+    self: Any, lm_head: Any, hidden_states: torch.Tensor, embedding_bias: torch.Tensor | None = None, *args: Any
+) -> torch.Tensor | None:
+    """``LogitsProcessor.forward`` with the final logit soft-capping (``soft_cap``, Gemma 2) on
+    :func:`samepath.kernels.softcap.softcap_logits`, the function the Hugging Face side's
+    ``Gemma2ForCausalLM.forward`` and fused lm_head run; vLLM's own forward without a cap. A cap with a
+    logit ``scale`` other than 1 is refused (``NotImplementedError``; the load audit refuses it first)."""
+    if self.soft_cap is None:
+        return ORIGINAL_LOGITS_FORWARD[0](self, lm_head, hidden_states, embedding_bias, *args)
+    if self.scale != 1.0:
+        raise NotImplementedError(
+            f"samepath's vLLM logits processor does not implement soft_cap={self.soft_cap} with scale={self.scale}"
+        )
+    logits = hidden_states if self.logits_as_input else self._get_logits(hidden_states, lm_head, embedding_bias, *args)
+    return None if logits is None else softcap_logits(logits, self.soft_cap)
+
+
+def patch_logits_processor(patcher: Patcher) -> bool:
+    """vLLM's ``LogitsProcessor.forward`` on :func:`logits_processor_forward` (final logit soft-capping)."""
+    from vllm.model_executor.layers.logits_processor import LogitsProcessor
+
+    ORIGINAL_LOGITS_FORWARD[:] = [patcher.set(LogitsProcessor, "forward", logits_processor_forward)]
+    return True
+
+
 def patch_sampler(patcher: Patcher) -> bool:
     from vllm.v1.sample.sampler import Sampler
 
@@ -184,7 +214,9 @@ __all__ = [
     "PROCESSED_MODES",
     "check_processed_sampling",
     "compute_logprobs",
+    "logits_processor_forward",
     "min_p_mask",
+    "patch_logits_processor",
     "patch_sampler",
     "patch_sampling_edits",
     "penalties",

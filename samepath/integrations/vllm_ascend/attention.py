@@ -233,6 +233,8 @@ def check_attention_supported(impl: Any) -> None:
         problems.append("ALiBi")
     if getattr(impl, "sinks", None) is not None:
         problems.append("attention sinks")
+    if getattr(impl, "logits_soft_cap", None):
+        problems.append("logits soft-capping (Gemma 2; samepath's vLLM plugin implements it, this integration not)")
     if str(getattr(impl, "kv_cache_dtype", "auto")) != "auto":
         problems.append(f"kv_cache_dtype={impl.kv_cache_dtype!r}")
     if getattr(impl, "enable_hamming_sparse", False):

@@ -28,6 +28,7 @@ def varlen_attention(
     config: AttentionConfig | None = None,
     validate: bool = True,
     plan: LaunchPlan | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Self-attention over packed sequences, differentiable, for the trainer.
 
@@ -38,7 +39,7 @@ def varlen_attention(
         cu_seqlens: ``[num_seqs + 1]`` int, cumulative sequence lengths starting at 0. Each
             sequence's positions start at 0 at its first token.
         scale: softmax scale, default ``head_size ** -0.5``.
-        causal, sliding_window, config: as in :func:`paged_attention`.
+        causal, sliding_window, config, softcap: as in :func:`paged_attention`.
         validate: check that ``cu_seqlens`` starts at 0, never decreases and ends at
             ``total_tokens`` (one device-to-host copy). ``validate=False`` trusts those values
             for the result only: the forward kernel reads and writes no row outside
@@ -57,7 +58,7 @@ def varlen_attention(
         paged it. Gradients (fp32 accumulation, cast to the input dtype) are deterministic.
     """
     batch = AttentionBatch.for_varlen(
-        query, key, value, cu_seqlens, scale, causal, sliding_window, config, validate, plan
+        query, key, value, cu_seqlens, scale, causal, sliding_window, config, validate, plan, softcap
     )
     return VarlenAttentionFunction.apply(batch.query, batch.key, batch.value, batch)
 
@@ -77,6 +78,7 @@ def packed_attention(
     split_kv: bool | None = None,
     plan: LaunchPlan | None = None,
     kv_start: torch.Tensor | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Attention of each sequence's newest queries over its KV, both packed (no grad).
 
@@ -89,7 +91,7 @@ def packed_attention(
         query: ``[total_q, num_heads, head_size]``.
         key, value: ``[total_kv, num_kv_heads, head_size]``.
         cu_seqlens_q, cu_seqlens_kv: ``[num_seqs + 1]`` int cumulative lengths from 0.
-        scale, causal, sliding_window, config, split_kv: as in :func:`paged_attention`.
+        scale, causal, sliding_window, config, split_kv, softcap: as in :func:`paged_attention`.
         validate: check both cumulative lengths and ``kv_start`` (one device-to-host copy).
             ``validate=False`` trusts their values for the result only; no row outside ``query``,
             ``key``, ``value`` or the output is read or written whatever they hold.
@@ -110,7 +112,7 @@ def packed_attention(
     """
     batch = AttentionBatch.for_packed(
         query, key, value, cu_seqlens_q, cu_seqlens_kv, scale, causal, sliding_window, config, validate, plan,
-        kv_start,
+        kv_start, softcap,
     )  # fmt: skip
     out = torch.empty_like(batch.query)
     with torch.no_grad():
@@ -134,6 +136,7 @@ def paged_attention(
     validate: bool = True,
     split_kv: bool | None = None,
     plan: LaunchPlan | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Attention of new queries over a paged KV cache: prefill, chunked prefill and decode at once.
 
@@ -165,6 +168,10 @@ def paged_attention(
             (``True``), serially in each program (``False``), or chosen from the shapes (``None``).
             Both give the same bits; only the speed differs.
         plan: a :class:`LaunchPlan` of ``query_start_loc`` shared by the calls of one step.
+        softcap: attention logit soft-capping (Gemma 2's ``attn_logit_softcapping``): each score
+            ``s = scale * q.k`` becomes ``softcap * tanh(s / softcap)`` before the mask and the softmax,
+            in fp32, with the same formula for every caller (:mod:`samepath.kernels.softcap`); ``None``
+            (the default) for none. Triton backend only.
 
     Returns:
         ``[num_tokens, num_heads, head_size]`` in ``query.dtype``. Each row is bit-identical to the
@@ -173,7 +180,7 @@ def paged_attention(
     """
     batch = AttentionBatch.for_paged(
         query, key_cache, value_cache, block_table, query_start_loc, seq_lens, scale, causal, sliding_window,
-        config, validate, plan,
+        config, validate, plan, softcap,
     )  # fmt: skip
     if out is None:
         out = torch.empty_like(batch.query)

@@ -16,9 +16,10 @@ import samepath.kernels.attention.plan as plan
 from samepath.kernels import grid, ub_fit
 from samepath.kernels.attention.backend import run_backward, run_forward
 from samepath.kernels.attention.batch import AttentionBatch, last_dim_contiguous
-from samepath.kernels.attention.forward import DOT_PRECISION, LOG2E
+from samepath.kernels.attention.forward import DOT_PRECISION, score_scales
 from samepath.kernels.config import padded_head_size
 from samepath.kernels.dispatch import jit
+from samepath.kernels.softcap import tanh_fp32
 
 #: Rows (token, head) of ``delta`` per step of :func:`_attention_bwd_preprocess_kernel` (sized for an
 #: Ascend core's UB by ``ub_fit``); the rows are independent, so this fixes no bit (a row's sum is over
@@ -126,6 +127,8 @@ def _attention_bwd_kernel(
     CAUSAL: tl.constexpr,
     HAS_WINDOW: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    softcap_scale,
+    SOFTCAP: tl.constexpr,
 ):
     """One pass of the backward. A work item is one KV tile (``BLOCK_N`` keys of one KV head of
     one sequence): it keeps dK and dV in registers while it visits the GQA-packed query tiles that
@@ -205,12 +208,17 @@ def _attention_bwd_kernel(
                 # Key-major: the KV tile's keys are the rows (the M of four of the five dots, the
                 # head that of the dQ partial's), the packed query rows the columns.
                 scores_t = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION)
+                if SOFTCAP:  # the forward's t = tanh(dot * scale / cap); d(score) / d(dot) is scale * (1 - t * t)
+                    scores_t = tanh_fp32(scores_t * softcap_scale)
                 visible_t = _visible_mask_t(offs_m, offs_n, seq_len, sliding_window, CAUSAL, HAS_WINDOW)
                 visible_t = visible_t & row_valid[None, :]
                 p_t = tl.where(visible_t, tl.exp2(scores_t * qk_scale - lse[None, :]), 0.0)
                 dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=DOT_PRECISION)
                 dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
-                ds_t = (p_t * (dp_t - delta[None, :])).to(q.dtype)
+                ds_t = p_t * (dp_t - delta[None, :])
+                if SOFTCAP:
+                    ds_t = ds_t * (1.0 - scores_t * scores_t)
+                ds_t = ds_t.to(q.dtype)
                 dk = tl.dot(ds_t, q, dk, input_precision=DOT_PRECISION)
                 dq_t = tl.dot(tl.trans(k), ds_t, input_precision=DOT_PRECISION)
 
@@ -339,7 +347,7 @@ def launch_backward(
         program_block,
         num_blocks,
         num_kv_heads,
-        batch.scale * LOG2E,
+        score_scales(batch)[0],
         batch.scale,
         batch.sliding_window or 0,
         query.stride(0),
@@ -370,6 +378,8 @@ def launch_backward(
         CAUSAL=batch.causal,
         HAS_WINDOW=batch.sliding_window is not None,
         DOT_PRECISION=DOT_PRECISION,
+        softcap_scale=score_scales(batch)[1],
+        SOFTCAP=batch.softcap is not None,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
     )

@@ -23,6 +23,7 @@ import torch
 from samepath.kernels.attention.plan import clamp_cu_seqlens, program_map, segment_work
 from samepath.kernels.config import AttentionConfig, attention_config, check_head_size, dtype_name
 from samepath.kernels.dispatch import device_kind
+from samepath.kernels.softcap import check_softcap
 
 # ----------------------------------------------------------------------------------------------
 # Argument checks (ValueError naming the argument)
@@ -251,6 +252,8 @@ class AttentionBatch:
         kv_first_pos: contiguous KV only: the absolute position of each sequence's first key
             (``packed_attention``'s ``kv_start``; None: position 0).
         plan: the :class:`LaunchPlan` of ``query_start_loc`` (and the KV offsets), or None.
+        softcap: attention logit soft-capping (Gemma 2): the scores are ``cap * tanh(s / cap)``
+            (:mod:`samepath.kernels.softcap`), or None.
 
     Building one checks nothing but that ``kv_first_pos`` comes with contiguous KV; the entry points'
     constructors check their arguments, :meth:`check_args` the shapes a trusting backend needs.
@@ -269,6 +272,7 @@ class AttentionBatch:
     config: AttentionConfig | Any | None = None
     kv_first_pos: torch.Tensor | None = None
     plan: LaunchPlan | None = None
+    softcap: float | None = None
 
     def __post_init__(self) -> None:
         if self.kv_first_pos is not None and self.block_table is not None:
@@ -323,6 +327,7 @@ class AttentionBatch:
         config: AttentionConfig | None,
         validate: bool,
         plan: LaunchPlan | None,
+        softcap: float | None = None,
     ) -> AttentionBatch:
         """The batch of :func:`~samepath.kernels.attention.varlen_attention` (self-attention over
         packed sequences: the keys of a sequence are its own rows)."""
@@ -343,8 +348,9 @@ class AttentionBatch:
         query, key, value = (last_dim_contiguous(t) for t in (query, key, value))
         seq_lens = cu_seqlens[1:] - cu_seqlens[:-1] if plan is None else plan.kv_lens()
         return cls(
-            query, key, value, cu_seqlens, cu_seqlens, seq_lens, None, scale, causal, sliding_window, cfg, None, plan
-        )
+            query, key, value, cu_seqlens, cu_seqlens, seq_lens, None, scale, causal, sliding_window, cfg, None, plan,
+            check_softcap(softcap),
+        )  # fmt: skip
 
     @classmethod
     def for_packed(
@@ -361,6 +367,7 @@ class AttentionBatch:
         validate: bool,
         plan: LaunchPlan | None,
         kv_start: torch.Tensor | None,
+        softcap: float | None = None,
     ) -> AttentionBatch:
         """The batch of :func:`~samepath.kernels.attention.packed_attention` (each sequence's newest
         queries over its packed keys, which may start after position 0)."""
@@ -387,7 +394,7 @@ class AttentionBatch:
         seq_lens = cu_seqlens_kv[1:] - cu_seqlens_kv[:-1] if plan is None else plan.kv_lens()
         return cls(
             query, key, value, cu_seqlens_q, cu_seqlens_kv, seq_lens, None, scale, causal, sliding_window, cfg,
-            kv_start, plan,
+            kv_start, plan, check_softcap(softcap),
         )  # fmt: skip
 
     @classmethod
@@ -405,6 +412,7 @@ class AttentionBatch:
         config: AttentionConfig | None,
         validate: bool,
         plan: LaunchPlan | None,
+        softcap: float | None = None,
     ) -> AttentionBatch:
         """The batch of :func:`~samepath.kernels.attention.paged_attention` (new queries over a paged
         KV cache: prefill, chunked prefill and decode at once)."""
@@ -453,7 +461,7 @@ class AttentionBatch:
         cfg = config or attention_config(query.shape[-1], query.dtype, query.device)
         return cls(
             query, key_cache, value_cache, query_start_loc, query_start_loc, seq_lens, block_table, scale, causal,
-            sliding_window, cfg, None, plan,
+            sliding_window, cfg, None, plan, check_softcap(softcap),
         )  # fmt: skip
 
     def check_args(self) -> None:
@@ -502,6 +510,7 @@ class AttentionBatch:
         check_same_device(query.device, **metadata)
         if not isinstance(self.scale, (int, float)) or not self.scale > 0 or self.scale == float("inf"):
             raise ValueError(f"scale must be a positive finite float, got {self.scale!r}")
+        check_softcap(self.softcap)
         window = self.sliding_window
         if window is not None and (not isinstance(window, int) or window < 1 or not self.causal):
             raise ValueError(f"sliding_window must be None or a positive int with causal=True, got {window!r}")

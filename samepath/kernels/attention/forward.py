@@ -25,6 +25,7 @@ from samepath.kernels.attention.batch import AttentionBatch
 from samepath.kernels.attention.merge import launch_merge, merge_segment, store_rows
 from samepath.kernels.config import padded_head_size
 from samepath.kernels.dispatch import device_kind, jit
+from samepath.kernels.softcap import tanh_fp32
 
 LOG2E = 1.4426950408889634
 #: fp32 inputs are multiplied in full fp32 (no TF32) so results stay close to the fp64 reference.
@@ -118,6 +119,8 @@ def _segment_state(
     HAS_WINDOW: tl.constexpr,
     KV_OFFSET: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    softcap_scale,
+    SOFTCAP: tl.constexpr,
 ):
     """The online-softmax state ``(m, l, acc)`` of one KV segment, from a fresh ``(-inf, 0, 0)``:
     the tiles starting at ``tile_begin, tile_begin + TILE_N, ... < tile_end``, in ascending order.
@@ -161,6 +164,8 @@ def _segment_state(
             other=0.0,
         )
         scores = tl.dot(q, k, input_precision=DOT_PRECISION)
+        if SOFTCAP:  # Gemma 2: tanh(dot * scale / cap); qk_scale is then cap * log2(e)
+            scores = tanh_fp32(scores * softcap_scale)
         visible = visible_mask(pos_q, offs_n, kv_len, sliding_window, CAUSAL, HAS_WINDOW) & inside[None, :]
         scores = tl.where(visible, scores * qk_scale, float("-inf"))
 
@@ -240,6 +245,8 @@ def _attention_fwd_kernel(
     STORE_LSE: tl.constexpr,
     SPLIT: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    softcap_scale,
+    SOFTCAP: tl.constexpr,
 ):
     """Work items ``(query block, KV head, head chunk[, KV segment])``, flattened with the last
     fastest. A query block is ``BLOCK_Q`` consecutive queries of one sequence; its tile holds
@@ -351,7 +358,7 @@ def _attention_fwd_kernel(
                 q, pos_q, tile_begin, tile_end, K, V, kv_head, kv_len, seq, kv_row_start, kv_pos0, block_table,
                 kv_rows, qk_scale, sliding_window, stride_table_seq, stride_k_page, stride_k_pos, stride_k_head,
                 stride_v_page, stride_v_pos, stride_v_head, HEAD_SIZE, BLOCK_D, BLOCK_M, TILE_N,
-                PAGE_SIZE, PAGED, CAUSAL, HAS_WINDOW, KV_OFFSET, DOT_PRECISION,
+                PAGE_SIZE, PAGED, CAUSAL, HAS_WINDOW, KV_OFFSET, DOT_PRECISION, softcap_scale, SOFTCAP,
             )  # fmt: skip
             part = (q_rows * num_heads + head) * num_segments + segment
             tl.store(PartM + part, m_i, mask=row_valid)
@@ -375,13 +382,22 @@ def _attention_fwd_kernel(
                     q, pos_q, tile_begin, tile_end, K, V, kv_head, kv_len, seq, kv_row_start, kv_pos0,
                     block_table, kv_rows, qk_scale, sliding_window, stride_table_seq, stride_k_page, stride_k_pos,
                     stride_k_head, stride_v_page, stride_v_pos, stride_v_head, HEAD_SIZE, BLOCK_D, BLOCK_M, TILE_N,
-                    PAGE_SIZE, PAGED, CAUSAL, HAS_WINDOW, KV_OFFSET, DOT_PRECISION,
+                    PAGE_SIZE, PAGED, CAUSAL, HAS_WINDOW, KV_OFFSET, DOT_PRECISION, softcap_scale, SOFTCAP,
                 )  # fmt: skip
                 m_run, l_run, acc_run = merge_segment(m_run, l_run, acc_run, m_i, l_i, acc)
             store_rows(
                 m_run, l_run, acc_run, Out, Lse, q_rows, head, row_valid, stride_o_tok, stride_o_head,
                 stride_lse_tok, HEAD_SIZE, BLOCK_D, STORE_LSE,
             )  # fmt: skip
+
+
+def score_scales(batch: AttentionBatch) -> tuple[float, float]:
+    """``(qk_scale, softcap_scale)`` of the kernels: without soft-capping ``scale * log2(e)`` (the
+    exp2-domain score is ``dot * qk_scale``) and 0; with ``batch.softcap`` (Gemma 2) ``cap * log2(e)``
+    and ``scale / cap`` (the score is ``tanh(dot * softcap_scale) * qk_scale``)."""
+    if batch.softcap is None:
+        return batch.scale * LOG2E, 0.0
+    return batch.softcap * LOG2E, batch.scale / batch.softcap
 
 
 def launch_forward(
@@ -476,7 +492,7 @@ def launch_forward(
         max_kv_len,
         num_kv_heads,
         num_segments,
-        batch.scale * LOG2E,
+        score_scales(batch)[0],
         batch.sliding_window or 0,
         query.stride(0),
         query.stride(1),
@@ -503,6 +519,8 @@ def launch_forward(
         STORE_LSE=store_lse,
         SPLIT=bool(split_kv),
         DOT_PRECISION=DOT_PRECISION,
+        softcap_scale=score_scales(batch)[1],
+        SOFTCAP=batch.softcap is not None,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
     )

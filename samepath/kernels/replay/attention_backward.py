@@ -28,6 +28,7 @@ import torch
 
 from samepath.kernels.dispatch import register_replay
 from samepath.kernels.replay.numerics import cast, dot, to_numpy, widen
+from samepath.kernels.replay.softcap import tanh_fp32
 
 
 def _flat(t: torch.Tensor) -> np.ndarray:
@@ -117,6 +118,8 @@ def attention_bwd(
     CAUSAL,
     HAS_WINDOW,
     DOT_PRECISION,
+    softcap_scale,
+    SOFTCAP,
 ):
     """Replay one launch of ``_attention_bwd_kernel`` (see the module docstring)."""
     del DOT_PRECISION  # fp32 dots are numpy's fp32 matmul under the interpreter whatever it says
@@ -128,6 +131,7 @@ def attention_bwd(
         return
     q_dtype, out_dtypes = Q.dtype, (dQ.dtype, dK.dtype, dV.dtype)
     qk, sm, window = np.float32(qk_scale), np.float32(sm_scale), int(sliding_window)
+    cap_scale, one = np.float32(softcap_scale), np.float32(1)
     zero = np.float32(0)
     cu = cu_seqlens.detach().numpy().astype(np.int64)
     items = np.arange(num_work // H)
@@ -205,10 +209,15 @@ def attention_bwd(
 
             # Key-major, as the kernel: [items, kv heads, BLOCK_N, BLOCK_M] score and dP tiles.
             scores_t = dot(k, _t(q), np.zeros((act.size, H, BN, BM), np.float32))
+            if SOFTCAP:
+                scores_t = tanh_fp32(scores_t * cap_scale)
             p_t = np.where(visible_t, np.exp2(scores_t * qk - lse_tiles[tile, :, chunk][..., None, :]), zero)
             dv[act] = dot(cast(p_t, dOut.dtype), do, dv[act])
             dp_t = dot(v, _t(do), np.zeros((act.size, H, BN, BM), np.float32))
-            ds_t = cast(p_t * (dp_t - delta_tiles[tile, :, chunk][..., None, :]), q_dtype)
+            ds_t = p_t * (dp_t - delta_tiles[tile, :, chunk][..., None, :])
+            if SOFTCAP:
+                ds_t = ds_t * (one - scores_t * scores_t)
+            ds_t = cast(ds_t, q_dtype)
             dk[act] = dot(ds_t, q, dk[act])
             partials = _t(dot(_t(k), ds_t, np.zeros((act.size, H, BD, BM), np.float32)))
 

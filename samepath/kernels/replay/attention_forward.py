@@ -31,6 +31,7 @@ import torch
 
 from samepath.kernels.dispatch import register_replay
 from samepath.kernels.replay.numerics import cast, to_numpy, widen
+from samepath.kernels.replay.softcap import tanh_fp32
 
 _F32 = np.float32
 _NEG_INF = np.float32("-inf")
@@ -179,6 +180,7 @@ class _Forward:
                 setattr(self, f"{name}_flat", _fp32(flat[: max(reach, 0)]))
         self.table_flat = _flat(p["block_table"]) if self.paged else None
         self.qk_scale = _F32(p["qk_scale"])
+        self.softcap, self.softcap_scale = p["SOFTCAP"], _F32(p["softcap_scale"])
         self.sliding_window = _int(p["sliding_window"])
         self.kv_rows = p["kv_rows"]
 
@@ -302,6 +304,8 @@ class _Forward:
             0, 2, 1
         )
         scores = np.matmul(q, k, dtype=np.float32) + _F32(0.0)
+        if self.softcap:
+            scores = tanh_fp32(scores * self.softcap_scale)
 
         pos_q = self.pos_q[items][:, :, None]
         pos_k = offs_n[:, None, :]

@@ -74,6 +74,15 @@ def _require_npu(tensor: torch.Tensor) -> None:
         )
 
 
+def refuse_softcap(batch: AttentionBatch) -> None:
+    """``RuntimeError`` for attention logit soft-capping (Gemma 2), which the Ascend C kernels do not implement."""
+    if batch.softcap is not None:
+        raise RuntimeError(
+            f"softcap={batch.softcap} (attention logit soft-capping, Gemma 2) is not implemented by the Ascend C "
+            f"attention backend ({BACKEND_ENV}=ascendc); use the triton backend"
+        )
+
+
 def flash_attention_fwd(batch: AttentionBatch, *, store_lse: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The Ascend C FlashAttention forward of ``batch`` (the Triton launcher's batch, the same outputs),
     with ``batch.config``'s ``block_m`` / ``tile_n`` / ``seg`` (the frozen ``"npu"`` tiles by default).
@@ -96,6 +105,7 @@ def flash_attention_fwd(batch: AttentionBatch, *, store_lse: bool = False) -> tu
             "kv_start (keys starting after position 0, a windowed Hugging Face cache) is not implemented by "
             f"the Ascend C attention backend ({BACKEND_ENV}=ascendc); use the triton backend"
         )
+    refuse_softcap(batch)
     check_arguments(batch)
     batch = clamp_metadata(batch)
     _require_npu(batch.query)
@@ -151,6 +161,7 @@ def attention_backward(
             (:func:`.build.check_backward_schedule`), not NPU tensors, or the Ascend C backend cannot run
             here (says what is missing).
     """
+    refuse_softcap(batch)
     tiling.compute_bwd_tiling(tiling.FlashAttentionBwdParams.from_batch(batch, num_cores=1))
     build.check_backward_schedule()
     _require_npu(batch.query)
