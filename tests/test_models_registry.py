@@ -25,7 +25,7 @@ from samepath.models.descriptor import (
 )
 
 #: What samepath supports today, by model type (a change here is a change of what samepath covers).
-SUPPORTED = {"llama", "qwen2", "qwen3", "qwen3_moe", "mistral", "phi3", "mixtral", "gemma3_text"}
+SUPPORTED = {"llama", "qwen2", "qwen3", "qwen3_moe", "mistral", "phi3", "mixtral", "gemma3_text", "glm4_moe"}
 REFUSED = {"olmo2", "granite", "gemma2", "gemma3", "gpt_oss", "deepseek_v2", "deepseek_v3", "gpt2"}
 
 
@@ -50,7 +50,12 @@ def test_the_descriptors_say_what_each_family_computes():
     assert {t for t, f in fam.items() if f.rope == PER_LAYER_TYPE_ROPE} == {"gemma3_text"}
     assert {t for t, f in fam.items() if f.qk_norm} == {"qwen3", "qwen3_moe", "gemma3_text"}
     assert {t for t, f in fam.items() if f.fused_gate_up} == {"phi3"}
-    assert {t: f.moe for t, f in fam.items() if f.moe} == {"qwen3_moe": "softmax_topk", "mixtral": "softmax_topk_fp32"}
+    assert {t: f.moe for t, f in fam.items() if f.moe} == {
+        "qwen3_moe": "softmax_topk",
+        "mixtral": "softmax_topk_fp32",
+        "glm4_moe": "sigmoid_grouped_topk",
+    }
+    assert {t for t, f in fam.items() if f.partial_rotary or f.shared_experts or f.hf_router} == {"glm4_moe"}
     assert {t for t, f in fam.items() if f.sliding_window_by_default} == {"mistral", "phi3", "mixtral", "gemma3_text"}
     assert {t for t, f in fam.items() if f.query_pre_attn_scalar or f.embedding_scale} == {"gemma3_text"}
     assert {t for t, f in fam.items() if not f.dense_mlp} == {"mixtral"}

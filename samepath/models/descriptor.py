@@ -30,6 +30,10 @@ PER_LAYER_TYPE_ROPE = "per_layer_type"
 SOFTMAX_TOPK = "softmax_topk"
 #: MoE routing: fp32 softmax, top-k, renormalised, weights kept in fp32 (Mixtral).
 SOFTMAX_TOPK_FP32 = "softmax_topk_fp32"
+#: MoE routing: fp32 sigmoid, score-correction bias for the choice, grouped top-k, routed scaling
+#: factor, weights kept in fp32 (GLM-4.5, :func:`samepath.kernels.moe_routing.sigmoid_grouped_topk_routing`).
+SIGMOID_GROUPED_TOPK = "sigmoid_grouped_topk"
+MOE_KINDS = (SOFTMAX_TOPK, SOFTMAX_TOPK_FP32, SIGMOID_GROUPED_TOPK)
 
 #: What the residual stream does around a sublayer in most families.
 PRE_NORM_RESIDUAL = "add rounded to the dtype, then the norm"
@@ -83,7 +87,13 @@ class ModelFamily:
       dense ``{prefix}MLP`` (Mixtral's have experts only); ``fused_gate_up``: its MLP holds one
       ``gate_up_proj`` (gate first: vLLM's layout, Phi-3);
     * ``rope``: :data:`SINGLE_ROPE` or :data:`PER_LAYER_TYPE_ROPE`;
-    * ``moe``: ``None``, :data:`SOFTMAX_TOPK` or :data:`SOFTMAX_TOPK_FP32`;
+    * ``partial_rotary``: the attention rotates the first ``int(head_dim * partial_rotary_factor)``
+      dimensions of each head and passes the rest through (GLM-4.5); otherwise the config's
+      ``partial_rotary_factor`` is refused;
+    * ``moe``: ``None`` or one of :data:`MOE_KINDS`; ``hf_router``: the class-name suffix of a
+      router module whose forward samepath replaces (``"TopkRouter"``), ``None`` for routers that
+      are plain torch ops of the trainer (``TopKRouter``); ``shared_experts``: the MoE block adds a
+      dense shared-experts MLP;
     * ``sliding_window_by_default``: the config's ``sliding_window`` applies unless
       ``use_sliding_window`` is false (Qwen2 windows only with ``use_sliding_window``);
       ``query_pre_attn_scalar``: the attention scale is ``config.query_pre_attn_scalar ** -0.5``
@@ -111,7 +121,10 @@ class ModelFamily:
     dense_mlp: bool = True
     fused_gate_up: bool = False
     rope: str = SINGLE_ROPE
+    partial_rotary: bool = False
     moe: str | None = None
+    hf_router: str | None = None
+    shared_experts: bool = False
     sliding_window_by_default: bool = False
     query_pre_attn_scalar: bool = False
     embedding_scale: bool = False
@@ -126,8 +139,8 @@ class ModelFamily:
             )
         if self.rope not in (SINGLE_ROPE, PER_LAYER_TYPE_ROPE):
             raise ValueError(f"rope must be {SINGLE_ROPE!r} or {PER_LAYER_TYPE_ROPE!r}, got {self.rope!r}")
-        if self.moe not in (None, SOFTMAX_TOPK, SOFTMAX_TOPK_FP32):
-            raise ValueError(f"moe must be None, {SOFTMAX_TOPK!r} or {SOFTMAX_TOPK_FP32!r}, got {self.moe!r}")
+        if self.moe is not None and self.moe not in MOE_KINDS:
+            raise ValueError(f"moe must be None or one of {MOE_KINDS}, got {self.moe!r}")
 
     @property
     def name(self) -> str:
@@ -145,9 +158,11 @@ class ModelFamily:
 __all__ = [
     "GELU_TANH_MUL",
     "GEMMA_NORM",
+    "MOE_KINDS",
     "PER_LAYER_TYPE_ROPE",
     "PLAIN_NORM",
     "PRE_NORM_RESIDUAL",
+    "SIGMOID_GROUPED_TOPK",
     "SILU_MUL",
     "SINGLE_ROPE",
     "SOFTMAX_TOPK",
