@@ -96,6 +96,13 @@ def model_dirs(tmp_path_factory):
                 cls = transformers.MixtralForCausalLM
             elif arch == "gemma3_text":
                 config, cls = gemma3_config(), transformers.Gemma3ForCausalLM
+            elif arch == "glm4_moe":  # partial rotary, sigmoid grouped top-k, shared experts, a dense layer
+                from tests.test_glm4_moe import tiny_glm
+
+                path = tmp_path_factory.mktemp(f"{arch}_{dtype}")
+                tiny_glm(getattr(torch, dtype)).save_pretrained(path)
+                dirs[arch, dtype] = str(path)
+                return dirs[arch, dtype]
             else:
                 config, cls = transformers.Qwen3Config(**DEFAULT_MODEL_CONFIG), transformers.Qwen3ForCausalLM
             torch.manual_seed(0)
@@ -246,6 +253,8 @@ CASES = [
     pytest.param("mixtral", "bfloat16", 1.0, id="mixtral-bf16-sampled"),
     pytest.param("gemma3_text", "bfloat16", 0.8, id="gemma3-bf16-T0.8"),
     pytest.param("gemma3_text", "float32", 1.0, id="gemma3-fp32-sampled", marks=pytest.mark.slow),
+    pytest.param("glm4_moe", "bfloat16", 0.8, id="glm4_moe-bf16-T0.8"),
+    pytest.param("glm4_moe", "float32", 1.0, id="glm4_moe-fp32-sampled", marks=pytest.mark.slow),
 ]
 
 
@@ -282,6 +291,7 @@ def test_vllm_logprobs_equal_trainer(model_dirs, hf_patched, arch, dtype, temper
         pytest.param("qwen3_moe", "bfloat16", id="moe-bf16", marks=pytest.mark.slow),
         pytest.param("phi3", "bfloat16", id="phi3-bf16", marks=pytest.mark.slow),
         pytest.param("gemma3_text", "bfloat16", id="gemma3-bf16"),
+        pytest.param("glm4_moe", "bfloat16", id="glm4_moe-bf16"),
     ],
 )
 def test_stock_vllm_differs(model_dirs, hf_patched, arch, dtype):

@@ -146,6 +146,12 @@ class ModelFamily:
     def name(self) -> str:
         return self.model_types[0]
 
+    @property
+    def routing_weights_fp32(self) -> bool:
+        """Whether the MoE routing weights stay in fp32 (Mixtral, GLM-4.5) rather than being cast to
+        the activations' dtype (Qwen3-MoE) before they scale the experts' outputs."""
+        return self.moe in (SOFTMAX_TOPK_FP32, SIGMOID_GROUPED_TOPK)
+
     def hf_modeling(self) -> Any:
         """The transformers modeling module (imported now)."""
         return importlib.import_module(self.hf_module)

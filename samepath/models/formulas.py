@@ -168,7 +168,7 @@ def routing_weights_fp32(config: Any) -> bool:
     """Whether the model's MoE routing weights stay in fp32 (Mixtral) instead of being cast to the
     activations' dtype (Qwen3-MoE) before they scale the experts' outputs."""
     family = find(getattr(config, "model_type", None))
-    return family is not None and family.moe in (SOFTMAX_TOPK_FP32, SIGMOID_GROUPED_TOPK)
+    return family is not None and family.routing_weights_fp32
 
 
 def _softmax_topk(config: Any) -> dict[str, Any]:

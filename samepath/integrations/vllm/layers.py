@@ -16,8 +16,10 @@ from samepath.integrations.patcher import Patcher
 from samepath.integrations.vllm.common import (
     apply_rotary,
     geglu_tanh,
+    grouped_moe,
     has_dense_weight,
     linear,
+    loading_model_moe,
     loading_model_routing_fp32,
     moe,
     optional_module,
@@ -27,6 +29,7 @@ from samepath.integrations.vllm.common import (
 )
 from samepath.integrations.vllm.env import ENV_VAR
 from samepath.integrations.vllm.state import check_tensor_parallel_numerics
+from samepath.models.descriptor import SIGMOID_GROUPED_TOPK
 
 
 def patch_rms_norm(patcher: Patcher) -> bool:
@@ -366,31 +369,69 @@ def plain_experts(layer: Any) -> bool:
 
 #: Routers whose top-k softmax selection is Hugging Face's (others are refused).
 PLAIN_ROUTERS = ("CPURouter", "FusedTopKRouter")
+#: Routers that carry a sigmoid grouped top-k configuration samepath runs itself (GLM-4.5).
+GROUPED_ROUTERS = ("CPURouter", "GroupedTopKRouter")
 
 
-def check_plain_routing(runner: Any) -> None:
+def routed_scaling_factor(runner: Any) -> float:
+    """The routed scaling factor of a grouped MoE layer: vLLM keeps it on the runner (applied to the
+    experts' output) or on the router (applied to the weights); samepath folds it into the fp32
+    weights, as Hugging Face's router does."""
+    runner_scale = float(getattr(runner, "routed_scaling_factor", 1.0))
+    return runner_scale if runner_scale != 1.0 else float(getattr(runner.router, "routed_scaling_factor", 1.0))
+
+
+def _grouped_routing_problems(runner: Any) -> list[str]:
     router = runner.router
     problems = []
-    if type(router).__name__ not in PLAIN_ROUTERS:
+    if type(router).__name__ not in GROUPED_ROUTERS:
         problems.append(f"the {type(router).__name__}")
-    if getattr(runner, "routed_scaling_factor", 1.0) != 1.0:
-        problems.append(f"routed_scaling_factor={runner.routed_scaling_factor}")
+    if getattr(router, "scoring_func", None) != "sigmoid":
+        problems.append(f"scoring_func={getattr(router, 'scoring_func', None)!r} (GLM-4.5's router is sigmoid)")
+    if type(router).__name__ == "CPURouter" and not getattr(router, "use_grouped_topk", False):
+        problems.append("top-k without groups")
+    scales = (
+        float(getattr(runner, "routed_scaling_factor", 1.0)),
+        float(getattr(router, "routed_scaling_factor", 1.0)),
+    )
+    if scales[0] != 1.0 and scales[1] != 1.0:
+        problems.append("a routed scaling factor on both the router and the runner")
+    if getattr(router, "num_fused_shared_experts", 0):
+        problems.append("shared experts fused into the routed ones")
+    if getattr(runner, "shared_expert_gate", None) is not None:
+        problems.append("a shared-expert gate")
+    return problems
+
+
+def check_plain_routing(runner: Any, routing: str | None = None) -> None:
+    """Refuse (``NotImplementedError``) a MoE layer whose routing samepath does not run: for
+    ``routing`` :data:`~samepath.models.descriptor.SIGMOID_GROUPED_TOPK` (the family of the model
+    being loaded, GLM-4.5) a sigmoid grouped top-k router; otherwise a plain top-k softmax one."""
+    router = runner.router
+    problems = []
     if getattr(runner, "routed_input_transform", None) is not None:
         problems.append("a routed input transform (latent MoE)")
     if getattr(runner, "routed_output_transform", None) is not None:
         problems.append("a routed output transform")
-    if getattr(router, "scoring_func", "softmax") != "softmax":
-        problems.append(f"scoring_func={router.scoring_func!r}")
-    if getattr(router, "use_grouped_topk", False):
-        problems.append("grouped top-k")
-    if getattr(router, "e_score_correction_bias", None) is not None:
-        problems.append("a score-correction bias")
     if getattr(router, "custom_routing_function", None) is not None:
         problems.append("a custom routing function")
-    if getattr(router, "routed_scaling_factor", 1.0) != 1.0:
-        problems.append(f"routed_scaling_factor={router.routed_scaling_factor}")
-    if runner._shared_experts is not None:
-        problems.append("shared experts")
+    if routing == SIGMOID_GROUPED_TOPK:
+        problems += _grouped_routing_problems(runner)
+    else:
+        if type(router).__name__ not in PLAIN_ROUTERS:
+            problems.append(f"the {type(router).__name__}")
+        if getattr(runner, "routed_scaling_factor", 1.0) != 1.0:
+            problems.append(f"routed_scaling_factor={runner.routed_scaling_factor}")
+        if getattr(router, "scoring_func", "softmax") != "softmax":
+            problems.append(f"scoring_func={router.scoring_func!r}")
+        if getattr(router, "use_grouped_topk", False):
+            problems.append("grouped top-k")
+        if getattr(router, "e_score_correction_bias", None) is not None:
+            problems.append("a score-correction bias")
+        if getattr(router, "routed_scaling_factor", 1.0) != 1.0:
+            problems.append(f"routed_scaling_factor={router.routed_scaling_factor}")
+        if runner._shared_experts is not None:
+            problems.append("shared experts")
     if problems:
         raise NotImplementedError(
             f"samepath's vLLM MoE does not implement {', '.join(problems)}; unset {ENV_VAR} to run vLLM's own kernel"
@@ -424,13 +465,17 @@ def patch_moe(patcher: Patcher) -> bool:
         super(method_cls, self).process_weights_after_loading(layer)
         layer.samepath_experts = True
         layer.samepath_routing_fp32 = loading_model_routing_fp32()
+        layer.samepath_routing = loading_model_moe()
         return None
 
     def apply_quant_method(self, hidden_states, router_logits, shared_experts_input, input_ids=None, **kwargs):
         experts = self.routed_experts
         if not getattr(experts, "samepath_experts", False):
             return original_apply(self, hidden_states, router_logits, shared_experts_input, input_ids, **kwargs)
-        check_plain_routing(self)
+        routing = getattr(experts, "samepath_routing", None)
+        check_plain_routing(self, routing)
+        if routing == SIGMOID_GROUPED_TOPK:
+            return grouped_apply(self, hidden_states, router_logits, shared_experts_input, **kwargs)
         out = moe(
             hidden_states,
             router_logits,
@@ -442,17 +487,55 @@ def patch_moe(patcher: Patcher) -> bool:
         )
         return None, out
 
+    original_scale = runner_cls._maybe_apply_routed_scale_to_output
+
+    def maybe_apply_routed_scale_to_output(self, shared_output, fused_output):
+        # samepath's grouped router has folded the routed scaling factor into the fp32 weights.
+        if getattr(self.routed_experts, "samepath_experts", False):
+            return shared_output, fused_output
+        return original_scale(self, shared_output, fused_output)
+
     patcher.set(method_cls, "process_weights_after_loading", process_weights_after_loading)
     patcher.set(runner_cls, "_apply_quant_method", apply_quant_method)
+    patcher.set(runner_cls, "_maybe_apply_routed_scale_to_output", maybe_apply_routed_scale_to_output)
     return True
+
+
+def grouped_apply(runner: Any, hidden_states, router_logits, shared_experts_input, **kwargs):
+    """``MoERunner._apply_quant_method`` of a GLM-4.5 layer: the shared experts (vLLM's own module:
+    samepath's linear and SiLU·mul), then :func:`~samepath.integrations.vllm.common.grouped_moe` —
+    returned as ``(shared_output, routed_output)``, which the runner adds (in the dtype, as Hugging
+    Face's ``Glm4MoeMoE`` does)."""
+    from vllm.model_executor.layers.fused_moe.runner.shared_experts import SharedExpertsOrder
+
+    runner._maybe_apply_shared_experts(shared_experts_input, SharedExpertsOrder.NO_OVERLAP)
+    router, experts = runner.router, runner.routed_experts
+    bias = router.e_score_correction_bias
+    out = grouped_moe(
+        hidden_states,
+        router_logits,
+        None if bias is None else bias.data,
+        experts.w13_weight,
+        experts.w2_weight,
+        router.top_k,
+        router.num_expert_group,
+        router.topk_group,
+        bool(router.renormalize),
+        routed_scaling_factor(runner),
+    )
+    if kwargs.get("shared_experts_overlapping", False):
+        runner._shared_experts.wait()
+    return (runner._shared_experts.output if runner._shared_experts is not None else None), out
 
 
 __all__ = [
     "ASCEND_ROPE_CLASSES",
+    "GROUPED_ROUTERS",
     "PLAIN_ROUTERS",
     "ROPE_CLASSES",
     "UnsupportedRopeError",
     "check_plain_routing",
+    "grouped_apply",
     "patch_gelu_tanh_mul",
     "patch_gemma_rms_norm",
     "patch_linear",
@@ -466,5 +549,6 @@ __all__ = [
     "rope_class_name",
     "rotary_forward",
     "rotate",
+    "routed_scaling_factor",
     "vllm_rope",
 ]

@@ -36,11 +36,14 @@ from samepath.integrations.vllm.layers import (
     check_plain_routing,
     plain_gemma_norm,
     rotary_forward,
+    routed_scaling_factor,
     vllm_rope,
 )
 from samepath.integrations.vllm.state import expected_fingerprint, installed
 from samepath.kernels.config import assert_same_numerics
 from samepath.kernels.rotary import rotary_inv_freq, rotary_position_limit
+from samepath.models.descriptor import SIGMOID_GROUPED_TOPK
+from samepath.models.registry import find
 
 logger = logging.getLogger("samepath.integrations.vllm")
 
@@ -63,14 +66,31 @@ ROUTER_GEMM_FLAGS = (
 )
 
 
-def moe_formula_problem(experts: Any, formulas: dict | None) -> str | None:
-    """Why the experts' routing precision (``samepath_routing_fp32``, set at weight processing)
-    differs from the config's router (the trainer's), or ``None``."""
+def moe_formula_problem(experts: Any, formulas: dict | None, runner: Any = None) -> str | None:
+    """Why the experts' routing (``samepath_routing_fp32`` / ``samepath_routing``, recorded at weight
+    processing) differs from the config's family's router (the trainer's, by its descriptor), or
+    ``None``; with the ``runner``, a grouped router's parameters are compared with the config's too."""
     if formulas is None or formulas["moe"] is None:
         return None
-    want_fp32 = "kept in fp32" in formulas["moe"]["routing"]
+    family = find(formulas["model_type"])
+    want_fp32 = family is not None and family.routing_weights_fp32
     if bool(getattr(experts, "samepath_routing_fp32", False)) != want_fp32:
         return f"routing weights {'not ' if want_fp32 else ''}kept in fp32, unlike the config's router"
+    routing = getattr(experts, "samepath_routing", None)
+    if family is not None and routing is not None and routing != family.moe:
+        return f"routing {routing} differs from the config's {family.moe}"
+    if runner is not None and routing == SIGMOID_GROUPED_TOPK:
+        moe, router = formulas["moe"], runner.router
+        mine = {
+            "top_k": router.top_k,
+            "n_group": router.num_expert_group,
+            "topk_group": router.topk_group,
+            "renormalize": bool(router.renormalize),
+            "routed_scaling_factor": routed_scaling_factor(runner),
+        }
+        differ = {key: value for key, value in mine.items() if value != moe[key]}
+        if differ:
+            return f"router {differ} differs from the config's ({ {key: moe[key] for key in differ} })"
     return None
 
 
@@ -100,10 +120,10 @@ def vllm_moe_entry(name: str, module: torch.nn.Module, formulas: dict | None):
     if not getattr(experts, "samepath_experts", False):
         return module_entry(name, module, "moe", UNCOVERED, "experts left on vLLM's fused kernel")
     try:
-        check_plain_routing(module)
+        check_plain_routing(module, getattr(experts, "samepath_routing", None))
     except NotImplementedError as exc:
         return module_entry(name, module, "moe", UNCOVERED, str(exc))
-    problem = moe_formula_problem(experts, formulas)
+    problem = moe_formula_problem(experts, formulas, module)
     if problem is not None:
         return module_entry(name, module, "moe", UNCOVERED, problem)
     return module_entry(name, module, "moe", COVERED, "samepath.integrations.moe routing and experts")
@@ -208,7 +228,9 @@ def classify_module(
             rotary_dim, base, scaling = vllm_rope(module)
         except UnsupportedRopeError as exc:
             return module_entry(name, module, "rotary", UNCOVERED, str(exc))
-        if rotary_dim != module.head_size:
+        rope = (formulas or {}).get("rope") or {}
+        if rotary_dim != module.head_size and rope.get("rotary_dim") != rotary_dim:
+            # Partial rotary only where the trainer's config rotates the same part (GLM-4.5).
             return module_entry(
                 name, module, "rotary", UNCOVERED, f"partial rotary ({rotary_dim} of {module.head_size})"
             )
