@@ -682,6 +682,52 @@ def test_vllm_rotary_layers_compute_hugging_face_bits(plugin_installed, monkeypa
         assert not torch.equal(stock_q, want_q)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_vllm_gptj_partial_and_mrope_layers_compute_hugging_face_bits(plugin_installed, dtype):
+    """GPT-J style (``is_neox_style=False``) with partial rotary: Hugging Face's GLM-4
+    ``apply_rotary_pos_emb`` bits; ``MRotaryEmbedding`` with ``[3, T]`` positions (contiguous
+    sections, Qwen2.5-VL; interleaved, Qwen3-VL): the stock transformers rotary modules' cos/sin and
+    rotation. Negative control: vLLM's own CPU kernel differs in bf16. The load audit still calls
+    such layers uncovered (no supported family resolves its rope this way)."""
+    from transformers.models.glm4 import modeling_glm4
+    from transformers.models.qwen2_5_vl import modeling_qwen2_5_vl
+    from vllm.config import VllmConfig, set_current_vllm_config
+    from vllm.model_executor.layers.rotary_embedding import get_rope
+
+    from tests.test_rope_variants import VL_ROPES, _vl_class, vl_text_config
+
+    gen = torch.Generator().manual_seed(4)
+    tokens, head = 23, 64
+    positions = torch.randint(0, 400, (tokens,), generator=gen)
+    q, k = (torch.randn(tokens, n * head, generator=gen).to(dtype) for n in (4, 2))
+    partial = {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}
+    with set_current_vllm_config(VllmConfig()):
+        gptj = get_rope(head, 512, False, partial, dtype)
+    got_q, got_k = gptj(positions, q.clone(), k.clone())
+    cos, sin = samepath.rotary_cos_sin(positions[None], 32, 1e4, dtype)  # GLM-4's module: cat layout
+    q4, k4 = (x.view(1, tokens, -1, head).transpose(1, 2) for x in (q, k))
+    want_q, want_k = (
+        t.transpose(1, 2).reshape(x.shape)
+        for t, x in zip(modeling_glm4.apply_rotary_pos_emb(q4, k4, cos, sin), (q, k), strict=True)
+    )
+    assert torch.equal(got_q, want_q) and torch.equal(got_k, want_k)
+    if dtype == torch.bfloat16:
+        assert not torch.equal(gptj.forward_cpu(positions, q.clone(), k.clone())[0], want_q)
+
+    positions3 = torch.randint(0, 400, (3, tokens), generator=gen)
+    q, k = (torch.randn(tokens, n * HEAD_DIM, generator=gen).to(dtype) for n in (4, 2))
+    for model_type, (_, module_path, section, interleaved) in VL_ROPES.items():
+        params = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": section}
+        with set_current_vllm_config(VllmConfig()):
+            layer = get_rope(HEAD_DIM, 512, True, {**params, "mrope_interleaved": interleaved}, dtype)
+        got_q, got_k = layer(positions3, q.clone(), k.clone())
+        cos, sin = _vl_class(module_path)(vl_text_config(model_type))(q, positions3[:, None])
+        q4, k4 = (x.view(1, tokens, -1, HEAD_DIM).transpose(1, 2) for x in (q, k))
+        hq, hk = modeling_qwen2_5_vl.apply_rotary_pos_emb(q4, k4, cos, sin)
+        assert torch.equal(got_q, hq.transpose(1, 2).reshape(q.shape)), model_type
+        assert torch.equal(got_k, hk.transpose(1, 2).reshape(k.shape)), model_type
+
+
 def test_vllm_rotary_refuses_what_it_cannot_make_equal(plugin_installed, monkeypatch):
     from vllm.config import VllmConfig, set_current_vllm_config
     from vllm.model_executor.layers.rotary_embedding import get_rope
@@ -689,12 +735,16 @@ def test_vllm_rotary_refuses_what_it_cannot_make_equal(plugin_installed, monkeyp
     positions = torch.arange(4)
     q, k = torch.randn(4, 64), torch.randn(4, 32)
     with set_current_vllm_config(VllmConfig()):
-        gptj = get_rope(16, 512, False, None, torch.float32)
-        mrope = get_rope(16, 512, True, {"rope_type": "default", "mrope_section": [2, 3, 3]}, torch.float32)
-    with pytest.raises(plugin_installed.UnsupportedRopeError, match="GPT-J"):
-        gptj(positions, q, k)
-    with pytest.raises(plugin_installed.UnsupportedRopeError, match="MRotaryEmbedding"):
-        mrope(positions, q, k)
+        mrope_yarn = get_rope(
+            16,
+            512,
+            True,
+            {"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 256, "mrope_section": [2, 3, 3]},
+            torch.float32,
+        )
+    assert type(mrope_yarn).__name__ == "MRotaryEmbedding"
+    with pytest.raises(plugin_installed.UnsupportedRopeError, match="YaRN"):
+        mrope_yarn(positions, q, k)
     with pytest.raises(plugin_installed.UnsupportedRopeError, match="max_model_len"):  # long factors everywhere
         _vllm_rope_layer("longrope", torch.float32, monkeypatch, max_model_len=512)(positions, q, k)
     with pytest.raises(ValueError, match="at or past 512"):  # HF's dynamic rope turns length-dependent

@@ -227,14 +227,19 @@ def _(positions, rotary_dim, base, dtype, scaling):
 
 @torch.library.custom_op("samepath_vllm::apply_rotary", mutates_args=())
 def _apply_rotary_op(
-    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, unsqueeze_dim: int | None
+    q: torch.Tensor,
+    k: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    unsqueeze_dim: int | None,
+    interleaved: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    q_out, k_out = _kernel_apply_rotary(q, k, cos, sin, unsqueeze_dim=unsqueeze_dim)
+    q_out, k_out = _kernel_apply_rotary(q, k, cos, sin, unsqueeze_dim=unsqueeze_dim, interleaved=interleaved)
     return q_out.contiguous(), k_out.contiguous()
 
 
 @_apply_rotary_op.register_fake
-def _(q, k, cos, sin, unsqueeze_dim):
+def _(q, k, cos, sin, unsqueeze_dim, interleaved=False):
     return torch.empty_like(q), torch.empty_like(k)
 
 
@@ -275,12 +280,17 @@ def geglu_tanh(gate_up: torch.Tensor) -> torch.Tensor:
 
 
 def apply_rotary(
-    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, unsqueeze_dim: int | None = 1
+    q: torch.Tensor,
+    k: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    unsqueeze_dim: int | None = 1,
+    interleaved: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`samepath.apply_rotary`, an opaque op inside a compiled region."""
     if not torch.compiler.is_compiling():
-        return _kernel_apply_rotary(q, k, cos, sin, unsqueeze_dim=unsqueeze_dim)
-    return _apply_rotary_op(q, k, cos, sin, unsqueeze_dim)
+        return _kernel_apply_rotary(q, k, cos, sin, unsqueeze_dim=unsqueeze_dim, interleaved=interleaved)
+    return _apply_rotary_op(q, k, cos, sin, unsqueeze_dim, interleaved)
 
 
 def rotary_cos_sin(

@@ -29,6 +29,7 @@ from samepath.integrations.vllm.common import (
 )
 from samepath.integrations.vllm.env import ENV_VAR
 from samepath.integrations.vllm.state import check_tensor_parallel_numerics
+from samepath.kernels.rotary import mrope_cos_sin
 from samepath.models.descriptor import SIGMOID_GROUPED_TOPK
 
 
@@ -100,17 +101,23 @@ def vllm_rope(layer: Any) -> tuple[int, float, dict[str, Any]]:
     (``max_trained_positions == max_position_embeddings``: Hugging Face's formula below
     ``max_position_embeddings``), ``YaRNScalingRotaryEmbedding``, ``Llama3RotaryEmbedding`` and
     ``Phi3LongRoPEScaledRotaryEmbedding`` (short factors: ``max_model_len`` at most
-    ``original_max_position_embeddings``), neox style. Anything else — GPT-J (interleaved) style,
-    mrope, dual-chunk, DeepSeek / NTK-alpha / Fourier scaling, LoRA's multi-factor linear cache —
-    raises :class:`UnsupportedRopeError`: it is refused rather than left on vLLM's formula.
+    ``original_max_position_embeddings``), and ``MRotaryEmbedding`` without scaling (multimodal
+    rope: see :func:`vllm_rope_layout`), neox or GPT-J style (:func:`vllm_rope_layout`). Anything
+    else — dual-chunk, DeepSeek / NTK-alpha / Fourier scaling, mrope with YaRN, LoRA's multi-factor
+    linear cache — raises :class:`UnsupportedRopeError`: it is refused rather than left on vLLM's
+    formula.
     """
     kind = rope_class_name(type(layer))
     where = f"{type(layer).__name__} (vLLM rotary layer)"
     if kind is None:
         raise UnsupportedRopeError(f"{where}: samepath has no Hugging Face formula for this rotary layer")
-    if not getattr(layer, "is_neox_style", True):
-        raise UnsupportedRopeError(f"{where}: GPT-J (interleaved) style rotary is not supported")
     base = float(layer.base)
+    if kind == "MRotaryEmbedding":
+        if layer.scaling_factor is not None:
+            raise UnsupportedRopeError(f"{where}: multimodal rope with YaRN scaling is not supported")
+        if not layer.mrope_section or len(layer.mrope_section) != 3:
+            raise UnsupportedRopeError(f"{where}: mrope_section {layer.mrope_section} is not three sections")
+        return layer.rotary_dim, base, {"rope_type": "default"}
     if kind == "RotaryEmbedding":
         return layer.rotary_dim, base, {"rope_type": "default"}
     if kind == "LinearScalingRotaryEmbedding":
@@ -182,6 +189,7 @@ ROPE_CLASSES = (
     "YaRNScalingRotaryEmbedding",
     "Llama3RotaryEmbedding",
     "Phi3LongRoPEScaledRotaryEmbedding",
+    "MRotaryEmbedding",
 )
 #: vllm-ascend's subclasses that keep their vLLM parent's parameters (only the kernel differs).
 ASCEND_ROPE_CLASSES = {
@@ -199,24 +207,47 @@ def rope_class_name(cls: type) -> str | None:
     return None
 
 
+def vllm_rope_layout(layer: Any) -> tuple[bool, tuple[int, ...] | None, bool]:
+    """``(interleaved, mrope_section, mrope_interleaved)`` of a vLLM rotary layer: GPT-J pairs
+    (``is_neox_style=False``: Hugging Face's GLM-4 / Cohere ``rotate_half`` on even / odd columns),
+    and for ``MRotaryEmbedding`` its sections (contiguous: Qwen2.5-VL; interleaved: Qwen3-VL) —
+    ``None`` for a one-dimensional rope."""
+    interleaved = not getattr(layer, "is_neox_style", True)
+    if rope_class_name(type(layer)) != "MRotaryEmbedding":
+        return interleaved, None, False
+    return interleaved, tuple(int(s) for s in layer.mrope_section), bool(layer.mrope_interleaved)
+
+
 def rotate(self: Any, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor | None):
-    """vLLM's rotary contract (``positions [T]``, ``query [T, H*D]``, ``key [T, Hkv*D]`` or ``None``)
-    on samepath: the layer's :func:`vllm_rope` parameters (cached on the layer), cos/sin from
-    :func:`samepath.rotary_cos_sin`, the rotation by :func:`samepath.apply_rotary`."""
+    """vLLM's rotary contract (``positions [T]``, or ``[3, T]`` for multimodal rope; ``query
+    [T, H*D]``, ``key [T, Hkv*D]`` or ``None``) on samepath: the layer's :func:`vllm_rope` parameters
+    and :func:`vllm_rope_layout` (cached on the layer), cos/sin from :func:`samepath.rotary_cos_sin`
+    (multimodal: :func:`samepath.kernels.rotary.mrope_cos_sin`), the rotation by
+    :func:`samepath.apply_rotary` (GPT-J pairs for a layer that is not neox style)."""
     cached = vars(self).get("_samepath_rope")
     if cached is None:
-        cached = vllm_rope(self)
+        cached = (*vllm_rope(self), *vllm_rope_layout(self))
         self._samepath_rope = cached
-    rotary_dim, base, scaling = cached
-    positions = positions.flatten()
-    tokens = positions.shape[0]
-    cos, sin = rotary_cos_sin(positions, rotary_dim, base, query.dtype, scaling)
+    rotary_dim, base, scaling, interleaved, mrope_section, mrope_interleaved = cached
+    if mrope_section is not None:
+        if torch.compiler.is_compiling():
+            raise UnsupportedRopeError(f"{type(self).__name__}: multimodal rope in a compiled region (enforce_eager)")
+        cos, sin = mrope_cos_sin(
+            positions, rotary_dim, base, query.dtype, list(mrope_section), scaling, mrope_interleaved
+        )
+    else:
+        positions = positions.flatten()
+        cos, sin = rotary_cos_sin(positions, rotary_dim, base, query.dtype, scaling)
+    if interleaved:  # Hugging Face's GLM-4: the first half of each table repeated in place
+        half = rotary_dim // 2
+        cos, sin = cos[..., :half].repeat_interleave(2, dim=-1), sin[..., :half].repeat_interleave(2, dim=-1)
+    tokens = cos.shape[0]
     q = query.reshape(tokens, -1, self.head_size)
     if key is None:
-        q_out, _ = apply_rotary(q, q[:, :1], cos, sin, unsqueeze_dim=1)
+        q_out, _ = apply_rotary(q, q[:, :1], cos, sin, unsqueeze_dim=1, interleaved=interleaved)
         return q_out.reshape(query.shape), None
     k = key.reshape(tokens, -1, self.head_size)
-    q_out, k_out = apply_rotary(q, k, cos, sin, unsqueeze_dim=1)
+    q_out, k_out = apply_rotary(q, k, cos, sin, unsqueeze_dim=1, interleaved=interleaved)
     return q_out.reshape(query.shape), k_out.reshape(key.shape)
 
 
@@ -551,4 +582,5 @@ __all__ = [
     "rotate",
     "routed_scaling_factor",
     "vllm_rope",
+    "vllm_rope_layout",
 ]

@@ -38,6 +38,7 @@ from samepath.integrations.vllm.layers import (
     rotary_forward,
     routed_scaling_factor,
     vllm_rope,
+    vllm_rope_layout,
 )
 from samepath.integrations.vllm.state import expected_fingerprint, installed
 from samepath.kernels.config import assert_same_numerics
@@ -229,6 +230,13 @@ def classify_module(
         except UnsupportedRopeError as exc:
             return module_entry(name, module, "rotary", UNCOVERED, str(exc))
         rope = (formulas or {}).get("rope") or {}
+        interleaved, mrope_section, _ = vllm_rope_layout(module)
+        if interleaved or mrope_section is not None:
+            # samepath computes these as Hugging Face's GLM-4 / Qwen-VL do, but no family of
+            # samepath.models uses them yet: no trainer resolution to compare with.
+            layout = "GPT-J (interleaved) pairs" if interleaved else f"multimodal rope {list(mrope_section)}"
+            detail = f"{layout}: no supported model family resolves its rope this way"
+            return module_entry(name, module, "rotary", UNCOVERED, detail)
         if rotary_dim != module.head_size and rope.get("rotary_dim") != rotary_dim:
             # Partial rotary only where the trainer's config rotates the same part (GLM-4.5).
             return module_entry(
