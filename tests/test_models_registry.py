@@ -248,3 +248,33 @@ def test_a_family_the_patches_cannot_serve_is_named():
     with pytest.raises(ValueError, match="no Hugging Face MLP patch for gelu_tanh_mul with a fused gate_up_proj"):
         hf.mlp_forward_of(odd)
     assert SILU_MUL.accepted == ("silu", "swish")
+
+
+def test_the_vllm_plugins_family_bits_come_from_the_descriptors():
+    """The vLLM plugin's norm and activation patch groups are the ones the registered families ask for
+    (a family without Gemma's norm and GELU leaves their groups out; a group the plugin lacks is an
+    error naming it), and Phi-3's long-rope class is patched and audited because its descriptor names it."""
+    from samepath.integrations.vllm import plugin
+
+    fam = models.families()
+    assert fam["gemma3_text"].vllm_patches() == ("gemma_rms_norm", "gelu_tanh_mul")
+    assert fam["glm4_moe"].vllm_patches() == ("rms_norm", "silu_mul")
+    assert {t for t, f in fam.items() if f.vllm_rotary_classes} == {"phi3"}
+    names = [name for name, _ in plugin.patch_groups()]
+    assert {"rms_norm", "gemma_rms_norm", "silu_mul", "gelu_tanh_mul"} <= set(names)
+    gemma = models.family("gemma3_text")
+    models.unregister(gemma)
+    try:
+        names = [name for name, _ in plugin.patch_groups()]
+        assert "gemma_rms_norm" not in names and "gelu_tanh_mul" not in names and "rms_norm" in names
+    finally:
+        models.register(gemma, replace=True)
+    odd_act = dataclasses.replace(SILU_MUL, vllm_patch="relu2_mul")
+    odd = models.register(
+        dataclasses.replace(models.family("llama"), model_types=("samepath_odd2",), activation=odd_act)
+    )
+    try:
+        with pytest.raises(ValueError, match="relu2_mul"):
+            plugin.patch_groups()
+    finally:
+        models.unregister(odd)

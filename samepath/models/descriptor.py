@@ -55,6 +55,8 @@ class Activation:
     default: str | None
     accepted: tuple[str, ...]
     refusal: str
+    #: The vLLM plugin's patch group that runs it (``samepath.integrations.vllm.plugin``).
+    vllm_patch: str = ""
 
 
 SILU_MUL = Activation(
@@ -63,6 +65,7 @@ SILU_MUL = Activation(
     default="silu",
     accepted=("silu", "swish"),
     refusal="{key}={act!r} is not supported (samepath implements SiLU·mul)",
+    vllm_patch="silu_mul",
 )
 GELU_TANH_MUL = Activation(
     op="gelu_tanh_mul",
@@ -70,7 +73,11 @@ GELU_TANH_MUL = Activation(
     default=None,
     accepted=("gelu_pytorch_tanh",),
     refusal="{key}={act!r} is not supported for {model_type} (samepath implements GELU-tanh·mul, gelu_pytorch_tanh)",
+    vllm_patch="gelu_tanh_mul",
 )
+
+#: A norm's ``weight_mode`` -> the vLLM plugin's patch group that runs it (``RMSNorm`` / ``GemmaRMSNorm``).
+NORM_VLLM_PATCHES = {PLAIN_NORM: "rms_norm", GEMMA_NORM: "gemma_rms_norm"}
 
 
 @dataclass(frozen=True)
@@ -104,7 +111,8 @@ class ModelFamily:
     * ``vllm_module`` / ``vllm_structure`` / ``vllm_attention`` / ``vllm_mlp``: vLLM's models
       module, the classes whose own code is structure only, the attention class and the MLP
       classes (a name ``"module:Class"`` is looked up in that other module) — the load audit's
-      per-family rules.
+      per-family rules; ``vllm_rotary_classes``: rotary classes (``"module:Class"``) the family's vLLM
+      layers use outside vLLM's ``RotaryEmbeddingBase`` (Phi-3's long-rope), patched and audited too.
     """
 
     model_types: tuple[str, ...]
@@ -129,6 +137,7 @@ class ModelFamily:
     query_pre_attn_scalar: bool = False
     embedding_scale: bool = False
     config_problems: Callable[[Any], list[str]] | None = None
+    vllm_rotary_classes: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if not self.model_types:
@@ -145,6 +154,11 @@ class ModelFamily:
     @property
     def name(self) -> str:
         return self.model_types[0]
+
+    def vllm_patches(self) -> tuple[str, ...]:
+        """The vLLM plugin's family-specific patch groups this family's layers need: its norm's and
+        its activation's."""
+        return (NORM_VLLM_PATCHES[self.norm_weight_mode], self.activation.vllm_patch)
 
     @property
     def routing_weights_fp32(self) -> bool:
@@ -165,6 +179,7 @@ __all__ = [
     "GELU_TANH_MUL",
     "GEMMA_NORM",
     "MOE_KINDS",
+    "NORM_VLLM_PATCHES",
     "PER_LAYER_TYPE_ROPE",
     "PLAIN_NORM",
     "PRE_NORM_RESIDUAL",

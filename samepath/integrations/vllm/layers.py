@@ -31,6 +31,7 @@ from samepath.integrations.vllm.env import ENV_VAR
 from samepath.integrations.vllm.state import check_tensor_parallel_numerics
 from samepath.kernels.rotary import mrope_cos_sin
 from samepath.models.descriptor import SIGMOID_GROUPED_TOPK
+from samepath.models.registry import families
 
 
 def patch_rms_norm(patcher: Patcher) -> bool:
@@ -263,12 +264,25 @@ def patch_rotary(patcher: Patcher) -> bool:
     """Every vLLM rotary layer: cos/sin from :func:`samepath.rotary_cos_sin` with the Hugging Face
     parameters :func:`vllm_rope` reads off the layer, the rotation by :func:`samepath.apply_rotary`;
     a layer :func:`vllm_rope` cannot map raises instead of running vLLM's formula."""
-    from vllm.model_executor.layers import rotary_embedding as rope
     from vllm.model_executor.layers.rotary_embedding.base import RotaryEmbeddingBase
 
     patcher.set(RotaryEmbeddingBase, "forward", rotary_forward)
-    patcher.set(rope.Phi3LongRoPEScaledRotaryEmbedding, "forward", rotary_forward)
+    for cls in family_rotary_classes():
+        patcher.set(cls, "forward", rotary_forward)
     return True
+
+
+def family_rotary_classes() -> tuple[type, ...]:
+    """The rotary classes outside ``RotaryEmbeddingBase`` that registered families' vLLM layers use
+    (their descriptors' ``vllm_rotary_classes``: Phi-3's long-rope), imported now."""
+    found: list[type] = []
+    for family in set(families().values()):
+        for name in family.vllm_rotary_classes:
+            where, _, cls_name = name.rpartition(":")
+            cls = getattr(optional_module(where), cls_name, None)
+            if cls is not None and cls not in found:
+                found.append(cls)
+    return tuple(found)
 
 
 def patch_silu_mul(patcher: Patcher) -> bool:
@@ -566,6 +580,7 @@ __all__ = [
     "ROPE_CLASSES",
     "UnsupportedRopeError",
     "check_plain_routing",
+    "family_rotary_classes",
     "grouped_apply",
     "patch_gelu_tanh_mul",
     "patch_gemma_rms_norm",

@@ -34,6 +34,7 @@ from samepath.integrations.vllm.env import check_v1_model_runner
 from samepath.integrations.vllm.layers import (
     UnsupportedRopeError,
     check_plain_routing,
+    family_rotary_classes,
     plain_gemma_norm,
     rotary_forward,
     routed_scaling_factor,
@@ -175,7 +176,6 @@ def classify_module(
     position_limit)`` of its rope), ``None`` when it could not be resolved: a rotary layer or norm
     that resolves differently from them is uncovered."""
     from vllm.model_executor.layers.linear import LinearBase
-    from vllm.model_executor.layers.rotary_embedding import Phi3LongRoPEScaledRotaryEmbedding
     from vllm.model_executor.layers.rotary_embedding.base import RotaryEmbeddingBase
     from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod
 
@@ -222,7 +222,7 @@ def classify_module(
             detail = f"GELU approximate={module.approximate!r} (samepath implements the tanh approximation)"
             return module_entry(name, module, "gelu_tanh_mul", UNCOVERED, detail)
         return module_entry(name, module, "gelu_tanh_mul", COVERED, "samepath.geglu_tanh")
-    if isinstance(module, (RotaryEmbeddingBase, Phi3LongRoPEScaledRotaryEmbedding)):
+    if isinstance(module, (RotaryEmbeddingBase, *family_rotary_classes())):
         if kind.forward is not rotary_forward:
             return module_entry(name, module, "rotary", UNCOVERED, "its own forward (not samepath's rotary)")
         try:

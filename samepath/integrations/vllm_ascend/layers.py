@@ -16,7 +16,7 @@ from samepath.audit import ALLOW_ENV_VAR, allowed_names
 from samepath.integrations.moe import experts_forward, topk_softmax_routing
 from samepath.integrations.patcher import Patcher
 from samepath.integrations.vllm.common import has_dense_weight, loading_model_routing_fp32, optional_module
-from samepath.integrations.vllm.layers import UnsupportedRopeError, rotary_forward, rotate
+from samepath.integrations.vllm.layers import UnsupportedRopeError, family_rotary_classes, rotary_forward, rotate
 from samepath.integrations.vllm_ascend.state import original, set_original
 from samepath.kernels.matmul import linear
 from samepath.kernels.rms_norm import rms_norm
@@ -122,7 +122,8 @@ def patch_rotary(patcher: Patcher) -> bool:
         from vllm.model_executor.layers.rotary_embedding.base import RotaryEmbeddingBase
 
         set_original(patcher, RotaryEmbeddingBase, "forward", rotary_forward)
-        set_original(patcher, vllm_rope.Phi3LongRoPEScaledRotaryEmbedding, "forward", rotary_forward)
+        for cls in family_rotary_classes():
+            set_original(patcher, cls, "forward", rotary_forward)
     return True
 
 
