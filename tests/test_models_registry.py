@@ -18,6 +18,7 @@ from samepath.models import formulas, registry
 from samepath.models.descriptor import (
     GELU_TANH_MUL,
     GEMMA_NORM,
+    MULTIMODAL_ROPE,
     PER_LAYER_TYPE_ROPE,
     SILU_MUL,
     ModelFamily,
@@ -25,7 +26,18 @@ from samepath.models.descriptor import (
 )
 
 #: What samepath supports today, by model type (a change here is a change of what samepath covers).
-SUPPORTED = {"llama", "qwen2", "qwen3", "qwen3_moe", "mistral", "phi3", "mixtral", "gemma3_text", "glm4_moe"}
+SUPPORTED = {
+    "llama",
+    "qwen2",
+    "qwen3",
+    "qwen3_moe",
+    "mistral",
+    "phi3",
+    "mixtral",
+    "gemma3_text",
+    "glm4_moe",
+    "qwen3_vl_text",
+}
 REFUSED = {"olmo2", "granite", "gemma2", "gemma3", "gpt_oss", "deepseek_v2", "deepseek_v3", "gpt2"}
 
 
@@ -48,7 +60,8 @@ def test_the_descriptors_say_what_each_family_computes():
     assert {t for t, f in fam.items() if f.norm_weight_mode == GEMMA_NORM} == {"gemma3_text"}
     assert {t for t, f in fam.items() if f.activation == GELU_TANH_MUL} == {"gemma3_text"}
     assert {t for t, f in fam.items() if f.rope == PER_LAYER_TYPE_ROPE} == {"gemma3_text"}
-    assert {t for t, f in fam.items() if f.qk_norm} == {"qwen3", "qwen3_moe", "gemma3_text"}
+    assert {t for t, f in fam.items() if f.qk_norm} == {"qwen3", "qwen3_moe", "gemma3_text", "qwen3_vl_text"}
+    assert {t for t, f in fam.items() if f.rope == MULTIMODAL_ROPE} == {"qwen3_vl_text"}
     assert {t for t, f in fam.items() if f.fused_gate_up} == {"phi3"}
     assert {t: f.moe for t, f in fam.items() if f.moe} == {
         "qwen3_moe": "softmax_topk",

@@ -49,7 +49,7 @@ from samepath.kernels.gelu_tanh_mul import gelu_tanh_mul
 from samepath.kernels.logprobs import IGNORE_INDEX, LM_HEAD_TOKEN_CHUNK, linear_token_logprobs
 from samepath.kernels.moe_routing import sigmoid_grouped_topk_routing
 from samepath.kernels.rms_norm import rms_norm
-from samepath.kernels.rotary import apply_rotary, rotary_cos_sin
+from samepath.kernels.rotary import apply_rotary, mrope_cos_sin, rotary_cos_sin
 from samepath.kernels.swiglu import silu_mul, swiglu
 from samepath.models.descriptor import GELU_TANH_MUL, SIGMOID_GROUPED_TOPK, SILU_MUL, ModelFamily
 from samepath.models.formulas import rope_formula
@@ -548,6 +548,9 @@ def rotary_embedding_forward(
     self: torch.nn.Module, x: torch.Tensor, position_ids: torch.Tensor, layer_type: str | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     rope = rope_formula(self.config, layer_type)  # Gemma 3: the rope of this layer type (local or global)
+    if rope.mrope_section is not None:  # Qwen3-VL: position ids [3, batch, seq]
+        section, interleaved = list(rope.mrope_section), rope.mrope_interleaved
+        return mrope_cos_sin(position_ids, rope.rotary_dim, rope.base, x.dtype, section, rope.scaling, interleaved)
     return rotary_cos_sin(position_ids, rope.rotary_dim, rope.base, x.dtype, rope.scaling)
 
 

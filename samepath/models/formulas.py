@@ -31,6 +31,7 @@ from samepath.kernels import config as numerics_config
 from samepath.kernels.moe_routing import SIGMOID_GROUPED_TOPK_FORMULA
 from samepath.kernels.rotary import ROPE_TYPES
 from samepath.models.descriptor import (
+    MULTIMODAL_ROPE,
     PER_LAYER_TYPE_ROPE,
     SIGMOID_GROUPED_TOPK,
     SOFTMAX_TOPK,
@@ -58,19 +59,25 @@ class RopeFormula:
     head_size: int
     base: float
     scaling: dict[str, Any]
+    mrope_section: tuple[int, ...] | None = None
+    mrope_interleaved: bool = False
 
     @property
     def rope_type(self) -> str:
         return self.scaling["rope_type"]
 
     def to_json(self) -> dict[str, Any]:
-        return {
+        formula = {
             "rotary_dim": self.rotary_dim,
             "head_size": self.head_size,
             "base": self.base,
             "style": "neox",
             **self.scaling,
         }
+        if self.mrope_section is not None:
+            formula["mrope_section"] = list(self.mrope_section)
+            formula["mrope_interleaved"] = self.mrope_interleaved
+        return formula
 
 
 def _head_size(config: Any) -> int:
@@ -158,10 +165,27 @@ def rope_formula(config: Any, layer_type: str | None = None) -> RopeFormula:
             f"partial rotary (partial_rotary_factor={partial}) is not supported for model_type "
             f"{getattr(config, 'model_type', None)!r}: its Hugging Face attention rotates the whole head"
         )
-    scaling = {k: _plain(v) for k, v in params.items() if k not in ("type", "rope_theta", "partial_rotary_factor")}
+    mrope = ("mrope_section", "mrope_interleaved")
+    section = params.get("mrope_section")
+    if (section is not None) != (family is not None and family.rope == MULTIMODAL_ROPE):
+        raise UnsupportedModelError(
+            f"mrope_section={section} for model_type {getattr(config, 'model_type', None)!r}: samepath computes "
+            "multimodal rope for the families whose descriptor says so (Qwen3-VL's text decoder), with their sections"
+        )
+    if section is not None and rope_type != "default":
+        raise UnsupportedModelError(f"multimodal rope with rope_type {rope_type!r} is not supported")
+    skip = ("type", "rope_theta", "partial_rotary_factor", *mrope)
+    scaling = {k: _plain(v) for k, v in params.items() if k not in skip}
     scaling["rope_type"] = rope_type
     scaling["max_position_embeddings"] = int(config.max_position_embeddings)
-    return RopeFormula(rotary_dim=rotary_dim, head_size=head_size, base=float(base), scaling=scaling)
+    return RopeFormula(
+        rotary_dim=rotary_dim,
+        head_size=head_size,
+        base=float(base),
+        scaling=scaling,
+        mrope_section=None if section is None else tuple(int(x) for x in section),
+        mrope_interleaved=bool(params.get("mrope_interleaved", False)),
+    )
 
 
 def routing_weights_fp32(config: Any) -> bool:
