@@ -283,15 +283,16 @@ def test_kernels_compile_for_hopper() -> None:
     dtype = torch.bfloat16
     q, k, positions = _qk("vllm", dtype, 128, seed=1, tokens=5)
     with record_launches() as launches:
-        for rotary_dim in (128, 64):
-            cos, sin = rotary_cos_sin(positions, rotary_dim, 10000.0, dtype)
+        for rotary_dim, interleaved in ((128, False), (64, False), (64, True)):
+            cos, sin = rotary_cos_sin(positions, rotary_dim, 10000.0, dtype, interleaved=interleaved)
             qs = q.clone().requires_grad_()
-            q_embed, _ = apply_rotary(qs, k, cos, sin)
+            q_embed, _ = apply_rotary(qs, k, cos, sin, interleaved=interleaved)
             q_embed.float().sum().backward()
     seen = set()
     for launch in launches:
-        key = (launch.kwargs.get("BACKWARD"), launch.kwargs.get("HALF"))
+        key = (launch.kwargs.get("BACKWARD"), launch.kwargs.get("HALF"), launch.kwargs.get("INTERLEAVED"))
         if key not in seen:
             seen.add(key)
             assert compile_launch(launch).asm["cubin"]
-    assert seen == {(False, 64), (True, 64), (False, 32), (True, 32)}
+    assert {key[:2] for key in seen} == {(False, 64), (True, 64), (False, 32), (True, 32)}
+    assert {key for key in seen if key[2]} == {(False, 32, True), (True, 32, True)}  # GPT-J pairs
