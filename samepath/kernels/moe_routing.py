@@ -3,7 +3,9 @@ engine's MoE layer), so a token gets the same experts and the same weights in an
 
 :func:`sigmoid_grouped_topk_routing` is DeepSeek-V3 / GLM-4.5's router (Hugging Face's
 ``Glm4MoeTopkRouter``, vLLM's ``grouped_topk`` with ``scoring_func="sigmoid"``): fp32 sigmoid
-scores, the score-correction bias added for the *choice* only, experts grouped into ``n_group``
+scores (``1 / (1 + exp(-x))``: torch's CPU ``sigmoid`` rounds an element differently in the
+vectorised body and the scalar tail of a loop, so its bits depend on the tensor's length; ``exp``
+and IEEE division do not), the score-correction bias added for the *choice* only, experts grouped into ``n_group``
 groups scored by the sum of their two best biased scores, the best ``topk_group`` groups kept, the
 top ``top_k`` experts of those, their *unbiased* scores as weights, optionally renormalised (sum +
 1e-20), times ``routed_scaling_factor``; weights stay in fp32. Every step is a per-row torch op,
@@ -17,9 +19,10 @@ from __future__ import annotations
 import torch
 
 SIGMOID_GROUPED_TOPK_FORMULA = (
-    "fp32 sigmoid scores; choice on scores + e_score_correction_bias: groups by the sum of their two best, the best "
-    "topk_group groups, top_k experts of those (indices sorted ascending); weights = unbiased scores, renormalised "
-    "by their serial ascending-expert sum + 1e-20, times routed_scaling_factor, kept in fp32"
+    "fp32 sigmoid scores as 1 / (1 + exp(-x)); choice on scores + e_score_correction_bias: groups by the sum "
+    "of their two best, the best topk_group groups, top_k experts of those (indices sorted ascending); "
+    "weights = unbiased scores, renormalised by their serial ascending-expert sum + 1e-20, times "
+    "routed_scaling_factor, kept in fp32"
 )
 
 
@@ -70,7 +73,7 @@ def sigmoid_grouped_topk_routing(
         raise ValueError(f"top_k={top_k} exceeds the {topk_group * per_group} experts of the kept groups")
     if e_score_correction_bias is not None and tuple(e_score_correction_bias.shape) != (num_experts,):
         raise ValueError(f"e_score_correction_bias must be [{num_experts}], got {tuple(e_score_correction_bias.shape)}")
-    scores = router_logits.to(torch.float32).sigmoid()
+    scores = 1.0 / (1.0 + torch.exp(-router_logits.to(torch.float32)))
     choice = scores if e_score_correction_bias is None else scores + e_score_correction_bias.to(torch.float32)
     if n_group > 1:
         grouped = choice.view(-1, n_group, per_group)
