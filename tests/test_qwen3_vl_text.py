@@ -24,6 +24,7 @@ from samepath.audit.report import COVERED, UNCOVERED  # noqa: E402
 from samepath.integrations.hf_audit import audit_hf_model  # noqa: E402
 from samepath.models import model_formulas  # noqa: E402
 from samepath.models.formulas import UnsupportedModelError  # noqa: E402
+from tests.test_glm4_moe import fp64_logprobs  # noqa: E402
 from tests.test_integration_hf import random_prompts, rollout, trainer_packed, trainer_padded  # noqa: E402
 
 TEXT = dict(
@@ -93,7 +94,12 @@ def test_qwen3_vl_text_generate_equals_trainer(dtype):
         generated, rollout_lp = rollout(model, prompts, 5, temperature=0.8)
         assert torch.equal(trainer_padded(model, prompts, generated, 0.8), rollout_lp)
         assert torch.equal(trainer_packed(model, prompts, generated, 0.8), rollout_lp)
-    assert not torch.equal(trainer_padded(stock, prompts, generated, 0.8), rollout_lp)
+    stock_lp = trainer_padded(stock, prompts, generated, 0.8)
+    assert not torch.equal(stock_lp, rollout_lp)
+    if dtype == torch.float32:  # patched and stock both close to the same model in fp64
+        want = fp64_logprobs(copy.deepcopy(stock).double(), prompts, generated, 0.8).float()
+        torch.testing.assert_close(rollout_lp, want, rtol=0, atol=2e-4)
+        torch.testing.assert_close(stock_lp, want, rtol=0, atol=2e-4)
 
 
 def grid_positions(length: int) -> torch.Tensor:
