@@ -870,6 +870,38 @@ def test_load_audit_refuses_a_rotary_layer_in_no_layer_of_a_per_layer_type_rope(
     assert {e.name: e.status for e in placed.entries}["layers.0.rotary"] == audit.COVERED
 
 
+def test_load_audit_covers_partial_rotary_only_where_the_family_rotates_part_of_the_head(plugin_installed):
+    """GLM-4.5's rotary layer (32 of 64 dimensions) is covered for a GLM-4.5 config; the same layer
+    for a Qwen3 config (which rotates the whole head) is not, nor is a GPT-J or a multimodal layer
+    (no supported family resolves its rope that way)."""
+    from vllm.config import VllmConfig, set_current_vllm_config
+    from vllm.model_executor.layers.rotary_embedding import get_rope
+
+    from samepath import audit
+    from samepath.integrations import vllm as samepath_vllm
+    from tests.test_glm4_moe import glm_config
+
+    glm = glm_config()
+    qwen3 = transformers.Qwen3Config(**{**DEFAULT_MODEL_CONFIG, "head_dim": 64})
+    partial = {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}
+    with set_current_vllm_config(VllmConfig()):
+        layers = {
+            "partial": get_rope(64, 512, True, dict(partial)),
+            "gptj": get_rope(64, 512, False, dict(partial)),
+            "mrope": get_rope(64, 512, True, {"rope_type": "default", "rope_theta": 1e4, "mrope_section": [16, 8, 8]}),
+        }
+
+    def status(config, name):
+        report = audit.audit_vllm_model(torch.nn.ModuleDict({"r": layers[name]}), config, samepath_vllm.vllm_rules())
+        entry = {e.name: e for e in report.entries}["r"]
+        return entry.status, entry.detail
+
+    assert status(glm, "partial")[0] == audit.COVERED
+    assert status(qwen3, "partial") == (audit.UNCOVERED, "partial rotary (32 of 64)")
+    assert "GPT-J" in status(glm, "gptj")[1] and status(glm, "gptj")[0] == audit.UNCOVERED
+    assert "multimodal rope" in status(glm, "mrope")[1]
+
+
 # ----------------------------------------------------------------------------------------------
 # vllm-ascend's load-time audit, on stand-in Ascend classes over the real vLLM layers
 # ----------------------------------------------------------------------------------------------
