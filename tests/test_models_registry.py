@@ -18,7 +18,7 @@ from samepath.models import formulas, registry
 from samepath.models.descriptor import (
     GELU_TANH_MUL,
     GEMMA_NORM,
-    MULTIMODAL_ROPE,
+    INTERLEAVED_MULTIMODAL_ROPE,
     PER_LAYER_TYPE_ROPE,
     SILU_MUL,
     ModelFamily,
@@ -61,7 +61,7 @@ def test_the_descriptors_say_what_each_family_computes():
     assert {t for t, f in fam.items() if f.activation == GELU_TANH_MUL} == {"gemma3_text"}
     assert {t for t, f in fam.items() if f.rope == PER_LAYER_TYPE_ROPE} == {"gemma3_text"}
     assert {t for t, f in fam.items() if f.qk_norm} == {"qwen3", "qwen3_moe", "gemma3_text", "qwen3_vl_text"}
-    assert {t for t, f in fam.items() if f.rope == MULTIMODAL_ROPE} == {"qwen3_vl_text"}
+    assert {t for t, f in fam.items() if f.rope == INTERLEAVED_MULTIMODAL_ROPE} == {"qwen3_vl_text"}
     assert {t for t, f in fam.items() if f.fused_gate_up} == {"phi3"}
     assert {t: f.moe for t, f in fam.items() if f.moe} == {
         "qwen3_moe": "softmax_topk",

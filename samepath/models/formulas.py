@@ -31,6 +31,7 @@ from samepath.kernels import config as numerics_config
 from samepath.kernels.moe_routing import SIGMOID_GROUPED_TOPK_FORMULA
 from samepath.kernels.rotary import ROPE_TYPES
 from samepath.models.descriptor import (
+    INTERLEAVED_MULTIMODAL_ROPE,
     MULTIMODAL_ROPE,
     PER_LAYER_TYPE_ROPE,
     SIGMOID_GROUPED_TOPK,
@@ -167,13 +168,24 @@ def rope_formula(config: Any, layer_type: str | None = None) -> RopeFormula:
         )
     mrope = ("mrope_section", "mrope_interleaved")
     section = params.get("mrope_section")
-    if (section is not None) != (family is not None and family.rope == MULTIMODAL_ROPE):
+    multimodal = family is not None and family.rope in (MULTIMODAL_ROPE, INTERLEAVED_MULTIMODAL_ROPE)
+    if (section is not None) != multimodal:
         raise UnsupportedModelError(
             f"mrope_section={section} for model_type {getattr(config, 'model_type', None)!r}: samepath computes "
-            "multimodal rope for the families whose descriptor says so (Qwen3-VL's text decoder), with their sections"
+            "multimodal rope for the families whose descriptor says so (Qwen3-VL's text decoder), with the "
+            "config's sections"
         )
-    if section is not None and rope_type != "default":
-        raise UnsupportedModelError(f"multimodal rope with rope_type {rope_type!r} is not supported")
+    interleaved = multimodal and family.rope == INTERLEAVED_MULTIMODAL_ROPE
+    if section is not None and bool(params.get("mrope_interleaved", interleaved)) != interleaved:
+        # Hugging Face's module interleaves (or not) whatever the config says; vLLM follows the config.
+        raise UnsupportedModelError(
+            f"mrope_interleaved={params.get('mrope_interleaved')} contradicts {config.model_type}'s rotary module "
+            f"({'interleaved' if interleaved else 'contiguous'} sections)"
+        )
+    if section is not None and (rope_type != "default" or len(section) != 3):
+        raise UnsupportedModelError(
+            f"multimodal rope with rope_type {rope_type!r}, sections {section} is not supported"
+        )
     skip = ("type", "rope_theta", "partial_rotary_factor", *mrope)
     scaling = {k: _plain(v) for k, v in params.items() if k not in skip}
     scaling["rope_type"] = rope_type
@@ -184,7 +196,7 @@ def rope_formula(config: Any, layer_type: str | None = None) -> RopeFormula:
         base=float(base),
         scaling=scaling,
         mrope_section=None if section is None else tuple(int(x) for x in section),
-        mrope_interleaved=bool(params.get("mrope_interleaved", False)),
+        mrope_interleaved=interleaved,
     )
 
 

