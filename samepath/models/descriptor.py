@@ -165,7 +165,10 @@ class ModelFamily:
     def vllm_patches(self) -> tuple[str, ...]:
         """The vLLM plugin's family-specific patch groups this family's layers need: its norm's and
         its activation's."""
-        return (NORM_VLLM_PATCHES[self.norm_weight_mode], self.activation.vllm_patch)
+        # A norm or activation without a group of its own (run by another patch) adds none; what no
+        # patch runs is still refused by the load audit.
+        names = (NORM_VLLM_PATCHES.get(self.norm_weight_mode, ""), self.activation.vllm_patch)
+        return tuple(name for name in names if name)
 
     @property
     def routing_weights_fp32(self) -> bool:
