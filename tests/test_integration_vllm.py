@@ -102,6 +102,11 @@ def model_dirs(tmp_path_factory):
                 model = tiny_gemma2(getattr(torch, dtype), sliding_window=40, max_position_embeddings=512)
                 path = tmp_path_factory.mktemp(f"{arch}_{dtype}")
                 model.save_pretrained(path)
+            elif arch == "glm4_moe":  # partial rotary, sigmoid grouped top-k, shared experts, a dense layer
+                from tests.test_glm4_moe import tiny_glm
+
+                path = tmp_path_factory.mktemp(f"{arch}_{dtype}")
+                tiny_glm(getattr(torch, dtype)).save_pretrained(path)
                 dirs[arch, dtype] = str(path)
                 return dirs[arch, dtype]
             else:
@@ -265,6 +270,8 @@ CASES = [
     pytest.param("gemma3_text", "float32", 1.0, id="gemma3-fp32-sampled", marks=pytest.mark.slow),
     pytest.param("gemma2", "bfloat16", 0.8, id="gemma2-bf16-T0.8"),
     pytest.param("gemma2", "float32", 1.0, id="gemma2-fp32-sampled", marks=pytest.mark.slow),
+    pytest.param("glm4_moe", "bfloat16", 0.8, id="glm4_moe-bf16-T0.8"),
+    pytest.param("glm4_moe", "float32", 1.0, id="glm4_moe-fp32-sampled", marks=pytest.mark.slow),
 ]
 
 
@@ -316,6 +323,7 @@ def test_vllm_logprobs_equal_trainer(model_dirs, hf_patched, arch, dtype, temper
         pytest.param("phi3", "bfloat16", id="phi3-bf16", marks=pytest.mark.slow),
         pytest.param("gemma3_text", "bfloat16", id="gemma3-bf16"),
         pytest.param("gemma2", "bfloat16", id="gemma2-bf16"),
+        pytest.param("glm4_moe", "bfloat16", id="glm4_moe-bf16"),
     ],
 )
 def test_stock_vllm_differs(model_dirs, hf_patched, arch, dtype):
@@ -785,6 +793,52 @@ def test_vllm_rotary_layers_compute_hugging_face_bits(plugin_installed, monkeypa
         assert not torch.equal(stock_q, want_q)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_vllm_gptj_partial_and_mrope_layers_compute_hugging_face_bits(plugin_installed, dtype):
+    """GPT-J style (``is_neox_style=False``) with partial rotary: Hugging Face's GLM-4
+    ``apply_rotary_pos_emb`` bits; ``MRotaryEmbedding`` with ``[3, T]`` positions (contiguous
+    sections, Qwen2.5-VL; interleaved, Qwen3-VL): the stock transformers rotary modules' cos/sin and
+    rotation. Negative control: vLLM's own CPU kernel differs in bf16. The load audit still calls
+    such layers uncovered (no supported family resolves its rope this way)."""
+    from transformers.models.glm4 import modeling_glm4
+    from transformers.models.qwen2_5_vl import modeling_qwen2_5_vl
+    from vllm.config import VllmConfig, set_current_vllm_config
+    from vllm.model_executor.layers.rotary_embedding import get_rope
+
+    from tests.test_rope_variants import VL_ROPES, _vl_class, vl_text_config
+
+    gen = torch.Generator().manual_seed(4)
+    tokens, head = 23, 64
+    positions = torch.randint(0, 400, (tokens,), generator=gen)
+    q, k = (torch.randn(tokens, n * head, generator=gen).to(dtype) for n in (4, 2))
+    partial = {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}
+    with set_current_vllm_config(VllmConfig()):
+        gptj = get_rope(head, 512, False, partial, dtype)
+    got_q, got_k = gptj(positions, q.clone(), k.clone())
+    cos, sin = samepath.rotary_cos_sin(positions[None], 32, 1e4, dtype)  # GLM-4's module: cat layout
+    q4, k4 = (x.view(1, tokens, -1, head).transpose(1, 2) for x in (q, k))
+    want_q, want_k = (
+        t.transpose(1, 2).reshape(x.shape)
+        for t, x in zip(modeling_glm4.apply_rotary_pos_emb(q4, k4, cos, sin), (q, k), strict=True)
+    )
+    assert torch.equal(got_q, want_q) and torch.equal(got_k, want_k)
+    if dtype == torch.bfloat16:
+        assert not torch.equal(gptj.forward_cpu(positions, q.clone(), k.clone())[0], want_q)
+
+    positions3 = torch.randint(0, 400, (3, tokens), generator=gen)
+    q, k = (torch.randn(tokens, n * HEAD_DIM, generator=gen).to(dtype) for n in (4, 2))
+    for model_type, (_, module_path, section, interleaved) in VL_ROPES.items():
+        params = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": section}
+        with set_current_vllm_config(VllmConfig()):
+            layer = get_rope(HEAD_DIM, 512, True, {**params, "mrope_interleaved": interleaved}, dtype)
+        got_q, got_k = layer(positions3, q.clone(), k.clone())
+        cos, sin = _vl_class(module_path)(vl_text_config(model_type))(q, positions3[:, None])
+        q4, k4 = (x.view(1, tokens, -1, HEAD_DIM).transpose(1, 2) for x in (q, k))
+        hq, hk = modeling_qwen2_5_vl.apply_rotary_pos_emb(q4, k4, cos, sin)
+        assert torch.equal(got_q, hq.transpose(1, 2).reshape(q.shape)), model_type
+        assert torch.equal(got_k, hk.transpose(1, 2).reshape(k.shape)), model_type
+
+
 def test_vllm_rotary_refuses_what_it_cannot_make_equal(plugin_installed, monkeypatch):
     from vllm.config import VllmConfig, set_current_vllm_config
     from vllm.model_executor.layers.rotary_embedding import get_rope
@@ -792,12 +846,16 @@ def test_vllm_rotary_refuses_what_it_cannot_make_equal(plugin_installed, monkeyp
     positions = torch.arange(4)
     q, k = torch.randn(4, 64), torch.randn(4, 32)
     with set_current_vllm_config(VllmConfig()):
-        gptj = get_rope(16, 512, False, None, torch.float32)
-        mrope = get_rope(16, 512, True, {"rope_type": "default", "mrope_section": [2, 3, 3]}, torch.float32)
-    with pytest.raises(plugin_installed.UnsupportedRopeError, match="GPT-J"):
-        gptj(positions, q, k)
-    with pytest.raises(plugin_installed.UnsupportedRopeError, match="MRotaryEmbedding"):
-        mrope(positions, q, k)
+        mrope_yarn = get_rope(
+            16,
+            512,
+            True,
+            {"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 256, "mrope_section": [2, 3, 3]},
+            torch.float32,
+        )
+    assert type(mrope_yarn).__name__ == "MRotaryEmbedding"
+    with pytest.raises(plugin_installed.UnsupportedRopeError, match="YaRN"):
+        mrope_yarn(positions, q, k)
     with pytest.raises(plugin_installed.UnsupportedRopeError, match="max_model_len"):  # long factors everywhere
         _vllm_rope_layer("longrope", torch.float32, monkeypatch, max_model_len=512)(positions, q, k)
     with pytest.raises(ValueError, match="at or past 512"):  # HF's dynamic rope turns length-dependent
@@ -1023,6 +1081,38 @@ def test_load_audit_refuses_a_rotary_layer_in_no_layer_of_a_per_layer_type_rope(
     assert "cannot tell which layer type's rope" in entries["rotary"].detail
     placed = audit.audit_vllm_model(torch.nn.ModuleDict({"layers": tree["layers"]}), config, samepath_vllm.vllm_rules())
     assert {e.name: e.status for e in placed.entries}["layers.0.rotary"] == audit.COVERED
+
+
+def test_load_audit_covers_partial_rotary_only_where_the_family_rotates_part_of_the_head(plugin_installed):
+    """GLM-4.5's rotary layer (32 of 64 dimensions) is covered for a GLM-4.5 config; the same layer
+    for a Qwen3 config (which rotates the whole head) is not, nor is a GPT-J or a multimodal layer
+    (no supported family resolves its rope that way)."""
+    from vllm.config import VllmConfig, set_current_vllm_config
+    from vllm.model_executor.layers.rotary_embedding import get_rope
+
+    from samepath import audit
+    from samepath.integrations import vllm as samepath_vllm
+    from tests.test_glm4_moe import glm_config
+
+    glm = glm_config()
+    qwen3 = transformers.Qwen3Config(**{**DEFAULT_MODEL_CONFIG, "head_dim": 64})
+    partial = {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}
+    with set_current_vllm_config(VllmConfig()):
+        layers = {
+            "partial": get_rope(64, 512, True, dict(partial)),
+            "gptj": get_rope(64, 512, False, dict(partial)),
+            "mrope": get_rope(64, 512, True, {"rope_type": "default", "rope_theta": 1e4, "mrope_section": [16, 8, 8]}),
+        }
+
+    def status(config, name):
+        report = audit.audit_vllm_model(torch.nn.ModuleDict({"r": layers[name]}), config, samepath_vllm.vllm_rules())
+        entry = {e.name: e for e in report.entries}["r"]
+        return entry.status, entry.detail
+
+    assert status(glm, "partial")[0] == audit.COVERED
+    assert status(qwen3, "partial") == (audit.UNCOVERED, "partial rotary (32 of 64)")
+    assert "GPT-J" in status(glm, "gptj")[1] and status(glm, "gptj")[0] == audit.UNCOVERED
+    assert "multimodal rope" in status(glm, "mrope")[1]
 
 
 # ----------------------------------------------------------------------------------------------

@@ -18,6 +18,7 @@ from samepath.models import formulas, registry
 from samepath.models.descriptor import (
     GELU_TANH_MUL,
     GEMMA_NORM,
+    INTERLEAVED_MULTIMODAL_ROPE,
     PER_LAYER_TYPE_ROPE,
     SILU_MUL,
     ModelFamily,
@@ -25,7 +26,19 @@ from samepath.models.descriptor import (
 )
 
 #: What samepath supports today, by model type (a change here is a change of what samepath covers).
-SUPPORTED = {"llama", "qwen2", "qwen3", "qwen3_moe", "mistral", "phi3", "mixtral", "gemma3_text", "gemma2"}
+SUPPORTED = {
+    "llama",
+    "qwen2",
+    "qwen3",
+    "qwen3_moe",
+    "mistral",
+    "phi3",
+    "mixtral",
+    "gemma3_text",
+    "glm4_moe",
+    "qwen3_vl_text",
+    "gemma2",
+}
 REFUSED = {"olmo2", "granite", "gemma3", "gpt_oss", "deepseek_v2", "deepseek_v3", "gpt2"}
 
 
@@ -48,16 +61,16 @@ def test_the_descriptors_say_what_each_family_computes():
     assert {t for t, f in fam.items() if f.norm_weight_mode == GEMMA_NORM} == {"gemma3_text", "gemma2"}
     assert {t for t, f in fam.items() if f.activation == GELU_TANH_MUL} == {"gemma3_text", "gemma2"}
     assert {t for t, f in fam.items() if f.rope == PER_LAYER_TYPE_ROPE} == {"gemma3_text"}
-    assert {t for t, f in fam.items() if f.qk_norm} == {"qwen3", "qwen3_moe", "gemma3_text"}
+    assert {t for t, f in fam.items() if f.qk_norm} == {"qwen3", "qwen3_moe", "gemma3_text", "qwen3_vl_text"}
+    assert {t for t, f in fam.items() if f.rope == INTERLEAVED_MULTIMODAL_ROPE} == {"qwen3_vl_text"}
     assert {t for t, f in fam.items() if f.fused_gate_up} == {"phi3"}
-    assert {t: f.moe for t, f in fam.items() if f.moe} == {"qwen3_moe": "softmax_topk", "mixtral": "softmax_topk_fp32"}
-    assert {t for t, f in fam.items() if f.sliding_window_by_default} == {
-        "mistral",
-        "phi3",
-        "mixtral",
-        "gemma3_text",
-        "gemma2",
+    assert {t: f.moe for t, f in fam.items() if f.moe} == {
+        "qwen3_moe": "softmax_topk",
+        "mixtral": "softmax_topk_fp32",
+        "glm4_moe": "sigmoid_grouped_topk",
     }
+    assert {t for t, f in fam.items() if f.partial_rotary or f.shared_experts or f.hf_router} == {"glm4_moe"}
+    assert {t for t, f in fam.items() if f.sliding_window_by_default} == {"mistral", "phi3", "mixtral", "gemma3_text", "gemma2"}
     assert {t for t, f in fam.items() if f.query_pre_attn_scalar or f.embedding_scale} == {"gemma3_text", "gemma2"}
     assert {t for t, f in fam.items() if f.softcap or f.layer_types} == {"gemma2"}
     assert {t for t, f in fam.items() if not f.dense_mlp} == {"mixtral"}
@@ -249,3 +262,33 @@ def test_a_family_the_patches_cannot_serve_is_named():
     with pytest.raises(ValueError, match="no Hugging Face MLP patch for gelu_tanh_mul with a fused gate_up_proj"):
         hf.mlp_forward_of(odd)
     assert SILU_MUL.accepted == ("silu", "swish")
+
+
+def test_the_vllm_plugins_family_bits_come_from_the_descriptors():
+    """The vLLM plugin's norm and activation patch groups are the ones the registered families ask for
+    (a family without Gemma's norm and GELU leaves their groups out; a group the plugin lacks is an
+    error naming it), and Phi-3's long-rope class is patched and audited because its descriptor names it."""
+    from samepath.integrations.vllm import plugin
+
+    fam = models.families()
+    assert fam["gemma3_text"].vllm_patches() == ("gemma_rms_norm", "gelu_tanh_mul")
+    assert fam["glm4_moe"].vllm_patches() == ("rms_norm", "silu_mul")
+    assert {t for t, f in fam.items() if f.vllm_rotary_classes} == {"phi3"}
+    names = [name for name, _ in plugin.patch_groups()]
+    assert {"rms_norm", "gemma_rms_norm", "silu_mul", "gelu_tanh_mul"} <= set(names)
+    gemma = models.family("gemma3_text")
+    models.unregister(gemma)
+    try:
+        names = [name for name, _ in plugin.patch_groups()]
+        assert "gemma_rms_norm" not in names and "gelu_tanh_mul" not in names and "rms_norm" in names
+    finally:
+        models.register(gemma, replace=True)
+    odd_act = dataclasses.replace(SILU_MUL, vllm_patch="relu2_mul")
+    odd = models.register(
+        dataclasses.replace(models.family("llama"), model_types=("samepath_odd2",), activation=odd_act)
+    )
+    try:
+        with pytest.raises(ValueError, match="relu2_mul"):
+            plugin.patch_groups()
+    finally:
+        models.unregister(odd)

@@ -172,6 +172,25 @@ def test_rotary_replay_equals_interpreter(layout, n, hq, hk, seq, head, rdim, dt
         ((q_embed.float() * _randn(*q.shape, dtype=dtype).float()).sum() + k_embed.float().sum()).backward()
 
 
+@pytest.mark.parametrize(
+    ("layout", "head", "rdim", "dtype"),
+    [("hf", 64, 32, torch.bfloat16), ("vllm", 80, 80, torch.float16), ("vllm", 48, 24, torch.float32)],
+)
+def test_rotary_interleaved_replay_equals_interpreter(layout, head, rdim, dtype) -> None:
+    """GPT-J pairs (2i, 2i + 1), whole and partial heads, forward and backward."""
+    torch.manual_seed(head + rdim)
+    if layout == "hf":
+        positions = torch.randint(0, 4096, (2, 5))
+        q, k = _leaf(_randn(2, 3, 5, head, dtype=dtype)), _leaf(_randn(2, 1, 5, head, dtype=dtype))
+    else:
+        positions = torch.randint(0, 4096, (9,))
+        q, k = _leaf(_randn(9, 4, head, dtype=dtype)), _leaf(_randn(9, 2, head, dtype=dtype))
+    cos, sin = rotary_cos_sin(positions, rdim, 10000.0, dtype, interleaved=True)
+    with cpu_executor("verify"):
+        q_embed, k_embed = apply_rotary(q, k, cos, sin, interleaved=True)
+        ((q_embed.float() * _randn(*q.shape, dtype=dtype).float()).sum() + k_embed.float().sum()).backward()
+
+
 def test_rotary_replay_with_broadcast_and_strided_inputs() -> None:
     """cos/sin broadcast over the batch (stride 0) and q a transposed view ([B, S, H, D] -> [B, H, S, D])."""
     torch.manual_seed(2)
@@ -186,7 +205,7 @@ def test_rotary_replay_with_broadcast_and_strided_inputs() -> None:
 def test_rotary_negative_control_one_rounding(monkeypatch) -> None:
     """Rounding ``x*cos - x2*sin`` once (no rounding of each product) changes bf16 bits."""
 
-    def one_rounding(x, cos, sin, out, half, head, dtype, backward):
+    def one_rounding(x, cos, sin, out, half, head, dtype, backward, interleaved=False):
         x1, x2 = rotary_replay.widen(x[..., :half]), rotary_replay.widen(x[..., half : 2 * half])
         c, s = rotary_replay.widen(cos), rotary_replay.widen(sin)
         out[..., :half] = rotary_replay.cast(x1 * c[..., :half] - x2 * s[..., :half], dtype)

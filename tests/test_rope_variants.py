@@ -197,3 +197,107 @@ def test_generate_equals_forward_for_each_rope_variant(variant, dtype):
     with integrations.patched(model):
         generated, rollout_lp = rollout(model, prompts, 3, temperature=None)
         assert torch.equal(trainer_padded(model, prompts, generated, 1.0), rollout_lp)
+
+
+# ---- partial, GPT-J interleaved and multimodal rope -------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+def test_interleaved_partial_rotary_equals_glm4s_own(dtype):
+    """GPT-J pairs (2i, 2i + 1) on the first half of each head (GLM-4's ``apply_rotary_pos_emb``:
+    cos/sin repeated in place, each product rounded to the dtype, then the sum): the same bits, and
+    the pass-through half bit-identical to the input. Negative control: the rotate-half pairs differ."""
+    from transformers.models.glm4 import modeling_glm4
+
+    gen = torch.Generator().manual_seed(5)
+    head, rotary_dim = 48, 24
+    positions = torch.randint(0, 4000, (2, 7), generator=gen)
+    q = torch.randn(2, 4, 7, head, generator=gen).to(dtype)
+    k = torch.randn(2, 2, 7, head, generator=gen).to(dtype)
+    neox_cos, neox_sin = samepath.rotary_cos_sin(positions, rotary_dim, 1e4, dtype)  # GLM-4's module: cat layout
+    want_q, want_k = modeling_glm4.apply_rotary_pos_emb(q, k, neox_cos, neox_sin)
+    cos, sin = samepath.rotary_cos_sin(positions, rotary_dim, 1e4, dtype, interleaved=True)
+    got_q, got_k = samepath.apply_rotary(q, k, cos, sin, interleaved=True)
+    assert torch.equal(got_q, want_q) and torch.equal(got_k, want_k)
+    assert torch.equal(got_q[..., rotary_dim:], q[..., rotary_dim:])
+    neox_q, _ = samepath.apply_rotary(q, k, neox_cos, neox_sin)
+    assert not torch.equal(neox_q, want_q)
+
+
+def test_interleaved_rotary_is_close_to_fp64():
+    gen = torch.Generator().manual_seed(6)
+    positions = torch.randint(0, 4000, (9,), generator=gen)
+    q = torch.randn(9, 3, 64, generator=gen).to(torch.bfloat16)
+    cos, sin = samepath.rotary_cos_sin(positions, 64, 1e4, torch.bfloat16, interleaved=True)
+    got, _ = samepath.apply_rotary(q, q, cos, sin, interleaved=True)
+    inv_freq, _ = rotary_inv_freq(64, 1e4)
+    angle = positions.double()[:, None] * inv_freq.double()
+    c, s = angle.cos()[:, None], angle.sin()[:, None]
+    x = q.double()
+    x1, x2 = x[..., 0::2], x[..., 1::2]
+    want = torch.stack((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1).flatten(-2)
+    assert (got.double() - want).abs().max() < 0.04 * want.abs().max()
+
+
+VL_ROPES = {
+    # model_type of the text config -> (config class path, rotary module path, mrope_section, interleaved)
+    "qwen2_5_vl_text": (
+        "qwen2_5_vl.configuration_qwen2_5_vl.Qwen2_5_VLTextConfig",
+        "qwen2_5_vl.modeling_qwen2_5_vl.Qwen2_5_VLRotaryEmbedding",
+        [4, 6, 6],
+        False,
+    ),
+    "qwen3_vl_text": (
+        "qwen3_vl.configuration_qwen3_vl.Qwen3VLTextConfig",
+        "qwen3_vl.modeling_qwen3_vl.Qwen3VLTextRotaryEmbedding",
+        [6, 5, 5],
+        True,
+    ),
+}
+
+
+def _vl_class(path: str):
+    import importlib
+
+    module, name = path.rsplit(".", 1)
+    return getattr(importlib.import_module(f"transformers.models.{module}"), name)
+
+
+def vl_text_config(model_type: str):
+    config_path, _, section, interleaved = VL_ROPES[model_type]
+    params = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": section}
+    if interleaved:
+        params["mrope_interleaved"] = True
+    return _vl_class(config_path)(
+        vocab_size=320,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=HEAD_DIM,
+        max_position_embeddings=MAX_POSITIONS,
+        rope_parameters=params,
+    )
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("model_type", list(VL_ROPES))
+def test_mrope_cos_sin_equal_the_vl_text_rotary_module(model_type, dtype):
+    """Position ids ``[3, batch, seq]`` whose rows differ (an image's temporal / height / width
+    grid), and 2-D ones: :func:`samepath.kernels.rotary.mrope_cos_sin` gives the stock Qwen2.5-VL /
+    Qwen3-VL (interleaved sections) module's bits. Negative control: the other section layout differs."""
+    from samepath.kernels.rotary import mrope_cos_sin
+
+    config = vl_text_config(model_type)
+    _, module_path, section, interleaved = VL_ROPES[model_type]
+    stock = _vl_class(module_path)(config)
+    gen = torch.Generator().manual_seed(7)
+    position_ids = torch.randint(0, MAX_POSITIONS, (3, 2, 19), generator=gen)
+    x = torch.empty(0, dtype=dtype)
+    for ids in (position_ids, position_ids[0]):
+        want = stock(x, ids if ids.dim() == 3 else ids[None].expand(3, -1, -1))
+        got = mrope_cos_sin(ids, HEAD_DIM, 1e4, dtype, section, mrope_interleaved=interleaved)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    other = mrope_cos_sin(position_ids, HEAD_DIM, 1e4, dtype, [6, 5, 5], mrope_interleaved=not interleaved)
+    assert not torch.equal(other[0], stock(x, position_ids)[0])

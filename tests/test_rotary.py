@@ -283,15 +283,42 @@ def test_kernels_compile_for_hopper() -> None:
     dtype = torch.bfloat16
     q, k, positions = _qk("vllm", dtype, 128, seed=1, tokens=5)
     with record_launches() as launches:
-        for rotary_dim in (128, 64):
-            cos, sin = rotary_cos_sin(positions, rotary_dim, 10000.0, dtype)
+        for rotary_dim, interleaved in ((128, False), (64, False), (64, True)):
+            cos, sin = rotary_cos_sin(positions, rotary_dim, 10000.0, dtype, interleaved=interleaved)
             qs = q.clone().requires_grad_()
-            q_embed, _ = apply_rotary(qs, k, cos, sin)
+            q_embed, _ = apply_rotary(qs, k, cos, sin, interleaved=interleaved)
             q_embed.float().sum().backward()
     seen = set()
     for launch in launches:
-        key = (launch.kwargs.get("BACKWARD"), launch.kwargs.get("HALF"))
+        key = (launch.kwargs.get("BACKWARD"), launch.kwargs.get("HALF"), launch.kwargs.get("INTERLEAVED"))
         if key not in seen:
             seen.add(key)
             assert compile_launch(launch).asm["cubin"]
-    assert seen == {(False, 64), (True, 64), (False, 32), (True, 32)}
+    assert {key[:2] for key in seen} == {(False, 64), (True, 64), (False, 32), (True, 32)}
+    assert {key for key in seen if key[2]} == {(False, 32, True), (True, 32, True)}  # GPT-J pairs
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_interleaved_is_the_neox_rotation_of_permuted_columns(dtype: torch.dtype) -> None:
+    """GPT-J pairs ``(2i, 2i + 1)`` are rotate-half pairs ``(i, i + R/2)`` of the columns permuted: the
+    forward and the gradients equal the NeoX path's (itself checked against fp64 above) bit for bit;
+    a partial head's pass-through columns stay where they are."""
+    head, rotary_dim = 48, 32
+    gen = torch.Generator().manual_seed(11)
+    positions = torch.randint(0, 4096, (2, 6), generator=gen)
+    x = torch.randn(2, 3, 6, head, generator=gen).to(dtype)
+    grad = torch.randn(2, 3, 6, head, generator=gen).to(dtype)
+    perm = torch.cat([torch.arange(0, rotary_dim, 2), torch.arange(1, rotary_dim, 2), torch.arange(rotary_dim, head)])
+    inverse = torch.argsort(perm)
+    cos_i, sin_i = rotary_cos_sin(positions, rotary_dim, 1e4, dtype, interleaved=True)
+    cos_n, sin_n = rotary_cos_sin(positions, rotary_dim, 1e4, dtype)
+    xi = x.clone().requires_grad_()
+    out_i, _ = apply_rotary(xi, xi[:, :1].detach(), cos_i, sin_i, interleaved=True)
+    out_i.backward(grad)
+    xn = x[..., perm].clone().requires_grad_()
+    out_n, _ = apply_rotary(xn, xn[:, :1].detach(), cos_n, sin_n)
+    out_n.backward(grad[..., perm])
+    assert torch.equal(out_i, out_n[..., inverse])
+    assert torch.equal(xi.grad, xn.grad[..., inverse])
+    with pytest.raises(ValueError, match="interleaved must be a bool"):
+        apply_rotary(x, x, cos_i, sin_i, interleaved=1)

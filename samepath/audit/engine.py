@@ -21,6 +21,7 @@ import torch
 from samepath.audit.report import (
     COVERED,
     NEUTRAL,
+    UNCOVERED,
     UNRESOLVED_LAYER_ROPE,
     AuditReport,
     embedding_scale_entry,
@@ -30,7 +31,7 @@ from samepath.audit.report import (
 )
 from samepath.kernels.rotary import rotary_inv_freq, rotary_position_limit
 from samepath.models.formulas import UnsupportedModelError, layer_types, model_formulas, rope_formulas
-from samepath.models.registry import family_view
+from samepath.models.registry import family_view, find
 
 
 @dataclasses.dataclass(frozen=True)
@@ -129,6 +130,8 @@ def audit_vllm_model(model: torch.nn.Module, hf_config: Any, rules: ModuleRules)
         return hf_ropes[types[index]]
 
     structure = named_classes(*VLLM_STRUCTURE[model_type]) if model_type in VLLM_STRUCTURE else ()
+    family = find(model_type)
+    scales_embeddings = family is not None and family.embedding_scale  # vLLM's ``normalizer`` (Gemma)
     attention_mlp = VLLM_ATTENTION_MLP.get(model_type)
     attention_cls = named_classes(attention_mlp[0], (attention_mlp[1],)) if attention_mlp else ()
     mlp_cls = named_classes(attention_mlp[0], attention_mlp[2]) if attention_mlp else ()
@@ -141,7 +144,10 @@ def audit_vllm_model(model: torch.nn.Module, hf_config: Any, rules: ModuleRules)
         entry = generic_entry(name, module)
         if entry is None:
             kind = type(module)
-            if kind in structure and hasattr(module, "normalizer"):  # Gemma3Model: embed * normalizer
+            if kind in structure and hasattr(module, "normalizer") and not scales_embeddings:
+                detail = "multiplies its embeddings by a normalizer its family's descriptor does not have"
+                entry = module_entry(name, module, "embedding_scale", UNCOVERED, detail)
+            elif kind in structure and hasattr(module, "normalizer"):  # Gemma3Model: embed * normalizer
                 entry = embedding_scale_entry(
                     name,
                     module,

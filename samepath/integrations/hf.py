@@ -47,10 +47,11 @@ from samepath.kernels.attention import LaunchPlan, packed_attention, varlen_atte
 from samepath.kernels.attention.backend import attention_backend
 from samepath.kernels.gelu_tanh_mul import gelu_tanh_mul
 from samepath.kernels.logprobs import IGNORE_INDEX, LM_HEAD_TOKEN_CHUNK, linear_token_logprobs
+from samepath.kernels.moe_routing import sigmoid_grouped_topk_routing
 from samepath.kernels.rms_norm import rms_norm
-from samepath.kernels.rotary import apply_rotary, rotary_cos_sin
+from samepath.kernels.rotary import apply_rotary, mrope_cos_sin, rotary_cos_sin
 from samepath.kernels.swiglu import silu_mul, swiglu
-from samepath.models.descriptor import GELU_TANH_MUL, SILU_MUL, ModelFamily
+from samepath.models.descriptor import GELU_TANH_MUL, SIGMOID_GROUPED_TOPK, SILU_MUL, ModelFamily
 from samepath.models.formulas import final_logit_softcap, rope_formula
 from samepath.models.registry import family_view, find, model_types_where
 
@@ -526,6 +527,28 @@ def mlp_forward_of(family: ModelFamily) -> Callable[[torch.nn.Module, torch.Tens
     )
 
 
+def _sigmoid_grouped_router_forward(self: torch.nn.Module, hidden_states: torch.Tensor):
+    """``Glm4MoeTopkRouter.forward``: the fp32 router logits (``F.linear`` of the fp32 input and
+    weight, on samepath's matmul), then :func:`samepath.kernels.moe_routing.sigmoid_grouped_topk_routing`
+    — the function vLLM's MoE layer runs under the plugin."""
+    hidden_states = hidden_states.view(-1, self.hidden_dim)
+    router_logits = torch.nn.functional.linear(hidden_states.type(torch.float32), self.weight.type(torch.float32))
+    index, weights = sigmoid_grouped_topk_routing(
+        router_logits,
+        self.e_score_correction_bias,
+        self.top_k,
+        self.num_group,
+        self.topk_group,
+        bool(self.norm_topk_prob),
+        float(self.routed_scaling_factor),
+    )
+    return router_logits, weights, index
+
+
+#: A family's ``moe`` -> the forward samepath installs on its ``{Prefix}{hf_router}`` class.
+ROUTER_FORWARDS = {SIGMOID_GROUPED_TOPK: _sigmoid_grouped_router_forward}
+
+
 def samepath_apply_rotary_pos_emb(
     q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, unsqueeze_dim: int = 1
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -536,6 +559,9 @@ def rotary_embedding_forward(
     self: torch.nn.Module, x: torch.Tensor, position_ids: torch.Tensor, layer_type: str | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     rope = rope_formula(self.config, layer_type)  # Gemma 3: the rope of this layer type (local or global)
+    if rope.mrope_section is not None:  # Qwen3-VL: position ids [3, batch, seq]
+        section, interleaved = list(rope.mrope_section), rope.mrope_interleaved
+        return mrope_cos_sin(position_ids, rope.rotary_dim, rope.base, x.dtype, section, rope.scaling, interleaved)
     return rotary_cos_sin(position_ids, rope.rotary_dim, rope.base, x.dtype, rope.scaling)
 
 
@@ -563,6 +589,8 @@ def apply_to_model_type(model_type: str, patcher: Patcher) -> None:
     if family.softcap:  # Gemma 2: the final logits capped by samepath's kernel (vLLM's LogitsProcessor's too)
         causal_lm = getattr(modeling, f"{prefix}ForCausalLM")
         patcher.set(causal_lm, "forward", softcapped_causal_lm_forward(causal_lm.forward))
+    if family.hf_router is not None:
+        patcher.set(getattr(modeling, f"{prefix}{family.hf_router}"), "forward", ROUTER_FORWARDS[family.moe])
 
 
 def register_interfaces(patcher: Patcher, replace_defaults: bool) -> None:

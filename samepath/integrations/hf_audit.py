@@ -130,6 +130,11 @@ def hf_entry(
         if experts_fn is hf.samepath_experts_forward:
             return module_entry(name, module, "experts", COVERED, "samepath.integrations.moe.experts_forward")
         return module_entry(name, module, "experts", UNCOVERED, "the model's experts implementation is not samepath's")
+    if family_class(module, "TopkRouter"):  # a router samepath replaces (GLM-4.5's sigmoid grouped top-k)
+        if kind.forward in hf.ROUTER_FORWARDS.values():
+            detail = "samepath.kernels.moe_routing (the vLLM plugin's function)"
+            return module_entry(name, module, "moe_routing", COVERED, detail)
+        return module_entry(name, module, "moe_routing", UNCOVERED, "stock router")
     if family_class(module, "TopKRouter"):
         detail = "Hugging Face's fp32 softmax top-k: the router the vLLM plugin runs (samepath.integrations.moe)"
         return module_entry(name, module, "moe_routing", COVERED, detail)
@@ -137,7 +142,7 @@ def hf_entry(
         if is_softcapped_forward(kind.forward):
             return module_entry(name, module, "logits", COVERED, "samepath.kernels.softcap.softcap_logits")
         return module_entry(name, module, "logits", UNCOVERED, "final logit soft-capping in torch (stock)")
-    for suffix in ("ForCausalLM", "Model", "TextModel", "DecoderLayer", "SparseMoeBlock"):
+    for suffix in ("ForCausalLM", "Model", "TextModel", "DecoderLayer", "SparseMoeBlock", "MoE"):
         if family_class(module, suffix):
             return module_entry(name, module, "structure", NEUTRAL, "residual adds in the model dtype, reshapes")
     return module_entry(name, module, "unknown", UNCOVERED, "samepath has no rule for this module class")

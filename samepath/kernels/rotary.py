@@ -261,6 +261,7 @@ def rotary_cos_sin(
     base: float,
     dtype: torch.dtype,
     scaling: dict | None = None,
+    interleaved: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``cos``, ``sin`` ``[*positions.shape, rotary_dim]`` in ``dtype``, exactly as HF computes them.
 
@@ -271,15 +272,15 @@ def rotary_cos_sin(
         base: ``rope_theta``.
         dtype: the model dtype (float32 / bfloat16 / float16).
         scaling: HF's ``rope_parameters`` / ``rope_scaling`` (see :func:`rotary_inv_freq`).
+        interleaved: each frequency repeated in place (``repeat_interleave(freqs, 2)``: GPT-J style,
+            for ``apply_rotary(..., interleaved=True)``) instead of ``cat((freqs, freqs))``.
 
     Raises ``ValueError`` for a position at or past :func:`rotary_position_limit`.
 
     Every element depends only on its own position: the same position gives the same bits in any
     batch, in any shape.
     """
-    if not isinstance(positions, torch.Tensor) or positions.dtype not in (torch.int32, torch.int64):
-        got = positions.dtype if isinstance(positions, torch.Tensor) else type(positions).__name__
-        raise ValueError(f"positions must be an int32/int64 tensor, got {got}")
+    _checked_positions(positions)
     dtype_name(dtype, "dtype")
     device_kind(positions.device)
     inv_freq, attention_scaling = _inv_freq_on(rotary_dim, base, _scaling_key(scaling), positions.device)
@@ -290,10 +291,83 @@ def rotary_cos_sin(
             "rope turns length-dependent (its bits would depend on the batch): samepath refuses it"
         )
     freqs = positions.to(torch.float32)[..., None] * inv_freq
-    emb = torch.cat((freqs, freqs), dim=-1)
+    return _cos_sin(freqs, attention_scaling, dtype, interleaved)
+
+
+def _cos_sin(freqs: torch.Tensor, attention_scaling: float, dtype: torch.dtype, interleaved: bool):
+    emb = torch.repeat_interleave(freqs, 2, dim=-1) if interleaved else torch.cat((freqs, freqs), dim=-1)
     cos = emb.cos() * attention_scaling
     sin = emb.sin() * attention_scaling
     return cos.to(dtype), sin.to(dtype)
+
+
+def _checked_positions(positions: object, name: str = "positions") -> None:
+    if not isinstance(positions, torch.Tensor) or positions.dtype not in (torch.int32, torch.int64):
+        got = positions.dtype if isinstance(positions, torch.Tensor) else type(positions).__name__
+        raise ValueError(f"{name} must be an int32/int64 tensor, got {got}")
+
+
+def mrope_axes(rotary_dim: int, mrope_section: list[int] | tuple[int, ...], interleaved: bool) -> torch.Tensor:
+    """For each of the ``rotary_dim // 2`` frequencies, which row of the ``[3, ...]`` position ids
+    (0 temporal, 1 height, 2 width) it rotates by.
+
+    Contiguous sections (Qwen2-VL / Qwen2.5-VL, Hugging Face's ``recomposition_frequencies``): the
+    first ``mrope_section[0]`` frequencies take row 0, the next ``mrope_section[1]`` row 1, the
+    next row 2 (section ``i`` takes row ``i % 3``). Interleaved (Qwen3-VL): frequency ``j`` takes
+    row 1 when ``j % 3 == 1`` and ``j < 3 * mrope_section[1]``, row 2 when ``j % 3 == 2`` and
+    ``j < 3 * mrope_section[2]``, else row 0.
+    """
+    half = rotary_dim // 2
+    sections = [int(s) for s in mrope_section] if isinstance(mrope_section, (list, tuple)) else None
+    if not sections or any(s < 0 for s in sections):
+        raise ValueError(f"mrope_section must be a list of non-negative ints, got {mrope_section!r}")
+    if interleaved:
+        if len(sections) != 3 or 3 * max(sections[1:]) > half + 2:
+            raise ValueError(f"interleaved mrope_section {sections} does not fit rotary_dim // 2 = {half}")
+        axes = torch.zeros(half, dtype=torch.int64)
+        for axis in (1, 2):
+            axes[axis : 3 * sections[axis] : 3] = axis
+        return axes
+    if sum(sections) != half:
+        raise ValueError(f"mrope_section {sections} must sum to rotary_dim // 2 = {half}")
+    return torch.cat([torch.full((s,), i % 3, dtype=torch.int64) for i, s in enumerate(sections)])
+
+
+def mrope_cos_sin(
+    position_ids: torch.Tensor,
+    rotary_dim: int,
+    base: float,
+    dtype: torch.dtype,
+    mrope_section: list[int] | tuple[int, ...],
+    scaling: dict | None = None,
+    mrope_interleaved: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Multimodal rope (``mrope``): ``cos``, ``sin`` ``[*position_ids.shape[1:], rotary_dim]`` for
+    ``position_ids`` ``[3, ...]`` (temporal, height, width rows; a ``[...]`` tensor is taken as all
+    three rows equal, as Hugging Face's ``expand(3, -1, -1)``), exactly as Qwen2.5-VL's
+    ``Qwen2_5_VLRotaryEmbedding`` / Qwen3-VL's ``Qwen3VLTextRotaryEmbedding`` compute them.
+
+    Frequency ``j`` is rotated by row :func:`mrope_axes` ``[j]`` of the positions; Hugging Face
+    computes the cos/sin of every row and then selects, samepath selects the position first —
+    the same fp32 product, the same ``cos``/``sin``, so the same bits. Every element depends only on
+    its own three positions.
+    """
+    _checked_positions(position_ids, "position_ids")
+    dtype_name(dtype, "dtype")
+    device_kind(position_ids.device)
+    if position_ids.dim() >= 1 and position_ids.shape[0] == 3 and position_ids.dim() >= 2:
+        rows = position_ids
+    else:
+        rows = position_ids.unsqueeze(0).expand(3, *position_ids.shape)
+    axes = mrope_axes(rotary_dim, mrope_section, mrope_interleaved).to(position_ids.device)
+    inv_freq, attention_scaling = _inv_freq_on(rotary_dim, base, _scaling_key(scaling), position_ids.device)
+    limit = rotary_position_limit(scaling)
+    if limit is not None and rows.numel() and int(rows.max()) >= limit:
+        raise ValueError(f"position {int(rows.max())} is at or past {limit} (length-dependent rope): refused")
+    # [..., half]: the position of the row each frequency takes.
+    chosen = torch.movedim(rows, 0, -1).index_select(-1, axes)
+    freqs = chosen.to(torch.float32) * inv_freq
+    return _cos_sin(freqs, attention_scaling, dtype, False)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -325,10 +399,12 @@ def _rotary_kernel(
     BLOCK_P: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BACKWARD: tl.constexpr,
+    INTERLEAVED: tl.constexpr,
 ):
     """Blocks of BLOCK_R rows of a ``[n0, size1, size2, HEAD]`` tensor; cos/sin rows found through
     their own strides (0 where broadcast). Forward: HF's ``x*cos + rotate_half(x)*sin``; backward:
-    its transpose."""
+    its transpose. A rotated pair is columns ``(i, i + HALF)`` (rotate-half, NeoX) or, with
+    ``INTERLEAVED``, ``(2i, 2i + 1)`` (GPT-J); the arithmetic of a pair is the same."""
     for work in range(tl.program_id(0), tl.cdiv(num_rows, BLOCK_R), tl.num_programs(0)):
         rows = work * BLOCK_R + tl.arange(0, BLOCK_R)
         row_valid = rows < num_rows
@@ -342,14 +418,20 @@ def _rotary_kernel(
 
         cols = tl.arange(0, BLOCK_H)
         mask = row_valid[:, None] & (cols < HALF)[None, :]
-        first = x_row[:, None] + cols[None, :]
+        if INTERLEAVED:
+            one = cols * 2
+            other = 1
+        else:
+            one = cols
+            other = HALF
+        first = x_row[:, None] + one[None, :]
         x1 = tl.load(X + first, mask=mask, other=0.0).to(tl.float32)
-        x2 = tl.load(X + first + HALF, mask=mask, other=0.0).to(tl.float32)
-        c_first = c_row[:, None] + cols[None, :]
+        x2 = tl.load(X + first + other, mask=mask, other=0.0).to(tl.float32)
+        c_first = c_row[:, None] + one[None, :]
         c1 = tl.load(Cos + c_first, mask=mask, other=0.0).to(tl.float32)
-        c2 = tl.load(Cos + c_first + HALF, mask=mask, other=0.0).to(tl.float32)
+        c2 = tl.load(Cos + c_first + other, mask=mask, other=0.0).to(tl.float32)
         s1 = tl.load(Sin + c_first, mask=mask, other=0.0).to(tl.float32)
-        s2 = tl.load(Sin + c_first + HALF, mask=mask, other=0.0).to(tl.float32)
+        s2 = tl.load(Sin + c_first + other, mask=mask, other=0.0).to(tl.float32)
         dtype = Out.dtype.element_ty
         if BACKWARD:
             o1 = x1 * c1 + x2 * s2
@@ -358,9 +440,9 @@ def _rotary_kernel(
             # Each product rounded to the dtype, then the fp32 sum of the rounded products rounded.
             o1 = (x1 * c1).to(dtype).to(tl.float32) + ((-x2) * s1).to(dtype).to(tl.float32)
             o2 = (x2 * c2).to(dtype).to(tl.float32) + (x1 * s2).to(dtype).to(tl.float32)
-        out_first = o_row[:, None] + cols[None, :]
+        out_first = o_row[:, None] + one[None, :]
         tl.store(Out + out_first, o1.to(dtype), mask=mask)
-        tl.store(Out + out_first + HALF, o2.to(dtype), mask=mask)
+        tl.store(Out + out_first + other, o2.to(dtype), mask=mask)
 
         if HEAD > 2 * HALF:
             pass_cols = 2 * HALF + tl.arange(0, BLOCK_P)
@@ -375,7 +457,9 @@ def _as_4d(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
-def _rotate(x4: torch.Tensor, cos4: torch.Tensor, sin4: torch.Tensor, backward: bool) -> torch.Tensor:
+def _rotate(
+    x4: torch.Tensor, cos4: torch.Tensor, sin4: torch.Tensor, backward: bool, interleaved: bool = False
+) -> torch.Tensor:
     out = torch.empty(x4.shape, dtype=x4.dtype, device=x4.device)
     n0, size1, size2, head = x4.shape
     num_rows = n0 * size1 * size2
@@ -401,6 +485,7 @@ def _rotate(x4: torch.Tensor, cos4: torch.Tensor, sin4: torch.Tensor, backward: 
         BLOCK_P=triton.next_power_of_2(max(1, head - 2 * half)),
         BLOCK_R=block_r,
         BACKWARD=backward,
+        INTERLEAVED=interleaved,
     )
     return out
 
@@ -409,18 +494,21 @@ class RotaryFunction(torch.autograd.Function):
     """Autograd for one tensor's rotation; ``cos4``/``sin4`` are broadcast 4-D views."""
 
     @staticmethod
-    def forward(ctx, x4, cos4, sin4):  # type: ignore[override]
+    def forward(ctx, x4, cos4, sin4, interleaved=False):  # type: ignore[override]
         ctx.save_for_backward(cos4, sin4)
-        return _rotate(x4, cos4, sin4, backward=False)
+        ctx.interleaved = interleaved
+        return _rotate(x4, cos4, sin4, backward=False, interleaved=interleaved)
 
     @staticmethod
     def backward(ctx, grad_out):  # type: ignore[override]
         cos4, sin4 = ctx.saved_tensors
         grad_out = grad_out if grad_out.stride(-1) == 1 else grad_out.contiguous()
-        return _rotate(grad_out, cos4, sin4, backward=True), None, None
+        return _rotate(grad_out, cos4, sin4, backward=True, interleaved=ctx.interleaved), None, None, None
 
 
-def _rotate_one(name: str, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, unsqueeze_dim: int):
+def _rotate_one(
+    name: str, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, unsqueeze_dim: int, interleaved: bool = False
+):
     if not isinstance(x, torch.Tensor) or not 2 <= x.dim() <= 4:
         shape = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
         raise ValueError(f"{name} must be [B, H, S, D], [T, H, D] or [T, D], got shape {shape}")
@@ -448,7 +536,7 @@ def _rotate_one(name: str, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
         sin_b = sin_b.contiguous()
         cos_b = cos_b.contiguous()
     x = x if x.stride(-1) == 1 else x.contiguous()
-    out = RotaryFunction.apply(_as_4d(x), _as_4d(cos_b), _as_4d(sin_b))
+    out = RotaryFunction.apply(_as_4d(x), _as_4d(cos_b), _as_4d(sin_b), interleaved)
     return out.reshape(x.shape)
 
 
@@ -458,8 +546,13 @@ def apply_rotary(
     cos: torch.Tensor,
     sin: torch.Tensor,
     unsqueeze_dim: int | None = 1,
+    interleaved: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """HF's ``apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1)`` as one kernel per tensor.
+
+    ``interleaved=True``: GPT-J style, the pairs ``(2i, 2i + 1)`` (Hugging Face's Cohere / GLM
+    ``rotate_half`` on even / odd columns, with cos/sin from ``rotary_cos_sin(..., interleaved=True)``);
+    the same products and roundings per pair.
 
     Args:
         q, k: ``[B, H, S, D]`` (HF) or ``[T, H, D]`` (vLLM); ``k`` may have fewer heads.
@@ -489,4 +582,9 @@ def apply_rotary(
         raise ValueError(f"k dtype {k.dtype} differs from q's {q.dtype}")
     if k.device != q.device:
         raise ValueError(f"k is on {k.device}, expected {q.device} (q's device)")
-    return _rotate_one("q", q, cos, sin, unsqueeze_dim), _rotate_one("k", k, cos, sin, unsqueeze_dim)
+    if not isinstance(interleaved, bool):
+        raise ValueError(f"interleaved must be a bool, got {interleaved!r}")
+    return (
+        _rotate_one("q", q, cos, sin, unsqueeze_dim, interleaved),
+        _rotate_one("k", k, cos, sin, unsqueeze_dim, interleaved),
+    )

@@ -25,11 +25,21 @@ GEMMA_NORM = "fp32_one_plus_weight"
 SINGLE_ROPE = "single"
 #: One rope per layer type (``config.rope_parameters[layer_type]``, ``config.layer_types``: Gemma 3).
 PER_LAYER_TYPE_ROPE = "per_layer_type"
+#: Multimodal rope (``rope_parameters["mrope_section"]``, position ids ``[3, batch, seq]``) with contiguous
+#: sections (Qwen2-VL / Qwen2.5-VL's ``recomposition_frequencies``).
+MULTIMODAL_ROPE = "mrope"
+#: Multimodal rope with interleaved sections (Qwen3-VL's text rotary module always interleaves).
+INTERLEAVED_MULTIMODAL_ROPE = "mrope_interleaved"
+ROPE_MODES = (SINGLE_ROPE, PER_LAYER_TYPE_ROPE, MULTIMODAL_ROPE, INTERLEAVED_MULTIMODAL_ROPE)
 
 #: MoE routing: fp32 softmax, top-k, optional renormalisation, weights cast to the dtype (Qwen3-MoE).
 SOFTMAX_TOPK = "softmax_topk"
 #: MoE routing: fp32 softmax, top-k, renormalised, weights kept in fp32 (Mixtral).
 SOFTMAX_TOPK_FP32 = "softmax_topk_fp32"
+#: MoE routing: fp32 sigmoid, score-correction bias for the choice, grouped top-k, routed scaling
+#: factor, weights kept in fp32 (GLM-4.5, :func:`samepath.kernels.moe_routing.sigmoid_grouped_topk_routing`).
+SIGMOID_GROUPED_TOPK = "sigmoid_grouped_topk"
+MOE_KINDS = (SOFTMAX_TOPK, SOFTMAX_TOPK_FP32, SIGMOID_GROUPED_TOPK)
 
 #: What the residual stream does around a sublayer in most families.
 PRE_NORM_RESIDUAL = "add rounded to the dtype, then the norm"
@@ -51,6 +61,8 @@ class Activation:
     default: str | None
     accepted: tuple[str, ...]
     refusal: str
+    #: The vLLM plugin's patch group that runs it (``samepath.integrations.vllm.plugin``).
+    vllm_patch: str = ""
 
 
 SILU_MUL = Activation(
@@ -59,6 +71,7 @@ SILU_MUL = Activation(
     default="silu",
     accepted=("silu", "swish"),
     refusal="{key}={act!r} is not supported (samepath implements SiLU·mul)",
+    vllm_patch="silu_mul",
 )
 GELU_TANH_MUL = Activation(
     op="gelu_tanh_mul",
@@ -66,7 +79,11 @@ GELU_TANH_MUL = Activation(
     default=None,
     accepted=("gelu_pytorch_tanh",),
     refusal="{key}={act!r} is not supported for {model_type} (samepath implements GELU-tanh·mul, gelu_pytorch_tanh)",
+    vllm_patch="gelu_tanh_mul",
 )
+
+#: A norm's ``weight_mode`` -> the vLLM plugin's patch group that runs it (``RMSNorm`` / ``GemmaRMSNorm``).
+NORM_VLLM_PATCHES = {PLAIN_NORM: "rms_norm", GEMMA_NORM: "gemma_rms_norm"}
 
 
 @dataclass(frozen=True)
@@ -82,8 +99,15 @@ class ModelFamily:
     * ``activation``: :data:`SILU_MUL` or :data:`GELU_TANH_MUL`; ``dense_mlp``: the layers have a
       dense ``{prefix}MLP`` (Mixtral's have experts only); ``fused_gate_up``: its MLP holds one
       ``gate_up_proj`` (gate first: vLLM's layout, Phi-3);
-    * ``rope``: :data:`SINGLE_ROPE` or :data:`PER_LAYER_TYPE_ROPE`;
-    * ``moe``: ``None``, :data:`SOFTMAX_TOPK` or :data:`SOFTMAX_TOPK_FP32`;
+    * ``rope``: one of :data:`ROPE_MODES` (one rope, one per layer type, multimodal with contiguous or
+      interleaved sections);
+    * ``partial_rotary``: the attention rotates the first ``int(head_dim * partial_rotary_factor)``
+      dimensions of each head and passes the rest through (GLM-4.5); otherwise the config's
+      ``partial_rotary_factor`` is refused;
+    * ``moe``: ``None`` or one of :data:`MOE_KINDS`; ``hf_router``: the class-name suffix of a
+      router module whose forward samepath replaces (``"TopkRouter"``), ``None`` for routers that
+      are plain torch ops of the trainer (``TopKRouter``); ``shared_experts``: the MoE block adds a
+      dense shared-experts MLP;
     * ``sliding_window_by_default``: the config's ``sliding_window`` applies unless
       ``use_sliding_window`` is false (Qwen2 windows only with ``use_sliding_window``);
       ``query_pre_attn_scalar``: the attention scale is ``config.query_pre_attn_scalar ** -0.5``
@@ -96,7 +120,8 @@ class ModelFamily:
     * ``vllm_module`` / ``vllm_structure`` / ``vllm_attention`` / ``vllm_mlp``: vLLM's models
       module, the classes whose own code is structure only, the attention class and the MLP
       classes (a name ``"module:Class"`` is looked up in that other module) — the load audit's
-      per-family rules.
+      per-family rules; ``vllm_rotary_classes``: rotary classes (``"module:Class"``) the family's vLLM
+      layers use outside vLLM's ``RotaryEmbeddingBase`` (Phi-3's long-rope), patched and audited too.
     """
 
     model_types: tuple[str, ...]
@@ -113,13 +138,17 @@ class ModelFamily:
     dense_mlp: bool = True
     fused_gate_up: bool = False
     rope: str = SINGLE_ROPE
+    partial_rotary: bool = False
     moe: str | None = None
+    hf_router: str | None = None
+    shared_experts: bool = False
     sliding_window_by_default: bool = False
     query_pre_attn_scalar: bool = False
     embedding_scale: bool = False
     layer_types: bool = False
     softcap: bool = False
     config_problems: Callable[[Any], list[str]] | None = None
+    vllm_rotary_classes: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if not self.model_types:
@@ -128,14 +157,28 @@ class ModelFamily:
             raise ValueError(
                 f"norm_weight_mode must be {PLAIN_NORM!r} or {GEMMA_NORM!r}, got {self.norm_weight_mode!r}"
             )
-        if self.rope not in (SINGLE_ROPE, PER_LAYER_TYPE_ROPE):
-            raise ValueError(f"rope must be {SINGLE_ROPE!r} or {PER_LAYER_TYPE_ROPE!r}, got {self.rope!r}")
-        if self.moe not in (None, SOFTMAX_TOPK, SOFTMAX_TOPK_FP32):
-            raise ValueError(f"moe must be None, {SOFTMAX_TOPK!r} or {SOFTMAX_TOPK_FP32!r}, got {self.moe!r}")
+        if self.rope not in ROPE_MODES:
+            raise ValueError(f"rope must be one of {ROPE_MODES}, got {self.rope!r}")
+        if self.moe is not None and self.moe not in MOE_KINDS:
+            raise ValueError(f"moe must be None or one of {MOE_KINDS}, got {self.moe!r}")
 
     @property
     def name(self) -> str:
         return self.model_types[0]
+
+    def vllm_patches(self) -> tuple[str, ...]:
+        """The vLLM plugin's family-specific patch groups this family's layers need: its norm's and
+        its activation's."""
+        # A norm or activation without a group of its own (run by another patch) adds none; what no
+        # patch runs is still refused by the load audit.
+        names = (NORM_VLLM_PATCHES.get(self.norm_weight_mode, ""), self.activation.vllm_patch)
+        return tuple(name for name in names if name)
+
+    @property
+    def routing_weights_fp32(self) -> bool:
+        """Whether the MoE routing weights stay in fp32 (Mixtral, GLM-4.5) rather than being cast to
+        the activations' dtype (Qwen3-MoE) before they scale the experts' outputs."""
+        return self.moe in (SOFTMAX_TOPK_FP32, SIGMOID_GROUPED_TOPK)
 
     def hf_modeling(self) -> Any:
         """The transformers modeling module (imported now)."""
@@ -149,9 +192,15 @@ class ModelFamily:
 __all__ = [
     "GELU_TANH_MUL",
     "GEMMA_NORM",
+    "INTERLEAVED_MULTIMODAL_ROPE",
+    "MOE_KINDS",
+    "MULTIMODAL_ROPE",
+    "NORM_VLLM_PATCHES",
     "PER_LAYER_TYPE_ROPE",
     "PLAIN_NORM",
     "PRE_NORM_RESIDUAL",
+    "ROPE_MODES",
+    "SIGMOID_GROUPED_TOPK",
     "SILU_MUL",
     "SINGLE_ROPE",
     "SOFTMAX_TOPK",

@@ -28,10 +28,14 @@ from typing import Any
 import torch
 
 from samepath.kernels import config as numerics_config
+from samepath.kernels.moe_routing import SIGMOID_GROUPED_TOPK_FORMULA
 from samepath.kernels.rotary import ROPE_TYPES
 from samepath.kernels.softcap import SOFTCAP_FORMULA
 from samepath.models.descriptor import (
+    INTERLEAVED_MULTIMODAL_ROPE,
+    MULTIMODAL_ROPE,
     PER_LAYER_TYPE_ROPE,
+    SIGMOID_GROUPED_TOPK,
     SOFTMAX_TOPK,
     SOFTMAX_TOPK_FP32,
     ModelFamily,
@@ -57,19 +61,25 @@ class RopeFormula:
     head_size: int
     base: float
     scaling: dict[str, Any]
+    mrope_section: tuple[int, ...] | None = None
+    mrope_interleaved: bool = False
 
     @property
     def rope_type(self) -> str:
         return self.scaling["rope_type"]
 
     def to_json(self) -> dict[str, Any]:
-        return {
+        formula = {
             "rotary_dim": self.rotary_dim,
             "head_size": self.head_size,
             "base": self.base,
             "style": "neox",
             **self.scaling,
         }
+        if self.mrope_section is not None:
+            formula["mrope_section"] = list(self.mrope_section)
+            formula["mrope_interleaved"] = self.mrope_interleaved
+        return formula
 
 
 def _head_size(config: Any) -> int:
@@ -110,9 +120,11 @@ def rope_formula(config: Any, layer_type: str | None = None) -> RopeFormula:
 
     Raises :class:`UnsupportedModelError` for a rope type outside
     :data:`samepath.kernels.rotary.ROPE_TYPES`, per-layer-type rope parameters without a
-    ``layer_type`` of them (or a ``layer_type`` for a config without them), or partial rotary
-    (the supported families rotate the whole head; Hugging Face's Llama ignores
-    ``partial_rotary_factor`` for the default type and fails for the others).
+    ``layer_type`` of them (or a ``layer_type`` for a config without them), or partial rotary in
+    a family whose attention rotates the whole head (Hugging Face's Llama ignores
+    ``partial_rotary_factor`` for the default type and fails for the others). A family with
+    ``partial_rotary`` (GLM-4.5) rotates ``int(head_size * partial_rotary_factor)`` dimensions, as
+    its Hugging Face rotary module and vLLM's ``get_rope`` compute.
     """
     if hasattr(config, "standardize_rope_params"):
         config.standardize_rope_params()
@@ -138,23 +150,62 @@ def rope_formula(config: Any, layer_type: str | None = None) -> RopeFormula:
         raise UnsupportedModelError("the config has no rope_theta")
     head_size = _head_size(config)
     partial = params.get("partial_rotary_factor", 1.0)
-    rotary_dim = head_size if rope_type == "default" else int(head_size * partial)
-    if rotary_dim != head_size or partial != 1.0:
+    family = find(getattr(config, "model_type", None))
+    if family is not None and family.partial_rotary:
+        rotary_dim = int(head_size * partial)
+        if not 0 < partial <= 1 or rotary_dim < 2 or rotary_dim % 2:
+            raise UnsupportedModelError(
+                f"partial_rotary_factor={partial} gives rotary_dim {rotary_dim} of head size {head_size} "
+                "(samepath rotates a positive even number of dimensions)"
+            )
+    elif rope_type == "default":
+        rotary_dim = head_size
+    else:
+        rotary_dim = int(head_size * partial)
+    if (family is None or not family.partial_rotary) and (rotary_dim != head_size or partial != 1.0):
         raise UnsupportedModelError(
             f"partial rotary (partial_rotary_factor={partial}) is not supported for model_type "
             f"{getattr(config, 'model_type', None)!r}: its Hugging Face attention rotates the whole head"
         )
-    scaling = {k: _plain(v) for k, v in params.items() if k not in ("type", "rope_theta", "partial_rotary_factor")}
+    mrope = ("mrope_section", "mrope_interleaved")
+    section = params.get("mrope_section")
+    multimodal = family is not None and family.rope in (MULTIMODAL_ROPE, INTERLEAVED_MULTIMODAL_ROPE)
+    if (section is not None) != multimodal:
+        raise UnsupportedModelError(
+            f"mrope_section={section} for model_type {getattr(config, 'model_type', None)!r}: samepath computes "
+            "multimodal rope for the families whose descriptor says so (Qwen3-VL's text decoder), with the "
+            "config's sections"
+        )
+    interleaved = multimodal and family.rope == INTERLEAVED_MULTIMODAL_ROPE
+    if section is not None and bool(params.get("mrope_interleaved", interleaved)) != interleaved:
+        # Hugging Face's module interleaves (or not) whatever the config says; vLLM follows the config.
+        raise UnsupportedModelError(
+            f"mrope_interleaved={params.get('mrope_interleaved')} contradicts {config.model_type}'s rotary module "
+            f"({'interleaved' if interleaved else 'contiguous'} sections)"
+        )
+    if section is not None and (rope_type != "default" or len(section) != 3):
+        raise UnsupportedModelError(
+            f"multimodal rope with rope_type {rope_type!r}, sections {section} is not supported"
+        )
+    skip = ("type", "rope_theta", "partial_rotary_factor", *mrope)
+    scaling = {k: _plain(v) for k, v in params.items() if k not in skip}
     scaling["rope_type"] = rope_type
     scaling["max_position_embeddings"] = int(config.max_position_embeddings)
-    return RopeFormula(rotary_dim=rotary_dim, head_size=head_size, base=float(base), scaling=scaling)
+    return RopeFormula(
+        rotary_dim=rotary_dim,
+        head_size=head_size,
+        base=float(base),
+        scaling=scaling,
+        mrope_section=None if section is None else tuple(int(x) for x in section),
+        mrope_interleaved=interleaved,
+    )
 
 
 def routing_weights_fp32(config: Any) -> bool:
     """Whether the model's MoE routing weights stay in fp32 (Mixtral) instead of being cast to the
     activations' dtype (Qwen3-MoE) before they scale the experts' outputs."""
     family = find(getattr(config, "model_type", None))
-    return family is not None and family.moe == SOFTMAX_TOPK_FP32
+    return family is not None and family.routing_weights_fp32
 
 
 def _softmax_topk(config: Any) -> dict[str, Any]:
@@ -186,8 +237,34 @@ def _softmax_topk_fp32(config: Any) -> dict[str, Any]:
     return moe
 
 
+def _sigmoid_grouped_topk(config: Any) -> dict[str, Any]:
+    num_experts, n_group = int(config.n_routed_experts), int(config.n_group)
+    if n_group < 1 or num_experts % n_group or not 1 <= int(config.topk_group) <= n_group:
+        raise UnsupportedModelError(
+            f"n_group={config.n_group}, topk_group={config.topk_group} do not group {num_experts} experts"
+        )
+    if n_group > 1 and num_experts // n_group < 2:
+        raise UnsupportedModelError(f"n_group={n_group} leaves groups of fewer than 2 experts")
+    return {
+        "routing": f"{SIGMOID_GROUPED_TOPK_FORMULA} (HF Glm4MoeTopkRouter)",
+        "num_experts": num_experts,
+        "top_k": int(config.num_experts_per_tok),
+        "n_group": n_group,
+        "topk_group": int(config.topk_group),
+        "renormalize": bool(config.norm_topk_prob),
+        "routed_scaling_factor": float(config.routed_scaling_factor),
+        "shared_experts": int(config.n_shared_experts or 0),
+        "first_k_dense_replace": int(config.first_k_dense_replace),
+        "experts": "ascending expert order, index_add per token; shared experts' output added in the dtype",
+    }
+
+
 #: A family's ``moe`` -> the routing formula it resolves a config to (refusing what it does not implement).
-MOE_ROUTINGS = {SOFTMAX_TOPK: _softmax_topk, SOFTMAX_TOPK_FP32: _softmax_topk_fp32}
+MOE_ROUTINGS = {
+    SOFTMAX_TOPK: _softmax_topk,
+    SOFTMAX_TOPK_FP32: _softmax_topk_fp32,
+    SIGMOID_GROUPED_TOPK: _sigmoid_grouped_topk,
+}
 
 
 def _activation(family: ModelFamily, config: Any, model_type: str) -> str:
@@ -231,7 +308,7 @@ def model_formulas(config: Any) -> dict[str, Any]:
             "kind": "rms_norm",
             "weight_mode": family.norm_weight_mode,
             "eps": float(config.rms_norm_eps),
-            "qk_norm": family.qk_norm,
+            "qk_norm": family.qk_norm or bool(getattr(config, "use_qk_norm", False)),
             "residual": family.residual,
         },
         "activation": f"{act}·mul",

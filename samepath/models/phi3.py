@@ -14,4 +14,6 @@ FAMILY = ModelFamily(
     vllm_structure=("LlamaModel", "LlamaDecoderLayer", "vllm.model_executor.models.phi3:Phi3ForCausalLM"),
     vllm_attention="LlamaAttention",
     vllm_mlp=("LlamaMLP",),
+    # Its longrope layer is not a RotaryEmbeddingBase: patched and audited by name.
+    vllm_rotary_classes=("vllm.model_executor.layers.rotary_embedding:Phi3LongRoPEScaledRotaryEmbedding",),
 )

@@ -26,14 +26,20 @@ What :func:`install` replaces (every original recorded; :func:`uninstall` restor
   checks the metadata's values the first time the process sees its layout (the default;
   ``SAMEPATH_VLLM_VALIDATE=1``: every step, ``off``: never), so a steady step reads nothing from
   the device; the other layers reuse the plan.
+* The family-specific patch groups (``RMSNorm`` / ``GemmaRMSNorm``, ``SiluAndMul`` / ``GeluAndMul``)
+  are the ones the registered families' descriptors ask for
+  (:func:`~samepath.integrations.vllm.plugin.patch_groups`).
 * **RMSNorm** — ``vllm.model_executor.layers.layernorm.RMSNorm.forward``: :func:`samepath.rms_norm`;
   vLLM's fused add+norm ``norm(x, residual)`` becomes ``s = x + residual`` rounded to the model
   dtype, then the norm of ``s`` — the rounding of Hugging Face's decoder layer.
-* **Rotary** — ``RotaryEmbeddingBase.forward`` and ``Phi3LongRoPEScaledRotaryEmbedding.forward``:
+* **Rotary** — ``RotaryEmbeddingBase.forward`` and the families' other rotary classes (their
+  descriptors' ``vllm_rotary_classes``: Phi-3's ``Phi3LongRoPEScaledRotaryEmbedding``):
   cos/sin from :func:`samepath.rotary_cos_sin` of the positions with the Hugging Face rope
   parameters :func:`vllm_rope` reads off the layer (default, linear, dynamic NTK, YaRN, llama3,
-  longrope: HF's formula, not vLLM's cached table), the rotation by :func:`samepath.apply_rotary`.
-  Other rotary layers (GPT-J style, mrope, ...) raise :class:`UnsupportedRopeError`.
+  longrope: HF's formula, not vLLM's cached table; partial rotary; ``MRotaryEmbedding``'s ``[3, T]``
+  positions through :func:`samepath.kernels.rotary.mrope_cos_sin`), the rotation by
+  :func:`samepath.apply_rotary` (GPT-J pairs for a layer that is not neox style). Other rotary
+  layers raise :class:`UnsupportedRopeError`.
 * **Gemma's RMSNorm** — ``GemmaRMSNorm.forward``: :func:`samepath.rms_norm` with
   ``weight_mode="fp32_one_plus_weight"`` (``Gemma3RMSNorm``'s fp32 ``1 + weight`` multiply), the
   residual added and rounded first as for ``RMSNorm``.
@@ -48,7 +54,9 @@ What :func:`install` replaces (every original recorded; :func:`uninstall` restor
   experts, softmax top-k routing, no shared experts or expert parallelism): Hugging Face's router
   and expert loop from :mod:`samepath.integrations.moe`, the same functions the patched Hugging
   Face model runs; the expert weights are kept as loaded rather than repacked for a fused kernel.
-  Other MoE variants are refused with a clear error.
+  A family whose descriptor routes by sigmoid grouped top-k (GLM-4.5) runs
+  :func:`samepath.kernels.moe_routing.sigmoid_grouped_topk_routing` with its shared experts and the
+  routed scaling factor folded into the weights. Other MoE variants are refused with a clear error.
 * **Sampler log-probs** — ``Sampler.compute_logprobs`` (the ``raw_logprobs`` mode, vLLM's default):
   :func:`samepath.log_softmax` of the raw logits in fp32, temperature 1, before any logits
   processor: the trainer's equal is ``samepath.logprobs(logits, tokens)``. With

@@ -29,11 +29,13 @@ from samepath.integrations.vllm.env import VALIDATE_ENV_VAR
 from samepath.kernels.gelu_tanh_mul import geglu_tanh as _kernel_geglu_tanh
 from samepath.kernels.matmul import batch_invariant
 from samepath.kernels.matmul import linear as _kernel_linear
+from samepath.kernels.moe_routing import sigmoid_grouped_topk_routing
 from samepath.kernels.rms_norm import rms_norm as _kernel_rms_norm
 from samepath.kernels.rotary import apply_rotary as _kernel_apply_rotary
 from samepath.kernels.rotary import rotary_cos_sin as _kernel_rotary_cos_sin
 from samepath.kernels.swiglu import swiglu as _kernel_swiglu
 from samepath.models.formulas import routing_weights_fp32
+from samepath.models.registry import find
 
 
 def apply_patch_groups(groups: Sequence[tuple[str, Callable[[Patcher], bool]]], installed: list[str]) -> ExitStack:
@@ -247,14 +249,19 @@ def _(positions, rotary_dim, base, dtype, scaling):
 
 @torch.library.custom_op("samepath_vllm::apply_rotary", mutates_args=())
 def _apply_rotary_op(
-    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, unsqueeze_dim: int | None
+    q: torch.Tensor,
+    k: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    unsqueeze_dim: int | None,
+    interleaved: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    q_out, k_out = _kernel_apply_rotary(q, k, cos, sin, unsqueeze_dim=unsqueeze_dim)
+    q_out, k_out = _kernel_apply_rotary(q, k, cos, sin, unsqueeze_dim=unsqueeze_dim, interleaved=interleaved)
     return q_out.contiguous(), k_out.contiguous()
 
 
 @_apply_rotary_op.register_fake
-def _(q, k, cos, sin, unsqueeze_dim):
+def _(q, k, cos, sin, unsqueeze_dim, interleaved=False):
     return torch.empty_like(q), torch.empty_like(k)
 
 
@@ -295,12 +302,17 @@ def geglu_tanh(gate_up: torch.Tensor) -> torch.Tensor:
 
 
 def apply_rotary(
-    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, unsqueeze_dim: int | None = 1
+    q: torch.Tensor,
+    k: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    unsqueeze_dim: int | None = 1,
+    interleaved: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`samepath.apply_rotary`, an opaque op inside a compiled region."""
     if not torch.compiler.is_compiling():
-        return _kernel_apply_rotary(q, k, cos, sin, unsqueeze_dim=unsqueeze_dim)
-    return _apply_rotary_op(q, k, cos, sin, unsqueeze_dim)
+        return _kernel_apply_rotary(q, k, cos, sin, unsqueeze_dim=unsqueeze_dim, interleaved=interleaved)
+    return _apply_rotary_op(q, k, cos, sin, unsqueeze_dim, interleaved)
 
 
 def rotary_cos_sin(
@@ -343,6 +355,64 @@ def loading_model_routing_fp32() -> bool:
     return model_config is not None and routing_weights_fp32(model_config.hf_config)
 
 
+def loading_model_moe() -> str | None:
+    """The MoE routing kind (:class:`~samepath.models.descriptor.ModelFamily` ``moe``) of the model
+    whose weights vLLM is loading now, ``None`` if it has none or no family. Recorded on each MoE
+    layer at weight loading: it picks the router the layer runs and the load audit compares it."""
+    from vllm.config import get_current_vllm_config
+
+    model_config = getattr(get_current_vllm_config(), "model_config", None)
+    family = find(getattr(getattr(model_config, "hf_config", None), "model_type", None))
+    return family.moe if family is not None else None
+
+
+def _grouped_moe(hidden_states, router_logits, bias, w13, w2, top_k, n_group, topk_group, renormalize, scale):
+    index, weights = sigmoid_grouped_topk_routing(router_logits, bias, top_k, n_group, topk_group, renormalize, scale)
+    return experts_forward(hidden_states, w13, w2, index, weights)
+
+
+@torch.library.custom_op("samepath_vllm::grouped_moe", mutates_args=())
+def _grouped_moe_op(
+    hidden_states: torch.Tensor,
+    router_logits: torch.Tensor,
+    bias: torch.Tensor | None,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    top_k: int,
+    n_group: int,
+    topk_group: int,
+    renormalize: bool,
+    scale: float,
+) -> torch.Tensor:
+    return _grouped_moe(hidden_states, router_logits, bias, w13, w2, top_k, n_group, topk_group, renormalize, scale)
+
+
+@_grouped_moe_op.register_fake
+def _(hidden_states, router_logits, bias, w13, w2, top_k, n_group, topk_group, renormalize, scale):
+    return torch.empty_like(hidden_states)
+
+
+def grouped_moe(
+    hidden_states: torch.Tensor,
+    router_logits: torch.Tensor,
+    bias: torch.Tensor | None,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    top_k: int,
+    n_group: int,
+    topk_group: int,
+    renormalize: bool,
+    routed_scaling_factor: float,
+) -> torch.Tensor:
+    """GLM-4.5's router (:func:`samepath.kernels.moe_routing.sigmoid_grouped_topk_routing`: fp32 weights,
+    the routed scaling factor folded into them as Hugging Face does) and the expert loop, an opaque
+    op inside a compiled region."""
+    args = (hidden_states, router_logits, bias, w13, w2, top_k, n_group, topk_group, renormalize)
+    if not torch.compiler.is_compiling():
+        return _grouped_moe(*args, routed_scaling_factor)
+    return _grouped_moe_op(*args, float(routed_scaling_factor))
+
+
 def moe(
     hidden_states: torch.Tensor,
     router_logits: torch.Tensor,
@@ -370,8 +440,10 @@ __all__ = [
     "cached_cos_sin",
     "capturing_graph",
     "geglu_tanh",
+    "grouped_moe",
     "has_dense_weight",
     "linear",
+    "loading_model_moe",
     "loading_model_routing_fp32",
     "moe",
     "optional_module",

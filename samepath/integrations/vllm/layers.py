@@ -16,8 +16,10 @@ from samepath.integrations.patcher import Patcher
 from samepath.integrations.vllm.common import (
     apply_rotary,
     geglu_tanh,
+    grouped_moe,
     has_dense_weight,
     linear,
+    loading_model_moe,
     loading_model_routing_fp32,
     moe,
     optional_module,
@@ -27,6 +29,9 @@ from samepath.integrations.vllm.common import (
 )
 from samepath.integrations.vllm.env import ENV_VAR
 from samepath.integrations.vllm.state import check_tensor_parallel_numerics, record_expert_parallel
+from samepath.kernels.rotary import mrope_cos_sin
+from samepath.models.descriptor import SIGMOID_GROUPED_TOPK
+from samepath.models.registry import families
 
 
 def patch_rms_norm(patcher: Patcher) -> bool:
@@ -97,17 +102,23 @@ def vllm_rope(layer: Any) -> tuple[int, float, dict[str, Any]]:
     (``max_trained_positions == max_position_embeddings``: Hugging Face's formula below
     ``max_position_embeddings``), ``YaRNScalingRotaryEmbedding``, ``Llama3RotaryEmbedding`` and
     ``Phi3LongRoPEScaledRotaryEmbedding`` (short factors: ``max_model_len`` at most
-    ``original_max_position_embeddings``), neox style. Anything else — GPT-J (interleaved) style,
-    mrope, dual-chunk, DeepSeek / NTK-alpha / Fourier scaling, LoRA's multi-factor linear cache —
-    raises :class:`UnsupportedRopeError`: it is refused rather than left on vLLM's formula.
+    ``original_max_position_embeddings``), and ``MRotaryEmbedding`` without scaling (multimodal
+    rope: see :func:`vllm_rope_layout`), neox or GPT-J style (:func:`vllm_rope_layout`). Anything
+    else — dual-chunk, DeepSeek / NTK-alpha / Fourier scaling, mrope with YaRN, LoRA's multi-factor
+    linear cache — raises :class:`UnsupportedRopeError`: it is refused rather than left on vLLM's
+    formula.
     """
     kind = rope_class_name(type(layer))
     where = f"{type(layer).__name__} (vLLM rotary layer)"
     if kind is None:
         raise UnsupportedRopeError(f"{where}: samepath has no Hugging Face formula for this rotary layer")
-    if not getattr(layer, "is_neox_style", True):
-        raise UnsupportedRopeError(f"{where}: GPT-J (interleaved) style rotary is not supported")
     base = float(layer.base)
+    if kind == "MRotaryEmbedding":
+        if layer.scaling_factor is not None:
+            raise UnsupportedRopeError(f"{where}: multimodal rope with YaRN scaling is not supported")
+        if not layer.mrope_section or len(layer.mrope_section) != 3:
+            raise UnsupportedRopeError(f"{where}: mrope_section {layer.mrope_section} is not three sections")
+        return layer.rotary_dim, base, {"rope_type": "default"}
     if kind == "RotaryEmbedding":
         return layer.rotary_dim, base, {"rope_type": "default"}
     if kind == "LinearScalingRotaryEmbedding":
@@ -179,6 +190,7 @@ ROPE_CLASSES = (
     "YaRNScalingRotaryEmbedding",
     "Llama3RotaryEmbedding",
     "Phi3LongRoPEScaledRotaryEmbedding",
+    "MRotaryEmbedding",
 )
 #: vllm-ascend's subclasses that keep their vLLM parent's parameters (only the kernel differs).
 ASCEND_ROPE_CLASSES = {
@@ -196,24 +208,47 @@ def rope_class_name(cls: type) -> str | None:
     return None
 
 
+def vllm_rope_layout(layer: Any) -> tuple[bool, tuple[int, ...] | None, bool]:
+    """``(interleaved, mrope_section, mrope_interleaved)`` of a vLLM rotary layer: GPT-J pairs
+    (``is_neox_style=False``: Hugging Face's GLM-4 / Cohere ``rotate_half`` on even / odd columns),
+    and for ``MRotaryEmbedding`` its sections (contiguous: Qwen2.5-VL; interleaved: Qwen3-VL) —
+    ``None`` for a one-dimensional rope."""
+    interleaved = not getattr(layer, "is_neox_style", True)
+    if rope_class_name(type(layer)) != "MRotaryEmbedding":
+        return interleaved, None, False
+    return interleaved, tuple(int(s) for s in layer.mrope_section), bool(layer.mrope_interleaved)
+
+
 def rotate(self: Any, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor | None):
-    """vLLM's rotary contract (``positions [T]``, ``query [T, H*D]``, ``key [T, Hkv*D]`` or ``None``)
-    on samepath: the layer's :func:`vllm_rope` parameters (cached on the layer), cos/sin from
-    :func:`samepath.rotary_cos_sin`, the rotation by :func:`samepath.apply_rotary`."""
+    """vLLM's rotary contract (``positions [T]``, or ``[3, T]`` for multimodal rope; ``query
+    [T, H*D]``, ``key [T, Hkv*D]`` or ``None``) on samepath: the layer's :func:`vllm_rope` parameters
+    and :func:`vllm_rope_layout` (cached on the layer), cos/sin from :func:`samepath.rotary_cos_sin`
+    (multimodal: :func:`samepath.kernels.rotary.mrope_cos_sin`), the rotation by
+    :func:`samepath.apply_rotary` (GPT-J pairs for a layer that is not neox style)."""
     cached = vars(self).get("_samepath_rope")
     if cached is None:
-        cached = vllm_rope(self)
+        cached = (*vllm_rope(self), *vllm_rope_layout(self))
         self._samepath_rope = cached
-    rotary_dim, base, scaling = cached
-    positions = positions.flatten()
-    tokens = positions.shape[0]
-    cos, sin = rotary_cos_sin(positions, rotary_dim, base, query.dtype, scaling)
+    rotary_dim, base, scaling, interleaved, mrope_section, mrope_interleaved = cached
+    if mrope_section is not None:
+        if torch.compiler.is_compiling():
+            raise UnsupportedRopeError(f"{type(self).__name__}: multimodal rope in a compiled region (enforce_eager)")
+        cos, sin = mrope_cos_sin(
+            positions, rotary_dim, base, query.dtype, list(mrope_section), scaling, mrope_interleaved
+        )
+    else:
+        positions = positions.flatten()
+        cos, sin = rotary_cos_sin(positions, rotary_dim, base, query.dtype, scaling)
+    if interleaved:  # Hugging Face's GLM-4: the first half of each table repeated in place
+        half = rotary_dim // 2
+        cos, sin = cos[..., :half].repeat_interleave(2, dim=-1), sin[..., :half].repeat_interleave(2, dim=-1)
+    tokens = cos.shape[0]
     q = query.reshape(tokens, -1, self.head_size)
     if key is None:
-        q_out, _ = apply_rotary(q, q[:, :1], cos, sin, unsqueeze_dim=1)
+        q_out, _ = apply_rotary(q, q[:, :1], cos, sin, unsqueeze_dim=1, interleaved=interleaved)
         return q_out.reshape(query.shape), None
     k = key.reshape(tokens, -1, self.head_size)
-    q_out, k_out = apply_rotary(q, k, cos, sin, unsqueeze_dim=1)
+    q_out, k_out = apply_rotary(q, k, cos, sin, unsqueeze_dim=1, interleaved=interleaved)
     return q_out.reshape(query.shape), k_out.reshape(key.shape)
 
 
@@ -229,12 +264,25 @@ def patch_rotary(patcher: Patcher) -> bool:
     """Every vLLM rotary layer: cos/sin from :func:`samepath.rotary_cos_sin` with the Hugging Face
     parameters :func:`vllm_rope` reads off the layer, the rotation by :func:`samepath.apply_rotary`;
     a layer :func:`vllm_rope` cannot map raises instead of running vLLM's formula."""
-    from vllm.model_executor.layers import rotary_embedding as rope
     from vllm.model_executor.layers.rotary_embedding.base import RotaryEmbeddingBase
 
     patcher.set(RotaryEmbeddingBase, "forward", rotary_forward)
-    patcher.set(rope.Phi3LongRoPEScaledRotaryEmbedding, "forward", rotary_forward)
+    for cls in family_rotary_classes():
+        patcher.set(cls, "forward", rotary_forward)
     return True
+
+
+def family_rotary_classes() -> tuple[type, ...]:
+    """The rotary classes outside ``RotaryEmbeddingBase`` that registered families' vLLM layers use
+    (their descriptors' ``vllm_rotary_classes``: Phi-3's long-rope), imported now."""
+    found: list[type] = []
+    for family in set(families().values()):
+        for name in family.vllm_rotary_classes:
+            where, _, cls_name = name.rpartition(":")
+            cls = getattr(optional_module(where), cls_name, None)
+            if cls is not None and cls not in found:
+                found.append(cls)
+    return tuple(found)
 
 
 def patch_silu_mul(patcher: Patcher) -> bool:
@@ -426,31 +474,69 @@ def moe_parallel_layout(layer: Any, expert_map: torch.Tensor | None = None) -> t
 
 #: Routers whose top-k softmax selection is Hugging Face's (others are refused).
 PLAIN_ROUTERS = ("CPURouter", "FusedTopKRouter")
+#: Routers that carry a sigmoid grouped top-k configuration samepath runs itself (GLM-4.5).
+GROUPED_ROUTERS = ("CPURouter", "GroupedTopKRouter")
 
 
-def check_plain_routing(runner: Any) -> None:
+def routed_scaling_factor(runner: Any) -> float:
+    """The routed scaling factor of a grouped MoE layer: vLLM keeps it on the runner (applied to the
+    experts' output) or on the router (applied to the weights); samepath folds it into the fp32
+    weights, as Hugging Face's router does."""
+    runner_scale = float(getattr(runner, "routed_scaling_factor", 1.0))
+    return runner_scale if runner_scale != 1.0 else float(getattr(runner.router, "routed_scaling_factor", 1.0))
+
+
+def _grouped_routing_problems(runner: Any) -> list[str]:
     router = runner.router
     problems = []
-    if type(router).__name__ not in PLAIN_ROUTERS:
+    if type(router).__name__ not in GROUPED_ROUTERS:
         problems.append(f"the {type(router).__name__}")
-    if getattr(runner, "routed_scaling_factor", 1.0) != 1.0:
-        problems.append(f"routed_scaling_factor={runner.routed_scaling_factor}")
+    if getattr(router, "scoring_func", None) != "sigmoid":
+        problems.append(f"scoring_func={getattr(router, 'scoring_func', None)!r} (GLM-4.5's router is sigmoid)")
+    if type(router).__name__ == "CPURouter" and not getattr(router, "use_grouped_topk", False):
+        problems.append("top-k without groups")
+    scales = (
+        float(getattr(runner, "routed_scaling_factor", 1.0)),
+        float(getattr(router, "routed_scaling_factor", 1.0)),
+    )
+    if scales[0] != 1.0 and scales[1] != 1.0:
+        problems.append("a routed scaling factor on both the router and the runner")
+    if getattr(router, "num_fused_shared_experts", 0):
+        problems.append("shared experts fused into the routed ones")
+    if getattr(runner, "shared_expert_gate", None) is not None:
+        problems.append("a shared-expert gate")
+    return problems
+
+
+def check_plain_routing(runner: Any, routing: str | None = None) -> None:
+    """Refuse (``NotImplementedError``) a MoE layer whose routing samepath does not run: for
+    ``routing`` :data:`~samepath.models.descriptor.SIGMOID_GROUPED_TOPK` (the family of the model
+    being loaded, GLM-4.5) a sigmoid grouped top-k router; otherwise a plain top-k softmax one."""
+    router = runner.router
+    problems = []
     if getattr(runner, "routed_input_transform", None) is not None:
         problems.append("a routed input transform (latent MoE)")
     if getattr(runner, "routed_output_transform", None) is not None:
         problems.append("a routed output transform")
-    if getattr(router, "scoring_func", "softmax") != "softmax":
-        problems.append(f"scoring_func={router.scoring_func!r}")
-    if getattr(router, "use_grouped_topk", False):
-        problems.append("grouped top-k")
-    if getattr(router, "e_score_correction_bias", None) is not None:
-        problems.append("a score-correction bias")
     if getattr(router, "custom_routing_function", None) is not None:
         problems.append("a custom routing function")
-    if getattr(router, "routed_scaling_factor", 1.0) != 1.0:
-        problems.append(f"routed_scaling_factor={router.routed_scaling_factor}")
-    if runner._shared_experts is not None:
-        problems.append("shared experts")
+    if routing == SIGMOID_GROUPED_TOPK:
+        problems += _grouped_routing_problems(runner)
+    else:
+        if type(router).__name__ not in PLAIN_ROUTERS:
+            problems.append(f"the {type(router).__name__}")
+        if getattr(runner, "routed_scaling_factor", 1.0) != 1.0:
+            problems.append(f"routed_scaling_factor={runner.routed_scaling_factor}")
+        if getattr(router, "scoring_func", "softmax") != "softmax":
+            problems.append(f"scoring_func={router.scoring_func!r}")
+        if getattr(router, "use_grouped_topk", False):
+            problems.append("grouped top-k")
+        if getattr(router, "e_score_correction_bias", None) is not None:
+            problems.append("a score-correction bias")
+        if getattr(router, "routed_scaling_factor", 1.0) != 1.0:
+            problems.append(f"routed_scaling_factor={router.routed_scaling_factor}")
+        if runner._shared_experts is not None:
+            problems.append("shared experts")
     if problems:
         raise NotImplementedError(
             f"samepath's vLLM MoE does not implement {', '.join(problems)}; unset {ENV_VAR} to run vLLM's own kernel"
@@ -485,20 +571,29 @@ def patch_moe(patcher: Patcher) -> bool:
         layer.samepath_experts = True
         layer.samepath_parallel = layout
         layer.samepath_routing_fp32 = loading_model_routing_fp32()
+        layer.samepath_routing = loading_model_moe()
         return None
 
     def apply_quant_method(self, hidden_states, router_logits, shared_experts_input, input_ids=None, **kwargs):
         experts = self.routed_experts
         if not getattr(experts, "samepath_experts", False):
             return original_apply(self, hidden_states, router_logits, shared_experts_input, input_ids, **kwargs)
-        check_plain_routing(self)
-        routing = (self.router.top_k, bool(self.router.renormalize))
-        weights_fp32 = bool(getattr(experts, "samepath_routing_fp32", False))
+        routing = getattr(experts, "samepath_routing", None)
+        check_plain_routing(self, routing)
         kind, _ = getattr(experts, "samepath_parallel", ("plain", 1))
+        if routing == SIGMOID_GROUPED_TOPK:
+            if kind != "plain":
+                raise NotImplementedError(
+                    f"samepath's vLLM MoE does not implement {routing} routing under {kind} parallelism; "
+                    "use tensor_parallel_size=1 or unset " + ENV_VAR
+                )
+            return grouped_apply(self, hidden_states, router_logits, shared_experts_input, **kwargs)
+        top = (self.router.top_k, bool(self.router.renormalize))
+        weights_fp32 = bool(getattr(experts, "samepath_routing_fp32", False))
         if kind == "plain":
             w13, w2 = experts.w13_weight, experts.w2_weight
-            return None, moe(hidden_states, router_logits, w13, w2, *routing, weights_fp32)
-        return None, parallel_moe(experts, kind, hidden_states, router_logits, *routing, weights_fp32)
+            return None, moe(hidden_states, router_logits, w13, w2, *top, weights_fp32)
+        return None, parallel_moe(experts, kind, hidden_states, router_logits, *top, weights_fp32)
 
     def reduce_final_output(self, states, trunc_size, output_is_reduced=None):
         # samepath's TP / EP experts return the whole layer on every rank (their frozen exchange
@@ -507,8 +602,17 @@ def patch_moe(patcher: Patcher) -> bool:
             return states[..., :trunc_size] if trunc_size is not None else states
         return original_reduce(self, states, trunc_size, output_is_reduced)
 
+    original_scale = runner_cls._maybe_apply_routed_scale_to_output
+
+    def maybe_apply_routed_scale_to_output(self, shared_output, fused_output):
+        # samepath's grouped router has folded the routed scaling factor into the fp32 weights.
+        if getattr(self.routed_experts, "samepath_experts", False):
+            return shared_output, fused_output
+        return original_scale(self, shared_output, fused_output)
+
     patcher.set(method_cls, "process_weights_after_loading", process_weights_after_loading)
     patcher.set(runner_cls, "_apply_quant_method", apply_quant_method)
+    patcher.set(runner_cls, "_maybe_apply_routed_scale_to_output", maybe_apply_routed_scale_to_output)
     patcher.set(runner_cls, "_maybe_reduce_final_output", reduce_final_output)
     return True
 
@@ -541,14 +645,44 @@ def parallel_moe(
     return expert_parallel_experts(hidden_states, w13, w2, index, weights, experts.global_num_experts, group)
 
 
+def grouped_apply(runner: Any, hidden_states, router_logits, shared_experts_input, **kwargs):
+    """``MoERunner._apply_quant_method`` of a GLM-4.5 layer: the shared experts (vLLM's own module:
+    samepath's linear and SiLU·mul), then :func:`~samepath.integrations.vllm.common.grouped_moe` —
+    returned as ``(shared_output, routed_output)``, which the runner adds (in the dtype, as Hugging
+    Face's ``Glm4MoeMoE`` does)."""
+    from vllm.model_executor.layers.fused_moe.runner.shared_experts import SharedExpertsOrder
+
+    runner._maybe_apply_shared_experts(shared_experts_input, SharedExpertsOrder.NO_OVERLAP)
+    router, experts = runner.router, runner.routed_experts
+    bias = router.e_score_correction_bias
+    out = grouped_moe(
+        hidden_states,
+        router_logits,
+        None if bias is None else bias.data,
+        experts.w13_weight,
+        experts.w2_weight,
+        router.top_k,
+        router.num_expert_group,
+        router.topk_group,
+        bool(router.renormalize),
+        routed_scaling_factor(runner),
+    )
+    if kwargs.get("shared_experts_overlapping", False):
+        runner._shared_experts.wait()
+    return (runner._shared_experts.output if runner._shared_experts is not None else None), out
+
+
 __all__ = [
     "ASCEND_ROPE_CLASSES",
+    "GROUPED_ROUTERS",
     "PLAIN_ROUTERS",
     "ROPE_CLASSES",
     "UnsupportedRopeError",
     "check_plain_routing",
     "moe_parallel_layout",
     "parallel_moe",
+    "family_rotary_classes",
+    "grouped_apply",
     "patch_gelu_tanh_mul",
     "patch_gemma_rms_norm",
     "patch_linear",
@@ -562,5 +696,7 @@ __all__ = [
     "rope_class_name",
     "rotary_forward",
     "rotate",
+    "routed_scaling_factor",
     "vllm_rope",
+    "vllm_rope_layout",
 ]

@@ -35,14 +35,19 @@ from samepath.integrations.vllm.env import check_v1_model_runner
 from samepath.integrations.vllm.layers import (
     UnsupportedRopeError,
     check_plain_routing,
+    family_rotary_classes,
     plain_gemma_norm,
     rotary_forward,
+    routed_scaling_factor,
     vllm_rope,
+    vllm_rope_layout,
 )
 from samepath.integrations.vllm.sampler import logits_processor_forward
 from samepath.integrations.vllm.state import expected_fingerprint, expert_parallel, installed
 from samepath.kernels.config import assert_same_numerics
 from samepath.kernels.rotary import rotary_inv_freq, rotary_position_limit
+from samepath.models.descriptor import SIGMOID_GROUPED_TOPK
+from samepath.models.registry import find
 
 logger = logging.getLogger("samepath.integrations.vllm")
 
@@ -65,14 +70,31 @@ ROUTER_GEMM_FLAGS = (
 )
 
 
-def moe_formula_problem(experts: Any, formulas: dict | None) -> str | None:
-    """Why the experts' routing precision (``samepath_routing_fp32``, set at weight processing)
-    differs from the config's router (the trainer's), or ``None``."""
+def moe_formula_problem(experts: Any, formulas: dict | None, runner: Any = None) -> str | None:
+    """Why the experts' routing (``samepath_routing_fp32`` / ``samepath_routing``, recorded at weight
+    processing) differs from the config's family's router (the trainer's, by its descriptor), or
+    ``None``; with the ``runner``, a grouped router's parameters are compared with the config's too."""
     if formulas is None or formulas["moe"] is None:
         return None
-    want_fp32 = "kept in fp32" in formulas["moe"]["routing"]
+    family = find(formulas["model_type"])
+    want_fp32 = family is not None and family.routing_weights_fp32
     if bool(getattr(experts, "samepath_routing_fp32", False)) != want_fp32:
         return f"routing weights {'not ' if want_fp32 else ''}kept in fp32, unlike the config's router"
+    routing = getattr(experts, "samepath_routing", None)
+    if family is not None and routing is not None and routing != family.moe:
+        return f"routing {routing} differs from the config's {family.moe}"
+    if runner is not None and routing == SIGMOID_GROUPED_TOPK:
+        moe, router = formulas["moe"], runner.router
+        mine = {
+            "top_k": router.top_k,
+            "n_group": router.num_expert_group,
+            "topk_group": router.topk_group,
+            "renormalize": bool(router.renormalize),
+            "routed_scaling_factor": routed_scaling_factor(runner),
+        }
+        differ = {key: value for key, value in mine.items() if value != moe[key]}
+        if differ:
+            return f"router {differ} differs from the config's ({ {key: moe[key] for key in differ} })"
     return None
 
 
@@ -106,10 +128,10 @@ def vllm_moe_entry(name: str, module: torch.nn.Module, formulas: dict | None):
             return module_entry(name, module, "moe", UNCOVERED, detail)
         return module_entry(name, module, "moe", UNCOVERED, "experts left on vLLM's fused kernel")
     try:
-        check_plain_routing(module)
+        check_plain_routing(module, getattr(experts, "samepath_routing", None))
     except NotImplementedError as exc:
         return module_entry(name, module, "moe", UNCOVERED, str(exc))
-    problem = moe_formula_problem(experts, formulas)
+    problem = moe_formula_problem(experts, formulas, module)
     if problem is not None:
         return module_entry(name, module, "moe", UNCOVERED, problem)
     kind, size = getattr(experts, "samepath_parallel", ("plain", 1))
@@ -162,7 +184,6 @@ def classify_module(
     position_limit)`` of its rope), ``None`` when it could not be resolved: a rotary layer or norm
     that resolves differently from them is uncovered."""
     from vllm.model_executor.layers.linear import LinearBase
-    from vllm.model_executor.layers.rotary_embedding import Phi3LongRoPEScaledRotaryEmbedding
     from vllm.model_executor.layers.rotary_embedding.base import RotaryEmbeddingBase
     from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod
 
@@ -209,14 +230,23 @@ def classify_module(
             detail = f"GELU approximate={module.approximate!r} (samepath implements the tanh approximation)"
             return module_entry(name, module, "gelu_tanh_mul", UNCOVERED, detail)
         return module_entry(name, module, "gelu_tanh_mul", COVERED, "samepath.geglu_tanh")
-    if isinstance(module, (RotaryEmbeddingBase, Phi3LongRoPEScaledRotaryEmbedding)):
+    if isinstance(module, (RotaryEmbeddingBase, *family_rotary_classes())):
         if kind.forward is not rotary_forward:
             return module_entry(name, module, "rotary", UNCOVERED, "its own forward (not samepath's rotary)")
         try:
             rotary_dim, base, scaling = vllm_rope(module)
         except UnsupportedRopeError as exc:
             return module_entry(name, module, "rotary", UNCOVERED, str(exc))
-        if rotary_dim != module.head_size:
+        rope = (formulas or {}).get("rope") or {}
+        interleaved, mrope_section, _ = vllm_rope_layout(module)
+        if interleaved or mrope_section is not None:
+            # samepath computes these as Hugging Face's GLM-4 / Qwen-VL do, but no family of
+            # samepath.models uses them yet: no trainer resolution to compare with.
+            layout = "GPT-J (interleaved) pairs" if interleaved else f"multimodal rope {list(mrope_section)}"
+            detail = f"{layout}: no supported model family resolves its rope this way"
+            return module_entry(name, module, "rotary", UNCOVERED, detail)
+        if rotary_dim != module.head_size and rope.get("rotary_dim") != rotary_dim:
+            # Partial rotary only where the trainer's config rotates the same part (GLM-4.5).
             return module_entry(
                 name, module, "rotary", UNCOVERED, f"partial rotary ({rotary_dim} of {module.head_size})"
             )

@@ -22,6 +22,7 @@ from samepath.integrations.vllm.env import (
 )
 from samepath.integrations.vllm.state import INSTALLED, MAX_TENSOR_PARALLEL_SIZE, installed
 from samepath.kernels.config import assert_same_numerics, fingerprint, record_uncovered, tensor_parallel_size_of
+from samepath.models.registry import families
 
 logger = logging.getLogger("samepath.integrations.vllm")
 
@@ -54,7 +55,7 @@ def install() -> None:
             assert_same_numerics(expected)  # another samepath version or table: refused now
         claim("vllm", "install one vLLM integration only")
         try:
-            stack = apply_patch_groups(PATCH_GROUPS, INSTALLED)
+            stack = apply_patch_groups(patch_groups(), INSTALLED)
         except BaseException:
             release("vllm")
             raise
@@ -75,15 +76,12 @@ def uninstall() -> None:
             record_uncovered("vllm", ())
 
 
-PATCH_GROUPS = [
+#: The patch groups every model needs, in order; the family groups go after the attention's.
+CORE_GROUPS = [
     ("cpu_attention", attention.patch_cpu_attention),
     ("triton_attention", attention.patch_triton_attention),
     ("flash_attention", attention.patch_flash_attention),
-    ("rms_norm", layers.patch_rms_norm),
-    ("gemma_rms_norm", layers.patch_gemma_rms_norm),
     ("rotary", layers.patch_rotary),
-    ("silu_mul", layers.patch_silu_mul),
-    ("gelu_tanh_mul", layers.patch_gelu_tanh_mul),
     ("linear", layers.patch_linear),
     ("row_parallel", layers.patch_row_parallel),
     ("moe", layers.patch_moe),
@@ -92,5 +90,39 @@ PATCH_GROUPS = [
     ("sampling_edits", sampler.patch_sampling_edits),
     ("model_audit", loader.patch_model_loader),
 ]
+#: The groups a family's descriptor asks for (:meth:`~samepath.models.descriptor.ModelFamily.vllm_patches`:
+#: its norm and activation), by name.
+FAMILY_GROUPS = {
+    "rms_norm": layers.patch_rms_norm,
+    "gemma_rms_norm": layers.patch_gemma_rms_norm,
+    "silu_mul": layers.patch_silu_mul,
+    "gelu_tanh_mul": layers.patch_gelu_tanh_mul,
+}
 
-__all__ = ["INSTALLED", "PATCH_GROUPS", "install", "installed", "uninstall"]
+
+def patch_groups() -> list:
+    """The groups :func:`install` applies: :data:`CORE_GROUPS` with, after the attention backends,
+    every family group a registered family of :mod:`samepath.models` needs (read now: a family
+    registered later is included at the next install). A group a descriptor names that the plugin
+    does not have is an error."""
+    wanted = {name for family in set(families().values()) for name in family.vllm_patches()}
+    unknown = wanted - set(FAMILY_GROUPS)
+    if unknown:
+        raise ValueError(f"model families ask for vLLM patch groups the plugin does not have: {sorted(unknown)}")
+    family = [(name, patch) for name, patch in FAMILY_GROUPS.items() if name in wanted]
+    return [*CORE_GROUPS[:3], *family, *CORE_GROUPS[3:]]
+
+
+#: Today's groups (:func:`patch_groups` at import).
+PATCH_GROUPS = patch_groups()
+
+__all__ = [
+    "CORE_GROUPS",
+    "FAMILY_GROUPS",
+    "INSTALLED",
+    "PATCH_GROUPS",
+    "install",
+    "installed",
+    "patch_groups",
+    "uninstall",
+]

@@ -18,6 +18,7 @@ from samepath.integrations.patcher import Patcher
 from samepath.integrations.vllm.common import has_dense_weight, loading_model_routing_fp32, optional_module
 from samepath.integrations.vllm.layers import (
     UnsupportedRopeError,
+    family_rotary_classes,
     moe_parallel_layout,
     parallel_moe,
     rotary_forward,
@@ -129,7 +130,8 @@ def patch_rotary(patcher: Patcher) -> bool:
         from vllm.model_executor.layers.rotary_embedding.base import RotaryEmbeddingBase
 
         set_original(patcher, RotaryEmbeddingBase, "forward", rotary_forward)
-        set_original(patcher, vllm_rope.Phi3LongRoPEScaledRotaryEmbedding, "forward", rotary_forward)
+        for cls in family_rotary_classes():
+            set_original(patcher, cls, "forward", rotary_forward)
     return True
 
 

@@ -1,6 +1,6 @@
 """CPU replay of ``_rotary_kernel`` (``samepath.kernels.rotary``): HF's rotate-half rotation of a
 ``[n0, size1, size2, HEAD]`` tensor and its transpose (the backward), with the partial-rotary
-pass-through.
+pass-through; a pair is columns ``(i, i + HALF)`` or, ``INTERLEAVED`` (GPT-J), ``(2i, 2i + 1)``.
 
 The kernel is elementwise per ``(row, column < HALF)``: each output pair is a fixed sequence of fp32
 products, casts to the output dtype and one add or subtract, the same for any block of rows. The
@@ -72,6 +72,7 @@ def rotary(
     BLOCK_P,
     BLOCK_R,
     BACKWARD,
+    INTERLEAVED=False,
 ) -> None:
     """``_rotary_kernel``'s stores: ``Out[..., :2 * HALF]`` rotated (or, ``BACKWARD``, counter-rotated)
     from ``X``, ``Out[..., 2 * HALF:HEAD]`` copied from ``X``."""
@@ -84,20 +85,28 @@ def rotary(
     out = _rows(Out, shape, (stride_o0, stride_o1, stride_o2), HEAD)
     with np.errstate(all="ignore"):
         for block in _blocks(shape, HEAD):
-            _rotate(x[block], cos[block], sin[block], out[block], HALF, HEAD, Out.dtype, BACKWARD)
+            _rotate(x[block], cos[block], sin[block], out[block], HALF, HEAD, Out.dtype, BACKWARD, INTERLEAVED)
 
 
-def _rotate(x, cos, sin, out, half, head, dtype, backward) -> None:
-    x1, x2 = widen(x[..., :half]), widen(x[..., half : 2 * half])
-    c1, c2 = widen(cos[..., :half]), widen(cos[..., half:])
-    s1, s2 = widen(sin[..., :half]), widen(sin[..., half:])
+def _pairs(half: int, interleaved: bool) -> tuple[slice, slice]:
+    """The columns of each pair's first and second element: ``(i, i + half)`` or ``(2i, 2i + 1)``."""
+    if interleaved:
+        return slice(0, 2 * half, 2), slice(1, 2 * half, 2)
+    return slice(0, half), slice(half, 2 * half)
+
+
+def _rotate(x, cos, sin, out, half, head, dtype, backward, interleaved=False) -> None:
+    one, two = _pairs(half, interleaved)
+    x1, x2 = widen(x[..., one]), widen(x[..., two])
+    c1, c2 = widen(cos[..., one]), widen(cos[..., two])
+    s1, s2 = widen(sin[..., one]), widen(sin[..., two])
     if backward:
         o1 = x1 * c1 + x2 * s2
         o2 = x2 * c2 - x1 * s1
     else:
         o1 = widen(cast(x1 * c1, dtype)) + widen(cast(np.negative(x2) * s1, dtype))
         o2 = widen(cast(x2 * c2, dtype)) + widen(cast(x1 * s2, dtype))
-    out[..., :half] = cast(o1, dtype)
-    out[..., half : 2 * half] = cast(o2, dtype)
+    out[..., one] = cast(o1, dtype)
+    out[..., two] = cast(o2, dtype)
     if head > 2 * half:
         out[..., 2 * half :] = x[..., 2 * half :]
