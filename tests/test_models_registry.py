@@ -70,7 +70,13 @@ def test_the_descriptors_say_what_each_family_computes():
         "glm4_moe": "sigmoid_grouped_topk",
     }
     assert {t for t, f in fam.items() if f.partial_rotary or f.shared_experts or f.hf_router} == {"glm4_moe"}
-    assert {t for t, f in fam.items() if f.sliding_window_by_default} == {"mistral", "phi3", "mixtral", "gemma3_text", "gemma2"}
+    assert {t for t, f in fam.items() if f.sliding_window_by_default} == {
+        "mistral",
+        "phi3",
+        "mixtral",
+        "gemma3_text",
+        "gemma2",
+    }
     assert {t for t, f in fam.items() if f.query_pre_attn_scalar or f.embedding_scale} == {"gemma3_text", "gemma2"}
     assert {t for t, f in fam.items() if f.softcap or f.layer_types} == {"gemma2"}
     assert {t for t, f in fam.items() if not f.dense_mlp} == {"mixtral"}
