@@ -282,13 +282,15 @@ def test_the_vllm_plugins_family_bits_come_from_the_descriptors():
     assert {t for t, f in fam.items() if f.vllm_rotary_classes} == {"phi3"}
     names = [name for name, _ in plugin.patch_groups()]
     assert {"rms_norm", "gemma_rms_norm", "silu_mul", "gelu_tanh_mul"} <= set(names)
-    gemma = models.family("gemma3_text")
-    models.unregister(gemma)
+    gemmas = [models.family("gemma3_text"), models.family("gemma2")]
+    for gemma in gemmas:
+        models.unregister(gemma)
     try:
         names = [name for name, _ in plugin.patch_groups()]
         assert "gemma_rms_norm" not in names and "gelu_tanh_mul" not in names and "rms_norm" in names
     finally:
-        models.register(gemma, replace=True)
+        for gemma in gemmas:
+            models.register(gemma, replace=True)
     odd_act = dataclasses.replace(SILU_MUL, vllm_patch="relu2_mul")
     odd = models.register(
         dataclasses.replace(models.family("llama"), model_types=("samepath_odd2",), activation=odd_act)
