@@ -51,6 +51,7 @@ class TrainCheckSpec:
     tie_word_embeddings: bool = False
     device: str = "cpu"
     model: str | None = None  #: a Hugging Face model directory; None: the embedded default
+    eos_token_id: int | None = None  #: completions end at this token or after new_tokens; None: all capped
 
 
 class StockTrainer(Trainer):
@@ -103,6 +104,7 @@ def run_in_process(spec: TrainCheckSpec, on_step: Callable[[StepMetrics], None] 
                 seed=spec.seed,
                 sync_steps=spec.sync_steps,
                 on_step=on_step,
+                eos_token_id=spec.eos_token_id,
             )
 
 
