@@ -1508,22 +1508,51 @@ def test_vllm_decode_step_host_work(monkeypatch, validate):
         assert short.reads == 0, short.ops
 
 
-def test_rl_loop_vllm_weight_sync_stays_bit_identical():
+RL_EOS, RL_EOS_SCALE = 13, 12.0
+
+
+def _rl_eos_model(directory: str) -> str:
+    """The embedded default model (tied embeddings) with the EOS row of its lm_head scaled: the EOS
+    logit swings far above and below the others, so some completions end at EOS and some are capped."""
+    from samepath.check.harness import build_default_model, load_model
+
+    build_default_model(directory, tie_word_embeddings=True)
+    model = load_model(directory, torch.float32).model
+    with torch.no_grad():
+        model.lm_head.weight[RL_EOS].mul_(RL_EOS_SCALE)
+    model.save_pretrained(directory)
+    return directory
+
+
+def test_rl_loop_vllm_weight_sync_stays_bit_identical(tmp_path):
     """samepath.rl's GRPO loop with vLLM in-process as the rollout (a child process holding the
     engine and the fp32-master trainer, tied embeddings): the weights go in through vLLM's
-    ``reload_weights`` after each update, and steps 0-2 are bit-identical with the weights changing
-    every step. The negative control is in the same run: after the second update no more weights
-    are pushed, so at step 3 vLLM samples with the previous weights and must differ."""
+    ``reload_weights`` after each update, every request has its own seed, and completions end at EOS
+    or at the length limit, both in every batch. Steps 0-2 are bit-identical on every completion
+    token with the weights changing every step. The negative control is in the same run: after the
+    second update no more weights are pushed, so at step 3 vLLM samples with the previous weights
+    and must differ."""
     from samepath.rl.train_check import TrainCheckSpec, run_in_child
 
     spec = TrainCheckSpec(
-        steps=4, rollout="vllm", prompts=1, group_size=2, new_tokens=2, sync_steps=2, tie_word_embeddings=True
+        steps=4,
+        rollout="vllm",
+        prompts=1,
+        group_size=4,
+        new_tokens=4,
+        sync_steps=2,
+        temperature=0.7,
+        model=_rl_eos_model(str(tmp_path)),
+        eos_token_id=RL_EOS,
     )
     history = run_in_child(spec)
     assert [m.step for m in history] == [0, 1, 2, 3]
     for m in history[:3]:
         assert m.bitwise_equal, f"step {m.step}: vLLM and trainer log-probs differ (max |Δ| {m.max_abs_diff})"
         assert m.ratio_min == m.ratio_max == 1.0 and m.k3_kl == 0.0 and m.rollout_probs_diff_max == 0.0
+    assert all(m.eos_completions > 0 for m in history[:3]), history
+    assert sum(m.capped_completions for m in history[:3]) > 0, history
+    assert sum(m.tokens for m in history[:3]) < 3 * 4 * 4
     assert all(m.weight_change > 0 for m in history)
     assert not history[3].bitwise_equal and history[3].max_abs_diff > 0
 
