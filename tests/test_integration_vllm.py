@@ -1692,3 +1692,38 @@ def test_vllm_metadata_values_are_checked_once_per_layout(monkeypatch):
     attention.check_host_metadata(SimpleNamespace(max_seq_len=64), table, 16)
     with pytest.raises(ValueError, match="max_seq_len"):
         attention.check_host_metadata(SimpleNamespace(max_seq_len=65), table, 16)
+
+
+def test_vllm_per_request_seeds_replay(model_dirs):
+    """vLLM's ``SamplingParams(seed=...)`` with samepath, seeds in the loop's recipe
+    (:func:`samepath.rl.request_seeds`): the same seeds give the same completions and log-probs bit
+    for bit with the batch reversed; other seeds give other completions (the negative control); and
+    with a stop token each completion is the capped one cut after its first stop token, as in the
+    rollout of :class:`samepath.rl.vllm_engine.VLLMRollout`."""
+    from samepath.rl import completion_mask, request_seeds
+
+    gen = torch.Generator().manual_seed(6)
+    batch = [torch.randint(1, VOCAB, (n,), generator=gen).tolist() for n in (5, 3, 7, 4)]
+    seeds, other = request_seeds(3, 2, 2, 1), request_seeds(4, 2, 2, 1)
+    base = dict(model=model_dirs("qwen3", "bfloat16"), dtype="bfloat16", new_tokens=6, temperature=1.0)
+    base["expect_fingerprint"] = samepath.fingerprint()
+    spec = VLLMRolloutSpec(
+        **base,
+        batches=[batch, batch[::-1], batch],
+        sampling=[{"seed": s} for s in [*seeds, *seeds[::-1], *other]],
+    )
+    requests = ROLLOUTS.run(spec).requests
+    tokens = torch.tensor([r.tokens for r in requests]).view(3, 4, 6)
+    logprobs = torch.tensor([r.logprobs for r in requests]).view(3, 4, 6)
+    assert torch.equal(tokens[1].flip(0), tokens[0]) and torch.equal(logprobs[1].flip(0), logprobs[0])
+    assert not torch.equal(tokens[2], tokens[0])
+    stop = int(tokens[0, 0, 2])
+    cut = ROLLOUTS.run(
+        VLLMRolloutSpec(**base, batches=[batch], sampling=[{"seed": s, "stop_token_ids": [stop]} for s in seeds])
+    ).requests
+    mask = completion_mask(tokens[0], stop)
+    assert not mask.all()
+    for row, request in enumerate(cut):
+        n = int(mask[row].sum())
+        assert request.tokens == tokens[0, row, :n].tolist()
+        assert torch.equal(torch.tensor(request.logprobs), logprobs[0, row, :n])
