@@ -15,6 +15,7 @@
 from __future__ import annotations
 
 import copy
+import json
 
 import pytest
 import torch
@@ -127,3 +128,27 @@ def test_autocast_over_fp32_is_refused_by_samepaths_kernels():
         trainer = Trainer(copy.deepcopy(model), "fp32_master")
         master = trainer._forward_logits(ids, torch.ones_like(ids))
     assert torch.equal(master, reference)
+
+
+def test_train_check_eos_completions_from_the_models_own_eos(tmp_path, capsys):
+    """``samepath train-check --model DIR``: the model's own ``eos_token_id`` ends completions by
+    default (``--eos-token-id auto``), EOS and capped ones in one run, samepath bit-identical on the
+    completions' tokens; ``--eos-token-id none`` caps all of them."""
+    from samepath.check.cli import main
+
+    model = eos_model()
+    model.config.eos_token_id = EOS
+    model.save_pretrained(tmp_path / "model")
+    argv = ["train-check", "--model", str(tmp_path / "model"), "--steps", "2", "--prompts", "2", "--group-size", "2"]
+    argv += ["--new-tokens", "4", "--seed", "0", "--json", str(tmp_path / "out.json")]
+    assert main(argv) == 0, capsys.readouterr()
+    report = json.loads((tmp_path / "out.json").read_text())
+    assert report["settings"]["eos_token_id"] == EOS
+    steps = report["runs"]["samepath"]["steps"]
+    assert all(s["bitwise_equal"] and s["ratio_min"] == s["ratio_max"] == 1.0 for s in steps)
+    assert sum(s["eos_completions"] for s in steps) > 0 and sum(s["capped_completions"] for s in steps) > 0
+    assert f"ended at EOS {EOS}" in capsys.readouterr().out
+    assert main([*argv[:-2], "--eos-token-id", "none", "--json", str(tmp_path / "capped.json")]) == 0
+    capped = json.loads((tmp_path / "capped.json").read_text())
+    assert capped["settings"]["eos_token_id"] is None
+    assert all(s["eos_completions"] == 0 and s["tokens"] == 16 for s in capped["runs"]["samepath"]["steps"])
