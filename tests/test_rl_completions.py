@@ -114,20 +114,29 @@ def test_seeded_rollouts_replay_bit_for_bit():
         rollout.generate(prompts, 4, TEMPERATURE, seeds[:1])
 
 
-def test_autocast_over_fp32_is_refused_by_samepaths_kernels():
-    """The refusal's reason met inside samepath: under ``torch.autocast(bf16)`` over fp32 weights,
-    Qwen3's ``q_norm`` gets a bf16 input (the q_proj matmul's output) and an fp32 weight, and
-    samepath's RMSNorm refuses the mix by name rather than compute bits no bf16 rollout computes.
-    ``fp32_master`` (the forward on the bf16 cast, under autocast) equals the rollout's forward."""
+def test_autocast_over_fp32_is_refused_by_name():
+    """A patched model under ``torch.autocast(bf16)`` over fp32 weights is refused by name at its
+    first norm (autocast would leave the embedding, norms and residual stream in fp32 and give Qwen3's
+    ``q_norm`` a bf16 input with an fp32 weight: bits no bf16 rollout computes), naming the supported
+    alternative. ``fp32_master`` (the forward on the bf16 cast, under autocast) equals the rollout's
+    forward."""
     model = tiny_model(tied=False).float()
     ids = torch.randint(1, TINY["vocab_size"], (2, 6), generator=torch.Generator().manual_seed(0))
     with numerics("samepath"), torch.no_grad():
         reference = copy.deepcopy(model).to(torch.bfloat16)(input_ids=ids, use_cache=False).logits
-        with torch.autocast("cpu", dtype=torch.bfloat16), pytest.raises(ValueError, match="weight dtype"):
+        with (
+            torch.autocast("cpu", dtype=torch.bfloat16),
+            pytest.raises(ValueError, match=r"autocast\(torch.bfloat16\) over fp32 weights is refused"),
+        ):
             model(input_ids=ids, use_cache=False)
         trainer = Trainer(copy.deepcopy(model), "fp32_master")
         master = trainer._forward_logits(ids, torch.ones_like(ids))
     assert torch.equal(master, reference)
+    torch.manual_seed(0)  # a model without q_norm (Llama) too, at its first norm
+    llama = transformers.LlamaForCausalLM(transformers.LlamaConfig(**TINY)).float()
+    with numerics("samepath"), torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        with pytest.raises(ValueError, match="fp32_master"):
+            llama(input_ids=ids, use_cache=False)
 
 
 def test_train_check_eos_completions_from_the_models_own_eos(tmp_path, capsys):
