@@ -1653,22 +1653,51 @@ def test_vllm_decode_step_host_work(monkeypatch, validate):
         assert short.reads == 0, short.ops
 
 
-def test_rl_loop_vllm_weight_sync_stays_bit_identical():
+RL_EOS, RL_EOS_SCALE = 13, 12.0
+
+
+def _rl_eos_model(directory: str) -> str:
+    """The embedded default model (tied embeddings) with the EOS row of its lm_head scaled: the EOS
+    logit swings far above and below the others, so some completions end at EOS and some are capped."""
+    from samepath.check.harness import build_default_model, load_model
+
+    build_default_model(directory, tie_word_embeddings=True)
+    model = load_model(directory, torch.float32).model
+    with torch.no_grad():
+        model.lm_head.weight[RL_EOS].mul_(RL_EOS_SCALE)
+    model.save_pretrained(directory)
+    return directory
+
+
+def test_rl_loop_vllm_weight_sync_stays_bit_identical(tmp_path):
     """samepath.rl's GRPO loop with vLLM in-process as the rollout (a child process holding the
     engine and the fp32-master trainer, tied embeddings): the weights go in through vLLM's
-    ``reload_weights`` after each update, and steps 0-2 are bit-identical with the weights changing
-    every step. The negative control is in the same run: after the second update no more weights
-    are pushed, so at step 3 vLLM samples with the previous weights and must differ."""
+    ``reload_weights`` after each update, every request has its own seed, and completions end at EOS
+    or at the length limit, both in every batch. Steps 0-2 are bit-identical on every completion
+    token with the weights changing every step. The negative control is in the same run: after the
+    second update no more weights are pushed, so at step 3 vLLM samples with the previous weights
+    and must differ."""
     from samepath.rl.train_check import TrainCheckSpec, run_in_child
 
     spec = TrainCheckSpec(
-        steps=4, rollout="vllm", prompts=1, group_size=2, new_tokens=2, sync_steps=2, tie_word_embeddings=True
+        steps=4,
+        rollout="vllm",
+        prompts=1,
+        group_size=4,
+        new_tokens=4,
+        sync_steps=2,
+        temperature=0.7,
+        model=_rl_eos_model(str(tmp_path)),
+        eos_token_id=RL_EOS,
     )
     history = run_in_child(spec)
     assert [m.step for m in history] == [0, 1, 2, 3]
     for m in history[:3]:
         assert m.bitwise_equal, f"step {m.step}: vLLM and trainer log-probs differ (max |Δ| {m.max_abs_diff})"
         assert m.ratio_min == m.ratio_max == 1.0 and m.k3_kl == 0.0 and m.rollout_probs_diff_max == 0.0
+    assert all(m.eos_completions > 0 for m in history[:3]), history
+    assert sum(m.capped_completions for m in history[:3]) > 0, history
+    assert sum(m.tokens for m in history[:3]) < 3 * 4 * 4
     assert all(m.weight_change > 0 for m in history)
     assert not history[3].bitwise_equal and history[3].max_abs_diff > 0
 
@@ -1808,3 +1837,38 @@ def test_vllm_metadata_values_are_checked_once_per_layout(monkeypatch):
     attention.check_host_metadata(SimpleNamespace(max_seq_len=64), table, 16)
     with pytest.raises(ValueError, match="max_seq_len"):
         attention.check_host_metadata(SimpleNamespace(max_seq_len=65), table, 16)
+
+
+def test_vllm_per_request_seeds_replay(model_dirs):
+    """vLLM's ``SamplingParams(seed=...)`` with samepath, seeds in the loop's recipe
+    (:func:`samepath.rl.request_seeds`): the same seeds give the same completions and log-probs bit
+    for bit with the batch reversed; other seeds give other completions (the negative control); and
+    with a stop token each completion is the capped one cut after its first stop token, as in the
+    rollout of :class:`samepath.rl.vllm_engine.VLLMRollout`."""
+    from samepath.rl import completion_mask, request_seeds
+
+    gen = torch.Generator().manual_seed(6)
+    batch = [torch.randint(1, VOCAB, (n,), generator=gen).tolist() for n in (5, 3, 7, 4)]
+    seeds, other = request_seeds(3, 2, 2, 1), request_seeds(4, 2, 2, 1)
+    base = dict(model=model_dirs("qwen3", "bfloat16"), dtype="bfloat16", new_tokens=6, temperature=1.0)
+    base["expect_fingerprint"] = samepath.fingerprint()
+    spec = VLLMRolloutSpec(
+        **base,
+        batches=[batch, batch[::-1], batch],
+        sampling=[{"seed": s} for s in [*seeds, *seeds[::-1], *other]],
+    )
+    requests = ROLLOUTS.run(spec).requests
+    tokens = torch.tensor([r.tokens for r in requests]).view(3, 4, 6)
+    logprobs = torch.tensor([r.logprobs for r in requests]).view(3, 4, 6)
+    assert torch.equal(tokens[1].flip(0), tokens[0]) and torch.equal(logprobs[1].flip(0), logprobs[0])
+    assert not torch.equal(tokens[2], tokens[0])
+    stop = int(tokens[0, 0, 2])
+    cut = ROLLOUTS.run(
+        VLLMRolloutSpec(**base, batches=[batch], sampling=[{"seed": s, "stop_token_ids": [stop]} for s in seeds])
+    ).requests
+    mask = completion_mask(tokens[0], stop)
+    assert not mask.all()
+    for row, request in enumerate(cut):
+        n = int(mask[row].sum())
+        assert request.tokens == tokens[0, row, :n].tolist()
+        assert torch.equal(torch.tensor(request.logprobs), logprobs[0, row, :n])

@@ -207,6 +207,8 @@ def _cli(argv):
         (["--group-size", "1"], "--group-size"),
         (["--precision", "fp16"], "--precision"),
         (["--rollout", "sglang"], "rollout"),
+        (["--eos-token-id", "320"], "--eos-token-id"),
+        (["--eos-token-id", "end"], "--eos-token-id"),
     ],
 )
 def test_train_check_bad_input(argv, fragment, capsys):

@@ -191,7 +191,22 @@ def _train_check_parser(sub) -> None:
     train.add_argument(
         "--tie-embeddings", action="store_true", help="the default model with its lm_head tied to the embedding"
     )
-    train.add_argument("--seed", type=int, default=0, help="seed of the prompts and sampling (default: %(default)s)")
+    train.add_argument(
+        "--seed",
+        type=int,
+        default=0,
+        help="seed of the prompts and sampling: request i (prompt index, sample within its group) of step s is "
+        "sampled with its own seed SEED + index*1000003 + sample*1009 + s*9176, so a rollout replays bit for bit "
+        "(default: %(default)s)",
+    )
+    train.add_argument(
+        "--eos-token-id",
+        default="auto",
+        metavar="ID",
+        help="completions end at this token id (kept and trained on) or after --new-tokens tokens, both kinds in one "
+        "batch; 'none': every completion has --new-tokens tokens; 'auto' (the default): the model's own "
+        "eos_token_id with --model, none for the embedded default model (it has no EOS)",
+    )
     train.add_argument("--device", default=None, help="torch device (default: cuda when available, else cpu)")
     train.add_argument("--json", metavar="OUT", help="also write the report as JSON to OUT ('-' for stdout)")
     train.add_argument("--plot", metavar="OUT.png", help="write a PNG of max |Δlogp| per step (needs matplotlib)")
@@ -205,7 +220,7 @@ def run_train_check(args: argparse.Namespace) -> int:
     from samepath.check.report import SCHEMA_VERSION, environment
     from samepath.kernels.config import fingerprint
     from samepath.rl.grpo import PRECISIONS
-    from samepath.rl.train_check import TrainCheckSpec, format_table, plot, run
+    from samepath.rl.train_check import TrainCheckSpec, format_table, parse_eos_token_id, plot, run
     from samepath.version import __version__
 
     for flag, value, least in (("--steps", args.steps, 1), ("--prompts", args.prompts, 1)):
@@ -231,15 +246,19 @@ def run_train_check(args: argparse.Namespace) -> int:
     if args.model:
         config = check_model_config(args.model)
         model_type, layers, hidden = config.model_type, config.num_hidden_layers, config.hidden_size
-        where = args.model
+        where, vocab, own_eos = args.model, config.vocab_size, getattr(config, "eos_token_id", None)
     else:
         model_type, where = "qwen3", "embedded default, random weights"
         layers, hidden = DEFAULT_MODEL_CONFIG["num_hidden_layers"], DEFAULT_MODEL_CONFIG["hidden_size"]
+        vocab, own_eos = DEFAULT_MODEL_CONFIG["vocab_size"], None
+    eos = parse_eos_token_id(args.eos_token_id, own_eos, int(vocab))
     trainer_dtype = "bf16 weights" if args.precision == "bf16" else "fp32 master weights, forward on their bf16 cast"
     header = (
         f"samepath train-check: {model_type} ({where}; {layers} layers, hidden {hidden}); trainer {args.precision} "
         f"({trainer_dtype}), rollout {args.rollout} in bfloat16; {args.steps} steps of {args.prompts} prompts x "
-        f"{args.group_size} samples x {args.new_tokens} tokens, temperature {args.temperature:g}, seed {args.seed}"
+        f"{args.group_size} samples x {args.new_tokens} tokens"
+        + (f" (or fewer: ending at EOS id {eos})" if eos is not None else "")
+        + f", temperature {args.temperature:g}, seed {args.seed} (a seed per request)"
     )
     spec = dict(
         steps=args.steps,
@@ -254,6 +273,7 @@ def run_train_check(args: argparse.Namespace) -> int:
         tie_word_embeddings=args.tie_embeddings,
         device=str(device),
         model=args.model,
+        eos_token_id=eos,
     )
     runs = {}
     progress = _progress(args, phases=2)
@@ -275,6 +295,10 @@ def run_train_check(args: argparse.Namespace) -> int:
         print(format_table(runs["stock"], runs["samepath"]))
         verdict = "bit-identical at every step: importance ratio exactly 1.0" if identical else "NOT bit-identical"
         print(f"samepath: rollout ({args.rollout}) vs trainer ({args.precision}) log-probs {verdict}.")
+        if eos is not None:
+            ended = sum(m.eos_completions for m in runs["samepath"])
+            capped = sum(m.capped_completions for m in runs["samepath"])
+            print(f"samepath completions: {ended} ended at EOS {eos}, {capped} at the {args.new_tokens}-token limit.")
     if args.json:
         _write_json(
             args.json,

@@ -469,12 +469,30 @@ def samepath_experts_forward(
 # ----------------------------------------------------------------------------------------------
 
 
+def _refuse_autocast_over_fp32(weight: torch.Tensor) -> None:
+    """A norm's fp32 weight under a lower-precision autocast: the model runs ``torch.autocast`` over
+    fp32 modules, whose per-op cast points (fp32 embedding, norms, residual stream; bf16 matmul
+    outputs) no lower-precision rollout computes. Refused by name before any mixed-dtype kernel."""
+    device = weight.device.type
+    if weight.dtype == torch.float32 and torch.is_autocast_enabled(device):
+        low = torch.get_autocast_dtype(device)
+        if low != torch.float32:
+            raise ValueError(
+                f"torch.autocast({low}) over fp32 weights is refused: autocast casts only each matmul's operands, "
+                "the embedding, norms, residual stream and rotary stay fp32, which no rollout on the weights' "
+                f"{low} cast computes. Run the forward on that cast of the weights (fp32 masters: "
+                "samepath.rl.Trainer(precision='fp32_master'), functional_call over p.to(dtype))"
+            )
+
+
 def _rms_norm_forward(self: torch.nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
+    _refuse_autocast_over_fp32(self.weight)
     return rms_norm(hidden_states, self.weight, self.variance_epsilon)
 
 
 def _one_plus_weight_rms_norm_forward(self: torch.nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
     """``Gemma3RMSNorm``: the fp32 row times ``1 + weight.float()``, one rounding (its ``eps``)."""
+    _refuse_autocast_over_fp32(self.weight)
     return rms_norm(hidden_states, self.weight, self.eps, weight_mode="fp32_one_plus_weight")
 
 

@@ -13,8 +13,11 @@ from samepath.rl.grpo import (
     all_equal,
     check_pairing,
     clipped_pg_loss,
+    completion_mask,
     group_advantages,
     numerics,
+    request_seed,
+    request_seeds,
     run_grpo,
     step_metrics,
 )
@@ -30,8 +33,11 @@ __all__ = [
     "all_equal",
     "check_pairing",
     "clipped_pg_loss",
+    "completion_mask",
     "group_advantages",
     "numerics",
+    "request_seed",
+    "request_seeds",
     "run_grpo",
     "step_metrics",
 ]

