@@ -89,6 +89,7 @@ PATCH_GROUPS = [
     ("linear", layers.patch_linear),
     ("moe", layers.patch_moe),
     ("sampler_logprobs", sampler.patch_sampler),
+    (sampler.EDITS_GROUP, sampler.patch_sampling_edits),
     ("sampling_refusals", sampler.patch_sampling_refusals),
     ("model_audit", loader.patch_ascend_model_loader),
     ("nz_config", determinism.patch_nz_config),
