@@ -53,7 +53,8 @@ def _tree(version: str, facts: dict[str, Any]) -> dict[str, types.ModuleType]:
         for name in owners:
             owner = getattr(owner, name)
         if fact["kind"] == "class":
-            value: Any = type(attr, (), {"__module__": module_name})
+            bases = tuple(type(b.rpartition(".")[2], (), {}) for b in fact["bases"] if b.rpartition(".")[2] != "Enum")
+            value: Any = type(attr, bases, {"__module__": module_name})
             if attr == "AscendMetadata":
                 value = dataclasses.make_dataclass(attr, [(n, Any, None) for n in fact["fields"]])
         elif fact["kind"] == "function":
@@ -136,8 +137,9 @@ def test_gate_accepts_each_release_and_detects_its_patch_points(version: str) ->
 
 @pytest.mark.parametrize("version", sorted(FACTS))
 def test_gate_refuses_a_changed_signature_by_name(version: str) -> None:
-    """Negative control: the same tree with ``forward_impl``'s arguments reordered (or RMSNorm's
-    ``residual`` gone) is refused, the method and both parameter lists named."""
+    """Negative control: the same tree with ``forward_impl``'s arguments reordered, RMSNorm's
+    ``residual`` gone, or the MoE method not derived from vLLM's ``UnquantizedFusedMoEMethod``
+    (whose ``process_weights_after_loading`` samepath calls) is refused by name."""
     facts = json.loads(json.dumps(FACTS[version]))
     key = f"{compat.ATTENTION_MODULE}:AscendAttentionBackendImpl.forward_impl"
     facts[key]["params"] = ["self", "query", "key", "value", "attn_metadata", "kv_cache", "output"]
@@ -146,6 +148,10 @@ def test_gate_refuses_a_changed_signature_by_name(version: str) -> None:
     facts = json.loads(json.dumps(FACTS[version]))
     facts["vllm_ascend.ops.layernorm:AscendRMSNorm.forward_oot"]["params"] = ["self", "x"]
     with pytest.raises(compat.UnsupportedVllmAscendError, match=r"AscendRMSNorm\.forward_oot\(self, x\)"):
+        compat.check_compatibility(version, _importer(_tree(version, facts)))
+    facts = json.loads(json.dumps(FACTS[version]))
+    facts["vllm_ascend.ops.fused_moe.fused_moe:AscendUnquantizedFusedMoEMethod"]["bases"] = ["FusedMoEMethodBase"]
+    with pytest.raises(compat.UnsupportedVllmAscendError, match=r"AscendUnquantizedFusedMoEMethod's base"):
         compat.check_compatibility(version, _importer(_tree(version, facts)))
 
 

@@ -63,7 +63,6 @@ REQUIRED_API: dict[str, tuple[str, ...]] = {
         "AscendUnquantizedFusedMoEMethod.apply",
     ),
     "vllm_ascend.ops.fused_moe.moe_comm_method": ("FusedExpertsResult",),
-    "vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method": ("UnquantizedFusedMoEMethod",),
     "vllm.model_executor.layers.vocab_parallel_embedding": ("UnquantizedEmbeddingMethod.apply",),
     "vllm.v1.sample.sampler": ("Sampler.compute_logprobs",),
     "vllm.model_executor.model_loader.base_loader": ("BaseModelLoader.load_model",),
@@ -125,6 +124,17 @@ METADATA_FIELDS: tuple[str, ...] = (
     "slot_mapping",
     "causal",
 )
+
+
+#: vLLM's class ``AscendUnquantizedFusedMoEMethod`` derives from, found in its MRO by name (vLLM 0.18 /
+#: 0.23 define it in ``fused_moe.layer``, later vLLM in ``fused_moe.unquantized_fused_moe_method``;
+#: vllm-ascend 0.23 picks by vLLM version).
+MOE_METHOD_BASE = "UnquantizedFusedMoEMethod"
+
+
+def moe_method_base(ascend_method: type) -> type | None:
+    """vLLM's ``UnquantizedFusedMoEMethod`` in ``ascend_method``'s MRO, or ``None``."""
+    return next((cls for cls in ascend_method.__mro__[1:] if cls.__name__ == MOE_METHOD_BASE), None)
 
 
 class UnsupportedVllmAscendError(RuntimeError):
@@ -253,6 +263,12 @@ def check_compatibility(
             cls = module.AscendMetadata
             fields = {f.name for f in dataclasses.fields(cls)} if dataclasses.is_dataclass(cls) else set(vars(cls))
             missing += [f"{module_name}.AscendMetadata.{name}" for name in METADATA_FIELDS if name not in fields]
+    try:
+        moe_method = import_module("vllm_ascend.ops.fused_moe.fused_moe").AscendUnquantizedFusedMoEMethod
+    except (ImportError, AttributeError):
+        moe_method = None  # reported above
+    if isinstance(moe_method, type) and moe_method_base(moe_method) is None:
+        missing.append(f"vllm_ascend.ops.fused_moe.fused_moe.AscendUnquantizedFusedMoEMethod's base {MOE_METHOD_BASE}")
     missing += signature_problems(import_module)
     if missing:
         raise UnsupportedVllmAscendError(
@@ -263,6 +279,7 @@ def check_compatibility(
 __all__ = [
     "ATTENTION_MODULE",
     "METADATA_FIELDS",
+    "MOE_METHOD_BASE",
     "OPTIONAL_API",
     "REQUIRED_API",
     "REQUIRED_PARAMS",
@@ -273,6 +290,7 @@ __all__ = [
     "check_compatibility",
     "detect_features",
     "installed_version",
+    "moe_method_base",
     "resolve",
     "signature_problems",
 ]
