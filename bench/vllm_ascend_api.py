@@ -16,6 +16,13 @@ Regenerate (PyPI reachable)::
         0.23.0.post1=/tmp/va/vllm_ascend-0.23.0.post1
 
 Each ``VERSION=DIR`` names a directory that holds the ``vllm_ascend`` package.
+
+On a machine with vllm-ascend installed (``bench/npu_check.sh``'s setup stage)::
+
+    python -m bench.vllm_ascend_api --installed --out OUT/vllm_ascend.json [--dry-run]
+
+imports it, runs samepath's gate (``check_compatibility``) and ``detect_features`` on the real
+modules, and compares the installed source's facts with the fixture's for that version.
 """
 
 from __future__ import annotations
@@ -151,8 +158,48 @@ def extract(root: Path) -> dict[str, dict[str, Any] | None]:
     return {f"{module}:{path}": lookup(root, module, path) for module, paths in QUERIES.items() for path in paths}
 
 
+FIXTURE = Path(__file__).resolve().parent.parent / "tests" / "fixtures" / "vllm_ascend_api.json"
+
+
+def check_installed(out: Path | None, dry_run: bool = False) -> int:
+    """The installed vllm-ascend through samepath's gate and against the fixture (see the module
+    docstring); writes ``out`` (JSON) and returns 0 unless the gate ran and refused."""
+    from samepath.integrations.vllm_ascend import compat
+
+    fixture = json.loads(FIXTURE.read_text())["versions"]
+    if dry_run:
+        print(f"would import vllm_ascend, run the gate and compare with {len(fixture)} fixture versions ({out})")
+        return 0
+    result: dict[str, Any] = {"version": compat.installed_version()}
+    try:
+        import vllm_ascend
+    except Exception as exc:  # torch_npu / CANN missing, or vllm-ascend not installed
+        result["importable"] = f"{type(exc).__name__}: {exc}"
+    else:
+        result["importable"] = True
+        facts = extract(Path(vllm_ascend.__file__).resolve().parent.parent)
+        expected = fixture.get(str(result["version"]))
+        result["fixture_differs"] = (
+            None if expected is None else sorted(k for k in facts if facts.get(k) != expected.get(k))
+        )
+        result["features"] = sorted(compat.detect_features())
+        try:
+            compat.check_compatibility(result["version"])
+            result["gate"] = "accepted"
+        except compat.UnsupportedVllmAscendError as exc:
+            result["gate"] = f"refused: {exc}"
+    text = json.dumps(result, indent=1, default=str)
+    print(text)
+    if out is not None:
+        out.write_text(text + "\n")
+    return 1 if str(result.get("gate", "")).startswith("refused") else 0
+
+
 def main(argv: list[str]) -> int:
-    out = Path(__file__).resolve().parent.parent / "tests" / "fixtures" / "vllm_ascend_api.json"
+    if argv and argv[0] == "--installed":
+        out = Path(argv[argv.index("--out") + 1]) if "--out" in argv else None
+        return check_installed(out, dry_run="--dry-run" in argv)
+    out = FIXTURE
     versions = {}
     for spec in argv:
         version, _, directory = spec.partition("=")

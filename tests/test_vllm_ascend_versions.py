@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
+import sys
 import types
 from pathlib import Path
 from typing import Any
@@ -186,3 +187,14 @@ def test_extractor_reads_classes_functions_and_assignments(tmp_path: Path) -> No
     assert lookup(tmp_path, "vllm_ascend.ops.layernorm", "torch_npu")["kind"] == "Import"
     assert lookup(tmp_path, "vllm_ascend.ops.layernorm", "AscendRMSNorm.forward_native") is None
     assert lookup(tmp_path, "vllm_ascend.ops.missing", "X") is None
+
+
+def test_installed_check_reports_a_missing_vllm_ascend(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """npu_check.sh's setup runs ``python -m bench.vllm_ascend_api --installed``: without vllm-ascend
+    (or torch_npu) it records why and does not fail the stage."""
+    from bench.vllm_ascend_api import main
+
+    monkeypatch.setitem(sys.modules, "vllm_ascend", None)
+    out = tmp_path / "vllm_ascend.json"
+    assert main(["--installed", "--out", str(out)]) == 0
+    assert "importable" in json.loads(out.read_text()) and json.loads(out.read_text())["importable"] is not True
