@@ -175,3 +175,29 @@ def test_request_refusals_follow_what_is_patched(monkeypatch: pytest.MonkeyPatch
             owner._validate_params(SimpleNamespace(**base, bad_words=["x"]), ())
     finally:
         patcher.restore()
+
+
+@pytest.mark.parametrize("reduce_sample", [None, False, True])
+def test_reduce_sample_config_is_refused(monkeypatch: pytest.MonkeyPatch, reduce_sample: bool | None) -> None:
+    """0.23's AscendConfig.enable_reduce_sample (vocabulary-sharded logits) refused where the config
+    is built; 0.18's config has no such attribute (None here) and passes; restored after."""
+
+    class AscendConfig:
+        def __init__(self, vllm_config):
+            if reduce_sample is not None:
+                self.enable_reduce_sample = reduce_sample
+
+    module = types.ModuleType("vllm_ascend.ascend_config")
+    module.AscendConfig = AscendConfig
+    monkeypatch.setitem(sys.modules, module.__name__, module)
+    patcher = Patcher()
+    assert sampler.patch_reduce_sample_refusal(patcher)
+    try:
+        if reduce_sample:
+            with pytest.raises(NotImplementedError, match="enable_reduce_sample"):
+                AscendConfig(None)
+        else:
+            AscendConfig(None)
+    finally:
+        patcher.restore()
+    AscendConfig(None)

@@ -91,6 +91,7 @@ PATCH_GROUPS = [
     ("sampler_logprobs", sampler.patch_sampler),
     (sampler.EDITS_GROUP, sampler.patch_sampling_edits),
     ("sampling_refusals", sampler.patch_sampling_refusals),
+    ("reduce_sample_refusal", sampler.patch_reduce_sample_refusal),
     ("model_audit", loader.patch_ascend_model_loader),
     ("nz_config", determinism.patch_nz_config),
 ]

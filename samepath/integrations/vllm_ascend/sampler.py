@@ -10,9 +10,10 @@ The patch points (vllm-ascend 0.18.0, 0.23.0, 0.23.0.post1, read in their source
 - ``vllm_ascend.sample.sampler.apply_top_k_top_p`` (its Ascend C / PyTorch top-k / top-p, which
   ``AscendTopKTopPSampler.__init__`` binds to the instance) and vLLM's
   ``topk_topp_sampler.apply_top_k_top_p`` (the ``VLLM_BATCH_INVARIANT`` fallback, refused anyway)
-  -> :func:`~samepath.integrations.vllm.sampler.top_k_top_p`; vllm-ascend 0.23's reduce-sample path
-  (``additional_config={"enable_reduce_sample": True}``: top-k candidates gathered across TP ranks)
-  is refused at its first call;
+  -> :func:`~samepath.integrations.vllm.sampler.top_k_top_p`; vllm-ascend 0.23's reduce-sample
+  (``additional_config={"enable_reduce_sample": True}``: vocabulary-sharded logits, top-k
+  candidates gathered across TP ranks) is refused where ``AscendConfig`` is built
+  (:func:`patch_reduce_sample_refusal`) and at the sampler's first call;
 - vLLM's ``MinPLogitsProcessor.apply`` (vllm-ascend's V1 runner uses vLLM's logits processors) ->
   :func:`~samepath.integrations.vllm.sampler.min_p_mask`.
 
@@ -94,6 +95,33 @@ def patch_sampling_edits(patcher: Patcher) -> bool:
     return True
 
 
+def check_reduce_sample(ascend_config: Any) -> None:
+    """Refuse vllm-ascend 0.23's ``enable_reduce_sample``: the lm_head then skips its logits
+    all-gather, so the sampler (and ``compute_logprobs``) sees each TP rank's vocabulary shard, not
+    the rows the trainer's log-softmax normalises over. A config without it (0.18) passes."""
+    if getattr(ascend_config, "enable_reduce_sample", False):
+        raise NotImplementedError(
+            "samepath does not reproduce vllm-ascend's reduce-sample (additional_config enable_reduce_sample: "
+            "log-probs and top-k / top-p over each TP rank's vocabulary shard); start vLLM without it, or unset "
+            "SAMEPATH_VLLM"
+        )
+
+
+def patch_reduce_sample_refusal(patcher: Patcher) -> bool:
+    """``AscendConfig.__init__`` followed by :func:`check_reduce_sample`, where the tree has it."""
+    owner = getattr(optional_module("vllm_ascend.ascend_config"), "AscendConfig", None)
+    if owner is None:
+        return False
+    original_init = owner.__init__
+
+    def __init__(self, *args, **kwargs):
+        original_init(self, *args, **kwargs)
+        check_reduce_sample(self)
+
+    patcher.set(owner, "__init__", __init__)
+    return True
+
+
 def patch_sampling_refusals(patcher: Patcher) -> bool:
     """In a processed logprobs mode, refuse at request time every sampling edit the trainer's
     ``samepath.processed_logprobs`` would not reproduce here: with :func:`patch_sampling_edits`
@@ -120,6 +148,8 @@ __all__ = [
     "ASCEND_SAMPLER_MODULE",
     "EDITS_GROUP",
     "ascend_top_k_top_p",
+    "check_reduce_sample",
+    "patch_reduce_sample_refusal",
     "patch_sampler",
     "patch_sampling_edits",
     "patch_sampling_refusals",
