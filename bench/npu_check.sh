@@ -19,14 +19,15 @@
 #
 # Files in $OUT: check.log, stages.tsv (stage, exit, seconds, budget), bitwise.json (rewritten after
 # every check group), ascendc_bitwise.json and ascendc_attention.json (the ascendc stage), the bench's
-# .csv / .txt (rewritten after every case) and .png, tuned-npu.json. Exit status: non-zero if a stage failed.
+# .csv / .txt (rewritten after every case) and .png, tuned-npu.json, vllm_ascend.json (setup: the
+# installed vllm-ascend through samepath's gate). Exit status: non-zero if a stage failed.
 
 DEVICE=npu
 KIND=Ascend
 STAGE_ORDER=(setup ascendc bitwise bench tune)
 declare -A BUDGET=([setup]=45 [ascendc]=${ASCENDC_BUDGET:-120} [bitwise]=170 [bench]=105 [tune]=40)
 declare -A ABOUT=(
-  [setup]="npu-smi and versions (torch_npu, Triton-Ascend, CANN) into the log; wheels; samepath --no-deps"
+  [setup]="npu-smi and versions (torch_npu, Triton-Ascend, CANN) into the log; wheels; samepath --no-deps; the vllm-ascend gate (vllm_ascend.json)"
   [ascendc]="samepath.ascendc_fallback build; on it: attention + backward bitwise checks; forward / decode / backward bench vs torch_npu and flash-attention-npu"
   [bitwise]="bench/gpu_bitwise.py --device npu: training == prefill == chunked == decode, backward, split-K, logprobs, HF"
   [bench]="python -m bench --device npu --quick: min/median/max vs stock torch_npu ops, e2e, host time per layer"
@@ -54,6 +55,9 @@ for name in ("transformers", "vllm", "vllm_ascend"):
         print(name, "not importable:", type(exc).__name__)
 print("samepath", samepath.__file__, "fingerprint", samepath.fingerprint())
 PY
+    # vllm-ascend (if installed): samepath's gate and feature detection on the real modules, and
+    # the installed source against tests/fixtures/vllm_ascend_api.json; a refusal is logged, not fatal.
+    timeout 20 $PY -m bench.vllm_ascend_api --installed --out "$OUT/vllm_ascend.json" || true
   } 2>&1 | tee -a "$LOG"
 }
 
@@ -97,6 +101,8 @@ dry_setup() {
   local wheels=(.whl/*.whl)
   shopt -u nullglob
   echo "  ok   setup: would install ${#wheels[@]} carried wheel(s) and samepath --no-deps; never torch / torch_npu"
+  dry_entry "setup: bench/vllm_ascend_api.py --installed" $PY -m bench.vllm_ascend_api --installed \
+    --out "$OUT/vllm_ascend.json" --dry-run
 }
 dry_ascendc() {
   dry_entry "ascendc: python -m samepath.ascendc_fallback" $PY -m samepath.ascendc_fallback --help

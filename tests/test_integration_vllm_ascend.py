@@ -365,6 +365,10 @@ def _fake_tree(drop: str | None = None) -> dict[str, types.ModuleType]:
             if attr:
                 setattr(owner, attr, lambda *args, **kwargs: "stock")
         modules[module_name] = module
+    fused = modules["vllm_ascend.ops.fused_moe.fused_moe"]  # derives from vLLM's UnquantizedFusedMoEMethod
+    own = {k: v for k, v in vars(fused.AscendUnquantizedFusedMoEMethod).items() if not k.startswith("__")}
+    base = type("UnquantizedFusedMoEMethod", (), {"process_weights_after_loading": lambda self, layer: None})
+    fused.AscendUnquantizedFusedMoEMethod = type("AscendUnquantizedFusedMoEMethod", (base,), own)
     attention = modules["vllm_ascend.attention.attention_v1"]
     fields = [name for name in vllm_ascend.METADATA_FIELDS if f"AscendMetadata.{name}" != drop]
     attention.AscendMetadata = dataclasses.make_dataclass("AscendMetadata", [(n, Any, None) for n in fields])

@@ -6,13 +6,19 @@ them). Like :mod:`samepath.integrations.vllm`, it must run before the model is b
 vLLM process: the ``vllm.general_plugins`` entry point (``SAMEPATH_VLLM=1``) calls it when
 vllm-ascend is the platform.
 
-Written against vllm-ascend **v0.23.0** (git tag ``v0.23.0``, commit
-``5cb98caaadeff42b5b62b996e34bb2aaa29d20fd``; PyPI ``vllm-ascend`` 0.23.0 / 0.23.0.post1, paired with
-vLLM 0.23.0). :func:`install` refuses any other major.minor version, and any installation that
-lacks one of the classes, methods or metadata fields it replaces or reads
-(:data:`REQUIRED_API`), with :class:`UnsupportedVllmAscendError` — before patching anything.
-vllm-ascend's main branch (commit ``182b75ea84ff13ece27b57391331ef8935410aea``) has already moved
-the unquantized MoE method out of ``ops/fused_moe/fused_moe.py``; it is refused until checked.
+Written against vllm-ascend **0.18.x and 0.23.x** (the PyPI releases 0.18.0, 0.23.0 and
+0.23.0.post1, the latest when written; v0.23.0 is git commit
+``5cb98caaadeff42b5b62b996e34bb2aaa29d20fd``). :func:`install` refuses any other major.minor
+version, and any installation that lacks one of the classes, methods or metadata fields it replaces
+or reads (:data:`REQUIRED_API`) or whose replaced methods take other leading parameters
+(:mod:`~samepath.integrations.vllm_ascend.compat`), with :class:`UnsupportedVllmAscendError` —
+before patching anything. Within those releases the optional patch points (FA3 attention, the
+KV-pool fence, the sampler's) are chosen by what the installed tree has
+(:func:`detect_features`), not by the version number. vllm-ascend's main branch (commit
+``182b75ea84ff13ece27b57391331ef8935410aea``) has already moved the unquantized MoE method out of
+``ops/fused_moe/fused_moe.py``; it is refused until checked. :func:`install` also sets (or refuses)
+the Ascend determinism environment (``HCCL_DETERMINISTIC=strict``, ``LCCL_DETERMINISTIC=1``,
+``VLLM_ASCEND_ENABLE_NZ=0``; :class:`DeterminismEnvError`).
 
 What :func:`install` replaces:
 
@@ -54,6 +60,10 @@ What :func:`install` replaces:
 * **Sampler log-probs** — vLLM's ``Sampler.compute_logprobs`` (``AscendSampler`` inherits it):
   :func:`samepath.log_softmax` of the raw logits in fp32 (``raw_logprobs``, temperature 1). The
   trainer's equal is ``samepath.logprobs(logits, tokens)``.
+* **Sampling edits** (``processed_logprobs``) — ``AscendSampler.apply_penalties``, vllm-ascend's
+  module-level ``apply_top_k_top_p`` and vLLM's min-p processor through the functions
+  ``samepath.processed_logprobs`` runs (:mod:`~samepath.integrations.vllm_ascend.sampler`); the
+  reduce-sample top-k is refused; where a patch point is missing the edits are refused per request.
 
 **Load-time audit** — every vLLM model loader's ``load_model`` (patch group ``model_audit``, the
 vLLM plugin's loader hook with ``side="vllm-ascend"``) refuses the V2 model runner's config and
@@ -102,13 +112,16 @@ from samepath.integrations.vllm_ascend.compat import (
     SUPPORTED_VERSIONS,
     UnsupportedVllmAscendError,
     check_compatibility,
+    detect_features,
     installed_version,
 )
+from samepath.integrations.vllm_ascend.determinism import DETERMINISM_ENV, DeterminismEnvError
 from samepath.integrations.vllm_ascend.loader import ascend_rules, expected_fingerprint, patch_ascend_model_loader
 from samepath.integrations.vllm_ascend.plugin import install, uninstall
 from samepath.integrations.vllm_ascend.state import INSTALLED, ORIGINALS, installed
 
 __all__ = [
+    "DETERMINISM_ENV",
     "FINGERPRINT_ENV_VAR",
     "INSTALLED",
     "METADATA_FIELDS",
@@ -116,10 +129,12 @@ __all__ = [
     "REQUIRED_API",
     "SOURCE_REF",
     "SUPPORTED_VERSIONS",
+    "DeterminismEnvError",
     "PagedInputs",
     "UnsupportedVllmAscendError",
     "ascend_rules",
     "check_compatibility",
+    "detect_features",
     "expected_fingerprint",
     "install",
     "installed",

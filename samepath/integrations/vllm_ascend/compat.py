@@ -1,10 +1,19 @@
-"""The vllm-ascend versions and API the integration was written against, checked before patching."""
+"""The vllm-ascend versions and API the integration was written against, checked before patching.
+
+The patch points are chosen by what the installed tree has (feature detection: attributes and
+signatures, :func:`detect_features`), not by its version number; the version gate only refuses,
+by name, a release whose source these checks were never read against. Each supported release's
+facts (the classes, methods, parameters and fields used here) are extracted from its published
+source by ``bench/vllm_ascend_api.py`` into ``tests/fixtures/vllm_ascend_api.json`` and the tests
+check this module against them.
+"""
 
 from __future__ import annotations
 
 import dataclasses
 import importlib
 import importlib.metadata
+import inspect
 import re
 from collections.abc import Callable
 from typing import Any
@@ -17,9 +26,14 @@ from samepath.integrations.vllm.env import (
 )
 
 #: vllm-ascend (major, minor) versions this module was written and checked against.
-SUPPORTED_VERSIONS: tuple[tuple[int, int], ...] = ((0, 23),)
-#: The source the patches were read against.
-SOURCE_REF = "vllm-project/vllm-ascend v0.23.0 (5cb98caaadeff42b5b62b996e34bb2aaa29d20fd)"
+SUPPORTED_VERSIONS: tuple[tuple[int, int], ...] = ((0, 18), (0, 23))
+#: The sources the patches were read against (PyPI releases; 0.23.0.post1 was the latest release
+#: when checked).
+SOURCE_REFS: dict[tuple[int, int], str] = {
+    (0, 18): "vllm-ascend 0.18.0 (PyPI wheel)",
+    (0, 23): "vllm-ascend 0.23.0 / 0.23.0.post1 (PyPI; v0.23.0 = 5cb98caaadeff42b5b62b996e34bb2aaa29d20fd)",
+}
+SOURCE_REF = "; ".join(SOURCE_REFS.values())
 
 ATTENTION_MODULE = "vllm_ascend.attention.attention_v1"
 #: ``module: [attribute path, ...]`` that :func:`samepath.integrations.vllm_ascend.install` replaces or
@@ -49,10 +63,51 @@ REQUIRED_API: dict[str, tuple[str, ...]] = {
         "AscendUnquantizedFusedMoEMethod.apply",
     ),
     "vllm_ascend.ops.fused_moe.moe_comm_method": ("FusedExpertsResult",),
-    "vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method": ("UnquantizedFusedMoEMethod",),
     "vllm.model_executor.layers.vocab_parallel_embedding": ("UnquantizedEmbeddingMethod.apply",),
     "vllm.v1.sample.sampler": ("Sampler.compute_logprobs",),
     "vllm.model_executor.model_loader.base_loader": ("BaseModelLoader.load_model",),
+}
+#: ``module:attribute.path -> leading parameter names`` of the methods samepath replaces and calls
+#: through to (the originals get these arguments positionally); checked by signature where the
+#: installed callable is introspectable and takes no ``*args``.
+REQUIRED_PARAMS: dict[str, tuple[str, ...]] = {
+    f"{ATTENTION_MODULE}:AscendAttentionBackendImpl.forward_impl": (
+        "self",
+        "query",
+        "key",
+        "value",
+        "kv_cache",
+        "attn_metadata",
+        "output",
+    ),
+    "vllm_ascend.ops.layernorm:AscendRMSNorm.forward_oot": ("self", "x", "residual"),
+    "vllm_ascend.ops.activation:AscendSiluAndMul.forward_oot": ("self", "x"),
+    "vllm_ascend.ops.rotary_embedding:AscendRotaryEmbedding.forward_oot": ("self", "positions", "query", "key"),
+    "vllm_ascend.ops.linear:AscendUnquantizedLinearMethod.process_weights_after_loading": ("self", "layer"),
+    "vllm_ascend.ops.fused_moe.fused_moe:AscendUnquantizedFusedMoEMethod.process_weights_after_loading": (
+        "self",
+        "layer",
+    ),
+    "vllm_ascend.ops.fused_moe.fused_moe:AscendUnquantizedFusedMoEMethod.apply": (
+        "self",
+        "layer",
+        "x",
+        "use_grouped_topk",
+        "top_k",
+        "router_logits",
+        "renormalize",
+    ),
+}
+#: Optional patch points, ``feature -> (module, attribute path)``: used where the installed tree
+#: has them (:func:`detect_features`). ``fa3_attention``: the FA3 impl (0.23; needs
+#: ``flash_attn_npu_v3``); ``kv_pool_fence``: the KV-pool fence vllm-ascend's own ``forward_impl``
+#: starts with (0.23), kept by samepath's; ``ascend_sampler``: vllm-ascend's sampler, whose
+#: penalties and top-k / top-p steps samepath replaces (both).
+OPTIONAL_API: dict[str, tuple[str, str]] = {
+    "fa3_attention": ("vllm_ascend.attention.fa3_v1", "AscendFAImpl.forward_impl"),
+    "kv_pool_fence": (ATTENTION_MODULE, "record_attention_compute_start"),
+    "ascend_sampler": ("vllm_ascend.sample.sampler", "AscendSampler.apply_penalties"),
+    "ascend_top_k_top_p": ("vllm_ascend.sample.sampler", "apply_top_k_top_p"),
 }
 #: ``AscendMetadata`` fields :func:`paged_inputs` reads.
 METADATA_FIELDS: tuple[str, ...] = (
@@ -69,6 +124,17 @@ METADATA_FIELDS: tuple[str, ...] = (
     "slot_mapping",
     "causal",
 )
+
+
+#: vLLM's class ``AscendUnquantizedFusedMoEMethod`` derives from, found in its MRO by name (vLLM 0.18 /
+#: 0.23 define it in ``fused_moe.layer``, later vLLM in ``fused_moe.unquantized_fused_moe_method``;
+#: vllm-ascend 0.23 picks by vLLM version).
+MOE_METHOD_BASE = "UnquantizedFusedMoEMethod"
+
+
+def moe_method_base(ascend_method: type) -> type | None:
+    """vLLM's ``UnquantizedFusedMoEMethod`` in ``ascend_method``'s MRO, or ``None``."""
+    return next((cls for cls in ascend_method.__mro__[1:] if cls.__name__ == MOE_METHOD_BASE), None)
 
 
 class UnsupportedVllmAscendError(RuntimeError):
@@ -91,6 +157,60 @@ def resolve(obj: Any, path: str) -> Any:
     return obj
 
 
+def _leading_params(fn: Any) -> list[str] | None:
+    """``fn``'s parameter names before any ``*args``, or ``None`` when it takes ``*args`` first or
+    cannot be introspected (then nothing can be said about its arguments)."""
+    if isinstance(fn, (staticmethod, classmethod)):
+        fn = fn.__func__
+    try:
+        parameters = list(inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError):
+        return None
+    names = []
+    for parameter in parameters:
+        if parameter.kind in (parameter.VAR_POSITIONAL, parameter.VAR_KEYWORD, parameter.KEYWORD_ONLY):
+            break
+        names.append(parameter.name)
+    if not names and parameters and parameters[0].kind == parameters[0].VAR_POSITIONAL:
+        return None
+    return names
+
+
+def signature_problems(import_module: Callable[[str], Any] = importlib.import_module) -> list[str]:
+    """The methods of :data:`REQUIRED_PARAMS` whose leading parameters differ from those samepath
+    passes on, each named with what it has and what was expected (empty: all match)."""
+    problems = []
+    for key, expected in REQUIRED_PARAMS.items():
+        module_name, _, path = key.partition(":")
+        owner_path, _, attr = path.rpartition(".")
+        try:
+            owner = resolve(import_module(module_name), owner_path)
+        except (ImportError, AttributeError):
+            continue  # reported as missing by check_compatibility
+        fn = inspect.getattr_static(owner, attr, None) if isinstance(owner, type) else getattr(owner, attr, None)
+        if fn is None:
+            continue
+        names = _leading_params(fn)
+        if names is None:
+            continue
+        if tuple(names[: len(expected)]) != expected:
+            problems.append(f"{module_name}.{path}({', '.join(names)}) (expected ({', '.join(expected)}, ...))")
+    return problems
+
+
+def detect_features(import_module: Callable[[str], Any] = importlib.import_module) -> frozenset[str]:
+    """The :data:`OPTIONAL_API` features the installed vllm-ascend has (a module that fails to
+    import, e.g. FA3 without ``flash_attn_npu_v3``, counts as absent)."""
+    present = set()
+    for feature, (module_name, path) in OPTIONAL_API.items():
+        try:
+            resolve(import_module(module_name), path)
+        except (ImportError, AttributeError):
+            continue
+        present.add(feature)
+    return frozenset(present)
+
+
 def check_compatibility(
     version: str | None,
     import_module: Callable[[str], Any] = importlib.import_module,
@@ -107,7 +227,8 @@ def check_compatibility(
             mode, whose ``aten`` registrations would collide with samepath's) or the V2 model
             runner is on, or a class, method or
             ``AscendMetadata`` field of :data:`REQUIRED_API` / :data:`METADATA_FIELDS` is absent
-            (every missing name is listed).
+            (every missing name is listed), or a replaced method's leading parameters differ
+            (:data:`REQUIRED_PARAMS`).
     """
     supported = ", ".join(f"{major}.{minor}.x" for major, minor in SUPPORTED_VERSIONS)
     if version is None:
@@ -142,6 +263,13 @@ def check_compatibility(
             cls = module.AscendMetadata
             fields = {f.name for f in dataclasses.fields(cls)} if dataclasses.is_dataclass(cls) else set(vars(cls))
             missing += [f"{module_name}.AscendMetadata.{name}" for name in METADATA_FIELDS if name not in fields]
+    try:
+        moe_method = import_module("vllm_ascend.ops.fused_moe.fused_moe").AscendUnquantizedFusedMoEMethod
+    except (ImportError, AttributeError):
+        moe_method = None  # reported above
+    if isinstance(moe_method, type) and moe_method_base(moe_method) is None:
+        missing.append(f"vllm_ascend.ops.fused_moe.fused_moe.AscendUnquantizedFusedMoEMethod's base {MOE_METHOD_BASE}")
+    missing += signature_problems(import_module)
     if missing:
         raise UnsupportedVllmAscendError(
             f"vllm-ascend {version} lacks what samepath patches or reads ({SOURCE_REF}): {', '.join(missing)}"
@@ -151,11 +279,18 @@ def check_compatibility(
 __all__ = [
     "ATTENTION_MODULE",
     "METADATA_FIELDS",
+    "MOE_METHOD_BASE",
+    "OPTIONAL_API",
     "REQUIRED_API",
+    "REQUIRED_PARAMS",
     "SOURCE_REF",
+    "SOURCE_REFS",
     "SUPPORTED_VERSIONS",
     "UnsupportedVllmAscendError",
     "check_compatibility",
+    "detect_features",
     "installed_version",
+    "moe_method_base",
     "resolve",
+    "signature_problems",
 ]

@@ -25,6 +25,7 @@ from samepath.integrations.vllm.layers import (
     rotate,
 )
 from samepath.integrations.vllm.state import record_expert_parallel
+from samepath.integrations.vllm_ascend.compat import moe_method_base
 from samepath.integrations.vllm_ascend.state import original, set_original
 from samepath.kernels.matmul import linear
 from samepath.kernels.rms_norm import rms_norm
@@ -260,8 +261,9 @@ def for_the_all_reduce(out: torch.Tensor, rank: int) -> torch.Tensor:
 
 
 def patch_moe(patcher: Patcher) -> bool:
-    from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import UnquantizedFusedMoEMethod
     from vllm_ascend.ops.fused_moe.fused_moe import AscendUnquantizedFusedMoEMethod
+
+    unquantized_method = moe_method_base(AscendUnquantizedFusedMoEMethod)  # checked by check_compatibility
     from vllm_ascend.ops.fused_moe.moe_comm_method import FusedExpertsResult
 
     ascend_forward_context = importlib.import_module("vllm_ascend.ascend_forward_context")
@@ -275,7 +277,7 @@ def patch_moe(patcher: Patcher) -> bool:
         if layout[0] == "expert":
             record_expert_parallel()  # the load gate compares fingerprint(S, expert_parallel=True)
         # What vllm-ascend runs first, then nothing: w13 [E, 2I, H] / w2 [E, H, I] stay as loaded.
-        super(UnquantizedFusedMoEMethod, self).process_weights_after_loading(layer)
+        super(unquantized_method, self).process_weights_after_loading(layer)
         layer.samepath_experts = True
         layer.samepath_parallel = layout
         layer.samepath_routing_fp32 = loading_model_routing_fp32()

@@ -13,7 +13,7 @@ from samepath.integrations.vllm.env import (
     pin_v1_model_runner,
     release,
 )
-from samepath.integrations.vllm_ascend import attention, layers, loader, sampler, state
+from samepath.integrations.vllm_ascend import attention, determinism, layers, loader, sampler, state
 from samepath.integrations.vllm_ascend.compat import check_compatibility, installed_version
 from samepath.integrations.vllm_ascend.state import INSTALLED, ORIGINALS, installed
 from samepath.kernels.config import assert_same_numerics, fingerprint, record_uncovered
@@ -26,8 +26,14 @@ _lock = threading.RLock()
 def install() -> None:
     """Put vllm-ascend's model ops, attention and sampler log-probs on samepath (idempotent).
 
+    Sets the Ascend determinism environment where it is unset and no communicator exists yet
+    (:func:`samepath.integrations.vllm_ascend.determinism.ensure_environment`; restored by
+    :func:`uninstall`).
+
     Raises:
         UnsupportedVllmAscendError: see :func:`check_compatibility`; nothing is patched then.
+        DeterminismEnvError: ``HCCL_DETERMINISTIC`` / ``LCCL_DETERMINISTIC`` / ``VLLM_ASCEND_ENABLE_NZ``
+            set otherwise, or unset after HCCL was initialised; nothing is patched then.
         RuntimeError: :mod:`samepath.integrations.vllm` is installed in this process (call one).
         samepath.NumericsMismatchError: ``SAMEPATH_EXPECT_FINGERPRINT`` differs from this process's.
     """
@@ -38,16 +44,23 @@ def install() -> None:
         expected = os.environ.get(FINGERPRINT_ENV_VAR)
         if expected:
             assert_same_numerics(expected)
-        claim(
-            "vllm_ascend",
-            "on vllm-ascend install samepath.integrations.vllm_ascend instead (uninstall the other first)",
-        )
+        previous_env = determinism.ensure_environment()
+        try:
+            claim(
+                "vllm_ascend",
+                "on vllm-ascend install samepath.integrations.vllm_ascend instead (uninstall the other first)",
+            )
+        except BaseException:
+            determinism.restore_environment(previous_env)
+            raise
         try:
             stack = apply_patch_groups(PATCH_GROUPS, INSTALLED)
         except BaseException:
             ORIGINALS.clear()
             release("vllm_ascend")
+            determinism.restore_environment(previous_env)
             raise
+        stack.callback(determinism.restore_environment, previous_env)
         stack.callback(ORIGINALS.clear)
         stack.callback(release, "vllm_ascend")
         stack.callback(attention.step_inputs.clear)
@@ -76,8 +89,11 @@ PATCH_GROUPS = [
     ("linear", layers.patch_linear),
     ("moe", layers.patch_moe),
     ("sampler_logprobs", sampler.patch_sampler),
+    (sampler.EDITS_GROUP, sampler.patch_sampling_edits),
     ("sampling_refusals", sampler.patch_sampling_refusals),
+    ("reduce_sample_refusal", sampler.patch_reduce_sample_refusal),
     ("model_audit", loader.patch_ascend_model_loader),
+    ("nz_config", determinism.patch_nz_config),
 ]
 
 __all__ = [
