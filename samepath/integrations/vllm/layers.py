@@ -15,6 +15,7 @@ import torch
 from samepath.integrations.patcher import Patcher
 from samepath.integrations.vllm.common import (
     apply_rotary,
+    biased_moe,
     geglu_tanh,
     has_dense_weight,
     linear,
@@ -44,10 +45,12 @@ def patch_rms_norm(patcher: Patcher) -> bool:
         )
         if not plain:
             return CustomOp.forward(self, x, residual) if residual is not None else CustomOp.forward(self, x)
+        # GPT-OSS's norms: "fp32_weight", marked at load (loader.mark_norm_weight_modes).
+        mode = getattr(self, "samepath_weight_mode", "cast_then_weight")
         if residual is None:
-            return rms_norm(x, self.weight.data, self.variance_epsilon)
+            return rms_norm(x, self.weight.data, self.variance_epsilon, weight_mode=mode)
         # HF's decoder layer: hidden = residual + hidden (rounded to the dtype), then the norm.
-        return rms_norm(x, self.weight.data, self.variance_epsilon, residual=residual)
+        return rms_norm(x, self.weight.data, self.variance_epsilon, residual=residual, weight_mode=mode)
 
     patcher.set(RMSNorm, "forward", forward)
     return True
@@ -364,6 +367,32 @@ def plain_experts(layer: Any) -> bool:
     )
 
 
+def biased_experts(layer: Any) -> bool:
+    """GPT-OSS's experts: unquantized, biases, gate and up interleaved (``swigluoai``), no expert
+    parallelism or router weights on the input."""
+    from vllm.model_executor.layers.fused_moe.activation import MoEActivation
+
+    return (
+        layer.activation == MoEActivation.SWIGLUOAI
+        and layer.moe_config.is_act_and_mul
+        and layer.moe_config.has_bias
+        and layer.expert_map is None
+        and not layer.apply_router_weight_on_input
+        and layer.w13_weight.dtype in (torch.float32, torch.bfloat16, torch.float16)
+    )
+
+
+def loading_model_swiglu() -> tuple[float, float] | None:
+    """``(swiglu_limit, swiglu_alpha)`` of the model vLLM is loading now (GPT-OSS's config), or None."""
+    from vllm.config import get_current_vllm_config
+
+    model_config = getattr(get_current_vllm_config(), "model_config", None)
+    config = getattr(model_config, "hf_config", None)
+    if getattr(config, "swiglu_limit", None) is None or getattr(config, "swiglu_alpha", None) is None:
+        return None
+    return float(config.swiglu_limit), float(config.swiglu_alpha)
+
+
 #: Routers whose top-k softmax selection is Hugging Face's (others are refused).
 PLAIN_ROUTERS = ("CPURouter", "FusedTopKRouter")
 
@@ -414,7 +443,8 @@ def patch_moe(patcher: Patcher) -> bool:
     original_apply = runner_cls._apply_quant_method
 
     def process_weights_after_loading(self, layer):
-        if type(self) is not method_cls or not plain_experts(layer):
+        biased = type(self) is method_cls and biased_experts(layer) and loading_model_swiglu() is not None
+        if type(self) is not method_cls or not (plain_experts(layer) or biased):
             return original_process(self, layer)
         if layer.moe_config.moe_parallel_config.tp_size > 1:
             raise NotImplementedError(
@@ -424,6 +454,7 @@ def patch_moe(patcher: Patcher) -> bool:
         super(method_cls, self).process_weights_after_loading(layer)
         layer.samepath_experts = True
         layer.samepath_routing_fp32 = loading_model_routing_fp32()
+        layer.samepath_swiglu = loading_model_swiglu() if biased else None  # GPT-OSS: (limit, alpha)
         return None
 
     def apply_quant_method(self, hidden_states, router_logits, shared_experts_input, input_ids=None, **kwargs):
@@ -431,6 +462,12 @@ def patch_moe(patcher: Patcher) -> bool:
         if not getattr(experts, "samepath_experts", False):
             return original_apply(self, hidden_states, router_logits, shared_experts_input, input_ids, **kwargs)
         check_plain_routing(self)
+        if getattr(experts, "samepath_swiglu", None) is not None:  # GPT-OSS: top-k, then softmax; biases
+            out = biased_moe(
+                hidden_states, router_logits, experts.w13_weight, experts.w13_bias, experts.w2_weight,
+                experts.w2_bias, self.router.top_k, *experts.samepath_swiglu,
+            )  # fmt: skip
+            return None, out
         out = moe(
             hidden_states,
             router_logits,
@@ -452,7 +489,9 @@ __all__ = [
     "PLAIN_ROUTERS",
     "ROPE_CLASSES",
     "UnsupportedRopeError",
+    "biased_experts",
     "check_plain_routing",
+    "loading_model_swiglu",
     "patch_gelu_tanh_mul",
     "patch_gemma_rms_norm",
     "patch_linear",
