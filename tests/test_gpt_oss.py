@@ -255,3 +255,15 @@ def test_formulas_and_refusals() -> None:
     ):
         with pytest.raises(UnsupportedModelError, match=words):
             model_formulas(gpt_oss_config(**overrides))
+
+
+def test_the_cli_audit_lists_gpt_oss_as_covered(tmp_path, capsys) -> None:
+    """`samepath audit --model DIR` on a saved tiny GPT-OSS: full coverage, with its sinks attention,
+    biased router and experts named (`samepath check` runs the same model end to end)."""
+    from samepath.check.cli import main
+
+    tiny_gpt_oss(torch.bfloat16).save_pretrained(tmp_path)
+    assert main(["audit", "--model", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "(gpt_oss, bfloat16)" in out and "full coverage" in out
+    assert "attention x2, experts x2" in out and "moe_routing x2" in out
