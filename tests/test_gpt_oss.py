@@ -267,3 +267,24 @@ def test_the_cli_audit_lists_gpt_oss_as_covered(tmp_path, capsys) -> None:
     out = capsys.readouterr().out
     assert "(gpt_oss, bfloat16)" in out and "full coverage" in out
     assert "attention x2, experts x2" in out and "moe_routing x2" in out
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_yarn_cos_sin_are_transformers_bits(dtype) -> None:
+    """GPT-OSS's YaRN table (factor 4 over 64 original positions, truncate=False) from
+    samepath.rotary_cos_sin — what both sides' patched rotary computes — equals stock
+    GptOssRotaryEmbedding's bits (which hold the half table: GPT-OSS rotates the two halves)."""
+    from samepath.kernels.rotary import rotary_cos_sin
+    from samepath.models import rope_formula
+
+    config = gpt_oss_config()
+    stock = transformers.models.gpt_oss.modeling_gpt_oss.GptOssRotaryEmbedding(config)
+    positions = torch.tensor([[0, 1, 7, 63, 64, 65, 200, 255]])
+    cos, sin = stock(torch.empty(0, dtype=dtype), positions)
+    rope = rope_formula(config)
+    assert rope.rope_type == "yarn" and rope.rotary_dim == 64
+    mine_cos, mine_sin = rotary_cos_sin(positions, rope.rotary_dim, rope.base, dtype, rope.scaling)
+    assert torch.equal(mine_cos[..., :32], cos) and torch.equal(mine_cos[..., 32:], cos)
+    assert torch.equal(mine_sin[..., :32], sin) and torch.equal(mine_sin[..., 32:], sin)
+    default = rotary_cos_sin(positions, 64, rope.base, dtype, {"rope_type": "default"})[0]
+    assert not torch.equal(default[..., :32], cos)  # the scaling is really applied
