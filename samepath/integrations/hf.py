@@ -41,7 +41,7 @@ from typing import Any
 
 import torch
 
-from samepath.integrations.moe import biased_experts_forward, biased_topk_router_forward, experts_forward
+from samepath.integrations.moe import biased_topk_router_forward, module_experts_forward
 from samepath.integrations.patcher import Patcher
 from samepath.kernels.attention import LaunchPlan, packed_attention, varlen_attention
 from samepath.kernels.attention.backend import attention_backend
@@ -451,24 +451,9 @@ def attention_forward(
 def samepath_experts_forward(
     self: torch.nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
 ) -> torch.Tensor:
-    """``ExpertsInterface`` function: :func:`samepath.integrations.moe.experts_forward` on the
-    module's ``gate_up_proj`` / ``down_proj`` (the loop vLLM's MoE layers run under the plugin); for
-    experts with biases in transformers' transposed, interleaved layout (GPT-OSS),
-    :func:`samepath.integrations.moe.biased_experts_forward`. Any other layout is refused by name."""
-    layout = (getattr(self, "has_bias", False), getattr(self, "is_transposed", False))
-    layout += (getattr(self, "is_concatenated", True), getattr(self, "has_gate", True))
-    if layout == (True, True, False, True) and hasattr(self, "limit") and hasattr(self, "alpha"):
-        return biased_experts_forward(
-            hidden_states, self.gate_up_proj, self.gate_up_proj_bias, self.down_proj, self.down_proj_bias,
-            top_k_index, top_k_weights, self.limit, self.alpha,
-        )  # fmt: skip
-    if layout != (False, False, True, True):
-        raise ValueError(
-            f"samepath's experts implement the concatenated [gate; up] layout without biases (Qwen-MoE, Mixtral) "
-            f"and GPT-OSS's clamped SwiGLU; {type(self).__name__} has has_bias={layout[0]}, "
-            f"is_transposed={layout[1]}, is_concatenated={layout[2]}, has_gate={layout[3]}"
-        )
-    return experts_forward(hidden_states, self.gate_up_proj, self.down_proj, top_k_index, top_k_weights)
+    """``ExpertsInterface`` function: :func:`samepath.integrations.moe.module_experts_forward` (the
+    loop vLLM's MoE layers run under the plugin; GPT-OSS's biased experts too)."""
+    return module_experts_forward(self, hidden_states, top_k_index, top_k_weights)
 
 
 # ----------------------------------------------------------------------------------------------

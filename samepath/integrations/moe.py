@@ -198,3 +198,26 @@ def biased_experts_forward(
         expert_out = expert_out * top_k_weights[token_idx, top_k_pos, None]
         out.index_add_(0, token_idx, expert_out.to(out.dtype))
     return out
+
+
+def module_experts_forward(
+    module: torch.nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+) -> torch.Tensor:
+    """A transformers experts module (``use_experts_implementation``) on samepath: :func:`experts_forward`
+    on its ``gate_up_proj`` / ``down_proj`` (the concatenated ``[gate; up]`` layout without biases:
+    Qwen-MoE, Mixtral), or :func:`biased_experts_forward` for the transposed, interleaved layout with
+    biases and ``limit`` / ``alpha`` (GPT-OSS). Any other layout is refused by name."""
+    layout = (getattr(module, "has_bias", False), getattr(module, "is_transposed", False))
+    layout += (getattr(module, "is_concatenated", True), getattr(module, "has_gate", True))
+    if layout == (True, True, False, True) and hasattr(module, "limit") and hasattr(module, "alpha"):
+        return biased_experts_forward(
+            hidden_states, module.gate_up_proj, module.gate_up_proj_bias, module.down_proj, module.down_proj_bias,
+            top_k_index, top_k_weights, module.limit, module.alpha,
+        )  # fmt: skip
+    if layout != (False, False, True, True):
+        raise ValueError(
+            f"samepath's experts implement the concatenated [gate; up] layout without biases (Qwen-MoE, Mixtral) "
+            f"and GPT-OSS's clamped SwiGLU; {type(module).__name__} has has_bias={layout[0]}, "
+            f"is_transposed={layout[1]}, is_concatenated={layout[2]}, has_gate={layout[3]}"
+        )
+    return experts_forward(hidden_states, module.gate_up_proj, module.down_proj, top_k_index, top_k_weights)
