@@ -97,6 +97,10 @@ def model_dirs(tmp_path_factory):
                 cls = transformers.MixtralForCausalLM
             elif arch == "gemma3_text":
                 config, cls = gemma3_config(), transformers.Gemma3ForCausalLM
+            elif arch == "gpt_oss":  # head size 64, sinks, window 8, YaRN, biased experts
+                from test_gpt_oss import gpt_oss_config
+
+                config, cls = gpt_oss_config(), transformers.GptOssForCausalLM
             else:
                 config, cls = transformers.Qwen3Config(**DEFAULT_MODEL_CONFIG), transformers.Qwen3ForCausalLM
             torch.manual_seed(0)
@@ -105,6 +109,8 @@ def model_dirs(tmp_path_factory):
                 for name, param in model.named_parameters():
                     if arch == "gemma3_text" and name.endswith("norm.weight"):  # (1 + w) norms: w starts at 0
                         param.copy_(0.5 * torch.randn(param.shape))
+                    elif arch == "gpt_oss" and name.endswith(("sinks", "_bias", "router.bias")):  # zeros or tiny
+                        param.copy_(torch.randn(param.shape))
                     else:
                         param.mul_(4.0 if param.dim() == 1 else 2.0)
             path = tmp_path_factory.mktemp(f"{arch}_{dtype}")
@@ -256,6 +262,8 @@ CASES = [
     pytest.param("mixtral", "bfloat16", 1.0, id="mixtral-bf16-sampled"),
     pytest.param("gemma3_text", "bfloat16", 0.8, id="gemma3-bf16-T0.8"),
     pytest.param("gemma3_text", "float32", 1.0, id="gemma3-fp32-sampled", marks=pytest.mark.slow),
+    pytest.param("gpt_oss", "bfloat16", 0.8, id="gpt-oss-bf16-T0.8"),
+    pytest.param("gpt_oss", "float32", 1.0, id="gpt-oss-fp32-sampled", marks=pytest.mark.slow),
 ]
 
 
@@ -292,6 +300,7 @@ def test_vllm_logprobs_equal_trainer(model_dirs, hf_patched, arch, dtype, temper
         pytest.param("qwen3_moe", "bfloat16", id="moe-bf16", marks=pytest.mark.slow),
         pytest.param("phi3", "bfloat16", id="phi3-bf16", marks=pytest.mark.slow),
         pytest.param("gemma3_text", "bfloat16", id="gemma3-bf16"),
+        pytest.param("gpt_oss", "bfloat16", id="gpt-oss-bf16"),
     ],
 )
 def test_stock_vllm_differs(model_dirs, hf_patched, arch, dtype):

@@ -25,8 +25,8 @@ from samepath.models.descriptor import (
 )
 
 #: What samepath supports today, by model type (a change here is a change of what samepath covers).
-SUPPORTED = {"llama", "qwen2", "qwen3", "qwen3_moe", "mistral", "phi3", "mixtral", "gemma3_text"}
-REFUSED = {"olmo2", "granite", "gemma2", "gemma3", "gpt_oss", "deepseek_v2", "deepseek_v3", "gpt2"}
+SUPPORTED = {"llama", "qwen2", "qwen3", "qwen3_moe", "mistral", "phi3", "mixtral", "gemma3_text", "gpt_oss"}
+REFUSED = {"olmo2", "granite", "gemma2", "gemma3", "deepseek_v2", "deepseek_v3", "gpt2"}
 
 
 def test_every_supported_model_type_has_one_descriptor_in_its_own_file():
@@ -50,10 +50,21 @@ def test_the_descriptors_say_what_each_family_computes():
     assert {t for t, f in fam.items() if f.rope == PER_LAYER_TYPE_ROPE} == {"gemma3_text"}
     assert {t for t, f in fam.items() if f.qk_norm} == {"qwen3", "qwen3_moe", "gemma3_text"}
     assert {t for t, f in fam.items() if f.fused_gate_up} == {"phi3"}
-    assert {t: f.moe for t, f in fam.items() if f.moe} == {"qwen3_moe": "softmax_topk", "mixtral": "softmax_topk_fp32"}
-    assert {t for t, f in fam.items() if f.sliding_window_by_default} == {"mistral", "phi3", "mixtral", "gemma3_text"}
+    assert {t: f.moe for t, f in fam.items() if f.moe} == {
+        "qwen3_moe": "softmax_topk",
+        "mixtral": "softmax_topk_fp32",
+        "gpt_oss": "topk_softmax_biased",
+    }
+    assert {t for t, f in fam.items() if f.sliding_window_by_default} == {
+        "mistral",
+        "phi3",
+        "mixtral",
+        "gemma3_text",
+        "gpt_oss",
+    }
     assert {t for t, f in fam.items() if f.query_pre_attn_scalar or f.embedding_scale} == {"gemma3_text"}
-    assert {t for t, f in fam.items() if not f.dense_mlp} == {"mixtral"}
+    assert {t for t, f in fam.items() if not f.dense_mlp} == {"mixtral", "gpt_oss"}
+    assert {t for t, f in fam.items() if f.attention_sinks or f.norm_weight_mode == "fp32_weight"} == {"gpt_oss"}
 
 
 def test_the_descriptors_name_the_vllm_classes_the_load_audit_uses():
@@ -73,7 +84,6 @@ REFUSAL_STARTS = {
     "granite": "Granite's embedding_multiplier, residual_multiplier and logits_scaling",
     "gemma2": "Gemma 2 uses attention logit soft-capping",
     "gemma3": "Gemma3ForConditionalGeneration is multimodal",
-    "gpt_oss": "GPT-OSS uses attention sinks (s_aux, refused by samepath's attention)",
     "deepseek_v2": "DeepSeek-V2 uses multi-head latent attention",
     "deepseek_v3": "DeepSeek-V3 uses multi-head latent attention",
     "gpt2": "GPT-2 is not Llama-shaped",
@@ -112,7 +122,7 @@ def test_a_model_type_is_registered_once():
     with pytest.raises(ValueError, match="already registered"):
         models.register(dataclasses.replace(models.family("llama"), model_types=("gemma2",)))
     with pytest.raises(ValueError, match="norm_weight_mode"):
-        dataclasses.replace(models.family("llama"), norm_weight_mode="fp32_weight")
+        dataclasses.replace(models.family("llama"), norm_weight_mode="fp32_weight_after_cast")
 
 
 # ----------------------------------------------------------------------------------------------

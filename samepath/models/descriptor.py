@@ -20,6 +20,8 @@ from typing import Any
 PLAIN_NORM = "cast_then_weight"
 #: Gemma's RMSNorm: the fp32 row times ``1 + weight.float()``, one rounding.
 GEMMA_NORM = "fp32_one_plus_weight"
+#: GPT-OSS's RMSNorm: the fp32 row times ``weight.float()``, one rounding.
+FP32_WEIGHT_NORM = "fp32_weight"
 
 #: One rope for every layer (``config.rope_parameters`` is one set of parameters).
 SINGLE_ROPE = "single"
@@ -30,6 +32,9 @@ PER_LAYER_TYPE_ROPE = "per_layer_type"
 SOFTMAX_TOPK = "softmax_topk"
 #: MoE routing: fp32 softmax, top-k, renormalised, weights kept in fp32 (Mixtral).
 SOFTMAX_TOPK_FP32 = "softmax_topk_fp32"
+#: MoE routing: router logits with a bias, top-k of the logits, fp32 softmax over the k, weights cast
+#: to the dtype; experts with biases (GPT-OSS).
+TOPK_SOFTMAX_BIASED = "topk_softmax_biased"
 
 #: What the residual stream does around a sublayer in most families.
 PRE_NORM_RESIDUAL = "add rounded to the dtype, then the norm"
@@ -67,6 +72,15 @@ GELU_TANH_MUL = Activation(
     accepted=("gelu_pytorch_tanh",),
     refusal="{key}={act!r} is not supported for {model_type} (samepath implements GELU-tanh·mul, gelu_pytorch_tanh)",
 )
+#: GPT-OSS's experts: clamped SwiGLU (``swiglu_limit`` / ``swiglu_alpha``), whatever ``hidden_act`` says
+#: (transformers' experts ignore it): :mod:`samepath.kernels.clamped_swiglu`.
+CLAMPED_SWIGLU = Activation(
+    op="clamped_swiglu",
+    config_key="hidden_act",
+    default="silu",
+    accepted=("silu",),
+    refusal="{key}={act!r} is not supported for {model_type} (samepath implements its clamped SwiGLU experts)",
+)
 
 
 @dataclass(frozen=True)
@@ -77,20 +91,24 @@ class ModelFamily:
     * ``hf_module`` / ``hf_prefix``: the transformers modeling module and the class-name prefix of
       its classes (``{prefix}RMSNorm``, ``{prefix}MLP``, ``{prefix}RotaryEmbedding``,
       ``{prefix}Attention``, ...), resolved lazily by :meth:`hf_modeling` / :meth:`hf_class`;
-    * ``norm_weight_mode``: :data:`PLAIN_NORM` or :data:`GEMMA_NORM`; ``qk_norm``: q/k norms on the
-      heads; ``residual``: what the residual stream does around a sublayer (recorded in the formulas);
-    * ``activation``: :data:`SILU_MUL` or :data:`GELU_TANH_MUL`; ``dense_mlp``: the layers have a
-      dense ``{prefix}MLP`` (Mixtral's have experts only); ``fused_gate_up``: its MLP holds one
-      ``gate_up_proj`` (gate first: vLLM's layout, Phi-3);
+    * ``norm_weight_mode``: :data:`PLAIN_NORM`, :data:`GEMMA_NORM` or :data:`FP32_WEIGHT_NORM`;
+      ``qk_norm``: q/k norms on the heads; ``residual``: what the residual stream does around a
+      sublayer (recorded in the formulas);
+    * ``activation``: :data:`SILU_MUL`, :data:`GELU_TANH_MUL` or :data:`CLAMPED_SWIGLU`; ``dense_mlp``:
+      the layers have a dense ``{prefix}MLP`` (Mixtral's and GPT-OSS's have experts only);
+      ``fused_gate_up``: its MLP holds one ``gate_up_proj`` (gate first: vLLM's layout, Phi-3);
     * ``rope``: :data:`SINGLE_ROPE` or :data:`PER_LAYER_TYPE_ROPE`;
-    * ``moe``: ``None``, :data:`SOFTMAX_TOPK` or :data:`SOFTMAX_TOPK_FP32`;
+    * ``moe``: ``None``, :data:`SOFTMAX_TOPK`, :data:`SOFTMAX_TOPK_FP32` or :data:`TOPK_SOFTMAX_BIASED`;
     * ``sliding_window_by_default``: the config's ``sliding_window`` applies unless
       ``use_sliding_window`` is false (Qwen2 windows only with ``use_sliding_window``);
       ``query_pre_attn_scalar``: the attention scale is ``config.query_pre_attn_scalar ** -0.5``
       instead of ``head_size ** -0.5``; ``embedding_scale``: the embeddings are multiplied by
-      ``sqrt(hidden_size)`` (Gemma);
+      ``sqrt(hidden_size)`` (Gemma); ``attention_sinks``: a learned sink logit per head joins the
+      softmax (GPT-OSS's ``sinks``);
     * ``config_problems``: the config options of this family samepath refuses (soft-capping,
-      bidirectional attention, ...) as ``config -> [problem, ...]``;
+      bidirectional attention, ...) as ``config -> [problem, ...]``; ``extra_formulas``: the
+      family's own entries of :func:`samepath.models.model_formulas` (``config -> dict``, merged
+      over the generic ones, a dict value into the generic dict of that key);
     * ``vllm_module`` / ``vllm_structure`` / ``vllm_attention`` / ``vllm_mlp``: vLLM's models
       module, the classes whose own code is structure only, the attention class and the MLP
       classes (a name ``"module:Class"`` is looked up in that other module) — the load audit's
@@ -115,19 +133,25 @@ class ModelFamily:
     sliding_window_by_default: bool = False
     query_pre_attn_scalar: bool = False
     embedding_scale: bool = False
+    attention_sinks: bool = False
     config_problems: Callable[[Any], list[str]] | None = None
+    extra_formulas: Callable[[Any], dict[str, Any]] | None = None
 
     def __post_init__(self) -> None:
         if not self.model_types:
             raise ValueError("a ModelFamily needs at least one model_type")
-        if self.norm_weight_mode not in (PLAIN_NORM, GEMMA_NORM):
+        if self.norm_weight_mode not in (PLAIN_NORM, GEMMA_NORM, FP32_WEIGHT_NORM):
             raise ValueError(
-                f"norm_weight_mode must be {PLAIN_NORM!r} or {GEMMA_NORM!r}, got {self.norm_weight_mode!r}"
+                f"norm_weight_mode must be {PLAIN_NORM!r}, {GEMMA_NORM!r} or {FP32_WEIGHT_NORM!r}, "
+                f"got {self.norm_weight_mode!r}"
             )
         if self.rope not in (SINGLE_ROPE, PER_LAYER_TYPE_ROPE):
             raise ValueError(f"rope must be {SINGLE_ROPE!r} or {PER_LAYER_TYPE_ROPE!r}, got {self.rope!r}")
-        if self.moe not in (None, SOFTMAX_TOPK, SOFTMAX_TOPK_FP32):
-            raise ValueError(f"moe must be None, {SOFTMAX_TOPK!r} or {SOFTMAX_TOPK_FP32!r}, got {self.moe!r}")
+        if self.moe not in (None, SOFTMAX_TOPK, SOFTMAX_TOPK_FP32, TOPK_SOFTMAX_BIASED):
+            raise ValueError(
+                f"moe must be None, {SOFTMAX_TOPK!r}, {SOFTMAX_TOPK_FP32!r} or {TOPK_SOFTMAX_BIASED!r}, "
+                f"got {self.moe!r}"
+            )
 
     @property
     def name(self) -> str:
@@ -143,6 +167,8 @@ class ModelFamily:
 
 
 __all__ = [
+    "CLAMPED_SWIGLU",
+    "FP32_WEIGHT_NORM",
     "GELU_TANH_MUL",
     "GEMMA_NORM",
     "PER_LAYER_TYPE_ROPE",
@@ -152,6 +178,7 @@ __all__ = [
     "SINGLE_ROPE",
     "SOFTMAX_TOPK",
     "SOFTMAX_TOPK_FP32",
+    "TOPK_SOFTMAX_BIASED",
     "Activation",
     "ModelFamily",
     "UnsupportedModelError",

@@ -33,6 +33,7 @@ from samepath.models.descriptor import (
     PER_LAYER_TYPE_ROPE,
     SOFTMAX_TOPK,
     SOFTMAX_TOPK_FP32,
+    TOPK_SOFTMAX_BIASED,
     ModelFamily,
     UnsupportedModelError,
 )
@@ -185,8 +186,24 @@ def _softmax_topk_fp32(config: Any) -> dict[str, Any]:
     return moe
 
 
+def _topk_softmax_biased(config: Any) -> dict[str, Any]:
+    return {
+        "routing": "router logits = linear(x, weight, bias) in the dtype; top-k of the logits; fp32 softmax over "
+        "the k; weights cast to the dtype (HF GptOssTopKRouter)",
+        "num_experts": int(config.num_local_experts),
+        "top_k": int(config.num_experts_per_tok),
+        "renormalize": False,
+        "experts": "ascending expert order; x @ gate_up[e], + bias in the dtype; the family's activation; "
+        "@ down[e], + bias in the dtype; times the weight in the dtype; index_add per token",
+    }
+
+
 #: A family's ``moe`` -> the routing formula it resolves a config to (refusing what it does not implement).
-MOE_ROUTINGS = {SOFTMAX_TOPK: _softmax_topk, SOFTMAX_TOPK_FP32: _softmax_topk_fp32}
+MOE_ROUTINGS = {
+    SOFTMAX_TOPK: _softmax_topk,
+    SOFTMAX_TOPK_FP32: _softmax_topk_fp32,
+    TOPK_SOFTMAX_BIASED: _topk_softmax_biased,
+}
 
 
 def _activation(family: ModelFamily, config: Any, model_type: str) -> str:
@@ -240,7 +257,7 @@ def model_formulas(config: Any) -> dict[str, Any]:
             "sliding_window": getattr(config, "sliding_window", None) if sliding else None,
             "max_window_layers": getattr(config, "max_window_layers", None) if sliding else None,
             "softcap": None,
-            "sinks": False,
+            "sinks": family.attention_sinks,
         },
         "tie_word_embeddings": bool(getattr(config, "tie_word_embeddings", False)),
     }
@@ -248,6 +265,9 @@ def model_formulas(config: Any) -> dict[str, Any]:
         formulas["attention"]["layer_types"] = list(config.layer_types)
     if family.embedding_scale:
         formulas["embedding"] = {"scale": embedding_scale(config), "multiply": "in the model dtype, one rounding"}
+    for key, value in (family.extra_formulas(config) if family.extra_formulas is not None else {}).items():
+        merge = isinstance(value, dict) and isinstance(formulas.get(key), dict)
+        formulas[key] = {**formulas[key], **value} if merge else value
     return formulas
 
 

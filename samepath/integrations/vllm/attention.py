@@ -28,8 +28,9 @@ def check_supported(impl: Any) -> None:
     problems = []
     if getattr(impl, "alibi_slopes", None) is not None:
         problems.append("ALiBi")
-    if getattr(impl, "sinks", None) is not None:
-        problems.append("attention sinks")
+    sinks = getattr(impl, "sinks", None)
+    if sinks is not None and (sinks.dim() != 1 or sinks.shape[0] != impl.num_heads):
+        problems.append(f"attention sinks of shape {tuple(sinks.shape)} for {impl.num_heads} heads")
     if getattr(impl, "logits_soft_cap", None):
         problems.append("logits soft-capping")
     if str(getattr(impl, "kv_cache_dtype", "auto")) != "auto":
@@ -120,6 +121,7 @@ def attention_forward(
         out=output[:n].view(n, self.num_heads, self.head_size),
         validate=validate,
         plan=plan,
+        sinks=getattr(self, "sinks", None),
     )
     return output
 
