@@ -22,7 +22,7 @@ from test_integration_hf import random_prompts, rollout, trainer_packed, trainer
 
 import samepath  # noqa: E402
 from samepath import integrations  # noqa: E402
-from samepath.integrations import hf  # noqa: E402
+from samepath.integrations import hf, moe  # noqa: E402
 from samepath.integrations.hf_audit import audit_hf_model  # noqa: E402
 from samepath.kernels.clamped_swiglu import clamped_swiglu, clamped_swiglu_mul  # noqa: E402
 from samepath.kernels.dispatch import cpu_executor  # noqa: E402
@@ -234,6 +234,41 @@ def test_router_and_experts_follow_transformers() -> None:
     assert torch.equal(index, stock_index)
     assert (scores.float() - stock_scores.float()).abs().max() < 1e-2
     assert (out.float() - stock_out.float()).abs().max() / stock_out.float().abs().max() < 3e-2
+
+
+def test_biased_experts_use_the_moe_combine() -> None:
+    """GPT-OSS's experts combine like every other MoE (``OP_FORMULAS["moe"]``): each token's terms
+    ``fp32(expert_out) * fp32(weight)`` added in ascending expert order in fp32, one cast — equal to
+    that loop written out on the same pair outputs; a token alone gives its row of the batch;
+    transformers' experts (the combine in bf16) differ."""
+    model = tiny_gpt_oss(torch.bfloat16, seed=4)
+    experts = model.model.layers[0].mlp.experts
+    gen = torch.Generator().manual_seed(5)
+    tokens = 23
+    hidden = torch.randn(tokens, 64, generator=gen).to(torch.bfloat16)
+    index = torch.stack([torch.randperm(4, generator=gen)[:2] for _ in range(tokens)])
+    weights = torch.softmax(torch.randn(tokens, 2, generator=gen), -1).to(torch.bfloat16)
+    params = (experts.gate_up_proj, experts.gate_up_proj_bias, experts.down_proj, experts.down_proj_bias)
+
+    def run(rows):
+        return moe.biased_experts_forward(hidden[rows], *params, index[rows], weights[rows], LIMIT, ALPHA)
+
+    with torch.no_grad():
+        stock = experts(hidden, index, weights)
+        with samepath.batch_invariant():
+            out = run(slice(None))
+            alone = [run(slice(t, t + 1)) for t in (0, 11, tokens - 1)]
+            reference = torch.zeros(tokens, 64)
+            for expert in range(4):
+                pos, tok = torch.where(index.T == expert)
+                gate_up = hidden[tok] @ params[0][expert] + params[1][expert]
+                pair_out = clamped_swiglu(gate_up, LIMIT, ALPHA) @ params[2][expert] + params[3][expert]
+                reference.index_add_(0, tok, pair_out.float() * weights[tok, pos, None].float())
+    assert torch.equal(out, reference.to(torch.bfloat16))
+    for t, row in zip((0, 11, tokens - 1), alone, strict=True):
+        assert torch.equal(out[t : t + 1], row)
+    assert not torch.equal(out, stock)
+    assert (out.float() - stock.float()).abs().max() / stock.float().abs().max() < 3e-2
 
 
 def test_formulas_and_refusals() -> None:

@@ -194,7 +194,7 @@ def _topk_softmax_biased(config: Any) -> dict[str, Any]:
         "top_k": int(config.num_experts_per_tok),
         "renormalize": False,
         "experts": "ascending expert order; x @ gate_up[e], + bias in the dtype; the family's activation; "
-        "@ down[e], + bias in the dtype; times the weight in the dtype; index_add per token",
+        "@ down[e], + bias in the dtype; the moe combine (fp32 terms and sum in ascending expert order, one cast)",
     }
 
 
