@@ -910,6 +910,10 @@ def test_vllm_moe_layouts_samepath_cannot_reproduce_are_refused_by_name():
         "padded per-rank intermediate": _moe_layer(tp=2),
     }
     refusals["padded per-rank intermediate"].moe_config.intermediate_size = 60
+    for tp, ep in ((2, 1), (1, 2)):  # GPT-OSS's biased experts run whole on one rank only
+        biased = _moe_layer(tp=tp, ep=ep)
+        biased.moe_config.has_bias = True
+        refusals[f"experts with biases (GPT-OSS) at tp_size={tp}, ep_size={ep}"] = biased
     shifted = _moe_layer(ep=2, rank=1)
     shifted.expert_map = torch.tensor([-1, 0, 1, -1], dtype=torch.int32)
     refusals["rank 1's expert map is not the contiguous block of experts 2..3"] = shifted

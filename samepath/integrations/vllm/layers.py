@@ -376,9 +376,9 @@ def moe_parallel_layout(layer: Any, expert_map: torch.Tensor | None = None) -> t
     Raises ``NotImplementedError`` naming what the frozen formulas cannot reproduce: data / context /
     sequence parallel MoE, the expert-parallel load balancer (EPLB) or redundant experts, a number
     of experts the expert-parallel size does not divide, an expert placement other than
-    ``"linear"`` (contiguous blocks in rank order), a padded per-rank intermediate dimension.
-    ``expert_map``: the global-to-local map to check (default ``layer.expert_map``; vllm-ascend keeps
-    its own in ``layer._expert_map``)."""
+    ``"linear"`` (contiguous blocks in rank order), a padded per-rank intermediate dimension, experts
+    with biases (GPT-OSS's) over more than one rank. ``expert_map``: the global-to-local map to check
+    (default ``layer.expert_map``; vllm-ascend keeps its own in ``layer._expert_map``)."""
     config = layer.moe_config
     parallel = config.moe_parallel_config
     where = f"samepath's vLLM MoE ({getattr(layer, 'layer_name', type(layer).__name__)})"
@@ -391,6 +391,9 @@ def moe_parallel_layout(layer: Any, expert_map: torch.Tensor | None = None) -> t
         problems.append("sequence-parallel MoE")
     if parallel.enable_eplb or config.num_experts != getattr(config, "num_logical_experts", config.num_experts):
         problems.append("the expert-parallel load balancer (EPLB) / redundant experts")
+    sharded = (parallel.use_ep and parallel.ep_size > 1) or parallel.tp_size > 1
+    if getattr(config, "has_bias", False) and sharded:
+        problems.append(f"experts with biases (GPT-OSS) at tp_size={parallel.tp_size}, ep_size={parallel.ep_size}")
     if problems:
         raise NotImplementedError(f"{where} does not implement {', '.join(problems)}; unset {ENV_VAR} to run vLLM's")
     if parallel.use_ep and parallel.ep_size > 1:
@@ -508,11 +511,6 @@ def patch_moe(patcher: Patcher) -> bool:
         if type(self) is not method_cls or not (plain_experts(layer) or biased):
             return original_process(self, layer)
         layout = moe_parallel_layout(layer)  # refuses, at load, a layout samepath cannot reproduce
-        if biased and layout[0] != "plain":
-            raise NotImplementedError(
-                f"samepath's vLLM MoE does not implement {layout[0]}-parallel experts with biases (GPT-OSS, "
-                f"{layout[1]} ranks); unset {ENV_VAR} or run them without tensor / expert parallelism"
-            )
         if layout[0] == "expert":
             record_expert_parallel()  # part of the fingerprint the trainer's must equal
         super(method_cls, self).process_weights_after_loading(layer)
