@@ -133,6 +133,26 @@ def test_replays_match_the_interpreter() -> None:
     assert mismatched_rows(out, paged) == []
 
 
+def test_wide_table_decode_with_sinks() -> None:
+    """The work-list split decode (each row folds only its own segments into the sink's state): a
+    block table 64x wider than the context gives the tight table's bits and the trainer's rows,
+    under ``verify`` (interpreter == replay); the sinks move the bits (negative control)."""
+    from test_decode_width import _decode, _decode_case
+
+    lens, heads = [20, 70], 8
+    query, kc, vc, tight, wide, qsl, seq_lens, _ = _decode_case(lens, torch.float16, seed=8, heads=heads)
+    sinks = _sinks(heads, torch.float16, seed=9)
+    batch = make_batch(lens, heads, 2, 64, torch.float16, seed=8)  # _decode_case's tensors
+    with torch.no_grad():
+        trained = varlen_attention(batch.query, batch.key, batch.value, batch.cu_seqlens, sinks=sinks)
+    last = torch.tensor([start + n - 1 for start, n in zip(batch.starts(), lens, strict=True)])
+    with cpu_executor("verify"):
+        out_wide = _decode(query, kc, vc, wide, qsl, seq_lens, sinks=sinks, split_kv=True)
+        out_tight = _decode(query, kc, vc, tight, qsl, seq_lens, sinks=sinks, split_kv=True)
+    assert torch.equal(out_wide, out_tight) and torch.equal(out_wide, trained[last])
+    assert not torch.equal(_decode(query, kc, vc, wide, qsl, seq_lens, split_kv=True), out_wide)
+
+
 @pytest.mark.interpreter
 def test_interpreter_runs_the_source() -> None:
     batch = make_batch([70, 5], 2, 1, 64, torch.float32, seed=21)
