@@ -286,6 +286,7 @@ def test_the_vllm_plugins_family_bits_come_from_the_descriptors():
     fam = models.families()
     assert fam["gemma3_text"].vllm_patches() == ("gemma_rms_norm", "gelu_tanh_mul")
     assert fam["glm4_moe"].vllm_patches() == ("rms_norm", "silu_mul")
+    assert fam["gpt_oss"].vllm_patches() == ("rms_norm",)  # norms marked at load; experts in the MoE patch
     assert {t for t, f in fam.items() if f.vllm_rotary_classes} == {"phi3"}
     names = [name for name, _ in plugin.patch_groups()]
     assert {"rms_norm", "gemma_rms_norm", "silu_mul", "gelu_tanh_mul"} <= set(names)
