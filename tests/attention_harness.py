@@ -46,10 +46,17 @@ def make_batch(
 
 
 def reference_attention(
-    batch: Batch, scale: float, causal: bool = True, sliding_window: int | None = None, softcap: float | None = None
+    batch: Batch,
+    scale: float,
+    causal: bool = True,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """fp64 softmax(QK^T * scale) V per sequence, heads grouped as GQA (scores ``cap * tanh(s / cap)``
-    with a ``softcap``)."""
+    with a ``softcap``); with ``sinks`` (``[heads]``) each head's sink logit joins the softmax as a
+    last column that is then dropped (GPT-OSS's eager attention). Differentiable in the batch's
+    tensors and ``sinks`` (when they require grad)."""
     q, k, v = (t.double() for t in (batch.query, batch.key, batch.value))
     group = q.shape[1] // k.shape[1]
     outs = []
@@ -67,7 +74,13 @@ def reference_attention(
             visible &= j <= i
         if sliding_window is not None:
             visible &= i - j < sliding_window
-        outs.append((scores.masked_fill(~visible, float("-inf")).softmax(-1) @ vs).transpose(0, 1))
+        scores = scores.masked_fill(~visible, float("-inf"))
+        if sinks is None:
+            probs = scores.softmax(-1)
+        else:
+            sink = sinks.double()[:, None, None].expand(-1, length, 1)
+            probs = torch.cat([scores, sink], -1).softmax(-1)[..., :-1]
+        outs.append((probs @ vs).transpose(0, 1))
     return torch.cat(outs)
 
 
@@ -110,6 +123,7 @@ def run_schedule(
     config=None,
     split_kv: bool | None = None,
     softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Serve ``batch`` as vLLM would: step ``s`` takes chunk ``s`` of every sequence that still has
     one, writes its KV into a paged cache, and runs one paged_attention call over the step's
@@ -148,6 +162,7 @@ def run_schedule(
             config=config,
             split_kv=split_kv,
             softcap=softcap,
+            sinks=sinks,
         )
     assert done == batch.lens
     return out

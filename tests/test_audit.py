@@ -262,7 +262,6 @@ def _qkv(batch: int = 1, length: int = 5):
 @pytest.mark.parametrize(
     ("kwargs", "named"),
     [
-        ({"s_aux": torch.zeros(4)}, "s_aux"),
         ({"dropout": 0.1}, "dropout=0.1"),
         ({"output_attentions": True}, "output_attentions"),
         ({"window_offset": 3}, "unknown keyword window_offset"),
@@ -327,7 +326,6 @@ def test_both_sides_cover_the_same_model_types():
 REFUSED_CONFIGS = {
     "olmo2": {},
     "granite": dict(logits_scaling=8.0, residual_multiplier=0.5, embedding_multiplier=12.0),
-    "gpt_oss": {},
     "deepseek_v3": {},
 }
 BUILT = ("olmo2", "granite")  # cheap to build: patch_all(model) is run on them too

@@ -15,6 +15,7 @@ import triton
 import samepath
 from samepath.distributed import merge_shard_lse, shard_lse
 from samepath.kernels import grid, ub_fit
+from samepath.kernels.clamped_swiglu import clamped_swiglu_mul
 from samepath.kernels.config import (
     ATTENTION_TABLE,
     MATMUL_TABLE,
@@ -47,6 +48,7 @@ ALL_KERNELS = {
     "_rms_norm_dw_reduce_kernel",
     "_silu_mul_kernel",
     "_gelu_tanh_mul_kernel",
+    "_clamped_swiglu_kernel",
     "_rotary_kernel",
     "_shard_lse_kernel",
     "_merge_kernel",
@@ -209,6 +211,13 @@ def _run_every_kernel(dtype: torch.dtype, seed: int, attention_config: Attention
             q.detach(), *caches, wide_table, cu, torch.tensor([37, 3, 17], dtype=torch.int32), 0.1, split_kv=True
         ),
     )
+    sinks = torch.randn(q.shape[1], generator=gen)
+    results["paged_attention split sinks"] = (
+        samepath.paged_attention(
+            q.detach(), *caches, wide_table, cu, torch.tensor([37, 3, 17], dtype=torch.int32), 0.1, split_kv=True,
+            sinks=sinks,
+        ),
+    )  # fmt: skip
 
     x, w, b = rand(37, 70), rand(45, 70), rand(45)
     y = samepath.linear(x, w, b)
@@ -237,6 +246,8 @@ def _run_every_kernel(dtype: torch.dtype, seed: int, attention_config: Attention
     results["silu_mul"] = (y, *grads((y,), (gate, up)))
     y = samepath.gelu_tanh_mul(gate, up)
     results["gelu_tanh_mul"] = (y, *grads((y,), (gate, up)))
+    y = clamped_swiglu_mul(gate, up, 7.0, 1.702)
+    results["clamped_swiglu"] = (y, *grads((y,), (gate, up)))
 
     cos, sin = samepath.rotary_cos_sin(torch.arange(130)[None], 48, 10000.0, dtype)
     q_rot, k_rot = rand(1, 4, 130, 64), rand(1, 2, 130, 64)

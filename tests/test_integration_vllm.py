@@ -102,6 +102,8 @@ def model_dirs(tmp_path_factory):
                 model = tiny_gemma2(getattr(torch, dtype), sliding_window=40, max_position_embeddings=512)
                 path = tmp_path_factory.mktemp(f"{arch}_{dtype}")
                 model.save_pretrained(path)
+                dirs[arch, dtype] = str(path)
+                return dirs[arch, dtype]
             elif arch == "glm4_moe":  # partial rotary, sigmoid grouped top-k, shared experts, a dense layer
                 from tests.test_glm4_moe import tiny_glm
 
@@ -109,6 +111,10 @@ def model_dirs(tmp_path_factory):
                 tiny_glm(getattr(torch, dtype)).save_pretrained(path)
                 dirs[arch, dtype] = str(path)
                 return dirs[arch, dtype]
+            elif arch == "gpt_oss":  # head size 64, sinks, window 8, YaRN, biased experts
+                from tests.test_gpt_oss import gpt_oss_config
+
+                config, cls = gpt_oss_config(), transformers.GptOssForCausalLM
             else:
                 config, cls = transformers.Qwen3Config(**DEFAULT_MODEL_CONFIG), transformers.Qwen3ForCausalLM
             torch.manual_seed(0)
@@ -117,6 +123,8 @@ def model_dirs(tmp_path_factory):
                 for name, param in model.named_parameters():
                     if arch == "gemma3_text" and name.endswith("norm.weight"):  # (1 + w) norms: w starts at 0
                         param.copy_(0.5 * torch.randn(param.shape))
+                    elif arch == "gpt_oss" and name.endswith(("sinks", "_bias", "router.bias")):  # zeros or tiny
+                        param.copy_(torch.randn(param.shape))
                     else:
                         param.mul_(4.0 if param.dim() == 1 else 2.0)
             path = tmp_path_factory.mktemp(f"{arch}_{dtype}")
@@ -272,6 +280,8 @@ CASES = [
     pytest.param("gemma2", "float32", 1.0, id="gemma2-fp32-sampled", marks=pytest.mark.slow),
     pytest.param("glm4_moe", "bfloat16", 0.8, id="glm4_moe-bf16-T0.8"),
     pytest.param("glm4_moe", "float32", 1.0, id="glm4_moe-fp32-sampled", marks=pytest.mark.slow),
+    pytest.param("gpt_oss", "bfloat16", 0.8, id="gpt-oss-bf16-T0.8"),
+    pytest.param("gpt_oss", "float32", 1.0, id="gpt-oss-fp32-sampled", marks=pytest.mark.slow),
 ]
 
 
@@ -324,6 +334,7 @@ def test_vllm_logprobs_equal_trainer(model_dirs, hf_patched, arch, dtype, temper
         pytest.param("gemma3_text", "bfloat16", id="gemma3-bf16"),
         pytest.param("gemma2", "bfloat16", id="gemma2-bf16"),
         pytest.param("glm4_moe", "bfloat16", id="glm4_moe-bf16"),
+        pytest.param("gpt_oss", "bfloat16", id="gpt-oss-bf16"),
     ],
 )
 def test_stock_vllm_differs(model_dirs, hf_patched, arch, dtype):
@@ -983,6 +994,10 @@ def test_vllm_moe_layouts_samepath_cannot_reproduce_are_refused_by_name():
         "padded per-rank intermediate": _moe_layer(tp=2),
     }
     refusals["padded per-rank intermediate"].moe_config.intermediate_size = 60
+    for tp, ep in ((2, 1), (1, 2)):  # GPT-OSS's biased experts run whole on one rank only
+        biased = _moe_layer(tp=tp, ep=ep)
+        biased.moe_config.has_bias = True
+        refusals[f"experts with biases (GPT-OSS) at tp_size={tp}, ep_size={ep}"] = biased
     shifted = _moe_layer(ep=2, rank=1)
     shifted.expert_map = torch.tensor([-1, 0, 1, -1], dtype=torch.int32)
     refusals["rank 1's expert map is not the contiguous block of experts 2..3"] = shifted

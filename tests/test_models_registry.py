@@ -38,8 +38,9 @@ SUPPORTED = {
     "glm4_moe",
     "qwen3_vl_text",
     "gemma2",
+    "gpt_oss",
 }
-REFUSED = {"olmo2", "granite", "gemma3", "gpt_oss", "deepseek_v2", "deepseek_v3", "gpt2"}
+REFUSED = {"olmo2", "granite", "gemma3", "deepseek_v2", "deepseek_v3", "gpt2"}
 
 
 def test_every_supported_model_type_has_one_descriptor_in_its_own_file():
@@ -68,18 +69,25 @@ def test_the_descriptors_say_what_each_family_computes():
         "qwen3_moe": "softmax_topk",
         "mixtral": "softmax_topk_fp32",
         "glm4_moe": "sigmoid_grouped_topk",
+        "gpt_oss": "topk_softmax_biased",
     }
-    assert {t for t, f in fam.items() if f.partial_rotary or f.shared_experts or f.hf_router} == {"glm4_moe"}
+    assert {t for t, f in fam.items() if f.partial_rotary or f.shared_experts} == {"glm4_moe"}
+    assert {t: f.hf_router for t, f in fam.items() if f.hf_router} == {
+        "glm4_moe": "TopkRouter",
+        "gpt_oss": "TopKRouter",
+    }
     assert {t for t, f in fam.items() if f.sliding_window_by_default} == {
         "mistral",
         "phi3",
         "mixtral",
         "gemma3_text",
         "gemma2",
+        "gpt_oss",
     }
     assert {t for t, f in fam.items() if f.query_pre_attn_scalar or f.embedding_scale} == {"gemma3_text", "gemma2"}
     assert {t for t, f in fam.items() if f.softcap or f.layer_types} == {"gemma2"}
-    assert {t for t, f in fam.items() if not f.dense_mlp} == {"mixtral"}
+    assert {t for t, f in fam.items() if not f.dense_mlp} == {"mixtral", "gpt_oss"}
+    assert {t for t, f in fam.items() if f.attention_sinks or f.norm_weight_mode == "fp32_weight"} == {"gpt_oss"}
 
 
 def test_the_descriptors_name_the_vllm_classes_the_load_audit_uses():
@@ -98,7 +106,6 @@ REFUSAL_STARTS = {
     "olmo2": "vLLM 0.32 runs Olmo2ForCausalLM through its Transformers backend",
     "granite": "Granite's embedding_multiplier, residual_multiplier and logits_scaling",
     "gemma3": "Gemma3ForConditionalGeneration is multimodal",
-    "gpt_oss": "GPT-OSS uses attention sinks (s_aux, refused by samepath's attention)",
     "deepseek_v2": "DeepSeek-V2 uses multi-head latent attention",
     "deepseek_v3": "DeepSeek-V3 uses multi-head latent attention",
     "gpt2": "GPT-2 is not Llama-shaped",
@@ -137,7 +144,7 @@ def test_a_model_type_is_registered_once():
     with pytest.raises(ValueError, match="already registered"):
         models.register(dataclasses.replace(models.family("llama"), model_types=("gemma3",)))
     with pytest.raises(ValueError, match="norm_weight_mode"):
-        dataclasses.replace(models.family("llama"), norm_weight_mode="fp32_weight")
+        dataclasses.replace(models.family("llama"), norm_weight_mode="fp32_weight_after_cast")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -279,6 +286,7 @@ def test_the_vllm_plugins_family_bits_come_from_the_descriptors():
     fam = models.families()
     assert fam["gemma3_text"].vllm_patches() == ("gemma_rms_norm", "gelu_tanh_mul")
     assert fam["glm4_moe"].vllm_patches() == ("rms_norm", "silu_mul")
+    assert fam["gpt_oss"].vllm_patches() == ("rms_norm",)  # norms marked at load; experts in the MoE patch
     assert {t for t, f in fam.items() if f.vllm_rotary_classes} == {"phi3"}
     names = [name for name, _ in plugin.patch_groups()]
     assert {"rms_norm", "gemma_rms_norm", "silu_mul", "gelu_tanh_mul"} <= set(names)

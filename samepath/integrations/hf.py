@@ -41,7 +41,7 @@ import torch
 
 from samepath.integrations.hf_parallel import ROW_PARALLEL_LINEARS, tensor_parallel_numerics  # noqa: F401 (public here)
 from samepath.integrations.hf_softcap import softcapped_causal_lm_forward
-from samepath.integrations.moe import experts_forward
+from samepath.integrations.moe import biased_topk_router_forward, module_experts_forward
 from samepath.integrations.patcher import Patcher
 from samepath.kernels.attention import LaunchPlan, packed_attention, varlen_attention
 from samepath.kernels.attention.backend import attention_backend
@@ -51,7 +51,7 @@ from samepath.kernels.moe_routing import sigmoid_grouped_topk_routing
 from samepath.kernels.rms_norm import rms_norm
 from samepath.kernels.rotary import apply_rotary, mrope_cos_sin, rotary_cos_sin
 from samepath.kernels.swiglu import silu_mul, swiglu
-from samepath.models.descriptor import GELU_TANH_MUL, SIGMOID_GROUPED_TOPK, SILU_MUL, ModelFamily
+from samepath.models.descriptor import GELU_TANH_MUL, SIGMOID_GROUPED_TOPK, SILU_MUL, TOPK_SOFTMAX_BIASED, ModelFamily
 from samepath.models.formulas import final_logit_softcap, rope_formula
 from samepath.models.registry import family_view, find, model_types_where
 
@@ -335,8 +335,8 @@ _NEUTRAL_WHEN_NONE = frozenset({"cache_position"})
 
 
 class UnsupportedAttentionError(ValueError):
-    """transformers asked samepath's attention for a feature it does not implement (softcap, sinks,
-    dropout, attention weights, an unknown keyword): refused rather than dropped."""
+    """transformers asked samepath's attention for a feature it does not implement (dropout,
+    attention weights, an unknown keyword): refused rather than dropped."""
 
 
 def _check_attention_kwargs(
@@ -346,8 +346,6 @@ def _check_attention_kwargs(
     problems = []
     if dropout:
         problems.append(f"dropout={dropout} (attention dropout in train mode; set attention_dropout=0)")
-    if kwargs.get("s_aux") is not None:
-        problems.append("s_aux (attention sinks, e.g. GPT-OSS)")
     if kwargs.get("output_attentions"):
         problems.append("output_attentions=True (samepath returns no attention weights)")
     for name in ("cu_seq_lens_q", "cu_seq_lens_k"):
@@ -393,9 +391,11 @@ def attention_forward(
     over exactly raises :class:`SlidingWindowCacheError`.
 
     A ``softcap`` (Gemma 2's attention logit soft-capping) goes to the kernel, which caps the scores with
-    the formula every caller runs (:mod:`samepath.kernels.softcap`).
+    the formula every caller runs (:mod:`samepath.kernels.softcap`). Attention sinks (``s_aux``,
+    GPT-OSS's per-head ``sinks``) go to the kernel's ``sinks``: the running softmax state starts from
+    them for the trainer's forward and ``generate`` alike.
 
-    Raises :class:`UnsupportedAttentionError` for dropout > 0, sinks (``s_aux``),
+    Raises :class:`UnsupportedAttentionError` for dropout > 0,
     ``output_attentions=True``, ``cu_seq_lens_*`` other than the sequences it cuts out itself, or
     any keyword it does not know.
     """
@@ -423,10 +423,11 @@ def attention_forward(
     q = query.transpose(1, 2).reshape(batch * q_len, num_heads, head_size)
     k = key.transpose(1, 2).reshape(batch * kv_len, num_kv_heads, head_size)
     v = value.transpose(1, 2).reshape(batch * kv_len, num_kv_heads, head_size)
+    sinks = kwargs.get("s_aux")
     if layout.cu_kv is None:
         out = varlen_attention(
             q, k, v, layout.cu_q, scale, causal, sliding_window=sliding_window, validate=False, plan=layout.plan,
-            softcap=kwargs.get("softcap"),
+            softcap=kwargs.get("softcap"), sinks=sinks,
         )  # fmt: skip
     else:
         out = packed_attention(
@@ -442,6 +443,7 @@ def attention_forward(
             plan=layout.plan,
             kv_start=layout.kv_start,
             softcap=kwargs.get("softcap"),
+            sinks=sinks,
         )
     if layout.query_valid is not None:
         out = torch.where(layout.query_valid[:, None, None], out, 0.0)
@@ -455,13 +457,13 @@ EXPERT_PARALLEL_ATTR = "samepath_expert_parallel"
 def samepath_experts_forward(
     self: torch.nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
 ) -> torch.Tensor:
-    """``ExpertsInterface`` function: :func:`samepath.integrations.moe.experts_forward` on the
-    module's ``gate_up_proj`` / ``down_proj`` (the loop vLLM's MoE layers run under the plugin), or
-    on an expert-parallel shard its exchange (same bits)."""
+    """``ExpertsInterface`` function: :func:`samepath.integrations.moe.module_experts_forward` (the
+    loop vLLM's MoE layers run under the plugin; GPT-OSS's biased experts too), or on an
+    expert-parallel shard its exchange (same bits)."""
     shard = getattr(self, EXPERT_PARALLEL_ATTR, None)
     if shard is not None:
         return shard(self, hidden_states, top_k_index, top_k_weights)
-    return experts_forward(hidden_states, self.gate_up_proj, self.down_proj, top_k_index, top_k_weights)
+    return module_experts_forward(self, hidden_states, top_k_index, top_k_weights)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -496,10 +498,28 @@ def _one_plus_weight_rms_norm_forward(self: torch.nn.Module, hidden_states: torc
     return rms_norm(hidden_states, self.weight, self.eps, weight_mode="fp32_one_plus_weight")
 
 
+def _fp32_weight_rms_norm_forward(self: torch.nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
+    """``GptOssRMSNorm``: ``(weight * fp32 row).to(dtype)``, one rounding. A weight kept in fp32
+    (transformers' ``_keep_in_fp32_modules``) runs in the activations' dtype when that holds its
+    values exactly (``weight.float()`` is then the same), and is refused otherwise (the rollout holds
+    the weight in the model dtype)."""
+    weight = self.weight
+    if weight.dtype != hidden_states.dtype:
+        narrowed = weight.detach().to(hidden_states.dtype)
+        if not torch.equal(narrowed.float(), weight.detach().float()):
+            raise ValueError(
+                f"{type(self).__name__}.weight is {weight.dtype} with values that {hidden_states.dtype} does not hold "
+                "exactly; samepath's norm multiplies the weight as the model dtype holds it (as the rollout does)"
+            )
+        weight = weight.to(hidden_states.dtype)
+    return rms_norm(hidden_states, weight, self.variance_epsilon, weight_mode="fp32_weight")
+
+
 #: ``weight_mode`` (a family's ``norm_weight_mode``) -> the norm forward samepath installs.
 RMS_NORM_FORWARDS = {
     "cast_then_weight": _rms_norm_forward,
     "fp32_one_plus_weight": _one_plus_weight_rms_norm_forward,
+    "fp32_weight": _fp32_weight_rms_norm_forward,
 }
 
 
@@ -564,7 +584,10 @@ def _sigmoid_grouped_router_forward(self: torch.nn.Module, hidden_states: torch.
 
 
 #: A family's ``moe`` -> the forward samepath installs on its ``{Prefix}{hf_router}`` class.
-ROUTER_FORWARDS = {SIGMOID_GROUPED_TOPK: _sigmoid_grouped_router_forward}
+ROUTER_FORWARDS = {
+    SIGMOID_GROUPED_TOPK: _sigmoid_grouped_router_forward,
+    TOPK_SOFTMAX_BIASED: biased_topk_router_forward,
+}
 
 
 def samepath_apply_rotary_pos_emb(
@@ -600,7 +623,7 @@ def apply_to_model_type(model_type: str, patcher: Patcher) -> None:
     prefix = family.hf_prefix
     patcher.set(getattr(modeling, f"{prefix}RMSNorm"), "forward", RMS_NORM_FORWARDS[family.norm_weight_mode])
     mlp = getattr(modeling, f"{prefix}MLP", None)
-    if mlp is not None:
+    if mlp is not None and family.dense_mlp:
         patcher.set(mlp, "forward", mlp_forward_of(family))
     patcher.set(modeling, "apply_rotary_pos_emb", samepath_apply_rotary_pos_emb)
     patcher.set(getattr(modeling, f"{prefix}RotaryEmbedding"), "forward", rotary_embedding_forward)

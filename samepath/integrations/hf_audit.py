@@ -26,6 +26,7 @@ from samepath.integrations import hf
 from samepath.integrations.hf_softcap import is_softcapped_forward
 from samepath.kernels.matmul import batch_invariant_enabled
 from samepath.models.formulas import UnsupportedModelError, model_formulas
+from samepath.models.registry import find
 
 
 def audit_hf_model(model: torch.nn.Module) -> AuditReport:
@@ -45,6 +46,8 @@ def audit_hf_model(model: torch.nn.Module) -> AuditReport:
     def family_class(module: torch.nn.Module, suffix: str) -> bool:
         return modeling is not None and type(module) is getattr(modeling, f"{prefix}{suffix}", None)
 
+    found = find(model_type)
+    dense_mlp = found is None or found.dense_mlp
     attention_fn = hf_attention_function(config)
     experts_fn = hf_experts_function(config)
     rotary_patched = (
@@ -57,7 +60,7 @@ def audit_hf_model(model: torch.nn.Module) -> AuditReport:
             report.entries.append(module_entry(name, module, "inside", COVERED, f"computed by {parent or '<root>'}"))
             continue
         entry = generic_entry(name, module) or hf_entry(
-            name, module, family_class, attention_fn, experts_fn, rotary_patched, batch_invariant_enabled()
+            name, module, family_class, attention_fn, experts_fn, rotary_patched, batch_invariant_enabled(), dense_mlp
         )
         if entry.status == COVERED and entry.op in ("rms_norm", "silu_mul", "gelu_tanh_mul", "experts"):
             whole.append(name)
@@ -89,6 +92,7 @@ def hf_entry(
     experts_fn,
     rotary_patched: bool,
     matmul_on: bool,
+    dense_mlp: bool = True,
 ) -> AuditEntry:
     kind = type(module)
     if kind is torch.nn.Linear:
@@ -103,6 +107,8 @@ def hf_entry(
         mode = next((m for m, f in hf.RMS_NORM_FORWARDS.items() if kind.forward is f), None)
         detail = "stock" if mode is None else f"samepath.rms_norm ({mode})"
         return module_entry(name, module, "rms_norm", UNCOVERED if mode is None else COVERED, detail)
+    if family_class(module, "MLP") and not dense_mlp:  # GPT-OSS: the block of a router and experts
+        return module_entry(name, module, "structure", NEUTRAL, "router, then experts; reshapes")
     if family_class(module, "MLP"):
         op = hf.MLP_OPS.get(kind.forward)
         if op is None:  # stock: the op the family computes
@@ -135,6 +141,11 @@ def hf_entry(
             detail = "samepath.kernels.moe_routing (the vLLM plugin's function)"
             return module_entry(name, module, "moe_routing", COVERED, detail)
         return module_entry(name, module, "moe_routing", UNCOVERED, "stock router")
+    if family_class(module, "TopKRouter") and hasattr(module, "bias"):  # GPT-OSS: top-k of the biased logits
+        if kind.forward is hf.biased_topk_router_forward:
+            detail = "samepath.integrations.moe.topk_softmax_biased_routing (the vLLM plugin's router)"
+            return module_entry(name, module, "moe_routing", COVERED, detail)
+        return module_entry(name, module, "moe_routing", UNCOVERED, "stock router (softmax in the model dtype)")
     if family_class(module, "TopKRouter"):
         detail = "Hugging Face's fp32 softmax top-k: the router the vLLM plugin runs (samepath.integrations.moe)"
         return module_entry(name, module, "moe_routing", COVERED, detail)

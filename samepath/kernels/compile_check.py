@@ -280,6 +280,29 @@ def _attention_training() -> None:
     _backward((varlen_attention(q, k, v, cu_seqlens),), (q, k, v))
 
 
+def _gpt_oss_attention() -> None:
+    """GPT-OSS's attention: sinks in training (fwd+bwd) and in a split decode (the merge kernel's sinks)."""
+    from samepath.kernels.attention import paged_attention, varlen_attention
+
+    q, k, v = _empty(4096, 64, 64, grad=True), _empty(4096, 8, 64, grad=True), _empty(4096, 8, 64, grad=True)
+    sinks = _empty(64, grad=True)
+    cu_seqlens = torch.tensor([0, 2048, 4096], dtype=torch.int32)
+    _backward((varlen_attention(q, k, v, cu_seqlens, sliding_window=128, sinks=sinks),), (q, k, v, sinks))
+    key_cache, value_cache = _empty(64 * 256, 16, 8, 64), _empty(64 * 256, 16, 8, 64)
+    block_table = torch.arange(64 * 256, dtype=torch.int32).view(64, 256)
+    seq_lens = torch.full((64,), 4096, dtype=torch.int32)
+    query_start_loc = torch.arange(0, 65, dtype=torch.int32)
+    args = (key_cache, value_cache, block_table, query_start_loc, seq_lens, 64**-0.5)
+    paged_attention(_empty(64, 64, 64), *args, sinks=sinks.detach(), split_kv=True)
+
+
+def _clamped_swiglu() -> None:
+    from samepath.kernels.clamped_swiglu import clamped_swiglu
+
+    gate_up = _empty(4096, 2 * 2880, grad=True)
+    _backward((clamped_swiglu(gate_up, 7.0, 1.702),), (gate_up,))
+
+
 def _paged(batch: int, new_tokens: int, context: int) -> None:
     from samepath.kernels.attention import paged_attention, write_kv_cache
 
@@ -409,6 +432,13 @@ REPORT_CASES: tuple[ReportCase, ...] = (
         "rms-norm-head", "q-norm fwd+bwd (and with residual), 4096 tokens x 32 heads x 128", _rms_norm(131072, 128)
     ),
     ReportCase("silu-mul", "silu_mul fwd+bwd, 4096 x 12288", _silu_mul),
+    ReportCase(
+        "attention-sinks",
+        "GPT-OSS: varlen fwd+bwd with sinks and window 128, 2 x 2048 tokens, 64 q / 8 KV heads of 64; "
+        "paged split decode with sinks, 64 sequences x context 4096",
+        _gpt_oss_attention,
+    ),
+    ReportCase("clamped-swiglu", "GPT-OSS clamped SwiGLU fwd+bwd, 4096 x 2 * 2880 interleaved", _clamped_swiglu),
     ReportCase("rotary", "apply_rotary fwd+bwd, 4096 positions, 32 q / 8 KV heads, head 128", _rotary),
     ReportCase(
         "moe-grouped",

@@ -20,6 +20,8 @@ from typing import Any
 PLAIN_NORM = "cast_then_weight"
 #: Gemma's RMSNorm: the fp32 row times ``1 + weight.float()``, one rounding.
 GEMMA_NORM = "fp32_one_plus_weight"
+#: GPT-OSS's RMSNorm: the fp32 row times ``weight.float()``, one rounding.
+FP32_WEIGHT_NORM = "fp32_weight"
 
 #: One rope for every layer (``config.rope_parameters`` is one set of parameters).
 SINGLE_ROPE = "single"
@@ -39,7 +41,10 @@ SOFTMAX_TOPK_FP32 = "softmax_topk_fp32"
 #: MoE routing: fp32 sigmoid, score-correction bias for the choice, grouped top-k, routed scaling
 #: factor, weights kept in fp32 (GLM-4.5, :func:`samepath.kernels.moe_routing.sigmoid_grouped_topk_routing`).
 SIGMOID_GROUPED_TOPK = "sigmoid_grouped_topk"
-MOE_KINDS = (SOFTMAX_TOPK, SOFTMAX_TOPK_FP32, SIGMOID_GROUPED_TOPK)
+#: MoE routing: router logits with a bias, top-k of the logits, fp32 softmax over the k, weights cast
+#: to the dtype; experts with biases (GPT-OSS).
+TOPK_SOFTMAX_BIASED = "topk_softmax_biased"
+MOE_KINDS = (SOFTMAX_TOPK, SOFTMAX_TOPK_FP32, SIGMOID_GROUPED_TOPK, TOPK_SOFTMAX_BIASED)
 
 #: What the residual stream does around a sublayer in most families.
 PRE_NORM_RESIDUAL = "add rounded to the dtype, then the norm"
@@ -81,9 +86,19 @@ GELU_TANH_MUL = Activation(
     refusal="{key}={act!r} is not supported for {model_type} (samepath implements GELU-tanh·mul, gelu_pytorch_tanh)",
     vllm_patch="gelu_tanh_mul",
 )
+#: GPT-OSS's experts: clamped SwiGLU (``swiglu_limit`` / ``swiglu_alpha``), whatever ``hidden_act`` says
+#: (transformers' experts ignore it): :mod:`samepath.kernels.clamped_swiglu`.
+CLAMPED_SWIGLU = Activation(
+    op="clamped_swiglu",
+    config_key="hidden_act",
+    default="silu",
+    accepted=("silu",),
+    refusal="{key}={act!r} is not supported for {model_type} (samepath implements its clamped SwiGLU experts)",
+)
 
-#: A norm's ``weight_mode`` -> the vLLM plugin's patch group that runs it (``RMSNorm`` / ``GemmaRMSNorm``).
-NORM_VLLM_PATCHES = {PLAIN_NORM: "rms_norm", GEMMA_NORM: "gemma_rms_norm"}
+#: A norm's ``weight_mode`` -> the vLLM plugin's patch group that runs it (``RMSNorm`` / ``GemmaRMSNorm``;
+#: GPT-OSS's norms, marked at load, run under the plain ``RMSNorm`` patch).
+NORM_VLLM_PATCHES = {PLAIN_NORM: "rms_norm", GEMMA_NORM: "gemma_rms_norm", FP32_WEIGHT_NORM: "rms_norm"}
 
 
 @dataclass(frozen=True)
@@ -94,20 +109,21 @@ class ModelFamily:
     * ``hf_module`` / ``hf_prefix``: the transformers modeling module and the class-name prefix of
       its classes (``{prefix}RMSNorm``, ``{prefix}MLP``, ``{prefix}RotaryEmbedding``,
       ``{prefix}Attention``, ...), resolved lazily by :meth:`hf_modeling` / :meth:`hf_class`;
-    * ``norm_weight_mode``: :data:`PLAIN_NORM` or :data:`GEMMA_NORM`; ``qk_norm``: q/k norms on the
-      heads; ``residual``: what the residual stream does around a sublayer (recorded in the formulas);
-    * ``activation``: :data:`SILU_MUL` or :data:`GELU_TANH_MUL`; ``dense_mlp``: the layers have a
-      dense ``{prefix}MLP`` (Mixtral's have experts only); ``fused_gate_up``: its MLP holds one
-      ``gate_up_proj`` (gate first: vLLM's layout, Phi-3);
+    * ``norm_weight_mode``: :data:`PLAIN_NORM`, :data:`GEMMA_NORM` or :data:`FP32_WEIGHT_NORM`;
+      ``qk_norm``: q/k norms on the heads; ``residual``: what the residual stream does around a
+      sublayer (recorded in the formulas);
+    * ``activation``: :data:`SILU_MUL`, :data:`GELU_TANH_MUL` or :data:`CLAMPED_SWIGLU`; ``dense_mlp``:
+      the layers have a dense ``{prefix}MLP`` (Mixtral's and GPT-OSS's have experts only);
+      ``fused_gate_up``: its MLP holds one ``gate_up_proj`` (gate first: vLLM's layout, Phi-3);
     * ``rope``: one of :data:`ROPE_MODES` (one rope, one per layer type, multimodal with contiguous or
       interleaved sections);
     * ``partial_rotary``: the attention rotates the first ``int(head_dim * partial_rotary_factor)``
       dimensions of each head and passes the rest through (GLM-4.5); otherwise the config's
       ``partial_rotary_factor`` is refused;
     * ``moe``: ``None`` or one of :data:`MOE_KINDS`; ``hf_router``: the class-name suffix of a
-      router module whose forward samepath replaces (``"TopkRouter"``), ``None`` for routers that
-      are plain torch ops of the trainer (``TopKRouter``); ``shared_experts``: the MoE block adds a
-      dense shared-experts MLP;
+      router module whose forward samepath replaces (GLM-4.5's ``"TopkRouter"``, GPT-OSS's
+      ``"TopKRouter"``), ``None`` for routers that are plain torch ops of the trainer (Qwen3-MoE's);
+      ``shared_experts``: the MoE block adds a dense shared-experts MLP;
     * ``sliding_window_by_default``: the config's ``sliding_window`` applies unless
       ``use_sliding_window`` is false (Qwen2 windows only with ``use_sliding_window``);
       ``query_pre_attn_scalar``: the attention scale is ``config.query_pre_attn_scalar ** -0.5``
@@ -115,8 +131,11 @@ class ModelFamily:
       ``sqrt(hidden_size)`` (Gemma); ``layer_types``: ``config.layer_types`` picks each layer's sliding or
       full attention (recorded in the formulas); ``softcap``: the config's ``attn_logit_softcapping`` and
       ``final_logit_softcapping`` are applied, by :mod:`samepath.kernels.softcap` on both sides (Gemma 2);
+      ``attention_sinks``: a learned sink logit per head joins the softmax (GPT-OSS's ``sinks``);
     * ``config_problems``: the config options of this family samepath refuses (soft-capping,
-      bidirectional attention, ...) as ``config -> [problem, ...]``;
+      bidirectional attention, ...) as ``config -> [problem, ...]``; ``extra_formulas``: the
+      family's own entries of :func:`samepath.models.model_formulas` (``config -> dict``, merged
+      over the generic ones, a dict value into the generic dict of that key);
     * ``vllm_module`` / ``vllm_structure`` / ``vllm_attention`` / ``vllm_mlp``: vLLM's models
       module, the classes whose own code is structure only, the attention class and the MLP
       classes (a name ``"module:Class"`` is looked up in that other module) — the load audit's
@@ -147,15 +166,18 @@ class ModelFamily:
     embedding_scale: bool = False
     layer_types: bool = False
     softcap: bool = False
+    attention_sinks: bool = False
     config_problems: Callable[[Any], list[str]] | None = None
+    extra_formulas: Callable[[Any], dict[str, Any]] | None = None
     vllm_rotary_classes: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if not self.model_types:
             raise ValueError("a ModelFamily needs at least one model_type")
-        if self.norm_weight_mode not in (PLAIN_NORM, GEMMA_NORM):
+        if self.norm_weight_mode not in (PLAIN_NORM, GEMMA_NORM, FP32_WEIGHT_NORM):
             raise ValueError(
-                f"norm_weight_mode must be {PLAIN_NORM!r} or {GEMMA_NORM!r}, got {self.norm_weight_mode!r}"
+                f"norm_weight_mode must be {PLAIN_NORM!r}, {GEMMA_NORM!r} or {FP32_WEIGHT_NORM!r}, "
+                f"got {self.norm_weight_mode!r}"
             )
         if self.rope not in ROPE_MODES:
             raise ValueError(f"rope must be one of {ROPE_MODES}, got {self.rope!r}")
@@ -190,6 +212,8 @@ class ModelFamily:
 
 
 __all__ = [
+    "CLAMPED_SWIGLU",
+    "FP32_WEIGHT_NORM",
     "GELU_TANH_MUL",
     "GEMMA_NORM",
     "INTERLEAVED_MULTIMODAL_ROPE",
@@ -205,6 +229,7 @@ __all__ = [
     "SINGLE_ROPE",
     "SOFTMAX_TOPK",
     "SOFTMAX_TOPK_FP32",
+    "TOPK_SOFTMAX_BIASED",
     "Activation",
     "ModelFamily",
     "UnsupportedModelError",

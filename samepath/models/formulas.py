@@ -38,6 +38,7 @@ from samepath.models.descriptor import (
     SIGMOID_GROUPED_TOPK,
     SOFTMAX_TOPK,
     SOFTMAX_TOPK_FP32,
+    TOPK_SOFTMAX_BIASED,
     ModelFamily,
     UnsupportedModelError,
 )
@@ -259,11 +260,24 @@ def _sigmoid_grouped_topk(config: Any) -> dict[str, Any]:
     }
 
 
+def _topk_softmax_biased(config: Any) -> dict[str, Any]:
+    return {
+        "routing": "router logits = linear(x, weight, bias) in the dtype; top-k of the logits; fp32 softmax over "
+        "the k; weights cast to the dtype (HF GptOssTopKRouter)",
+        "num_experts": int(config.num_local_experts),
+        "top_k": int(config.num_experts_per_tok),
+        "renormalize": False,
+        "experts": "ascending expert order; x @ gate_up[e], + bias in the dtype; the family's activation; "
+        "@ down[e], + bias in the dtype; the moe combine (fp32 terms and sum in ascending expert order, one cast)",
+    }
+
+
 #: A family's ``moe`` -> the routing formula it resolves a config to (refusing what it does not implement).
 MOE_ROUTINGS = {
     SOFTMAX_TOPK: _softmax_topk,
     SOFTMAX_TOPK_FP32: _softmax_topk_fp32,
     SIGMOID_GROUPED_TOPK: _sigmoid_grouped_topk,
+    TOPK_SOFTMAX_BIASED: _topk_softmax_biased,
 }
 
 
@@ -318,7 +332,7 @@ def model_formulas(config: Any) -> dict[str, Any]:
             "sliding_window": getattr(config, "sliding_window", None) if sliding else None,
             "max_window_layers": getattr(config, "max_window_layers", None) if sliding else None,
             "softcap": attention_softcap(family, config),
-            "sinks": False,
+            "sinks": family.attention_sinks,
         },
         "tie_word_embeddings": bool(getattr(config, "tie_word_embeddings", False)),
     }
@@ -329,6 +343,9 @@ def model_formulas(config: Any) -> dict[str, Any]:
         formulas["final_logit_softcap"] = None if cap is None else {"cap": cap, "formula": SOFTCAP_FORMULA["logits"]}
     if family.embedding_scale:
         formulas["embedding"] = {"scale": embedding_scale(config), "multiply": "in the model dtype, one rounding"}
+    for key, value in (family.extra_formulas(config) if family.extra_formulas is not None else {}).items():
+        merge = isinstance(value, dict) and isinstance(formulas.get(key), dict)
+        formulas[key] = {**formulas[key], **value} if merge else value
     return formulas
 
 

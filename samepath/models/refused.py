@@ -24,10 +24,6 @@ REFUSALS: dict[str, str] = {
         "tokens), which samepath does not implement; the text-only Gemma3ForCausalLM (model_type gemma3_text) "
         "is supported"
     ),
-    "gpt_oss": (
-        "GPT-OSS uses attention sinks (s_aux, refused by samepath's attention) and clamped SwiGLU experts with "
-        "biases; neither is implemented"
-    ),
     "deepseek_v2": (
         "DeepSeek-V2 uses multi-head latent attention (low-rank compressed KV with rope on a slice of each head) "
         "and grouped top-k routing with shared experts; neither is implemented"

@@ -14,12 +14,12 @@ What :func:`install` replaces (every original recorded; :func:`uninstall` restor
   ``TritonAttentionImpl`` (``triton_attn``, CUDA/ROCm) and ``FlashAttentionImpl`` (``flash_attn``,
   CUDA): ``forward``
   runs :func:`samepath.paged_attention` with vLLM's own metadata (``query_start_loc``,
-  ``seq_lens``, ``block_table``, ``causal``, the layer's scale, window and ``logits_soft_cap``: Gemma 2's
-  attention logit soft-capping, the kernel's ``softcap``) and
+  ``seq_lens``, ``block_table``, ``causal``, the layer's scale, window, ``logits_soft_cap`` (Gemma 2's
+  attention logit soft-capping, the kernel's ``softcap``) and sinks (GPT-OSS)) and
   ``do_kv_cache_update`` runs :func:`samepath.write_kv_cache` with ``slot_mapping``. Both read the
   cache tensor ``[num_blocks, num_kv_heads, block_size, 2 * head_size]`` as samepath's
   ``[num_blocks, block_size, num_kv_heads, head_size]`` key and value views (the Triton backend's
-  own view). Decoder self-attention only; anything samepath does not implement (ALiBi, sinks,
+  own view). Decoder self-attention only; anything samepath does not implement (ALiBi,
   fp8 KV cache, encoder attention) is refused with a clear error rather than
   silently left on vLLM's kernel. Host work per step, not per layer: the first layer that sees a
   step's metadata object builds the kernel's :class:`~samepath.kernels.attention.LaunchPlan` and
@@ -31,7 +31,8 @@ What :func:`install` replaces (every original recorded; :func:`uninstall` restor
   (:func:`~samepath.integrations.vllm.plugin.patch_groups`).
 * **RMSNorm** — ``vllm.model_executor.layers.layernorm.RMSNorm.forward``: :func:`samepath.rms_norm`;
   vLLM's fused add+norm ``norm(x, residual)`` becomes ``s = x + residual`` rounded to the model
-  dtype, then the norm of ``s`` — the rounding of Hugging Face's decoder layer.
+  dtype, then the norm of ``s`` — the rounding of Hugging Face's decoder layer. A GPT-OSS model's
+  norms (marked at load) multiply the fp32 row by ``weight.float()`` (``weight_mode="fp32_weight"``).
 * **Rotary** — ``RotaryEmbeddingBase.forward`` and the families' other rotary classes (their
   descriptors' ``vllm_rotary_classes``: Phi-3's ``Phi3LongRoPEScaledRotaryEmbedding``):
   cos/sin from :func:`samepath.rotary_cos_sin` of the positions with the Hugging Face rope
@@ -56,7 +57,10 @@ What :func:`install` replaces (every original recorded; :func:`uninstall` restor
   Face model runs; the expert weights are kept as loaded rather than repacked for a fused kernel.
   A family whose descriptor routes by sigmoid grouped top-k (GLM-4.5) runs
   :func:`samepath.kernels.moe_routing.sigmoid_grouped_topk_routing` with its shared experts and the
-  routed scaling factor folded into the weights. Other MoE variants are refused with a clear error.
+  routed scaling factor folded into the weights. GPT-OSS's ``swigluoai`` experts with biases run its
+  router (top-k of the logits, softmax over the k) and
+  :func:`samepath.integrations.moe.biased_experts_forward` with the config's limit and alpha.
+  Other MoE variants are refused with a clear error.
 * **Sampler log-probs** — ``Sampler.compute_logprobs`` (the ``raw_logprobs`` mode, vLLM's default):
   :func:`samepath.log_softmax` of the raw logits in fp32, temperature 1, before any logits
   processor: the trainer's equal is ``samepath.logprobs(logits, tokens)``. With

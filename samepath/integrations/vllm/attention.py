@@ -28,8 +28,9 @@ def check_supported(impl: Any) -> None:
     problems = []
     if getattr(impl, "alibi_slopes", None) is not None:
         problems.append("ALiBi")
-    if getattr(impl, "sinks", None) is not None:
-        problems.append("attention sinks")
+    sinks = getattr(impl, "sinks", None)
+    if sinks is not None and (sinks.dim() != 1 or sinks.shape[0] != impl.num_heads):
+        problems.append(f"attention sinks of shape {tuple(sinks.shape)} for {impl.num_heads} heads")
     if str(getattr(impl, "kv_cache_dtype", "auto")) != "auto":
         problems.append(f"kv_cache_dtype={impl.kv_cache_dtype!r}")
     if problems:
@@ -126,6 +127,7 @@ def attention_forward(
         validate=validate,
         plan=plan,
         softcap=softcap(self),
+        sinks=getattr(self, "sinks", None),
     )
     return output
 

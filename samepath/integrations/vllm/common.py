@@ -23,7 +23,12 @@ from typing import Any
 
 import torch
 
-from samepath.integrations.moe import experts_forward, topk_softmax_routing
+from samepath.integrations.moe import (
+    biased_experts_forward,
+    experts_forward,
+    topk_softmax_biased_routing,
+    topk_softmax_routing,
+)
 from samepath.integrations.patcher import Patcher
 from samepath.integrations.vllm.env import VALIDATE_ENV_VAR
 from samepath.kernels.gelu_tanh_mul import geglu_tanh as _kernel_geglu_tanh
@@ -433,10 +438,56 @@ def moe(
     return _moe_op(hidden_states, router_logits, w13, w2, top_k, renormalize, weights_fp32)
 
 
+def _biased_moe(hidden_states, router_logits, w13, w13_bias, w2, w2_bias, top_k, limit, alpha) -> torch.Tensor:
+    index, weights = topk_softmax_biased_routing(router_logits, top_k, hidden_states.dtype)
+    gate_up, down = w13.transpose(1, 2), w2.transpose(1, 2)  # [E, H, 2I] and [E, I, H]: Hugging Face's layout
+    return biased_experts_forward(hidden_states, gate_up, w13_bias, down, w2_bias, index, weights, limit, alpha)
+
+
+@torch.library.custom_op("samepath_vllm::biased_moe", mutates_args=())
+def _biased_moe_op(
+    hidden_states: torch.Tensor,
+    router_logits: torch.Tensor,
+    w13: torch.Tensor,
+    w13_bias: torch.Tensor,
+    w2: torch.Tensor,
+    w2_bias: torch.Tensor,
+    top_k: int,
+    limit: float,
+    alpha: float,
+) -> torch.Tensor:
+    return _biased_moe(hidden_states, router_logits, w13, w13_bias, w2, w2_bias, top_k, limit, alpha)
+
+
+@_biased_moe_op.register_fake
+def _(hidden_states, router_logits, w13, w13_bias, w2, w2_bias, top_k, limit, alpha):
+    return torch.empty_like(hidden_states)
+
+
+def biased_moe(
+    hidden_states: torch.Tensor,
+    router_logits: torch.Tensor,
+    w13: torch.Tensor,
+    w13_bias: torch.Tensor,
+    w2: torch.Tensor,
+    w2_bias: torch.Tensor,
+    top_k: int,
+    limit: float,
+    alpha: float,
+) -> torch.Tensor:
+    """GPT-OSS's router and experts (:func:`samepath.integrations.moe.topk_softmax_biased_routing`,
+    :func:`~samepath.integrations.moe.biased_experts_forward`) on vLLM's ``w13_weight`` ``[E, 2I, H]``
+    (gate and up interleaved) / ``w2_weight`` ``[E, H, I]`` and their biases, an opaque op inside a
+    compiled region."""
+    args = (hidden_states, router_logits, w13, w13_bias, w2, w2_bias, top_k, float(limit), float(alpha))
+    return _biased_moe(*args) if not torch.compiler.is_compiling() else _biased_moe_op(*args)
+
+
 __all__ = [
     "StepCache",
     "apply_patch_groups",
     "apply_rotary",
+    "biased_moe",
     "cached_cos_sin",
     "capturing_graph",
     "geglu_tanh",

@@ -15,6 +15,7 @@ import torch
 from samepath.integrations.patcher import Patcher
 from samepath.integrations.vllm.common import (
     apply_rotary,
+    biased_moe,
     geglu_tanh,
     grouped_moe,
     has_dense_weight,
@@ -49,10 +50,12 @@ def patch_rms_norm(patcher: Patcher) -> bool:
         )
         if not plain:
             return CustomOp.forward(self, x, residual) if residual is not None else CustomOp.forward(self, x)
+        # GPT-OSS's norms: "fp32_weight", marked at load (loader.mark_norm_weight_modes).
+        mode = getattr(self, "samepath_weight_mode", "cast_then_weight")
         if residual is None:
-            return rms_norm(x, self.weight.data, self.variance_epsilon)
+            return rms_norm(x, self.weight.data, self.variance_epsilon, weight_mode=mode)
         # HF's decoder layer: hidden = residual + hidden (rounded to the dtype), then the norm.
-        return rms_norm(x, self.weight.data, self.variance_epsilon, residual=residual)
+        return rms_norm(x, self.weight.data, self.variance_epsilon, residual=residual, weight_mode=mode)
 
     patcher.set(RMSNorm, "forward", forward)
     return True
@@ -421,9 +424,9 @@ def moe_parallel_layout(layer: Any, expert_map: torch.Tensor | None = None) -> t
     Raises ``NotImplementedError`` naming what the frozen formulas cannot reproduce: data / context /
     sequence parallel MoE, the expert-parallel load balancer (EPLB) or redundant experts, a number
     of experts the expert-parallel size does not divide, an expert placement other than
-    ``"linear"`` (contiguous blocks in rank order), a padded per-rank intermediate dimension.
-    ``expert_map``: the global-to-local map to check (default ``layer.expert_map``; vllm-ascend keeps
-    its own in ``layer._expert_map``)."""
+    ``"linear"`` (contiguous blocks in rank order), a padded per-rank intermediate dimension, experts
+    with biases (GPT-OSS's) over more than one rank. ``expert_map``: the global-to-local map to check
+    (default ``layer.expert_map``; vllm-ascend keeps its own in ``layer._expert_map``)."""
     config = layer.moe_config
     parallel = config.moe_parallel_config
     where = f"samepath's vLLM MoE ({getattr(layer, 'layer_name', type(layer).__name__)})"
@@ -436,6 +439,9 @@ def moe_parallel_layout(layer: Any, expert_map: torch.Tensor | None = None) -> t
         problems.append("sequence-parallel MoE")
     if parallel.enable_eplb or config.num_experts != getattr(config, "num_logical_experts", config.num_experts):
         problems.append("the expert-parallel load balancer (EPLB) / redundant experts")
+    sharded = (parallel.use_ep and parallel.ep_size > 1) or parallel.tp_size > 1
+    if getattr(config, "has_bias", False) and sharded:
+        problems.append(f"experts with biases (GPT-OSS) at tp_size={parallel.tp_size}, ep_size={parallel.ep_size}")
     if problems:
         raise NotImplementedError(f"{where} does not implement {', '.join(problems)}; unset {ENV_VAR} to run vLLM's")
     if parallel.use_ep and parallel.ep_size > 1:
@@ -470,6 +476,31 @@ def moe_parallel_layout(layer: Any, expert_map: torch.Tensor | None = None) -> t
             )
         return "tensor", parallel.tp_size
     return "plain", 1
+
+
+def biased_experts(layer: Any) -> bool:
+    """GPT-OSS's experts: unquantized, biases, gate and up interleaved (``swigluoai``), no router
+    weights on the input (a parallel layout other than ``"plain"`` is refused at load)."""
+    from vllm.model_executor.layers.fused_moe.activation import MoEActivation
+
+    return (
+        layer.activation == MoEActivation.SWIGLUOAI
+        and layer.moe_config.is_act_and_mul
+        and layer.moe_config.has_bias
+        and not layer.apply_router_weight_on_input
+        and layer.w13_weight.dtype in (torch.float32, torch.bfloat16, torch.float16)
+    )
+
+
+def loading_model_swiglu() -> tuple[float, float] | None:
+    """``(swiglu_limit, swiglu_alpha)`` of the model vLLM is loading now (GPT-OSS's config), or None."""
+    from vllm.config import get_current_vllm_config
+
+    model_config = getattr(get_current_vllm_config(), "model_config", None)
+    config = getattr(model_config, "hf_config", None)
+    if getattr(config, "swiglu_limit", None) is None or getattr(config, "swiglu_alpha", None) is None:
+        return None
+    return float(config.swiglu_limit), float(config.swiglu_alpha)
 
 
 #: Routers whose top-k softmax selection is Hugging Face's (others are refused).
@@ -562,7 +593,8 @@ def patch_moe(patcher: Patcher) -> bool:
     original_reduce = runner_cls._maybe_reduce_final_output
 
     def process_weights_after_loading(self, layer):
-        if type(self) is not method_cls or not plain_experts(layer):
+        biased = type(self) is method_cls and biased_experts(layer) and loading_model_swiglu() is not None
+        if type(self) is not method_cls or not (plain_experts(layer) or biased):
             return original_process(self, layer)
         layout = moe_parallel_layout(layer)  # refuses, at load, a layout samepath cannot reproduce
         if layout[0] == "expert":
@@ -572,6 +604,7 @@ def patch_moe(patcher: Patcher) -> bool:
         layer.samepath_parallel = layout
         layer.samepath_routing_fp32 = loading_model_routing_fp32()
         layer.samepath_routing = loading_model_moe()
+        layer.samepath_swiglu = loading_model_swiglu() if biased else None  # GPT-OSS: (limit, alpha)
         return None
 
     def apply_quant_method(self, hidden_states, router_logits, shared_experts_input, input_ids=None, **kwargs):
@@ -580,6 +613,12 @@ def patch_moe(patcher: Patcher) -> bool:
             return original_apply(self, hidden_states, router_logits, shared_experts_input, input_ids, **kwargs)
         routing = getattr(experts, "samepath_routing", None)
         check_plain_routing(self, routing)
+        if getattr(experts, "samepath_swiglu", None) is not None:  # GPT-OSS: top-k, then softmax; biases
+            out = biased_moe(
+                hidden_states, router_logits, experts.w13_weight, experts.w13_bias, experts.w2_weight,
+                experts.w2_bias, self.router.top_k, *experts.samepath_swiglu,
+            )  # fmt: skip
+            return None, out
         kind, _ = getattr(experts, "samepath_parallel", ("plain", 1))
         if routing == SIGMOID_GROUPED_TOPK:
             if kind != "plain":
@@ -678,9 +717,11 @@ __all__ = [
     "PLAIN_ROUTERS",
     "ROPE_CLASSES",
     "UnsupportedRopeError",
+    "biased_experts",
     "check_plain_routing",
     "family_rotary_classes",
     "grouped_apply",
+    "loading_model_swiglu",
     "moe_parallel_layout",
     "parallel_moe",
     "patch_gelu_tanh_mul",

@@ -46,7 +46,7 @@ from samepath.integrations.vllm.sampler import logits_processor_forward
 from samepath.integrations.vllm.state import expected_fingerprint, expert_parallel, installed
 from samepath.kernels.config import assert_same_numerics
 from samepath.kernels.rotary import rotary_inv_freq, rotary_position_limit
-from samepath.models.descriptor import SIGMOID_GROUPED_TOPK
+from samepath.models.descriptor import FP32_WEIGHT_NORM, SIGMOID_GROUPED_TOPK
 from samepath.models.registry import find
 
 logger = logging.getLogger("samepath.integrations.vllm")
@@ -95,6 +95,11 @@ def moe_formula_problem(experts: Any, formulas: dict | None, runner: Any = None)
         differ = {key: value for key, value in mine.items() if value != moe[key]}
         if differ:
             return f"router {differ} differs from the config's ({ {key: moe[key] for key in differ} })"
+    swiglu = getattr(experts, "samepath_swiglu", None)
+    activation = formulas["activation"]
+    want = (activation["limit"], activation["alpha"]) if isinstance(activation, dict) else None
+    if swiglu != want:
+        return f"experts' clamped SwiGLU (limit, alpha) {swiglu} differ from the config's {want} (the trainer's)"
     return None
 
 
@@ -218,7 +223,7 @@ def classify_module(
         )
         if not plain:
             return module_entry(name, module, "rms_norm", UNCOVERED, "a variant samepath's norm does not implement")
-        return norm_entry(name, module, formulas, "cast_then_weight")
+        return norm_entry(name, module, formulas, getattr(module, "samepath_weight_mode", "cast_then_weight"))
     if kind in rules.gemma_rms_norm:
         if not plain_gemma_norm(module, module.weight.dtype):
             return module_entry(name, module, "rms_norm", UNCOVERED, "a variant samepath's norm does not implement")
@@ -317,6 +322,20 @@ def norm_entry(name: str, module: torch.nn.Module, formulas: dict | None, weight
     return module_entry(name, module, "rms_norm", COVERED, f"samepath.rms_norm ({weight_mode}; add, then norm)")
 
 
+def mark_norm_weight_modes(model: torch.nn.Module, hf_config: Any) -> None:
+    """Mark each of vLLM's plain ``RMSNorm`` modules of a family whose norms multiply the weight in
+    fp32 (GPT-OSS: ``samepath_weight_mode = "fp32_weight"``), which this plugin's norm then runs and
+    the audit checks against the config's formulas."""
+    from vllm.model_executor.layers.layernorm import RMSNorm
+
+    family = find(getattr(hf_config, "model_type", None))
+    if family is None or family.norm_weight_mode != FP32_WEIGHT_NORM:
+        return
+    for module in model.modules():
+        if type(module) is RMSNorm:
+            module.samepath_weight_mode = FP32_WEIGHT_NORM
+
+
 #: vLLM's ``model_config.hf_config`` of the model loaded in this process (set by the load audit).
 LOADED_MODEL_CONFIG: Any = None
 
@@ -337,6 +356,8 @@ def check_loaded_model(
     ``hf_config``."""
     global LOADED_MODEL_CONFIG
 
+    if rules is None:  # this plugin's norms (not another platform's)
+        mark_norm_weight_modes(model, hf_config)
     report = audit_vllm_model(model, hf_config, rules=(rules or vllm_rules)())
     report.side = side
     enforce(report)
@@ -408,6 +429,7 @@ __all__ = [
     "attention_impl_problems",
     "check_loaded_model",
     "classify_module",
+    "mark_norm_weight_modes",
     "moe_formula_problem",
     "moe_runner_class",
     "norm_entry",

@@ -8,11 +8,13 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from samepath.kernels.attention.backend import run_forward
 from samepath.kernels.attention.backward import VarlenAttentionFunction
-from samepath.kernels.attention.batch import AttentionBatch, LaunchPlan
+from samepath.kernels.attention.batch import AttentionBatch, LaunchPlan, check_sinks
 from samepath.kernels.config import AttentionConfig
 
 
@@ -29,6 +31,7 @@ def varlen_attention(
     validate: bool = True,
     plan: LaunchPlan | None = None,
     softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Self-attention over packed sequences, differentiable, for the trainer.
 
@@ -51,6 +54,10 @@ def varlen_attention(
             for inconsistent metadata are unspecified (rows outside every clamped sequence are
             not written).
         plan: a :class:`LaunchPlan` of ``cu_seqlens`` (forward and backward reuse its maps).
+        sinks: ``[num_heads]`` float, each head's attention-sink logit (GPT-OSS): a logit that joins
+            every row's softmax denominator and adds nothing to its output — the running softmax
+            state starts from it (``m = sink``, ``l = 1``) for every caller. Differentiable (its
+            gradient ``-sum_t p_sink * (dO . O)``, reduced in a fixed order). ``None``: no sinks.
 
     Returns:
         ``[total_tokens, num_heads, head_size]`` in the input dtype. Each row equals (bitwise) what
@@ -60,7 +67,10 @@ def varlen_attention(
     batch = AttentionBatch.for_varlen(
         query, key, value, cu_seqlens, scale, causal, sliding_window, config, validate, plan, softcap
     )
-    return VarlenAttentionFunction.apply(batch.query, batch.key, batch.value, batch)
+    if sinks is None:
+        return VarlenAttentionFunction.apply(batch.query, batch.key, batch.value, None, batch)
+    batch = dataclasses.replace(batch, sinks=check_sinks(sinks, batch.query))
+    return VarlenAttentionFunction.apply(batch.query, batch.key, batch.value, sinks, batch)
 
 
 def packed_attention(
@@ -79,6 +89,7 @@ def packed_attention(
     plan: LaunchPlan | None = None,
     kv_start: torch.Tensor | None = None,
     softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of each sequence's newest queries over its KV, both packed (no grad).
 
@@ -104,6 +115,7 @@ def packed_attention(
             ``kv_start[i] >= 0``, and ``kv_start[i] > 0`` only with a ``sliding_window`` whose
             keys the sequence holds (``n_i - q_len_i >= sliding_window - 1``). ``None`` (or all
             zeros: the same bits) for keys from position 0. Triton backend only.
+        sinks: as in :func:`varlen_attention` (no grad here).
 
     Returns:
         ``[total_q, num_heads, head_size]``: rows bit-identical to :func:`varlen_attention` and
@@ -114,6 +126,8 @@ def packed_attention(
         query, key, value, cu_seqlens_q, cu_seqlens_kv, scale, causal, sliding_window, config, validate, plan,
         kv_start, softcap,
     )  # fmt: skip
+    if sinks is not None:
+        batch = dataclasses.replace(batch, sinks=check_sinks(sinks, batch.query))
     out = torch.empty_like(batch.query)
     with torch.no_grad():
         run_forward(batch, out, store_lse=False, split_kv=split_kv)
@@ -137,6 +151,7 @@ def paged_attention(
     split_kv: bool | None = None,
     plan: LaunchPlan | None = None,
     softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of new queries over a paged KV cache: prefill, chunked prefill and decode at once.
 
@@ -172,6 +187,8 @@ def paged_attention(
             ``s = scale * q.k`` becomes ``softcap * tanh(s / softcap)`` before the mask and the softmax,
             in fp32, with the same formula for every caller (:mod:`samepath.kernels.softcap`); ``None``
             (the default) for none. Triton backend only.
+        sinks: as in :func:`varlen_attention` (no grad here); the split schedule's merge starts
+            from the sink, so it is counted once whatever the segments.
 
     Returns:
         ``[num_tokens, num_heads, head_size]`` in ``query.dtype``. Each row is bit-identical to the
@@ -182,6 +199,8 @@ def paged_attention(
         query, key_cache, value_cache, block_table, query_start_loc, seq_lens, scale, causal, sliding_window,
         config, validate, plan, softcap,
     )  # fmt: skip
+    if sinks is not None:
+        batch = dataclasses.replace(batch, sinks=check_sinks(sinks, batch.query))
     if out is None:
         out = torch.empty_like(batch.query)
     elif out.shape != batch.query.shape or out.dtype != query.dtype or out.device != query.device:

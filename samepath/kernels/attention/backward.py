@@ -16,9 +16,10 @@ import samepath.kernels.attention.plan as plan
 from samepath.kernels import grid, ub_fit
 from samepath.kernels.attention.backend import run_backward, run_forward
 from samepath.kernels.attention.batch import AttentionBatch, last_dim_contiguous
-from samepath.kernels.attention.forward import DOT_PRECISION, score_scales
+from samepath.kernels.attention.forward import DOT_PRECISION, LOG2E, score_scales
 from samepath.kernels.config import padded_head_size
 from samepath.kernels.dispatch import jit
+from samepath.kernels.reductions import row_sum
 from samepath.kernels.softcap import tanh_fp32
 
 #: Rows (token, head) of ``delta`` per step of :func:`_attention_bwd_preprocess_kernel` (sized for an
@@ -386,22 +387,37 @@ def launch_backward(
     return dq, dk, dv
 
 
+def sink_grad(sinks: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, grad_out: torch.Tensor) -> torch.Tensor:
+    """The gradient of each head's sink logit: ``-sum_t p_sink(t) * delta(t)`` with the sink's share
+    ``p_sink = exp2(sink * log2(e) - lse)`` of each row's base-2 log-sum-exp (which counts the sink)
+    and the backward's own ``delta = rowsum(dO * O)`` (:func:`backward_delta`, the one formula every
+    backend's backward uses); the sum over the rows on :func:`samepath.kernels.reductions.row_sum`'s
+    fixed schedule, in token order: deterministic. The sink's value is zero, so the other gradients
+    need nothing more than the lse that counts it. Returned in ``sinks.dtype``."""
+    delta = backward_delta(out, grad_out, lse)
+    share = torch.exp2(sinks.detach().float() * LOG2E - lse)
+    contribution = torch.where(torch.isfinite(lse), -(share * delta), 0.0)
+    return row_sum(contribution.t().contiguous()).to(sinks.dtype)
+
+
 class VarlenAttentionFunction(torch.autograd.Function):
     """Autograd for :func:`~samepath.kernels.attention.varlen_attention` over one :class:`AttentionBatch`
-    (whose query, key and value are the Function's tensor inputs); the backward is deterministic (no
-    atomics)."""
+    (whose query, key and value — and its sinks, or None — are the Function's tensor inputs); the
+    backward is deterministic (no atomics)."""
 
     @staticmethod
-    def forward(ctx, query, key, value, batch):  # type: ignore[override]
+    def forward(ctx, query, key, value, sinks, batch):  # type: ignore[override]
         out = torch.empty_like(query)
         lse = run_forward(batch, out, store_lse=True)
-        ctx.save_for_backward(query, key, value, out, lse, batch.query_start_loc)
+        ctx.save_for_backward(query, key, value, out, lse, batch.query_start_loc, sinks)
         ctx.batch = batch  # its tensors are the saved ones; backward rebuilds it from those (version-checked)
         return out
 
     @staticmethod
     def backward(ctx, grad_out):  # type: ignore[override]
-        query, key, value, out, lse, cu_seqlens = ctx.saved_tensors
+        query, key, value, out, lse, cu_seqlens, sinks = ctx.saved_tensors
         batch = dataclasses.replace(ctx.batch, query=query, key=key, value=value, query_start_loc=cu_seqlens)
-        dq, dk, dv = run_backward(batch, out, lse, last_dim_contiguous(grad_out))
-        return dq, dk, dv, None
+        grad_out = last_dim_contiguous(grad_out)
+        dq, dk, dv = run_backward(batch, out, lse, grad_out)
+        dsinks = sink_grad(sinks, out, lse, grad_out) if sinks is not None and ctx.needs_input_grad[3] else None
+        return dq, dk, dv, dsinks, None

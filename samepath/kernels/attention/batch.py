@@ -98,6 +98,20 @@ def check_sliding_window(sliding_window: int | None, causal: bool) -> None:
         raise ValueError("sliding_window is only defined for causal attention (causal=True)")
 
 
+def check_sinks(sinks: torch.Tensor | None, query: torch.Tensor) -> torch.Tensor | None:
+    """An attention-sink logit per query head (GPT-OSS's ``sinks``: ``[num_heads]``, float, the
+    query's device), as the fp32 vector the kernels read (a widening: exact); None stays None."""
+    if sinks is None:
+        return None
+    if not isinstance(sinks, torch.Tensor) or not sinks.is_floating_point():
+        raise ValueError(f"sinks must be a float torch.Tensor of shape [num_heads], got {type(sinks).__name__}")
+    if sinks.shape != (query.shape[-2],):
+        raise ValueError(f"sinks must have shape [num_heads] = [{query.shape[-2]}], got {tuple(sinks.shape)}")
+    dtype_name(sinks.dtype, "sinks.dtype")
+    check_same_device(query.device, sinks=sinks)
+    return sinks.detach().to(torch.float32).contiguous()
+
+
 def check_scale(scale: float) -> float:
     if not isinstance(scale, (int, float)) or not math.isfinite(scale) or scale <= 0:
         raise ValueError(f"scale must be a positive finite float, got {scale!r}")
@@ -254,6 +268,7 @@ class AttentionBatch:
         plan: the :class:`LaunchPlan` of ``query_start_loc`` (and the KV offsets), or None.
         softcap: attention logit soft-capping (Gemma 2): the scores are ``cap * tanh(s / cap)``
             (:mod:`samepath.kernels.softcap`), or None.
+        sinks: fp32 ``[num_heads]``, each head's attention-sink logit (:func:`check_sinks`), or None.
 
     Building one checks nothing but that ``kv_first_pos`` comes with contiguous KV; the entry points'
     constructors check their arguments, :meth:`check_args` the shapes a trusting backend needs.
@@ -273,6 +288,7 @@ class AttentionBatch:
     kv_first_pos: torch.Tensor | None = None
     plan: LaunchPlan | None = None
     softcap: float | None = None
+    sinks: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         if self.kv_first_pos is not None and self.block_table is not None:

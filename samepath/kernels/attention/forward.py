@@ -22,7 +22,7 @@ import triton.language as tl
 import samepath.kernels.attention.plan as plan
 from samepath.kernels import grid
 from samepath.kernels.attention.batch import AttentionBatch
-from samepath.kernels.attention.merge import launch_merge, merge_segment, store_rows
+from samepath.kernels.attention.merge import initial_state, launch_merge, merge_segment, store_rows
 from samepath.kernels.config import padded_head_size
 from samepath.kernels.dispatch import device_kind, jit
 from samepath.kernels.softcap import tanh_fp32
@@ -193,6 +193,7 @@ def _attention_fwd_kernel(
     V,
     Out,
     Lse,
+    Sinks,
     PartM,
     PartL,
     PartAcc,
@@ -244,6 +245,7 @@ def _attention_fwd_kernel(
     KV_OFFSET: tl.constexpr,
     STORE_LSE: tl.constexpr,
     SPLIT: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     softcap_scale,
     SOFTCAP: tl.constexpr,
@@ -260,7 +262,8 @@ def _attention_fwd_kernel(
     ``SPLIT`` item's segment index counts from the segment holding ``kv_first_pos[s]``.
     ``SPLIT``: the item is one segment, whose state is written to ``PartM/PartL/PartAcc`` for
     :func:`.merge._attention_merge_kernel`; otherwise the item folds its segments into the running state
-    serially, with the same merge.
+    serially, with the same merge. ``HAS_SINKS``: the running state starts from the head's sink
+    (:func:`.merge.initial_state`), in the merge kernel for ``SPLIT`` items, so it is counted once.
 
     ``SPLIT`` items come from the work list ``segment_work`` (:func:`.plan.segment_work`, built on
     the device): block ``b`` of the program map owns ``segment_work[b] - segment_work[b - 1]``
@@ -372,9 +375,7 @@ def _attention_fwd_kernel(
             first = row_valid & (offs_r * 0 + segment == 0)
             tl.store(RowSegments + q_rows * num_heads + head, offs_r * 0 + block_segments, mask=first)
         else:
-            m_run = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-            l_run = tl.zeros([BLOCK_M], dtype=tl.float32)
-            acc_run = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+            m_run, l_run, acc_run = initial_state(Sinks, head, row_valid, BLOCK_M, BLOCK_D, HAS_SINKS)
             for seg_start in range((first_tile_start // SEG) * SEG, kv_end, SEG):
                 tile_begin = tl.maximum(seg_start, first_tile_start)
                 tile_end = tl.minimum(seg_start + SEG, kv_end)
@@ -410,7 +411,8 @@ def launch_forward(
     one segment, no log-sum-exp is asked for (training runs serially) and the partial states fit
     :data:`SPLIT_WORKSPACE_BYTES`. The choice never changes a bit of the result. ``batch.kv_first_pos``
     (contiguous KV only): the absolute position of each sequence's first key (``None``: position 0,
-    the kernel specialisation every other caller runs)."""
+    the kernel specialisation every other caller runs). ``batch.sinks`` (fp32 ``[num_heads]``, or
+    ``None``): each head's sink logit joins every row's softmax denominator (GPT-OSS)."""
     query, key, value, config = batch.query, batch.key, batch.value, batch.config
     num_tokens, num_heads, head_size = query.shape
     num_kv_heads, paged, group = batch.num_kv_heads, batch.paged, batch.group
@@ -471,6 +473,7 @@ def launch_forward(
         value,
         out,
         lse if store_lse else out,
+        out if batch.sinks is None else batch.sinks,
         part_m,
         part_l,
         part_acc,
@@ -518,6 +521,7 @@ def launch_forward(
         KV_OFFSET=kv_offset,
         STORE_LSE=store_lse,
         SPLIT=bool(split_kv),
+        HAS_SINKS=batch.sinks is not None,
         DOT_PRECISION=DOT_PRECISION,
         softcap_scale=score_scales(batch)[1],
         SOFTCAP=batch.softcap is not None,
@@ -525,7 +529,7 @@ def launch_forward(
         num_stages=config.num_stages,
     )
     if split_kv:
-        launch_merge(part_m, part_l, part_acc, row_segments, out, lse, num_segments, block_d)
+        launch_merge(part_m, part_l, part_acc, row_segments, out, lse, num_segments, block_d, batch.sinks)
     return lse
 
 

@@ -18,6 +18,20 @@ from samepath.kernels.dispatch import jit
 MERGE_BLOCK_ROWS = ub_fit.MERGE_BLOCK_ROWS
 #: Warps of the merge kernel's programs.
 MERGE_NUM_WARPS = 4
+#: log2(e): a sink logit joins the base-2 running state as ``sink * SINK_LOG2E`` (the scores' scale).
+SINK_LOG2E = tl.constexpr(1.4426950408889634)
+
+
+@jit
+def initial_state(Sinks, head, row_valid, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, HAS_SINKS: tl.constexpr):
+    """The running state ``(m, l, acc)`` a row's segments are folded into: empty ``(-inf, 0, 0)``, or
+    with ``HAS_SINKS`` the head's sink logit ``(sink * log2(e), 1, 0)`` — a key of value zero that every
+    row sees, counted once whatever the segments (its fp32 ``Sinks[head]``, scaled by the constant)."""
+    acc = tl.zeros([BLOCK_R, BLOCK_D], dtype=tl.float32)
+    if HAS_SINKS:
+        sink = tl.load(Sinks + head, mask=row_valid, other=0.0).to(tl.float32) * SINK_LOG2E
+        return sink, tl.full([BLOCK_R], 1.0, dtype=tl.float32), acc
+    return tl.full([BLOCK_R], float("-inf"), dtype=tl.float32), tl.zeros([BLOCK_R], dtype=tl.float32), acc
 
 
 @jit
@@ -78,6 +92,7 @@ def _attention_merge_kernel(
     RowSegments,
     Out,
     Lse,
+    Sinks,
     num_rows,
     num_heads,
     num_segments,
@@ -88,12 +103,14 @@ def _attention_merge_kernel(
     BLOCK_D: tl.constexpr,
     BLOCK_R: tl.constexpr,
     STORE_LSE: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
 ):
     """Second step of the split schedule: each (token, head) row folds its segments' states into
-    one, in ascending segment order with :func:`merge_segment` (the serial schedule's merge),
-    then divides and casts as the serial schedule does. A row folds the segments its block owns
-    in the forward's work list (``RowSegments``, clamped to the workspace's ``num_segments``); the
-    segments past them are empty for the row, as folding them would leave its state unchanged."""
+    one, in ascending segment order with :func:`merge_segment` (the serial schedule's merge), from
+    the serial schedule's :func:`initial_state`, then divides and casts as the serial schedule does.
+    A row folds the segments its block owns in the forward's work list (``RowSegments``, clamped to
+    the workspace's ``num_segments``); the segments past them are empty for the row, as folding them
+    would leave its state unchanged."""
     offs_d = tl.arange(0, BLOCK_D)
     num_work = tl.cdiv(num_rows, BLOCK_R)
     for work in range(tl.program_id(0), num_work, tl.num_programs(0)):
@@ -102,9 +119,7 @@ def _attention_merge_kernel(
         rows = offs_r.to(tl.int64)
         row_segments = tl.load(RowSegments + rows, mask=row_valid, other=0)
         row_segments = tl.minimum(tl.maximum(row_segments, 0), num_segments)
-        m_run = tl.full([BLOCK_R], float("-inf"), dtype=tl.float32)
-        l_run = tl.zeros([BLOCK_R], dtype=tl.float32)
-        acc_run = tl.zeros([BLOCK_R, BLOCK_D], dtype=tl.float32)
+        m_run, l_run, acc_run = initial_state(Sinks, rows % num_heads, row_valid, BLOCK_R, BLOCK_D, HAS_SINKS)
         for segment in range(0, tl.max(row_segments, 0)):
             part = rows * num_segments + segment
             owned = row_valid & (segment < row_segments)
@@ -128,10 +143,11 @@ def launch_merge(
     lse: torch.Tensor | None,
     num_segments: int,
     block_d: int,
+    sinks: torch.Tensor | None = None,
 ) -> None:
     """Fold the partial states of every row of ``out`` (``[tokens, heads, head_size]``; ``num_segments``
     per row in the workspace, of which row ``r`` folds its first ``row_segments[r]``) into ``out``
-    (and the base-2 ``lse`` when given)."""
+    (and the base-2 ``lse`` when given), from each head's sink when ``sinks`` (fp32 ``[heads]``)."""
     num_tokens, num_heads, head_size = out.shape
     rows = num_tokens * num_heads
     merge_work = -(-rows // MERGE_BLOCK_ROWS)
@@ -142,6 +158,7 @@ def launch_merge(
         row_segments,
         out,
         out if lse is None else lse,
+        out if sinks is None else sinks,
         rows,
         num_heads,
         num_segments,
@@ -152,5 +169,6 @@ def launch_merge(
         BLOCK_D=block_d,
         BLOCK_R=MERGE_BLOCK_ROWS,
         STORE_LSE=lse is not None,
+        HAS_SINKS=sinks is not None,
         num_warps=MERGE_NUM_WARPS,
     )

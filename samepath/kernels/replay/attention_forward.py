@@ -37,6 +37,8 @@ _F32 = np.float32
 _NEG_INF = np.float32("-inf")
 #: fp32 elements of one batch's ``[items, BLOCK_M, BLOCK_D]`` accumulator: bounds the replay's memory.
 _BATCH_ELEMENTS = 1 << 22
+#: ``merge.SINK_LOG2E``: a sink logit's factor into the base-2 state.
+_SINK_LOG2E = 1.4426950408889634
 
 
 # ----------------------------------------------------------------------------------------------
@@ -342,6 +344,19 @@ def _fresh(count: int, block_m: int, block_d: int):
     )
 
 
+def _initial(p: dict, head: np.ndarray, valid: np.ndarray, block_d: int):
+    """``merge.initial_state`` for rows of heads ``head`` (any shape): fresh, or with ``HAS_SINKS``
+    the fp32 sink times log2(e) (an fp32 constant), ``l = 1``."""
+    m = np.full(head.shape, _NEG_INF, dtype=np.float32)
+    l_sum = np.zeros(head.shape, dtype=np.float32)
+    acc = np.zeros((*head.shape, block_d), dtype=np.float32)
+    if p.get("HAS_SINKS"):
+        sinks = _fp32(_flat(p["Sinks"]))
+        m = np.where(valid, sinks[np.where(valid, head, 0)], _F32(0.0)) * _F32(_SINK_LOG2E)
+        l_sum = np.ones(head.shape, dtype=np.float32)
+    return m, l_sum, acc
+
+
 def _selector(mask: np.ndarray):
     """``mask``'s items as a slice where they are consecutive (views, no copies), else indices."""
     index = np.flatnonzero(mask)
@@ -414,7 +429,7 @@ def _serial_batch(fwd: _Forward, items: np.ndarray, q: np.ndarray, exact_order: 
     first = fwd.first_tile_start[items].astype(np.int64)
     kv_end = fwd.kv_end[items].astype(np.int64)
     seg_first = (first // seg) * seg
-    running = _fresh(items.shape[0], fwd.block_m, fwd.block_d)
+    running = _initial(p, fwd.head[items].astype(np.int64), fwd.row_valid[items], fwd.block_d)
     seg_start = int(seg_first.min())
     stop = int(kv_end.max())
     while seg_start < stop:
@@ -467,9 +482,7 @@ def attention_merge_replay(grid: tuple, **p) -> None:
         rows = np.arange(begin, min(begin + chunk, num_rows), dtype=np.int64)
         span = slice(begin, begin + rows.shape[0])
         owned_segments = row_segments[span]
-        m_run = np.full(rows.shape[0], _NEG_INF, dtype=np.float32)
-        l_run = np.zeros(rows.shape[0], dtype=np.float32)
-        acc_run = np.zeros((rows.shape[0], block_d), dtype=np.float32)
+        m_run, l_run, acc_run = _initial(p, rows % num_heads, np.ones(rows.shape[0], dtype=bool), block_d)
         for segment in range(int(owned_segments.max(initial=0))):
             owned = segment < owned_segments
             m_seg = np.where(owned, part_m[span, segment], _NEG_INF)

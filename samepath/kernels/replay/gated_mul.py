@@ -1,8 +1,8 @@
 """CPU replays of the gated activations ``act(gate) * up``: ``_silu_mul_kernel`` (SiLU, HF's
-``LlamaMLP``) and ``_gelu_tanh_mul_kernel`` (GELU-tanh in its sigmoid form, Gemma's MLP), forward and
-backward.
+``LlamaMLP``), ``_gelu_tanh_mul_kernel`` (GELU-tanh in its sigmoid form, Gemma's MLP) and
+``_clamped_swiglu_kernel`` (GPT-OSS's experts), forward and backward.
 
-Both kernels are elementwise over ``[M, N]`` operands addressed through row and column strides; the
+The kernels are elementwise over ``[M, N]`` operands addressed through row and column strides; the
 block a program handles decides nothing about an element's bits. Each element goes through the
 kernel's fp32 operations in the kernel's order, on arrays of whole rows: python-float and
 constexpr constants are fp32 scalars (``3.0 * KAPPA`` folded in double first, as a constexpr
@@ -92,3 +92,39 @@ def silu_mul(grid, *, Gate, Up, dOut, Out, dUp, M, N, BLOCK_N, BACKWARD, **strid
 def gelu_tanh_mul(grid, *, Gate, Up, dOut, Out, dUp, M, N, K, KAPPA, BLOCK_N, BACKWARD, **strides) -> None:
     """``_gelu_tanh_mul_kernel``: ``Out = gelu_tanh(gate) * up`` or, backward, ``Out = dgate`` and ``dUp``."""
     _gated(_gelu_tanh(K, KAPPA), Gate, Up, dOut, Out, dUp, [strides[s] for s in _STRIDES], M, N, BACKWARD)
+
+
+@register_replay("samepath.kernels.clamped_swiglu._clamped_swiglu_kernel")
+def clamped_swiglu(grid, *, Gate, Up, dOut, Out, dUp, M, N, BLOCK_N, BACKWARD, LIMIT, ALPHA, **strides) -> None:
+    """``_clamped_swiglu_kernel``: ``Out = (clamp(up) + 1) * glu(min(gate, LIMIT))`` or, backward,
+    ``Out = dgate`` and ``dUp``; every op of the kernel in its order, rounded where it rounds."""
+    if M * N == 0:
+        return
+    gate_v, up_v, grad_v, out_v, grad_up_v = (
+        strided(t, (M, N), (strides[_STRIDES[2 * i]], strides[_STRIDES[2 * i + 1]]))
+        for i, t in enumerate((Gate, Up, dOut, Out, dUp))
+    )
+    limit, alpha = np.float32(LIMIT), np.float32(ALPHA)
+    dtype = Out.dtype
+
+    def r(values: np.ndarray) -> np.ndarray:
+        return widen(cast(values, dtype))
+
+    with np.errstate(all="ignore"):
+        for rows in row_chunks(M, N):
+            gate, up = widen(gate_v[rows]), widen(up_v[rows])
+            g = r(np.minimum(gate, limit))
+            u = r(np.minimum(np.maximum(up, -limit), limit))
+            z = r(g * alpha)
+            sig = _ONE / (_ONE + np.exp(np.ascontiguousarray(np.negative(z))))
+            glu = r(g * r(sig))
+            u1 = r(u + _ONE)
+            if BACKWARD:
+                dy = widen(grad_v[rows])
+                dglu = sig + g * alpha * sig * (_ONE - sig)
+                dgate = np.where(gate <= limit, dy * u1 * dglu, np.float32(0.0))
+                dup = np.where((up >= -limit) & (up <= limit), dy * glu, np.float32(0.0))
+                grad_up_v[rows] = cast(dup, dUp.dtype)
+                out_v[rows] = cast(dgate, dtype)
+            else:
+                out_v[rows] = cast(u1 * glu, dtype)

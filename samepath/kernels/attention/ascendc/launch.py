@@ -100,6 +100,11 @@ def flash_attention_fwd(batch: AttentionBatch, *, store_lse: bool = False) -> tu
         RuntimeError: the Ascend C backend cannot run here (says what is missing), or keys starting
             after position 0 (``batch.kv_first_pos``), which it does not implement.
     """
+    if batch.sinks is not None:
+        raise RuntimeError(
+            f"attention sinks are not implemented by the Ascend C attention backend ({BACKEND_ENV}=ascendc); "
+            "use the triton backend"
+        )
     if batch.kv_first_pos is not None:
         raise RuntimeError(
             "kv_start (keys starting after position 0, a windowed Hugging Face cache) is not implemented by "
