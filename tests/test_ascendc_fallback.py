@@ -1312,11 +1312,11 @@ def test_delta_replay_is_the_preprocessing_kernel(dtype: torch.dtype, head: int)
     assert not torch.equal(sequential, expected)
 
 
-def test_backward_schedule_guard_accepts_numerics_4_and_refuses_another_version() -> None:
-    assert build.ASCENDC_BACKWARD_SCHEDULE_VERSION == NUMERICS_VERSION == 4
+def test_backward_schedule_guard_accepts_numerics_4_and_5_and_refuses_another_version() -> None:
+    assert build.ASCENDC_BACKWARD_SCHEDULE_VERSION == NUMERICS_VERSION == 5
     build.check_backward_schedule()
     build.check_backward_schedule(4)
-    for other in (3, 5):
+    for other in (3, 6):
         with pytest.raises(RuntimeError, match="training on this backend is refused"):
             build.check_backward_schedule(other)
 
@@ -1502,7 +1502,7 @@ def test_backend_switch_routes_the_backward(monkeypatch) -> None:
         run_backward(batch, q, lse, q)
     with pytest.raises(ValueError, match="block_n"):
         run_backward(wide, q, lse, q)
-    monkeypatch.setattr(build, "ASCENDC_BACKWARD_SCHEDULE_VERSION", NUMERICS_VERSION + 1)
+    monkeypatch.setattr(build, "BACKWARD_SCHEDULE_VERSIONS", (NUMERICS_VERSION + 1,))
     with pytest.raises(RuntimeError, match="training on this backend is refused"):
         run_backward(batch, q, lse, q)
     monkeypatch.setenv(backend.BACKEND_ENV, "triton")

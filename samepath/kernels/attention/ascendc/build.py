@@ -58,16 +58,19 @@ ASCENDC_ATTENTION_FORMULA = {
 }
 
 #: The samepath numerics version whose Triton forward schedule the Ascend C forward replays, and the
-#: versions whose forward is that schedule (versions 3 and 4 changed only the backward and CUDA's tiles).
+#: versions whose forward is that schedule (versions 3 and 4 changed only the backward and CUDA's tiles,
+#: version 5 only RMSNorm's and the fused lm_head's weight gradients).
 ASCENDC_SCHEDULE_VERSION = 2
-FORWARD_SCHEDULE_VERSIONS = (2, 3, 4)
+FORWARD_SCHEDULE_VERSIONS = (2, 3, 4, 5)
 #: The numerics version whose Triton backward schedule (``_attention_bwd_kernel``, one pass per KV tile) the
 #: Ascend C backward replays (``replay.simulate_backward``); any other version is refused for training
 #: (:func:`check_backward_schedule`) until the new schedule is ported. Version 4 kept version 3's schedule
 #: and sums (its key-major dots multiply and add the same elements; ``replay.simulate_backward`` still
 #: equals the Triton backward bit for bit) and moved ``delta`` into the backward's preprocessing kernel,
-#: which this backend's launcher calls too.
-ASCENDC_BACKWARD_SCHEDULE_VERSION = 4
+#: which this backend's launcher calls too. Version 5 changed no attention bits (RMSNorm's and the fused
+#: lm_head's weight gradients only), so both versions' backward is this schedule.
+ASCENDC_BACKWARD_SCHEDULE_VERSION = 5
+BACKWARD_SCHEDULE_VERSIONS = (4, 5)
 ASCENDC_SCHEDULE = (
     "v2: GQA-packed query tiles (head_chunk = min(group, block_m)), tile_n KV tiles and seg KV segments "
     "anchored at 0, segments merged in ascending order, serial per work item"
@@ -324,12 +327,12 @@ def check_backward_schedule(numerics_version: int | None = None) -> None:
     """Fail closed when the Triton backward's schedule is not the one the Ascend C backward replays.
 
     Raises:
-        RuntimeError: ``config.NUMERICS_VERSION`` (or ``numerics_version``) is not
-            :data:`ASCENDC_BACKWARD_SCHEDULE_VERSION` (numerics 3's one-pass backward).
+        RuntimeError: ``config.NUMERICS_VERSION`` (or ``numerics_version``) is not one of
+            :data:`BACKWARD_SCHEDULE_VERSIONS` (numerics 4's one-pass key-major backward).
     """
     if numerics_version is None:
         numerics_version = config.NUMERICS_VERSION
-    if numerics_version != ASCENDC_BACKWARD_SCHEDULE_VERSION:
+    if numerics_version not in BACKWARD_SCHEDULE_VERSIONS:
         raise RuntimeError(
             f"{BACKEND_ENV}=ascendc: the Ascend C backward replays the backward of samepath numerics version "
             f"{ASCENDC_BACKWARD_SCHEDULE_VERSION} ({ASCENDC_BACKWARD_SCHEDULE}), but the Triton backward is at "
