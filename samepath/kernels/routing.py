@@ -194,21 +194,22 @@ def _check_inductor_graph(graph) -> None:
 
 
 _previous_pass = None
+_inductor_config = None
 
 
 def _install_inductor_check() -> None:
-    global _previous_pass
+    global _previous_pass, _inductor_config
     import torch._inductor.config as inductor_config
 
+    _inductor_config = inductor_config
     _previous_pass = inductor_config.post_grad_custom_pre_pass
     inductor_config.post_grad_custom_pre_pass = _check_inductor_graph
 
 
 def _remove_inductor_check() -> None:
     global _previous_pass
-    import torch._inductor.config as inductor_config
-
-    if inductor_config.post_grad_custom_pre_pass is _check_inductor_graph:
+    inductor_config = _inductor_config  # imported at entry: the exit may run at interpreter shutdown
+    if inductor_config is not None and inductor_config.post_grad_custom_pre_pass is _check_inductor_graph:
         inductor_config.post_grad_custom_pre_pass = _previous_pass
     _previous_pass = None
 
