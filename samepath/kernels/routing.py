@@ -170,6 +170,7 @@ class CompiledRoutingError(RuntimeError):
 # The ops Inductor hands to torch's ``.out`` kernels (``extern_kernels.mm`` / ``addmm`` / ``bmm``),
 # which the routing reaches; every other routed op left in Inductor's graph gets Inductor's own code.
 _EXTERN = ("mm", "addmm", "bmm")
+_FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def _check_inductor_graph(graph) -> None:
@@ -182,13 +183,19 @@ def _check_inductor_graph(graph) -> None:
             continue
         name = target._schema.name.removeprefix("aten::")
         overload = target._overloadname
-        if f"{name}.{overload}" in routed or (overload == "default" and name in routed):
-            raise CompiledRoutingError(
-                f"samepath.batch_invariant(): torch.compile's Inductor would compute aten::{name}.{overload} with a "
-                "kernel of its own, not samepath's (a reduction, a softmax, or a small matmul it decomposes into one). "
-                'Compile with torch.compile(..., backend="aot_eager") inside the block (every op then runs through '
-                "the routed aten kernels), or compile only graphs whose routed ops are matmuls Inductor keeps whole."
-            )
+        if not (f"{name}.{overload}" in routed or (overload == "default" and name in routed)):
+            continue
+        value = getattr(node.args[0], "meta", {}).get("val") if node.args else None
+        if isinstance(value, torch.Tensor) and value.dtype not in _FLOATS:
+            continue  # integer / bool / fp64 reductions are torch's inside the block too
+        where = (node.meta.get("stack_trace") or "").strip().splitlines()[-2:]
+        raise CompiledRoutingError(
+            f"samepath.batch_invariant(): torch.compile's Inductor would compute aten::{name}.{overload} "
+            f"({'; '.join(s.strip() for s in where) or node.format_node()}) with a "
+            "kernel of its own, not samepath's (a reduction, a softmax, or a small matmul it decomposes into one). "
+            'Compile with torch.compile(..., backend="aot_eager") inside the block (every op then runs through '
+            "the routed aten kernels), or compile only graphs whose routed ops are matmuls Inductor keeps whole."
+        )
     if _previous_pass is not None:
         _previous_pass(graph)
 
