@@ -243,3 +243,31 @@ def test_inductor_compile_of_patched_qwen3_moe_is_refused_by_name() -> None:
     Inductor would compute its reductions with its own kernels, so the compile is refused."""
     with pytest.raises(Exception, match=r"batch_invariant\(\).*aten::sum\.dim_IntList"):
         _model_case("qwen3_moe", "inductor", [5, 3], 2)
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_rms_norm_custom_op_compiles_in_one_graph_with_eager_bits(backend: str) -> None:
+    """``torch.ops.samepath.rms_norm`` (fake + autograd registrations, ``torch.library.opcheck``):
+    ``fullgraph=True`` compiles a norm and the ops around it; forward and gradients equal eager's;
+    negative control: torch's own RMSNorm differs."""
+    from samepath.kernels.rms_norm import rms_norm
+
+    x = _randn(5, 3, 200, dtype=torch.bfloat16, seed=17).requires_grad_()
+    w = (1 + _randn(200, dtype=torch.bfloat16, seed=18)).requires_grad_()
+    dy = _randn(5, 3, 200, dtype=torch.bfloat16, seed=19)
+
+    def run(fn):
+        x.grad = w.grad = None
+        y = fn(x, w)
+        y.backward(dy)
+        return y.detach(), x.grad, w.grad
+
+    eager = run(lambda a, b: rms_norm(a, b, 1e-6) * 2)
+    torch._dynamo.reset()
+    compiled = run(torch.compile(lambda a, b: rms_norm(a, b, 1e-6) * 2, backend=backend, fullgraph=True))
+    torch._dynamo.reset()
+    for got, want in zip(compiled, eager, strict=True):
+        assert torch.equal(got, want)
+    torch.library.opcheck(torch.ops.samepath.rms_norm.default, (x.detach().view(15, 200), w.detach(), 1e-6, 0))
+    stock = F.rms_norm(x.detach(), (200,), w.detach(), 1e-6) * 2
+    assert not torch.equal(stock, eager[0])

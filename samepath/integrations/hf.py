@@ -55,8 +55,9 @@ from samepath.models.formulas import rope_formula
 from samepath.models.registry import family_view, find, model_types_where
 
 # Under torch.compile the kernels run as opaque eager calls (docs/integrations.md, "torch.compile").
-rms_norm, silu_mul, swiglu, gelu_tanh_mul, apply_rotary, rotary_cos_sin = map(
-    compile_opaque, (rms_norm, silu_mul, swiglu, gelu_tanh_mul, apply_rotary, rotary_cos_sin)
+# (RMSNorm is a custom op itself: torch.ops.samepath.rms_norm.)
+silu_mul, swiglu, gelu_tanh_mul, apply_rotary, rotary_cos_sin = map(
+    compile_opaque, (silu_mul, swiglu, gelu_tanh_mul, apply_rotary, rotary_cos_sin)
 )
 varlen_attention, packed_attention, experts_forward, linear_token_logprobs = map(
     compile_opaque, (varlen_attention, packed_attention, experts_forward, linear_token_logprobs)
