@@ -133,6 +133,9 @@ def test_uncovered_out_calls_get_torchs_kernel() -> None:
         with pytest.raises(RuntimeError, match="dtype"):
             torch.mm(a.float(), b.float(), out=_empty(torch.float64))
     assert torch.equal(got, a @ b)
+    bias, a32, b32 = _randn(11, dtype=torch.float32, seed=20), a.float(), b.float()
+    with samepath.batch_invariant(), pytest.raises(RuntimeError, match="Bad in-place call"):
+        bias.addmm_(a32, b32)  # a self that cannot hold the result: torch's refusal, not a resize
 
 
 def _compiled(fn, *args, backend: str = "inductor"):

@@ -123,8 +123,13 @@ def _variant_impl(kind: str, variant: str, routed: Callable[..., torch.Tensor], 
             targets = [kwargs.pop(name) for name in out_names]
         result = routed(*args, **kwargs)
         results = list(result) if isinstance(result, (tuple, list)) else [result]
-        if any(t.dtype != r.dtype or t.device != r.device for t, r in zip(targets, results, strict=True)):
-            # torch's kernel decides (casts or refuses) an ``out`` of another dtype or device.
+        mismatched = any(
+            t.dtype != r.dtype or t.device != r.device or (kind == "inplace" and t.shape != r.shape)
+            for t, r in zip(targets, results, strict=True)
+        )
+        if mismatched:
+            # torch's kernel decides (casts or refuses) an ``out`` of another dtype or device, or a
+            # ``self`` an in-place op cannot hold the result in.
             if kind == "out":
                 kwargs.update(zip(out_names, targets, strict=True))
             return stock.call_boxed(keyset, *args, **kwargs)
