@@ -246,6 +246,11 @@ def batch_invariant() -> Iterator[None]:
     while any block is open. The other ops' modules add theirs: ``aten::_log_softmax``
     (:mod:`samepath.kernels.logprobs`), ``aten::_softmax``, ``aten::sum.dim_IntList`` and
     ``aten::mean.dim`` (:mod:`samepath.kernels.reductions`).
+
+    Their ``.out`` and in-place overloads (:func:`variants`: ``aten::mm.out``, ``addmm_``, ...)
+    are routed too (torch >= 2.9), which compiled code calls: Inductor's ``mm`` / ``addmm`` /
+    ``bmm`` reach the kernel. A ``torch.compile`` inside the block whose graph would leave another
+    routed op to Inductor's own code raises :class:`CompiledRoutingError` naming it.
     """
     global _routing_depth, _routing_library
     with _routing_lock:
