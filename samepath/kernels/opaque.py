@@ -23,9 +23,11 @@ F = TypeVar("F", bound=Callable)
 def _skip_as_frame(code) -> None:
     """Dynamo compiles no frame of this wrapper, nor any frame under it, when it is entered from
     code running eagerly under ``torch.compile`` (the call right after a graph break)."""
-    from torch._dynamo.eval_frame import set_code_exec_strategy
-    from torch._dynamo.types import FrameAction, FrameExecStrategy
-
+    try:
+        from torch._dynamo.eval_frame import set_code_exec_strategy
+        from torch._dynamo.types import FrameAction, FrameExecStrategy
+    except ImportError:  # older torch: Dynamo compiles the wrapper's frame (an empty graph), same bits
+        return
     set_code_exec_strategy(code, FrameExecStrategy(FrameAction.SKIP, FrameAction.SKIP))
 
 
