@@ -48,12 +48,22 @@ from samepath.kernels.attention.backend import attention_backend
 from samepath.kernels.gelu_tanh_mul import gelu_tanh_mul
 from samepath.kernels.logprobs import IGNORE_INDEX, LM_HEAD_TOKEN_CHUNK, linear_token_logprobs
 from samepath.kernels.moe_routing import sigmoid_grouped_topk_routing
+from samepath.kernels.opaque import compile_opaque
 from samepath.kernels.rms_norm import rms_norm
 from samepath.kernels.rotary import apply_rotary, mrope_cos_sin, rotary_cos_sin
 from samepath.kernels.swiglu import silu_mul, swiglu
 from samepath.models.descriptor import GELU_TANH_MUL, SIGMOID_GROUPED_TOPK, SILU_MUL, TOPK_SOFTMAX_BIASED, ModelFamily
 from samepath.models.formulas import final_logit_softcap, rope_formula
 from samepath.models.registry import family_view, find, model_types_where
+
+# Under torch.compile the kernels run as opaque eager calls (docs/integrations.md, "torch.compile").
+# (RMSNorm is a custom op itself: torch.ops.samepath.rms_norm.)
+silu_mul, swiglu, gelu_tanh_mul, apply_rotary, rotary_cos_sin, mrope_cos_sin = map(
+    compile_opaque, (silu_mul, swiglu, gelu_tanh_mul, apply_rotary, rotary_cos_sin, mrope_cos_sin)
+)
+varlen_attention, packed_attention, module_experts_forward, linear_token_logprobs = map(
+    compile_opaque, (varlen_attention, packed_attention, module_experts_forward, linear_token_logprobs)
+)
 
 #: The name models use in ``attn_implementation=`` / ``experts_implementation=``.
 IMPLEMENTATION = "samepath"
@@ -320,6 +330,9 @@ def cached_batch_layout(
         while len(_LAYOUT_CACHE) > _LAYOUT_CACHE_SIZE:
             _LAYOUT_CACHE.popitem(last=False)
     return layout
+
+
+cached_batch_layout = compile_opaque(cached_batch_layout)  # its host read and cache run eagerly under torch.compile
 
 
 #: Keyword arguments transformers passes along to an attention function that do not change what

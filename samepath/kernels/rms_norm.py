@@ -520,6 +520,46 @@ class AddRMSNormFunction(torch.autograd.Function):
         return ds, ds.clone(), dw, None, None
 
 
+# ``torch.compile``: the norm as ``torch.ops.samepath.rms_norm`` (a custom op with a fake and an
+# autograd registration), so Dynamo records one node per norm and never traces the launcher.
+@torch.library.custom_op("samepath::rms_norm", mutates_args=())
+def _rms_norm_op(x2: torch.Tensor, weight: torch.Tensor, eps: float, mode: int) -> tuple[torch.Tensor, torch.Tensor]:
+    y, _, rstd = _forward(x2, weight, eps, None, mode)
+    return y, rstd
+
+
+@_rms_norm_op.register_fake
+def _(x2, weight, eps, mode):
+    return torch.empty_like(x2), x2.new_empty((x2.shape[0],), dtype=torch.float32)
+
+
+@torch.library.custom_op("samepath::rms_norm_backward", mutates_args=())
+def _rms_norm_backward_op(
+    x2: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor, grad_y: torch.Tensor, mode: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return _backward(x2, weight, rstd, _rows(grad_y, x2.shape[1]), None, mode)
+
+
+@_rms_norm_backward_op.register_fake
+def _(x2, weight, rstd, grad_y, mode):
+    return torch.empty_like(x2), torch.empty_like(weight)
+
+
+def _rms_norm_setup(ctx, inputs, output):
+    x2, weight, _, mode = inputs
+    ctx.save_for_backward(x2, weight, output[1])
+    ctx.mode = mode
+
+
+def _rms_norm_grad(ctx, grad_y, grad_rstd):
+    x2, weight, rstd = ctx.saved_tensors
+    dx, dw = torch.ops.samepath.rms_norm_backward(x2, weight, rstd, grad_y, ctx.mode)
+    return dx, dw, None, None
+
+
+_rms_norm_op.register_autograd(_rms_norm_grad, setup_context=_rms_norm_setup)
+
+
 def _check_inputs(x, weight, eps, residual, weight_mode):
     if weight_mode not in WEIGHT_MODES:
         raise ValueError(f"weight_mode must be one of {', '.join(WEIGHT_MODES)}, got {weight_mode!r}")
@@ -581,6 +621,8 @@ def rms_norm(
     shape, hidden = x.shape, x.shape[-1]
     x2 = _rows(x, hidden)
     weight = weight if weight.stride(0) == 1 else weight.contiguous()
+    if residual is None and torch.compiler.is_compiling():
+        return torch.ops.samepath.rms_norm(x2, weight, float(eps), mode)[0].reshape(shape)
     if residual is None:
         return RMSNormFunction.apply(x2, weight, float(eps), mode).reshape(shape)
     y, s = AddRMSNormFunction.apply(x2, _rows(residual, hidden), weight, float(eps), mode)
