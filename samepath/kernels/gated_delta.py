@@ -313,6 +313,10 @@ def gated_delta_continue(q, k, v, g, beta, cu_seqlens, cache: GatedDeltaCache | 
     """Prefill, chunked prefill or decode: the new tokens (packed by ``cu_seqlens``) after ``cache``
     (``None``: the sequences start here). Returns ``(out, new_cache)`` with the bits of one
     :func:`chunk_gated_delta` call over the whole sequences. Not differentiable."""
+    if cache is not None and (
+        not isinstance(cache, GatedDeltaCache) or cache.state.shape[0] != getattr(cu_seqlens, "numel", lambda: 0)() - 1
+    ):
+        raise ValueError("cache must be a GatedDeltaCache of the same sequences as cu_seqlens")
     n, hk, hv, dk, dv = _check(q, k, v, g, beta, cu_seqlens, None if cache is None else cache.state)
     if cache is None:
         out, state = _launch(q, k, v, g, beta, cu_seqlens, None)
