@@ -135,7 +135,9 @@ def _check(q, k, v, g, beta, cu_seqlens, state) -> tuple[int, int, int, int, int
         if t.dtype not in _FLOATS:
             raise ValueError(f"{name} must be float32 / bfloat16 / float16, got {t.dtype}")
     if k.shape != q.shape or k.dtype != q.dtype:
-        raise ValueError(f"k must match q's shape and dtype, got {tuple(k.shape)} {k.dtype} vs {tuple(q.shape)} {q.dtype}")
+        raise ValueError(
+            f"k must match q's shape and dtype, got {tuple(k.shape)} {k.dtype} vs {tuple(q.shape)} {q.dtype}"
+        )
     if v.dtype != q.dtype:
         raise ValueError(f"v must have q's dtype {q.dtype}, got {v.dtype}")
     total, hk, dk = q.shape
