@@ -4,6 +4,8 @@ deterministic and close to float64 autograd; replay == interpreter; bad inputs r
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 
@@ -34,7 +36,7 @@ def _recurrent64(q, k, v, g, beta, cu):
     q = q * torch.rsqrt((q * q).sum(-1, keepdim=True) + 1e-6) * dk**-0.5
     k = k * torch.rsqrt((k * k).sum(-1, keepdim=True) + 1e-6)
     outs, cu = [], cu.tolist()
-    for a, b in zip(cu, cu[1:]):
+    for a, b in itertools.pairwise(cu):
         s = torch.zeros(hv, dk, v.shape[2], dtype=torch.float64)
         for t in range(a, b):
             s = s * g[t].exp()[:, None, None]
@@ -45,7 +47,7 @@ def _recurrent64(q, k, v, g, beta, cu):
 
 
 def _split(x, cu):
-    return [x[a:b] for a, b in zip(cu, cu[1:])]
+    return [x[a:b] for a, b in itertools.pairwise(cu)]
 
 
 def _continue_in_pieces(inputs, lengths, cuts):
@@ -76,7 +78,9 @@ def test_prefill_packed_chunked_and_decode_agree_bit_for_bit(dtype, dk, dv, hk, 
     inputs = _inputs(int(cu[-1]), hk, hv, dk, dv, dtype, seed=dk + hv)
     packed, state = gd.chunk_gated_delta(*inputs, cu)
     # each sequence alone
-    alone = [gd.chunk_gated_delta(*(x[a:b] for x in inputs), torch.tensor([0, b - a])) for a, b in zip(cu, cu[1:])]
+    alone = [
+        gd.chunk_gated_delta(*(x[a:b] for x in inputs), torch.tensor([0, b - a])) for a, b in itertools.pairwise(cu)
+    ]
     assert torch.equal(packed, torch.cat([o for o, _ in alone]))
     assert torch.equal(state, torch.cat([s for _, s in alone]))
     # chunked prefill split at several points (inside and on chunk boundaries), then decode to the end
@@ -146,9 +150,9 @@ def test_backward_deterministic_and_close_to_float64_autograd():
 
     first = grads(lambda *x: gd.chunk_gated_delta(*x, cu)[0], torch.float32)
     second = grads(lambda *x: gd.chunk_gated_delta(*x, cu)[0], torch.float32)
-    assert all(torch.equal(a, b) for a, b in zip(first, second))
+    assert all(torch.equal(a, b) for a, b in zip(first, second, strict=True))
     ref = grads(lambda *x: _recurrent64(*x, cu), torch.float64)
-    for name, ours, theirs in zip("q k v g beta".split(), first, ref):
+    for name, ours, theirs in zip("q k v g beta".split(), first, ref, strict=True):
         torch.testing.assert_close(ours.double(), theirs, atol=2e-4, rtol=2e-4, msg=name)
 
 

@@ -29,6 +29,7 @@ and not bit-identical to the kernel's forward (the gradient is of the same formu
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -156,7 +157,7 @@ def _check(q, k, v, g, beta, cu_seqlens, state) -> tuple[int, int, int, int, int
     if cu_seqlens.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"cu_seqlens must be int32 / int64, got {cu_seqlens.dtype}")
     cu = cu_seqlens.tolist()
-    if cu[0] != 0 or cu[-1] != total or any(b < a for a, b in zip(cu, cu[1:])):
+    if cu[0] != 0 or cu[-1] != total or any(b < a for a, b in itertools.pairwise(cu)):
         raise ValueError(f"cu_seqlens must rise from 0 to T = {total}, got {cu}")
     n = len(cu) - 1
     if state is not None:
@@ -244,7 +245,7 @@ def _reference_forward(q, k, v, g, beta, cu_seqlens, scale: float):
         q, k = (x.repeat_interleave(hv // hk, dim=1) for x in (q, k))
     outs, states = [], []
     cu = cu_seqlens.tolist()
-    for a, b in zip(cu, cu[1:]):
+    for a, b in itertools.pairwise(cu):
         s = torch.zeros((hv, q.shape[2], v.shape[2]), dtype=torch.float32, device=q.device)
         for c0 in range(a, b, CHUNK):
             c1 = min(c0 + CHUNK, b)
@@ -272,7 +273,10 @@ class _GatedDelta(torch.autograd.Function):
             leaves = [x.detach().requires_grad_() for x in (q, k, v, g, beta)]
             out, _ = _reference_forward(*leaves, cu_seqlens, q.shape[2] ** -0.5)
             grads = torch.autograd.grad(out, leaves, d_out.float(), allow_unused=True)
-        grads = [torch.zeros_like(x) if gr is None else gr.to(x.dtype) for gr, x in zip(grads, (q, k, v, g, beta))]
+        grads = [
+            torch.zeros_like(x) if gr is None else gr.to(x.dtype)
+            for gr, x in zip(grads, (q, k, v, g, beta), strict=True)
+        ]
         return (*grads, None, None)
 
 
@@ -319,7 +323,7 @@ def gated_delta_continue(q, k, v, g, beta, cu_seqlens, cache: GatedDeltaCache | 
         not isinstance(cache, GatedDeltaCache) or cache.state.shape[0] != getattr(cu_seqlens, "numel", lambda: 0)() - 1
     ):
         raise ValueError("cache must be a GatedDeltaCache of the same sequences as cu_seqlens")
-    n, hk, hv, dk, dv = _check(q, k, v, g, beta, cu_seqlens, None if cache is None else cache.state)
+    n, _hk, _hv, _dk, _dv = _check(q, k, v, g, beta, cu_seqlens, None if cache is None else cache.state)
     if cache is None:
         out, state = _launch(q, k, v, g, beta, cu_seqlens, None)
         full_q, full_k, full_v, full_g, full_b, cu_full = q, k, v, g.float(), beta.float(), cu_seqlens.tolist()
@@ -327,7 +331,7 @@ def gated_delta_continue(q, k, v, g, beta, cu_seqlens, cache: GatedDeltaCache | 
     else:
         tail = cache.cu_tail.tolist()
         cu = cu_seqlens.tolist()
-        if len(tail) != n + 1 or any(b - a >= CHUNK for a, b in zip(tail, tail[1:])):
+        if len(tail) != n + 1 or any(b - a >= CHUNK for a, b in itertools.pairwise(tail)):
             raise ValueError(f"cache: cu_tail must be [N + 1] with fewer than {CHUNK} tokens per sequence")
         pieces, new_rows, cu_full = {x: [] for x in "qkvgb"}, [], [0]
         for i in range(n):
@@ -344,7 +348,7 @@ def gated_delta_continue(q, k, v, g, beta, cu_seqlens, cache: GatedDeltaCache | 
         out_full, state = _launch(full_q, full_k, full_v, full_g, full_b, cu_t, cache.state)
         out = out_full[torch.cat(new_rows).to(q.device)]
     keep, cu_tail = [], [0]
-    for a, b in zip(cu_full, cu_full[1:]):
+    for a, b in itertools.pairwise(cu_full):
         first = a + (b - a) // CHUNK * CHUNK
         keep.append(torch.arange(first, b))
         cu_tail.append(cu_tail[-1] + b - first)
