@@ -18,8 +18,8 @@ the new tokens appended (query rows of the old tokens zero, their outputs discar
 update when the chunk fills: every output and state has the bits of the one-call prefill. A decode
 step therefore costs one chunk tile (``O(C^2 (Dk + Dv) + C Dk Dv)``), not a per-token recurrence.
 
-Programs: one per (sequence, value head), walking its chunks in order (the state stays in
-registers). Dots take fp32 operands at ieee precision with fp32 accumulation.
+Programs: one per (sequence, value head, block of :data:`V_BLOCK` value columns), walking its
+chunks in order (the state slice stays in registers). Dots take fp32 operands at ieee precision with fp32 accumulation.
 
 Backward: :class:`_GatedDelta` recomputes the same chunk formula with torch fp32 ops per sequence
 and chunk (every head at once) and differentiates it by autograd: deterministic run to run (no
@@ -44,6 +44,10 @@ CHUNK = GATED_DELTA_CHUNK
 #: The L2 norm's epsilon (FLA's and Hugging Face's ``l2norm``).
 L2_EPS = 1e-6
 _LOG2_CHUNK = CHUNK.bit_length() - 1
+#: Value columns per program (frozen): the state tile is ``[BLOCK_K, V_BLOCK]``.
+V_BLOCK = 32
+#: ``tl.dot`` precision of the fp32 operands (the interpreter and the replay compute fp32 products).
+DOT_PRECISION: tl.constexpr = tl.constexpr("tf32x3")
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 
 
@@ -70,17 +74,20 @@ def _gated_delta_fwd_kernel(
     BLOCK_K: tl.constexpr,
     BLOCK_V: tl.constexpr,
 ):
-    """Program (sequence n, value head h): outputs of every token of the sequence and the state at its
-    last chunk boundary. Q, K ``[T, HK, DK]``, V / Out ``[T, HV, DV]``, G / Beta ``[T, HV]`` fp32,
+    """Program (sequence n, value head h, value block vb): outputs of every token of the sequence and
+    the state at its last chunk boundary, value columns ``vb * BLOCK_V ...`` (the chunk's UT transform,
+    ``w`` and the intra-chunk scores are recomputed per value block, the same bits).
+    Q, K ``[T, HK, DK]``, V / Out ``[T, HV, DV]``, G / Beta ``[T, HV]`` fp32,
     S0 / SOut ``[N, HV, DK, DV]`` fp32, all contiguous."""
     n = tl.program_id(0)
     h = tl.program_id(1)
+    vb = tl.program_id(2)
     hk = h // (HV // HK)
     start = tl.load(CuSeqlens + n).to(tl.int64)
     length = (tl.load(CuSeqlens + n + 1) - tl.load(CuSeqlens + n)).to(tl.int32)
     rows = tl.arange(0, CHUNK_SIZE)
     kd = tl.arange(0, BLOCK_K)
-    vd = tl.arange(0, BLOCK_V)
+    vd = vb * BLOCK_V + tl.arange(0, BLOCK_V)
     lower = rows[:, None] >= rows[None, :]
     strict = rows[:, None] > rows[None, :]
     eye = tl.where(rows[:, None] == rows[None, :], 1.0, 0.0)
@@ -108,22 +115,22 @@ def _gated_delta_fwd_kernel(
         gc_last = tl.sum(tl.where(rows == CHUNK_SIZE - 1, gc, 0.0), axis=0)
         decay = tl.exp(tl.where(lower, gc[:, None] - gc[None, :], 0.0))
         kb = k * b[:, None]
-        a = tl.where(strict, tl.dot(kb, tl.trans(k), input_precision="ieee") * decay, 0.0)
+        a = tl.where(strict, tl.dot(kb, tl.trans(k), input_precision=DOT_PRECISION) * decay, 0.0)
         p = -a
         t = eye + p
         for _ in tl.static_range(LOG2_CHUNK - 1):
-            p = tl.dot(p, p, input_precision="ieee")
-            t = tl.dot(t, p, t, input_precision="ieee")
+            p = tl.dot(p, p, input_precision=DOT_PRECISION)
+            t = tl.dot(t, p, t, input_precision=DOT_PRECISION)
         egc = tl.exp(gc)
-        u = tl.dot(t, v * b[:, None], input_precision="ieee")
-        w = tl.dot(t, kb * egc[:, None], input_precision="ieee")
-        vnew = u - tl.dot(w, S, input_precision="ieee")
-        attn = tl.where(lower, tl.dot(q, tl.trans(k), input_precision="ieee") * decay, 0.0)
-        o = tl.dot(q * egc[:, None], S, input_precision="ieee")
-        o = tl.dot(attn, vnew, o, input_precision="ieee")
+        u = tl.dot(t, v * b[:, None], input_precision=DOT_PRECISION)
+        w = tl.dot(t, kb * egc[:, None], input_precision=DOT_PRECISION)
+        vnew = u - tl.dot(w, S, input_precision=DOT_PRECISION)
+        attn = tl.where(lower, tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * decay, 0.0)
+        o = tl.dot(q * egc[:, None], S, input_precision=DOT_PRECISION)
+        o = tl.dot(attn, vnew, o, input_precision=DOT_PRECISION)
         tl.store(Out + (tok[:, None] * HV + h) * DV + vd[None, :], o.to(Out.dtype.element_ty), mask=v_mask)
         kdec = k * tl.exp(gc_last - gc)[:, None]
-        updated = tl.dot(tl.trans(kdec), vnew, S * tl.exp(gc_last), input_precision="ieee")
+        updated = tl.dot(tl.trans(kdec), vnew, S * tl.exp(gc_last), input_precision=DOT_PRECISION)
         S = tl.where(c0 + CHUNK_SIZE <= length, updated, S)
     tl.store(SOut + state_offs, S, mask=state_mask)
 
@@ -178,8 +185,8 @@ def _launch(q, k, v, g, beta, cu_seqlens, state) -> tuple[torch.Tensor, torch.Te
     out = torch.empty(v.shape, dtype=v.dtype, device=v.device)
     s_out = torch.zeros((n, hv, dk, dv), dtype=torch.float32, device=v.device)
     s0 = state.contiguous() if state is not None else s_out
-    block_k, block_v = max(16, triton.next_power_of_2(dk)), max(16, triton.next_power_of_2(dv))
-    _gated_delta_fwd_kernel[(n, hv)](
+    block_k, block_v = max(16, triton.next_power_of_2(dk)), V_BLOCK
+    _gated_delta_fwd_kernel[(n, hv, triton.cdiv(dv, block_v))](
         q,
         k,
         v,
@@ -200,7 +207,7 @@ def _launch(q, k, v, g, beta, cu_seqlens, state) -> tuple[torch.Tensor, torch.Te
         LOG2_CHUNK=_LOG2_CHUNK,
         BLOCK_K=block_k,
         BLOCK_V=block_v,
-        num_warps=8 if block_k * block_v > 64 * 64 else 4,
+        num_warps=4,
     )
     return out, s_out
 

@@ -1,8 +1,10 @@
 """CPU replay of ``_gated_delta_fwd_kernel`` (Gated DeltaNet's one schedule, see
 :mod:`samepath.kernels.gated_delta`).
 
-Program (sequence, value head) by program and chunk by chunk, on the kernel's padded tiles
-(``[CHUNK, BLOCK_K]``, ``[CHUNK, BLOCK_V]``, ``[CHUNK, CHUNK]``, the state ``[BLOCK_K, BLOCK_V]``)
+Program (sequence, value head) by program and chunk by chunk, the value blocks of a chunk after its
+shared part (the UT transform, ``w`` and the scores, which every value block's program computes with
+the same bits), on the kernel's padded tiles (``[CHUNK, BLOCK_K]``, ``[CHUNK, BLOCK_V]``,
+``[CHUNK, CHUNK]``, the state ``[BLOCK_K, BLOCK_V]``)
 with the interpreter's operations: ``np.sum`` / ``np.cumsum`` along the tile's axes, ``np.exp`` on
 the same contiguous arrays (a 0-d one for the chunk's last cumulative gate), ``tl.dot`` as
 :func:`~samepath.kernels.replay.numerics.dot` on the same operands (transposes as views).
@@ -85,7 +87,7 @@ def gated_delta_fwd(
             start, length = cu[n], cu[n + 1] - cu[n]
             for h in range(grid[1]):
                 hk = h // group
-                S = np.zeros((BLOCK_K, BLOCK_V), dtype=np.float32)
+                S = np.zeros((BLOCK_K, grid[2] * BLOCK_V), dtype=np.float32)
                 if HAS_S0:
                     S[:DK, :DV] = s0_all[n, h]
                 for c0 in range(0, length, CHUNK_SIZE):
@@ -93,7 +95,7 @@ def gated_delta_fwd(
                     tok = start + c0 + rows
                     q = _tile(q_all[:, hk], tok, valid, BLOCK_K, DK)
                     k = _tile(k_all[:, hk], tok, valid, BLOCK_K, DK)
-                    v = _tile(v_all[:, h], tok, valid, BLOCK_V, DV)
+                    v = _tile(v_all[:, h], tok, valid, grid[2] * BLOCK_V, DV)
                     g = np.zeros(CHUNK_SIZE, dtype=np.float32)
                     g[valid] = g_all[tok[valid], h]
                     b = np.zeros(CHUNK_SIZE, dtype=np.float32)
@@ -108,14 +110,22 @@ def gated_delta_fwd(
                     a = np.where(strict, _dot(kb, k.T) * decay, _ZERO)
                     t = _ut_inverse(a, eye, LOG2_CHUNK)
                     egc = np.exp(gc)
-                    u = _dot(t, v * b[:, None])
                     w = _dot(t, kb * egc[:, None])
-                    vnew = u - _dot(w, S)
                     attn = np.where(lower, _dot(q, k.T) * decay, _ZERO)
-                    o = _dot(q * egc[:, None], S)
-                    o = _dot(attn, vnew, o)
-                    out_all[tok[valid], h, :DV] = cast(o[valid, :DV], Out.dtype)
-                    if c0 + CHUNK_SIZE <= length:
+                    qg = q * egc[:, None]
+                    full = c0 + CHUNK_SIZE <= length
+                    if full:
                         kdec = k * np.exp(np.ascontiguousarray(gc_last - gc))[:, None]
-                        S = _dot(kdec.T, vnew, S * np.exp(np.asarray(gc_last)))
+                        chunk_decay = np.exp(np.asarray(gc_last))
+                    for lo in range(0, grid[2] * BLOCK_V, BLOCK_V):
+                        cols = slice(lo, lo + BLOCK_V)
+                        s_blk = np.ascontiguousarray(S[:, cols])
+                        u = _dot(t, np.ascontiguousarray(v[:, cols]) * b[:, None])
+                        vnew = u - _dot(w, s_blk)
+                        o = _dot(qg, s_blk)
+                        o = _dot(attn, vnew, o)
+                        width = max(0, min(DV - lo, BLOCK_V))
+                        out_all[tok[valid], h, lo : lo + width] = cast(o[valid, :width], Out.dtype)
+                        if full:
+                            S[:, cols] = _dot(kdec.T, vnew, s_blk * chunk_decay)
                 s_out[n, h] = S[:DK, :DV]
