@@ -164,12 +164,12 @@ def test_verify_replay_matches_interpreter_and_negative_control(monkeypatch):
     with cpu_executor("verify"):
         gd.chunk_gated_delta(*inputs, cu, state)
 
-    def forward_substitution(a, eye, log2_chunk):
+    def lapack_inverse(a, eye):  # the same inverse, another reduction order
         import numpy as np
 
         return np.linalg.inv(eye + a).astype(np.float32)
 
-    monkeypatch.setattr(gd_replay, "_ut_inverse", forward_substitution)
+    monkeypatch.setattr(gd_replay, "_ut_inverse", lapack_inverse)
     with cpu_executor("verify"), pytest.raises(ReplayMismatch, match="_gated_delta_fwd_kernel"):
         gd.chunk_gated_delta(*inputs, cu, state)
 

@@ -367,7 +367,8 @@ GATED_DELTA_FORMULA = {
     "inputs": "q, k widened to fp32, x * (1 / sqrt(sum(x * x) + 1e-6)) per token, q then * Dk**-0.5; g (log "
     "decay) and beta fp32",
     "chunk": "gc = cumsum(g); D = exp(where(i >= j, gc_i - gc_j, 0)); A = strict_lower((k*beta) @ k^T * D); "
-    "T = (I - A)(I + A^2)(I + A^4)... (log2 C factors, T = T + T @ P); u = T @ (v*beta); "
+    "T = (I + A)^-1 by forward substitution (row i = e_i - column sum of A[i, :, None] * T, i ascending); "
+    "u = T @ (v*beta); "
     "w = T @ (k*beta*exp(gc)); vnew = u - w @ S; o = (tril(q @ k^T * D)) @ vnew + (q*exp(gc)) @ S",
     "update": "on a full chunk S = (k*exp(gc_C - gc))^T @ vnew + S * exp(gc_C)",
     "dot": "fp32 operands, ieee, fp32 accumulation; one cast of o to the input dtype",

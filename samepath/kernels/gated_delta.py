@@ -9,9 +9,9 @@ Schedule (the same for prefill, chunked prefill split anywhere, packed sequences
 fp32 state ``S [Dk, Dv]`` exists only at chunk boundaries, multiples of :data:`CHUNK` tokens from
 each sequence's first token. Token ``t``'s output is computed from the state at its chunk's start
 and the tokens of its chunk up to ``t``, by the chunk formula of
-:data:`samepath.kernels.config.GATED_DELTA_FORMULA` (UT transform as a product of ``log2 C``
-factors, every cross-token term behind an exact lower-triangular mask, so a row's bits never depend
-on the tokens after it); a full chunk produces the next boundary state by the one update formula.
+:data:`samepath.kernels.config.GATED_DELTA_FORMULA` (UT transform by forward substitution, every
+cross-token term behind an exact lower-triangular mask, so a row's bits never depend on the tokens
+after it); a full chunk produces the next boundary state by the one update formula.
 A continuation (:func:`gated_delta_continue`, decode included) keeps the boundary state plus the
 ``<= C - 1`` tokens since it (their keys, values, gates, betas), recomputes that partial chunk with
 the new tokens appended (query rows of the old tokens zero, their outputs discarded) and applies the
@@ -43,7 +43,6 @@ from samepath.kernels.dispatch import jit
 CHUNK = GATED_DELTA_CHUNK
 #: The L2 norm's epsilon (FLA's and Hugging Face's ``l2norm``).
 L2_EPS = 1e-6
-_LOG2_CHUNK = CHUNK.bit_length() - 1
 #: Value columns per program (frozen): the state tile is ``[BLOCK_K, V_BLOCK]``.
 V_BLOCK = 32
 #: ``tl.dot`` precision of the fp32 operands (the interpreter and the replay compute fp32 products).
@@ -70,7 +69,6 @@ def _gated_delta_fwd_kernel(
     EPS: tl.constexpr,
     HAS_S0: tl.constexpr,
     CHUNK_SIZE: tl.constexpr,
-    LOG2_CHUNK: tl.constexpr,
     BLOCK_K: tl.constexpr,
     BLOCK_V: tl.constexpr,
 ):
@@ -116,11 +114,11 @@ def _gated_delta_fwd_kernel(
         decay = tl.exp(tl.where(lower, gc[:, None] - gc[None, :], 0.0))
         kb = k * b[:, None]
         a = tl.where(strict, tl.dot(kb, tl.trans(k), input_precision=DOT_PRECISION) * decay, 0.0)
-        p = -a
-        t = eye + p
-        for _ in tl.static_range(LOG2_CHUNK - 1):
-            p = tl.dot(p, p, input_precision=DOT_PRECISION)
-            t = tl.dot(t, p, t, input_precision=DOT_PRECISION)
+        t = eye
+        for i in range(1, CHUNK_SIZE):
+            a_i = tl.sum(tl.where(rows[:, None] == i, a, 0.0), axis=0)
+            row = tl.where(rows == i, 1.0, 0.0) - tl.sum(a_i[:, None] * t, axis=0)
+            t = tl.where(rows[:, None] == i, row[None, :], t)
         egc = tl.exp(gc)
         u = tl.dot(t, v * b[:, None], input_precision=DOT_PRECISION)
         w = tl.dot(t, kb * egc[:, None], input_precision=DOT_PRECISION)
@@ -204,10 +202,9 @@ def _launch(q, k, v, g, beta, cu_seqlens, state) -> tuple[torch.Tensor, torch.Te
         EPS=L2_EPS,
         HAS_S0=state is not None,
         CHUNK_SIZE=CHUNK,
-        LOG2_CHUNK=_LOG2_CHUNK,
         BLOCK_K=block_k,
         BLOCK_V=block_v,
-        num_warps=4,
+        num_warps=8,
     )
     return out, s_out
 
@@ -228,11 +225,8 @@ def chunk_formula(q, k, v, g, beta, state, scale: float):
     decay = torch.exp(torch.where(lower, gc[..., :, None] - gc[..., None, :], zero))
     kb = k * beta[..., None]
     a = torch.where(strict, (kb @ k.transpose(-1, -2)) * decay, zero)
-    p = -a
-    t = torch.eye(c, device=q.device) + p
-    for _ in range(max(0, (c - 1).bit_length() - 1)):
-        p = p @ p
-        t = t + t @ p
+    eye = torch.eye(c, device=q.device).expand_as(a)
+    t = torch.linalg.solve_triangular(eye + a, eye, upper=False, unitriangular=True)
     egc = torch.exp(gc)
     u = t @ (v * beta[..., None])
     w = t @ (kb * egc[..., None])

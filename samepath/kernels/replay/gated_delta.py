@@ -34,14 +34,15 @@ def _tile(src: np.ndarray, rows: np.ndarray, valid: np.ndarray, width: int, cols
     return widen(tile, "C")
 
 
-def _ut_inverse(a: np.ndarray, eye: np.ndarray, log2_chunk: int) -> np.ndarray:
-    """``(I + A)^-1`` of the strictly lower ``A`` as the kernel forms it: ``(I - A)(I + A^2)(I + A^4)...``,
-    each factor applied as ``T = T + T @ P``."""
-    p = np.negative(a)
-    t = eye + p
-    for _ in range(log2_chunk - 1):
-        p = _dot(p, p)
-        t = _dot(t, p, t)
+def _ut_inverse(a: np.ndarray, eye: np.ndarray) -> np.ndarray:
+    """``(I + A)^-1`` of the strictly lower ``A`` as the kernel forms it: forward substitution, row ``i``
+    set to ``e_i - sum_m A[i, m] T[m, :]`` (a column sum over the whole tile) for ``i = 1 .. C - 1``."""
+    rows = np.arange(a.shape[0])
+    t = eye
+    for i in range(1, a.shape[0]):
+        a_i = np.sum(np.where(rows[:, None] == i, a, _ZERO), axis=0)
+        row = np.where(rows == i, _ONE, _ZERO) - np.sum(a_i[:, None] * t, axis=0)
+        t = np.where(rows[:, None] == i, row[None, :], t)
     return t
 
 
@@ -66,7 +67,6 @@ def gated_delta_fwd(
     EPS,
     HAS_S0,
     CHUNK_SIZE,
-    LOG2_CHUNK,
     BLOCK_K,
     BLOCK_V,
 ) -> None:
@@ -108,7 +108,7 @@ def gated_delta_fwd(
                     decay = np.exp(np.where(lower, gc[:, None] - gc[None, :], _ZERO))
                     kb = k * b[:, None]
                     a = np.where(strict, _dot(kb, k.T) * decay, _ZERO)
-                    t = _ut_inverse(a, eye, LOG2_CHUNK)
+                    t = _ut_inverse(a, eye)
                     egc = np.exp(gc)
                     w = _dot(t, kb * egc[:, None])
                     attn = np.where(lower, _dot(q, k.T) * decay, _ZERO)
