@@ -204,7 +204,7 @@ def _launch(q, k, v, g, beta, cu_seqlens, state) -> tuple[torch.Tensor, torch.Te
         CHUNK_SIZE=CHUNK,
         BLOCK_K=block_k,
         BLOCK_V=block_v,
-        num_warps=8,
+        num_warps=4,
     )
     return out, s_out
 
