@@ -16,7 +16,7 @@ A continuation (:func:`gated_delta_continue`, decode included) keeps the boundar
 ``<= C - 1`` tokens since it (their keys, values, gates, betas), recomputes that partial chunk with
 the new tokens appended (query rows of the old tokens zero, their outputs discarded) and applies the
 update when the chunk fills: every output and state has the bits of the one-call prefill. A decode
-step therefore costs one chunk tile (``O(C^2 (Dk + Dv) + C Dk Dv)``), not a per-token recurrence.
+step therefore costs one chunk tile (``O(C^3 + C^2 (Dk + Dv) + C Dk Dv)``), not a per-token recurrence.
 
 Programs: one per (sequence, value head, block of :data:`V_BLOCK` value columns), walking its
 chunks in order (the state slice stays in registers). Dots take fp32 operands at ieee precision with fp32 accumulation.
