@@ -10,8 +10,8 @@ import samepath
 from samepath.check.harness import DEFAULT_MODEL_CONFIG
 
 PINNED = {
-    1: "sp5-5dc4e40e99ae37c2",
-    2: "sp5-526fca7cc31a856e",
+    1: "sp5-07de7823be696b97",
+    2: "sp5-c5fcf1e3358aecc4",
 }
 
 

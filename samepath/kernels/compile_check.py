@@ -405,6 +405,33 @@ def _reductions() -> None:
         _empty(4096, 4096).norm(dim=-1)
 
 
+def _gated_delta(lengths: list[int], tail: int) -> Callable[[], None]:
+    """Gated DeltaNet at Qwen3-Next's shapes (16 q/k heads, 32 value heads, head 128), bf16: a prefill
+    (``tail`` 0) or a continuation of ``tail`` cached tokens (the kernel's backward is torch's)."""
+
+    def run() -> None:
+        from samepath.kernels.gated_delta import GatedDeltaCache, chunk_gated_delta, gated_delta_continue
+
+        total, n = sum(lengths), len(lengths)
+        cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+        q, k, v = _empty(total, 16, 128), _empty(total, 16, 128), _empty(total, 32, 128)
+        g, beta = _empty(total, 32, dtype=torch.float32), _empty(total, 32, dtype=torch.float32)
+        if not tail:
+            chunk_gated_delta(q, k, v, g, beta, cu)
+            return
+        cache = GatedDeltaCache(
+            _empty(n, 32, 128, 128, dtype=torch.float32),
+            _empty(n * tail, 16, 128),
+            _empty(n * tail, 32, 128),
+            _empty(n * tail, 32, dtype=torch.float32),
+            _empty(n * tail, 32, dtype=torch.float32),
+            torch.arange(0, n * tail + 1, tail),
+        )
+        gated_delta_continue(q, k, v, g, beta, cu, cache)
+
+    return run
+
+
 #: The report's workloads: a Qwen3-8B-like layer (hidden 4096, 32 query / 8 KV heads of 128,
 #: intermediate 12288, vocabulary 151936) in bf16, training and rollout.
 REPORT_CASES: tuple[ReportCase, ...] = (
@@ -444,6 +471,16 @@ REPORT_CASES: tuple[ReportCase, ...] = (
         "moe-grouped",
         "grouped expert GEMMs fwd+bwd, 4096 tokens x top-8 of 128 experts, hidden 2048, intermediate 768",
         _moe_grouped,
+    ),
+    ReportCase(
+        "gated-delta-prefill",
+        "Gated DeltaNet forward, 2 x 2048 tokens, 16 q/k / 32 value heads, head 128",
+        _gated_delta([2048, 2048], 0),
+    ),
+    ReportCase(
+        "gated-delta-decode",
+        "Gated DeltaNet decode, 64 sequences x 1 new token after 40 cached tokens of the chunk",
+        _gated_delta([1] * 64, 40),
     ),
     ReportCase(
         "reductions",

@@ -355,6 +355,27 @@ MOE_FORMULA = {
 }
 register_formula("moe", MOE_FORMULA)
 
+#: Gated DeltaNet's frozen chunk: the recurrent state exists only at multiples of it from each
+#: sequence's first token (``samepath.kernels.gated_delta``).
+GATED_DELTA_CHUNK = 64
+
+#: Gated DeltaNet (``samepath.kernels.gated_delta``), one schedule for prefill, chunked prefill,
+#: packed sequences and decode.
+GATED_DELTA_FORMULA = {
+    "anchor": f"chunks of {GATED_DELTA_CHUNK} tokens from each sequence's first token; the fp32 state [Dk, Dv] "
+    "exists only at chunk boundaries; decode recomputes its partial chunk from the boundary state",
+    "inputs": "q, k widened to fp32, x * (1 / sqrt(sum(x * x) + 1e-6)) per token, q then * Dk**-0.5; g (log "
+    "decay) and beta fp32",
+    "chunk": "gc = cumsum(g); D = exp(where(i >= j, gc_i - gc_j, 0)); A = strict_lower((k*beta) @ k^T * D); "
+    "T = (I + A)^-1 by forward substitution (row i = e_i - column sum of A[i, :, None] * T, i ascending); "
+    "u = T @ (v*beta); "
+    "w = T @ (k*beta*exp(gc)); vnew = u - w @ S; o = (tril(q @ k^T * D)) @ vnew + (q*exp(gc)) @ S",
+    "update": "on a full chunk S = (k*exp(gc_C - gc))^T @ vnew + S * exp(gc_C)",
+    "dot": "fp32 operands, ieee, fp32 accumulation; one cast of o to the input dtype",
+    "backward": "torch autograd of the same chunk formula recomputed in fp32 per chunk (deterministic)",
+}
+register_formula("gated_delta", GATED_DELTA_FORMULA)
+
 
 def tensor_parallel_numerics(tensor_parallel_size: int, expert_parallel: bool = False) -> dict[str, int | str]:
     """The TP-dependent numerics constants for a rollout of TP degree ``S`` (the fingerprint's

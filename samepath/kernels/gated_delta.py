@@ -1,0 +1,365 @@
+"""Gated DeltaNet (Qwen3-Next / Qwen3.5 linear attention): one schedule anchored at position 0.
+
+The recurrent rule (Hugging Face's ``torch_recurrent_gated_delta_rule``), per value head, with
+``q``, ``k`` L2-normalised in fp32 and ``q`` scaled by ``Dk ** -0.5``::
+
+    S_t = exp(g_t) * S_{t-1};  S_t += k_t (beta_t * (v_t - S_t^T k_t))^T;  o_t = S_t^T q_t
+
+Schedule (the same for prefill, chunked prefill split anywhere, packed sequences and decode): the
+fp32 state ``S [Dk, Dv]`` exists only at chunk boundaries, multiples of :data:`CHUNK` tokens from
+each sequence's first token. Token ``t``'s output is computed from the state at its chunk's start
+and the tokens of its chunk up to ``t``, by the chunk formula of
+:data:`samepath.kernels.config.GATED_DELTA_FORMULA` (UT transform by forward substitution, every
+cross-token term behind an exact lower-triangular mask, so a row's bits never depend on the tokens
+after it); a full chunk produces the next boundary state by the one update formula.
+A continuation (:func:`gated_delta_continue`, decode included) keeps the boundary state plus the
+``<= C - 1`` tokens since it (their keys, values, gates, betas), recomputes that partial chunk with
+the new tokens appended (query rows of the old tokens zero, their outputs discarded) and applies the
+update when the chunk fills: every output and state has the bits of the one-call prefill. A decode
+step therefore costs one chunk tile (``O(C^3 + C^2 (Dk + Dv) + C Dk Dv)``), not a per-token recurrence.
+
+Programs: one per (sequence, value head, block of :data:`V_BLOCK` value columns), walking its
+chunks in order (the state slice stays in registers). Dots take fp32 operands at ieee precision with fp32 accumulation.
+
+Backward: :class:`_GatedDelta` recomputes the same chunk formula with torch fp32 ops per sequence
+and chunk (every head at once) and differentiates it by autograd: deterministic run to run (no
+atomics, a fixed order) and close to autograd of the float64 recurrence, but not a Triton kernel
+and not bit-identical to the kernel's forward (the gradient is of the same formula).
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from samepath.kernels.config import GATED_DELTA_CHUNK
+from samepath.kernels.dispatch import jit
+
+#: The frozen chunk size (tokens); part of the fingerprint through ``GATED_DELTA_FORMULA``.
+CHUNK = GATED_DELTA_CHUNK
+#: The L2 norm's epsilon (FLA's and Hugging Face's ``l2norm``).
+L2_EPS = 1e-6
+#: Value columns per program (frozen): the state tile is ``[BLOCK_K, V_BLOCK]``.
+V_BLOCK = 32
+#: ``tl.dot`` precision of the fp32 operands (the interpreter and the replay compute fp32 products).
+DOT_PRECISION: tl.constexpr = tl.constexpr("tf32x3")
+_FLOATS = (torch.float32, torch.bfloat16, torch.float16)
+
+
+@jit
+def _gated_delta_fwd_kernel(
+    Q,
+    K,
+    V,
+    G,
+    Beta,
+    S0,
+    Out,
+    SOut,
+    CuSeqlens,
+    HK,
+    HV,
+    DK,
+    DV,
+    SCALE: tl.constexpr,
+    EPS: tl.constexpr,
+    HAS_S0: tl.constexpr,
+    CHUNK_SIZE: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+):
+    """Program (sequence n, value head h, value block vb): outputs of every token of the sequence and
+    the state at its last chunk boundary, value columns ``vb * BLOCK_V ...`` (the chunk's UT transform,
+    ``w`` and the intra-chunk scores are recomputed per value block, the same bits).
+    Q, K ``[T, HK, DK]``, V / Out ``[T, HV, DV]``, G / Beta ``[T, HV]`` fp32,
+    S0 / SOut ``[N, HV, DK, DV]`` fp32, all contiguous."""
+    n = tl.program_id(0)
+    h = tl.program_id(1)
+    vb = tl.program_id(2)
+    hk = h // (HV // HK)
+    start = tl.load(CuSeqlens + n).to(tl.int64)
+    length = (tl.load(CuSeqlens + n + 1) - tl.load(CuSeqlens + n)).to(tl.int32)
+    rows = tl.arange(0, CHUNK_SIZE)
+    kd = tl.arange(0, BLOCK_K)
+    vd = vb * BLOCK_V + tl.arange(0, BLOCK_V)
+    lower = rows[:, None] >= rows[None, :]
+    strict = rows[:, None] > rows[None, :]
+    eye = tl.where(rows[:, None] == rows[None, :], 1.0, 0.0)
+    state_offs = (n * HV + h).to(tl.int64) * DK * DV + kd[:, None] * DV + vd[None, :]
+    state_mask = (kd[:, None] < DK) & (vd[None, :] < DV)
+    if HAS_S0:
+        S = tl.load(S0 + state_offs, mask=state_mask, other=0.0)
+    else:
+        S = tl.zeros((BLOCK_K, BLOCK_V), dtype=tl.float32)
+    for c0 in range(0, length, CHUNK_SIZE):
+        valid = (c0 + rows) < length
+        tok = start + c0 + rows
+        qk_mask = valid[:, None] & (kd[None, :] < DK)
+        v_mask = valid[:, None] & (vd[None, :] < DV)
+        qk_offs = (tok[:, None] * HK + hk) * DK + kd[None, :]
+        q = tl.load(Q + qk_offs, mask=qk_mask, other=0.0).to(tl.float32)
+        k = tl.load(K + qk_offs, mask=qk_mask, other=0.0).to(tl.float32)
+        v = tl.load(V + (tok[:, None] * HV + h) * DV + vd[None, :], mask=v_mask, other=0.0).to(tl.float32)
+        g = tl.load(G + tok * HV + h, mask=valid, other=0.0)
+        b = tl.load(Beta + tok * HV + h, mask=valid, other=0.0)
+        q = q * (1.0 / tl.sqrt(tl.sum(q * q, axis=1) + EPS))[:, None]
+        q = q * SCALE
+        k = k * (1.0 / tl.sqrt(tl.sum(k * k, axis=1) + EPS))[:, None]
+        gc = tl.cumsum(g, axis=0)
+        gc_last = tl.sum(tl.where(rows == CHUNK_SIZE - 1, gc, 0.0), axis=0)
+        decay = tl.exp(tl.where(lower, gc[:, None] - gc[None, :], 0.0))
+        kb = k * b[:, None]
+        a = tl.where(strict, tl.dot(kb, tl.trans(k), input_precision=DOT_PRECISION) * decay, 0.0)
+        t = eye
+        for i in range(1, CHUNK_SIZE):
+            a_i = tl.sum(tl.where(rows[:, None] == i, a, 0.0), axis=0)
+            row = tl.where(rows == i, 1.0, 0.0) - tl.sum(a_i[:, None] * t, axis=0)
+            t = tl.where(rows[:, None] == i, row[None, :], t)
+        egc = tl.exp(gc)
+        u = tl.dot(t, v * b[:, None], input_precision=DOT_PRECISION)
+        w = tl.dot(t, kb * egc[:, None], input_precision=DOT_PRECISION)
+        vnew = u - tl.dot(w, S, input_precision=DOT_PRECISION)
+        attn = tl.where(lower, tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * decay, 0.0)
+        o = tl.dot(q * egc[:, None], S, input_precision=DOT_PRECISION)
+        o = tl.dot(attn, vnew, o, input_precision=DOT_PRECISION)
+        tl.store(Out + (tok[:, None] * HV + h) * DV + vd[None, :], o.to(Out.dtype.element_ty), mask=v_mask)
+        kdec = k * tl.exp(gc_last - gc)[:, None]
+        updated = tl.dot(tl.trans(kdec), vnew, S * tl.exp(gc_last), input_precision=DOT_PRECISION)
+        S = tl.where(c0 + CHUNK_SIZE <= length, updated, S)
+    tl.store(SOut + state_offs, S, mask=state_mask)
+
+
+def _check(q, k, v, g, beta, cu_seqlens, state) -> tuple[int, int, int, int, int]:
+    """Validate the packed operands; returns ``(N, HK, HV, DK, DV)``."""
+    for name, t, dims in (("q", q, 3), ("k", k, 3), ("v", v, 3), ("g", g, 2), ("beta", beta, 2)):
+        if not isinstance(t, torch.Tensor) or t.dim() != dims:
+            raise ValueError(f"{name} must be a {dims}-d tensor, got {getattr(t, 'shape', type(t))}")
+        if t.dtype not in _FLOATS:
+            raise ValueError(f"{name} must be float32 / bfloat16 / float16, got {t.dtype}")
+    if k.shape != q.shape or k.dtype != q.dtype:
+        raise ValueError(
+            f"k must match q's shape and dtype, got {tuple(k.shape)} {k.dtype} vs {tuple(q.shape)} {q.dtype}"
+        )
+    if v.dtype != q.dtype:
+        raise ValueError(f"v must have q's dtype {q.dtype}, got {v.dtype}")
+    total, hk, dk = q.shape
+    if v.shape[0] != total:
+        raise ValueError(f"v must have {total} tokens like q, got {v.shape[0]}")
+    hv, dv = v.shape[1], v.shape[2]
+    if hk == 0 or hv % hk:
+        raise ValueError(f"v's head count {hv} must be a multiple of q's {hk}")
+    for name, t in (("g", g), ("beta", beta)):
+        if tuple(t.shape) != (total, hv):
+            raise ValueError(f"{name} must be [T, HV] = [{total}, {hv}], got {tuple(t.shape)}")
+    if not (1 <= dk <= 256 and 1 <= dv <= 256):
+        raise ValueError(f"head sizes must be in [1, 256], got q/k {dk}, v {dv}")
+    if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
+        raise ValueError("cu_seqlens must be a 1-d integer tensor [N + 1]")
+    if cu_seqlens.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"cu_seqlens must be int32 / int64, got {cu_seqlens.dtype}")
+    cu = cu_seqlens.tolist()
+    if cu[0] != 0 or cu[-1] != total or any(b < a for a, b in itertools.pairwise(cu)):
+        raise ValueError(f"cu_seqlens must rise from 0 to T = {total}, got {cu}")
+    n = len(cu) - 1
+    if state is not None:
+        if not isinstance(state, torch.Tensor) or state.dtype != torch.float32:
+            raise ValueError("state must be a float32 tensor [N, HV, DK, DV]")
+        if tuple(state.shape) != (n, hv, dk, dv):
+            raise ValueError(f"state must be [N, HV, DK, DV] = {[n, hv, dk, dv]}, got {tuple(state.shape)}")
+    for name, t in (("k", k), ("v", v), ("g", g), ("beta", beta), ("cu_seqlens", cu_seqlens), ("state", state)):
+        if t is not None and t.device != q.device:
+            raise ValueError(f"{name} must be on q's device {q.device}, got {t.device}")
+    return n, hk, hv, dk, dv
+
+
+def _launch(q, k, v, g, beta, cu_seqlens, state) -> tuple[torch.Tensor, torch.Tensor]:
+    n, hk, hv, dk, dv = _check(q, k, v, g, beta, cu_seqlens, state)
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    g, beta = g.float().contiguous(), beta.float().contiguous()
+    out = torch.empty(v.shape, dtype=v.dtype, device=v.device)
+    s_out = torch.zeros((n, hv, dk, dv), dtype=torch.float32, device=v.device)
+    s0 = state.contiguous() if state is not None else s_out
+    block_k, block_v = max(16, triton.next_power_of_2(dk)), V_BLOCK
+    _gated_delta_fwd_kernel[(n, hv, triton.cdiv(dv, block_v))](
+        q,
+        k,
+        v,
+        g,
+        beta,
+        s0,
+        out,
+        s_out,
+        cu_seqlens.contiguous(),
+        hk,
+        hv,
+        dk,
+        dv,
+        SCALE=dk**-0.5,
+        EPS=L2_EPS,
+        HAS_S0=state is not None,
+        CHUNK_SIZE=CHUNK,
+        BLOCK_K=block_k,
+        BLOCK_V=block_v,
+        num_warps=4,
+    )
+    return out, s_out
+
+
+def chunk_formula(q, k, v, g, beta, state, scale: float):
+    """One chunk of the schedule in torch (fp32, every head at once): ``q, k [C, H, DK]``, ``v [C, H,
+    DV]``, ``g, beta [C, H]``, ``state [H, DK, DV]``; returns ``(o [C, H, DV], next_state)``, the update
+    applied as for a full chunk. Differentiable; what the backward recomputes."""
+    c = q.shape[0]
+    q, k, v = (x.float().transpose(0, 1) for x in (q, k, v))
+    g, beta = g.float().transpose(0, 1), beta.float().transpose(0, 1)
+    q = q * (1.0 / torch.sqrt((q * q).sum(-1, keepdim=True) + L2_EPS)) * scale
+    k = k * (1.0 / torch.sqrt((k * k).sum(-1, keepdim=True) + L2_EPS))
+    gc = torch.cumsum(g, dim=-1)
+    rows = torch.arange(c, device=q.device)
+    lower, strict = rows[:, None] >= rows[None, :], rows[:, None] > rows[None, :]
+    zero = torch.zeros((), dtype=torch.float32, device=q.device)
+    decay = torch.exp(torch.where(lower, gc[..., :, None] - gc[..., None, :], zero))
+    kb = k * beta[..., None]
+    a = torch.where(strict, (kb @ k.transpose(-1, -2)) * decay, zero)
+    eye = torch.eye(c, device=q.device).expand_as(a)
+    t = torch.linalg.solve_triangular(eye + a, eye, upper=False, unitriangular=True)
+    egc = torch.exp(gc)
+    u = t @ (v * beta[..., None])
+    w = t @ (kb * egc[..., None])
+    vnew = u - w @ state
+    attn = torch.where(lower, (q @ k.transpose(-1, -2)) * decay, zero)
+    o = (q * egc[..., None]) @ state + attn @ vnew
+    gl = gc[..., -1:]
+    kdec = k * torch.exp(gl - gc)[..., None]
+    nxt = state * torch.exp(gl)[..., None] + kdec.transpose(-1, -2) @ vnew
+    return o.transpose(0, 1), nxt
+
+
+def _reference_forward(q, k, v, g, beta, cu_seqlens, scale: float):
+    """The chunk formula over packed sequences in torch: outputs (fp32) and boundary states."""
+    hk, hv = q.shape[1], v.shape[1]
+    if hv != hk:
+        q, k = (x.repeat_interleave(hv // hk, dim=1) for x in (q, k))
+    outs, states = [], []
+    cu = cu_seqlens.tolist()
+    for a, b in itertools.pairwise(cu):
+        s = torch.zeros((hv, q.shape[2], v.shape[2]), dtype=torch.float32, device=q.device)
+        for c0 in range(a, b, CHUNK):
+            c1 = min(c0 + CHUNK, b)
+            o, nxt = chunk_formula(q[c0:c1], k[c0:c1], v[c0:c1], g[c0:c1], beta[c0:c1], s, scale)
+            outs.append(o)
+            if c1 - c0 == CHUNK:
+                s = nxt
+        states.append(s)
+    out = torch.cat(outs) if outs else v.new_zeros(v.shape, dtype=torch.float32)
+    return out, torch.stack(states)
+
+
+class _GatedDelta(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, g, beta, cu_seqlens, state):
+        out, s_out = _launch(q, k, v, g, beta, cu_seqlens, state)
+        ctx.save_for_backward(q, k, v, g, beta, cu_seqlens)
+        ctx.mark_non_differentiable(s_out)
+        return out, s_out
+
+    @staticmethod
+    def backward(ctx, d_out, d_state):
+        q, k, v, g, beta, cu_seqlens = ctx.saved_tensors
+        with torch.enable_grad():
+            leaves = [x.detach().requires_grad_() for x in (q, k, v, g, beta)]
+            out, _ = _reference_forward(*leaves, cu_seqlens, q.shape[2] ** -0.5)
+            grads = torch.autograd.grad(out, leaves, d_out.float(), allow_unused=True)
+        grads = [
+            torch.zeros_like(x) if gr is None else gr.to(x.dtype)
+            for gr, x in zip(grads, (q, k, v, g, beta), strict=True)
+        ]
+        return (*grads, None, None)
+
+
+def chunk_gated_delta(q, k, v, g, beta, cu_seqlens, state=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Gated DeltaNet over packed sequences, every sequence starting at a chunk boundary.
+
+    Args:
+        q, k: ``[T, HK, DK]`` (float32 / bfloat16 / float16), L2-normalised here (fp32).
+        v: ``[T, HV, DV]``, q's dtype; ``HV`` a multiple of ``HK`` (each q/k head serves ``HV / HK``
+            consecutive value heads).
+        g: ``[T, HV]`` log decays (<= 0), beta ``[T, HV]``; taken in fp32.
+        cu_seqlens: ``[N + 1]`` int32 / int64 sequence starts.
+        state: optional fp32 ``[N, HV, DK, DV]`` boundary states the sequences continue from (not
+            differentiated: refused while it requires grad).
+
+    Returns:
+        ``(out [T, HV, DV] in q's dtype, boundary_state [N, HV, DK, DV] fp32)``: the state after each
+        sequence's last full chunk. Differentiable in q, k, v, g, beta (see the module docstring).
+    """
+    if state is not None and state.requires_grad and torch.is_grad_enabled():
+        raise ValueError("state: gradients into the initial state are not supported (detach it)")
+    return _GatedDelta.apply(q, k, v, g, beta, cu_seqlens, state)
+
+
+@dataclass
+class GatedDeltaCache:
+    """A sequence batch's Gated DeltaNet cache for one layer: the fp32 state at each sequence's last
+    chunk boundary and the ``< C`` tokens since it (packed, ``cu_tail`` ``[N + 1]``)."""
+
+    state: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    g: torch.Tensor
+    beta: torch.Tensor
+    cu_tail: torch.Tensor
+
+
+@torch.no_grad()
+def gated_delta_continue(q, k, v, g, beta, cu_seqlens, cache: GatedDeltaCache | None = None):
+    """Prefill, chunked prefill or decode: the new tokens (packed by ``cu_seqlens``) after ``cache``
+    (``None``: the sequences start here). Returns ``(out, new_cache)`` with the bits of one
+    :func:`chunk_gated_delta` call over the whole sequences. Not differentiable."""
+    if cache is not None and (
+        not isinstance(cache, GatedDeltaCache) or cache.state.shape[0] != getattr(cu_seqlens, "numel", lambda: 0)() - 1
+    ):
+        raise ValueError("cache must be a GatedDeltaCache of the same sequences as cu_seqlens")
+    n, _hk, _hv, _dk, _dv = _check(q, k, v, g, beta, cu_seqlens, None if cache is None else cache.state)
+    if cache is None:
+        out, state = _launch(q, k, v, g, beta, cu_seqlens, None)
+        full_q, full_k, full_v, full_g, full_b, cu_full = q, k, v, g.float(), beta.float(), cu_seqlens.tolist()
+        new_rows = None
+    else:
+        tail = cache.cu_tail.tolist()
+        cu = cu_seqlens.tolist()
+        if len(tail) != n + 1 or any(b - a >= CHUNK for a, b in itertools.pairwise(tail)):
+            raise ValueError(f"cache: cu_tail must be [N + 1] with fewer than {CHUNK} tokens per sequence")
+        pieces, new_rows, cu_full = {x: [] for x in "qkvgb"}, [], [0]
+        for i in range(n):
+            t0, t1, s0, s1 = tail[i], tail[i + 1], cu[i], cu[i + 1]
+            pieces["q"] += [torch.zeros_like(cache.k[t0:t1]), q[s0:s1]]
+            pieces["k"] += [cache.k[t0:t1], k[s0:s1]]
+            pieces["v"] += [cache.v[t0:t1], v[s0:s1]]
+            pieces["g"] += [cache.g[t0:t1], g[s0:s1].float()]
+            pieces["b"] += [cache.beta[t0:t1], beta[s0:s1].float()]
+            new_rows.append(torch.arange(cu_full[-1] + t1 - t0, cu_full[-1] + t1 - t0 + s1 - s0))
+            cu_full.append(cu_full[-1] + t1 - t0 + s1 - s0)
+        full_q, full_k, full_v, full_g, full_b = (torch.cat(pieces[x]) for x in "qkvgb")
+        cu_t = torch.tensor(cu_full, dtype=cu_seqlens.dtype, device=q.device)
+        out_full, state = _launch(full_q, full_k, full_v, full_g, full_b, cu_t, cache.state)
+        out = out_full[torch.cat(new_rows).to(q.device)]
+    keep, cu_tail = [], [0]
+    for a, b in itertools.pairwise(cu_full):
+        first = a + (b - a) // CHUNK * CHUNK
+        keep.append(torch.arange(first, b))
+        cu_tail.append(cu_tail[-1] + b - first)
+    rows = torch.cat(keep).to(q.device)
+    new_cache = GatedDeltaCache(
+        state,
+        full_k[rows],
+        full_v[rows],
+        full_g[rows],
+        full_b[rows],
+        torch.tensor(cu_tail, dtype=torch.int64, device=q.device),
+    )
+    return out, new_cache

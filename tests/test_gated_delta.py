@@ -1,0 +1,205 @@
+"""Gated DeltaNet's one schedule (samepath.kernels.gated_delta): prefill == chunked prefill split
+anywhere == packed == token-by-token decode, bit for bit; close to the float64 recurrence; backward
+deterministic and close to float64 autograd; replay == interpreter; bad inputs refused by name."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+from samepath.kernels import gated_delta as gd
+from samepath.kernels.dispatch import ReplayMismatch, cpu_executor
+from samepath.kernels.replay import gated_delta as gd_replay
+
+#: The consistency cases: the first runs the Triton source under the interpreter, the others the
+#: CPU replay (proven bit-identical to the interpreter by the verify test below; ~10x faster).
+_INTERPRETED = pytest.mark.interpreter
+
+C = gd.CHUNK
+
+
+def _inputs(total, hk, hv, dk, dv, dtype, seed):
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(total, hk, dk, generator=gen).to(dtype)
+    k = torch.randn(total, hk, dk, generator=gen).to(dtype)
+    v = torch.randn(total, hv, dv, generator=gen).to(dtype)
+    g = -torch.nn.functional.softplus(torch.randn(total, hv, generator=gen)) * 0.5
+    beta = torch.sigmoid(torch.randn(total, hv, generator=gen))
+    return q, k, v, g, beta
+
+
+def _recurrent64(q, k, v, g, beta, cu):
+    """Hugging Face's recurrent rule (torch_recurrent_gated_delta_rule with L2-normalised q/k), float64."""
+    q, k, v, g, beta = (x.double() for x in (q, k, v, g, beta))
+    hv, dk = v.shape[1], q.shape[2]
+    q, k = (x.repeat_interleave(hv // x.shape[1], dim=1) for x in (q, k))
+    q = q * torch.rsqrt((q * q).sum(-1, keepdim=True) + 1e-6) * dk**-0.5
+    k = k * torch.rsqrt((k * k).sum(-1, keepdim=True) + 1e-6)
+    outs, cu = [], cu.tolist()
+    for a, b in itertools.pairwise(cu):
+        s = torch.zeros(hv, dk, v.shape[2], dtype=torch.float64)
+        for t in range(a, b):
+            s = s * g[t].exp()[:, None, None]
+            delta = (v[t] - (s * k[t][:, :, None]).sum(1)) * beta[t][:, None]
+            s = s + k[t][:, :, None] * delta[:, None, :]
+            outs.append((s * q[t][:, :, None]).sum(1))
+    return torch.stack(outs)
+
+
+def _split(x, cu):
+    return [x[a:b] for a, b in itertools.pairwise(cu)]
+
+
+def _continue_in_pieces(inputs, lengths, cuts):
+    """Feed each sequence in pieces ending at ``cuts`` (positions), all sequences at once per step."""
+    cu = [0]
+    for n in lengths:
+        cu.append(cu[-1] + n)
+    per_seq = [_split(x, cu) for x in inputs]
+    outs = [[] for _ in lengths]
+    cache, prev = None, 0
+    for cut in [*cuts, max(lengths)]:
+        pieces = [[x[i][min(prev, n) : min(cut, n)] for i, n in enumerate(lengths)] for x in per_seq]
+        step_cu = torch.tensor([0, *torch.tensor([p.shape[0] for p in pieces[0]]).cumsum(0).tolist()])
+        out, cache = gd.gated_delta_continue(*(torch.cat(p) for p in pieces), step_cu, cache)
+        for i, o in enumerate(_split(out, step_cu.tolist())):
+            outs[i].append(o)
+        prev = cut
+    return torch.cat([torch.cat(o) for o in outs]), cache
+
+
+@pytest.mark.parametrize(
+    ("dtype", "dk", "dv", "hk", "hv"),
+    [
+        pytest.param(torch.float32, 32, 32, 2, 2, marks=_INTERPRETED),
+        (torch.bfloat16, 64, 64, 1, 2),
+        (torch.float32, 24, 40, 1, 1),
+    ],
+)
+def test_prefill_packed_chunked_and_decode_agree_bit_for_bit(dtype, dk, dv, hk, hv):
+    lengths = [1, C - 1, C, C + 1, 3 * C + 5]
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
+    inputs = _inputs(int(cu[-1]), hk, hv, dk, dv, dtype, seed=dk + hv)
+    packed, state = gd.chunk_gated_delta(*inputs, cu)
+    # each sequence alone
+    alone = [
+        gd.chunk_gated_delta(*(x[a:b] for x in inputs), torch.tensor([0, b - a])) for a, b in itertools.pairwise(cu)
+    ]
+    assert torch.equal(packed, torch.cat([o for o, _ in alone]))
+    assert torch.equal(state, torch.cat([s for _, s in alone]))
+    # chunked prefill split at several points (inside and on chunk boundaries), then decode to the end
+    splits = [[5, C, C + 3, 2 * C - 1, 3 * C, 3 * C + 1]]
+    if dk == 24:  # every token decoded one by one (lengths 1, C - 1, C, C + 1, 3C + 5)
+        splits.append(list(range(1, 3 * C + 5)))
+    elif dk == 32:  # under the interpreter: decode steps at the start and across the first boundary
+        splits.append([1, 2, C - 2, C - 1, C, C + 1, C + 2])
+    for cuts in splits:
+        pieces, cache = _continue_in_pieces(inputs, lengths, cuts)
+        assert torch.equal(pieces, packed), cuts
+        assert torch.equal(cache.state, state)
+    # close to the float64 recurrence
+    ref = _recurrent64(*inputs, cu)
+    tol = 2e-2 if dtype == torch.bfloat16 else 1e-4
+    torch.testing.assert_close(packed.double(), ref, atol=tol, rtol=tol)
+
+
+def test_negative_control_stock_chunked_and_recurrent_differ():
+    """Hugging Face's own chunked and recurrent rules give different bits for the same tokens (what this
+    schedule removes); and a schedule anchored elsewhere (the last token fed after a boundary state of a
+    shifted chunking) gives other bits than ours."""
+    qn = pytest.importorskip("transformers.models.qwen3_next.modeling_qwen3_next")
+    q, k, v, g, beta = _inputs(C + 7, 2, 2, 32, 32, torch.float32, seed=3)
+    args = [x.unsqueeze(0) for x in (q, k, v, g, beta)]
+    chunked, _ = qn.torch_chunk_gated_delta_rule(*args, chunk_size=C, use_qk_l2norm_in_kernel=True)
+    recurrent, _ = qn.torch_recurrent_gated_delta_rule(*args, use_qk_l2norm_in_kernel=True)
+    assert not torch.equal(chunked, recurrent)
+    torch.testing.assert_close(chunked, recurrent, atol=1e-4, rtol=1e-4)
+    cu = torch.tensor([0, C + 7])
+    ours, _ = gd.chunk_gated_delta(q, k, v, g, beta, cu)
+    shifted = torch.cat(
+        [
+            gd.chunk_gated_delta(*(x[:3] for x in (q, k, v, g, beta)), torch.tensor([0, 3]))[0],
+            gd.chunk_gated_delta(
+                *(x[3:] for x in (q, k, v, g, beta)),
+                torch.tensor([0, C + 4]),
+                # the float64 recurrence's state after 3 tokens, rounded to fp32: a boundary at 3, not 0
+                _state64(q[:3], k[:3], v[:3], g[:3], beta[:3]).float(),
+            )[0],
+        ]
+    )
+    torch.testing.assert_close(shifted, ours, atol=1e-4, rtol=1e-4)
+    assert not torch.equal(shifted, ours)
+
+
+def _state64(q, k, v, g, beta):
+    k, v, g, beta = (x.double() for x in (k, v, g, beta))
+    k = k * torch.rsqrt((k * k).sum(-1, keepdim=True) + 1e-6)
+    s = torch.zeros(v.shape[1], k.shape[2], v.shape[2], dtype=torch.float64)
+    for t in range(k.shape[0]):
+        s = s * g[t].exp()[:, None, None]
+        delta = (v[t] - (s * k[t][:, :, None]).sum(1)) * beta[t][:, None]
+        s = s + k[t][:, :, None] * delta[:, None, :]
+    return s.unsqueeze(0)
+
+
+def test_backward_deterministic_and_close_to_float64_autograd():
+    lengths = [C + 3, 9]
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
+    inputs = _inputs(int(cu[-1]), 1, 2, 32, 32, torch.float32, seed=11)
+    d_out = torch.randn(int(cu[-1]), 2, 32, generator=torch.Generator().manual_seed(5))
+
+    def grads(fn, dtype):
+        leaves = [x.detach().to(dtype).requires_grad_() for x in inputs]
+        out = fn(*leaves)
+        (out * d_out.to(dtype)).sum().backward()
+        return [x.grad for x in leaves]
+
+    first = grads(lambda *x: gd.chunk_gated_delta(*x, cu)[0], torch.float32)
+    second = grads(lambda *x: gd.chunk_gated_delta(*x, cu)[0], torch.float32)
+    assert all(torch.equal(a, b) for a, b in zip(first, second, strict=True))
+    ref = grads(lambda *x: _recurrent64(*x, cu), torch.float64)
+    for name, ours, theirs in zip("q k v g beta".split(), first, ref, strict=True):
+        torch.testing.assert_close(ours.double(), theirs, atol=2e-4, rtol=2e-4, msg=name)
+
+
+@_INTERPRETED
+def test_verify_replay_matches_interpreter_and_negative_control(monkeypatch):
+    lengths = [C + 2, 5]
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
+    inputs = _inputs(int(cu[-1]), 1, 2, 24, 32, torch.bfloat16, seed=7)
+    state = torch.randn(2, 2, 24, 32) * 0.1
+    with cpu_executor("verify"):
+        gd.chunk_gated_delta(*inputs, cu, state)
+
+    def lapack_inverse(a, eye):  # the same inverse, another reduction order
+        import numpy as np
+
+        return np.linalg.inv(eye + a).astype(np.float32)
+
+    monkeypatch.setattr(gd_replay, "_ut_inverse", lapack_inverse)
+    with cpu_executor("verify"), pytest.raises(ReplayMismatch, match="_gated_delta_fwd_kernel"):
+        gd.chunk_gated_delta(*inputs, cu, state)
+
+
+def test_bad_inputs_raise_value_error_naming_the_argument():
+    q, k, v, g, beta = _inputs(10, 2, 2, 16, 16, torch.float32, seed=1)
+    cu = torch.tensor([0, 10])
+    with pytest.raises(ValueError, match="k must match"):
+        gd.chunk_gated_delta(q, k[:, :1], v, g, beta, cu)
+    with pytest.raises(ValueError, match="v's head count"):
+        gd.chunk_gated_delta(q, k, v[:, :1].expand(10, 3, 16), g, beta, cu)
+    with pytest.raises(ValueError, match="beta must be"):
+        gd.chunk_gated_delta(q, k, v, g, beta[:, :1], cu)
+    with pytest.raises(ValueError, match="cu_seqlens"):
+        gd.chunk_gated_delta(q, k, v, g, beta, torch.tensor([0, 9]))
+    with pytest.raises(ValueError, match="state must be"):
+        gd.chunk_gated_delta(q, k, v, g, beta, cu, torch.zeros(1, 2, 16, 8))
+    with pytest.raises(ValueError, match="q must be"):
+        gd.chunk_gated_delta(q.long(), k, v, g, beta, cu)
+    with pytest.raises(ValueError, match="state: gradients"):
+        gd.chunk_gated_delta(q, k, v, g, beta, cu, torch.zeros(1, 2, 16, 16, requires_grad=True))
+    _, cache = gd.gated_delta_continue(q, k, v, g, beta, cu)
+    with pytest.raises(ValueError, match="cache"):
+        gd.gated_delta_continue(q, k, v, g, beta, torch.tensor([0, 5, 10]), cache)
