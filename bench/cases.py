@@ -513,9 +513,12 @@ def _lm_head_inputs(rows: int, hidden: int, vocab: int, dtype, device) -> Callab
     return make
 
 
-def _lm_head_sides(found: Baselines, token_chunk: int) -> tuple[Callable, dict[str, Callable]]:
+def _lm_head_sides(
+    found: Baselines, token_chunk: int, save_logits: bool = True
+) -> tuple[Callable, dict[str, Callable]]:
     """The trainer's loss head, forward + backward at T = 1: samepath's fused lm_head + token
-    log-probs (``token_chunk`` rows of logits at a time), and what it replaces: the unfused pair
+    log-probs (by default the three-pass form that keeps the logits for their gradient;
+    ``save_logits=False``: ``token_chunk`` rows of logits at a time), and what it replaces: the unfused pair
     on samepath's kernels (the old schedule: full logits), the same in torch, and Liger's fused
     linear cross-entropy where it runs."""
 
@@ -523,7 +526,9 @@ def _lm_head_sides(found: Baselines, token_chunk: int) -> tuple[Callable, dict[s
         return torch.autograd.grad(loss, (d["h"], d["w"]))
 
     def ours(d):
-        lp = linear_token_logprobs(d["h"], d["w"], d["labels"], 1.0, token_chunk=token_chunk, validate=False)
+        lp = linear_token_logprobs(
+            d["h"], d["w"], d["labels"], 1.0, token_chunk=token_chunk, validate=False, save_logits=save_logits
+        )
         return grads(d, -lp.mean())
 
     def unfused(d):
@@ -555,16 +560,18 @@ def lm_head_logprobs_case(
         _lm_head_inputs(rows, hidden, vocab, dtype, device),
         ours,
         baselines,
-        flops=4 * 2.0 * rows * hidden * vocab,  # the fused path recomputes the logits in the backward
+        flops=3 * 2.0 * rows * hidden * vocab,  # logits, dhidden, dweight: the fused default keeps the logits
         repeat_scale=0.5,
     )
 
 
 def lm_head_memory_case(rows: int, hidden: int, vocab: int, token_chunk: int, dtype, device, found: Baselines) -> Case:
-    """Peak memory of the trainer's loss head, forward + backward: the fused lm_head holds
-    ``token_chunk`` rows of logits (and their gradient) at a time, the unfused paths all ``rows``.
-    The row's "ms" columns are MiB and its speedup the ratio of the peaks (baseline / samepath)."""
-    ours, baselines = _lm_head_sides(found, token_chunk)
+    """Peak memory of the trainer's loss head, forward + backward: the fused lm_head in its
+    memory-bounded form (``save_logits=False``) holds ``token_chunk`` rows of logits (and their
+    gradient) at a time, the unfused paths all ``rows``. (Its default three-pass form keeps the
+    ``[rows, V]`` logits in the input dtype, like the unfused pair.) The row's "ms" columns are MiB
+    and its speedup the ratio of the peaks (baseline / samepath)."""
+    ours, baselines = _lm_head_sides(found, token_chunk, save_logits=False)
     element = torch.empty((), dtype=dtype).element_size()
     logits_mib = rows * vocab * element / 2**20
     chunk_mib = min(rows, token_chunk) * vocab * element / 2**20

@@ -898,7 +898,7 @@ def test_vllm_gemma_ops_compute_the_hugging_face_gemma3_bits(plugin_installed):
         want_alone, want_fused = hf_norm(x), hf_norm(summed)
         gate_up = torch.randn(5, 2, 160, generator=gen).mul(3).to(torch.bfloat16)
         mlp = modeling.Gemma3MLP(gemma3_config(hidden_size=96, intermediate_size=80)).to(torch.bfloat16)
-        assert type(hf_norm).forward is hf._one_plus_weight_rms_norm_forward
+        assert type(hf_norm).forward is hf.one_plus_weight_rms_norm_forward
         assert type(mlp).forward is hf._gelu_tanh_mlp_forward
     got_fused, got_residual = norm(x, residual)
     assert torch.equal(norm(x), want_alone)

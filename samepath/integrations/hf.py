@@ -39,6 +39,7 @@ from typing import Any
 
 import torch
 
+from samepath.integrations.hf_norms import RMS_NORM_FORWARDS, one_plus_weight_rms_norm_forward  # noqa: F401
 from samepath.integrations.hf_parallel import ROW_PARALLEL_LINEARS, tensor_parallel_numerics  # noqa: F401 (public here)
 from samepath.integrations.hf_softcap import softcapped_causal_lm_forward
 from samepath.integrations.moe import biased_topk_router_forward, module_experts_forward
@@ -49,7 +50,6 @@ from samepath.kernels.gelu_tanh_mul import gelu_tanh_mul
 from samepath.kernels.logprobs import IGNORE_INDEX, LM_HEAD_TOKEN_CHUNK, linear_token_logprobs
 from samepath.kernels.moe_routing import sigmoid_grouped_topk_routing
 from samepath.kernels.opaque import compile_opaque
-from samepath.kernels.rms_norm import rms_norm
 from samepath.kernels.rotary import apply_rotary, mrope_cos_sin, rotary_cos_sin
 from samepath.kernels.swiglu import silu_mul, swiglu
 from samepath.models.descriptor import GELU_TANH_MUL, SIGMOID_GROUPED_TOPK, SILU_MUL, TOPK_SOFTMAX_BIASED, ModelFamily
@@ -482,58 +482,6 @@ def samepath_experts_forward(
 # ----------------------------------------------------------------------------------------------
 # Per-model-type patches
 # ----------------------------------------------------------------------------------------------
-
-
-def _refuse_autocast_over_fp32(weight: torch.Tensor) -> None:
-    """A norm's fp32 weight under a lower-precision autocast: the model runs ``torch.autocast`` over
-    fp32 modules, whose per-op cast points (fp32 embedding, norms, residual stream; bf16 matmul
-    outputs) no lower-precision rollout computes. Refused by name before any mixed-dtype kernel."""
-    device = weight.device.type
-    if weight.dtype == torch.float32 and torch.is_autocast_enabled(device):
-        low = torch.get_autocast_dtype(device)
-        if low != torch.float32:
-            raise ValueError(
-                f"torch.autocast({low}) over fp32 weights is refused: autocast casts only each matmul's operands, "
-                "the embedding, norms, residual stream and rotary stay fp32, which no rollout on the weights' "
-                f"{low} cast computes. Run the forward on that cast of the weights (fp32 masters: "
-                "samepath.rl.Trainer(precision='fp32_master'), functional_call over p.to(dtype))"
-            )
-
-
-def _rms_norm_forward(self: torch.nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
-    _refuse_autocast_over_fp32(self.weight)
-    return rms_norm(hidden_states, self.weight, self.variance_epsilon)
-
-
-def _one_plus_weight_rms_norm_forward(self: torch.nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
-    """``Gemma3RMSNorm``: the fp32 row times ``1 + weight.float()``, one rounding (its ``eps``)."""
-    _refuse_autocast_over_fp32(self.weight)
-    return rms_norm(hidden_states, self.weight, self.eps, weight_mode="fp32_one_plus_weight")
-
-
-def _fp32_weight_rms_norm_forward(self: torch.nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
-    """``GptOssRMSNorm``: ``(weight * fp32 row).to(dtype)``, one rounding. A weight kept in fp32
-    (transformers' ``_keep_in_fp32_modules``) runs in the activations' dtype when that holds its
-    values exactly (``weight.float()`` is then the same), and is refused otherwise (the rollout holds
-    the weight in the model dtype)."""
-    weight = self.weight
-    if weight.dtype != hidden_states.dtype:
-        narrowed = weight.detach().to(hidden_states.dtype)
-        if not torch.equal(narrowed.float(), weight.detach().float()):
-            raise ValueError(
-                f"{type(self).__name__}.weight is {weight.dtype} with values that {hidden_states.dtype} does not hold "
-                "exactly; samepath's norm multiplies the weight as the model dtype holds it (as the rollout does)"
-            )
-        weight = weight.to(hidden_states.dtype)
-    return rms_norm(hidden_states, weight, self.variance_epsilon, weight_mode="fp32_weight")
-
-
-#: ``weight_mode`` (a family's ``norm_weight_mode``) -> the norm forward samepath installs.
-RMS_NORM_FORWARDS = {
-    "cast_then_weight": _rms_norm_forward,
-    "fp32_one_plus_weight": _one_plus_weight_rms_norm_forward,
-    "fp32_weight": _fp32_weight_rms_norm_forward,
-}
 
 
 def _mlp_forward(self: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
