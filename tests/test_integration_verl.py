@@ -379,8 +379,8 @@ def test_verl_metrics_are_zero_at_every_rl_step_of_samepath_rl():
     pairs = []
 
     class RecordingTrainer(Trainer):
-        def step(self, prompts, completions, rollout_logprobs, advantages):
-            trainer_logprobs, loss = super().step(prompts, completions, rollout_logprobs, advantages)
+        def step(self, prompts, completions, rollout_logprobs, advantages, mask=None):
+            trainer_logprobs, loss = super().step(prompts, completions, rollout_logprobs, advantages, mask)
             pairs.append((completions, rollout_logprobs, trainer_logprobs))
             return trainer_logprobs, loss
 
