@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from samepath.models.descriptor import GELU_TANH_MUL, GEMMA_NORM, ModelFamily
+from samepath.models.gemma3_text import gemma_attention_problems
 
 
 def config_problems(config: Any) -> list[str]:
@@ -19,16 +20,7 @@ def config_problems(config: Any) -> list[str]:
         value = getattr(config, key, None)
         if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0):
             problems.append(f"{key}={value!r} (a cap must be a positive number or None)")
-    if getattr(config, "use_bidirectional_attention", False):
-        problems.append("use_bidirectional_attention=True (samepath's attention is causal)")
-    if getattr(config, "attention_bias", False):
-        problems.append("attention_bias=True (q/k/v/o biases)")
-    if getattr(config, "attention_dropout", 0.0):
-        problems.append(f"attention_dropout={config.attention_dropout}")
-    unknown = sorted(set(config.layer_types) - {"sliding_attention", "full_attention"})
-    if unknown:
-        problems.append(f"layer types {unknown}")
-    return problems
+    return problems + gemma_attention_problems(config)
 
 
 FAMILY = ModelFamily(

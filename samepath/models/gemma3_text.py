@@ -22,6 +22,13 @@ def config_problems(config: Any) -> list[str]:
             f"final_logit_softcapping={config.final_logit_softcapping} (tanh soft-capping of the logits: samepath's "
             "log-probs take the raw lm_head logits on both sides)"
         )
+    return problems + gemma_attention_problems(config)
+
+
+def gemma_attention_problems(config: Any) -> list[str]:
+    """The attention and layer-type options of a Gemma text config (Gemma 2 and 3 alike) outside
+    samepath's formulas."""
+    problems = []
     if getattr(config, "use_bidirectional_attention", False):
         problems.append("use_bidirectional_attention=True (samepath's attention is causal)")
     if getattr(config, "attention_bias", False):
