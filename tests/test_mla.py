@@ -66,7 +66,7 @@ def _decompressed(x, lengths, dtype):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_mla_training_prefill_decode_bits(dtype):
-    lengths = [5, 19, 1]
+    lengths = [5, 70, 1]  # across KV tiles (32) and segments (64)
     x = _inputs(lengths, dtype, seed=1)
     w_uk, w_uv = split_kv_b(x["kv_b"], H, NOPE, VHEAD)
     train = _train(x, lengths)
@@ -76,7 +76,7 @@ def test_mla_training_prefill_decode_bits(dtype):
     assert (train.double() - ref).abs().max().item() < TOL[dtype]
 
     # packed prefill of a first chunk, then the rest over the cache (generate's form)
-    cut = [2, 11, 0]
+    cut = [2, 41, 0]
     q_rows, kv_rows, start = [], [], 0
     for n, c in zip(lengths, cut, strict=True):
         q_rows += list(range(start + c, start + n))
@@ -90,11 +90,11 @@ def test_mla_training_prefill_decode_bits(dtype):
     assert torch.equal(packed, train[q_idx])
 
     # paged decode: each sequence's tokens one step at a time over a paged latent cache (page size 8, shuffled pages)
-    block, pages = 8, 16
+    block, pages = 8, 40
     cache = torch.zeros(pages, block, 1, LATENT + ROPE, dtype=dtype)
     perm = torch.randperm(pages, generator=torch.Generator().manual_seed(3))
     starts = _cu(lengths).tolist()
-    tables = [perm[4 * i : 4 * i + 4] for i in range(len(lengths))]
+    tables = [perm[10 * i : 10 * i + 10] for i in range(len(lengths))]
     table = torch.stack(tables).to(torch.int32)
     for step in range(max(lengths)):
         live = [i for i, n in enumerate(lengths) if step < n]
