@@ -196,3 +196,15 @@ def test_deepseek_v3_rl_steps_stay_on_policy():
         rollout = rl.HFRollout.for_trainer(trainer)
         history = rl.run_grpo(trainer, rollout, rl.CopyTask(model.config.vocab_size), steps=2, new_tokens=3)
     assert all(m.bitwise_equal and m.ratio_min == m.ratio_max == 1.0 for m in history), history
+
+
+@pytest.mark.slow  # about 25 s of Dynamo tracing on the CPU
+def test_deepseek_v3_under_torch_compile_is_the_eager_bits():
+    """torch.compile (aot_eager: the MoE's routing glue stays on torch's ops, as for GLM-4.5) of the patched
+    model computes the eager logits: the MLA pieces run as opaque calls (samepath.kernels.opaque)."""
+    model = tiny_deepseek(torch.bfloat16)
+    ids = torch.randint(1, 320, (2, 9), generator=torch.Generator().manual_seed(0))
+    with integrations.patched(model), torch.no_grad():
+        eager = model(input_ids=ids, use_cache=False).logits
+        compiled = torch.compile(model, backend="aot_eager")(input_ids=ids, use_cache=False).logits
+    assert torch.equal(compiled, eager)
