@@ -6,7 +6,7 @@ every layer's kernel on them, as captured — reads nothing from the device, and
 with the context; the buffers keep their addresses from step to step; its rows equal the eager path's
 and the trainer's.
 
-Faked here (no NPU): the device (CPU tensors; the staging tensor is pinned only off the CPU), the capture
+Faked here (no NPU): the device (CPU tensors; the host copy is pinned only off the CPU), the capture
 itself (``torch.npu.NPUGraph``: the forward runs with vllm-ascend's ``_EXTRA_CTX.capturing`` set, as under
 ``ACLGraphWrapper``, but nothing is recorded or replayed), and vllm-ascend's builder, metadata and forward
 context (``SimpleNamespace`` / module stand-ins with 0.23's attribute names).

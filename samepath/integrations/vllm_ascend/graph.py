@@ -18,7 +18,7 @@ vllm-ascend captures the model's forward in an ACL graph per padded batch size
 * **The new values arrive before the replay, outside the graph.** :func:`make_build` wraps the builder's
   ``build`` (which ``build_for_graph_capture`` also calls): after vllm-ascend's own build it writes the
   step's host-side lengths (``actual_seq_lengths_q`` / ``seq_lens_list``, or the common metadata's CPU
-  tensors) into a (pinned) staging tensor, issues one non-blocking host-to-device copy into the buffers and
+  tensors) into a pinned host tensor, issues one non-blocking host-to-device copy into the buffers and
   one device copy of the block table rows, on the current stream — ahead of the replay the model runner
   enqueues next — and attaches the buffers to the metadata. Requests past the real ones (the dummy
   padding request, graph padding) get no query tokens and no keys: the kernel reads no key for them.
@@ -66,11 +66,10 @@ class GraphInputs:
     """Persistent fixed-size attention metadata on one device (see the module docstring).
 
     ``query_start_loc`` ``[rows + 1]`` and ``seq_lens`` ``[rows]`` are views of one int32 buffer that
-    :meth:`fill` writes with one copy from ``staging``; ``block_table`` ``[rows, max_blocks]``.
+    :meth:`fill` writes with one copy; ``block_table`` ``[rows, max_blocks]``.
     """
 
     packed: torch.Tensor
-    staging: torch.Tensor
     block_table: torch.Tensor
     rows: int
     #: Views of ``packed``, made once (a launch plan is tied to the very tensor it was built from).
@@ -86,9 +85,8 @@ class GraphInputs:
         if rows <= 0 or max_blocks <= 0:
             raise ValueError(f"rows = {rows} and max_blocks = {max_blocks} must be positive")
         packed = torch.zeros(2 * rows + 1, dtype=torch.int32, device=device)
-        staging = torch.zeros(2 * rows + 1, dtype=torch.int32, pin_memory=device.type != "cpu")
         block_table = torch.zeros(rows, max_blocks, dtype=block_dtype, device=device)
-        return cls(packed, staging, block_table, rows)
+        return cls(packed, block_table, rows)
 
     def fill(self, starts: list[int], seq_lens: list[int], block_tables: torch.Tensor) -> None:
         """One step's metadata into the buffers: the real requests' query starts (``[num_seqs + 1]``) and KV
@@ -111,8 +109,12 @@ class GraphInputs:
             )
         end = starts[-1]
         values = [*starts, *([end] * (self.rows - num_seqs)), *seq_lens, *([0] * (self.rows - num_seqs))]
-        self.staging.copy_(torch.tensor(values, dtype=torch.int32))
-        self.packed.copy_(self.staging, non_blocking=True)
+        staging = torch.tensor(values, dtype=torch.int32)
+        if self.packed.device.type != "cpu":
+            # A fresh pinned block per step, as vllm-ascend's own build does: the caching host allocator
+            # hands it out again only once this copy has run, so the next step cannot overwrite it early.
+            staging = staging.pin_memory()
+        self.packed.copy_(staging, non_blocking=True)
         if num_seqs:
             self.block_table[:num_seqs, : block_tables.shape[1]].copy_(block_tables[:num_seqs], non_blocking=True)
 
