@@ -10,7 +10,7 @@ Implementations per pass, each called the way samepath's integrations call it:
 * ``ascendc``: ``SAMEPATH_ATTENTION_BACKEND=ascendc`` — ``samepath.varlen_attention`` (training forward),
   ``samepath.paged_attention`` (decode over vLLM-style paged caches, block size 128, vllm-ascend's) and
   the backward of ``samepath.kernels.attention.run_backward`` (``csrc/flash_attention_bwd.cpp``, the one-pass
-  schedule ``ascendc.replay.simulate_backward`` replays, delta by samepath's row-sum kernel included);
+  schedule ``ascendc.replay.simulate_backward`` replays, delta computed in the Ascend C kernel);
 * ``triton``: the same calls on the Triton backend (Triton-Ascend);
 * ``torch_npu``: ``npu_fusion_attention`` (forward: TND, causal ``sparse_mode=3``),
   ``npu_fused_infer_attention_score`` (decode: TND over the paged caches, as vllm-ascend's decode calls

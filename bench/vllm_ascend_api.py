@@ -48,6 +48,10 @@ QUERIES: dict[str, tuple[str, ...]] = {
         "AscendAttentionState.SpecDecoding",
         "AscendMetadata",
         "record_attention_compute_start",
+        "AscendAttentionMetadataBuilder",
+        "AscendAttentionMetadataBuilder.build",
+        "AscendAttentionMetadataBuilder.build_for_graph_capture",
+        "AscendAttentionBackendImpl.update_graph_params",
     ),
     "vllm_ascend.attention.fa3_v1": ("AscendFAImpl", "AscendFAImpl.forward_impl"),
     "vllm_ascend.ascend_forward_context": (

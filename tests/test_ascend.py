@@ -107,3 +107,24 @@ def test_chunked_rms_norm_lowers_for_ascend(monkeypatch) -> None:
     assert {launch.name for launch in launches} >= {"_rms_norm_fwd_kernel", "_rms_norm_bwd_kernel"}
     for launch in launches:
         assert lower_for_ascend(launch) in {"mlir", "binary"}, launch.name
+
+
+def test_formula_check_kernels_lower_for_ascend() -> None:
+    """bench/npu_formula.py's own kernels (the ``formula`` stage of bench/npu_check.sh: exp2 / log2
+    identities and the online-softmax tile update) lower for Triton-Ascend too, with their negative
+    control's variant."""
+    from bench import npu_formula
+
+    x = torch.zeros(8)
+    m, n, d = 16, 16, 64
+    state = (torch.zeros(m), torch.zeros(m), torch.zeros(m, d))
+    with record_launches() as launches:
+        npu_formula._identity_kernel[(1,)](x, *(torch.empty_like(x) for _ in range(4)), 8, BLOCK=256)
+        for guard in (True, False):
+            npu_formula._masked_tile_kernel[(1,)](
+                *state, torch.zeros(m, n), torch.zeros(n, d, dtype=torch.bfloat16), BLOCK_M=m, TILE_N=n, BLOCK_D=d,
+                GUARD=guard,
+            )  # fmt: skip
+    assert [launch.name for launch in launches] == ["_identity_kernel", "_masked_tile_kernel", "_masked_tile_kernel"]
+    for launch in launches:
+        assert lower_for_ascend(launch) in {"mlir", "binary"}, launch.name

@@ -24,6 +24,7 @@ import time
 from pathlib import Path
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 
@@ -1210,6 +1211,11 @@ BWD_CASES = {
     "bf16_h64_group20_two_chunks": {"dtype": torch.bfloat16, "heads": 20, "kv_heads": 1, "head": 64, "lens": [7, 19]},
     "fp32_h80_group2_window": {"dtype": torch.float32, "heads": 4, "kv_heads": 2, "head": 80, "lens": [50],
                                "window": 17},
+    # The forward replay's training shapes (SIM_CASES): a length-1 sequence between two crossing several
+    # tiles, and head 48 with a group wider than the tile (two head chunks), non-causal.
+    "varlen_bf16_h64_group2": {"dtype": torch.bfloat16, "heads": 4, "kv_heads": 2, "head": 64, "lens": [37, 1, 70]},
+    "mqa_fp32_h48_group20_noncausal": {"dtype": torch.float32, "heads": 20, "kv_heads": 1, "head": 48,
+                                       "lens": [9, 3], "causal": False},
 }  # fmt: skip
 
 
@@ -1235,12 +1241,12 @@ def _triton_and_replayed_backward(name: str):
     lse = run_forward(batch, out, store_lse=True)
     if name not in _BWD_RESULTS:
         _BWD_RESULTS[name] = run_backward(batch, out, lse, grad)
-    delta = simulate.replay_delta(grad, out)
 
     def replayed(two_pass: bool = False, bwd_block_m: int = 16, bwd_block_n: int = 16, **options):
-        tiles = _tiles(bwd_block_m=bwd_block_m, bwd_block_n=bwd_block_n)
-        run = simulate.simulate_backward_two_pass if two_pass else simulate.simulate_backward
-        return run(dataclasses.replace(batch, config=tiles), lse, delta, grad, **options)
+        tiles = dataclasses.replace(batch, config=_tiles(bwd_block_m=bwd_block_m, bwd_block_n=bwd_block_n))
+        if two_pass:
+            return simulate.simulate_backward_two_pass(tiles, lse, simulate.replay_delta(grad, out), grad, **options)
+        return simulate.simulate_backward(tiles, out, lse, grad, **options)
 
     return _BWD_RESULTS[name], replayed
 
@@ -1282,6 +1288,67 @@ def test_backward_replay_detects_another_schedule(monkeypatch) -> None:
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
     with pytest.raises(RuntimeError, match="deadlocked"):  # and the replay sees the cores wait for each other
         replay(dq_order="descending", num_cores=2)
+
+
+def test_backward_replay_delta_is_the_kernels_and_a_changed_sum_is_caught(monkeypatch) -> None:
+    """The replayed kernel computes ``delta`` itself from ``O`` and ``dO`` (no ``delta`` argument): bitwise the
+    Triton backward whose ``delta`` is its preprocessing kernel's. Negative controls: the same products summed
+    left to right, or another ``O``, change dQ and dK (dV does not read delta)."""
+    from samepath.kernels.attention.ascendc import replay as simulate
+
+    monkeypatch.delenv(backend.BACKEND_ENV, raising=False)
+    (dq, dk, dv), replay = _triton_and_replayed_backward("bf16_h80_group4_window")
+    sequential = dataclasses.replace(
+        simulate.TRITON_INTERPRETER, name="left-to-right", row_sum=lambda x: np.cumsum(x, axis=1)[:, -1]
+    )
+    got = replay(primitives=sequential)
+    assert not torch.equal(got[0], dq) and not torch.equal(got[1], dk) and torch.equal(got[2], dv)
+    torch.testing.assert_close(got[0], dq, rtol=2e-2, atol=2e-2)
+
+
+def test_backward_replay_refuses_mismatched_out() -> None:
+    from samepath.kernels.attention.ascendc import replay as simulate
+    from samepath.kernels.config import AttentionConfig
+
+    q, k, v, cu, _, _ = _small_inputs()
+    batch = _training_batch(q, k, v, cu, 0.125, True, None, AttentionConfig(16, 32, 64))
+    lse = torch.zeros(q.shape[:2])
+    with pytest.raises(ValueError, match="out must have the query's shape"):
+        simulate.simulate_backward(batch, q[:-1], lse, q)
+    with pytest.raises(ValueError, match="grad_out must have the query's shape"):
+        simulate.simulate_backward(batch, q, lse, q.double())
+
+
+def test_ascendc_backward_launch_passes_out_and_no_delta(monkeypatch) -> None:
+    """The launcher hands the kernel the forward's ``out`` (the kernel computes delta) and never runs the
+    Triton preprocessing kernel; the operator's schema and the kernel read ``out``, not a ``delta`` tensor."""
+    from samepath.kernels.attention import backward as triton_backward
+    from samepath.kernels.config import AttentionConfig
+
+    q, k, v, cu, _, _ = _small_inputs()
+    batch = _training_batch(q, k, v, cu, 0.125, True, None, AttentionConfig(16, 32, 64))
+    lse, out, grad = torch.zeros(q.shape[:2]), torch.randn_like(q), torch.randn_like(q)
+    calls = []
+
+    def fake_bwd(query, key, value, grad_out, lse_, out_, cu_seqlens, *rest):
+        calls.append((grad_out, lse_, out_))
+        return torch.zeros_like(query), torch.zeros_like(key), torch.zeros_like(value)
+
+    def no_delta(*_args, **_kwargs):
+        raise AssertionError("the Ascend C backward ran the Triton preprocessing kernel")
+
+    monkeypatch.setattr(launch, "_require_npu", lambda tensor: None)
+    monkeypatch.setattr(build, "load", lambda: None)
+    monkeypatch.setattr(triton_backward, "backward_delta", no_delta)
+    monkeypatch.setattr(launch, "torch", SimpleNamespace(ops=SimpleNamespace(
+        samepath_ascendc=SimpleNamespace(flash_attention_bwd=fake_bwd))))  # fmt: skip
+    launch.attention_backward(batch, out, lse, grad)
+    assert len(calls) == 1 and calls[0][0] is grad and calls[0][1] is lse and calls[0][2] is out
+    assert not hasattr(launch, "backward_delta")
+    kernel = (CSRC / "flash_attention_bwd.cpp").read_text()
+    _, host, _ = _sources()
+    assert "Tensor grad_out, Tensor lse, Tensor out, " in host and "Tensor delta" not in host
+    assert "ReduceSum<float>" in kernel and "deltaGm_" not in kernel and "GM_ADDR out" in kernel
 
 
 def test_backward_replay_with_the_kernel_forms_stays_close(monkeypatch) -> None:

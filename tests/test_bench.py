@@ -358,7 +358,9 @@ def test_device_scripts_dry_run_list_their_stages_and_check_every_entry() -> Non
         assert proc.returncode == 0, out
         stages = re.findall(r"^  stage (\w+) +budget +(\d+) s", out, flags=re.M)
         expected = (
-            ["setup", "bitwise", "bench", "tune"] if name == "gpu" else ["setup", "ascendc", "bitwise", "bench", "tune"]
+            ["setup", "bitwise", "bench", "tune"]
+            if name == "gpu"
+            else ["setup", "ascendc", "formula", "bitwise", "bench", "tune"]
         )
         assert [s for s, _ in stages] == expected, out
         assert sum(int(b) for _, b in stages) <= 480, out
@@ -368,6 +370,8 @@ def test_device_scripts_dry_run_list_their_stages_and_check_every_entry() -> Non
             assert "  ok   ascendc: bench/gpu_bitwise.py attention,attention_backward" in out, out
             assert "  ok   ascendc: bench/ascendc_attention.py" in out, out
             assert "passes=forward,decode,backward impls=triton,ascendc,torch_npu,flash_attn_npu" in out, out
+            assert "  ok   formula: bench/npu_formula.py --dry-run ran on the CPU" in out, out
+            assert "skipped (needs the NPU): backends: the Ascend C kernel on the NPU" in out, out
         assert "FAIL" not in out, out
         script = (ROOT / "bench" / f"{name}_check.sh").read_text() + (ROOT / "bench/device_check_lib.sh").read_text()
         assert not re.search(r"pip[^\n]*install[^\n]*\btorch\b", script), "the device script must not install torch"

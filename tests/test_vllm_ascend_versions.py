@@ -28,9 +28,12 @@ FACTS: dict[str, dict[str, Any]] = json.loads(FIXTURE.read_text())["versions"]
 INHERITED = {("0.18", "vllm_ascend.ops.linear:AscendUnquantizedLinearMethod.apply"): "UnquantizedLinearMethod"}
 #: The optional patch points each release has (read in its source).
 EXPECTED_FEATURES = {
-    "0.18": {"ascend_sampler", "ascend_top_k_top_p"},
-    "0.23": {"ascend_sampler", "ascend_top_k_top_p", "fa3_attention", "kv_pool_fence"},
-}
+    "0.18": {"ascend_sampler", "ascend_top_k_top_p", "acl_graph_builder", "acl_graph_params"},
+    "0.23": {
+        "ascend_sampler", "ascend_top_k_top_p", "fa3_attention", "kv_pool_fence", "acl_graph_builder",
+        "acl_graph_params",
+    },
+}  # fmt: skip
 
 
 def _function(name: str, params: list[str]) -> Any:
@@ -127,6 +130,11 @@ def test_release_source_has_what_samepath_patches(version: str) -> None:
     assert set(compat.METADATA_FIELDS) <= set(metadata), set(compat.METADATA_FIELDS) - set(metadata)
     for key, expected in compat.REQUIRED_PARAMS.items():
         assert tuple(facts[key]["params"][: len(expected)]) == expected, (version, key, facts[key]["params"])
+    # ACL graph mode: the builder hook reads common_attn_metadata where the release's build takes it, and
+    # build_for_graph_capture goes through build (so the capture's metadata gets the buffers too).
+    build = facts[f"{compat.ATTENTION_MODULE}:AscendAttentionMetadataBuilder.build"]["params"]
+    assert tuple(build[: len(compat.GRAPH_BUILD_PARAMS)]) == compat.GRAPH_BUILD_PARAMS, (version, build)
+    assert facts[f"{compat.ATTENTION_MODULE}:AscendAttentionMetadataBuilder.build_for_graph_capture"] is not None
 
 
 @pytest.mark.parametrize("version", sorted(FACTS))

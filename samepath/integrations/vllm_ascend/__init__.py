@@ -34,7 +34,10 @@ What :func:`install` replaces:
   ``"Norm"`` mode — an exact scatter into the same ND layout, with the same slot arithmetic as
   :func:`samepath.write_kv_cache`), so vllm-ascend's KV-sharing and KV-transfer fences stay intact.
   Decoder self-attention only; ALiBi, sinks, a quantized KV cache, Hamming-sparse attention and
-  graph capture are refused with a clear error. Encoder / cross attention keep vllm-ascend's path.
+  torch.compile are refused with a clear error. Encoder / cross attention keep vllm-ascend's path.
+  ACL graphs (``FULL_DECODE_ONLY`` / ``FULL`` without compilation): ``AscendAttentionMetadataBuilder.build``
+  also fills samepath's fixed-size metadata buffers on the device, the captured kernels read only those,
+  and ``update_graph_params`` has nothing to re-point (:mod:`~samepath.integrations.vllm_ascend.graph`).
 * **RMSNorm** — ``AscendRMSNorm.forward_oot``: the fused add + norm (``torch.ops._C_ascend.
   npu_add_rms_norm_bias``, vllm-ascend's default when its custom ops are built, or
   ``npu_add_rms_norm``) becomes ``s = x + residual`` rounded to the model dtype, then the norm of
@@ -82,8 +85,9 @@ vLLM's real layers; the gate has not run against a real vllm-ascend.
 ``matmul`` / ``sum`` / ``softmax`` registrations and its ``npu_add_rms_norm`` patch would collide
 with samepath's, and whichever registered last would win.
 
-Limits: eager mode only (``enforce_eager=True``: ACL graphs replay captured kernels, and
-vllm-ascend's compile passes fuse qk-norm + rope and add + RMSNorm behind the patched ops), vLLM's
+Limits: eager mode or ACL graphs without torch.compile (``compilation_config`` ``mode=0`` with
+``cudagraph_mode`` ``FULL_DECODE_ONLY`` / ``FULL``; vllm-ascend's compile passes would fuse qk-norm + rope
+and add + RMSNorm behind the patched ops, so ``VLLM_COMPILE`` / PIECEWISE is refused), vLLM's
 V1 model runner (``VLLM_USE_V2_MODEL_RUNNER`` set to anything but ``0`` is refused; unset, install sets
 it to ``0``: the V2 runner has its own log-prob kernel),
 no prefill/decode context parallelism (those impl classes override ``forward_impl``) and not the
@@ -93,7 +97,9 @@ install / uninstall against a real vllm-ascend and the rollout-vs-trainer logdif
 
 The package, by room: :mod:`~samepath.integrations.vllm_ascend.plugin` (:func:`install` /
 :func:`uninstall`), :mod:`~samepath.integrations.vllm_ascend.compat` (the versions and API checked),
+:mod:`~samepath.integrations.vllm_ascend.metadata` (the request layout from host values),
 :mod:`~samepath.integrations.vllm_ascend.attention` (the metadata translation and ``forward_impl``),
+:mod:`~samepath.integrations.vllm_ascend.graph` (ACL graph mode: the fixed-size device metadata),
 :mod:`~samepath.integrations.vllm_ascend.layers` (norms, rotary, SiLU·mul, linear, MoE),
 :mod:`~samepath.integrations.vllm_ascend.sampler`, :mod:`~samepath.integrations.vllm_ascend.loader`
 (the load-time audit rules) and :mod:`~samepath.integrations.vllm_ascend.state` (what is installed,

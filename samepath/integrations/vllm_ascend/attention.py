@@ -7,15 +7,16 @@ from __future__ import annotations
 import dataclasses
 import functools
 import importlib
-import itertools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from samepath.integrations.patcher import Patcher
 from samepath.integrations.vllm.common import StepCache
+from samepath.integrations.vllm_ascend import graph
 from samepath.integrations.vllm_ascend.compat import ATTENTION_MODULE
+from samepath.integrations.vllm_ascend.metadata import HostLayout, host_layout
 from samepath.integrations.vllm_ascend.state import original, set_original
 from samepath.kernels.attention import LaunchPlan, paged_attention
 
@@ -44,22 +45,6 @@ class PagedInputs:
         return LaunchPlan(self.query_start_loc, self.num_tokens)
 
 
-def _host_ints(value: Any, name: str) -> list[int]:
-    if value is None:
-        raise ValueError(f"attn_metadata.{name} is None")
-    if isinstance(value, torch.Tensor):
-        if value.dim() != 1 or value.is_floating_point():
-            raise ValueError(f"attn_metadata.{name} must be a 1-D int tensor, got {value.dtype} {tuple(value.shape)}")
-        return [int(v) for v in value.detach().cpu().tolist()]
-    if isinstance(value, Sequence):
-        return [int(v) for v in value]
-    raise ValueError(f"attn_metadata.{name} must be a list or 1-D tensor, got {type(value).__name__}")
-
-
-def _state_name(state: Any) -> str:
-    return getattr(state, "name", str(state))
-
-
 def paged_inputs(attn_metadata: Any, device: torch.device | str | None = None) -> PagedInputs:
     """Translate vllm-ascend's ``AscendMetadata`` into samepath's paged-attention inputs.
 
@@ -85,61 +70,8 @@ def paged_inputs(attn_metadata: Any, device: torch.device | str | None = None) -
         ``query_start_loc[i]:query_start_loc[i+1]`` at positions ``seq_lens[i] - q_len_i ..
         seq_lens[i] - 1``, exactly as vLLM and :func:`samepath.paged_attention` define them.
     """
-    for name in ("num_actual_tokens", "block_tables"):
-        if getattr(attn_metadata, name, None) is None:
-            raise ValueError(f"attn_metadata.{name} is missing")
-    num_tokens = int(attn_metadata.num_actual_tokens)
-    ends_source = getattr(attn_metadata, "actual_seq_lengths_q", None)
-    if ends_source is not None:
-        starts = [0, *_host_ints(ends_source, "actual_seq_lengths_q")]
-    else:
-        starts = _host_ints(getattr(attn_metadata, "query_start_loc", None), "query_start_loc")
-    if not starts or starts[0] != 0:
-        raise ValueError("attn_metadata.query_start_loc must start at 0")
-    if any(b < a for a, b in itertools.pairwise(starts)):
-        raise ValueError("attn_metadata.actual_seq_lengths_q / query_start_loc must be non-decreasing")
-    lens_source = getattr(attn_metadata, "seq_lens_list", None)
-    seq_lens_all = _host_ints(
-        lens_source if lens_source is not None else getattr(attn_metadata, "seq_lens", None), "seq_lens"
-    )
-
-    num_seqs = len(starts) - 1
-    while num_seqs > 0 and starts[num_seqs] > num_tokens:
-        num_seqs -= 1  # the padding request(s) after the real tokens
-    while num_seqs > 0 and starts[num_seqs - 1] == num_tokens:
-        num_seqs -= 1  # trailing requests without query tokens (graph padding)
-    if starts[num_seqs] != num_tokens:
-        raise ValueError(
-            f"attn_metadata: the requests' query tokens end at {starts[num_seqs]}, which is not "
-            f"num_actual_tokens = {num_tokens} (a padding request overlaps real tokens?)"
-        )
-    if len(seq_lens_all) < num_seqs:
-        raise ValueError(f"attn_metadata.seq_lens has {len(seq_lens_all)} entries for {num_seqs} requests")
-    q_lens = [starts[i + 1] - starts[i] for i in range(num_seqs)]
-    seq_lens = seq_lens_all[:num_seqs]
-    short = [i for i in range(num_seqs) if seq_lens[i] < q_lens[i]]
-    if short:
-        i = short[0]
-        raise ValueError(
-            f"attn_metadata.seq_lens[{i}] = {seq_lens[i]} is less than request {i}'s {q_lens[i]} query tokens"
-        )
-
-    num_decodes = int(getattr(attn_metadata, "num_decodes", 0) or 0)
-    num_decode_tokens = int(getattr(attn_metadata, "num_decode_tokens", 0) or 0)
-    num_prefills = int(getattr(attn_metadata, "num_prefills", 0) or 0)
-    if num_decodes > num_seqs:
-        raise ValueError(f"attn_metadata.num_decodes = {num_decodes} exceeds the {num_seqs} requests")
-    if starts[num_decodes] != num_decode_tokens:
-        raise ValueError(
-            f"attn_metadata.num_decode_tokens = {num_decode_tokens}, but the first num_decodes = {num_decodes} "
-            f"requests hold {starts[num_decodes]} query tokens (decodes must come first)"
-        )
-    state = _state_name(getattr(attn_metadata, "attn_state", None))
-    if state == "DecodeOnly" and (num_prefills or any(q != 1 for q in q_lens)):
-        raise ValueError("attn_metadata.attn_state is DecodeOnly but a request has more than one query token")
-    if state == "PrefillNoCache" and seq_lens != q_lens:
-        raise ValueError("attn_metadata.attn_state is PrefillNoCache but seq_lens differ from the query counts")
-
+    layout = host_layout(attn_metadata)
+    num_tokens, num_seqs = layout.num_tokens, layout.num_seqs
     block_tables = attn_metadata.block_tables
     if not isinstance(block_tables, torch.Tensor) or block_tables.dim() != 2:
         raise ValueError("attn_metadata.block_tables must be a 2-D tensor [requests, max_blocks]")
@@ -151,17 +83,14 @@ def paged_inputs(attn_metadata: Any, device: torch.device | str | None = None) -
         if slot_mapping.shape[0] < num_tokens:
             raise ValueError(f"attn_metadata.slot_mapping has {slot_mapping.shape[0]} slots for {num_tokens} tokens")
         slot_mapping = slot_mapping[:num_tokens]
-    causal = getattr(attn_metadata, "causal", True)
-    if isinstance(causal, torch.Tensor):
-        raise ValueError("attn_metadata.causal must be a bool (per-request causality is not supported)")
     return PagedInputs(
-        query_start_loc=torch.tensor(starts[: num_seqs + 1], dtype=torch.int32, device=device),
-        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
+        query_start_loc=torch.tensor(layout.starts[: num_seqs + 1], dtype=torch.int32, device=device),
+        seq_lens=torch.tensor(layout.seq_lens, dtype=torch.int32, device=device),
         block_table=block_tables[:num_seqs],
         slot_mapping=slot_mapping,
         num_tokens=num_tokens,
         num_seqs=num_seqs,
-        causal=bool(causal),
+        causal=layout.causal,
     )
 
 
@@ -225,9 +154,14 @@ def paged_attention_from_metadata(
 step_inputs = StepCache()
 
 
-def check_attention_supported(impl: Any) -> None:
+def capturing() -> bool:
+    """Whether vllm-ascend is capturing an ACL graph (``_EXTRA_CTX.capturing``, set by ``ACLGraphWrapper``)."""
     from vllm_ascend.ascend_forward_context import _EXTRA_CTX
 
+    return bool(getattr(_EXTRA_CTX, "capturing", False))
+
+
+def check_attention_supported(impl: Any) -> None:
     problems = []
     if getattr(impl, "alibi_slopes", None) is not None:
         problems.append("ALiBi")
@@ -239,11 +173,13 @@ def check_attention_supported(impl: Any) -> None:
         problems.append(f"kv_cache_dtype={impl.kv_cache_dtype!r}")
     if getattr(impl, "enable_hamming_sparse", False):
         problems.append("Hamming-sparse KV compression")
-    if getattr(_EXTRA_CTX, "capturing", False):
-        problems.append("ACL graph capture")
-    model_config = getattr(getattr(impl, "vllm_config", None), "model_config", None)
-    if model_config is not None and not getattr(model_config, "enforce_eager", True):
-        problems.append("graph / compiled mode (set enforce_eager=True)")
+    compiled = graph.compiled_mode(getattr(impl, "vllm_config", None))
+    if compiled is not None:
+        problems.append(
+            f"torch.compile (compilation_config.mode={compiled}: PIECEWISE ACL graphs and vllm-ascend's fusion "
+            "passes; for ACL graphs set compilation_config mode=0 (NONE) with cudagraph_mode FULL_DECODE_ONLY or "
+            "FULL, or enforce_eager=True)"
+        )
     if problems:
         raise NotImplementedError(
             f"samepath's vllm-ascend attention does not implement {', '.join(problems)} "
@@ -282,6 +218,21 @@ def make_forward_impl(owner: type, fence: Callable[[], None] | None) -> Callable
             fence()
         key_cache, value_cache = caches(self, kv_cache)
         window = self.sliding_window if self.sliding_window not in (None, -1) else None
+        out = output.view(output.shape[0], self.num_heads, self.head_size)
+        in_capture = capturing()
+        if in_capture or getattr(attn_metadata, graph.ATTRIBUTE, None) is not None:
+            # ACL graph mode: the fixed-size buffers the builder hook filled (every step of such an engine).
+            graph.graph_paged_attention(
+                query,
+                key_cache,
+                value_cache,
+                attn_metadata,
+                self.scale,
+                out,
+                sliding_window=None if window is None else int(window),
+                capturing=in_capture,
+            )
+            return output
         return paged_attention_from_metadata(
             query,
             key_cache,
@@ -300,6 +251,12 @@ def patch_attention(patcher: Patcher) -> bool:
     impl = module.AscendAttentionBackendImpl
     fence = getattr(module, "record_attention_compute_start", None)
     set_original(patcher, impl, "forward_impl", make_forward_impl(impl, fence))
+    # ACL graph mode: the builder fills samepath's fixed-size buffers; no fused-attention task to re-point.
+    builder = getattr(module, "AscendAttentionMetadataBuilder", None)
+    if builder is not None and callable(getattr(builder, "build", None)):
+        set_original(patcher, builder, "build", graph.make_build(builder))
+    if callable(getattr(impl, "update_graph_params", None)):
+        set_original(patcher, impl, "update_graph_params", staticmethod(graph.update_graph_params))
     try:
         fa3 = importlib.import_module("vllm_ascend.attention.fa3_v1")
     except ImportError:  # needs flash_attn_npu_v3
@@ -309,9 +266,12 @@ def patch_attention(patcher: Patcher) -> bool:
 
 
 __all__ = [
+    "HostLayout",
     "PagedInputs",
     "caches",
+    "capturing",
     "check_attention_supported",
+    "host_layout",
     "make_forward_impl",
     "paged_attention_from_metadata",
     "paged_inputs",

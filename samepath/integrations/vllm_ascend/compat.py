@@ -28,7 +28,7 @@ from samepath.integrations.vllm.env import (
 #: vllm-ascend (major, minor) versions this module was written and checked against.
 SUPPORTED_VERSIONS: tuple[tuple[int, int], ...] = ((0, 18), (0, 23))
 #: The sources the patches were read against (PyPI releases; 0.23.0.post1 was the latest release
-#: when checked).
+#: when checked, and still PyPI's newest on 2026-12-05, when the ACL graph patch points were added).
 SOURCE_REFS: dict[tuple[int, int], str] = {
     (0, 18): "vllm-ascend 0.18.0 (PyPI wheel)",
     (0, 23): "vllm-ascend 0.23.0 / 0.23.0.post1 (PyPI; v0.23.0 = 5cb98caaadeff42b5b62b996e34bb2aaa29d20fd)",
@@ -108,7 +108,14 @@ OPTIONAL_API: dict[str, tuple[str, str]] = {
     "kv_pool_fence": (ATTENTION_MODULE, "record_attention_compute_start"),
     "ascend_sampler": ("vllm_ascend.sample.sampler", "AscendSampler.apply_penalties"),
     "ascend_top_k_top_p": ("vllm_ascend.sample.sampler", "apply_top_k_top_p"),
+    # ACL graph mode (graph.py): the builder whose build also fills samepath's fixed-size buffers, and the
+    # fused-attention task update that becomes a no-op. Without the builder, a capture is refused.
+    "acl_graph_builder": (ATTENTION_MODULE, "AscendAttentionMetadataBuilder.build"),
+    "acl_graph_params": (ATTENTION_MODULE, "AscendAttentionBackendImpl.update_graph_params"),
 }
+#: Leading parameters of ``AscendAttentionMetadataBuilder.build`` that :func:`.graph.make_build` reads
+#: ``common_attn_metadata`` from (positionally or by name).
+GRAPH_BUILD_PARAMS: tuple[str, ...] = ("self", "common_prefix_len", "common_attn_metadata")
 #: ``AscendMetadata`` fields :func:`paged_inputs` reads.
 METADATA_FIELDS: tuple[str, ...] = (
     "attn_state",
@@ -278,6 +285,7 @@ def check_compatibility(
 
 __all__ = [
     "ATTENTION_MODULE",
+    "GRAPH_BUILD_PARAMS",
     "METADATA_FIELDS",
     "MOE_METHOD_BASE",
     "OPTIONAL_API",

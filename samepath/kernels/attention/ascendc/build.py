@@ -67,8 +67,9 @@ FORWARD_SCHEDULE_VERSIONS = (2, 3, 4, 5)
 #: (:func:`check_backward_schedule`) until the new schedule is ported. Version 4 kept version 3's schedule
 #: and sums (its key-major dots multiply and add the same elements; ``replay.simulate_backward`` still
 #: equals the Triton backward bit for bit) and moved ``delta`` into the backward's preprocessing kernel,
-#: which this backend's launcher calls too. Version 5 changed no attention bits (RMSNorm's and the fused
-#: lm_head's weight gradients only), so both versions' backward is this schedule.
+#: whose formula the Ascend C backward computes itself (``RowDelta``, per query tile: it takes ``out``, not a
+#: ``delta`` tensor, so it runs no Triton-Ascend kernel). Version 5 changed no attention bits (RMSNorm's and
+#: the fused lm_head's weight gradients only), so both versions' backward is this schedule.
 ASCENDC_BACKWARD_SCHEDULE_VERSION = 5
 BACKWARD_SCHEDULE_VERSIONS = (4, 5)
 ASCENDC_SCHEDULE = (
@@ -77,12 +78,13 @@ ASCENDC_SCHEDULE = (
 )
 
 ASCENDC_BACKWARD_SCHEDULE = (
-    "ascendc-fa-bwd-3 (numerics v4 one pass): one item per KV tile of bwd_block_n keys and KV head, items "
-    "round-robin over vector cores in ascending order; each visits its GQA-packed query tiles (bwd_block_m rows, "
-    "head chunks in order, query blocks ascending); P = where(visible, exp2(S * qk_scale - lse), 0), "
+    "ascendc-fa-bwd-4 (numerics v4 one pass, standing alone): one item per KV tile of bwd_block_n keys and KV head, "
+    "items round-robin over vector cores in ascending order; each visits its GQA-packed query tiles (bwd_block_m "
+    "rows, head chunks in order, query blocks ascending); per tile delta = 0 + ReduceSum(fp32(dO) * fp32(O)) over "
+    "each packed row zero-padded to the power-of-two head (the formula of attention.backward.backward_delta, "
+    "computed in Ascend C); P = where(visible, exp2(S * qk_scale - lse), 0), "
     "dV += cast(P)^T dO, dS = cast(P * (dP - delta)), dK += dS^T Q in fp32 by a vector Add; dQ partials dS K added "
-    "to fp32 row sums in ascending KV-tile order under one turn counter per packed query tile (no atomics); "
-    "delta = attention.backward.backward_delta (0 + one fp32 sum of dO * O over the padded head per row)"
+    "to fp32 row sums in ascending KV-tile order under one turn counter per packed query tile (no atomics)"
 )
 
 _lock = threading.Lock()

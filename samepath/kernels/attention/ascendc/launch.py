@@ -1,13 +1,12 @@
 """The Ascend C attention's launchers over one :class:`AttentionBatch`, registered as the ``ascendc`` backend.
 
-:func:`flash_attention_fwd` checks the batch (:meth:`AttentionBatch.check_args` and the kernel's own
-limits), clamps its metadata on the device (:func:`clamp_metadata`), loads the library
-(:func:`.build.load`) and runs ``csrc/flash_attention_fwd.cpp``; :func:`attention_backward` runs
-``csrc/flash_attention_bwd.cpp``, numerics version :data:`.build.ASCENDC_BACKWARD_SCHEDULE_VERSION`'s
-one-pass schedule (replayed by :func:`.replay.simulate_backward`). Both run on the Triton kernels'
-schedule and formula (GQA-packed query tiles, KV tiles and fixed segments anchored at position 0,
-segments merged in ascending order; select ``-inf`` mask, fp32 online softmax in base 2, P cast to
-the input dtype before P @ V, ``acc / l``) with the device's own instructions.
+:func:`flash_attention_fwd` checks the batch (:meth:`AttentionBatch.check_args` and the kernel's own limits), clamps
+its metadata on the device (:func:`clamp_metadata`), loads the library (:func:`.build.load`) and runs
+``csrc/flash_attention_fwd.cpp``; :func:`attention_backward` runs ``csrc/flash_attention_bwd.cpp``, numerics version
+:data:`.build.ASCENDC_BACKWARD_SCHEDULE_VERSION`'s one-pass schedule with ``delta`` computed in the kernel (replayed
+by :func:`.replay.simulate_backward`). Both run on the Triton kernels' schedule and formula (GQA-packed query tiles,
+KV tiles and fixed segments anchored at position 0, segments merged in ascending order; select ``-inf`` mask, fp32
+online softmax in base 2, P cast to the input dtype before P @ V, ``acc / l``) with the device's own instructions.
 """
 
 from __future__ import annotations
@@ -18,7 +17,6 @@ import torch
 
 from samepath.kernels.attention.ascendc import build, tiling
 from samepath.kernels.attention.backend import BACKEND_ENV, AttentionBackend, register_backend
-from samepath.kernels.attention.backward import backward_delta
 from samepath.kernels.attention.batch import AttentionBatch
 from samepath.kernels.attention.plan import clamp_cu_seqlens
 from samepath.kernels.config import dtype_name
@@ -157,8 +155,9 @@ def attention_backward(
     deterministic (dQ partials added in ascending KV-tile order, no atomics on data). The gradients are
     new tensors (``grads`` is not written).
 
-    ``delta = rowsum(grad_out * out)`` in fp32 is the Triton backward's preprocessing kernel
-    (:func:`.backward.backward_delta`), as the Triton launcher computes it.
+    The kernel stands alone: it takes the forward's ``out`` and computes ``delta = 0 + rowsum(fp32(grad_out)
+    * fp32(out))`` itself for each query tile, the formula of the Triton backward's preprocessing kernel
+    (:func:`.backward.backward_delta`), which this backend never runs.
 
     Raises:
         ValueError: tiles or head size the kernels cannot run (named).
@@ -171,7 +170,6 @@ def attention_backward(
     build.check_backward_schedule()
     _require_npu(batch.query)
     build.load()
-    delta = backward_delta(out, grad_out, lse)
     config = batch.config
     dq, dk, dv = torch.ops.samepath_ascendc.flash_attention_bwd(
         batch.query,
@@ -179,7 +177,7 @@ def attention_backward(
         batch.value,
         grad_out,
         lse,
-        delta,
+        out,
         batch.query_start_loc,
         float(batch.scale),
         bool(batch.causal),

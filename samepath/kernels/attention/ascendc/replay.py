@@ -3,10 +3,11 @@
 from the :class:`~samepath.kernels.attention.batch.AttentionBatch` the launcher takes.
 
 :func:`simulate_forward` replays the forward; :func:`simulate_backward` the one-pass backward of numerics
-versions 3 and 4 (KV-tile work items on interleaved vector cores, dQ partials added in ascending KV-tile order
-under per-tile turn counters), bitwise the Triton backward under the interpreter; :func:`replay_delta`
-the backward preprocessing's ``delta``; :func:`simulate_backward_two_pass` numerics 2's backward, kept as a
-negative control.
+versions 4 and 5 (KV-tile work items on interleaved vector cores, ``delta`` computed by the kernel for each
+query tile it visits, dQ partials added in ascending KV-tile order under per-tile turn counters), bitwise the
+Triton backward (its preprocessing kernel's ``delta`` included) under the interpreter; :func:`replay_delta`
+the Triton preprocessing kernel's ``delta``; :func:`simulate_backward_two_pass` numerics 2's backward, kept
+as a negative control.
 
 Without an NPU the kernel cannot run, but its schedule can: this module walks the same work items, in
 the same order, through the same tiling (:mod:`.tiling`, checked value for value against the C++
@@ -437,9 +438,10 @@ def simulate_backward_two_pass(
 
 
 def replay_delta(grad_out: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """``delta = rowsum(dO * O)`` as the backward's preprocessing kernel computes it
+    """``delta = rowsum(dO * O)`` as the Triton backward's preprocessing kernel computes it
     (``backward.backward_delta``): per row ``0 + sum(fp32(dO) * fp32(O))``, one sum over the head
-    zero-padded to its power-of-two block. ``[tokens, heads]`` fp32."""
+    zero-padded to its power-of-two block. ``[tokens, heads]`` fp32. The Ascend C backward computes the
+    same rows itself (``_BackwardKernel.delta_rows``); numerics 2's two-pass replay takes them from here."""
     head_size = out.shape[-1]
     product = (grad_out.float() * out.float()).numpy().reshape(-1, head_size)
     padded = np.zeros((product.shape[0], padded_head_size(head_size)), np.float32)
@@ -453,8 +455,8 @@ class _BackwardKernel:
     kernel's steps as methods. :meth:`item` is a generator that yields the turn it waits for before each
     dQ partial, so that :meth:`run` can interleave the cores as the device may."""
 
-    def __init__(self, t, q, k, v, do, lse, delta, cu, ops, dtype, dq_order):
-        self.t, self.q, self.k, self.v, self.do, self.lse, self.delta = t, q, k, v, do, lse, delta
+    def __init__(self, t, q, k, v, do, out, lse, cu, ops, dtype, dq_order):
+        self.t, self.q, self.k, self.v, self.do, self.o, self.lse = t, q, k, v, do, out, lse
         self.cu, self.ops, self.dtype, self.dq_order = cu, ops, dtype, dq_order
         num_tokens, num_heads = q.shape[:2]
         self.qk_scale, self.sm_scale = np.float32(t["qk_scale"]), np.float32(t["sm_scale"])
@@ -471,6 +473,12 @@ class _BackwardKernel:
         tile = np.zeros((tokens.shape[0], self.t["block_d"]), dtype=array.dtype)
         tile[valid, : self.t["head_size"]] = array[tokens[valid], heads[valid]]
         return tile
+
+    def delta_rows(self, do_tile: np.ndarray, o_tile: np.ndarray) -> np.ndarray:
+        """``RowDelta``: ``0 + row_sum(fp32(dO) * fp32(O))`` of a packed ``[block_m, block_d]`` tile (rows
+        that do not exist and columns past head_size are 0, so their delta is 0)."""
+        product = do_tile.astype(np.float32) * o_tile.astype(np.float32)
+        return np.float32(0) + self.ops.row_sum(product)
 
     def item(self, item: int):
         t, ops, dtype = self.t, self.ops, self.dtype
@@ -499,7 +507,8 @@ class _BackwardKernel:
                 q_tile, do_tile = self.rows(self.q, tokens, heads, valid), self.rows(self.do, tokens, heads, valid)
                 safe_t, safe_h = np.where(valid, tokens, 0), np.where(valid, heads, 0)
                 lse_rows = np.where(valid, self.lse[safe_t, safe_h], np.float32(0))
-                delta_rows = np.where(valid, self.delta[safe_t, safe_h], np.float32(0))
+                # Vector: delta = 0 + rowsum(fp32(dO) * fp32(O)) over the zero-padded row (RowDelta).
+                delta_rows = self.delta_rows(do_tile, self.rows(self.o, tokens, heads, valid))
                 # Cube: S = Q K^T. Vector: P = where(visible, exp2(S * qk_scale - lse), 0).
                 scores = ops.dot(q_tile, k_tile.T, np.zeros((m, n), np.float32))
                 full = (1 << n) - 1
@@ -570,29 +579,32 @@ class _BackwardKernel:
 
 def simulate_backward(
     batch: AttentionBatch,
+    out: torch.Tensor,
     lse: torch.Tensor,
-    delta: torch.Tensor,
     grad_out: torch.Tensor,
     *,
     num_cores: int = 3,
     primitives: Primitives = TRITON_INTERPRETER,
     dq_order: str = "ascending",
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The one-pass backward (numerics versions 3 and 4) as ``csrc/flash_attention_bwd.cpp`` runs it: ``(dq, dk, dv)``.
+    """The one-pass backward (numerics versions 4 and 5) as ``csrc/flash_attention_bwd.cpp`` runs it: ``(dq, dk, dv)``.
 
     The tiles are ``batch.config``'s ``bwd_block_m`` / ``bwd_block_n``; ``batch.query_start_loc`` is the
     ``cu_seqlens``. A work item is one KV tile (``bwd_block_n`` keys of one KV head of one sequence, numbered by
     :func:`.tiling.program_map` over blocks of ``bwd_block_n``); ``num_cores`` vector cores take the items
-    round-robin, each in ascending order. An item stages K and V, then visits the GQA-packed query tiles
-    that see it (head chunks in order, query blocks of ``block_q`` ascending), and per tile: the cube's
+    round-robin, each in ascending order. An item stages K and V, then visits the GQA-packed query tiles that see it
+    (head chunks in order, query blocks of ``block_q`` ascending), and per tile: the vector's ``delta = 0 +
+    row_sum(fp32(dO) * fp32(O))`` over each packed row zero-padded to ``block_d`` (the padded head size), the cube's
     ``S = Q K^T`` (fp32), the vector's ``P = where(visible, exp2(S * qk_scale - lse), 0)``, ``dV += cast(P)^T dO``,
-    ``dP = dO V^T``, ``dS = cast(P (dP - delta))``, ``dK += dS^T Q`` and the dQ partial ``dS K``. dQ: the
-    query tile's fp32 row sums take the partials in ascending KV-tile order, ordered by one turn counter
-    per packed query tile (a KV tile waits until the counter equals its distance from the first KV tile
-    that visits the query tile, adds, and advances it; no atomics on data); the last one scales by
-    ``scale``, casts and stores dQ. dK is scaled, dK and dV cast once.
+    ``dP = dO V^T``, ``dS = cast(P (dP - delta))``, ``dK += dS^T Q`` and the dQ partial ``dS K``. dQ: the query
+    tile's fp32 row sums take the partials in ascending KV-tile order, ordered by one turn counter per packed query
+    tile (a KV tile waits until the counter equals its distance from the first KV tile that visits the query tile,
+    adds, and advances it; no atomics on data); the last one scales by ``scale``, casts and stores dQ. dK is scaled,
+    dK and dV cast once.
 
-    ``delta`` is :func:`replay_delta` (``backward.backward_delta``) of ``dO * O``, ``lse`` the forward's base-2 lse.
+    ``out`` is the forward's output and ``lse`` its base-2 lse: the kernel computes ``delta`` itself, by the
+    formula of the Triton preprocessing kernel (``backward.backward_delta``; with :data:`TRITON_INTERPRETER`
+    its ``row_sum`` is that kernel's ``tl.sum``, so the rows equal :func:`replay_delta` bit for bit).
     ``num_cores`` moves no bit; ``dq_order="descending"`` (partials summed from the last KV tile down)
     exists for negative controls. With :data:`TRITON_INTERPRETER` the replay is bitwise the Triton
     backward (``backward._attention_bwd_kernel``) under the interpreter.
@@ -603,13 +615,18 @@ def simulate_backward(
     query, head_size = batch.query, batch.head_size
     if dq_order not in ("ascending", "descending"):
         raise ValueError(f"dq_order must be 'ascending' or 'descending', got {dq_order!r}")
+    for name, tensor in (("out", out), ("grad_out", grad_out)):
+        if tensor.shape != query.shape or tensor.dtype != query.dtype:
+            raise ValueError(
+                f"{name} must have the query's shape {tuple(query.shape)} and dtype {query.dtype}, "
+                f"got {tuple(tensor.shape)} {tensor.dtype}"
+            )
     cu = [int(x) for x in batch.query_start_loc.tolist()]
     t = tiling.compute_bwd_tiling(tiling.FlashAttentionBwdParams.from_batch(batch, num_cores=num_cores))
     kernel = _BackwardKernel(
         t,
-        *(_operand(x) for x in (query, batch.key, batch.value, grad_out)),
+        *(_operand(x) for x in (query, batch.key, batch.value, grad_out, out)),
         lse.float().numpy(),
-        delta.float().numpy(),
         cu,
         primitives,
         query.dtype,

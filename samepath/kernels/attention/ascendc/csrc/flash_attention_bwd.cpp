@@ -1,15 +1,19 @@
 // samepath's FlashAttention backward in Ascend C: the one-pass schedule and formula of the Triton kernel
-// `_attention_bwd_kernel` (samepath/kernels/attention.py, numerics version 3), replayed step by step by
-// samepath/ascendc_fallback/simulate.py (simulate_backward). Built only with CANN, in the same library as
+// `_attention_bwd_kernel` (samepath/kernels/attention/backward.py, numerics versions 4 and 5), replayed step by
+// step by samepath/kernels/attention/ascendc/replay.py (simulate_backward). Built only with CANN, in the same library as
 // the forward and with its conventions (CMakeLists.txt: HAVE_WORKSPACE, HAVE_TILING; one workspace
 // argument second to last, the tiling last; the Matmul API on GetSysWorkSpacePtr()).
 //
-// One launch, MIX_AIC_1_2. A work item is one KV tile: block_n keys of one KV head of one sequence
+// One launch, MIX_AIC_1_2, that stands alone: it reads the forward's output O and computes delta itself.
+// A work item is one KV tile: block_n keys of one KV head of one sequence
 // (`_program_map` over blocks of block_n keys, the KV head fastest). Vector core c runs items
 // c, c + num_cores, ... in ascending order. An item stages K and V once and keeps dK and dV in fp32 in
 // the unified buffer while it visits the GQA-packed query tiles that see it (head chunks in order, query
 // blocks of block_q ascending; row r of a tile is query r / head_chunk, head chunk * head_chunk +
 // r % head_chunk of the KV group, as the forward packs it). Per query tile (all fp32 but the casts):
+//   delta = 0 + rowsum(fp32(dO) * fp32(O))      (vector; each row over the zero-padded head, block_d =
+//                                                the padded head size: the formula of the Triton
+//                                                preprocessing kernel `_attention_bwd_preprocess_kernel`)
 //   S = Q K^T                                   (cube, mmT)
 //   P = where(visible, exp2(S * qk_scale - lse), 0)
 //   dV += cast(P)^T dO                          (cube, mmTA; added by a vector Add)
@@ -26,7 +30,8 @@
 // lowest unfinished item is always running on its core (items ascending per core, every core resident:
 // blockDim <= cube cores), so the waits cannot deadlock.
 // End of an item: dK * scale; dK and dV cast once.
-// delta = rowsum(dO * O) in fp32 comes from the caller (samepath's row-sum kernel, as for Triton).
+// delta is recomputed for every KV tile that visits a query tile: the same rows, the same instructions, so
+// the same value each time (no preprocessing launch, no delta tensor, no ordering between the two).
 // exp2(x) is exp(x * ln 2), as in the forward.
 #include "kernel_operator.h"
 #include "lib/matmul_intf.h"
@@ -63,7 +68,7 @@ public:
     __aicore__ inline FlashAttentionBwd() {}
 
     __aicore__ inline void Init(const sp::FlashAttentionBwdTiling& tiling, GM_ADDR query, GM_ADDR key, GM_ADDR value,
-                                GM_ADDR gradOut, GM_ADDR lse, GM_ADDR delta, GM_ADDR dq, GM_ADDR dk, GM_ADDR dv,
+                                GM_ADDR gradOut, GM_ADDR lse, GM_ADDR out, GM_ADDR dq, GM_ADDR dk, GM_ADDR dv,
                                 GM_ADDR dqAcc, GM_ADDR sync, GM_ADDR cuSeqlens, GM_ADDR programSeq,
                                 GM_ADDR programBlock, GM_ADDR numBlocks, GM_ADDR userWorkspace, TPipe* pipe)
     {
@@ -80,7 +85,7 @@ public:
         dkGm_.SetGlobalBuffer(reinterpret_cast<__gm__ T*>(dk));
         dvGm_.SetGlobalBuffer(reinterpret_cast<__gm__ T*>(dv));
         lseGm_.SetGlobalBuffer(reinterpret_cast<__gm__ float*>(lse));
-        deltaGm_.SetGlobalBuffer(reinterpret_cast<__gm__ float*>(delta));
+        oGm_.SetGlobalBuffer(reinterpret_cast<__gm__ T*>(out));
         accGm_.SetGlobalBuffer(reinterpret_cast<__gm__ float*>(dqAcc));
         syncGm_.SetGlobalBuffer(reinterpret_cast<__gm__ int32_t*>(sync));
         cuGm_.SetGlobalBuffer(reinterpret_cast<__gm__ int32_t*>(cuSeqlens));
@@ -221,6 +226,36 @@ private:
         PipeBarrier<PIPE_V>();
     }
 
+    // delta = 0 + rowsum(fp32(dO) * fp32(O)) of every packed row into deltaRow_: the product over the whole
+    // zero-padded row (block_d elements), one ReduceSum per row into its own 32-byte slot of dpUb_, then
+    // the slots into deltaRow_ and `0 +` by a vector Adds (as the Triton kernel adds 0.0: -0 becomes +0).
+    // Rows that do not exist hold zeros (ZeroFill), so their delta is 0. dqUb_, resUb_, sUb_ and dpUb_ are
+    // free until the scores are computed.
+    __aicore__ inline void RowDelta()
+    {
+        WaitPipe<HardEvent::MTE2_V>();
+        if constexpr (IsSameType<T, float>::value) {
+            Mul(resUb_, doUb_, outUb_, m_ * d_);
+        } else {
+            Cast(dqUb_, doUb_, RoundMode::CAST_NONE, m_ * d_);
+            Cast(resUb_, outUb_, RoundMode::CAST_NONE, m_ * d_);
+            PipeBarrier<PIPE_V>();
+            Mul(resUb_, dqUb_, resUb_, m_ * d_);
+        }
+        PipeBarrier<PIPE_V>();
+        for (uint32_t r = 0; r < m_; ++r) {
+            ReduceSum<float>(dpUb_[r * kFp32PerBlock], resUb_[r * d_], sUb_, static_cast<int32_t>(d_));
+            PipeBarrier<PIPE_V>();
+        }
+        WaitPipe<HardEvent::V_S>();
+        for (uint32_t r = 0; r < m_; ++r) {
+            deltaRow_.SetValue(r, dpUb_.GetValue(r * kFp32PerBlock));
+        }
+        WaitPipe<HardEvent::S_V>();
+        Adds(deltaRow_, deltaRow_, 0.0f, m_);
+        PipeBarrier<PIPE_V>();
+    }
+
     __aicore__ inline float RowValue(const GlobalTensor<float>& src, int64_t token, uint32_t head)
     {
         return src.GetValue(token * t_->strides[kLseTok] + head);
@@ -268,22 +303,27 @@ private:
         const uint32_t heads = sp::ChunkHeads(t_->group, chunk, t_->headChunk);
         const uint32_t firstHead = kvHead * t_->group + chunk * t_->headChunk;
 
-        // Q and dO, packed and zero-padded as the forward packs Q.
+        // Q, dO and O, packed and zero-padded as the forward packs Q (O has dO's strides: the host passes
+        // both contiguous).
         ZeroFill(qUb_, m_ * d_);
         ZeroFill(doUb_, m_ * d_);
+        ZeroFill(outUb_, m_ * d_);
         WaitPipe<HardEvent::V_MTE2>();
         for (uint32_t q = 0; q < queries; ++q) {
             const int64_t token = start + firstQuery + q;
             CopyRows(qUb_[q * t_->headChunk * d_], qGm_[token * s[kQTok] + firstHead * s[kQHead]], heads, s[kQHead]);
             CopyRows(doUb_[q * t_->headChunk * d_], doGm_[token * s[kDoTok] + firstHead * s[kDoHead]], heads,
                      s[kDoHead]);
+            CopyRows(outUb_[q * t_->headChunk * d_], oGm_[token * s[kDoTok] + firstHead * s[kDoHead]], heads,
+                     s[kDoHead]);
         }
         WaitPipe<HardEvent::MTE2_MTE3>();
         DataCopy(qWs_, qUb_, m_ * d_);
         DataCopy(doWs_, doUb_, m_ * d_);
         WaitPipe<HardEvent::MTE3_S>();
+        RowDelta();
 
-        // lse and delta of each row (0 for rows that do not exist), broadcast to one 32-byte block per row.
+        // lse of each row (0 for rows that do not exist); lse and delta broadcast to one 32-byte block per row.
         WaitPipe<HardEvent::V_S>();
         for (uint32_t r = 0; r < m_; ++r) {
             const uint32_t q = sp::RowQuery(r, t_->headChunk);
@@ -292,7 +332,6 @@ private:
             const int64_t token = start + firstQuery + q;
             const uint32_t head = kvHead * t_->group + h;
             lseRow_.SetValue(r, valid ? RowValue(lseGm_, token, head) : 0.0f);
-            deltaRow_.SetValue(r, valid ? RowValue(deltaGm_, token, head) : 0.0f);
         }
         WaitPipe<HardEvent::S_V>();
         Brcb(lseBrcb_, lseRow_, static_cast<uint8_t>(m_ / kFp32PerBlock), BrcbRepeatParams(1, 8));
@@ -441,8 +480,8 @@ private:
     uint32_t n_;
     uint32_t d_;
     uint32_t core_;
-    GlobalTensor<T> qGm_, kGm_, vGm_, doGm_, dqGm_, dkGm_, dvGm_;
-    GlobalTensor<float> lseGm_, deltaGm_, accGm_;
+    GlobalTensor<T> qGm_, kGm_, vGm_, doGm_, oGm_, dqGm_, dkGm_, dvGm_;
+    GlobalTensor<float> lseGm_, accGm_;
     GlobalTensor<int32_t> syncGm_, cuGm_, programSeqGm_, programBlockGm_, numBlocksGm_;
     GlobalTensor<T> qWs_, doWs_, kWs_, vWs_, castWs_;
     GlobalTensor<float> sWs_, dpWs_, resWs_;
@@ -453,7 +492,7 @@ private:
 
 template <typename T>
 __aicore__ inline void RunFlashAttentionBwd(GM_ADDR query, GM_ADDR key, GM_ADDR value, GM_ADDR gradOut, GM_ADDR lse,
-                                            GM_ADDR delta, GM_ADDR dq, GM_ADDR dk, GM_ADDR dv, GM_ADDR dqAcc,
+                                            GM_ADDR out, GM_ADDR dq, GM_ADDR dk, GM_ADDR dv, GM_ADDR dqAcc,
                                             GM_ADDR sync, GM_ADDR cuSeqlens, GM_ADDR programSeq,
                                             GM_ADDR programBlock, GM_ADDR numBlocks, GM_ADDR workspace,
                                             GM_ADDR tilingGm)
@@ -476,7 +515,7 @@ __aicore__ inline void RunFlashAttentionBwd(GM_ADDR query, GM_ADDR key, GM_ADDR 
     if ASCEND_IS_AIC {
         return;
     }
-    op.Init(tiling, query, key, value, gradOut, lse, delta, dq, dk, dv, dqAcc, sync, cuSeqlens, programSeq,
+    op.Init(tiling, query, key, value, gradOut, lse, out, dq, dk, dv, dqAcc, sync, cuSeqlens, programSeq,
             programBlock, numBlocks, userWorkspace, &pipe);
     op.Process();
 }
@@ -486,13 +525,13 @@ __aicore__ inline void RunFlashAttentionBwd(GM_ADDR query, GM_ADDR key, GM_ADDR 
 // Launch convention of a HAVE_WORKSPACE / HAVE_TILING kernel: tensors, the one workspace, the tiling.
 #define SAMEPATH_FLASH_ATTENTION_BWD_KERNEL(NAME, TYPE)                                                               \
     extern "C" __global__ __aicore__ void NAME(GM_ADDR query, GM_ADDR key, GM_ADDR value, GM_ADDR gradOut,             \
-                                               GM_ADDR lse, GM_ADDR delta, GM_ADDR dq, GM_ADDR dk, GM_ADDR dv,         \
+                                               GM_ADDR lse, GM_ADDR out, GM_ADDR dq, GM_ADDR dk, GM_ADDR dv,           \
                                                GM_ADDR dqAcc, GM_ADDR sync, GM_ADDR cuSeqlens, GM_ADDR programSeq,     \
                                                GM_ADDR programBlock, GM_ADDR numBlocks, GM_ADDR workspace,             \
                                                GM_ADDR tiling)                                                         \
     {                                                                                                                  \
         KERNEL_TASK_TYPE_DEFAULT(KERNEL_TYPE_MIX_AIC_1_2);                                                             \
-        RunFlashAttentionBwd<TYPE>(query, key, value, gradOut, lse, delta, dq, dk, dv, dqAcc, sync, cuSeqlens,        \
+        RunFlashAttentionBwd<TYPE>(query, key, value, gradOut, lse, out, dq, dk, dv, dqAcc, sync, cuSeqlens,        \
                                    programSeq, programBlock, numBlocks, workspace, tiling);                            \
     }
 

@@ -285,22 +285,22 @@ std::tuple<at::Tensor, at::Tensor> FlashAttentionFwd(const at::Tensor& query, co
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> FlashAttentionBwd(
     const at::Tensor& query, const at::Tensor& key, const at::Tensor& value, const at::Tensor& gradOut,
-    const at::Tensor& lse, const at::Tensor& delta, const at::Tensor& cuSeqlens, double scale, bool causal,
+    const at::Tensor& lse, const at::Tensor& out, const at::Tensor& cuSeqlens, double scale, bool causal,
     int64_t slidingWindow, int64_t blockM, int64_t blockN)
 {
-    TORCH_CHECK(query.dim() == 3 && key.dim() == 3 && value.sizes() == key.sizes() && gradOut.sizes() == query.sizes(),
-                "query / grad_out must be [tokens, heads, head_size], key / value [tokens, kv_heads, head_size]");
+    TORCH_CHECK(query.dim() == 3 && key.dim() == 3 && value.sizes() == key.sizes() &&
+                    gradOut.sizes() == query.sizes() && out.sizes() == query.sizes(),
+                "query / out / grad_out must be [tokens, heads, head_size], key / value [tokens, kv_heads, head_size]");
     TORCH_CHECK(key.scalar_type() == query.scalar_type() && value.scalar_type() == query.scalar_type() &&
-                    gradOut.scalar_type() == query.scalar_type(),
-                "key, value and grad_out must have the query's dtype");
-    TORCH_CHECK(query.stride(-1) == 1 && key.stride(-1) == 1 && value.stride(-1) == 1 && gradOut.stride(-1) == 1,
-                "query, key, value and grad_out must be contiguous in head_size");
+                    gradOut.scalar_type() == query.scalar_type() && out.scalar_type() == query.scalar_type(),
+                "key, value, out and grad_out must have the query's dtype");
+    TORCH_CHECK(query.stride(-1) == 1 && key.stride(-1) == 1 && value.stride(-1) == 1,
+                "query, key and value must be contiguous in head_size");
     TORCH_CHECK(key.size(0) == query.size(0) && key.size(-1) == query.size(-1), "self-attention: key must match query");
     TORCH_CHECK(key.size(1) > 0 && query.size(1) % key.size(1) == 0,
                 "num_heads (query.shape[1]) must be a multiple of num_kv_heads (key.shape[1])");
-    TORCH_CHECK(lse.sizes() == delta.sizes() && lse.dim() == 2 && lse.size(0) == query.size(0) &&
-                    lse.size(1) == query.size(1),
-                "lse and delta must be [tokens, heads]");
+    TORCH_CHECK(lse.dim() == 2 && lse.size(0) == query.size(0) && lse.size(1) == query.size(1),
+                "lse must be [tokens, heads]");
     TORCH_CHECK(blockM > 0 && blockN > 0, "block_m and block_n must be positive");
 
     const int64_t numTokens = query.size(0);
@@ -313,7 +313,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> FlashAttentionBwd(
     }
     at::Tensor cu = cuSeqlens.to(at::kInt).contiguous();
     at::Tensor lseC = lse.to(at::kFloat).contiguous();
-    at::Tensor deltaC = delta.to(at::kFloat).contiguous();
+    // The kernel computes delta = 0 + rowsum(fp32(dO) * fp32(O)) itself and reads O with dO's strides:
+    // both contiguous.
+    at::Tensor gradOutC = gradOut.contiguous();
+    at::Tensor outC = out.contiguous();
     // The fp32 dQ row sums, and one turn counter per packed query tile (zero: no KV tile has added yet).
     at::Tensor dqAcc = at::empty({numTokens, query.size(1), query.size(2)}, query.options().dtype(at::kFloat));
 
@@ -321,7 +324,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> FlashAttentionBwd(
     std::tie(kvSeq, kvBlock, kvBlocks) = ProgramMap(cu, blockN, numTokens);
 
     sp::FlashAttentionBwdParams params{};
-    const at::Tensor* strided[8] = {&query, &key, &value, &gradOut, &dq, &dk, &dv, &dqAcc};
+    const at::Tensor* strided[8] = {&query, &key, &value, &gradOutC, &dq, &dk, &dv, &dqAcc};
     for (int i = 0; i < 8; ++i) {
         params.strides[2 * i] = strided[i]->stride(0);
         params.strides[2 * i + 1] = strided[i]->stride(1);
@@ -361,8 +364,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> FlashAttentionBwd(
                      {{m, n, d, false, true}, {n, d, m, true, false}, {m, d, n, false, false}}, query.device());
     at::Tensor bwdWorkspace = LaunchWorkspace(platform, tiling.wsBytesPerCore, params.numCores, query.options());
 
-    void* bwdArgs[] = {query.data_ptr(),  key.data_ptr(),    value.data_ptr(),        gradOut.data_ptr(),
-                       lseC.data_ptr(),   deltaC.data_ptr(), dq.data_ptr(),           dk.data_ptr(),
+    void* bwdArgs[] = {query.data_ptr(),  key.data_ptr(),    value.data_ptr(),        gradOutC.data_ptr(),
+                       lseC.data_ptr(),   outC.data_ptr(),   dq.data_ptr(),           dk.data_ptr(),
                        dv.data_ptr(),     dqAcc.data_ptr(),  sync.data_ptr(),         cu.data_ptr(),
                        kvSeq.data_ptr(),  kvBlock.data_ptr(), kvBlocks.data_ptr(),    bwdWorkspace.data_ptr(),
                        bwdTiling.data_ptr()};
@@ -403,7 +406,7 @@ TORCH_LIBRARY(samepath_ascendc, m)
         "Tensor seq_lens, Tensor? block_table, float scale, bool causal, int sliding_window, int block_m, "
         "int tile_n, int seg, bool store_lse) -> (Tensor out, Tensor lse)");
     m.def(
-        "flash_attention_bwd(Tensor query, Tensor key, Tensor value, Tensor grad_out, Tensor lse, Tensor delta, "
+        "flash_attention_bwd(Tensor query, Tensor key, Tensor value, Tensor grad_out, Tensor lse, Tensor out, "
         "Tensor cu_seqlens, float scale, bool causal, int sliding_window, int block_m, int block_n) "
         "-> (Tensor dq, Tensor dk, Tensor dv)");
 }
