@@ -10,8 +10,8 @@ import samepath
 from samepath.check.harness import DEFAULT_MODEL_CONFIG
 
 PINNED = {
-    1: "sp5-07de7823be696b97",
-    2: "sp5-c5fcf1e3358aecc4",
+    1: "sp5-0081c4cc91cf35fe",
+    2: "sp5-a14e9cbd4e4cff31",
 }
 
 
