@@ -10,8 +10,8 @@ import samepath
 from samepath.check.harness import DEFAULT_MODEL_CONFIG
 
 PINNED = {
-    1: "sp5-0081c4cc91cf35fe",
-    2: "sp5-a14e9cbd4e4cff31",
+    1: "sp5-ab9b64bbd31a670d",
+    2: "sp5-5d410acd839248b0",
 }
 
 
