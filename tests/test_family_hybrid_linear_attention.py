@@ -27,6 +27,7 @@ from samepath.integrations.hf_linear_attention import (  # noqa: E402
     CONV_STATE_ATTR,
     DELTA_CACHE_ATTR,
     LinearAttentionCacheError,
+    packing,
 )
 from samepath.kernels.gated_delta import CHUNK  # noqa: E402
 from samepath.kernels.gated_ops import gated_delta_gates, gated_rms_norm, sigmoid_gate  # noqa: E402
@@ -222,3 +223,18 @@ def test_the_trainer_backward_is_deterministic_and_close_to_stock():
         scale = want[name].abs().max().clamp(min=1e-12)
         assert (grad - want[name]).abs().max() / scale < 1e-4, name
     assert first["model.layers.0.linear_attn.A_log"].abs().min() > 0
+
+
+def test_the_packing_of_a_padded_batch():
+    """Real runs per row, split where position_ids restart (without a cache); holes refused by name."""
+    mask = torch.tensor([[0, 1, 1, 1, 1], [1, 1, 1, 0, 0]])
+    positions = torch.tensor([[1, 0, 1, 0, 1], [0, 1, 2, 1, 1]])
+    cpu = torch.device("cpu")
+    split = packing(mask, positions, 2, 5, cpu, split=True)
+    assert split.index.tolist() == [1, 2, 3, 4, 5, 6, 7] and split.cu_seqlens.tolist() == [0, 2, 4, 7]
+    assert not split.one_per_row
+    whole = packing(mask, positions, 2, 5, cpu, split=False)
+    assert whole.cu_seqlens.tolist() == [0, 4, 7] and whole.one_per_row
+    assert packing(None, None, 2, 3, cpu, split=True).cu_seqlens.tolist() == [0, 3, 6]
+    with pytest.raises(ValueError, match="row 1 has holes"):
+        packing(torch.tensor([[1, 1, 1], [1, 0, 1]]), None, 2, 3, cpu, split=False)

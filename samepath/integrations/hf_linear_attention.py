@@ -24,9 +24,11 @@ Installed by :func:`samepath.integrations.hf.apply_to_model_type` from a family'
 
 from __future__ import annotations
 
+import collections
+import dataclasses
 import functools
-import itertools
 import sys
+import weakref
 from typing import Any
 
 import torch
@@ -48,34 +50,80 @@ class LinearAttentionCacheError(ValueError):
     """A cache samepath cannot continue from with its own schedule (filled by the stock layer, reordered)."""
 
 
-def _sequences(real: torch.Tensor | None, position_ids: torch.Tensor | None, batch: int, length: int, split: bool):
-    """``(flat token indices, lengths, rows)``: the real tokens of ``[batch, length]`` in order, cut into
-    sequences (per row, the one contiguous run ``real`` marks; with ``split``, also wherever ``position_ids``
-    do not continue by +1), and each sequence's row."""
-    mask = torch.ones(batch, length, dtype=torch.bool) if real is None else real.to("cpu", torch.bool)
-    pos = None
+@dataclasses.dataclass(frozen=True)
+class Packing:
+    """Where a padded ``[batch, length]`` forward's Gated DeltaNet sequences lie: ``index`` (the flat positions of
+    the real tokens, in order), ``cu_seqlens`` ``[N + 1]`` over them, and whether there is exactly one sequence
+    per row (what a cache needs)."""
+
+    index: torch.Tensor
+    cu_seqlens: torch.Tensor
+    one_per_row: bool
+
+
+def packing(
+    real: torch.Tensor | None, position_ids: torch.Tensor | None, batch: int, length: int, device: torch.device,
+    split: bool,
+) -> Packing:  # fmt: skip
+    """The real tokens of ``[batch, length]`` (per row the one contiguous run ``real`` marks, all without a mask),
+    cut into sequences at each run's start and, with ``split``, wherever ``position_ids`` do not continue by +1
+    (packed sequences). Computed on the device with two host reads (the token and sequence counts, the checks);
+    ``ValueError`` for a row with holes."""
+    mask = torch.ones(batch, length, dtype=torch.bool, device=device) if real is None else real.to(device, torch.bool)
+    as_int = mask.to(torch.uint8)
+    present = mask.any(1)
+    first = torch.where(present, as_int.argmax(1), 0)
+    end = torch.where(present, length - as_int.flip(1).argmax(1), 0)
+    holes = present & (mask.sum(1) != end - first)
+    starts = mask.clone()
+    starts[:, 1:] &= ~mask[:, :-1]
     if split and position_ids is not None:
-        pos = position_ids.to("cpu").expand(batch, length) if position_ids.shape[0] == 1 else position_ids.to("cpu")
-    flat, lengths, rows = [], [], []
-    for row in range(batch):
-        cols = torch.nonzero(mask[row]).flatten().tolist()
-        if cols and cols[-1] - cols[0] + 1 != len(cols):
-            raise ValueError(
-                f"samepath's Gated DeltaNet layer: attention_mask row {row} has holes (its real tokens must be "
-                "one contiguous run, padding before or after it)"
-            )
-        if not cols:
-            continue
-        cuts = [0]
-        if pos is not None:
-            p = pos[row, cols[0] : cols[-1] + 1]
-            cuts += (torch.nonzero(p[1:] != p[:-1] + 1).flatten() + 1).tolist()
-        cuts.append(len(cols))
-        for a, b in itertools.pairwise(cuts):
-            flat.extend(row * length + c for c in cols[a:b])
-            lengths.append(b - a)
-            rows.append(row)
-    return flat, lengths, rows
+        pos = position_ids[0] if position_ids.dim() == 3 else position_ids
+        pos = pos.to(device).expand(batch, length)
+        starts[:, 1:] |= mask[:, 1:] & (pos[:, 1:] != pos[:, :-1] + 1)
+    index = torch.nonzero(mask.flatten()).flatten()
+    first_tokens = torch.nonzero(starts.flatten()[index]).flatten()
+    any_holes, all_present = torch.stack([holes.any(), present.all()]).tolist()
+    if any_holes:
+        row = int(torch.nonzero(holes)[0])
+        raise ValueError(
+            f"samepath's Gated DeltaNet layer: attention_mask row {row} has holes (its real tokens must be one "
+            "contiguous run, padding before or after it)"
+        )
+    cu = torch.cat([first_tokens, first_tokens.new_full((1,), index.numel())])
+    return Packing(index, cu, bool(all_present) and first_tokens.numel() == batch)
+
+
+_PACKING_CACHE: collections.OrderedDict[tuple, tuple[tuple, Packing]] = collections.OrderedDict()
+_PACKING_CACHE_SIZE = 8
+
+
+def _source(tensor: torch.Tensor | None) -> tuple:
+    return (None, -1) if tensor is None else (weakref.ref(tensor), tensor._version)
+
+
+def _same(saved: tuple, tensor: torch.Tensor | None) -> bool:
+    ref, version = saved
+    if tensor is None:
+        return ref is None
+    return ref is not None and ref() is tensor and tensor._version == version
+
+
+def cached_packing(real, position_ids, batch: int, length: int, device: torch.device, split: bool) -> Packing:
+    """:func:`packing`, computed once per forward: reused while the same (unmodified) mask and position ids come
+    back (every Gated DeltaNet layer of a forward gets the same tensors)."""
+    if not split:
+        position_ids = None
+    key = (id(real), id(position_ids), batch, length, device, split)
+    entry = _PACKING_CACHE.get(key)
+    if entry is not None and _same(entry[0][0], real) and _same(entry[0][1], position_ids):
+        _PACKING_CACHE.move_to_end(key)
+        return entry[1]
+    found = packing(real, position_ids, batch, length, device, split)
+    _PACKING_CACHE[key] = ((_source(real), _source(position_ids)), found)
+    while len(_PACKING_CACHE) > _PACKING_CACHE_SIZE:
+        _PACKING_CACHE.popitem(last=False)
+    return found
 
 
 def _projections(self: torch.nn.Module, hidden: torch.Tensor):
@@ -118,15 +166,13 @@ def gated_delta_net_forward(
     if attention_mask is not None and attention_mask.dim() != 2:
         raise ValueError(f"samepath's Gated DeltaNet layer takes a 2-D padding mask, got {attention_mask.dim()}-D")
     position_ids = getattr(self, POSITION_IDS_ATTR, None)
-    flat, lengths, rows = _sequences(attention_mask, position_ids, batch, length, split=not continuing)
-    if layer is not None and rows != list(range(batch)):
+    packed = cached_packing(attention_mask, position_ids, batch, length, hidden_states.device, not continuing)
+    if layer is not None and not packed.one_per_row:
         raise LinearAttentionCacheError(
             "samepath's Gated DeltaNet cache keeps one sequence per row: every row needs real tokens and no "
             "packed sequences with a cache"
         )
-    device = hidden_states.device
-    index = torch.tensor(flat, dtype=torch.int64, device=device)
-    cu = torch.tensor([0, *torch.tensor(lengths, dtype=torch.int64).cumsum(0).tolist()], device=device)
+    index, cu = packed.index, packed.cu_seqlens
 
     mixed, z, b, a = _projections(self, hidden_states)
     x = mixed.reshape(batch * length, -1)[index]
@@ -145,7 +191,7 @@ def gated_delta_net_forward(
         out, new_cache = gated_delta_continue(q, k, v, g, beta, cu, delta_cache)
         _store(layer, new_conv, new_cache, length)
     z = z.reshape(batch * length, self.num_v_heads, self.head_v_dim)[index]
-    out = gated_rms_norm(out, z, self.norm.weight, self.norm.variance_epsilon).reshape(len(flat), -1)
+    out = gated_rms_norm(out, z, self.norm.weight, self.norm.variance_epsilon).reshape(index.numel(), -1)
     full = out.new_zeros((batch * length, out.shape[-1])).index_copy(0, index, out)
     return self.out_proj(full.view(batch, length, -1))
 
@@ -256,10 +302,13 @@ __all__ = [
     "DELTA_CACHE_ATTR",
     "POSITION_IDS_ATTR",
     "LinearAttentionCacheError",
+    "Packing",
     "apply_to_family",
+    "cached_packing",
     "gated_attention_forward",
     "gated_delta_net_forward",
     "is_patched_decoder_layer",
+    "packing",
     "rms_norm_gated_forward",
     "shared_expert_moe_forward",
 ]
