@@ -149,8 +149,8 @@ def gated_delta_net_forward(
     **kwargs: Any,
 ) -> torch.Tensor:
     """``{Prefix}GatedDeltaNet.forward`` on samepath's kernels (see the module docstring)."""
-    if kwargs.get("cache_params") is not None and cache is None:
-        cache = kwargs.pop("cache_params")
+    legacy = kwargs.pop("cache_params", None)  # transformers < 5.2x names the cache so
+    cache = legacy if cache is None else cache
     if self.activation not in ("silu", "swish"):
         raise ValueError(f"samepath's Gated DeltaNet layer fuses SiLU into the conv1d, got {self.activation!r}")
     batch, length, _ = hidden_states.shape
@@ -202,8 +202,9 @@ def _store(layer: Any, conv_state: torch.Tensor, delta_cache: GatedDeltaCache, n
     setattr(layer, DELTA_CACHE_ATTR, delta_cache)
     if getattr(layer, "device", None) is None:
         layer.device, layer.dtype = conv_state.device, conv_state.dtype
-        layer.cumulative_length_linear = layer.cumulative_length_linear.to(conv_state.device)
-    layer.cumulative_length_linear.add_(new_tokens)
+    count = getattr(layer, "cumulative_length_linear", None)  # transformers >= 5.2x counts a linear layer's tokens
+    if count is not None:
+        layer.cumulative_length_linear = count.to(conv_state.device).add_(new_tokens)
 
 
 def rms_norm_gated_forward(self: torch.nn.Module, hidden_states: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
@@ -224,8 +225,8 @@ def gated_attention_forward(
     module's ``apply_rotary_pos_emb`` and attention interface, which samepath patches)."""
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-    if kwargs.get("past_key_values") is not None and cache is None:
-        cache = kwargs.pop("past_key_values")
+    legacy = kwargs.pop("past_key_values", None)  # transformers < 5.2x names the cache so
+    cache = legacy if cache is None else cache
     modeling = sys.modules[type(self).__module__]
     input_shape = hidden_states.shape[:-1]
     hidden_shape = (*input_shape, -1, self.head_dim)
