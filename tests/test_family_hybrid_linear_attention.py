@@ -238,3 +238,20 @@ def test_the_packing_of_a_padded_batch():
     assert packing(None, None, 2, 3, cpu, split=True).cu_seqlens.tolist() == [0, 3, 6]
     with pytest.raises(ValueError, match="row 1 has holes"):
         packing(torch.tensor([[1, 1, 1], [1, 0, 1]]), None, 2, 3, cpu, split=False)
+
+
+def test_the_fused_lm_head_trainer_equals_the_logits():
+    """causal_lm_logprobs (the trainer's log-probs without logits) of a hybrid model equals samepath.logprobs of
+    its logits, right padding included."""
+    import samepath
+    from samepath.integrations.hf import causal_lm_logprobs
+
+    model = tiny_hybrid("qwen3_5_moe_text", torch.bfloat16)
+    ids = torch.tensor(random_prompts([C + 6, C + 6], seed=8))
+    mask = torch.ones_like(ids)
+    mask[1, C - 4 :] = 0
+    with integrations.patched(model), torch.no_grad():
+        fused = causal_lm_logprobs(model, ids, attention_mask=mask)
+        logits = model(input_ids=ids, attention_mask=mask, use_cache=False).logits
+    want = samepath.logprobs(logits[:, :-1], ids[:, 1:], 1.0)
+    assert torch.equal(fused[0], want[0]) and torch.equal(fused[1, : C - 5], want[1, : C - 5])
