@@ -255,3 +255,36 @@ def test_the_fused_lm_head_trainer_equals_the_logits():
         logits = model(input_ids=ids, attention_mask=mask, use_cache=False).logits
     want = samepath.logprobs(logits[:, :-1], ids[:, 1:], 1.0)
     assert torch.equal(fused[0], want[0]) and torch.equal(fused[1, : C - 5], want[1, : C - 5])
+
+
+def test_beam_reordering_moves_samepath_state_and_a_crop_is_refused():
+    """``Cache.reorder_cache`` (beam search) reorders samepath's conv state, boundary state and tail with the
+    rows: a decode step after reordering equals the one of a prefill in the new order, bit for bit (negative
+    control: without the reordering it differs). ``crop`` (assisted decoding) is refused by name."""
+    model = tiny_hybrid("qwen3_next", torch.float32)
+    prompts = random_prompts([5, C + 3], seed=12)
+    ids, mask = torch.zeros(2, C + 3, dtype=torch.long), torch.zeros(2, C + 3, dtype=torch.long)
+    for row, prompt in enumerate(prompts):
+        ids[row, C + 3 - len(prompt) :], mask[row, C + 3 - len(prompt) :] = torch.tensor(prompt), 1
+    positions = (mask.cumsum(1) - 1).clamp(min=0)
+
+    def prefill(order):
+        out = model(input_ids=ids[order], attention_mask=mask[order], position_ids=positions[order], use_cache=True)
+        return out.past_key_values
+
+    def step(cache):
+        swapped = [1, 0]
+        step_mask = torch.cat([mask[swapped], torch.ones(2, 1, dtype=torch.long)], 1)
+        step_positions = positions[swapped][:, -1:] + 1
+        out = model(input_ids=torch.tensor([[7], [9]]), attention_mask=step_mask, position_ids=step_positions,
+                    cache=cache, use_cache=True)  # fmt: skip
+        return out.logits
+
+    with integrations.patched(model), torch.no_grad():
+        reordered, stale = prefill([0, 1]), prefill([0, 1])
+        reordered.reorder_cache(torch.tensor([1, 0]))
+        want = step(prefill([1, 0]))
+        assert torch.equal(step(reordered), want)
+        assert not torch.equal(step(stale), want)
+        with pytest.raises(LinearAttentionCacheError, match="cropping"):
+            reordered.layers[0].crop(-1)

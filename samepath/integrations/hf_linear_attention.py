@@ -207,6 +207,74 @@ def _store(layer: Any, conv_state: torch.Tensor, delta_cache: GatedDeltaCache, n
         layer.cumulative_length_linear = count.to(conv_state.device).add_(new_tokens)
 
 
+def reorder_delta_cache(cache: GatedDeltaCache, index: torch.Tensor) -> GatedDeltaCache:
+    """The rows ``index`` of a per-row :class:`GatedDeltaCache` (beam search's reordering): their boundary states
+    and their tail tokens, repacked."""
+    index = index.to(cache.state.device, torch.int64)
+    tail = cache.cu_tail.to(torch.int64)
+    lengths, starts = (tail[1:] - tail[:-1])[index], tail[:-1][index]
+    cu_tail = torch.cat([lengths.new_zeros(1), lengths.cumsum(0)])
+    rows = torch.repeat_interleave(starts - cu_tail[:-1], lengths) + torch.arange(int(cu_tail[-1]), device=tail.device)
+    return GatedDeltaCache(
+        cache.state.index_select(0, index), cache.k[rows], cache.v[rows], cache.g[rows], cache.beta[rows], cu_tail
+    )
+
+
+def _cache_layer_reset(original):
+    @functools.wraps(original)
+    def reset(self) -> None:
+        original(self)
+        for name in (CONV_STATE_ATTR, DELTA_CACHE_ATTR):
+            if hasattr(self, name):
+                delattr(self, name)
+
+    reset.samepath_cache_layer = True
+    return reset
+
+
+def _cache_layer_reorder(original):
+    @functools.wraps(original)
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        original(self, beam_idx)
+        if getattr(self, DELTA_CACHE_ATTR, None) is not None:
+            setattr(self, CONV_STATE_ATTR, getattr(self, CONV_STATE_ATTR).index_select(0, beam_idx.to(self.device)))
+            setattr(self, DELTA_CACHE_ATTR, reorder_delta_cache(getattr(self, DELTA_CACHE_ATTR), beam_idx))
+
+    reorder_cache.samepath_cache_layer = True
+    return reorder_cache
+
+
+def _cache_layer_crop(original):
+    @functools.wraps(original)
+    def crop(self, tokens_to_remove: int) -> None:
+        if getattr(self, DELTA_CACHE_ATTR, None) is not None:
+            raise LinearAttentionCacheError(
+                "cropping a Gated DeltaNet cache (assisted / speculative decoding) is not supported by samepath's "
+                "schedule: its boundary state cannot be rolled back"
+            )
+        original(self, tokens_to_remove)
+
+    crop.samepath_cache_layer = True
+    return crop
+
+
+def _patch_cache_layers(patcher: Patcher) -> None:
+    """transformers' linear-attention cache layer: ``reset`` drops samepath's state, ``reorder_cache`` (beam
+    search) reorders it, ``crop`` (assisted decoding) refuses it by name."""
+    from transformers import cache_utils
+
+    mixin = getattr(cache_utils, "LinearAttentionCacheLayerMixin", None)
+    if mixin is None or getattr(mixin.reset, "samepath_cache_layer", False):
+        return
+    for name, wrap in (
+        ("reset", _cache_layer_reset),
+        ("reorder_cache", _cache_layer_reorder),
+        ("crop", _cache_layer_crop),
+    ):
+        if hasattr(mixin, name):
+            patcher.set(mixin, name, wrap(getattr(mixin, name)))
+
+
 def rms_norm_gated_forward(self: torch.nn.Module, hidden_states: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
     """``{Prefix}RMSNormGated.forward``: :func:`samepath.kernels.gated_ops.gated_rms_norm`."""
     return gated_rms_norm(hidden_states, gate, self.weight, self.variance_epsilon)
@@ -292,6 +360,7 @@ def apply_to_family(family: ModelFamily, patcher: Patcher) -> None:
         layer = getattr(modeling, f"{prefix}DecoderLayer")
         if not is_patched_decoder_layer(layer.forward):
             patcher.set(layer, "forward", _decoder_layer_forward(layer.forward))
+        _patch_cache_layers(patcher)
     if family.attention_output_gate:
         patcher.set(getattr(modeling, f"{prefix}Attention"), "forward", gated_attention_forward)
     if family.shared_expert_gate:
@@ -310,6 +379,7 @@ __all__ = [
     "gated_delta_net_forward",
     "is_patched_decoder_layer",
     "packing",
+    "reorder_delta_cache",
     "rms_norm_gated_forward",
     "shared_expert_moe_forward",
 ]
