@@ -127,11 +127,14 @@ def test_backward_is_deterministic_and_close_to_float64(dtype):
     [(torch.float32, False, True, "silu"), (torch.bfloat16, True, True, "silu"), (torch.float16, True, False, None)],
 )
 def test_replay_equals_interpreter(dtype, bias, state, activation):
+    """The forward and the three backward kernels: the CPU replay equals Triton's interpreter bit for bit."""
     lengths = [3, 1, 21]
     x, w, b = _inputs(sum(lengths), 80, 4, dtype, seed=5, bias=bias)
     s = torch.randn(3, 80, 3).to(dtype) if state else None
-    with cpu_executor("verify"):
-        causal_conv1d(x, w, b, _cu(lengths), s, activation)
+    leaves = [t.requires_grad_() for t in (x, w, b) if t is not None]
+    with cpu_executor("verify"):  # forward, the pre-activation gradient, dx and the weight / bias sums
+        out, _ = causal_conv1d(x, w, b, _cu(lengths), s, activation)
+        torch.autograd.grad(out, leaves, torch.randn(out.shape).to(dtype))
 
 
 def test_bad_inputs_are_refused_by_name():

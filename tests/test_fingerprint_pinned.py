@@ -10,8 +10,8 @@ import samepath
 from samepath.check.harness import DEFAULT_MODEL_CONFIG
 
 PINNED = {
-    1: "sp5-ab9b64bbd31a670d",
-    2: "sp5-5d410acd839248b0",
+    1: "sp5-f42f6348d79d6ae5",
+    2: "sp5-4df570f5a8b32e56",
 }
 
 

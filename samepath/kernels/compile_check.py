@@ -441,7 +441,10 @@ def _causal_conv1d(lengths: list[int], with_state: bool) -> Callable[[], None]:
         total, n, dim = sum(lengths), len(lengths), 8192
         cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
         state = _empty(n, dim, 3) if with_state else None
-        causal_conv1d(_empty(total, dim), _empty(dim, 4), None, cu, state, "silu")
+        x, weight = _empty(total, dim, grad=not with_state), _empty(dim, 4, grad=not with_state)
+        out, _ = causal_conv1d(x, weight, None, cu, state, "silu")
+        if not with_state:  # training: forward and backward
+            _backward((out,), (x, weight))
 
     return run
 
@@ -498,7 +501,7 @@ REPORT_CASES: tuple[ReportCase, ...] = (
     ),
     ReportCase(
         "causal-conv1d",
-        "Gated DeltaNet conv1d + SiLU, 2 x 2048 tokens and 64 x 1 decode with the state, 8192 channels, 4 taps",
+        "Gated DeltaNet conv1d + SiLU fwd+bwd, 2 x 2048 tokens; 64 x 1 decode with the state; 8192 channels, 4 taps",
         lambda: (_causal_conv1d([2048, 2048], False)(), _causal_conv1d([1] * 64, True)()),
     ),
     ReportCase(
