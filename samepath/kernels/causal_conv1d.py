@@ -103,7 +103,7 @@ def _causal_conv1d_kernel(
             slot = (WIDTH - 1) + src - start
             sv = tl.load(
                 State + (seq.to(tl.int64) * D)[:, None] * (WIDTH - 1) + cols[None, :] * (WIDTH - 1) + slot[:, None],
-                mask=mask & (~inside)[:, None],
+                mask=mask & (src < start)[:, None],
                 other=0.0,
             ).to(tl.float32)
             xv = tl.where(inside[:, None], xv, sv)
@@ -188,7 +188,7 @@ def _causal_conv1d_dw_kernel(
                 slot = (WIDTH - 1) + src - start
                 sv = tl.load(
                     State + (seq.to(tl.int64) * D)[:, None] * (WIDTH - 1) + cols[None, :] * (WIDTH - 1) + slot[:, None],
-                    mask=mask & (~inside)[:, None],
+                    mask=mask & (src < start)[:, None],
                     other=0.0,
                 ).to(tl.float32)
                 xv = tl.where(inside[:, None], xv, sv)
