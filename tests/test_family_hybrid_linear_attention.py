@@ -217,6 +217,13 @@ def test_the_trainer_backward_is_deterministic_and_close_to_stock():
 
     with integrations.patched(model):
         first, second = grads(model), grads(model)
+        # Hugging Face's default use_cache=True: the prefill builds samepath's cache and stays differentiable
+        ids = torch.tensor(random_prompts([C + 2], seed=9))
+        model.zero_grad()
+        cached = model(input_ids=ids).logits
+        assert torch.equal(cached, model(input_ids=ids, use_cache=False).logits) and cached.requires_grad
+        cached.sum().backward()
+        assert model.model.layers[0].linear_attn.A_log.grad.abs().min() > 0
     want = grads(stock)
     assert first.keys() == want.keys() and all(torch.equal(first[k], second[k]) for k in first)
     for name, grad in first.items():

@@ -9,7 +9,9 @@ Installed by :func:`samepath.integrations.hf.apply_to_model_type` from a family'
   (:func:`samepath.kernels.causal_conv1d.causal_conv1d`), the gates
   (:func:`samepath.kernels.gated_ops.gated_delta_gates`), the delta rule on samepath's one schedule
   (:func:`samepath.kernels.gated_delta.chunk_gated_delta` for the trainer,
-  :func:`~samepath.kernels.gated_delta.gated_delta_continue` with a cache) and the gated output norm
+  :func:`~samepath.kernels.gated_delta.gated_delta_continue` with a cache; a differentiable prefill that also
+  fills a cache — Hugging Face's default ``use_cache`` — runs both, the same bits; gradients through a
+  continuation are refused) and the gated output norm
   (:func:`samepath.kernels.gated_ops.gated_rms_norm`). Padding rows come back as zeros.
 * ``generate``'s cache: each Gated DeltaNet layer's entry of the model's hybrid cache (transformers'
   ``LinearAttentionLayer``) carries samepath's state as attributes: :data:`CONV_STATE_ATTR` (each row's last
@@ -185,10 +187,18 @@ def gated_delta_net_forward(
     g, beta = gated_delta_gates(
         a.reshape(batch * length, -1)[index], b.reshape(batch * length, -1)[index], self.A_log, self.dt_bias
     )
-    if layer is None:
+    differentiable = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, g, beta))
+    if continuing and differentiable:
+        raise LinearAttentionCacheError(
+            "gradients through a Gated DeltaNet cache continuation are not supported (the trainer's forward runs "
+            "whole sequences: pass use_cache=False, or run the continuation under torch.no_grad())"
+        )
+    if layer is None or differentiable:  # the trainer (a cache of its prefill too: HF's default use_cache)
         out, _ = chunk_gated_delta(q, k, v, g, beta, cu)
-    else:
-        out, new_cache = gated_delta_continue(q, k, v, g, beta, cu, delta_cache)
+    if layer is not None:
+        detached = [t.detach() for t in (q, k, v, g, beta)]
+        fresh, new_cache = gated_delta_continue(*detached, cu, delta_cache)
+        out = out if differentiable else fresh
         _store(layer, new_conv, new_cache, length)
     z = z.reshape(batch * length, self.num_v_heads, self.head_v_dim)[index]
     out = gated_rms_norm(out, z, self.norm.weight, self.norm.variance_epsilon).reshape(index.numel(), -1)
