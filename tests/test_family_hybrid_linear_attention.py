@@ -191,6 +191,19 @@ def test_a_long_prompt_crosses_several_chunks():
         assert torch.equal(both[1], rollout_lp[0])
 
 
+def test_a_packed_forward_with_a_cache_runs_and_cannot_be_continued():
+    """The packed trainer with Hugging Face's default use_cache=True gives the use_cache=False bits; the cache it
+    filled (several sequences in a row) is refused for a continuation."""
+    model = tiny_hybrid("qwen3_5_text", torch.bfloat16)
+    seqs = [torch.tensor(p) for p in random_prompts([4, 9], seed=13)]
+    ids, positions = torch.cat(seqs)[None], torch.cat([torch.arange(len(p)) for p in seqs])[None]
+    with integrations.patched(model), torch.no_grad():
+        out = model(input_ids=ids, position_ids=positions)
+        assert torch.equal(out.logits, model(input_ids=ids, position_ids=positions, use_cache=False).logits)
+        with pytest.raises(LinearAttentionCacheError, match="packed sequences"):
+            model(input_ids=ids[:, -1:], position_ids=positions[:, -1:] + 1, cache=out.past_key_values)
+
+
 def test_a_cache_filled_by_the_stock_layer_is_refused():
     """samepath never continues from Hugging Face's fixed recurrent state (its bits are the stock recurrence's)."""
     model = tiny_hybrid("qwen3_5_text", torch.float32)

@@ -44,6 +44,8 @@ from samepath.models.descriptor import ModelFamily
 #: The attributes of a cache layer that hold samepath's Gated DeltaNet state.
 CONV_STATE_ATTR = "samepath_conv_state"
 DELTA_CACHE_ATTR = "samepath_delta_cache"
+#: Set on a cache layer a forward over packed sequences filled: it cannot be continued.
+PACKED_ATTR = "samepath_packed"
 #: The attribute through which a decoder layer hands its ``position_ids`` to its Gated DeltaNet layer.
 POSITION_IDS_ATTR = "samepath_position_ids"
 
@@ -165,15 +167,22 @@ def gated_delta_net_forward(
             f"layer {self.layer_idx}: this cache was filled by Hugging Face's stock Gated DeltaNet layer (a fixed "
             "recurrent state); samepath continues only from its own boundary state and partial chunk"
         )
+    if layer is not None and getattr(layer, PACKED_ATTR, False):
+        raise LinearAttentionCacheError(
+            f"layer {self.layer_idx}: this cache was filled by a forward over packed sequences (several per row); "
+            "samepath's Gated DeltaNet cache continues one sequence per row"
+        )
     if attention_mask is not None and attention_mask.dim() != 2:
         raise ValueError(f"samepath's Gated DeltaNet layer takes a 2-D padding mask, got {attention_mask.dim()}-D")
     position_ids = getattr(self, POSITION_IDS_ATTR, None)
     packed = cached_packing(attention_mask, position_ids, batch, length, hidden_states.device, not continuing)
-    if layer is not None and not packed.one_per_row:
+    if continuing and not packed.one_per_row:
         raise LinearAttentionCacheError(
-            "samepath's Gated DeltaNet cache keeps one sequence per row: every row needs real tokens and no "
-            "packed sequences with a cache"
+            "samepath's Gated DeltaNet cache continues one sequence per row: every row needs new real tokens"
         )
+    if layer is not None and not packed.one_per_row:  # a packed trainer forward with use_cache: no continuation
+        setattr(layer, PACKED_ATTR, True)
+        layer = None
     index, cu = packed.index, packed.cu_seqlens
 
     mixed, z, b, a = _projections(self, hidden_states)
@@ -234,7 +243,7 @@ def _cache_layer_reset(original):
     @functools.wraps(original)
     def reset(self) -> None:
         original(self)
-        for name in (CONV_STATE_ATTR, DELTA_CACHE_ATTR):
+        for name in (CONV_STATE_ATTR, DELTA_CACHE_ATTR, PACKED_ATTR):
             if hasattr(self, name):
                 delattr(self, name)
 
@@ -380,6 +389,7 @@ def apply_to_family(family: ModelFamily, patcher: Patcher) -> None:
 __all__ = [
     "CONV_STATE_ATTR",
     "DELTA_CACHE_ATTR",
+    "PACKED_ATTR",
     "POSITION_IDS_ATTR",
     "LinearAttentionCacheError",
     "Packing",
