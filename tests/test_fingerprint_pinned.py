@@ -10,8 +10,8 @@ import samepath
 from samepath.check.harness import DEFAULT_MODEL_CONFIG
 
 PINNED = {
-    1: "sp5-5cf139490072b29f",
-    2: "sp5-b50b542b812224fb",
+    1: "sp5-6dd145b2de305487",
+    2: "sp5-e91eca7def975d91",
 }
 
 

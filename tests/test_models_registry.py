@@ -40,8 +40,11 @@ SUPPORTED = {
     "gemma2",
     "gpt_oss",
     "deepseek_v3",
+    "qwen3_next",
+    "qwen3_5_text",
+    "qwen3_5_moe_text",
 }
-REFUSED = {"olmo2", "granite", "gemma3", "deepseek_v2", "gpt2"}
+REFUSED = {"olmo2", "granite", "gemma3", "deepseek_v2", "gpt2", "qwen3_5", "qwen3_5_moe"}
 
 
 def test_every_supported_model_type_has_one_descriptor_in_its_own_file():
@@ -60,22 +63,30 @@ def test_every_supported_model_type_has_one_descriptor_in_its_own_file():
 def test_the_descriptors_say_what_each_family_computes():
     """The per-family choices that were tables and ``"gemma3_text"`` branches before the registry."""
     fam = models.families()
-    assert {t for t, f in fam.items() if f.norm_weight_mode == GEMMA_NORM} == {"gemma3_text", "gemma2"}
+    hybrid = {"qwen3_next", "qwen3_5_text", "qwen3_5_moe_text"}
+    assert {t for t, f in fam.items() if f.norm_weight_mode == GEMMA_NORM} == {"gemma3_text", "gemma2", *hybrid}
     assert {t for t, f in fam.items() if f.activation == GELU_TANH_MUL} == {"gemma3_text", "gemma2"}
     assert {t for t, f in fam.items() if f.rope == PER_LAYER_TYPE_ROPE} == {"gemma3_text"}
-    assert {t for t, f in fam.items() if f.qk_norm} == {"qwen3", "qwen3_moe", "gemma3_text", "qwen3_vl_text"}
-    assert {t for t, f in fam.items() if f.rope == INTERLEAVED_MULTIMODAL_ROPE} == {"qwen3_vl_text"}
+    assert {t for t, f in fam.items() if f.qk_norm} == {"qwen3", "qwen3_moe", "gemma3_text", "qwen3_vl_text", *hybrid}
+    assert {t for t, f in fam.items() if f.rope == INTERLEAVED_MULTIMODAL_ROPE} == {
+        "qwen3_vl_text",
+        "qwen3_5_text",
+        "qwen3_5_moe_text",
+    }
     assert {t for t, f in fam.items() if f.fused_gate_up} == {"phi3"}
     assert {t: f.moe for t, f in fam.items() if f.moe} == {
         "qwen3_moe": "softmax_topk",
+        "qwen3_next": "softmax_topk",
+        "qwen3_5_moe_text": "softmax_topk",
         "mixtral": "softmax_topk_fp32",
         "glm4_moe": "sigmoid_grouped_topk",
         "gpt_oss": "topk_softmax_biased",
         "deepseek_v3": "sigmoid_grouped_topk",
     }
-    assert {t for t, f in fam.items() if f.partial_rotary} == {"glm4_moe"}
-    assert {t for t, f in fam.items() if f.shared_experts} == {"glm4_moe", "deepseek_v3"}
+    assert {t for t, f in fam.items() if f.partial_rotary or f.shared_experts} == {"glm4_moe", "deepseek_v3", *hybrid}
     assert {t for t, f in fam.items() if f.mla} == {"deepseek_v3"}
+    assert {t for t, f in fam.items() if f.linear_attention or f.attention_output_gate} == hybrid
+    assert {t for t, f in fam.items() if f.shared_expert_gate} == {"qwen3_next", "qwen3_5_moe_text"}
     assert {t: f.hf_router for t, f in fam.items() if f.hf_router} == {
         "glm4_moe": "TopkRouter",
         "deepseek_v3": "TopkRouter",
@@ -113,6 +124,8 @@ REFUSAL_STARTS = {
     "gemma3": "Gemma3ForConditionalGeneration is multimodal",
     "deepseek_v2": "DeepSeek-V2 uses multi-head latent attention",
     "gpt2": "GPT-2 is not Llama-shaped",
+    "qwen3_5": "Qwen3_5ForConditionalGeneration is multimodal",
+    "qwen3_5_moe": "Qwen3_5MoeForConditionalGeneration is multimodal",
 }
 
 
@@ -294,7 +307,7 @@ def test_the_vllm_plugins_family_bits_come_from_the_descriptors():
     assert {t for t, f in fam.items() if f.vllm_rotary_classes} == {"phi3"}
     names = [name for name, _ in plugin.patch_groups()]
     assert {"rms_norm", "gemma_rms_norm", "silu_mul", "gelu_tanh_mul"} <= set(names)
-    gemmas = [models.family("gemma3_text"), models.family("gemma2")]
+    gemmas = [models.family(t) for t in ("gemma3_text", "gemma2", "qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")]
     for gemma in gemmas:
         models.unregister(gemma)
     try:

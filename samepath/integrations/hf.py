@@ -39,6 +39,7 @@ from typing import Any
 
 import torch
 
+from samepath.integrations.hf_linear_attention import apply_to_family as apply_linear_attention
 from samepath.integrations.hf_mla import mla_attention_forward
 from samepath.integrations.hf_norms import RMS_NORM_FORWARDS, one_plus_weight_rms_norm_forward  # noqa: F401
 from samepath.integrations.hf_parallel import ROW_PARALLEL_LINEARS, tensor_parallel_numerics  # noqa: F401 (public here)
@@ -589,7 +590,7 @@ def apply_to_model_type(model_type: str, patcher: Patcher) -> None:
     if mlp is not None and family.dense_mlp:
         patcher.set(mlp, "forward", mlp_forward_of(family))
     patcher.set(modeling, "apply_rotary_pos_emb", samepath_apply_rotary_pos_emb)
-    patcher.set(getattr(modeling, f"{prefix}RotaryEmbedding"), "forward", rotary_embedding_forward)
+    patcher.set(getattr(modeling, f"{prefix}{family.hf_rotary}"), "forward", rotary_embedding_forward)
     if family.softcap:  # Gemma 2: the final logits capped by samepath's kernel (vLLM's LogitsProcessor's too)
         causal_lm = getattr(modeling, f"{prefix}ForCausalLM")
         patcher.set(causal_lm, "forward", softcapped_causal_lm_forward(causal_lm.forward))
@@ -597,6 +598,8 @@ def apply_to_model_type(model_type: str, patcher: Patcher) -> None:
         patcher.set(getattr(modeling, f"{prefix}{family.hf_router}"), "forward", ROUTER_FORWARDS[family.moe])
     if family.mla:  # DeepSeek-V3: the attention module in samepath's absorbed MLA form
         patcher.set(getattr(modeling, f"{prefix}Attention"), "forward", mla_attention_forward)
+    if family.linear_attention or family.attention_output_gate or family.shared_expert_gate:
+        apply_linear_attention(family, patcher)  # Qwen3-Next / Qwen3.5: hf_linear_attention.py
 
 
 def register_interfaces(patcher: Patcher, replace_defaults: bool) -> None:

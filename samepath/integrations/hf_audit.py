@@ -22,7 +22,7 @@ from samepath.audit.report import (
     inside,
     module_entry,
 )
-from samepath.integrations import hf
+from samepath.integrations import hf, hf_linear_attention
 from samepath.integrations.hf_mla import mla_attention_forward
 from samepath.integrations.hf_softcap import is_softcapped_forward
 from samepath.kernels.matmul import batch_invariant_enabled
@@ -60,13 +60,52 @@ def audit_hf_model(model: torch.nn.Module) -> AuditReport:
         if parent is not None:
             report.entries.append(module_entry(name, module, "inside", COVERED, f"computed by {parent or '<root>'}"))
             continue
-        entry = generic_entry(name, module) or hf_entry(
-            name, module, family_class, attention_fn, experts_fn, rotary_patched, batch_invariant_enabled(), dense_mlp
+        entry = (
+            generic_entry(name, module)
+            or hybrid_entry(name, module, family_class, found)
+            or hf_entry(
+                name,
+                module,
+                family_class,
+                attention_fn,
+                experts_fn,
+                rotary_patched,
+                batch_invariant_enabled(),
+                dense_mlp,
+            )
         )
-        if entry.status == COVERED and entry.op in ("rms_norm", "silu_mul", "gelu_tanh_mul", "experts"):
+        if entry.op == "attention" and found is not None and found.attention_output_gate and entry.status == COVERED:
+            if type(module).forward is not hf_linear_attention.gated_attention_forward:
+                entry = module_entry(name, module, "attention", UNCOVERED, "the output gate's sigmoid is stock torch")
+        if entry.status == COVERED and entry.op in ("rms_norm", "silu_mul", "gelu_tanh_mul", "experts", "gated_delta"):
             whole.append(name)
         report.entries.append(entry)
     return report
+
+
+def hybrid_entry(name: str, module: torch.nn.Module, family_class, family: Any) -> AuditEntry | None:
+    """The rules of the hybrid linear-attention families' own classes (Qwen3-Next, Qwen3.5), ``None`` for
+    another module."""
+    if family is None or not (family.linear_attention or family.shared_expert_gate):
+        return None
+    forward = type(module).forward
+    if family_class(module, "GatedDeltaNet"):
+        if forward is hf_linear_attention.gated_delta_net_forward:
+            detail = "samepath causal_conv1d, gated_delta (one chunk schedule), gated_ops gates and gated norm"
+            return module_entry(name, module, "gated_delta", COVERED, detail)
+        return module_entry(name, module, "gated_delta", UNCOVERED, "stock Gated DeltaNet (chunked vs recurrent)")
+    if family_class(module, "RMSNormGated"):
+        ok = forward is hf_linear_attention.rms_norm_gated_forward
+        return module_entry(name, module, "gated_rms_norm", COVERED if ok else UNCOVERED, "samepath" if ok else "stock")
+    if family_class(module, "SparseMoeBlock") and family.shared_expert_gate:
+        if forward is hf_linear_attention.shared_expert_moe_forward:
+            return module_entry(name, module, "structure", NEUTRAL, "router, experts, sigmoid_gate'd shared expert")
+        return module_entry(name, module, "shared_expert_gate", UNCOVERED, "stock torch sigmoid on the shared expert")
+    if family_class(module, "DecoderLayer") and family.linear_attention:
+        if hf_linear_attention.is_patched_decoder_layer(forward):
+            return module_entry(name, module, "structure", NEUTRAL, "residual adds in the model dtype, reshapes")
+        return module_entry(name, module, "structure", UNCOVERED, "position_ids do not reach the Gated DeltaNet layer")
+    return None
 
 
 def hf_attention_function(config: Any) -> Any:
@@ -118,7 +157,7 @@ def hf_entry(
         return module_entry(name, module, op, COVERED, f"samepath.{op}")
     if family_class(module, "TextScaledWordEmbedding"):
         return embedding_scale_entry(name, module, module.embed_scale, module.weight.dtype, module.embedding_dim)
-    if family_class(module, "RotaryEmbedding"):
+    if family_class(module, "RotaryEmbedding") or family_class(module, "TextRotaryEmbedding"):
         ok = kind.forward is hf.rotary_embedding_forward
         detail = "samepath.rotary_cos_sin (the vLLM plugin's function)" if ok else "stock cos/sin"
         return module_entry(name, module, "rotary", COVERED if ok else UNCOVERED, detail)

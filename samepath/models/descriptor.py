@@ -134,6 +134,12 @@ class ModelFamily:
       ``attention_sinks``: a learned sink logit per head joins the softmax (GPT-OSS's ``sinks``);
       ``mla``: multi-head latent attention (DeepSeek-V3), run in :mod:`samepath.kernels.mla`'s absorbed
       form on both sides (the ``{prefix}Attention`` forward replaced);
+    * ``linear_attention``: ``config.layer_types`` interleaves Gated DeltaNet layers (``{prefix}GatedDeltaNet``
+      with its causal conv1d and ``{prefix}RMSNormGated``) with full attention (Qwen3-Next, Qwen3.5);
+      ``attention_output_gate``: the attention's ``q_proj`` also yields a per-head output gate,
+      ``out * sigmoid(gate)``; ``shared_expert_gate``: the MoE block adds a shared expert scaled by
+      ``sigmoid(shared_expert_gate(x))``; ``hf_rotary``: the class-name suffix of the rotary module
+      (Qwen3.5's ``TextRotaryEmbedding``);
     * ``config_problems``: the config options of this family samepath refuses (soft-capping,
       bidirectional attention, ...) as ``config -> [problem, ...]``; ``extra_formulas``: the
       family's own entries of :func:`samepath.models.model_formulas` (``config -> dict``, merged
@@ -170,6 +176,10 @@ class ModelFamily:
     softcap: bool = False
     attention_sinks: bool = False
     mla: bool = False
+    linear_attention: bool = False
+    attention_output_gate: bool = False
+    shared_expert_gate: bool = False
+    hf_rotary: str = "RotaryEmbedding"
     config_problems: Callable[[Any], list[str]] | None = None
     extra_formulas: Callable[[Any], dict[str, Any]] | None = None
     vllm_rotary_classes: tuple[str, ...] = ()

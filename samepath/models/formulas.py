@@ -214,11 +214,17 @@ def _softmax_topk(config: Any) -> dict[str, Any]:
         "routing": "fp32 softmax, top-k, optional renormalisation, cast to the dtype (HF TopKRouter)",
         "num_experts": int(config.num_experts),
         "top_k": int(config.num_experts_per_tok),
-        "renormalize": bool(config.norm_topk_prob),
+        "renormalize": bool(getattr(config, "norm_topk_prob", True)),  # Qwen3.5-MoE's router always renormalises
         "experts": "ascending expert order, fp32 terms and sum, one cast",
     }
     if getattr(config, "shared_expert_intermediate_size", 0):
-        raise UnsupportedModelError("shared experts are not supported")
+        family = find(getattr(config, "model_type", None))
+        if family is None or not family.shared_expert_gate:
+            raise UnsupportedModelError("shared experts are not supported")
+        moe["shared_expert"] = (
+            "a dense MLP of shared_expert_intermediate_size times sigmoid(shared_expert_gate(x)) (samepath.kernels."
+            "gated_ops.sigmoid_gate), added to the experts' output in the dtype"
+        )
     return moe
 
 

@@ -24,6 +24,14 @@ REFUSALS: dict[str, str] = {
         "tokens), which samepath does not implement; the text-only Gemma3ForCausalLM (model_type gemma3_text) "
         "is supported"
     ),
+    "qwen3_5": (
+        "Qwen3_5ForConditionalGeneration is multimodal (a vision tower), which samepath does not implement; the "
+        "text-only Qwen3_5ForCausalLM (model_type qwen3_5_text) is supported"
+    ),
+    "qwen3_5_moe": (
+        "Qwen3_5MoeForConditionalGeneration is multimodal (a vision tower), which samepath does not implement; the "
+        "text-only Qwen3_5MoeForCausalLM (model_type qwen3_5_moe_text) is supported"
+    ),
     "deepseek_v2": (
         "DeepSeek-V2 uses multi-head latent attention (low-rank compressed KV with rope on a slice of each head) "
         "and softmax group-limited greedy routing with shared experts; samepath implements the attention "
