@@ -326,7 +326,7 @@ def test_both_sides_cover_the_same_model_types():
 REFUSED_CONFIGS = {
     "olmo2": {},
     "granite": dict(logits_scaling=8.0, residual_multiplier=0.5, embedding_multiplier=12.0),
-    "deepseek_v3": {},
+    "deepseek_v2": {},
 }
 BUILT = ("olmo2", "granite")  # cheap to build: patch_all(model) is run on them too
 

@@ -39,8 +39,9 @@ SUPPORTED = {
     "qwen3_vl_text",
     "gemma2",
     "gpt_oss",
+    "deepseek_v3",
 }
-REFUSED = {"olmo2", "granite", "gemma3", "deepseek_v2", "deepseek_v3", "gpt2"}
+REFUSED = {"olmo2", "granite", "gemma3", "deepseek_v2", "gpt2"}
 
 
 def test_every_supported_model_type_has_one_descriptor_in_its_own_file():
@@ -70,10 +71,14 @@ def test_the_descriptors_say_what_each_family_computes():
         "mixtral": "softmax_topk_fp32",
         "glm4_moe": "sigmoid_grouped_topk",
         "gpt_oss": "topk_softmax_biased",
+        "deepseek_v3": "sigmoid_grouped_topk",
     }
-    assert {t for t, f in fam.items() if f.partial_rotary or f.shared_experts} == {"glm4_moe"}
+    assert {t for t, f in fam.items() if f.partial_rotary} == {"glm4_moe"}
+    assert {t for t, f in fam.items() if f.shared_experts} == {"glm4_moe", "deepseek_v3"}
+    assert {t for t, f in fam.items() if f.mla} == {"deepseek_v3"}
     assert {t: f.hf_router for t, f in fam.items() if f.hf_router} == {
         "glm4_moe": "TopkRouter",
+        "deepseek_v3": "TopkRouter",
         "gpt_oss": "TopKRouter",
     }
     assert {t for t, f in fam.items() if f.sliding_window_by_default} == {
@@ -107,7 +112,6 @@ REFUSAL_STARTS = {
     "granite": "Granite's embedding_multiplier, residual_multiplier and logits_scaling",
     "gemma3": "Gemma3ForConditionalGeneration is multimodal",
     "deepseek_v2": "DeepSeek-V2 uses multi-head latent attention",
-    "deepseek_v3": "DeepSeek-V3 uses multi-head latent attention",
     "gpt2": "GPT-2 is not Llama-shaped",
 }
 

@@ -39,6 +39,7 @@ from typing import Any
 
 import torch
 
+from samepath.integrations.hf_mla import mla_attention_forward
 from samepath.integrations.hf_norms import RMS_NORM_FORWARDS, one_plus_weight_rms_norm_forward  # noqa: F401
 from samepath.integrations.hf_parallel import ROW_PARALLEL_LINEARS, tensor_parallel_numerics  # noqa: F401 (public here)
 from samepath.integrations.hf_softcap import softcapped_causal_lm_forward
@@ -593,6 +594,8 @@ def apply_to_model_type(model_type: str, patcher: Patcher) -> None:
         patcher.set(causal_lm, "forward", softcapped_causal_lm_forward(causal_lm.forward))
     if family.hf_router is not None:
         patcher.set(getattr(modeling, f"{prefix}{family.hf_router}"), "forward", ROUTER_FORWARDS[family.moe])
+    if family.mla:  # DeepSeek-V3: the attention module in samepath's absorbed MLA form
+        patcher.set(getattr(modeling, f"{prefix}Attention"), "forward", mla_attention_forward)
 
 
 def register_interfaces(patcher: Patcher, replace_defaults: bool) -> None:

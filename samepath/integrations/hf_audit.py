@@ -23,6 +23,7 @@ from samepath.audit.report import (
     module_entry,
 )
 from samepath.integrations import hf
+from samepath.integrations.hf_mla import mla_attention_forward
 from samepath.integrations.hf_softcap import is_softcapped_forward
 from samepath.kernels.matmul import batch_invariant_enabled
 from samepath.models.formulas import UnsupportedModelError, model_formulas
@@ -127,8 +128,14 @@ def hf_entry(
             problems.append("the model's attention implementation is not samepath's")
         if not rotary_patched:
             problems.append("apply_rotary_pos_emb is stock")
+        mla = hasattr(module, "kv_b_proj")  # DeepSeek-V3's multi-head latent attention
+        if mla and kind.forward is not mla_attention_forward:
+            problems.append("the multi-head latent attention forward is stock (decompressed K/V)")
         if problems:
             return module_entry(name, module, "attention", UNCOVERED, "; ".join(problems))
+        if mla:
+            detail = "samepath.kernels.mla absorbed form: batched matmul, varlen/packed attention, apply_rotary"
+            return module_entry(name, module, "attention", COVERED, detail)
         return module_entry(
             name, module, "attention", COVERED, "samepath varlen/packed attention, samepath.apply_rotary"
         )

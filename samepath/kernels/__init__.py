@@ -5,6 +5,7 @@ from samepath.kernels.config import AttentionConfig, MatmulConfig, attention_con
 from samepath.kernels.gelu_tanh_mul import geglu_tanh, gelu_tanh_mul
 from samepath.kernels.logprobs import log_softmax, token_logprobs
 from samepath.kernels.matmul import batch_invariant, linear, matmul, register_override
+from samepath.kernels.mla import MLA_FORMULA  # noqa: F401  (registers OP_FORMULAS["mla"])
 from samepath.kernels.reductions import REDUCTIONS_FORMULA  # noqa: F401  (registers softmax / sum / mean overrides)
 from samepath.kernels.rms_norm import rms_norm
 from samepath.kernels.rotary import apply_rotary, rotary_cos_sin

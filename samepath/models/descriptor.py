@@ -132,6 +132,8 @@ class ModelFamily:
       full attention (recorded in the formulas); ``softcap``: the config's ``attn_logit_softcapping`` and
       ``final_logit_softcapping`` are applied, by :mod:`samepath.kernels.softcap` on both sides (Gemma 2);
       ``attention_sinks``: a learned sink logit per head joins the softmax (GPT-OSS's ``sinks``);
+      ``mla``: multi-head latent attention (DeepSeek-V3), run in :mod:`samepath.kernels.mla`'s absorbed
+      form on both sides (the ``{prefix}Attention`` forward replaced);
     * ``config_problems``: the config options of this family samepath refuses (soft-capping,
       bidirectional attention, ...) as ``config -> [problem, ...]``; ``extra_formulas``: the
       family's own entries of :func:`samepath.models.model_formulas` (``config -> dict``, merged
@@ -167,6 +169,7 @@ class ModelFamily:
     layer_types: bool = False
     softcap: bool = False
     attention_sinks: bool = False
+    mla: bool = False
     config_problems: Callable[[Any], list[str]] | None = None
     extra_formulas: Callable[[Any], dict[str, Any]] | None = None
     vllm_rotary_classes: tuple[str, ...] = ()

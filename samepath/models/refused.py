@@ -26,11 +26,8 @@ REFUSALS: dict[str, str] = {
     ),
     "deepseek_v2": (
         "DeepSeek-V2 uses multi-head latent attention (low-rank compressed KV with rope on a slice of each head) "
-        "and grouped top-k routing with shared experts; neither is implemented"
-    ),
-    "deepseek_v3": (
-        "DeepSeek-V3 uses multi-head latent attention (low-rank compressed KV with rope on a slice of each head) "
-        "and sigmoid grouped top-k routing with shared experts; neither is implemented"
+        "and softmax group-limited greedy routing with shared experts; samepath implements the attention "
+        "(model_type deepseek_v3) but not V2's routing"
     ),
     "gpt2": (
         "GPT-2 is not Llama-shaped: LayerNorm, a GELU MLP, learned absolute positions and Conv1D projections; "

@@ -1,0 +1,273 @@
+"""Multi-head latent attention (MLA: DeepSeek-V2/V3, Kimi-K2) in ONE formulation for every caller:
+the *absorbed* form, for training, prefill, ``generate`` and paged decode alike.
+
+Stock frameworks compute MLA two ways: training decompresses K and V from the latent ``c_kv``
+(``kv_b_proj``) and attends per head at head size ``qk_nope + qk_rope``; vLLM's decode absorbs
+``W_UK`` into the query and attends over the latent as an MQA at head size ``kv_lora_rank +
+qk_rope``, then applies ``W_UV``. Different products and reduction lengths, different bits.
+samepath runs the absorbed form everywhere (``OP_FORMULAS["mla"]``):
+
+1. ``q_lat[t, h] = q_nope[t, h] @ W_UK[h]`` — ``W_UK[h] = kv_b_proj.weight.view(H, qk_nope + v_head,
+   L)[h, :qk_nope]`` (``[qk_nope, L]``), on samepath's batched matmul (fixed ``BLOCK_K``, serial K
+   loop, fp32 accumulation, one cast: a token's row does not depend on the other tokens);
+2. the query ``[q_lat, q_pe]`` (head size ``L + R``) attends, as ONE KV head shared by all query heads
+   (MQA, GQA-packed), over the key ``[c_kv, k_pe]`` (the normed latent and the rotated rope key);
+   the value is the same ``[c_kv, k_pe]`` tensor, so the kernels run with ``V head size = K head
+   size``. The attention kernels compute each output column from its own value column (``P @ V``:
+   no reduction across columns), so the ``R`` rope columns of the output are computed and
+   discarded and the ``L`` latent columns are what a value of the latent alone would give. The
+   softmax scale is the model's (``(qk_nope + qk_rope) ** -0.5``, times YaRN's ``mscale ** 2``
+   where the config says): the absorbed dot equals the decompressed one mathematically. The
+   attention is samepath's one schedule (:mod:`samepath.kernels.attention`: KV tiles anchored at
+   position 0, the same tiles for :func:`varlen_attention`, :func:`packed_attention` and
+   :func:`paged_attention`);
+3. ``o[t, h] = out_lat[t, h, :L] @ W_UV[h]^T`` — ``W_UV[h] = kv_b_proj.weight.view(H, qk_nope + v_head,
+   L)[h, qk_nope:]`` (``[v_head, L]``), on the same batched matmul; then the caller's ``o_proj``.
+
+The latent KV cache holds one row of ``L + R`` per token (``[c_kv, k_pe]``), one KV head:
+``[num_blocks, block_size, 1, L + R]`` for the paged form (:func:`write_mla_cache`), the same
+row layout as vLLM's MLA cache. The latent head size ``L + R`` follows the attention kernels'
+head-size rule (a multiple of 8 from 16 to 256: 32 + 16 = 48 and 128 + 64 = 192 are fine; DeepSeek-V3's
+512 + 64 = 576 is refused by name until the kernels take it).
+
+Cost (training, per token and head, multiply-adds): the decompressed form attends at
+``qk_nope + qk_rope`` and ``v_head`` per key and decompresses K and V once per token
+(``L * (qk_nope + v_head)`` per head); the absorbed form attends at ``L + R`` per key for both QK and PV
+and pays ``qk_nope * L + L * v_head`` per query token instead. For DeepSeek-V3 (L 512, R 64, nope 128,
+v 128) the attention products cost ``2 * 576 / (192 + 128) = 3.6x`` the decompressed ones, the
+projections the same; see docs/numerics.md.
+
+All three functions are differentiable in the training form (:func:`mla_attention`): the products'
+backward is samepath's matmul, the attention's samepath's deterministic attention backward (``dK`` and
+``dV`` of the one latent tensor added by autograd)."""
+
+from __future__ import annotations
+
+import torch
+
+from samepath.kernels.attention.api import packed_attention, paged_attention, varlen_attention
+from samepath.kernels.attention.batch import LaunchPlan
+from samepath.kernels.checks import check_operands
+from samepath.kernels.config import check_head_size, register_formula
+from samepath.kernels.matmul import launch
+
+MLA_FORMULA = {
+    "form": "absorbed for every caller: q_lat = q_nope @ W_UK per head (batched batch-invariant matmul), "
+    "attention of [q_lat, q_pe] over one KV head [c_kv, k_pe] with value = the same tensor (head size "
+    "kv_lora_rank + qk_rope, samepath's attention schedule), output columns [:kv_lora_rank] @ W_UV^T per head",
+    "scale": "the model's softmax scale ((qk_nope + qk_rope) ** -0.5, times yarn mscale ** 2)",
+    "cache": "one latent row [c_kv, k_pe] per token, one KV head",
+}
+register_formula("mla", MLA_FORMULA)
+
+
+class BatchedMatmulFunction(torch.autograd.Function):
+    """``a [B, M, K] @ b [B, K, N]`` on samepath's matmul, with autograd: ``da = dy @ b^T``,
+    ``db = a^T @ dy`` (reduced over M in the kernel's fixed order: deterministic)."""
+
+    @staticmethod
+    def forward(ctx, a, b):  # type: ignore[override]
+        ctx.save_for_backward(a, b)
+        out = torch.empty((a.shape[0], a.shape[1], b.shape[2]), dtype=a.dtype, device=a.device)
+        return launch(a, b, None, out)
+
+    @staticmethod
+    def backward(ctx, grad_out):  # type: ignore[override]
+        a, b = ctx.saved_tensors
+        grad_a = grad_b = None
+        if ctx.needs_input_grad[0]:
+            grad_a = torch.empty(a.shape, dtype=a.dtype, device=a.device)
+            launch(grad_out, b.transpose(1, 2), None, grad_a)
+        if ctx.needs_input_grad[1]:
+            grad_b = torch.empty(b.shape, dtype=b.dtype, device=b.device)
+            launch(a.transpose(1, 2), grad_out, None, grad_b)
+        return grad_a, grad_b
+
+
+def batched_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``a [B, M, K] @ b [B, K, N]`` -> ``[B, M, N]`` in the dtype, batch-invariant per row, differentiable."""
+    for name, tensor in (("a", a), ("b", b)):
+        if not isinstance(tensor, torch.Tensor) or tensor.dim() != 3:
+            raise ValueError(f"{name} must be a 3-D tensor, got {getattr(tensor, 'shape', type(tensor).__name__)}")
+    if a.shape[0] != b.shape[0] or a.shape[2] != b.shape[1]:
+        raise ValueError(f"a {tuple(a.shape)} and b {tuple(b.shape)} cannot be batch-multiplied")
+    check_operands(a=a, b=b)
+    return BatchedMatmulFunction.apply(a, b)
+
+
+def split_kv_b(kv_b_weight: torch.Tensor, num_heads: int, qk_nope_head_dim: int, v_head_dim: int):
+    """``W_UK [H, qk_nope, L]`` and ``W_UV [H, v_head, L]``: views of ``kv_b_proj.weight``
+    (``[H * (qk_nope + v_head), L]``, each head's ``k_nope`` rows then its ``v`` rows, as
+    Hugging Face's and vLLM's DeepSeek layers lay it out)."""
+    if kv_b_weight.dim() != 2 or kv_b_weight.shape[0] != num_heads * (qk_nope_head_dim + v_head_dim):
+        raise ValueError(
+            f"kv_b_weight must be [num_heads * (qk_nope_head_dim + v_head_dim), kv_lora_rank] = "
+            f"[{num_heads * (qk_nope_head_dim + v_head_dim)}, L], got {tuple(kv_b_weight.shape)}"
+        )
+    w = kv_b_weight.view(num_heads, qk_nope_head_dim + v_head_dim, kv_b_weight.shape[1])
+    return w[:, :qk_nope_head_dim], w[:, qk_nope_head_dim:]
+
+
+def mla_query(q_nope: torch.Tensor, q_pe: torch.Tensor, w_uk: torch.Tensor) -> torch.Tensor:
+    """The absorbed query ``[tokens, H, L + R]``: ``[q_nope[t, h] @ W_UK[h], q_pe[t, h]]``.
+
+    ``q_nope [tokens, H, qk_nope]``, ``q_pe [tokens, H, R]`` (rotated), ``w_uk [H, qk_nope, L]``."""
+    if q_nope.dim() != 3 or q_pe.dim() != 3 or q_nope.shape[:2] != q_pe.shape[:2]:
+        raise ValueError(
+            f"q_nope [tokens, heads, qk_nope] and q_pe [tokens, heads, qk_rope] must share tokens and heads, "
+            f"got {tuple(q_nope.shape)} and {tuple(q_pe.shape)}"
+        )
+    if w_uk.dim() != 3 or w_uk.shape[:2] != (q_nope.shape[1], q_nope.shape[2]):
+        raise ValueError(f"w_uk must be [heads, qk_nope, kv_lora_rank], got {tuple(w_uk.shape)}")
+    q_lat = batched_matmul(q_nope.transpose(0, 1), w_uk).transpose(0, 1)
+    return torch.cat((q_lat, q_pe), dim=-1)
+
+
+def mla_latent_kv(c_kv: torch.Tensor, k_pe: torch.Tensor) -> torch.Tensor:
+    """The one KV head ``[tokens, 1, L + R]``: ``[c_kv, k_pe]`` (``c_kv [tokens, L]`` normed,
+    ``k_pe [tokens, R]`` rotated; a ``[tokens, 1, x]`` head axis is accepted too)."""
+    c_kv = c_kv.reshape(c_kv.shape[0], -1)
+    k_pe = k_pe.reshape(k_pe.shape[0], -1)
+    if c_kv.shape[0] != k_pe.shape[0]:
+        raise ValueError(f"c_kv and k_pe must have one row per token, got {c_kv.shape[0]} and {k_pe.shape[0]}")
+    return torch.cat((c_kv, k_pe), dim=-1).unsqueeze(1)
+
+
+def mla_output(out_latent: torch.Tensor, w_uv: torch.Tensor) -> torch.Tensor:
+    """``[tokens, H, v_head]``: ``out_latent[t, h, :L] @ W_UV[h]^T`` (the attention's rope columns,
+    ``[L:]``, are dropped). ``w_uv [H, v_head, L]``."""
+    if out_latent.dim() != 3 or w_uv.dim() != 3 or w_uv.shape[0] != out_latent.shape[1]:
+        raise ValueError(
+            f"out_latent [tokens, heads, >= L] and w_uv [heads, v_head, L] disagree: {tuple(out_latent.shape)}, "
+            f"{tuple(w_uv.shape)}"
+        )
+    latent = w_uv.shape[2]
+    return batched_matmul(out_latent[..., :latent].transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)
+
+
+def _check_latent(query: torch.Tensor, kv_head_size: int) -> None:
+    if query.shape[-1] != kv_head_size:
+        raise ValueError(
+            f"the absorbed query's head size {query.shape[-1]} differs from the latent KV's {kv_head_size}"
+        )
+    check_head_size(kv_head_size, "kv_lora_rank + qk_rope_head_dim")
+
+
+def mla_attention(
+    q_nope: torch.Tensor,
+    q_pe: torch.Tensor,
+    c_kv: torch.Tensor,
+    k_pe: torch.Tensor,
+    w_uk: torch.Tensor,
+    w_uv: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    scale: float,
+    *,
+    validate: bool = True,
+    plan: LaunchPlan | None = None,
+) -> torch.Tensor:
+    """MLA for the trainer (packed sequences, causal, differentiable): ``[tokens, H, v_head]``
+    (before ``o_proj``).
+
+    Args:
+        q_nope: ``[tokens, H, qk_nope]``; q_pe: ``[tokens, H, R]`` (rotated).
+        c_kv: ``[tokens, L]`` (after ``kv_a_layernorm``); k_pe: ``[tokens, R]`` (rotated).
+        w_uk, w_uv: :func:`split_kv_b` of ``kv_b_proj.weight``.
+        cu_seqlens, validate, plan: as in :func:`samepath.varlen_attention`.
+        scale: the model's softmax scale.
+
+    Each row is bit-identical to :func:`mla_packed_attention` and :func:`mla_paged_attention` for the
+    same token however the rollout batched, chunked or paged it."""
+    query = mla_query(q_nope, q_pe, w_uk)
+    kv = mla_latent_kv(c_kv, k_pe)
+    _check_latent(query, kv.shape[-1])
+    out = varlen_attention(query, kv, kv, cu_seqlens, scale, True, validate=validate, plan=plan)
+    return mla_output(out, w_uv)
+
+
+def mla_packed_attention(
+    q_nope: torch.Tensor,
+    q_pe: torch.Tensor,
+    c_kv: torch.Tensor,
+    k_pe: torch.Tensor,
+    w_uk: torch.Tensor,
+    w_uv: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_kv: torch.Tensor,
+    scale: float,
+    *,
+    validate: bool = True,
+    plan: LaunchPlan | None = None,
+) -> torch.Tensor:
+    """MLA of each sequence's newest queries over its contiguous latent cache (Hugging Face
+    ``generate``; no grad): ``c_kv [total_kv, L]``, ``k_pe [total_kv, R]`` hold every cached token,
+    ``cu_seqlens_*`` as in :func:`samepath.kernels.attention.api.packed_attention`."""
+    query = mla_query(q_nope, q_pe, w_uk)
+    kv = mla_latent_kv(c_kv, k_pe)
+    _check_latent(query, kv.shape[-1])
+    out = packed_attention(query, kv, kv, cu_seqlens_q, cu_seqlens_kv, scale, validate=validate, plan=plan)
+    return mla_output(out, w_uv)
+
+
+def write_mla_cache(
+    c_kv: torch.Tensor, k_pe: torch.Tensor, latent_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    """Copy each token's ``[c_kv, k_pe]`` row into ``latent_cache [num_blocks, block_size, 1, L + R]``
+    at ``slot_mapping`` (page ``slot // block_size``, row ``slot % block_size``; negative slots are
+    skipped). An exact copy."""
+    if latent_cache.dim() != 4 or latent_cache.shape[2] != 1:
+        raise ValueError(f"latent_cache must be [num_blocks, block_size, 1, L + R], got {tuple(latent_cache.shape)}")
+    kv = mla_latent_kv(c_kv, k_pe).to(latent_cache.dtype)
+    if kv.shape[-1] != latent_cache.shape[-1]:
+        raise ValueError(f"latent row size {kv.shape[-1]} differs from latent_cache's {latent_cache.shape[-1]}")
+    if slot_mapping.dim() != 1 or slot_mapping.shape[0] != kv.shape[0]:
+        raise ValueError(f"slot_mapping must be [num_tokens] = [{kv.shape[0]}], got {tuple(slot_mapping.shape)}")
+    keep = slot_mapping >= 0
+    flat = latent_cache.view(-1, latent_cache.shape[-1])
+    flat[slot_mapping[keep].long()] = kv[keep, 0]
+
+
+def mla_paged_attention(
+    q_nope: torch.Tensor,
+    q_pe: torch.Tensor,
+    latent_cache: torch.Tensor,
+    w_uk: torch.Tensor,
+    w_uv: torch.Tensor,
+    block_table: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    *,
+    validate: bool = True,
+    split_kv: bool | None = None,
+    plan: LaunchPlan | None = None,
+) -> torch.Tensor:
+    """MLA of new queries over a paged latent cache (prefill, chunked prefill and decode at once):
+    ``latent_cache [num_blocks, block_size, 1, L + R]`` already holding every token's row
+    (:func:`write_mla_cache`); ``block_table``, ``query_start_loc``, ``seq_lens``, ``validate``,
+    ``split_kv``, ``plan`` as in :func:`samepath.paged_attention`. Returns ``[tokens, H, v_head]``
+    (before ``o_proj``), each row bit-identical to :func:`mla_attention`'s for the same token."""
+    if latent_cache.dim() != 4 or latent_cache.shape[2] != 1:
+        raise ValueError(f"latent_cache must be [num_blocks, block_size, 1, L + R], got {tuple(latent_cache.shape)}")
+    query = mla_query(q_nope, q_pe, w_uk)
+    _check_latent(query, latent_cache.shape[-1])
+    out = paged_attention(
+        query, latent_cache, latent_cache, block_table, query_start_loc, seq_lens, scale,
+        validate=validate, split_kv=split_kv, plan=plan,
+    )  # fmt: skip
+    return mla_output(out, w_uv)
+
+
+__all__ = [
+    "MLA_FORMULA",
+    "BatchedMatmulFunction",
+    "batched_matmul",
+    "mla_attention",
+    "mla_latent_kv",
+    "mla_output",
+    "mla_packed_attention",
+    "mla_paged_attention",
+    "mla_query",
+    "split_kv_b",
+    "write_mla_cache",
+]
