@@ -150,6 +150,19 @@ def vllm_rope(layer: Any) -> tuple[int, float, dict[str, Any]]:
                 "attention_factor": layer.mscale,
             },
         )
+    if kind == "DeepseekScalingRotaryEmbedding":  # DeepSeek-V3's YaRN: mscale / mscale_all_dim as one ratio
+        return (
+            layer.rotary_dim,
+            base,
+            {
+                "rope_type": "yarn",
+                "factor": layer.scaling_factor,
+                "original_max_position_embeddings": layer.max_position_embeddings,
+                "beta_fast": layer.beta_fast,
+                "beta_slow": layer.beta_slow,
+                "attention_factor": layer.mscale,
+            },
+        )
     if kind == "Llama3RotaryEmbedding":
         return (
             layer.rotary_dim,
@@ -191,6 +204,7 @@ ROPE_CLASSES = (
     "LinearScalingRotaryEmbedding",
     "DynamicNTKScalingRotaryEmbedding",
     "YaRNScalingRotaryEmbedding",
+    "DeepseekScalingRotaryEmbedding",
     "Llama3RotaryEmbedding",
     "Phi3LongRoPEScaledRotaryEmbedding",
     "MRotaryEmbedding",
