@@ -707,6 +707,11 @@ def grouped_apply(runner: Any, hidden_states, router_logits, shared_experts_inpu
 
     runner._maybe_apply_shared_experts(shared_experts_input, SharedExpertsOrder.NO_OVERLAP)
     router, experts = runner.router, runner.routed_experts
+    gate = getattr(runner, "gate", None)
+    if router_logits.dtype != torch.float32 and gate is not None:
+        # DeepSeek-V3's gate keeps the checkpoint dtype (GLM-4.5's is fp32): Hugging Face's router
+        # takes the logits of the fp32 input and weight, so they are taken again here, in fp32.
+        router_logits = linear(hidden_states.to(torch.float32), gate.weight.to(torch.float32))
     bias = router.e_score_correction_bias
     out = grouped_moe(
         hidden_states,
