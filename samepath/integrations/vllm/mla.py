@@ -306,17 +306,19 @@ def patch_mla(patcher: Patcher) -> bool:
     patcher.set(layer_cls, "update_kv_cache", update_kv_cache)
     patcher.set(layer_cls, "forward_impl", forward_impl)
     patcher.set(
-        layer_cls, "process_weights_after_loading", process_weights_after_loading(layer_cls.process_weights_after_loading)
+        layer_cls,
+        "process_weights_after_loading",
+        process_weights_after_loading(layer_cls.process_weights_after_loading),
     )
     return True
 
 
 __all__ = [
     "MLA_BACKENDS",
-    "UNUSED_CHILDREN",
-    "VLLM_DEEPSEEK_ROPE_TYPES",
     "MLA_IMPLS",
     "SAMEPATH_HEAD_SIZES",
+    "UNUSED_CHILDREN",
+    "VLLM_DEEPSEEK_ROPE_TYPES",
     "check_mla",
     "forward_impl",
     "hugging_face_config",
