@@ -31,6 +31,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
 
 import pytest
 import torch
@@ -43,7 +44,7 @@ import samepath  # noqa: E402
 from samepath import integrations  # noqa: E402
 from samepath.check.vllm_rollout import VLLMRolloutPool, VLLMRolloutSpec  # noqa: E402
 from samepath.rl.hf_harness import trainer_forward  # noqa: E402
-from tests.test_deepseek_v3 import DS_CONFIG, tiny_deepseek  # noqa: E402
+from tests.test_deepseek_v3 import DS_CONFIG, ds_config, tiny_deepseek  # noqa: E402
 
 #: Config keys vLLM's DeepSeek loader reads that transformers 5.x's ``DeepseekV3Config`` dropped,
 #: with the values of Hugging Face's DeepSeek-V3 router (sigmoid scores, score-correction bias).
@@ -197,3 +198,83 @@ def test_vllm_deepseek_v3_rollout_equals_the_trainer(deepseek_dir, backend):
     if backend is None:
         stock_alone, _ = trainer(stock, all_prompts, result.requests)
         assert not all(torch.equal(r, s) for r, s in zip(rollout_lp, stock_alone, strict=True))
+
+
+@pytest.fixture
+def plugin_installed(monkeypatch):
+    from samepath import audit
+    from samepath.integrations import vllm as samepath_vllm
+
+    monkeypatch.delenv(samepath_vllm.FINGERPRINT_ENV_VAR, raising=False)
+    monkeypatch.delenv(audit.ALLOW_ENV_VAR, raising=False)
+    samepath_vllm.install()
+    yield samepath_vllm
+    samepath_vllm.uninstall()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_vllm_deepseek_yarn_rope_is_the_hugging_face_sides(plugin_installed, monkeypatch, dtype):
+    """The rotary layer vLLM builds for DeepSeek-V3's YaRN (``DeepseekScalingRotaryEmbedding``, GPT-J pairs)
+    rotates ``q_pe`` / ``k_pe`` under the plugin to the bits of the Hugging Face side's
+    :func:`~samepath.integrations.hf_mla.mla_rope` with the stock ``DeepseekV3RotaryEmbedding``'s cos / sin
+    (mscale / mscale_all_dim in them)."""
+    from transformers.models.deepseek_v3 import modeling_deepseek_v3
+    from vllm.config import VllmConfig, set_current_vllm_config
+    from vllm.model_executor.layers import rotary_embedding
+    from vllm.model_executor.layers.rotary_embedding import get_rope
+
+    from samepath.integrations.hf_mla import mla_rope
+
+    config = ds_config()
+    params = {**config.rope_parameters, "rope_type": "deepseek_yarn"}  # DeepseekV2MLAAttention's renaming
+    monkeypatch.setattr(rotary_embedding, "_ROPE_DICT", {})
+    with set_current_vllm_config(VllmConfig()):
+        layer = get_rope(16, config.max_position_embeddings, is_neox_style=False, rope_parameters=params, dtype=dtype)
+    assert type(layer).__name__ == "DeepseekScalingRotaryEmbedding"
+    gen = torch.Generator().manual_seed(0)
+    tokens, heads = 41, 4
+    positions = torch.randint(0, config.max_position_embeddings, (tokens,), generator=gen)
+    q, k = (torch.randn(tokens, n, 16, generator=gen).to(dtype) for n in (heads, 1))
+    got_q, got_k = layer(positions, q.clone(), k.clone())
+    assert not integrations.enabled()
+    cos, sin = modeling_deepseek_v3.DeepseekV3RotaryEmbedding(config)(q, positions[None])
+    want_q, want_k = mla_rope(q.transpose(0, 1)[None], k.transpose(0, 1)[None], cos.to(dtype), sin.to(dtype), True)
+    assert torch.equal(got_q, want_q[0].transpose(0, 1)) and torch.equal(got_k, want_k[0].transpose(0, 1))
+    # Negative control: without mscale_all_dim the attention factor is YaRN's own 0.1 ln(4) + 1.
+    other = ds_config(rope_parameters={**config.rope_parameters, "mscale_all_dim": 0.0})
+    cos, sin = modeling_deepseek_v3.DeepseekV3RotaryEmbedding(other)(q, positions[None])
+    moved_q, _ = mla_rope(q.transpose(0, 1)[None], k.transpose(0, 1)[None], cos.to(dtype), sin.to(dtype), True)
+    assert not torch.equal(got_q, moved_q[0].transpose(0, 1))
+
+
+def test_vllm_mla_refuses_what_it_does_not_implement_by_name():
+    """An MLA layer on another backend, sparse, with an fp8 cache or context parallelism is refused by name
+    (at load by the audit, at run time by ``check_mla``); the rope type vLLM renames in its config is read
+    back as Hugging Face's for the audit without touching vLLM's config."""
+    import types
+
+    from samepath.integrations.vllm import mla
+
+    def layer(impl: str = "CPUMLAImpl", **attributes):
+        impl_obj = type(impl, (), {"is_sparse": False, "dcp_world_size": 1})()
+        fields = dict(impl=impl_obj, kv_cache_dtype="auto", num_heads=4, layer_name="model.layers.0.mla_attn")
+        return types.SimpleNamespace(**{**fields, **attributes})
+
+    assert mla.mla_problems(layer()) == [] and mla.mla_problems(layer("AMXMLAImpl")) == []
+    cases = {
+        "the MLA backend FlashMLAImpl": layer("FlashMLAImpl"),
+        "sparse MLA": layer(indexer=object()),
+        "kv_cache_dtype='fp8'": layer(kv_cache_dtype="fp8"),
+        "context parallelism": layer(use_pcp=True),
+        "DCP query replication": layer(dcp_q_replicate=True),
+        "query heads padded to 16": layer(q_pad_num_heads=16),
+    }
+    for message, case in cases.items():
+        with pytest.raises(NotImplementedError, match=re.escape(message)):
+            mla.check_mla(case)
+    config = ds_config()
+    config.rope_parameters["rope_type"] = "deepseek_yarn"  # what vLLM's DeepseekV2MLAAttention leaves
+    restored = mla.hugging_face_config(config)
+    assert restored.rope_parameters["rope_type"] == "yarn" and config.rope_parameters["rope_type"] == "deepseek_yarn"
+    plain = ds_config(rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+    assert mla.hugging_face_config(plain) is plain
