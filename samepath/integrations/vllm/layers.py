@@ -103,11 +103,12 @@ def vllm_rope(layer: Any) -> tuple[int, float, dict[str, Any]]:
     Written against vLLM 0.32's ``rotary_embedding`` package: ``RotaryEmbedding`` (default),
     ``LinearScalingRotaryEmbedding`` (one factor), ``DynamicNTKScalingRotaryEmbedding``
     (``max_trained_positions == max_position_embeddings``: Hugging Face's formula below
-    ``max_position_embeddings``), ``YaRNScalingRotaryEmbedding``, ``Llama3RotaryEmbedding`` and
+    ``max_position_embeddings``), ``YaRNScalingRotaryEmbedding``, ``DeepseekScalingRotaryEmbedding``
+    (DeepSeek's YaRN: its ``mscale`` ratio is Hugging Face's ``attention_factor``), ``Llama3RotaryEmbedding`` and
     ``Phi3LongRoPEScaledRotaryEmbedding`` (short factors: ``max_model_len`` at most
     ``original_max_position_embeddings``), and ``MRotaryEmbedding`` without scaling (multimodal
     rope: see :func:`vllm_rope_layout`), neox or GPT-J style (:func:`vllm_rope_layout`). Anything
-    else — dual-chunk, DeepSeek / NTK-alpha / Fourier scaling, mrope with YaRN, LoRA's multi-factor
+    else — dual-chunk, NTK-alpha / Fourier scaling, mrope with YaRN, LoRA's multi-factor
     linear cache — raises :class:`UnsupportedRopeError`: it is refused rather than left on vLLM's
     formula.
     """
