@@ -285,3 +285,38 @@ def test_vllm_mla_refuses_what_it_does_not_implement_by_name():
     assert restored.rope_parameters["rope_type"] == "yarn" and config.rope_parameters["rope_type"] == "deepseek_yarn"
     plain = ds_config(rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
     assert mla.hugging_face_config(plain) is plain
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("dtype", "engine_args"),
+    [
+        pytest.param("float32", {"attention_backend": "CPU_MLA"}, id="fp32-cpu_mla"),
+        pytest.param("bfloat16", {"enforce_eager": False}, id="bf16-compiled"),
+    ],
+)
+def test_vllm_deepseek_v3_more_rollouts_equal_the_trainer(tmp_path, dtype, engine_args):
+    """fp32 (``CPU_MLA``: ``AMX_MLA`` is bf16 only) and vLLM's compiled forward (the MLA attention inside
+    vLLM's own custom op, the rest through samepath's opaque ops): rollout == trainer by torch.equal."""
+    save_for_vllm(tiny_deepseek(getattr(torch, dtype)), tmp_path)
+    first, shared = prompts()
+    spec = VLLMRolloutSpec(
+        model=str(tmp_path),
+        dtype=dtype,
+        batches=[first, [shared]],
+        new_tokens=NEW_TOKENS,
+        temperature=TEMPERATURE,
+        expect_fingerprint=samepath.fingerprint(1),
+        engine_args=engine_args,
+    )
+    result = ROLLOUTS.run(spec)
+    integrations.patch_all()
+    try:
+        model = transformers.AutoModelForCausalLM.from_pretrained(
+            tmp_path, dtype=getattr(torch, dtype), attn_implementation="samepath"
+        ).eval()
+        alone, _ = trainer(model, [*first, shared], result.requests)
+    finally:
+        integrations.unpatch_all()
+    for r, a in zip(result.requests, alone, strict=True):
+        assert torch.equal(torch.tensor(r.logprobs, dtype=torch.float32), a)
