@@ -52,6 +52,8 @@ OPS = (
     "swiglu",
     "rotary",
     "moe_experts",
+    "mla_train",
+    "mla_decode",
     "e2e",
     "vllm_decode_step",
 )
@@ -1129,6 +1131,10 @@ def plan(ops: list[str], device: torch.device, dtype: torch.dtype, quick: bool, 
                     shapes = [(16, 2048, 768, 128, 8), *shapes, (16384, 2048, 768, 128, 8)]
             for t, hidden, inter, e, k in shapes:
                 yield moe_experts_case(t, hidden, inter, e, k, *args)
+        elif op in ("mla_train", "mla_decode"):  # bench/mla.py: DeepSeek's latent attention
+            from bench import mla
+
+            yield from mla.cases(op, device, dtype, quick, found)
         elif op == "e2e":
             try:
                 import transformers  # noqa: F401

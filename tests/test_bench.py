@@ -508,3 +508,17 @@ def test_install_tuned_uses_the_config_hook_when_there_is_one(tmp_path: Path) ->
         assert samepath.fingerprint() == before
     finally:
         hook({})
+
+
+def test_quick_bench_mla_rows(tmp_path: Path) -> None:
+    """DeepSeek's latent attention: samepath's absorbed form (training forward + backward, paged decode)
+    timed against the stock decompressed form and the absorbed form in torch in the same run; FlashMLA is
+    listed with its reason."""
+    args = ["--device", "cpu", "--quick", "--ops", "mla_train,mla_decode", "--warmup", "0", "--repeats", "2"]
+    result = run([*args, "--out", str(tmp_path), "--no-png"])
+    rows = {(row["op"], row["baseline"]) for row in result["rows"]}
+    assert ("mla_train", "stock decompressed MLA (HF: kv_b_proj, torch SDPA)") in rows
+    assert ("mla_decode", "stock absorbed MLA decode in torch (vLLM's math, gather pages, SDPA)") in rows
+    assert ("mla_decode", "stock decompressed MLA decode (HF generate: expand the cache, SDPA)") in rows
+    assert all(math.isfinite(row["speedup"]) for row in result["rows"])
+    assert "FlashMLA (" in result["missing"]

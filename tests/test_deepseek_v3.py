@@ -171,3 +171,40 @@ def test_the_patched_attention_is_the_mla_op_and_trains():
         if "experts" in name or "gate.weight" in name:
             continue  # routed experts and the router: only the chosen ones / no gradient through top-k
         assert param.grad is not None and torch.isfinite(param.grad).all() and param.grad.abs().sum() > 0, name
+
+
+def test_deepseek_v3_rl_steps_stay_on_policy():
+    """Two GRPO steps (fp32 master weights, the trainer's forward on their bf16 cast under autocast, an HF
+    generate rollout synced after each update): every rollout log-prob equals the trainer's, importance ratio
+    exactly 1. The router's fp32 logits are computed with autocast off: under the trainer's autocast, torch
+    ran the router's fp32 F.linear in bf16 (GLM-4.5 and DeepSeek-V3 both gave 0/32 equal tokens before).
+    Negative control: the router under autocast computes other logits than outside it, unless patched."""
+    from samepath import rl
+
+    model = tiny_deepseek(torch.float32)
+    router = copy.deepcopy(model.model.layers[1].mlp.gate)
+    hidden = torch.randn(5, 64, generator=torch.Generator().manual_seed(4))
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        stock_logits = router(hidden)[0]
+    assert not torch.equal(stock_logits, router(hidden)[0])
+    with rl.numerics("samepath"):
+        with torch.no_grad():
+            outside = router(hidden)[0]
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                assert torch.equal(router(hidden)[0], outside) and outside.dtype == torch.float32
+        trainer = rl.Trainer(model, precision="fp32_master")
+        rollout = rl.HFRollout.for_trainer(trainer)
+        history = rl.run_grpo(trainer, rollout, rl.CopyTask(model.config.vocab_size), steps=2, new_tokens=3)
+    assert all(m.bitwise_equal and m.ratio_min == m.ratio_max == 1.0 for m in history), history
+
+
+@pytest.mark.slow  # about 25 s of Dynamo tracing on the CPU
+def test_deepseek_v3_under_torch_compile_is_the_eager_bits():
+    """torch.compile (aot_eager: the MoE's routing glue stays on torch's ops, as for GLM-4.5) of the patched
+    model computes the eager logits: the MLA pieces run as opaque calls (samepath.kernels.opaque)."""
+    model = tiny_deepseek(torch.bfloat16)
+    ids = torch.randint(1, 320, (2, 9), generator=torch.Generator().manual_seed(0))
+    with integrations.patched(model), torch.no_grad():
+        eager = model(input_ids=ids, use_cache=False).logits
+        compiled = torch.compile(model, backend="aot_eager")(input_ids=ids, use_cache=False).logits
+    assert torch.equal(compiled, eager)

@@ -532,7 +532,8 @@ def _sigmoid_grouped_router_forward(self: torch.nn.Module, hidden_states: torch.
     weight, on samepath's matmul), then :func:`samepath.kernels.moe_routing.sigmoid_grouped_topk_routing`
     — the function vLLM's MoE layer runs under the plugin."""
     hidden_states = hidden_states.view(-1, self.hidden_dim)
-    router_logits = torch.nn.functional.linear(hidden_states.type(torch.float32), self.weight.type(torch.float32))
+    with torch.autocast(hidden_states.device.type, enabled=False):  # fp32 under a trainer's autocast too
+        router_logits = torch.nn.functional.linear(hidden_states.float(), self.weight.float())
     index, weights = sigmoid_grouped_topk_routing(
         router_logits,
         self.e_score_correction_bias,

@@ -209,14 +209,25 @@ def mla_packed_attention(
     return mla_output(out, w_uv)
 
 
+def _four_d(latent_cache: torch.Tensor) -> torch.Tensor:
+    """``[num_blocks, block_size, 1, L + R]``; vLLM's ``[num_blocks, block_size, L + R]`` is viewed so."""
+    if latent_cache.dim() == 3:
+        latent_cache = latent_cache.unsqueeze(2)
+    if latent_cache.dim() != 4 or latent_cache.shape[2] != 1:
+        raise ValueError(
+            f"latent_cache must be [num_blocks, block_size, 1, L + R] or [num_blocks, block_size, L + R], "
+            f"got {tuple(latent_cache.shape)}"
+        )
+    return latent_cache
+
+
 def write_mla_cache(
     c_kv: torch.Tensor, k_pe: torch.Tensor, latent_cache: torch.Tensor, slot_mapping: torch.Tensor
 ) -> None:
     """Copy each token's ``[c_kv, k_pe]`` row into ``latent_cache [num_blocks, block_size, 1, L + R]``
-    at ``slot_mapping`` (page ``slot // block_size``, row ``slot % block_size``; negative slots are
-    skipped). An exact copy."""
-    if latent_cache.dim() != 4 or latent_cache.shape[2] != 1:
-        raise ValueError(f"latent_cache must be [num_blocks, block_size, 1, L + R], got {tuple(latent_cache.shape)}")
+    (or vLLM's ``[num_blocks, block_size, L + R]``) at ``slot_mapping`` (page ``slot // block_size``, row
+    ``slot % block_size``; negative slots are skipped). An exact copy."""
+    latent_cache = _four_d(latent_cache)
     kv = mla_latent_kv(c_kv, k_pe).to(latent_cache.dtype)
     if kv.shape[-1] != latent_cache.shape[-1]:
         raise ValueError(f"latent row size {kv.shape[-1]} differs from latent_cache's {latent_cache.shape[-1]}")
@@ -243,12 +254,12 @@ def mla_paged_attention(
     plan: LaunchPlan | None = None,
 ) -> torch.Tensor:
     """MLA of new queries over a paged latent cache (prefill, chunked prefill and decode at once):
-    ``latent_cache [num_blocks, block_size, 1, L + R]`` already holding every token's row
-    (:func:`write_mla_cache`); ``block_table``, ``query_start_loc``, ``seq_lens``, ``validate``,
-    ``split_kv``, ``plan`` as in :func:`samepath.paged_attention`. Returns ``[tokens, H, v_head]``
-    (before ``o_proj``), each row bit-identical to :func:`mla_attention`'s for the same token."""
-    if latent_cache.dim() != 4 or latent_cache.shape[2] != 1:
-        raise ValueError(f"latent_cache must be [num_blocks, block_size, 1, L + R], got {tuple(latent_cache.shape)}")
+    ``latent_cache [num_blocks, block_size, 1, L + R]`` (or vLLM's ``[num_blocks, block_size, L + R]``)
+    already holding every token's row (:func:`write_mla_cache`); ``block_table``, ``query_start_loc``,
+    ``seq_lens``, ``validate``, ``split_kv``, ``plan`` as in :func:`samepath.paged_attention`. Returns
+    ``[tokens, H, v_head]`` (before ``o_proj``), each row bit-identical to :func:`mla_attention`'s for
+    the same token."""
+    latent_cache = _four_d(latent_cache)
     query = mla_query(q_nope, q_pe, w_uk)
     _check_latent(query, latent_cache.shape[-1])
     out = paged_attention(
