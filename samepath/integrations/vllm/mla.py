@@ -116,8 +116,8 @@ def update_kv_cache(
     if slot_mapping is None or kv_cache.numel() == 0:
         return
     n = slot_mapping.shape[0]
-    # vLLM's [num_blocks, block_size, L + R] latent cache: samepath's with the one KV head squeezed.
-    write_mla_cache(kv_c_normed[:n], k_pe[:n], kv_cache.unsqueeze(2), slot_mapping.flatten())
+    # vLLM's [num_blocks, block_size, L + R] latent cache is samepath's with the one KV head squeezed.
+    write_mla_cache(kv_c_normed[:n], k_pe[:n], kv_cache, slot_mapping.flatten())
 
 
 def forward_impl(
@@ -160,7 +160,7 @@ def forward_impl(
     q_nope, q_pe = q.split([self.qk_nope_head_dim, self.qk_rope_head_dim], dim=-1)
     w_uk, w_uv = kv_b_views(self)
     out = mla_paged_attention(
-        q_nope, q_pe, kv_cache.unsqueeze(2), w_uk, w_uv, block_table, query_start_loc, seq_lens, self.scale,
+        q_nope, q_pe, kv_cache, w_uk, w_uv, block_table, query_start_loc, seq_lens, self.scale,
         validate=validate, plan=plan,
     )  # fmt: skip
     output[:n].copy_(out.reshape(n, -1))
