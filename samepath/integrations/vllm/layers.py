@@ -103,11 +103,12 @@ def vllm_rope(layer: Any) -> tuple[int, float, dict[str, Any]]:
     Written against vLLM 0.32's ``rotary_embedding`` package: ``RotaryEmbedding`` (default),
     ``LinearScalingRotaryEmbedding`` (one factor), ``DynamicNTKScalingRotaryEmbedding``
     (``max_trained_positions == max_position_embeddings``: Hugging Face's formula below
-    ``max_position_embeddings``), ``YaRNScalingRotaryEmbedding``, ``Llama3RotaryEmbedding`` and
+    ``max_position_embeddings``), ``YaRNScalingRotaryEmbedding``, ``DeepseekScalingRotaryEmbedding``
+    (DeepSeek's YaRN: its ``mscale`` ratio is Hugging Face's ``attention_factor``), ``Llama3RotaryEmbedding`` and
     ``Phi3LongRoPEScaledRotaryEmbedding`` (short factors: ``max_model_len`` at most
     ``original_max_position_embeddings``), and ``MRotaryEmbedding`` without scaling (multimodal
     rope: see :func:`vllm_rope_layout`), neox or GPT-J style (:func:`vllm_rope_layout`). Anything
-    else — dual-chunk, DeepSeek / NTK-alpha / Fourier scaling, mrope with YaRN, LoRA's multi-factor
+    else — dual-chunk, NTK-alpha / Fourier scaling, mrope with YaRN, LoRA's multi-factor
     linear cache — raises :class:`UnsupportedRopeError`: it is refused rather than left on vLLM's
     formula.
     """
@@ -147,6 +148,19 @@ def vllm_rope(layer: Any) -> tuple[int, float, dict[str, Any]]:
                 "beta_fast": layer.beta_fast,
                 "beta_slow": layer.beta_slow,
                 "truncate": layer.truncate,
+                "attention_factor": layer.mscale,
+            },
+        )
+    if kind == "DeepseekScalingRotaryEmbedding":  # DeepSeek-V3's YaRN: mscale / mscale_all_dim as one ratio
+        return (
+            layer.rotary_dim,
+            base,
+            {
+                "rope_type": "yarn",
+                "factor": layer.scaling_factor,
+                "original_max_position_embeddings": layer.max_position_embeddings,
+                "beta_fast": layer.beta_fast,
+                "beta_slow": layer.beta_slow,
                 "attention_factor": layer.mscale,
             },
         )
@@ -191,6 +205,7 @@ ROPE_CLASSES = (
     "LinearScalingRotaryEmbedding",
     "DynamicNTKScalingRotaryEmbedding",
     "YaRNScalingRotaryEmbedding",
+    "DeepseekScalingRotaryEmbedding",
     "Llama3RotaryEmbedding",
     "Phi3LongRoPEScaledRotaryEmbedding",
     "MRotaryEmbedding",
@@ -693,6 +708,11 @@ def grouped_apply(runner: Any, hidden_states, router_logits, shared_experts_inpu
 
     runner._maybe_apply_shared_experts(shared_experts_input, SharedExpertsOrder.NO_OVERLAP)
     router, experts = runner.router, runner.routed_experts
+    gate = getattr(runner, "gate", None)
+    if router_logits.dtype != torch.float32 and gate is not None:
+        # DeepSeek-V3's gate keeps the checkpoint dtype (GLM-4.5's is fp32): Hugging Face's router
+        # takes the logits of the fp32 input and weight, so they are taken again here, in fp32.
+        router_logits = linear(hidden_states.to(torch.float32), gate.weight.to(torch.float32))
     bias = router.e_score_correction_bias
     out = grouped_moe(
         hidden_states,

@@ -42,6 +42,7 @@ from samepath.integrations.vllm.layers import (
     vllm_rope,
     vllm_rope_layout,
 )
+from samepath.integrations.vllm.mla import hugging_face_config, mla_entry
 from samepath.integrations.vllm.sampler import logits_processor_forward
 from samepath.integrations.vllm.state import expected_fingerprint, expert_parallel, installed
 from samepath.kernels.config import assert_same_numerics
@@ -67,6 +68,7 @@ ROUTER_GEMM_FLAGS = (
     "allow_fp32_router_gemm",
     "allow_bf16x3_router_gemm",
     "allow_cublas_router_gemm",
+    "_use_min_latency_gemm",  # DeepSeek's fused q/kv A projection on Hopper / Blackwell
 )
 
 
@@ -244,7 +246,8 @@ def classify_module(
             return module_entry(name, module, "rotary", UNCOVERED, str(exc))
         rope = (formulas or {}).get("rope") or {}
         interleaved, mrope_section, _ = vllm_rope_layout(module)
-        if interleaved or mrope_section is not None:
+        mla_interleaved = bool((((formulas or {}).get("attention") or {}).get("mla") or {}).get("rope_interleave"))
+        if (interleaved and not mla_interleaved) or mrope_section is not None:
             # samepath computes these as Hugging Face's GLM-4 / Qwen-VL do, but no family of
             # samepath.models uses them yet: no trainer resolution to compare with.
             layout = "GPT-J (interleaved) pairs" if interleaved else f"multimodal rope {list(mrope_section)}"
@@ -283,6 +286,9 @@ def classify_module(
             return module_entry(name, module, "attention", UNCOVERED, "; ".join(problems))
         return module_entry(name, module, "attention", COVERED, "samepath.paged_attention / write_kv_cache")
     entry = rules.moe(name, module, formulas)
+    if entry is not None:
+        return entry
+    entry = mla_entry(name, module, formulas)
     if entry is not None:
         return entry
     if kind in rules.logits:
@@ -356,6 +362,7 @@ def check_loaded_model(
     ``hf_config``."""
     global LOADED_MODEL_CONFIG
 
+    hf_config = hugging_face_config(hf_config)  # DeepSeek: the rope_type vLLM renamed in place, back
     if rules is None:  # this plugin's norms (not another platform's)
         mark_norm_weight_modes(model, hf_config)
     report = audit_vllm_model(model, hf_config, rules=(rules or vllm_rules)())
@@ -413,6 +420,7 @@ def patch_model_loader(
 LINEAR_CLASSES = frozenset(
     [f"vllm.model_executor.layers.linear.{name}" for name in LINEAR_NAMES]
     + ["vllm.model_executor.layers.fused_moe.router.gate_linear.GateLinear"]
+    + ["vllm.model_executor.models.deepseek_v2.DeepSeekV2FusedQkvAProjLinear"]
 )
 
 

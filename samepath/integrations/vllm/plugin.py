@@ -10,7 +10,7 @@ import logging
 import os
 import threading
 
-from samepath.integrations.vllm import attention, layers, loader, sampler, state
+from samepath.integrations.vllm import attention, layers, loader, mla, sampler, state
 from samepath.integrations.vllm.common import apply_patch_groups
 from samepath.integrations.vllm.env import (
     FINGERPRINT_ENV_VAR,
@@ -81,6 +81,7 @@ CORE_GROUPS = [
     ("cpu_attention", attention.patch_cpu_attention),
     ("triton_attention", attention.patch_triton_attention),
     ("flash_attention", attention.patch_flash_attention),
+    ("mla", mla.patch_mla),
     ("rotary", layers.patch_rotary),
     ("linear", layers.patch_linear),
     ("row_parallel", layers.patch_row_parallel),
@@ -110,7 +111,7 @@ def patch_groups() -> list:
     if unknown:
         raise ValueError(f"model families ask for vLLM patch groups the plugin does not have: {sorted(unknown)}")
     family = [(name, patch) for name, patch in FAMILY_GROUPS.items() if name in wanted]
-    return [*CORE_GROUPS[:3], *family, *CORE_GROUPS[3:]]
+    return [*CORE_GROUPS[:4], *family, *CORE_GROUPS[4:]]
 
 
 #: Today's groups (:func:`patch_groups` at import).
