@@ -1,11 +1,17 @@
-"""samepath's kernels under ``torch.compile``: opaque calls Dynamo does not trace.
+"""samepath's kernels under ``torch.compile``: ``torch.library`` custom ops, and what is refused.
 
-A kernel's launcher (Triton's ``JITFunction.run``, or on the CPU the numpy replay reading the
-tensor's memory) cannot run on Dynamo's fake tensors. :func:`compile_opaque` wraps a public op so
-that, while Dynamo traces, the call is made through :func:`torch.compiler.disable`: Dynamo ends
-the graph before it, runs the op eagerly (the same autograd Function, the same kernel, the same
-bits as an eager forward and backward) and resumes tracing after it. Everything between samepath's
-ops (residual adds, the embedding, casts, reshapes) is compiled. In eager code the wrapper costs
+Every op a patched model calls is a ``torch.library`` custom op in the ``samepath`` namespace, with a
+fake (meta) implementation and, where it is differentiable, an autograd registration whose backward
+is a custom op too (``torch.ops.samepath.*``; :data:`CUSTOM_OPS` lists them). While Dynamo traces,
+the public function (``samepath.silu_mul``, ``samepath.varlen_attention``, ...) checks its
+arguments and calls its op: Dynamo records one node, never traces a launcher or the CPU replay, and
+Inductor calls the op as an extern kernel. The op's implementation is the eager function's (the
+same launches, the same bits, forward and backward).
+
+:func:`compile_opaque` wraps a function that has no custom op. While Dynamo traces, a function whose
+work is host-side planning (``planning=True``: the attention batch layout, which reads the mask on
+the host) runs as an opaque eager call through :func:`torch.compiler.disable` (a graph break, same
+bits); any other is refused with :class:`CompiledOpError` naming it. In eager code the wrapper costs
 one flag check.
 """
 
@@ -19,6 +25,15 @@ import torch
 
 F = TypeVar("F", bound=Callable)
 
+#: The ``torch.library`` custom ops samepath registers (``samepath::<name>``); each module adds its own.
+CUSTOM_OPS: list[str] = []
+
+
+class CompiledOpError(NotImplementedError):
+    """A samepath function without a ``torch.library`` custom op was reached while Dynamo traced:
+    it is refused by name rather than traced (its launcher cannot run on fake tensors) or run with
+    other bits."""
+
 
 def _skip_as_frame(code) -> None:
     """Dynamo compiles no frame of this wrapper, nor any frame under it, when it is entered from
@@ -31,16 +46,23 @@ def _skip_as_frame(code) -> None:
     set_code_exec_strategy(code, FrameExecStrategy(FrameAction.SKIP, FrameAction.SKIP))
 
 
-def compile_opaque(fn: F) -> F:
-    """``fn`` unchanged in eager code; under ``torch.compile`` called as an opaque (graph-breaking)
-    eager call, so Dynamo never traces samepath's launchers."""
+def compile_opaque(fn: F, *, planning: bool = False) -> F:
+    """``fn`` unchanged in eager code. While Dynamo traces: with ``planning=True`` an opaque
+    (graph-breaking) eager call, so Dynamo never traces its host reads; otherwise
+    :class:`CompiledOpError` naming ``fn`` (it has no custom op)."""
     if not callable(fn):
         raise ValueError(f"compile_opaque takes a callable, got {type(fn).__name__}")
+    name = f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', repr(fn))}"
     disabled: list[Callable] = []
 
     @functools.wraps(fn)
     def call(*args, **kwargs):
         if torch.compiler.is_compiling():
+            if not planning:
+                raise CompiledOpError(
+                    f"{name} is not a torch.library custom op, so samepath refuses it under torch.compile "
+                    f"(its launcher cannot be traced); samepath's custom ops: {', '.join(sorted(CUSTOM_OPS))}"
+                )
             if not disabled:  # Dynamo is imported whenever it traces
                 disabled.append(torch.compiler.disable(fn, recursive=True))
                 _skip_as_frame(call.__code__)
@@ -51,4 +73,31 @@ def compile_opaque(fn: F) -> F:
     return call  # type: ignore[return-value]
 
 
-__all__ = ["compile_opaque"]
+class ReplayContext:
+    """Stands in for an autograd ``ctx`` when a custom op's implementation runs an
+    ``autograd.Function``'s ``forward`` and then its ``backward`` (the backward op recomputes the
+    forward's saved state with the same launches, so the same bits)."""
+
+    def __init__(self, needs_input_grad: tuple[bool, ...]) -> None:
+        self.needs_input_grad = needs_input_grad
+        self.saved_tensors: tuple = ()
+
+    def save_for_backward(self, *tensors) -> None:
+        self.saved_tensors = tensors
+
+    def set_materialize_grads(self, value: bool) -> None:
+        pass
+
+    def mark_non_differentiable(self, *tensors) -> None:
+        pass
+
+
+def register(name: str) -> str:
+    """Records ``samepath::<name>`` in :data:`CUSTOM_OPS`; returns the qualified name."""
+    qualified = f"samepath::{name}"
+    if qualified not in CUSTOM_OPS:
+        CUSTOM_OPS.append(qualified)
+    return qualified
+
+
+__all__ = ["CUSTOM_OPS", "CompiledOpError", "ReplayContext", "compile_opaque", "register"]
