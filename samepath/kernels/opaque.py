@@ -73,6 +73,33 @@ def compile_opaque(fn: F, *, planning: bool = False) -> F:
     return call  # type: ignore[return-value]
 
 
+#: Public functions' routes under ``torch.compile`` registered by a module other than their own
+#: (:func:`compiled_by`): name -> a function with the public one's signature that calls the op.
+COMPILED_ROUTES: dict[str, Callable] = {}
+
+
+def compiled_by(name: str) -> Callable[[F], F]:
+    """Decorates a public function whose custom op lives in another module (which registers
+    ``COMPILED_ROUTES[name]`` when imported; ``samepath.kernels`` imports it): while Dynamo
+    traces, the call goes to that route, or is refused by name if none is registered."""
+
+    def decorate(fn: F) -> F:
+        @functools.wraps(fn)
+        def call(*args, **kwargs):
+            if torch.compiler.is_compiling():
+                route = COMPILED_ROUTES.get(name)
+                if route is None:
+                    raise CompiledOpError(
+                        f"{name} has no torch.library custom op registered: refused under torch.compile"
+                    )
+                return route(*args, **kwargs)
+            return fn(*args, **kwargs)
+
+        return call  # type: ignore[return-value]
+
+    return decorate
+
+
 class ReplayContext:
     """Stands in for an autograd ``ctx`` when a custom op's implementation runs an
     ``autograd.Function``'s ``forward`` and then its ``backward`` (the backward op recomputes the
@@ -100,4 +127,12 @@ def register(name: str) -> str:
     return qualified
 
 
-__all__ = ["CUSTOM_OPS", "CompiledOpError", "ReplayContext", "compile_opaque", "register"]
+__all__ = [
+    "COMPILED_ROUTES",
+    "CUSTOM_OPS",
+    "CompiledOpError",
+    "ReplayContext",
+    "compile_opaque",
+    "compiled_by",
+    "register",
+]
