@@ -34,7 +34,7 @@ from samepath.kernels.grouped_matmul import (
     expert_projections,
     expert_sum,
 )
-from samepath.kernels.opaque import CompiledOpError
+from samepath.kernels.opaque import refuse_compiled
 from samepath.kernels.swiglu import silu_mul
 
 
@@ -96,7 +96,7 @@ def experts_forward(
     tensors = (hidden_states, gate_up_proj, down_proj, top_k_weights)
     if not all(t.dtype in SUPPORTED_DTYPES and t.device.type in SUPPORTED_DEVICE_TYPES for t in tensors[:3]):
         if torch.compiler.is_compiling():
-            raise CompiledOpError(
+            refuse_compiled(
                 "samepath's experts in a dtype or on a device its grouped kernels do not cover (the eager loop) "
                 "under torch.compile: refused"
             )
@@ -235,7 +235,7 @@ def module_experts_forward(
     layout += (getattr(module, "is_concatenated", True), getattr(module, "has_gate", True))
     if layout == (True, True, False, True) and hasattr(module, "limit") and hasattr(module, "alpha"):
         if torch.compiler.is_compiling():
-            raise CompiledOpError(
+            refuse_compiled(
                 f"samepath's biased experts ({type(module).__name__}: GPT-OSS's per-expert loop) have no torch.library "
                 "custom op: refused under torch.compile (compile the model without them, or run it eagerly)"
             )

@@ -21,7 +21,7 @@ from samepath.kernels.logprobs import (
     check_temperature,
     resolve_config,
 )
-from samepath.kernels.opaque import COMPILED_ROUTES, CompiledOpError, ReplayContext, register
+from samepath.kernels.opaque import COMPILED_ROUTES, ReplayContext, refuse_compiled, register
 from samepath.kernels.softcap import check_softcap
 
 
@@ -127,7 +127,7 @@ def compiled_linear_token_logprobs(
 ):
     """:func:`~samepath.kernels.logprobs.linear_token_logprobs` while Dynamo traces."""
     if config is not None:
-        raise CompiledOpError(
+        refuse_compiled(
             "samepath.linear_token_logprobs(config=...) under torch.compile: a row-reduce config is for tuning and "
             "tests and is not an argument of torch.ops.samepath.linear_token_logprobs; call it eagerly"
         )

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from typing import TypeVar
+from typing import NoReturn, TypeVar
 
 import torch
 
@@ -33,6 +33,25 @@ class CompiledOpError(NotImplementedError):
     """A samepath function without a ``torch.library`` custom op was reached while Dynamo traced:
     it is refused by name rather than traced (its launcher cannot run on fake tensors) or run with
     other bits."""
+
+
+@torch.library.custom_op("samepath::refused", mutates_args=())
+def _refused(anchor: torch.Tensor, message: str) -> torch.Tensor:
+    raise CompiledOpError(message)
+
+
+@_refused.register_fake
+def _(anchor, message):
+    raise CompiledOpError(message)
+
+
+def refuse_compiled(message: str) -> NoReturn:
+    """Refuses what is being traced by Dynamo with :class:`CompiledOpError` (``message``). Raised
+    from the fake implementation of ``samepath::refused``, it stops the compile (a Python raise in
+    traced code would only break the graph, and Dynamo would then run the call eagerly, tracing the
+    frames under it)."""
+    torch.ops.samepath.refused(torch.empty(0), message)
+    raise CompiledOpError(message)  # not reached while Dynamo traces
 
 
 def _skip_as_frame(code) -> None:
@@ -59,7 +78,7 @@ def compile_opaque(fn: F, *, planning: bool = False) -> F:
     def call(*args, **kwargs):
         if torch.compiler.is_compiling():
             if not planning:
-                raise CompiledOpError(
+                refuse_compiled(
                     f"{name} is not a torch.library custom op, so samepath refuses it under torch.compile "
                     f"(its launcher cannot be traced); samepath's custom ops: {', '.join(sorted(CUSTOM_OPS))}"
                 )
@@ -89,9 +108,7 @@ def compiled_by(name: str) -> Callable[[F], F]:
             if torch.compiler.is_compiling():
                 route = COMPILED_ROUTES.get(name)
                 if route is None:
-                    raise CompiledOpError(
-                        f"{name} has no torch.library custom op registered: refused under torch.compile"
-                    )
+                    refuse_compiled(f"{name} has no torch.library custom op registered: refused under torch.compile")
                 return route(*args, **kwargs)
             return fn(*args, **kwargs)
 

@@ -61,7 +61,7 @@ from samepath.kernels import grid
 from samepath.kernels.checks import check_operands
 from samepath.kernels.config import dtype_name, register_formula, row_reduce_config
 from samepath.kernels.dispatch import device_kind, jit
-from samepath.kernels.opaque import CompiledOpError, register
+from samepath.kernels.opaque import refuse_compiled, register
 
 #: Elements of one tile of whole rows: short rows share a program, up to 16 of them.
 TILE_ELEMENTS = 2048
@@ -627,7 +627,7 @@ def rms_norm(
     if residual is None:
         return RMSNormFunction.apply(x2, weight, float(eps), mode).reshape(shape)
     if torch.compiler.is_compiling():
-        raise CompiledOpError(
+        refuse_compiled(
             "samepath.rms_norm with residual= (the fused add + norm) has no torch.library custom op: refused under "
             "torch.compile; add the residual first and call rms_norm without it (torch.ops.samepath.rms_norm)"
         )

@@ -18,13 +18,13 @@ import torch
 from samepath.kernels.attention.backend import run_backward, run_forward
 from samepath.kernels.attention.backward import sink_grad
 from samepath.kernels.attention.batch import AttentionBatch, check_sinks, last_dim_contiguous
-from samepath.kernels.opaque import CompiledOpError, register
+from samepath.kernels.opaque import CompiledOpError, refuse_compiled, register
 
 
 def refuse_config(config: object, name: str) -> None:
     """A ``config`` is not an op argument: refused by name under ``torch.compile``."""
     if config is not None:
-        raise CompiledOpError(
+        refuse_compiled(
             f"samepath.{name}(config=...) under torch.compile: a tile config is for tuning and tests and is not an "
             f"argument of torch.ops.samepath.{name}; call it eagerly"
         )
