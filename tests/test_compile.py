@@ -372,7 +372,10 @@ def test_custom_ops_pass_torch_library_opcheck() -> None:
     """``torch.library.opcheck`` (schema, fake implementation against the real one, autograd
     registration) on each differentiable op and the forward-only ones."""
     t = {k: v.detach() if isinstance(v, torch.Tensor) else v for k, v in _op_tensors(torch.float32).items()}
+    import samepath.kernels.grouped_matmul
+
     x, q = t["x"].requires_grad_(), t["q"].requires_grad_()
+    strided_q = t["q"].transpose(0, 1).contiguous().transpose(0, 1).requires_grad_()  # HF's [B*S, H, D] view
     cos, sin = (
         c.unsqueeze(1).expand(11, 4, 16).unsqueeze(0) for c in samepath.rotary_cos_sin(t["pos"], 16, 1e4, torch.float32)
     )
@@ -386,6 +389,10 @@ def test_custom_ops_pass_torch_library_opcheck() -> None:
         (
             torch.ops.samepath.varlen_attention.default,
             (q, t["k"], t["v"], t["cu"], t["sinks"], 0.25, True, None, None, True),
+        ),
+        (
+            torch.ops.samepath.varlen_attention.default,
+            (strided_q, t["k"], t["v"], t["cu"], None, 0.25, True, None, None, True),
         ),
         (
             torch.ops.samepath.packed_attention.default,

@@ -425,7 +425,7 @@ def _grouped_experts_op(
     top_k_weights: torch.Tensor,
 ) -> torch.Tensor:
     projections = expert_projections(hidden_states, gate_up_proj, down_proj, top_k_index)
-    return expert_sum(projections.expert_out, top_k_weights, top_k_index, hidden_states.dtype)
+    return expert_sum(projections.expert_out, top_k_weights, top_k_index, hidden_states.dtype).contiguous()
 
 
 @_grouped_experts_op.register_fake
@@ -445,7 +445,7 @@ def _grouped_experts_backward_op(
     ctx = ReplayContext((True, True, True, False, True))
     GroupedExpertsFunction.forward(ctx, hidden_states, gate_up_proj, down_proj, top_k_index, top_k_weights)
     grad_hidden, grad_gate_up, grad_down, _, grad_weights = GroupedExpertsFunction.backward(ctx, grad_out)
-    return grad_hidden, grad_gate_up, grad_down, grad_weights
+    return tuple(t.contiguous() for t in (grad_hidden, grad_gate_up, grad_down, grad_weights))
 
 
 @_grouped_experts_backward_op.register_fake

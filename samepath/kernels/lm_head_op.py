@@ -48,7 +48,7 @@ def _linear_token_logprobs_op(
     check_labels(labels_flat, hidden2d, weight.shape[0], ignore_index, validate=validate)
     args = (temperature, ignore_index, entropy, chunk, False, softcap)
     logprob, ent = _forward(ReplayContext((False,) * 10), hidden2d, weight, labels_flat, *args)
-    return logprob, ent if ent is not None else logprob.new_empty(0)
+    return logprob.contiguous(), ent.contiguous() if ent is not None else logprob.new_empty(0)
 
 
 @_linear_token_logprobs_op.register_fake
@@ -78,8 +78,8 @@ def _linear_token_logprobs_backward_op(
     ctx = ReplayContext((needs_hidden, needs_weight) + (False,) * 8)
     _forward(ctx, hidden2d, weight, labels_flat, temperature, ignore_index, entropy, chunk, save_logits, softcap)
     grad_hidden, grad_weight = LinearTokenLogprobsFunction.backward(ctx, grad_logprob, grad_entropy)[:2]
-    grad_hidden = grad_hidden if grad_hidden is not None else hidden2d.new_empty(0)
-    return grad_hidden, grad_weight if grad_weight is not None else weight.new_empty(0)
+    grad_hidden = grad_hidden.contiguous() if grad_hidden is not None else hidden2d.new_empty(0)
+    return grad_hidden, grad_weight.contiguous() if grad_weight is not None else weight.new_empty(0)
 
 
 @_linear_token_logprobs_backward_op.register_fake

@@ -309,9 +309,9 @@ def _constant_scaling_key(scaling: dict | None) -> str | None:
 def _rotary_cos_sin_op(
     positions: torch.Tensor, rotary_dim: int, base: float, dtype: torch.dtype, scaling: str | None, interleaved: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    return rotary_cos_sin(
-        positions, rotary_dim, base, dtype, None if scaling is None else json.loads(scaling), interleaved
-    )
+    scaling_dict = None if scaling is None else json.loads(scaling)
+    cos, sin = rotary_cos_sin(positions, rotary_dim, base, dtype, scaling_dict, interleaved)
+    return cos.contiguous(), sin.contiguous()
 
 
 @_rotary_cos_sin_op.register_fake
@@ -331,7 +331,8 @@ def _mrope_cos_sin_op(
     interleaved: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     scaling_dict = None if scaling is None else json.loads(scaling)
-    return mrope_cos_sin(position_ids, rotary_dim, base, dtype, mrope_section, scaling_dict, interleaved)
+    cos, sin = mrope_cos_sin(position_ids, rotary_dim, base, dtype, mrope_section, scaling_dict, interleaved)
+    return cos.contiguous(), sin.contiguous()
 
 
 @_mrope_cos_sin_op.register_fake

@@ -30,6 +30,11 @@ def refuse_config(config: object, name: str) -> None:
         )
 
 
+def _contiguous_like(tensor: torch.Tensor) -> torch.Tensor:
+    """The ops' outputs are contiguous (the fake implementations say so; Inductor checks strides)."""
+    return torch.empty(tensor.shape, dtype=tensor.dtype, device=tensor.device)
+
+
 def _varlen_batch(query, key, value, cu_seqlens, sinks, scale, causal, sliding_window, softcap, validate):
     batch = AttentionBatch.for_varlen(
         query, key, value, cu_seqlens, scale, causal, sliding_window, None, validate, None, softcap
@@ -51,7 +56,7 @@ def _varlen_op(
     validate: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     batch = _varlen_batch(query, key, value, cu_seqlens, sinks, scale, causal, sliding_window, softcap, validate)
-    out = torch.empty_like(batch.query)
+    out = _contiguous_like(batch.query)
     lse = run_forward(batch, out, store_lse=True)
     return out, lse
 
@@ -79,8 +84,9 @@ def _varlen_backward_op(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     batch = _varlen_batch(query, key, value, cu_seqlens, sinks, scale, causal, sliding_window, softcap, False)
     grad_out = last_dim_contiguous(grad_out)
-    dq, dk, dv = run_backward(batch, out, lse, grad_out)
-    dsinks = sink_grad(sinks, out, lse, grad_out) if sinks is not None else query.new_empty(0, dtype=torch.float32)
+    dq, dk, dv = (t.contiguous() for t in run_backward(batch, out, lse, grad_out))
+    no_sinks = query.new_empty(0, dtype=torch.float32)
+    dsinks = sink_grad(sinks, out, lse, grad_out).contiguous() if sinks is not None else no_sinks
     return dq, dk, dv, dsinks
 
 
@@ -139,7 +145,7 @@ def _packed_op(
     )  # fmt: skip
     if sinks is not None:
         batch = dataclasses.replace(batch, sinks=check_sinks(sinks, batch.query))
-    out = torch.empty_like(batch.query)
+    out = _contiguous_like(batch.query)
     run_forward(batch, out, store_lse=False, split_kv=split_kv)
     return out
 
@@ -171,7 +177,7 @@ def _paged_op(
     )  # fmt: skip
     if sinks is not None:
         batch = dataclasses.replace(batch, sinks=check_sinks(sinks, batch.query))
-    out = torch.empty_like(batch.query)
+    out = _contiguous_like(batch.query)
     run_forward(batch, out, store_lse=False, split_kv=split_kv)
     return out
 
