@@ -16,7 +16,7 @@ import torch.nn.functional as F
 import samepath
 from samepath.kernels import routing
 from samepath.kernels.matmul import ROUTED_CALLS
-from samepath.kernels.opaque import CUSTOM_OPS, CompiledOpError, compile_opaque
+from samepath.kernels.opaque import CUSTOM_OPS, CompiledOpError, compile_opaque, compiled_by
 from samepath.kernels.routing import OVERRIDES, CompiledRoutingError, variants
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -434,6 +434,7 @@ def test_functions_without_a_custom_op_are_refused_by_name() -> None:
 
     x, w = _randn(3, 64, dtype=torch.bfloat16, seed=30), _randn(64, dtype=torch.bfloat16, seed=31)
     traced_only = compile_opaque(lambda a: a * 2)
+    unrouted = compiled_by("no_such_route")(lambda a: a * 2)
     q = _randn(5, 2, 16, dtype=torch.bfloat16, seed=32)
     cu = torch.tensor([0, 5], dtype=torch.int32)
     cfg = attention_config(16, torch.bfloat16, q.device)
@@ -444,6 +445,7 @@ def test_functions_without_a_custom_op_are_refused_by_name() -> None:
     x64, gu64, dn64 = x.double(), torch.zeros(1, 8, 64, dtype=torch.float64), torch.zeros(1, 64, 4, dtype=torch.float64)
     cases = [
         (r"test_compile\.test_functions_without.*<lambda> is not a torch\.library custom op", traced_only, (x,)),
+        (r"no_such_route has no torch\.library custom op", unrouted, (x,)),
         (r"rms_norm with residual=", lambda a, b: rms_norm(a, b, 1e-6, residual=a), (x, w)),
         (r"varlen_attention\(config=", lambda a: varlen_attention(a, a, a, cu, config=cfg), (q,)),
         (r"biased experts", lambda a: module_experts_forward(biased, a, idx, wts), (x,)),
@@ -452,7 +454,7 @@ def test_functions_without_a_custom_op_are_refused_by_name() -> None:
     for pattern, fn, args in cases:
         with pytest.raises(CompiledOpError, match=pattern):
             _compile_call(fn, *args)
-    traced_only(x), rms_norm(x, w, 1e-6, residual=x), varlen_attention(q, q, q, cu, config=cfg)
+    traced_only(x), unrouted(x), rms_norm(x, w, 1e-6, residual=x), varlen_attention(q, q, q, cu, config=cfg)
 
 
 # ----------------------------------------------------------------------------------------------
