@@ -34,7 +34,7 @@ from samepath.kernels import grid
 from samepath.kernels.checks import check_operands
 from samepath.kernels.config import dtype_name, register_formula
 from samepath.kernels.dispatch import device_kind, jit
-from samepath.kernels.opaque import register
+from samepath.kernels.opaque import refuse_compiled, register
 
 #: Columns one program handles (elementwise: numerics-neutral).
 MAX_BLOCK_N = 2048
@@ -225,7 +225,7 @@ def gated_mul(
     gate2, up2 = gate.reshape(-1, width), up.reshape(-1, width)
     if torch.compiler.is_compiling():
         if kind not in GATED_LAUNCHERS:
-            raise ValueError(f"gated_mul under torch.compile needs a kind from {sorted(GATED_LAUNCHERS)}, got {kind!r}")
+            refuse_compiled(f"gated_mul without a kind of {sorted(GATED_LAUNCHERS)} (got {kind!r}) under torch.compile")
         return torch.ops.samepath.gated_mul(kind, gate2, up2, [float(c) for c in constants]).reshape(gate.shape)
     return GatedMulFunction.apply(launch, gate2, up2).reshape(gate.shape)
 
