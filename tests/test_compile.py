@@ -7,6 +7,8 @@ is refused by name rather than run with other bits.
 
 from __future__ import annotations
 
+import collections
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -14,6 +16,7 @@ import torch.nn.functional as F
 import samepath
 from samepath.kernels import routing
 from samepath.kernels.matmul import ROUTED_CALLS
+from samepath.kernels.opaque import CUSTOM_OPS, CompiledOpError, compile_opaque, compiled_by
 from samepath.kernels.routing import OVERRIDES, CompiledRoutingError, variants
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -189,14 +192,286 @@ def test_compiled_code_inductor_would_compute_itself_is_refused_by_name() -> Non
 
 
 # ----------------------------------------------------------------------------------------------
+# samepath's ops as torch.library custom ops
+# ----------------------------------------------------------------------------------------------
+
+
+class Recording:
+    """A Dynamo backend that records the ``samepath::`` ops of every graph it is given, then
+    compiles the graph with ``backend``."""
+
+    def __init__(self, backend: str) -> None:
+        self.backend, self.ops = backend, collections.Counter()
+
+    def __call__(self, gm: torch.fx.GraphModule, example_inputs):
+        from torch._dynamo.backends.registry import lookup_backend
+
+        for node in gm.graph.nodes:
+            if node.op == "call_function" and str(node.target).startswith("samepath."):
+                self.ops[str(node.target).split(".")[1]] += 1
+        return lookup_backend(self.backend)(gm, example_inputs)
+
+
+@pytest.fixture(scope="module")
+def dynamo_limits():
+    """Room for Hugging Face's call sites (one code object, many guards), and an error rather than
+    a silent fall back to eager should a frame still run out of it."""
+    with torch._dynamo.config.patch(
+        recompile_limit=64, accumulated_recompile_limit=1024, fail_on_recompile_limit_hit=True
+    ):
+        yield
+    torch._dynamo.reset()
+
+
+def _every_op(tensors: dict[str, torch.Tensor]) -> tuple[torch.Tensor, ...]:
+    """One call of each samepath op a patched model makes (and the fused lm_head log-probs)."""
+    from samepath.integrations.moe import experts_forward
+    from samepath.kernels.attention import packed_attention, varlen_attention
+    from samepath.kernels.clamped_swiglu import clamped_swiglu
+    from samepath.kernels.gelu_tanh_mul import gelu_tanh_mul
+    from samepath.kernels.logprobs import linear_token_logprobs
+    from samepath.kernels.rms_norm import rms_norm
+    from samepath.kernels.rotary import apply_rotary, mrope_cos_sin, rotary_cos_sin
+    from samepath.kernels.softcap import softcap_logits
+    from samepath.kernels.swiglu import silu_mul, swiglu
+
+    t = tensors
+    x = rms_norm(t["x"], t["norm_w"], 1e-6)  # [T, 64]
+    gate, up = t["gate_up2"][:, :64], t["gate_up2"][:, 64:]
+    cos, sin = rotary_cos_sin(t["pos"], 16, 10000.0, x.dtype, {"rope_type": "linear", "factor": 2.0})
+    mcos, msin = mrope_cos_sin(t["pos"], 16, 10000.0, x.dtype, [2, 3, 3])
+    q, k = apply_rotary(t["q"], t["k"], cos, sin, unsqueeze_dim=1)  # [T, H, 16]
+    mq, mk = apply_rotary(t["q"], t["k"], mcos, msin, unsqueeze_dim=1)
+    with torch.no_grad():
+        last = packed_attention(q[t["last"]], k, t["v"], t["cu_q"], t["cu"], 0.25)
+    return (
+        silu_mul(x, up),
+        gelu_tanh_mul(gate, up),
+        swiglu(t["gate_up2"]),
+        clamped_swiglu(t["gate_up2"], 7.0, 1.7),
+        mq,
+        mk,
+        varlen_attention(q, k, t["v"], t["cu"], sinks=t["sinks"]),
+        experts_forward(x, t["gate_up"], t["down"], t["idx"], t["wts"]),
+        softcap_logits(t["logits"], 5.0),
+        linear_token_logprobs(x, t["lm"], t["labels"], 0.7, softcap=3.0),
+        last,
+    )
+
+
+def _op_tensors(dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    T, E = 11, 4
+    g = torch.Generator().manual_seed(21)
+
+    def rand(*shape, scale=1.0, grad=True):
+        return (scale * torch.randn(*shape, generator=g)).to(dtype).requires_grad_(grad)
+
+    probs = torch.randn(T, E, generator=g).softmax(-1)
+    wts, idx = probs.topk(2, -1)
+    return {
+        "x": rand(T, 64),
+        "norm_w": rand(64, scale=0.3),
+        "pos": torch.tensor([0, 1, 2, 3, 0, 1, 2, 3, 4, 5, 6]),
+        "q": rand(T, 4, 16),
+        "k": rand(T, 2, 16),
+        "v": rand(T, 2, 16),
+        "cu": torch.tensor([0, 4, 11], dtype=torch.int32),
+        "cu_q": torch.tensor([0, 1, 2], dtype=torch.int32),
+        "last": torch.tensor([3, 10]),
+        "sinks": torch.randn(4, generator=g).requires_grad_(),
+        "gate_up": rand(E, 96, 64, scale=0.125),
+        "down": rand(E, 64, 48, scale=0.125),
+        "idx": idx,
+        "wts": (wts / wts.sum(-1, keepdim=True)).to(dtype).requires_grad_(),
+        "lm": rand(37, 64, scale=0.125),
+        "labels": torch.randint(0, 37, (T,), generator=g),
+        "gate_up2": rand(T, 128),
+        "logits": rand(T, 37, scale=8.0),
+    }
+
+
+def _run_and_grads(fn, tensors):
+    outs = fn(tensors)
+    leaves = [v for v in tensors.values() if v.requires_grad]
+    gen = torch.Generator().manual_seed(5)
+    seeds = [torch.randn(o.shape, generator=gen).to(o.dtype) for o in outs[:-1]]
+    grads = torch.autograd.grad(outs[:-1], leaves, seeds)
+    return tuple(o.detach() for o in outs), grads
+
+
+@pytest.mark.parametrize("backend", ["inductor", "aot_eager"])
+def test_every_op_compiles_in_one_graph_with_eager_bits(backend: str) -> None:
+    """Every samepath op a patched model calls (RMSNorm, SiLU·mul / SwiGLU / GELU-tanh·mul / clamped
+    SwiGLU, rope cos/sin and mrope, rotary, varlen attention with sinks, packed attention, the
+    grouped experts, soft-capping, the fused lm_head log-probs) under ``fullgraph=True``: one graph,
+    each op one ``samepath::`` node; outputs and every input's gradient equal eager's bit for bit."""
+    tensors = _op_tensors(torch.bfloat16)
+    eager = _run_and_grads(_every_op, tensors)
+    recording = Recording(backend)
+    torch._dynamo.reset()
+    try:
+        with samepath.batch_invariant():  # as patch_all: Inductor rounds the glue like eager
+            compiled_fn = torch.compile(_every_op, backend=recording, fullgraph=True, dynamic=False)
+            compiled = _run_and_grads(compiled_fn, tensors)
+    finally:
+        torch._dynamo.reset()
+    expected = {
+        "rms_norm", "gated_mul", "rotary_cos_sin", "mrope_cos_sin", "rotary", "varlen_attention",
+        "packed_attention", "grouped_experts", "softcap", "linear_token_logprobs",
+    }  # fmt: skip
+    assert set(recording.ops) == expected, recording.ops
+    for got, want in zip(compiled[0] + compiled[1], eager[0] + eager[1], strict=True):
+        assert torch.equal(got, want)
+
+
+def test_stock_formulas_compiled_by_inductor_differ() -> None:
+    """Negative control for the test above: Hugging Face's own SiLU·mul and rotary formulas compiled
+    by Inductor (fp32 without the eager roundings between ops) differ from their eager bits, which
+    samepath's ops keep."""
+    from transformers.models.qwen3.modeling_qwen3 import apply_rotary_pos_emb
+
+    from samepath.kernels.swiglu import silu_mul
+
+    g, u = _randn(6, 9, 96, dtype=torch.bfloat16, seed=22), _randn(6, 9, 96, dtype=torch.bfloat16, seed=23)
+    q, k = _randn(2, 4, 11, 32, dtype=torch.bfloat16, seed=24), _randn(2, 2, 11, 32, dtype=torch.bfloat16, seed=25)
+    cos, sin = _randn(2, 11, 32, dtype=torch.bfloat16, seed=26), _randn(2, 11, 32, dtype=torch.bfloat16, seed=27)
+    stock_mlp = lambda a, b: F.silu(a) * b  # noqa: E731
+    torch._dynamo.reset()
+    try:
+        assert not torch.equal(torch.compile(stock_mlp, dynamic=False)(g, u), stock_mlp(g, u))
+        assert not torch.equal(
+            torch.compile(apply_rotary_pos_emb, dynamic=False)(q, k, cos, sin)[0],
+            apply_rotary_pos_emb(q, k, cos, sin)[0],
+        )
+        assert torch.equal(torch.compile(silu_mul, dynamic=False)(g, u), stock_mlp(g, u))  # the HF bits, kept
+    finally:
+        torch._dynamo.reset()
+
+
+def test_inductor_rounds_low_precision_glue_like_eager_inside_the_block() -> None:
+    """A bf16 chain of adds (a gradient summed over three uses, residual adds) compiled by Inductor
+    inside the block equals eager (``emulate_precision_casts`` is on while a block is open);
+    negative controls: compiled outside the block it differs, and inside the block with the
+    setting turned off the compile is refused by name."""
+    import torch._inductor.config as inductor_config
+
+    a, b, c = (_randn(64, 96, dtype=torch.bfloat16, seed=s) for s in (40, 41, 42))
+    chain = lambda x, y, z: x + y + z  # noqa: E731
+    eager = chain(a, b, c)
+    assert inductor_config.emulate_precision_casts is False
+    with samepath.batch_invariant():
+        assert torch.equal(_compiled(chain, a, b, c), eager)
+        with inductor_config.patch(emulate_precision_casts=False):
+            with pytest.raises(Exception, match=r"emulate_precision_casts"):
+                _compiled(chain, a, b, c)
+    assert inductor_config.emulate_precision_casts is False
+    assert not torch.equal(_compiled(chain, a, b, c), eager)
+
+
+def test_custom_ops_pass_torch_library_opcheck() -> None:
+    """``torch.library.opcheck`` (schema, fake implementation against the real one, autograd
+    registration) on each differentiable op and the forward-only ones."""
+    t = {k: v.detach() if isinstance(v, torch.Tensor) else v for k, v in _op_tensors(torch.float32).items()}
+    import samepath.kernels.grouped_matmul
+
+    x, q = t["x"].requires_grad_(), t["q"].requires_grad_()
+    strided_q = t["q"].transpose(0, 1).contiguous().transpose(0, 1).requires_grad_()  # HF's [B*S, H, D] view
+    cos, sin = (
+        c.unsqueeze(1).expand(11, 4, 16).unsqueeze(0) for c in samepath.rotary_cos_sin(t["pos"], 16, 1e4, torch.float32)
+    )
+    cases = [
+        (torch.ops.samepath.gated_mul.default, ("silu", x, x.detach() * 0.5, [])),
+        (torch.ops.samepath.gated_mul.default, ("clamped_swiglu", x, x.detach(), [7.0, 1.7])),
+        (torch.ops.samepath.rotary.default, (q.unsqueeze(0), cos, sin, False)),
+        (torch.ops.samepath.rotary_cos_sin.default, (t["pos"], 16, 1e4, torch.bfloat16, None, True)),
+        (torch.ops.samepath.mrope_cos_sin.default, (t["pos"], 16, 1e4, torch.float32, [2, 3, 3], None, False)),
+        (torch.ops.samepath.softcap.default, (x, 5.0)),
+        (
+            torch.ops.samepath.varlen_attention.default,
+            (q, t["k"], t["v"], t["cu"], t["sinks"], 0.25, True, None, None, True),
+        ),
+        (
+            torch.ops.samepath.varlen_attention.default,
+            (strided_q, t["k"], t["v"], t["cu"], None, 0.25, True, None, None, True),
+        ),
+        (
+            torch.ops.samepath.packed_attention.default,
+            (q[t["last"]], t["k"], t["v"], t["cu_q"], t["cu"], None, None, 0.25, True, None, None, True, None),
+        ),
+        (torch.ops.samepath.grouped_experts.default, (x, t["gate_up"], t["down"], t["idx"], t["wts"])),
+        (
+            torch.ops.samepath.linear_token_logprobs.default,
+            (x, t["lm"], t["labels"], 0.7, -100, True, 4, True, None, True),
+        ),
+    ]
+    for op, args in cases:
+        torch.library.opcheck(op, args, test_utils=("test_schema", "test_autograd_registration", "test_faketensor"))
+    assert {str(op).split(".")[1] for op, _ in cases} | {"rms_norm"} <= {name.split("::")[1] for name in CUSTOM_OPS}
+
+
+# ----------------------------------------------------------------------------------------------
+# What is refused under torch.compile
+# ----------------------------------------------------------------------------------------------
+
+
+def _compile_call(fn, *args):
+    torch._dynamo.reset()
+    try:  # not fullgraph: a refusal must stop the compile, not break the graph and run eagerly
+        return torch.compile(fn, backend="aot_eager", dynamic=False)(*args)
+    finally:
+        torch._dynamo.reset()
+
+
+def test_functions_without_a_custom_op_are_refused_by_name() -> None:
+    """A samepath function with no custom op (wrapped by ``compile_opaque``), the fused residual
+    RMSNorm, a tile ``config``, GPT-OSS's biased experts and the experts' eager-loop fallback are
+    refused by name while Dynamo traces; each runs eagerly (the negative control: the refusal is
+    the compile's, not the function's)."""
+    from samepath.integrations.moe import experts_forward, module_experts_forward
+    from samepath.kernels.attention import varlen_attention
+    from samepath.kernels.config import attention_config
+    from samepath.kernels.rms_norm import rms_norm
+
+    x, w = _randn(3, 64, dtype=torch.bfloat16, seed=30), _randn(64, dtype=torch.bfloat16, seed=31)
+    traced_only = compile_opaque(lambda a: a * 2)
+    unrouted = compiled_by("no_such_route")(lambda a: a * 2)
+    q = _randn(5, 2, 16, dtype=torch.bfloat16, seed=32)
+    cu = torch.tensor([0, 5], dtype=torch.int32)
+    cfg = attention_config(16, torch.bfloat16, q.device)
+    biased = torch.nn.Module()
+    biased.has_bias, biased.is_transposed, biased.is_concatenated, biased.has_gate = True, True, False, True
+    biased.limit, biased.alpha = 7.0, 1.7
+    idx, wts = torch.zeros(3, 1, dtype=torch.long), torch.ones(3, 1, dtype=torch.float64)
+    x64, gu64, dn64 = x.double(), torch.zeros(1, 8, 64, dtype=torch.float64), torch.zeros(1, 64, 4, dtype=torch.float64)
+    cases = [
+        (r"test_compile\.test_functions_without.*<lambda> is not a torch\.library custom op", traced_only, (x,)),
+        (r"no_such_route has no torch\.library custom op", unrouted, (x,)),
+        (r"rms_norm with residual=", lambda a, b: rms_norm(a, b, 1e-6, residual=a), (x, w)),
+        (r"varlen_attention\(config=", lambda a: varlen_attention(a, a, a, cu, config=cfg), (q,)),
+        (r"biased experts", lambda a: module_experts_forward(biased, a, idx, wts), (x,)),
+        (r"eager loop\) under torch\.compile", lambda a: experts_forward(a, gu64, dn64, idx, wts), (x64,)),
+    ]
+    for pattern, fn, args in cases:
+        with pytest.raises(CompiledOpError, match=pattern):
+            _compile_call(fn, *args)
+    traced_only(x), unrouted(x), rms_norm(x, w, 1e-6, residual=x), varlen_attention(q, q, q, cu, config=cfg)
+
+
+# ----------------------------------------------------------------------------------------------
 # torch.compile of a patched Hugging Face model
 # ----------------------------------------------------------------------------------------------
+
+MODEL_OPS = {
+    "qwen3": {"rms_norm", "rotary_cos_sin", "rotary", "varlen_attention", "gated_mul"},
+    "qwen3_moe": {"rms_norm", "rotary_cos_sin", "rotary", "varlen_attention", "grouped_experts"},
+}
 
 
 def _model_case(arch: str, backend: str, prompts: list[int], new_tokens: int) -> None:
     """A patched tiny model compiled with ``backend``: its log-probs of the tokens the (eager,
     patched) ``generate`` sampled equal generate's on every token, right-padded and packed; its
-    gradients equal the eager forward's. Negative control: the stock model differs."""
+    parameter gradients equal the eager forward's; its graphs hold samepath's custom ops.
+    Negative control: the stock model differs."""
     pytest.importorskip("transformers", reason="transformers is not installed (pip install -e .[hf])")
     from test_integration_hf import random_prompts, rollout, tiny_model, trainer_packed, trainer_padded
 
@@ -204,11 +479,13 @@ def _model_case(arch: str, backend: str, prompts: list[int], new_tokens: int) ->
 
     model = tiny_model(arch, torch.bfloat16, seed=3)
     integrations.patch_all(model)
+    recording = Recording(backend)
     try:
         prompts_ = random_prompts(prompts, 20)
         generated, rollout_lp = rollout(model, prompts_, new_tokens, 0.7, seed=4)
         grads = {}
-        for name, runner in (("eager", model), ("compiled", torch.compile(model, backend=backend))):
+        torch._dynamo.reset()
+        for name, runner in (("eager", model), ("compiled", torch.compile(model, backend=recording, dynamic=False))):
             model.zero_grad(set_to_none=True)
             padded = trainer_padded(runner, prompts_, generated, 0.7, grad=True)
             padded.sum().backward()
@@ -216,32 +493,32 @@ def _model_case(arch: str, backend: str, prompts: list[int], new_tokens: int) ->
             if name == "compiled":
                 assert torch.equal(padded.detach(), rollout_lp)
                 assert torch.equal(trainer_packed(runner, prompts_, generated, 0.7), rollout_lp)
-        torch._dynamo.reset()
+        assert MODEL_OPS[arch] <= set(recording.ops), recording.ops
         assert all(g is not None for g in grads["eager"])
         for got, want in zip(grads["compiled"], grads["eager"], strict=True):
             assert torch.equal(got, want)
     finally:
+        torch._dynamo.reset()
         integrations.unpatch_all()
     stock_lp = trainer_padded(tiny_model(arch, torch.bfloat16, seed=3), prompts_, generated, 0.7)
     assert not torch.equal(stock_lp, rollout_lp)  # negative control: torch's kernels differ
 
 
-def test_compiled_patched_qwen3_equals_generate_and_eager_gradients() -> None:
-    """``torch.compile(model, backend="aot_eager")`` of a patched Qwen3 (left-padded rollout,
-    right-padded and packed trainer batches, unaligned lengths)."""
-    _model_case("qwen3", "aot_eager", [7, 2, 9, 4], 4)
+@pytest.mark.parametrize("arch", ["qwen3", "qwen3_moe"])
+def test_compiled_patched_model_equals_generate_and_eager_gradients(arch: str, dynamo_limits) -> None:
+    """``torch.compile(model, backend="aot_eager")`` of a patched Qwen3 / Qwen3-MoE (left-padded
+    rollout, right-padded and packed trainer batches, unaligned lengths)."""
+    _model_case(arch, "aot_eager", [7, 2, 9, 4], 4)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("arch", "backend"), [("qwen3", "inductor"), ("qwen3_moe", "aot_eager")])
-def test_compiled_patched_models_equal_generate_and_eager_gradients(arch: str, backend: str) -> None:
-    """Qwen3 with Inductor (the glue between samepath's ops compiled to C++), Qwen3-MoE with
-    aot_eager."""
-    _model_case(arch, backend, [5, 11, 3], 4)
+def test_inductor_compiled_patched_qwen3_equals_generate_and_eager_gradients(dynamo_limits) -> None:
+    """Qwen3 with Inductor (the glue between samepath's custom ops compiled to C++)."""
+    _model_case("qwen3", "inductor", [5, 11, 3], 4)
 
 
 @pytest.mark.slow
-def test_inductor_compile_of_patched_qwen3_moe_is_refused_by_name() -> None:
+def test_inductor_compile_of_patched_qwen3_moe_is_refused_by_name(dynamo_limits) -> None:
     """Qwen3-MoE's router (Hugging Face's softmax, top-k and renormalising sum) left in the graph:
     Inductor would compute its reductions with its own kernels, so the compile is refused."""
     with pytest.raises(Exception, match=r"batch_invariant\(\).*aten::sum\.dim_IntList"):

@@ -58,14 +58,8 @@ from samepath.models.descriptor import GELU_TANH_MUL, SIGMOID_GROUPED_TOPK, SILU
 from samepath.models.formulas import final_logit_softcap, rope_formula
 from samepath.models.registry import family_view, find, model_types_where
 
-# Under torch.compile the kernels run as opaque eager calls (docs/integrations.md, "torch.compile").
-# (RMSNorm is a custom op itself: torch.ops.samepath.rms_norm.)
-silu_mul, swiglu, gelu_tanh_mul, apply_rotary, rotary_cos_sin, mrope_cos_sin = map(
-    compile_opaque, (silu_mul, swiglu, gelu_tanh_mul, apply_rotary, rotary_cos_sin, mrope_cos_sin)
-)
-varlen_attention, packed_attention, module_experts_forward, linear_token_logprobs = map(
-    compile_opaque, (varlen_attention, packed_attention, module_experts_forward, linear_token_logprobs)
-)
+# Under torch.compile every kernel above calls its torch.library custom op (torch.ops.samepath.*;
+# docs/integrations.md, "torch.compile"); the batch layout (host planning) runs as an opaque eager call.
 
 #: The name models use in ``attn_implementation=`` / ``experts_implementation=``.
 IMPLEMENTATION = "samepath"
@@ -334,7 +328,7 @@ def cached_batch_layout(
     return layout
 
 
-cached_batch_layout = compile_opaque(cached_batch_layout)  # its host read and cache run eagerly under torch.compile
+cached_batch_layout = compile_opaque(cached_batch_layout, planning=True)  # host reads and cache: eager under compile
 
 
 #: Keyword arguments transformers passes along to an attention function that do not change what

@@ -34,6 +34,7 @@ from samepath.kernels.grouped_matmul import (
     expert_projections,
     expert_sum,
 )
+from samepath.kernels.opaque import refuse_compiled
 from samepath.kernels.swiglu import silu_mul
 
 
@@ -94,7 +95,14 @@ def experts_forward(
         )
     tensors = (hidden_states, gate_up_proj, down_proj, top_k_weights)
     if not all(t.dtype in SUPPORTED_DTYPES and t.device.type in SUPPORTED_DEVICE_TYPES for t in tensors[:3]):
+        if torch.compiler.is_compiling():
+            refuse_compiled(
+                "samepath's experts in a dtype or on a device its grouped kernels do not cover (the eager loop) "
+                "under torch.compile: refused"
+            )
         return _experts_loop(hidden_states, gate_up_proj, down_proj, top_k_index, top_k_weights)
+    if torch.compiler.is_compiling():  # the custom op samepath::grouped_experts
+        return torch.ops.samepath.grouped_experts(hidden_states, gate_up_proj, down_proj, top_k_index, top_k_weights)
     if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
         return GroupedExpertsFunction.apply(hidden_states, gate_up_proj, down_proj, top_k_index, top_k_weights)
     return _experts_grouped(hidden_states, gate_up_proj, down_proj, top_k_index, top_k_weights)
@@ -226,6 +234,11 @@ def module_experts_forward(
     layout = (getattr(module, "has_bias", False), getattr(module, "is_transposed", False))
     layout += (getattr(module, "is_concatenated", True), getattr(module, "has_gate", True))
     if layout == (True, True, False, True) and hasattr(module, "limit") and hasattr(module, "alpha"):
+        if torch.compiler.is_compiling():
+            refuse_compiled(
+                f"samepath's biased experts ({type(module).__name__}: GPT-OSS's per-expert loop) have no torch.library "
+                "custom op: refused under torch.compile (compile the model without them, or run it eagerly)"
+            )
         return biased_experts_forward(
             hidden_states, module.gate_up_proj, module.gate_up_proj_bias, module.down_proj, module.down_proj_bias,
             top_k_index, top_k_weights, module.limit, module.alpha,

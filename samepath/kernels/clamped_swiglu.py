@@ -34,7 +34,7 @@ import torch
 import triton.language as tl
 
 from samepath.kernels.dispatch import jit
-from samepath.kernels.swiglu import gated_mul, launch_gated
+from samepath.kernels.swiglu import GATED_LAUNCHERS, gated_mul, launch_gated
 
 CLAMPED_SWIGLU_FORMULA = {
     "layout": "gate = x[..., ::2], up = x[..., 1::2] (GPT-OSS's interleaved gate_up)",
@@ -115,6 +115,9 @@ def _launcher(limit: float, alpha: float):
     return launch
 
 
+GATED_LAUNCHERS["clamped_swiglu"] = _launcher  # torch.compile: samepath::gated_mul
+
+
 def clamped_swiglu_mul(gate: torch.Tensor, up: torch.Tensor, limit: float, alpha: float) -> torch.Tensor:
     """GPT-OSS's ``(clamp(up) + 1) * glu(min(gate, limit))`` with Hugging Face's rounding points.
 
@@ -127,7 +130,8 @@ def clamped_swiglu_mul(gate: torch.Tensor, up: torch.Tensor, limit: float, alpha
         ``[..., I]`` in the input dtype; differentiable in both inputs.
     """
     limit, alpha = _check_constants(limit, alpha)
-    return gated_mul(_launcher(limit, alpha), gate, up)
+    launch = None if torch.compiler.is_compiling() else _launcher(limit, alpha)  # compiled: the op picks it
+    return gated_mul(launch, gate, up, "clamped_swiglu", (limit, alpha))
 
 
 def clamped_swiglu(gate_up: torch.Tensor, limit: float, alpha: float) -> torch.Tensor:

@@ -31,7 +31,7 @@ import triton.language as tl
 
 from samepath.kernels.config import register_formula
 from samepath.kernels.dispatch import jit
-from samepath.kernels.swiglu import gated_mul, launch_gated, split_gate_up
+from samepath.kernels.swiglu import GATED_LAUNCHERS, gated_mul, launch_gated, split_gate_up
 
 #: ``2 * sqrt(2 / pi)`` rounded to fp32: the factor of ``z`` (the sigmoid form of the tanh GELU).
 GELU_TANH_K = float(torch.tensor(2.0 * math.sqrt(2.0 / math.pi), dtype=torch.float32))
@@ -105,6 +105,9 @@ def _launch(gate2, up2, grad2, out, grad_up) -> None:
     launch_gated(_gelu_tanh_mul_kernel, gate2, up2, grad2, out, grad_up, K=GELU_TANH_K, KAPPA=GELU_TANH_KAPPA)
 
 
+GATED_LAUNCHERS["gelu_tanh"] = lambda: _launch  # torch.compile: samepath::gated_mul
+
+
 def gelu_tanh_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """``gelu_tanh(gate) * up`` rounded as HF's ``act_fn(gate_proj(x)) * up_proj(x)`` with
     ``gelu_pytorch_tanh`` (the formula in the module docstring).
@@ -115,7 +118,7 @@ def gelu_tanh_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     Returns:
         ``[..., I]`` in the input dtype; differentiable in both inputs.
     """
-    return gated_mul(_launch, gate, up)
+    return gated_mul(_launch, gate, up, "gelu_tanh")
 
 
 def geglu_tanh(gate_up: torch.Tensor) -> torch.Tensor:

@@ -34,6 +34,7 @@ from samepath.kernels.checks import check_operands
 from samepath.kernels.config import MatmulConfig, matmul_config
 from samepath.kernels.dispatch import jit
 from samepath.kernels.matmul import DOT_PRECISION, k_piece
+from samepath.kernels.opaque import ReplayContext, register
 from samepath.kernels.reductions import row_sum
 from samepath.kernels.swiglu import silu_mul, silu_mul_backward
 
@@ -409,6 +410,63 @@ class GroupedExpertsFunction(torch.autograd.Function):
             grad_gate_up, hidden_states, plan, num_experts, rows_per_pair=False, config=config
         )
         return grad_hidden, grad_gate_up_proj, grad_down, None, grad_weights.to(top_k_weights.dtype)
+
+
+# ``torch.compile``: the routed experts as the custom op ``samepath::grouped_experts``. The forward is
+# GroupedExpertsFunction's; the backward op runs its forward again (the same projections, the same
+# bits) and then its backward: eager's gradients, with the projections' activations recomputed
+# rather than kept between the passes.
+@torch.library.custom_op(register("grouped_experts"), mutates_args=())
+def _grouped_experts_op(
+    hidden_states: torch.Tensor,
+    gate_up_proj: torch.Tensor,
+    down_proj: torch.Tensor,
+    top_k_index: torch.Tensor,
+    top_k_weights: torch.Tensor,
+) -> torch.Tensor:
+    projections = expert_projections(hidden_states, gate_up_proj, down_proj, top_k_index)
+    return expert_sum(projections.expert_out, top_k_weights, top_k_index, hidden_states.dtype).contiguous()
+
+
+@_grouped_experts_op.register_fake
+def _(hidden_states, gate_up_proj, down_proj, top_k_index, top_k_weights):
+    return torch.empty_like(hidden_states, memory_format=torch.contiguous_format)
+
+
+@torch.library.custom_op(register("grouped_experts_backward"), mutates_args=())
+def _grouped_experts_backward_op(
+    grad_out: torch.Tensor,
+    hidden_states: torch.Tensor,
+    gate_up_proj: torch.Tensor,
+    down_proj: torch.Tensor,
+    top_k_index: torch.Tensor,
+    top_k_weights: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    ctx = ReplayContext((True, True, True, False, True))
+    GroupedExpertsFunction.forward(ctx, hidden_states, gate_up_proj, down_proj, top_k_index, top_k_weights)
+    grad_hidden, grad_gate_up, grad_down, _, grad_weights = GroupedExpertsFunction.backward(ctx, grad_out)
+    return tuple(t.contiguous() for t in (grad_hidden, grad_gate_up, grad_down, grad_weights))
+
+
+@_grouped_experts_backward_op.register_fake
+def _(grad_out, hidden_states, gate_up_proj, down_proj, top_k_index, top_k_weights):
+    tensors = (hidden_states, gate_up_proj, down_proj, top_k_weights)
+    return tuple(torch.empty_like(t, memory_format=torch.contiguous_format) for t in tensors)
+
+
+def _grouped_experts_setup(ctx, inputs, output):
+    ctx.save_for_backward(*inputs)
+
+
+def _grouped_experts_grad(ctx, grad_out):
+    hidden_states, gate_up_proj, down_proj, top_k_index, top_k_weights = ctx.saved_tensors
+    grads = torch.ops.samepath.grouped_experts_backward(
+        grad_out, hidden_states, gate_up_proj, down_proj, top_k_index, top_k_weights
+    )
+    return grads[0], grads[1], grads[2], None, grads[3]
+
+
+_grouped_experts_op.register_autograd(_grouped_experts_grad, setup_context=_grouped_experts_setup)
 
 
 __all__ = [

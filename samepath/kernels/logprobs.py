@@ -51,6 +51,7 @@ from samepath.kernels.config import (
 from samepath.kernels.dispatch import SUPPORTED_DEVICE_TYPES, jit
 from samepath.kernels.matmul import launch as launch_matmul
 from samepath.kernels.matmul import matmul, register_override
+from samepath.kernels.opaque import compiled_by
 from samepath.kernels.row_reduce import (  # noqa: F401 (re-exported: the names the logprobs always had)
     MIN_TEMPERATURE,
     check_labels,
@@ -632,6 +633,7 @@ def _streamed_backward(ctx, hidden2d, weight, labels_flat, lse, ent, grad_lp, gr
     return grad_hidden, grad_weight.to(weight.dtype) if want_weight else None
 
 
+@compiled_by("linear_token_logprobs")  # torch.compile: samepath::linear_token_logprobs (lm_head_op.py)
 def linear_token_logprobs(
     hidden: torch.Tensor,
     weight: torch.Tensor,

@@ -61,6 +61,7 @@ from samepath.kernels import grid
 from samepath.kernels.checks import check_operands
 from samepath.kernels.config import dtype_name, register_formula, row_reduce_config
 from samepath.kernels.dispatch import device_kind, jit
+from samepath.kernels.opaque import refuse_compiled, register
 
 #: Elements of one tile of whole rows: short rows share a program, up to 16 of them.
 TILE_ELEMENTS = 2048
@@ -522,7 +523,7 @@ class AddRMSNormFunction(torch.autograd.Function):
 
 # ``torch.compile``: the norm as ``torch.ops.samepath.rms_norm`` (a custom op with a fake and an
 # autograd registration), so Dynamo records one node per norm and never traces the launcher.
-@torch.library.custom_op("samepath::rms_norm", mutates_args=())
+@torch.library.custom_op(register("rms_norm"), mutates_args=())
 def _rms_norm_op(x2: torch.Tensor, weight: torch.Tensor, eps: float, mode: int) -> tuple[torch.Tensor, torch.Tensor]:
     y, _, rstd = _forward(x2, weight, eps, None, mode)
     return y, rstd
@@ -533,7 +534,7 @@ def _(x2, weight, eps, mode):
     return torch.empty_like(x2), x2.new_empty((x2.shape[0],), dtype=torch.float32)
 
 
-@torch.library.custom_op("samepath::rms_norm_backward", mutates_args=())
+@torch.library.custom_op(register("rms_norm_backward"), mutates_args=())
 def _rms_norm_backward_op(
     x2: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor, grad_y: torch.Tensor, mode: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -625,5 +626,10 @@ def rms_norm(
         return torch.ops.samepath.rms_norm(x2, weight, float(eps), mode)[0].reshape(shape)
     if residual is None:
         return RMSNormFunction.apply(x2, weight, float(eps), mode).reshape(shape)
+    if torch.compiler.is_compiling():
+        refuse_compiled(
+            "samepath.rms_norm with residual= (the fused add + norm) has no torch.library custom op: refused under "
+            "torch.compile; add the residual first and call rms_norm without it (torch.ops.samepath.rms_norm)"
+        )
     y, s = AddRMSNormFunction.apply(x2, _rows(residual, hidden), weight, float(eps), mode)
     return y.reshape(shape), s.reshape(shape)

@@ -39,6 +39,7 @@ import triton.language as tl
 from samepath.kernels import grid
 from samepath.kernels.config import dtype_name, register_formula
 from samepath.kernels.dispatch import device_kind, jit
+from samepath.kernels.opaque import register
 
 #: Elements (rows x half rotary dim) one program handles; elementwise, so numerics-neutral.
 ELEMENTS_PER_PROGRAM = 4096
@@ -283,6 +284,9 @@ def rotary_cos_sin(
     _checked_positions(positions)
     dtype_name(dtype, "dtype")
     device_kind(positions.device)
+    if torch.compiler.is_compiling():
+        key = _constant_scaling_key(scaling)
+        return torch.ops.samepath.rotary_cos_sin(positions, int(rotary_dim), float(base), dtype, key, interleaved)
     inv_freq, attention_scaling = _inv_freq_on(rotary_dim, base, _scaling_key(scaling), positions.device)
     limit = rotary_position_limit(scaling)
     if limit is not None and positions.numel() and int(positions.max()) >= limit:
@@ -292,6 +296,50 @@ def rotary_cos_sin(
         )
     freqs = positions.to(torch.float32)[..., None] * inv_freq
     return _cos_sin(freqs, attention_scaling, dtype, interleaved)
+
+
+@torch.compiler.assume_constant_result
+def _constant_scaling_key(scaling: dict | None) -> str | None:
+    return _scaling_key(scaling)
+
+
+# ``torch.compile``: the cos/sin tables as custom ops (Inductor would compute ``cos`` / ``sin`` with
+# its own kernels), ``scaling`` as its JSON key.
+@torch.library.custom_op(register("rotary_cos_sin"), mutates_args=())
+def _rotary_cos_sin_op(
+    positions: torch.Tensor, rotary_dim: int, base: float, dtype: torch.dtype, scaling: str | None, interleaved: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    scaling_dict = None if scaling is None else json.loads(scaling)
+    cos, sin = rotary_cos_sin(positions, rotary_dim, base, dtype, scaling_dict, interleaved)
+    return cos.contiguous(), sin.contiguous()
+
+
+@_rotary_cos_sin_op.register_fake
+def _(positions, rotary_dim, base, dtype, scaling, interleaved):
+    shape = (*positions.shape, rotary_dim)
+    return positions.new_empty(shape, dtype=dtype), positions.new_empty(shape, dtype=dtype)
+
+
+@torch.library.custom_op(register("mrope_cos_sin"), mutates_args=())
+def _mrope_cos_sin_op(
+    position_ids: torch.Tensor,
+    rotary_dim: int,
+    base: float,
+    dtype: torch.dtype,
+    mrope_section: list[int],
+    scaling: str | None,
+    interleaved: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    scaling_dict = None if scaling is None else json.loads(scaling)
+    cos, sin = mrope_cos_sin(position_ids, rotary_dim, base, dtype, mrope_section, scaling_dict, interleaved)
+    return cos.contiguous(), sin.contiguous()
+
+
+@_mrope_cos_sin_op.register_fake
+def _(position_ids, rotary_dim, base, dtype, mrope_section, scaling, interleaved):
+    three_rows = position_ids.dim() >= 2 and position_ids.shape[0] == 3
+    shape = (*(position_ids.shape[1:] if three_rows else position_ids.shape), rotary_dim)
+    return position_ids.new_empty(shape, dtype=dtype), position_ids.new_empty(shape, dtype=dtype)
 
 
 def _cos_sin(freqs: torch.Tensor, attention_scaling: float, dtype: torch.dtype, interleaved: bool):
@@ -355,6 +403,11 @@ def mrope_cos_sin(
     _checked_positions(position_ids, "position_ids")
     dtype_name(dtype, "dtype")
     device_kind(position_ids.device)
+    if torch.compiler.is_compiling():
+        key = _constant_scaling_key(scaling)
+        sections = [int(s) for s in mrope_section]
+        args = (int(rotary_dim), float(base), dtype, sections, key, bool(mrope_interleaved))
+        return torch.ops.samepath.mrope_cos_sin(position_ids, *args)
     if position_ids.dim() >= 1 and position_ids.shape[0] == 3 and position_ids.dim() >= 2:
         rows = position_ids
     else:
@@ -506,6 +559,40 @@ class RotaryFunction(torch.autograd.Function):
         return _rotate(grad_out, cos4, sin4, backward=True, interleaved=ctx.interleaved), None, None, None
 
 
+@torch.library.custom_op(register("rotary"), mutates_args=())
+def _rotary_op(x4: torch.Tensor, cos4: torch.Tensor, sin4: torch.Tensor, interleaved: bool) -> torch.Tensor:
+    return _rotate(x4, cos4, sin4, backward=False, interleaved=interleaved)
+
+
+@_rotary_op.register_fake
+def _(x4, cos4, sin4, interleaved):
+    return x4.new_empty(x4.shape)
+
+
+@torch.library.custom_op(register("rotary_backward"), mutates_args=())
+def _rotary_backward_op(grad: torch.Tensor, cos4: torch.Tensor, sin4: torch.Tensor, interleaved: bool) -> torch.Tensor:
+    grad = grad if grad.stride(-1) == 1 else grad.contiguous()
+    return _rotate(grad, cos4, sin4, backward=True, interleaved=interleaved)
+
+
+@_rotary_backward_op.register_fake
+def _(grad, cos4, sin4, interleaved):
+    return grad.new_empty(grad.shape)
+
+
+def _rotary_setup(ctx, inputs, output):
+    _, cos4, sin4, ctx.interleaved = inputs
+    ctx.save_for_backward(cos4, sin4)
+
+
+def _rotary_grad(ctx, grad):
+    cos4, sin4 = ctx.saved_tensors
+    return torch.ops.samepath.rotary_backward(grad, cos4, sin4, ctx.interleaved), None, None, None
+
+
+_rotary_op.register_autograd(_rotary_grad, setup_context=_rotary_setup)
+
+
 def _rotate_one(
     name: str, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, unsqueeze_dim: int, interleaved: bool = False
 ):
@@ -536,7 +623,8 @@ def _rotate_one(
         sin_b = sin_b.contiguous()
         cos_b = cos_b.contiguous()
     x = x if x.stride(-1) == 1 else x.contiguous()
-    out = RotaryFunction.apply(_as_4d(x), _as_4d(cos_b), _as_4d(sin_b), interleaved)
+    rotate = torch.ops.samepath.rotary if torch.compiler.is_compiling() else RotaryFunction.apply
+    out = rotate(_as_4d(x), _as_4d(cos_b), _as_4d(sin_b), interleaved)
     return out.reshape(x.shape)
 
 

@@ -201,21 +201,47 @@ def _check_inductor_graph(graph) -> None:
             'Compile with torch.compile(..., backend="aot_eager") inside the block (every op then runs through '
             "the routed aten kernels), or compile only graphs whose routed ops are matmuls Inductor keeps whole."
         )
+    if not _inductor_config.emulate_precision_casts:
+        _check_rounding(graph)
     if _previous_pass is not None:
         _previous_pass(graph)
 
 
+def _check_rounding(graph) -> None:
+    """Without ``emulate_precision_casts`` Inductor fuses bf16 / fp16 elementwise chains in fp32
+    with one rounding at the end (eager rounds after every op: a residual add feeding another, a
+    gradient summed over three uses): refuse a graph with such an op."""
+    for node in graph.nodes:
+        target = node.target
+        if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload):
+            continue
+        if target.namespace != "aten" or torch.Tag.pointwise not in target.tags:
+            continue
+        value = node.meta.get("val")
+        if isinstance(value, torch.Tensor) and value.dtype in (torch.bfloat16, torch.float16):
+            raise CompiledRoutingError(
+                f"samepath.batch_invariant(): torch.compile's Inductor fuses {value.dtype} elementwise ops "
+                f"({node.format_node()}) without rounding between them, unlike eager; "
+                "torch._inductor.config.emulate_precision_casts was turned off inside the block (samepath turns it "
+                'on while a block is open): turn it back on, or compile with backend="aot_eager"'
+            )
+
+
 _previous_pass = None
+_previous_emulate = None
 _inductor_config = None
 
 
 def _install_inductor_check() -> None:
-    global _previous_pass, _inductor_config
+    global _previous_pass, _previous_emulate, _inductor_config
     import torch._inductor.config as inductor_config
 
     _inductor_config = inductor_config
     _previous_pass = inductor_config.post_grad_custom_pre_pass
     inductor_config.post_grad_custom_pre_pass = _check_inductor_graph
+    # Inductor then rounds a bf16 / fp16 elementwise result to its dtype after every op, as eager does.
+    _previous_emulate = inductor_config.emulate_precision_casts
+    inductor_config.emulate_precision_casts = True
 
 
 def _remove_inductor_check() -> None:
@@ -223,6 +249,7 @@ def _remove_inductor_check() -> None:
     inductor_config = _inductor_config  # imported at entry: the exit may run at interpreter shutdown
     if inductor_config is not None and inductor_config.post_grad_custom_pre_pass is _check_inductor_graph:
         inductor_config.post_grad_custom_pre_pass = _previous_pass
+        inductor_config.emulate_precision_casts = _previous_emulate
     _previous_pass = None
 
 
@@ -250,7 +277,10 @@ def batch_invariant() -> Iterator[None]:
     Their ``.out`` and in-place overloads (:func:`variants`: ``aten::mm.out``, ``addmm_``, ...)
     are routed too (torch >= 2.9), which compiled code calls: Inductor's ``mm`` / ``addmm`` /
     ``bmm`` reach the kernel. A ``torch.compile`` inside the block whose graph would leave another
-    routed op to Inductor's own code raises :class:`CompiledRoutingError` naming it.
+    routed op to Inductor's own code raises :class:`CompiledRoutingError` naming it. While a block
+    is open Inductor's ``emulate_precision_casts`` is on (bf16 / fp16 elementwise results rounded
+    after every op, as eager rounds them: the glue between samepath's ops keeps eager's bits);
+    a compile inside the block with it turned off is refused.
     """
     global _routing_depth, _routing_library
     with _routing_lock:

@@ -33,6 +33,7 @@ import triton.language as tl
 from samepath.kernels import grid
 from samepath.kernels.config import dtype_name
 from samepath.kernels.dispatch import device_kind, jit
+from samepath.kernels.opaque import register
 
 #: Elements of one program's block in :func:`softcap_logits`.
 BLOCK = 1024
@@ -109,6 +110,41 @@ def softcap_backward(x: torch.Tensor, grad: torch.Tensor, cap: float) -> torch.T
     return out
 
 
+@torch.library.custom_op(register("softcap"), mutates_args=())
+def _softcap_op(x: torch.Tensor, cap: float) -> torch.Tensor:
+    out = torch.empty_like(x)
+    _launch(x, None, out, cap)
+    return out
+
+
+@_softcap_op.register_fake
+def _(x, cap):
+    return torch.empty_like(x)
+
+
+@torch.library.custom_op(register("softcap_backward"), mutates_args=())
+def _softcap_backward_op(x: torch.Tensor, grad: torch.Tensor, cap: float) -> torch.Tensor:
+    return softcap_backward(x, grad, cap)
+
+
+@_softcap_backward_op.register_fake
+def _(x, grad, cap):
+    return torch.empty_like(x)
+
+
+def _softcap_setup(ctx, inputs, output):
+    x, ctx.cap = inputs
+    ctx.save_for_backward(x)
+
+
+def _softcap_grad(ctx, grad):
+    (x,) = ctx.saved_tensors
+    return torch.ops.samepath.softcap_backward(x, grad, ctx.cap), None
+
+
+_softcap_op.register_autograd(_softcap_grad, setup_context=_softcap_setup)
+
+
 def softcap_logits(logits: torch.Tensor, cap: float) -> torch.Tensor:
     """``cap * tanh(logits / cap)`` elementwise, in fp32 with one rounding to ``logits.dtype`` (the
     module docstring's formula); differentiable.
@@ -124,6 +160,8 @@ def softcap_logits(logits: torch.Tensor, cap: float) -> torch.Tensor:
     cap = check_softcap(cap, "cap")
     if cap is None:
         raise ValueError("cap must be a positive finite float, got None")
+    if torch.compiler.is_compiling():
+        return torch.ops.samepath.softcap(logits.contiguous(), cap)
     return SoftcapFunction.apply(logits.contiguous(), cap)
 
 

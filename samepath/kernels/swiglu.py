@@ -34,6 +34,7 @@ from samepath.kernels import grid
 from samepath.kernels.checks import check_operands
 from samepath.kernels.config import dtype_name, register_formula
 from samepath.kernels.dispatch import device_kind, jit
+from samepath.kernels.opaque import refuse_compiled, register
 
 #: Columns one program handles (elementwise: numerics-neutral).
 MAX_BLOCK_N = 2048
@@ -164,9 +165,56 @@ def _check(name: str, tensor: torch.Tensor) -> None:
     device_kind(tensor.device)
 
 
-def gated_mul(launch: Callable[..., None], gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+#: ``torch.compile``: the launchers of :func:`gated_mul` by name (``samepath::gated_mul``'s ``kind``),
+#: each a factory of the activation's constants: ``"silu"`` here, the others added by their modules.
+GATED_LAUNCHERS: dict[str, Callable[..., Callable[..., None]]] = {"silu": lambda: _launch}
+
+
+@torch.library.custom_op(register("gated_mul"), mutates_args=())
+def _gated_mul_op(kind: str, gate2: torch.Tensor, up2: torch.Tensor, constants: list[float]) -> torch.Tensor:
+    out = gate2.new_empty(gate2.shape)
+    GATED_LAUNCHERS[kind](*constants)(gate2, up2, None, out, None)
+    return out
+
+
+@_gated_mul_op.register_fake
+def _(kind, gate2, up2, constants):
+    return gate2.new_empty(gate2.shape)
+
+
+@torch.library.custom_op(register("gated_mul_backward"), mutates_args=())
+def _gated_mul_backward_op(
+    kind: str, gate2: torch.Tensor, up2: torch.Tensor, grad: torch.Tensor, constants: list[float]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    dgate, dup = gate2.new_empty(gate2.shape), gate2.new_empty(gate2.shape)
+    GATED_LAUNCHERS[kind](*constants)(gate2, up2, grad.reshape(gate2.shape), dgate, dup)
+    return dgate, dup
+
+
+@_gated_mul_backward_op.register_fake
+def _(kind, gate2, up2, grad, constants):
+    return gate2.new_empty(gate2.shape), gate2.new_empty(gate2.shape)
+
+
+def _gated_mul_setup(ctx, inputs, output):
+    ctx.kind, gate2, up2, ctx.constants = inputs
+    ctx.save_for_backward(gate2, up2)
+
+
+def _gated_mul_grad(ctx, grad):
+    gate2, up2 = ctx.saved_tensors
+    return None, *torch.ops.samepath.gated_mul_backward(ctx.kind, gate2, up2, grad, ctx.constants), None
+
+
+_gated_mul_op.register_autograd(_gated_mul_grad, setup_context=_gated_mul_setup)
+
+
+def gated_mul(
+    launch: Callable[..., None], gate: torch.Tensor, up: torch.Tensor, kind: str = "", constants: tuple = ()
+) -> torch.Tensor:
     """``act(gate) * up`` through ``launch`` after checking ``gate`` / ``up`` (same shape, dtype and
-    device; ``ValueError`` naming the argument), differentiable in both."""
+    device; ``ValueError`` naming the argument), differentiable in both. While Dynamo traces, the
+    custom op ``samepath::gated_mul`` with ``GATED_LAUNCHERS[kind](*constants)`` (the same launcher)."""
     _check("gate", gate)
     if not isinstance(up, torch.Tensor):
         raise ValueError("up must be a tensor shaped like gate")
@@ -174,7 +222,12 @@ def gated_mul(launch: Callable[..., None], gate: torch.Tensor, up: torch.Tensor)
         raise ValueError(f"up shape {tuple(up.shape)} differs from gate's {tuple(gate.shape)}")
     check_operands(gate=gate, up=up)
     width = gate.shape[-1]
-    return GatedMulFunction.apply(launch, gate.reshape(-1, width), up.reshape(-1, width)).reshape(gate.shape)
+    gate2, up2 = gate.reshape(-1, width), up.reshape(-1, width)
+    if torch.compiler.is_compiling():
+        if kind not in GATED_LAUNCHERS:
+            refuse_compiled(f"gated_mul without a kind of {sorted(GATED_LAUNCHERS)} (got {kind!r}) under torch.compile")
+        return torch.ops.samepath.gated_mul(kind, gate2, up2, [float(c) for c in constants]).reshape(gate.shape)
+    return GatedMulFunction.apply(launch, gate2, up2).reshape(gate.shape)
 
 
 def split_gate_up(gate_up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -195,7 +248,7 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     Returns:
         ``[..., I]`` in the input dtype; differentiable in both inputs.
     """
-    return gated_mul(_launch, gate, up)
+    return gated_mul(_launch, gate, up, "silu")
 
 
 def swiglu(gate_up: torch.Tensor) -> torch.Tensor:

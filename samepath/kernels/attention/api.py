@@ -15,6 +15,11 @@ import torch
 from samepath.kernels.attention.backend import run_forward
 from samepath.kernels.attention.backward import VarlenAttentionFunction
 from samepath.kernels.attention.batch import AttentionBatch, LaunchPlan, check_sinks
+from samepath.kernels.attention.ops import (
+    compiled_packed_attention,
+    compiled_paged_attention,
+    compiled_varlen_attention,
+)
 from samepath.kernels.config import AttentionConfig
 
 
@@ -64,6 +69,9 @@ def varlen_attention(
         :func:`paged_attention` returns for that token, however the rollout batched, chunked or
         paged it. Gradients (fp32 accumulation, cast to the input dtype) are deterministic.
     """
+    if torch.compiler.is_compiling():  # the custom op samepath::varlen_attention (plans in its implementation)
+        args = (scale, causal, sliding_window, config, validate, softcap, sinks)
+        return compiled_varlen_attention(query, key, value, cu_seqlens, *args)
     batch = AttentionBatch.for_varlen(
         query, key, value, cu_seqlens, scale, causal, sliding_window, config, validate, plan, softcap
     )
@@ -122,6 +130,11 @@ def packed_attention(
         :func:`paged_attention` for the same tokens (the same kernel over the same tiles) — with
         ``kv_start``, to their rows over the whole sequence, of which these keys are the last.
     """
+    if torch.compiler.is_compiling():  # the custom op samepath::packed_attention
+        return compiled_packed_attention(
+            query, key, value, cu_seqlens_q, cu_seqlens_kv, scale, causal, sliding_window, config, validate,
+            split_kv, kv_start, softcap, sinks,
+        )  # fmt: skip
     batch = AttentionBatch.for_packed(
         query, key, value, cu_seqlens_q, cu_seqlens_kv, scale, causal, sliding_window, config, validate, plan,
         kv_start, softcap,
@@ -195,6 +208,11 @@ def paged_attention(
         row :func:`varlen_attention` computes for the same token of the same sequence, and does not
         depend on the page size, the block table's layout, the chunking or the batch.
     """
+    if torch.compiler.is_compiling():  # the custom op samepath::paged_attention
+        return compiled_paged_attention(
+            query, key_cache, value_cache, block_table, query_start_loc, seq_lens, scale, causal, sliding_window,
+            out, config, validate, split_kv, softcap, sinks,
+        )  # fmt: skip
     batch = AttentionBatch.for_paged(
         query, key_cache, value_cache, block_table, query_start_loc, seq_lens, scale, causal, sliding_window,
         config, validate, plan, softcap,
