@@ -10,8 +10,8 @@ import samepath
 from samepath.check.harness import DEFAULT_MODEL_CONFIG
 
 PINNED = {
-    1: "sp5-07de7823be696b97",
-    2: "sp5-c5fcf1e3358aecc4",
+    1: "sp5-02f638f2465033bb",
+    2: "sp5-b9f0c49840792e20",
 }
 
 
