@@ -10,8 +10,8 @@ import samepath
 from samepath.check.harness import DEFAULT_MODEL_CONFIG
 
 PINNED = {
-    1: "sp5-02f638f2465033bb",
-    2: "sp5-b9f0c49840792e20",
+    1: "sp5-67852b17ca8fd98e",
+    2: "sp5-a5a7709ee285264d",
 }
 
 
