@@ -10,8 +10,8 @@ import samepath
 from samepath.check.harness import DEFAULT_MODEL_CONFIG
 
 PINNED = {
-    1: "sp5-67852b17ca8fd98e",
-    2: "sp5-a5a7709ee285264d",
+    1: "sp5-f84aca19c0360b6b",
+    2: "sp5-618e4e8b458c9d50",
 }
 
 

@@ -371,8 +371,8 @@ GATED_DELTA_FORMULA = {
     "u = T @ (v*beta); "
     "w = T @ (k*beta*exp(gc)); vnew = u - w @ S; o = (tril(q @ k^T * D)) @ vnew + (q*exp(gc)) @ S",
     "update": "on a full chunk S = (k*exp(gc_C - gc))^T @ vnew + S * exp(gc_C)",
-    "dot": "fp32 operands, tf32x3 on NVIDIA (fp32 products in the interpreter and the replay), fp32 "
-    "accumulation; one cast of o to the input dtype",
+    "dot": "fp32 operands, tf32x3 on NVIDIA, ieee on Ascend (fp32 products in the interpreter and the replay), "
+    "fp32 accumulation; one cast of o to the input dtype",
     "backward": "Triton, no atomics: the forward rerun stores the state at each chunk start; chunk quantities "
     "recomputed by the forward's ops; kernel 1 per (sequence, value head, 32 value columns), chunks in reverse: "
     "vnew = T (v*beta) - w S, dvnew = attn^T dO + kdec dS', dS = (q*exp(gc))^T dO + dS' * exp(gc_C) - w^T dvnew "

@@ -24,8 +24,8 @@ slot.
 
 Programs: one per (sequence, value head, block of :data:`V_BLOCK` value columns), walking its
 chunks in order (the state slice stays in registers). Dots take fp32 operands with fp32
-accumulation: :data:`DOT_PRECISION` ``tf32x3`` on NVIDIA (three tf32 products, near-fp32), fp32
-products in the interpreter and the replay (which ignore ``input_precision``).
+accumulation: :data:`DOT_PRECISION` ``tf32x3`` on NVIDIA (three tf32 products, near-fp32), ``ieee`` on
+Ascend, fp32 products in the interpreter and the replay (which ignore ``input_precision``).
 
 Backward: the Triton kernel of :mod:`samepath.kernels.gated_delta_bwd`, deterministic (no atomics,
 fixed orders): the forward rerun with ``STORE_STATES`` stores the state at every chunk start, then the
@@ -41,6 +41,7 @@ import torch
 import triton
 import triton.language as tl
 
+from samepath.kernels import config
 from samepath.kernels.config import GATED_DELTA_CHUNK
 from samepath.kernels.dispatch import jit
 from samepath.kernels.gated_delta_bwd import gated_delta_backward
@@ -51,8 +52,17 @@ CHUNK = GATED_DELTA_CHUNK
 L2_EPS = 1e-6
 #: Value columns per program (frozen): the state tile is ``[BLOCK_K, V_BLOCK]``.
 V_BLOCK = 32
-#: ``tl.dot`` precision of the fp32 operands (the interpreter and the replay compute fp32 products).
-DOT_PRECISION: tl.constexpr = tl.constexpr("tf32x3")
+#: ``tl.dot`` precision of the fp32 operands by device kind: three tf32 products on NVIDIA (near-fp32, on
+#: the tensor cores); ieee on Ascend (Triton-Ascend refuses tf32). The interpreter and the replay compute
+#: fp32 products whatever it says.
+DOT_PRECISION = {"cuda": "tf32x3", "npu": "ieee", "cpu": "ieee"}
+
+
+def dot_precision(device: torch.device) -> str:
+    """:data:`DOT_PRECISION` of ``device``'s kind."""
+    return DOT_PRECISION[config.device_kind(device)]
+
+
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 
 
@@ -85,6 +95,7 @@ def _gated_delta_fwd_kernel(
     HAS_S0: tl.constexpr,
     SLOTS: tl.constexpr,
     STORE_STATES: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
     CHUNK_SIZE: tl.constexpr,
     BLOCK_K: tl.constexpr,
     BLOCK_V: tl.constexpr,
@@ -288,6 +299,7 @@ def _run_forward(q, k, v, g, beta, cu_seqlens, s0, out, s_out, has_s0: bool, slo
         HAS_S0=has_s0,
         SLOTS=slots is not None,
         STORE_STATES=states is not None,
+        DOT_PRECISION=dot_precision(q.device),
         CHUNK_SIZE=CHUNK,
         BLOCK_K=block_k,
         BLOCK_V=block_v,
@@ -330,7 +342,20 @@ def _backward(q, k, v, g, beta, cu_seqlens, state, d_out):
     s0 = state.contiguous() if state is not None else s_out
     _run_forward(q, k, v, g, beta, cu, s0, out, s_out, state is not None, None, (states, chunk_base))
     return gated_delta_backward(
-        q, k, v, g, beta, d_out, cu, states, chunk_base, scale=dk**-0.5, eps=L2_EPS, chunk=CHUNK, block_v=V_BLOCK
+        q,
+        k,
+        v,
+        g,
+        beta,
+        d_out,
+        cu,
+        states,
+        chunk_base,
+        scale=dk**-0.5,
+        eps=L2_EPS,
+        chunk=CHUNK,
+        block_v=V_BLOCK,
+        dot_precision=dot_precision(q.device),
     )
 
 

@@ -33,13 +33,25 @@ import triton.language as tl
 
 from samepath.kernels.dispatch import jit
 
-#: ``tl.dot`` precision (the forward's).
-DOT_PRECISION: tl.constexpr = tl.constexpr("tf32x3")
-
 
 @jit
 def _chunk_recompute(
-    Q, K, G, Beta, tok, valid, hk, h, HK, HV, DK, SCALE, EPS, CHUNK_SIZE: tl.constexpr, BLOCK_K: tl.constexpr
+    Q,
+    K,
+    G,
+    Beta,
+    tok,
+    valid,
+    hk,
+    h,
+    HK,
+    HV,
+    DK,
+    SCALE,
+    EPS,
+    CHUNK_SIZE: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):
     """The forward's chunk quantities, by the forward's operations (the same bits)."""
     rows = tl.arange(0, CHUNK_SIZE)
@@ -101,6 +113,7 @@ def _gated_delta_bwd_state_kernel(
     CHUNK_SIZE: tl.constexpr,
     BLOCK_K: tl.constexpr,
     BLOCK_V: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):
     """Program (sequence n, value head h, value block vb), chunks in reverse: the state gradient chain
     ``dS = (q e^gc)^T dO + dS' e^{gc_C} - w^T dvnew`` in registers, ``dS'`` of every chunk stored to
@@ -127,7 +140,7 @@ def _gated_delta_bwd_state_kernel(
         valid = (c0 + rows) < length
         tok = start + c0 + rows
         _q0, _rq, q, _rk, k, b, gc_last, decay, kb, _m, t, egc, qk, edec = _chunk_recompute(
-            Q, K, G, Beta, tok, valid, hk, h, HK, HV, DK, SCALE, EPS, CHUNK_SIZE, BLOCK_K
+            Q, K, G, Beta, tok, valid, hk, h, HK, HV, DK, SCALE, EPS, CHUNK_SIZE, BLOCK_K, DOT_PRECISION
         )
         w = tl.dot(t, kb * egc[:, None], input_precision=DOT_PRECISION)
         attn = tl.where(lower, qk * decay, 0.0)
@@ -184,6 +197,7 @@ def _gated_delta_bwd_qkg_kernel(
     CHUNK_SIZE: tl.constexpr,
     BLOCK_K: tl.constexpr,
     BLOCK_V: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
     NVB: tl.constexpr,
 ):
     """Program (sequence n, value head h), chunk by chunk: the column-summed partials over the value
@@ -205,7 +219,7 @@ def _gated_delta_bwd_qkg_kernel(
         valid = (c0 + rows) < length
         tok = start + c0 + rows
         q0, rq, q, rk, k, b, gc_last, decay, kb, m, t, egc, qk, edec = _chunk_recompute(
-            Q, K, G, Beta, tok, valid, hk, h, HK, HV, DK, SCALE, EPS, CHUNK_SIZE, BLOCK_K
+            Q, K, G, Beta, tok, valid, hk, h, HK, HV, DK, SCALE, EPS, CHUNK_SIZE, BLOCK_K, DOT_PRECISION
         )
         kbg = kb * egc[:, None]
         kdec = k * edec[:, None]
@@ -273,9 +287,12 @@ def _gated_delta_bwd_qkg_kernel(
         tl.store(DBeta + tok * HV + h, db, mask=valid)
 
 
-def gated_delta_backward(q, k, v, g, beta, d_out, cu_seqlens, states, chunk_base, *, scale, eps, chunk, block_v):
+def gated_delta_backward(
+    q, k, v, g, beta, d_out, cu_seqlens, states, chunk_base, *, scale, eps, chunk, block_v, dot_precision
+):
     """Launch the backward: operands as the forward took them (contiguous; ``g``, ``beta`` fp32),
-    ``d_out`` ``[T, HV, DV]``, ``states`` / ``chunk_base`` from the forward's ``STORE_STATES`` rerun.
+    ``d_out`` ``[T, HV, DV]``, ``states`` / ``chunk_base`` from the forward's ``STORE_STATES`` rerun,
+    ``dot_precision`` the forward's ``tl.dot`` precision.
     Returns ``(dq, dk [T, HK, DK], dv [T, HV, DV], dg, dbeta [T, HV], d_state0 [N, HV, DK, DV])``, fp32
     (dq / dk summed over each q/k head's value heads, ascending)."""
     total, hk, dk = q.shape
@@ -288,7 +305,8 @@ def gated_delta_backward(q, k, v, g, beta, d_out, cu_seqlens, states, chunk_base
     d_states, d_state0 = torch.empty_like(states), torch.empty((n, hv, dk, dv), **f32)
     vnew, dvnew, d_v = (torch.empty((total, hv, dv), **f32) for _ in range(3))
     db_part = torch.empty((nvb, total, hv), **f32)
-    common = {"SCALE": scale, "EPS": eps, "CHUNK_SIZE": chunk, "BLOCK_K": block_k, "BLOCK_V": block_v, "num_warps": 4}
+    common = {"SCALE": scale, "EPS": eps, "CHUNK_SIZE": chunk, "BLOCK_K": block_k, "BLOCK_V": block_v}
+    common.update(DOT_PRECISION=dot_precision, num_warps=4)
     _gated_delta_bwd_state_kernel[(n, hv, nvb)](
         q,
         k,

@@ -79,6 +79,7 @@ def gated_delta_fwd(
     HAS_S0,
     SLOTS,
     STORE_STATES,
+    DOT_PRECISION,
     CHUNK_SIZE,
     BLOCK_K,
     BLOCK_V,
@@ -227,6 +228,7 @@ def gated_delta_bwd_state(
     CHUNK_SIZE,
     BLOCK_K,
     BLOCK_V,
+    DOT_PRECISION,
 ) -> None:
     """``_gated_delta_bwd_state_kernel``: per (sequence, value head), chunks in reverse, the value blocks
     of a chunk after its shared recompute (every value block's program computes it with the same bits)."""
@@ -317,6 +319,7 @@ def gated_delta_bwd_qkg(
     BLOCK_K,
     BLOCK_V,
     NVB,
+    DOT_PRECISION,
 ) -> None:
     """``_gated_delta_bwd_qkg_kernel``: per (sequence, value head) and chunk, the partials over the value
     blocks in ascending order, then the chunk's shared part."""
