@@ -10,8 +10,8 @@ import samepath
 from samepath.check.harness import DEFAULT_MODEL_CONFIG
 
 PINNED = {
-    1: "sp5-f84aca19c0360b6b",
-    2: "sp5-618e4e8b458c9d50",
+    1: "sp5-e5bdca22d586aafd",
+    2: "sp5-92ba7314aa8b26fd",
 }
 
 
