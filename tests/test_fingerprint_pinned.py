@@ -10,8 +10,8 @@ import samepath
 from samepath.check.harness import DEFAULT_MODEL_CONFIG
 
 PINNED = {
-    1: "sp5-6dd145b2de305487",
-    2: "sp5-e91eca7def975d91",
+    1: "sp5-0e448dd46c569e35",
+    2: "sp5-d3bed0545d4ceb6a",
 }
 
 
