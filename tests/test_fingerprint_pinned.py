@@ -10,8 +10,8 @@ import samepath
 from samepath.check.harness import DEFAULT_MODEL_CONFIG
 
 PINNED = {
-    1: "sp5-6dd145b2de305487",
-    2: "sp5-e91eca7def975d91",
+    1: "sp5-53a552cc7d5b5fa8",
+    2: "sp5-dad56cae3164bad1",
 }
 
 
