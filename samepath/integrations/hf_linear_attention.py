@@ -136,6 +136,8 @@ def cached_packing(real, position_ids, batch: int, length: int, device: torch.de
     sequences) is one per forward, not one per layer."""
     if not split:
         position_ids = None
+    if real is None and position_ids is None:  # one sequence per row: no host read, nothing to memoise
+        return packing(None, None, batch, length, device, split)
     key = (id(real), id(position_ids), batch, length, device, split)
     entry = _PACKING_CACHE.get(key)
     if entry is not None and _same(entry[0][0], real) and _same(entry[0][1], position_ids):
@@ -221,7 +223,7 @@ def gated_delta_net_forward(
             "whole sequences: pass use_cache=False, or run the continuation under torch.no_grad())"
         )
     if layer is None or differentiable:  # the trainer (a cache of its prefill too: HF's default use_cache)
-        out, _ = chunk_gated_delta(q, k, v, g, beta, cu)
+        out, _ = chunk_gated_delta(q, k, v, g, beta, cu, validate=False)  # cu built on the device
     if layer is not None:
         if delta_cache is None:  # a prefill: one fresh slot per row
             delta_cache = GatedDeltaSlots.allocate(
