@@ -1,6 +1,8 @@
 """Gated DeltaNet's one schedule (samepath.kernels.gated_delta): prefill == chunked prefill split
-anywhere == packed == token-by-token decode, bit for bit; close to the float64 recurrence; backward
-deterministic and close to float64 autograd; replay == interpreter; bad inputs refused by name."""
+anywhere == packed == token-by-token decode, bit for bit, through the packed cache and through the
+slot buffers (mixed prefill / decode batches); close to the float64 recurrence; the Triton backward
+deterministic and close to float64 autograd; replay == interpreter (forward, slot path, backward);
+negative controls; bad inputs refused by name."""
 
 from __future__ import annotations
 
