@@ -54,6 +54,8 @@ OPS = (
     "moe_experts",
     "mla_train",
     "mla_decode",
+    "gdn_train",
+    "gdn_decode",
     "e2e",
     "vllm_decode_step",
 )
@@ -1135,6 +1137,10 @@ def plan(ops: list[str], device: torch.device, dtype: torch.dtype, quick: bool, 
             from bench import mla
 
             yield from mla.cases(op, device, dtype, quick, found)
+        elif op in ("gdn_train", "gdn_decode"):  # bench/gdn.py: Gated DeltaNet (Qwen3-Next, Qwen3.5)
+            from bench import gdn
+
+            yield from gdn.cases(op, device, dtype, quick, found)
         elif op == "e2e":
             try:
                 import transformers  # noqa: F401

@@ -526,3 +526,19 @@ def test_quick_bench_mla_rows(tmp_path: Path) -> None:
     assert ("mla_decode", "stock decompressed MLA decode (HF generate: expand the cache, SDPA)") in rows
     assert all(math.isfinite(row["speedup"]) for row in result["rows"])
     assert "FlashMLA (" in result["missing"]
+
+
+def test_quick_bench_gdn_rows(tmp_path: Path) -> None:
+    """Gated DeltaNet: samepath's chunked schedule (training forward + backward, the slot decode step) timed
+    against Hugging Face's torch fallbacks in the same run; flash-linear-attention is listed with its reason
+    (not importable, or no GPU driver on the CPU)."""
+    pytest.importorskip("transformers", reason="transformers is not installed (pip install -e .[hf])")
+    args = ["--device", "cpu", "--quick", "--ops", "gdn_train,gdn_decode", "--warmup", "0", "--repeats", "2"]
+    result = run([*args, "--out", str(tmp_path), "--no-png"])
+    rows = {(row["op"], row["baseline"]) for row in result["rows"]}
+    assert rows == {
+        ("gdn_train", "stock HF torch_chunk_gated_delta_rule (padded batch)"),
+        ("gdn_decode", "stock HF torch_recurrent_gated_delta_rule (one token)"),
+    }
+    assert all(math.isfinite(row["speedup"]) for row in result["rows"])
+    assert "flash-linear-attention (" in result["missing"]

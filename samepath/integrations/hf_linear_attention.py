@@ -9,15 +9,18 @@ Installed by :func:`samepath.integrations.hf.apply_to_model_type` from a family'
   (:func:`samepath.kernels.causal_conv1d.causal_conv1d`), the gates
   (:func:`samepath.kernels.gated_ops.gated_delta_gates`), the delta rule on samepath's one schedule
   (:func:`samepath.kernels.gated_delta.chunk_gated_delta` for the trainer,
-  :func:`~samepath.kernels.gated_delta.gated_delta_continue` with a cache; a differentiable prefill that also
-  fills a cache — Hugging Face's default ``use_cache`` — runs both, the same bits; gradients through a
+  :func:`~samepath.kernels.gated_delta.gated_delta_continue_slots` with a cache; a differentiable prefill that
+  also fills a cache — Hugging Face's default ``use_cache`` — runs both, the same bits; gradients through a
   continuation are refused) and the gated output norm
-  (:func:`samepath.kernels.gated_ops.gated_rms_norm`). Padding rows come back as zeros.
+  (:func:`samepath.kernels.gated_ops.gated_rms_norm`). Padding rows come back as zeros. Host reads: none for a
+  decode step or a batch without a mask; one per forward (not per layer) with a padding mask or packed
+  sequences (the token and sequence counts size the launches).
 * ``generate``'s cache: each Gated DeltaNet layer's entry of the model's hybrid cache (transformers'
   ``LinearAttentionLayer``) carries samepath's state as attributes: :data:`CONV_STATE_ATTR` (each row's last
-  ``W - 1`` conv inputs) and :data:`DELTA_CACHE_ATTR` (a :class:`~samepath.kernels.gated_delta.GatedDeltaCache`:
-  the boundary state plus the ``< C`` tokens since it). Hugging Face's own fixed recurrent state is never
-  read or written; an entry Hugging Face's stock code filled is refused, never continued from.
+  ``W - 1`` conv inputs) and :data:`DELTA_CACHE_ATTR` (a :class:`~samepath.kernels.gated_delta.GatedDeltaSlots`,
+  slot r = row r: the boundary state plus the ``< C`` tokens since it, updated in place on the device; beam
+  search indexes the slot buffers). Hugging Face's own fixed recurrent state is never read or written; an
+  entry Hugging Face's stock code filled is refused, never continued from.
 * ``{Prefix}RMSNormGated.forward`` -> the gated norm; ``{Prefix}Attention.forward`` -> Hugging Face's with
   the output gate on :func:`~samepath.kernels.gated_ops.sigmoid_gate`; ``{Prefix}SparseMoeBlock.forward``
   -> Hugging Face's with the shared expert's gate on it; ``{Prefix}DecoderLayer.forward`` hands
@@ -37,9 +40,16 @@ import torch
 
 from samepath.integrations.patcher import Patcher
 from samepath.kernels.causal_conv1d import causal_conv1d
-from samepath.kernels.gated_delta import GatedDeltaCache, chunk_gated_delta, gated_delta_continue
+from samepath.kernels.gated_delta import GatedDeltaSlots, chunk_gated_delta, gated_delta_continue_slots
 from samepath.kernels.gated_ops import gated_delta_gates, gated_rms_norm, sigmoid_gate
+from samepath.kernels.opaque import compile_opaque
 from samepath.models.descriptor import ModelFamily
+
+# samepath's kernels are opaque calls under torch.compile (Dynamo never traces their launchers): eager bits
+causal_conv1d, chunk_gated_delta, gated_delta_continue_slots = map(
+    compile_opaque, (causal_conv1d, chunk_gated_delta, gated_delta_continue_slots)
+)
+gated_delta_gates, gated_rms_norm, sigmoid_gate = map(compile_opaque, (gated_delta_gates, gated_rms_norm, sigmoid_gate))
 
 #: The attributes of a cache layer that hold samepath's Gated DeltaNet state.
 CONV_STATE_ATTR = "samepath_conv_state"
@@ -71,8 +81,13 @@ def packing(
 ) -> Packing:  # fmt: skip
     """The real tokens of ``[batch, length]`` (per row the one contiguous run ``real`` marks, all without a mask),
     cut into sequences at each run's start and, with ``split``, wherever ``position_ids`` do not continue by +1
-    (packed sequences). Computed on the device with two host reads (the token and sequence counts, the checks);
-    ``ValueError`` for a row with holes."""
+    (packed sequences). Without a mask and without a split (a decode step, an unpadded batch) every row is one
+    sequence: no host read. Otherwise computed on the device with one host read (the checks and the token and
+    sequence counts, which size the kernel launches); ``ValueError`` for a row with holes."""
+    if real is None and (not split or position_ids is None):
+        index = torch.arange(batch * length, device=device)
+        cu = torch.arange(batch + 1, device=device) * length
+        return Packing(index, cu, batch > 0 and length > 0)
     mask = torch.ones(batch, length, dtype=torch.bool, device=device) if real is None else real.to(device, torch.bool)
     as_int = mask.to(torch.uint8)
     present = mask.any(1)
@@ -85,17 +100,18 @@ def packing(
         pos = position_ids[0] if position_ids.dim() == 3 else position_ids
         pos = pos.to(device).expand(batch, length)
         starts[:, 1:] |= mask[:, 1:] & (pos[:, 1:] != pos[:, :-1] + 1)
-    index = torch.nonzero(mask.flatten()).flatten()
-    first_tokens = torch.nonzero(starts.flatten()[index]).flatten()
-    any_holes, all_present = torch.stack([holes.any(), present.all()]).tolist()
+    counts = torch.stack([holes.any(), present.all(), mask.sum(), starts.sum()])
+    any_holes, all_present, tokens, sequences = counts.tolist()  # the one host read
     if any_holes:
-        row = int(torch.nonzero(holes)[0])
+        row = holes.to(torch.uint8).argmax().item()
         raise ValueError(
             f"samepath's Gated DeltaNet layer: attention_mask row {row} has holes (its real tokens must be one "
             "contiguous run, padding before or after it)"
         )
-    cu = torch.cat([first_tokens, first_tokens.new_full((1,), index.numel())])
-    return Packing(index, cu, bool(all_present) and first_tokens.numel() == batch)
+    index = torch.nonzero_static(mask.flatten(), size=tokens).flatten()
+    first_tokens = torch.nonzero_static(starts.flatten()[index], size=sequences).flatten()
+    cu = torch.cat([first_tokens, first_tokens.new_full((1,), tokens)])
+    return Packing(index, cu, bool(all_present) and sequences == batch)
 
 
 _PACKING_CACHE: collections.OrderedDict[tuple, tuple[tuple, Packing]] = collections.OrderedDict()
@@ -113,11 +129,15 @@ def _same(saved: tuple, tensor: torch.Tensor | None) -> bool:
     return ref is not None and ref() is tensor and tensor._version == version
 
 
+@compile_opaque  # its host read and cache run eagerly under torch.compile
 def cached_packing(real, position_ids, batch: int, length: int, device: torch.device, split: bool) -> Packing:
     """:func:`packing`, computed once per forward: reused while the same (unmodified) mask and position ids come
-    back (every Gated DeltaNet layer of a forward gets the same tensors)."""
+    back (every Gated DeltaNet layer of a forward gets the same tensors), so its host read (with a mask or packed
+    sequences) is one per forward, not one per layer."""
     if not split:
         position_ids = None
+    if real is None and position_ids is None:  # one sequence per row: no host read, nothing to memoise
+        return packing(None, None, batch, length, device, split)
     key = (id(real), id(position_ids), batch, length, device, split)
     entry = _PACKING_CACHE.get(key)
     if entry is not None and _same(entry[0][0], real) and _same(entry[0][1], position_ids):
@@ -203,19 +223,28 @@ def gated_delta_net_forward(
             "whole sequences: pass use_cache=False, or run the continuation under torch.no_grad())"
         )
     if layer is None or differentiable:  # the trainer (a cache of its prefill too: HF's default use_cache)
-        out, _ = chunk_gated_delta(q, k, v, g, beta, cu)
+        out, _ = chunk_gated_delta(q, k, v, g, beta, cu, validate=False)  # cu built on the device
     if layer is not None:
+        if delta_cache is None:  # a prefill: one fresh slot per row
+            delta_cache = GatedDeltaSlots.allocate(
+                batch, self.num_k_heads, self.num_v_heads, self.head_k_dim, self.head_v_dim, q.dtype, q.device
+            )
+        elif delta_cache.state.shape[0] != batch:
+            raise LinearAttentionCacheError(
+                f"layer {self.layer_idx}: the cache holds {delta_cache.state.shape[0]} rows, this forward has {batch}"
+            )
         detached = [t.detach() for t in (q, k, v, g, beta)]
-        fresh, new_cache = gated_delta_continue(*detached, cu, delta_cache)
+        slot_ids = torch.arange(batch, device=q.device)  # row r is slot r (beam search reorders the slots)
+        fresh = gated_delta_continue_slots(*detached, cu, delta_cache, slot_ids)
         out = out if differentiable else fresh
-        _store(layer, new_conv, new_cache, length)
+        _store(layer, new_conv, delta_cache, length)
     z = z.reshape(batch * length, self.num_v_heads, self.head_v_dim)[index]
     out = gated_rms_norm(out, z, self.norm.weight, self.norm.variance_epsilon).reshape(index.numel(), -1)
     full = out.new_zeros((batch * length, out.shape[-1])).index_copy(0, index, out)
     return self.out_proj(full.view(batch, length, -1))
 
 
-def _store(layer: Any, conv_state: torch.Tensor, delta_cache: GatedDeltaCache, new_tokens: int) -> None:
+def _store(layer: Any, conv_state: torch.Tensor, delta_cache: GatedDeltaSlots, new_tokens: int) -> None:
     """Keep samepath's state on the cache layer and Hugging Face's token count (its ``get_seq_length``)."""
     setattr(layer, CONV_STATE_ATTR, conv_state)
     setattr(layer, DELTA_CACHE_ATTR, delta_cache)
@@ -226,17 +255,11 @@ def _store(layer: Any, conv_state: torch.Tensor, delta_cache: GatedDeltaCache, n
         layer.cumulative_length_linear = count.to(conv_state.device).add_(new_tokens)
 
 
-def reorder_delta_cache(cache: GatedDeltaCache, index: torch.Tensor) -> GatedDeltaCache:
-    """The rows ``index`` of a per-row :class:`GatedDeltaCache` (beam search's reordering): their boundary states
-    and their tail tokens, repacked."""
+def reorder_delta_cache(cache: GatedDeltaSlots, index: torch.Tensor) -> GatedDeltaSlots:
+    """The rows ``index`` of a layer's per-row :class:`GatedDeltaSlots` (beam search's reordering): every slot
+    buffer indexed on the device (boundary states, tails, tail lengths), no host read."""
     index = index.to(cache.state.device, torch.int64)
-    tail = cache.cu_tail.to(torch.int64)
-    lengths, starts = (tail[1:] - tail[:-1])[index], tail[:-1][index]
-    cu_tail = torch.cat([lengths.new_zeros(1), lengths.cumsum(0)])
-    rows = torch.repeat_interleave(starts - cu_tail[:-1], lengths) + torch.arange(int(cu_tail[-1]), device=tail.device)
-    return GatedDeltaCache(
-        cache.state.index_select(0, index), cache.k[rows], cache.v[rows], cache.g[rows], cache.beta[rows], cu_tail
-    )
+    return GatedDeltaSlots(*(getattr(cache, f.name).index_select(0, index) for f in dataclasses.fields(cache)))
 
 
 def _cache_layer_reset(original):

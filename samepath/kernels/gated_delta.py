@@ -269,8 +269,8 @@ def _check(q, k, v, g, beta, cu_seqlens, state, check_values: bool = True) -> tu
     return n, hk, hv, dk, dv
 
 
-def _launch(q, k, v, g, beta, cu_seqlens, state) -> tuple[torch.Tensor, torch.Tensor]:
-    n, _hk, hv, dk, dv = _check(q, k, v, g, beta, cu_seqlens, state)
+def _launch(q, k, v, g, beta, cu_seqlens, state, validate: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    n, _hk, hv, dk, dv = _check(q, k, v, g, beta, cu_seqlens, state, check_values=validate)
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     g, beta = g.float().contiguous(), beta.float().contiguous()
     out = torch.empty(v.shape, dtype=v.dtype, device=v.device)
@@ -321,8 +321,8 @@ def _run_forward(q, k, v, g, beta, cu_seqlens, s0, out, s_out, has_s0: bool, slo
 
 class _GatedDelta(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, g, beta, cu_seqlens, state):
-        out, s_out = _launch(q, k, v, g, beta, cu_seqlens, state)
+    def forward(ctx, q, k, v, g, beta, cu_seqlens, state, validate=True):
+        out, s_out = _launch(q, k, v, g, beta, cu_seqlens, state, validate)
         ctx.save_for_backward(q, k, v, g, beta, cu_seqlens, state)
         ctx.mark_non_differentiable(s_out)
         return out, s_out
@@ -335,6 +335,7 @@ class _GatedDelta(torch.autograd.Function):
             *(gr.to(x.dtype) for gr, x in zip(grads[:5], (q, k, v, g, beta), strict=True)),
             None,
             grads[5] if state is not None else None,
+            None,
         )
 
 
@@ -373,7 +374,7 @@ def _backward(q, k, v, g, beta, cu_seqlens, state, d_out):
     )
 
 
-def chunk_gated_delta(q, k, v, g, beta, cu_seqlens, state=None) -> tuple[torch.Tensor, torch.Tensor]:
+def chunk_gated_delta(q, k, v, g, beta, cu_seqlens, state=None, validate=True) -> tuple[torch.Tensor, torch.Tensor]:
     """Gated DeltaNet over packed sequences, every sequence starting at a chunk boundary.
 
     Args:
@@ -384,13 +385,15 @@ def chunk_gated_delta(q, k, v, g, beta, cu_seqlens, state=None) -> tuple[torch.T
         cu_seqlens: ``[N + 1]`` int32 / int64 sequence starts.
         state: optional fp32 ``[N, HV, DK, DV]`` boundary states the sequences continue from
             (differentiable).
+        validate: ``False`` trusts the values of ``cu_seqlens`` (rising from 0 to T) instead of reading
+            them on the host (a caller that built them on the device, e.g. from a padding mask).
 
     Returns:
         ``(out [T, HV, DV] in q's dtype, boundary_state [N, HV, DK, DV] fp32)``: the state after each
         sequence's last full chunk (not differentiated). Differentiable in q, k, v, g, beta and
         ``state`` by the deterministic Triton backward (see the module docstring).
     """
-    return _GatedDelta.apply(q, k, v, g, beta, cu_seqlens, state)
+    return _GatedDelta.apply(q, k, v, g, beta, cu_seqlens, state, validate)
 
 
 @dataclass
