@@ -10,8 +10,8 @@ import samepath
 from samepath.check.harness import DEFAULT_MODEL_CONFIG
 
 PINNED = {
-    1: "sp5-5cf139490072b29f",
-    2: "sp5-b50b542b812224fb",
+    1: "sp5-3a23c7928899f302",
+    2: "sp5-719d0981aab2b7ca",
 }
 
 
