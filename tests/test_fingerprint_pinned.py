@@ -10,8 +10,8 @@ import samepath
 from samepath.check.harness import DEFAULT_MODEL_CONFIG
 
 PINNED = {
-    1: "sp5-3a23c7928899f302",
-    2: "sp5-719d0981aab2b7ca",
+    1: "sp5-69cfc13e49616027",
+    2: "sp5-93ba85f29e5d7f04",
 }
 
 

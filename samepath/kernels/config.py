@@ -185,10 +185,19 @@ def _wide_attention_rows() -> dict[tuple[str, str, int], WideAttentionConfig]:
         for block_d in (512, 1024):
             # CPU: the value columns in blocks of 128, so that the tests run the column split.
             rows["cpu", dtype, block_d] = WideAttentionConfig(block_m=16, tile_n=32, seg=64, block_dv=128)
-            # CUDA: chosen with the sm_90 compile report (docs/numerics.md, "Wide heads").
-            rows["cuda", dtype, block_d] = WideAttentionConfig(
-                block_m=16, tile_n=32, seg=256, num_warps=4, num_stages=2, bwd_block_m=16, bwd_block_n=16, block_dv=128
-            )
+            # CUDA, chosen with the sm_90 compile report (docs/numerics.md, "Wide heads"; DeepSeek-V3's 576):
+            # 16-bit: 64-row query tiles (wgmma: 4 packed queries x 16 heads), 128-key tiles, 8 warps and
+            # 128 value columns per program — no spills in the forward (213 registers), decode (224) or
+            # backward (236; 64-key tiles, 32 packed query rows); 256 value columns spill in the backward,
+            # all 512 in one program spill ~10 KB, and padding the head to 1024 (an ordinary row) needs
+            # 655 KB of shared memory. fp32 (IEEE dots) keeps small tiles: 104 bytes of backward spill.
+            if dtype == "float32":
+                wide_cuda = WideAttentionConfig(block_m=16, tile_n=32, seg=256, num_warps=8, block_dv=128)
+            else:
+                wide_cuda = WideAttentionConfig(
+                    block_m=64, tile_n=128, seg=256, num_warps=8, bwd_block_m=32, bwd_block_n=64, block_dv=128
+                )
+            rows["cuda", dtype, block_d] = wide_cuda
             rows["npu", dtype, block_d] = WideAttentionConfig(
                 block_m=16, tile_n=32, seg=256, num_warps=1, num_stages=1, block_dv=128
             )
