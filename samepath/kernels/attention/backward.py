@@ -340,7 +340,11 @@ def backward_delta(out: torch.Tensor, grad_out: torch.Tensor, lse: torch.Tensor)
     rows = num_tokens * num_heads
     if rows == 0:
         return delta
-    programs = grid.num_programs(-(-rows // DELTA_ROWS), out.device)
+    block_d = padded_head_size(head_size)
+    # A wide value head (MLA's 512) takes fewer rows per step, so that fp32 tiles still fit an Ascend core's
+    # UB (ub_fit.attention_delta_buffers); a row's sum is over its own head only, so no bit depends on it.
+    block_r = DELTA_ROWS if block_d <= 256 else max(1, DELTA_ROWS * 256 // block_d)
+    programs = grid.num_programs(-(-rows // block_r), out.device)
     _attention_bwd_preprocess_kernel[(programs,)](
         out,
         grad_out,
@@ -353,8 +357,8 @@ def backward_delta(out: torch.Tensor, grad_out: torch.Tensor, lse: torch.Tensor)
         grad_out.stride(1),
         delta.stride(0),
         HEAD_SIZE=head_size,
-        BLOCK_D=padded_head_size(head_size),
-        BLOCK_R=DELTA_ROWS,
+        BLOCK_D=block_d,
+        BLOCK_R=block_r,
         num_warps=DELTA_NUM_WARPS,
     )
     return delta
