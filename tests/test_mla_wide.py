@@ -260,3 +260,25 @@ def test_real_shaped_deepseek_v3_layer_generate_equals_trainer():
         assert torch.equal(trainer_padded(model, prompts, generated, 0.8), rollout_lp)
         assert torch.equal(trainer_packed(model, prompts, generated, 0.8), rollout_lp)
     assert not torch.equal(trainer_padded(stock, prompts, generated, 0.8), rollout_lp)  # negative control
+
+
+def test_wide_head_refusals():
+    """Head sizes the kernels do not take, and a value head they do not pair, are refused naming the argument."""
+    q, k = torch.zeros(4, 2, 576), torch.zeros(4, 1, 576)
+    cu = _cu([4])
+    with pytest.raises(ValueError, match=r"query.shape\[-1\] = 584 is not a supported head size"):
+        varlen_attention(torch.zeros(4, 2, 584), torch.zeros(4, 1, 584), torch.zeros(4, 1, 512), cu)
+    with pytest.raises(ValueError, match=r"value.shape\[-1\] = 500 is not a supported head size"):
+        varlen_attention(q, k, torch.zeros(4, 1, 500), cu)
+    with pytest.raises(ValueError, match=r"value.shape\[-1\] = 512: a value head above 256 needs a key head above"):
+        varlen_attention(torch.zeros(4, 2, 128), torch.zeros(4, 1, 128), torch.zeros(4, 1, 512), cu)
+    with pytest.raises(ValueError, match="must have the same shape but for the head size"):
+        varlen_attention(q, k, torch.zeros(4, 2, 512), cu)
+    with pytest.raises(ValueError, match="config must be a WideAttentionConfig for head size 576"):
+        varlen_attention(q, k, k[..., :512], cu, config=attention_config(128, torch.float32, "cpu"))
+    cache = torch.zeros(2, 4, 1, 576)
+    table, qsl, lens = torch.zeros(1, 2, dtype=torch.int32), torch.tensor([0, 1], dtype=torch.int32), torch.tensor([1])
+    from samepath.kernels.attention import paged_attention
+
+    with pytest.raises(ValueError, match=r"out must match the query: \[num_tokens, num_heads, value head size\]"):
+        paged_attention(q[:1], cache, cache[..., :512], table, qsl, lens.int(), 0.1, out=torch.zeros(1, 2, 576))
