@@ -7,8 +7,8 @@ stock paths a user would run on the same inputs:
 * decode: the absorbed form in torch (vLLM's MLA decode math: ``q_nope @ W_UK``, attention of one latent
   KV head gathered from the pages, ``@ W_UV``) on torch SDPA, and Hugging Face's decompressed decode
   (the whole cached latent expanded every step);
-* FlashMLA (``flash_mla``) where it imports: its kernels take only DeepSeek's 576-wide latent heads,
-  which samepath's attention kernels do not take yet (listed as not applicable).
+* FlashMLA (``flash_mla``) where it imports: its kernels take only DeepSeek's 576-wide latent heads
+  (samepath's wide heads take 576 too, docs/numerics.md "Wide heads"); no row runs it yet (listed).
 
 The rate column counts the model's FLOPs in the decompressed form (``4 * H * (qk_nope + qk_rope + v)/2``
 per visible key pair and the expansion), the same number for every row: the absorbed form does more
@@ -55,7 +55,7 @@ def _flash_mla_note(found: Baselines) -> None:
     if importlib.util.find_spec("flash_mla") is None:
         found.missing["FlashMLA"] = "not importable (pip install flash-mla; CUDA, Hopper)"
     else:
-        found.missing["FlashMLA"] = "takes 576-wide latent heads only, which samepath's attention does not take yet"
+        found.missing["FlashMLA"] = "takes 576-wide latent heads only; no FlashMLA row is written yet"
 
 
 def mla_train_case(lens: list[int], s: MLAShape, dtype, device, found: Baselines) -> Case:

@@ -24,7 +24,8 @@ CU = torch.tensor([0, 8], dtype=torch.int32)
     [
         (dict(heads=3, kv_heads=2), "not a multiple of the 2 KV heads"),
         (dict(head_size=72 + 1), r"query.shape\[-1\] = 73 is not a supported head size"),
-        (dict(head_size=512), r"query.shape\[-1\] = 512 is not a supported"),
+        (dict(head_size=520), r"query.shape\[-1\] = 520 is not a supported"),  # wide heads: multiples of 64
+        (dict(head_size=1088), r"query.shape\[-1\] = 1088 is not a supported"),
         (dict(dtype=torch.float64), "query.dtype must be one of"),
     ],
 )

@@ -10,8 +10,8 @@ import samepath
 from samepath.check.harness import DEFAULT_MODEL_CONFIG
 
 PINNED = {
-    1: "sp5-0e448dd46c569e35",
-    2: "sp5-d3bed0545d4ceb6a",
+    1: "sp5-a1778e632035e336",
+    2: "sp5-ab30259a21ca2342",
 }
 
 

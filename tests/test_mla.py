@@ -145,9 +145,9 @@ def test_mla_refusals():
     _, w_uv = split_kv_b(x["kv_b"], H, NOPE, VHEAD)
     with pytest.raises(ValueError, match="kv_b_weight"):
         split_kv_b(x["kv_b"], H + 1, NOPE, VHEAD)
-    with pytest.raises(ValueError, match="kv_lora_rank \\+ qk_rope_head_dim"):
-        big = torch.zeros(3, 512)
-        w_big = torch.zeros(H, NOPE, 512)
+    with pytest.raises(ValueError, match="kv_lora_rank \\+ qk_rope_head_dim = 584"):  # 576 is a wide head; 584 none
+        big = torch.zeros(3, 520)
+        w_big = torch.zeros(H, NOPE, 520)
         mla_attention(x["q_nope"], torch.zeros(3, H, 64), big, torch.zeros(3, 64), w_big, w_uv, _cu([3]), SCALE)
     with pytest.raises(ValueError, match="latent_cache"):
         write_mla_cache(x["c_kv"], x["k_pe"], torch.zeros(2, 4, 2, LATENT + ROPE), torch.arange(3))

@@ -431,7 +431,7 @@ def attention_forward(
     _check_attention_kwargs(module, dropout, kwargs, layout.cu_q, unpadded_packed)
     q = query.transpose(1, 2).reshape(batch * q_len, num_heads, head_size)
     k = key.transpose(1, 2).reshape(batch * kv_len, num_kv_heads, head_size)
-    v = value.transpose(1, 2).reshape(batch * kv_len, num_kv_heads, head_size)
+    v = value.transpose(1, 2).reshape(batch * kv_len, num_kv_heads, value.shape[-1])  # MLA: the latent alone
     sinks = kwargs.get("s_aux")
     if layout.cu_kv is None:
         out = varlen_attention(
@@ -456,7 +456,7 @@ def attention_forward(
         )
     if layout.query_valid is not None:
         out = torch.where(layout.query_valid[:, None, None], out, 0.0)
-    return out.view(batch, q_len, num_heads, head_size), None
+    return out.view(batch, q_len, num_heads, value.shape[-1]), None
 
 
 #: The attribute of an experts module sharded by :func:`samepath.integrations.expert_parallel.shard_experts`.

@@ -77,7 +77,7 @@ def mla_attention_forward(
     if cache is not None:
         c_kv, k_pe = cache.update(c_kv, k_pe, self.layer_idx, kwargs=kwargs)
     w_uk, w_uv = split_kv_b(self.kv_b_proj.weight, heads, nope, v_head)
-    # The absorbed query [B, H, S, L + R] and the one latent KV head [B, 1, S_kv, L + R].
+    # The absorbed query [B, H, S, L + R] and the one latent KV head [B, 1, S_kv, L + R]; the value is c_kv alone.
     q_flat = q_nope.reshape(batch * seq, heads, nope)
     q_pe_flat = q_pe.transpose(1, 2).reshape(batch * seq, heads, rope)
     query = mla_query(q_flat, q_pe_flat, w_uk).view(batch, seq, heads, latent + rope).transpose(1, 2)
@@ -89,13 +89,13 @@ def mla_attention_forward(
         self,
         query,
         key,
-        key,
+        key[..., :latent],
         attention_mask,
         dropout=0.0 if not self.training else self.attention_dropout,
         scaling=mla_softmax_scale(config),
         **kwargs,
     )
-    out = mla_output(out.reshape(batch * seq, heads, latent + rope), w_uv)
+    out = mla_output(out.reshape(batch * seq, heads, latent), w_uv)
     return self.o_proj(out.reshape(batch, seq, heads * v_head)), None
 
 

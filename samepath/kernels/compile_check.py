@@ -450,6 +450,38 @@ def _causal_conv1d(lengths: list[int], with_state: bool) -> Callable[[], None]:
     return run
 
 
+def _mla(training: bool) -> Callable[[], None]:
+    """DeepSeek-V3's MLA per tensor-parallel rank of 8 (16 heads, kv_lora_rank 512 + qk_rope 64 = a wide head
+    of 576 with the 512-column latent as the value, qk_nope 128, v_head 128), bf16: training (2 x 1024
+    tokens, fwd+bwd) or a split paged decode (64 sequences x 1 new token, context 4096, page 64)."""
+
+    def run() -> None:
+        from samepath.kernels.mla import mla_attention, mla_paged_attention, split_kv_b
+
+        heads, scale = 16, 192**-0.5
+        if training:
+            tokens = 2048
+            q_nope, q_pe = _empty(tokens, heads, 128, grad=True), _empty(tokens, heads, 64, grad=True)
+            c_kv, k_pe = _empty(tokens, 512, grad=True), _empty(tokens, 64, grad=True)
+            kv_b = _empty(heads * 256, 512, grad=True)
+            w_uk, w_uv = split_kv_b(kv_b, heads, 128, 128)
+            cu_seqlens = torch.tensor([0, 1024, 2048], dtype=torch.int32)
+            out = mla_attention(q_nope, q_pe, c_kv, k_pe, w_uk, w_uv, cu_seqlens, scale)
+            _backward((out,), (q_nope, q_pe, c_kv, k_pe, kv_b))
+            return
+        batch, context, page = 64, 4096, 64
+        pages = context // page
+        cache = _empty(batch * pages, page, 1, 576)
+        block_table = torch.arange(batch * pages, dtype=torch.int32).view(batch, pages)
+        w_uk, w_uv = split_kv_b(_empty(heads * 256, 512), heads, 128, 128)
+        seq_lens = torch.full((batch,), context, dtype=torch.int32)
+        query_start_loc = torch.arange(0, batch + 1, dtype=torch.int32)
+        args = (block_table, query_start_loc, seq_lens, scale)
+        mla_paged_attention(_empty(batch, heads, 128), _empty(batch, heads, 64), cache, w_uk, w_uv, *args)
+
+    return run
+
+
 #: The report's workloads: a Qwen3-8B-like layer (hidden 4096, 32 query / 8 KV heads of 128,
 #: intermediate 12288, vocabulary 151936) in bf16, training and rollout.
 REPORT_CASES: tuple[ReportCase, ...] = (
@@ -506,6 +538,16 @@ REPORT_CASES: tuple[ReportCase, ...] = (
         lambda: (_causal_conv1d([2048, 2048], False)(), _causal_conv1d([1] * 64, True)()),
     ),
     ReportCase(
+        "mla-training",
+        "DeepSeek-V3 MLA per TP-8 rank: absorbed fwd+bwd, 2 x 1024 tokens, 16 heads, wide head 576 (value 512)",
+        _mla(True),
+    ),
+    ReportCase(
+        "mla-decode",
+        "DeepSeek-V3 MLA per TP-8 rank: paged split decode, 64 sequences x 1 token, context 4096, page 64",
+        _mla(False),
+    ),
+    ReportCase(
         "reductions",
         "batch_invariant softmax 4096 x 128 fp32; mean(-1), sum(0), var_mean(-1), norm(-1) of 4096 x 4096",
         _reductions,
@@ -514,7 +556,7 @@ REPORT_CASES: tuple[ReportCase, ...] = (
 
 #: Constexpr arguments shown per kernel in the report (the ones that pick a variant or a tile).
 _SHOWN_CONSTEXPRS = re.compile(
-    r"^(BLOCK|TILE|K_|PAGED|HAS_|SLOTS|STORE_|PARTIALS|GROUP|BACKWARD|NUM_|ROWS|CHUNK|ENTROPY|SEG|GQA|A_T$|B_T$|SCALED|BATCH)"
+    r"^(BLOCK|TILE|K_|PAGED|HAS_|SLOTS|STORE_|PARTIALS|GROUP|BACKWARD|NUM_|ROWS|CHUNK|ENTROPY|SEG|GQA|A_T$|B_T$|SCALED|BATCH|WIDE)"
 )
 
 

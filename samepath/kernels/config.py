@@ -45,6 +45,12 @@ SUPPORTED_DTYPES: dict[torch.dtype, str] = {
 MIN_HEAD_SIZE = 16
 MAX_HEAD_SIZE = 256
 HEAD_SIZE_MULTIPLE = 8
+#: Wide attention heads (MLA's latent: DeepSeek-V3 / Kimi-K2 attend at 512 + 64 = 576): multiples of
+#: :data:`WIDE_HEAD_CHUNK` above :data:`MAX_HEAD_SIZE` up to this. The kernels never hold such a head
+#: whole: ``QK^T`` is a sum of dots over its chunks in ascending order and each program owns a block of
+#: the value columns (:class:`WideAttentionConfig`); the rows live in :data:`WIDE_ATTENTION_TABLE`.
+MAX_WIDE_HEAD_SIZE = 1024
+WIDE_HEAD_CHUNK = 64
 
 #: How the attention kernels compute softmax(QK^T * scale) V. Documented in docs/numerics.md.
 ATTENTION_FORMULA = {
@@ -69,6 +75,13 @@ ATTENTION_FORMULA = {
     "dK += dot(cast(dS^T), Q), dQ partial^T = dot(K^T, cast(dS^T))",
     "backward_delta": "delta = 0 + tl.sum(fp32(dO) * fp32(O)) over the zero-padded head, one row at a time, "
     "in the backward's preprocessing kernel",
+    "value_head": "the value head size may differ from the key's (MLA: the value is the latent alone); "
+    "the output has the value's columns, each from its own value column",
+    "wide_heads": f"key heads above {MAX_HEAD_SIZE} (multiples of {WIDE_HEAD_CHUNK} up to {MAX_WIDE_HEAD_SIZE}): "
+    f"scores = tl.dot over {WIDE_HEAD_CHUNK}-column chunks of the head, ascending, into one fp32 accumulator "
+    "(the first chunk's dot from 0); each program owns block_dv value columns and computes the same full "
+    "scores, m and l; the backward's items own block_dv columns of dK, dV and dQ, with S^T and dP^T summed "
+    "over the chunks likewise",
 }
 
 
@@ -104,6 +117,27 @@ class AttentionConfig:
                 raise ValueError(f"AttentionConfig.{name} must be a power of two >= 16, got {value}")
         if self.seg % self.tile_n:
             raise ValueError(f"AttentionConfig.seg = {self.seg} must be a multiple of tile_n = {self.tile_n}")
+
+
+@dataclass(frozen=True)
+class WideAttentionConfig(AttentionConfig):
+    """Tiles of the attention kernels for key heads above :data:`MAX_HEAD_SIZE` (MLA's latent).
+
+    Besides :class:`AttentionConfig`'s tiles: ``block_dv`` value (and, in the backward, key) columns
+    per program — every program of a query tile computes the same full-width scores and softmax
+    statistics and owns its block of the output (a value-column split: bit-identical to a program
+    that holds every column, proven by test) — and ``d_chunk``, the columns of one step of the
+    ``QK^T`` (and backward ``dP^T``) sums over the head."""
+
+    block_dv: int = 128
+    d_chunk: int = WIDE_HEAD_CHUNK
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        for name in ("block_dv", "d_chunk"):
+            value = getattr(self, name)
+            if value < 16 or value & (value - 1):
+                raise ValueError(f"WideAttentionConfig.{name} must be a power of two >= 16, got {value}")
 
 
 def _attention_rows() -> dict[tuple[str, str, int], AttentionConfig]:
@@ -143,6 +177,36 @@ def _attention_rows() -> dict[tuple[str, str, int], AttentionConfig]:
 
 
 ATTENTION_TABLE: dict[tuple[str, str, int], AttentionConfig] = _attention_rows()
+
+
+def _wide_attention_rows() -> dict[tuple[str, str, int], WideAttentionConfig]:
+    rows: dict[tuple[str, str, int], WideAttentionConfig] = {}
+    for dtype in SUPPORTED_DTYPES.values():
+        for block_d in (512, 1024):
+            # CPU: the value columns in blocks of 128, so that the tests run the column split.
+            rows["cpu", dtype, block_d] = WideAttentionConfig(block_m=16, tile_n=32, seg=64, block_dv=128)
+            # CUDA, chosen with the sm_90 compile report (docs/numerics.md, "Wide heads"; DeepSeek-V3's 576):
+            # 16-bit: 64-row query tiles (wgmma: 4 packed queries x 16 heads), 128-key tiles, 8 warps and
+            # 128 value columns per program — no spills in the forward (213 registers), decode (224) or
+            # backward (236; 64-key tiles, 32 packed query rows); 256 value columns spill in the backward,
+            # all 512 in one program spill ~10 KB, and padding the head to 1024 (an ordinary row) needs
+            # 655 KB of shared memory. fp32 (IEEE dots) keeps small tiles: 104 bytes of backward spill.
+            if dtype == "float32":
+                wide_cuda = WideAttentionConfig(block_m=16, tile_n=32, seg=256, num_warps=8, block_dv=128)
+            else:
+                wide_cuda = WideAttentionConfig(
+                    block_m=64, tile_n=128, seg=256, num_warps=8, bwd_block_m=32, bwd_block_n=64, block_dv=128
+                )
+            rows["cuda", dtype, block_d] = wide_cuda
+            rows["npu", dtype, block_d] = WideAttentionConfig(
+                block_m=16, tile_n=32, seg=256, num_warps=1, num_stages=1, block_dv=128
+            )
+    return rows
+
+
+#: Rows for the wide heads (:data:`MAX_HEAD_SIZE` < head <= :data:`MAX_WIDE_HEAD_SIZE`), keyed like
+#: :data:`ATTENTION_TABLE` by (device kind, dtype, the head size's power-of-two bucket).
+WIDE_ATTENTION_TABLE: dict[tuple[str, str, int], WideAttentionConfig] = _wide_attention_rows()
 
 
 @dataclass(frozen=True)
@@ -274,11 +338,21 @@ def padded_head_size(head_size: int) -> int:
     return max(16, 1 << (head_size - 1).bit_length())
 
 
+def is_wide_head(head_size: int) -> bool:
+    """Whether ``head_size`` is a wide head (above :data:`MAX_HEAD_SIZE`: :class:`WideAttentionConfig`)."""
+    return head_size > MAX_HEAD_SIZE
+
+
 def check_head_size(head_size: int, argument: str = "head_size") -> None:
-    if not MIN_HEAD_SIZE <= head_size <= MAX_HEAD_SIZE or head_size % HEAD_SIZE_MULTIPLE:
+    """``ValueError`` naming ``argument`` unless the attention kernels take ``head_size``: multiples of
+    8 from 16 to 256, or wide heads (multiples of 64 above 256 up to 1024: MLA's 576)."""
+    standard = MIN_HEAD_SIZE <= head_size <= MAX_HEAD_SIZE and not head_size % HEAD_SIZE_MULTIPLE
+    wide = MAX_HEAD_SIZE < head_size <= MAX_WIDE_HEAD_SIZE and not head_size % WIDE_HEAD_CHUNK
+    if not (standard or wide):
         raise ValueError(
             f"{argument} = {head_size} is not a supported head size: samepath attention takes "
-            f"multiples of {HEAD_SIZE_MULTIPLE} from {MIN_HEAD_SIZE} to {MAX_HEAD_SIZE}"
+            f"multiples of {HEAD_SIZE_MULTIPLE} from {MIN_HEAD_SIZE} to {MAX_HEAD_SIZE}, and multiples of "
+            f"{WIDE_HEAD_CHUNK} above that up to {MAX_WIDE_HEAD_SIZE}"
         )
 
 
@@ -294,7 +368,8 @@ def attention_config(head_size: int, dtype: torch.dtype, device: torch.device | 
     """The frozen attention tiles for tensors of this head size, dtype and device (or device type)."""
     check_head_size(head_size)
     key = (device_kind(device), dtype_name(dtype), padded_head_size(head_size))
-    return _with_tuned("attention", key, ATTENTION_TABLE[key])
+    table = WIDE_ATTENTION_TABLE if is_wide_head(head_size) else ATTENTION_TABLE
+    return _with_tuned("attention", key, table[key])
 
 
 #: Formula flags of the ops other than attention, registered by each op's module at import.
@@ -447,6 +522,9 @@ def _table_payload() -> dict:
         "attention_formula": ATTENTION_FORMULA,
         "op_formulas": OP_FORMULAS,
         "attention": {"/".join(map(str, key)): dataclasses.asdict(cfg) for key, cfg in sorted(ATTENTION_TABLE.items())},
+        "attention_wide": {
+            "/".join(map(str, key)): dataclasses.asdict(cfg) for key, cfg in sorted(WIDE_ATTENTION_TABLE.items())
+        },
         "matmul": {"/".join(key): dataclasses.asdict(cfg) for key, cfg in sorted(MATMUL_TABLE.items())},
         "row_reduce": {key: dataclasses.asdict(cfg) for key, cfg in sorted(ROW_REDUCE_TABLE.items())},
     }

@@ -12,30 +12,34 @@ samepath runs the absorbed form everywhere (``OP_FORMULAS["mla"]``):
    loop, fp32 accumulation, one cast: a token's row does not depend on the other tokens);
 2. the query ``[q_lat, q_pe]`` (head size ``L + R``) attends, as ONE KV head shared by all query heads
    (MQA, GQA-packed), over the key ``[c_kv, k_pe]`` (the normed latent and the rotated rope key);
-   the value is the same ``[c_kv, k_pe]`` tensor, so the kernels run with ``V head size = K head
-   size``. The attention kernels compute each output column from its own value column (``P @ V``:
-   no reduction across columns), so the ``R`` rope columns of the output are computed and
-   discarded and the ``L`` latent columns are what a value of the latent alone would give. The
+   the value is the latent ``c_kv`` alone — the first ``L`` columns of the same rows (a view, no
+   copy) — so the kernels run with a value head of ``L`` and a key head of ``L + R`` (decoupled value
+   head: each output column comes from its own value column, ``P @ V`` reduces over keys only). The
    softmax scale is the model's (``(qk_nope + qk_rope) ** -0.5``, times YaRN's ``mscale ** 2``
    where the config says): the absorbed dot equals the decompressed one mathematically. The
    attention is samepath's one schedule (:mod:`samepath.kernels.attention`: KV tiles anchored at
    position 0, the same tiles for :func:`varlen_attention`, :func:`packed_attention` and
-   :func:`paged_attention`);
-3. ``o[t, h] = out_lat[t, h, :L] @ W_UV[h]^T`` — ``W_UV[h] = kv_b_proj.weight.view(H, qk_nope + v_head,
+   :func:`paged_attention`). DeepSeek-V3 / Kimi-K2's ``512 + 64 = 576`` is a *wide* head (above
+   256): the kernels sum ``QK^T`` over 64-column chunks of the head and each program owns a block of
+   the 512 value columns, recomputing the same full-width scores (a value-column split; see
+   docs/numerics.md, "Wide heads");
+3. ``o[t, h] = out_lat[t, h] @ W_UV[h]^T`` — ``W_UV[h] = kv_b_proj.weight.view(H, qk_nope + v_head,
    L)[h, qk_nope:]`` (``[v_head, L]``), on the same batched matmul; then the caller's ``o_proj``.
 
 The latent KV cache holds one row of ``L + R`` per token (``[c_kv, k_pe]``), one KV head:
 ``[num_blocks, block_size, 1, L + R]`` for the paged form (:func:`write_mla_cache`), the same
-row layout as vLLM's MLA cache. The latent head size ``L + R`` follows the attention kernels'
-head-size rule (a multiple of 8 from 16 to 256: 32 + 16 = 48 and 128 + 64 = 192 are fine; DeepSeek-V3's
-512 + 64 = 576 is refused by name until the kernels take it).
+row layout as vLLM's MLA cache; the value cache is the view of its first ``L`` columns. The latent
+head size ``L + R`` follows the attention kernels' head-size rule (a multiple of 8 from 16 to 256 —
+32 + 16 = 48, 128 + 64 = 192 — or a wide head, a multiple of 64 up to 1024: DeepSeek-V3's 512 + 64 =
+576), and ``L`` is the value head (a multiple of 8 from 16 to 256, or of 64 above 256 for a wide key).
 
 Cost (training, per token and head, multiply-adds): the decompressed form attends at
 ``qk_nope + qk_rope`` and ``v_head`` per key and decompresses K and V once per token
-(``L * (qk_nope + v_head)`` per head); the absorbed form attends at ``L + R`` per key for both QK and PV
-and pays ``qk_nope * L + L * v_head`` per query token instead. For DeepSeek-V3 (L 512, R 64, nope 128,
-v 128) the attention products cost ``2 * 576 / (192 + 128) = 3.6x`` the decompressed ones, the
-projections the same; see docs/numerics.md.
+(``L * (qk_nope + v_head)`` per head); the absorbed form attends at ``L + R`` per key for QK and ``L`` for
+PV and pays ``qk_nope * L + L * v_head`` per query token instead. For DeepSeek-V3 (L 512, R 64, nope 128,
+v 128) the attention products cost ``(576 + 512) / (192 + 128) = 3.4x`` the decompressed ones, the
+projections the same; the wide head's value-column split adds the recomputed ``QK^T`` of each extra
+column block in the forward and backward (see docs/numerics.md, "Wide heads").
 
 All three functions are differentiable in the training form (:func:`mla_attention`): the products'
 backward is samepath's matmul, the attention's samepath's deterministic attention backward (``dK`` and
@@ -48,13 +52,14 @@ import torch
 from samepath.kernels.attention.api import packed_attention, paged_attention, varlen_attention
 from samepath.kernels.attention.batch import LaunchPlan
 from samepath.kernels.checks import check_operands
-from samepath.kernels.config import check_head_size, register_formula
+from samepath.kernels.config import check_head_size, is_wide_head, register_formula
 from samepath.kernels.matmul import launch
 
 MLA_FORMULA = {
     "form": "absorbed for every caller: q_lat = q_nope @ W_UK per head (batched batch-invariant matmul), "
-    "attention of [q_lat, q_pe] over one KV head [c_kv, k_pe] with value = the same tensor (head size "
-    "kv_lora_rank + qk_rope, samepath's attention schedule), output columns [:kv_lora_rank] @ W_UV^T per head",
+    "attention of [q_lat, q_pe] over one KV head [c_kv, k_pe] (key head kv_lora_rank + qk_rope) with value = "
+    "c_kv alone (value head kv_lora_rank; samepath's attention schedule, wide heads above 256), output @ W_UV^T "
+    "per head",
     "scale": "the model's softmax scale ((qk_nope + qk_rope) ** -0.5, times yarn mscale ** 2)",
     "cache": "one latent row [c_kv, k_pe] per token, one KV head",
 }
@@ -134,8 +139,8 @@ def mla_latent_kv(c_kv: torch.Tensor, k_pe: torch.Tensor) -> torch.Tensor:
 
 
 def mla_output(out_latent: torch.Tensor, w_uv: torch.Tensor) -> torch.Tensor:
-    """``[tokens, H, v_head]``: ``out_latent[t, h, :L] @ W_UV[h]^T`` (the attention's rope columns,
-    ``[L:]``, are dropped). ``w_uv [H, v_head, L]``."""
+    """``[tokens, H, v_head]``: ``out_latent[t, h, :L] @ W_UV[h]^T`` (the attention's output over the
+    latent value; columns past ``L``, if any, are dropped). ``w_uv [H, v_head, L]``."""
     if out_latent.dim() != 3 or w_uv.dim() != 3 or w_uv.shape[0] != out_latent.shape[1]:
         raise ValueError(
             f"out_latent [tokens, heads, >= L] and w_uv [heads, v_head, L] disagree: {tuple(out_latent.shape)}, "
@@ -145,12 +150,15 @@ def mla_output(out_latent: torch.Tensor, w_uv: torch.Tensor) -> torch.Tensor:
     return batched_matmul(out_latent[..., :latent].transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)
 
 
-def _check_latent(query: torch.Tensor, kv_head_size: int) -> None:
+def _check_latent(query: torch.Tensor, kv_head_size: int, latent: int) -> None:
     if query.shape[-1] != kv_head_size:
         raise ValueError(
             f"the absorbed query's head size {query.shape[-1]} differs from the latent KV's {kv_head_size}"
         )
     check_head_size(kv_head_size, "kv_lora_rank + qk_rope_head_dim")
+    check_head_size(latent, "kv_lora_rank")
+    if latent >= kv_head_size or (is_wide_head(latent) and not is_wide_head(kv_head_size)):
+        raise ValueError(f"kv_lora_rank = {latent} must be below the latent head size {kv_head_size}")
 
 
 def mla_attention(
@@ -180,8 +188,9 @@ def mla_attention(
     same token however the rollout batched, chunked or paged it."""
     query = mla_query(q_nope, q_pe, w_uk)
     kv = mla_latent_kv(c_kv, k_pe)
-    _check_latent(query, kv.shape[-1])
-    out = varlen_attention(query, kv, kv, cu_seqlens, scale, True, validate=validate, plan=plan)
+    latent = w_uk.shape[2]
+    _check_latent(query, kv.shape[-1], latent)
+    out = varlen_attention(query, kv, kv[..., :latent], cu_seqlens, scale, True, validate=validate, plan=plan)
     return mla_output(out, w_uv)
 
 
@@ -204,8 +213,10 @@ def mla_packed_attention(
     ``cu_seqlens_*`` as in :func:`samepath.kernels.attention.api.packed_attention`."""
     query = mla_query(q_nope, q_pe, w_uk)
     kv = mla_latent_kv(c_kv, k_pe)
-    _check_latent(query, kv.shape[-1])
-    out = packed_attention(query, kv, kv, cu_seqlens_q, cu_seqlens_kv, scale, validate=validate, plan=plan)
+    latent = w_uk.shape[2]
+    _check_latent(query, kv.shape[-1], latent)
+    value = kv[..., :latent]
+    out = packed_attention(query, kv, value, cu_seqlens_q, cu_seqlens_kv, scale, validate=validate, plan=plan)
     return mla_output(out, w_uv)
 
 
@@ -261,9 +272,10 @@ def mla_paged_attention(
     the same token."""
     latent_cache = _four_d(latent_cache)
     query = mla_query(q_nope, q_pe, w_uk)
-    _check_latent(query, latent_cache.shape[-1])
+    latent = w_uk.shape[2]
+    _check_latent(query, latent_cache.shape[-1], latent)
     out = paged_attention(
-        query, latent_cache, latent_cache, block_table, query_start_loc, seq_lens, scale,
+        query, latent_cache, latent_cache[..., :latent], block_table, query_start_loc, seq_lens, scale,
         validate=validate, split_kv=split_kv, plan=plan,
     )  # fmt: skip
     return mla_output(out, w_uv)

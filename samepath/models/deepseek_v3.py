@@ -47,9 +47,12 @@ def config_problems(config: Any) -> list[str]:
         problems.append(f"n_shared_experts={getattr(config, 'n_shared_experts', None)!r} (no shared experts)")
     latent = int(config.kv_lora_rank) + int(config.qk_rope_head_dim)
     try:
+        # The MLA attends at head size L + R (DeepSeek-V3 / Kimi-K2: 512 + 64 = 576, a wide head) with the
+        # latent L as its value head.
         check_head_size(latent, "kv_lora_rank + qk_rope_head_dim")
+        check_head_size(int(config.kv_lora_rank), "kv_lora_rank")
     except ValueError as exc:
-        problems.append(f"{exc} (MLA attends over the latent at that head size; DeepSeek-V3 / Kimi-K2 need 576)")
+        problems.append(f"{exc} (MLA attends over the latent [c_kv, k_pe] at that head size, c_kv as the value)")
     return problems
 
 

@@ -141,7 +141,7 @@ def packed_attention(
     )  # fmt: skip
     if sinks is not None:
         batch = dataclasses.replace(batch, sinks=check_sinks(sinks, batch.query))
-    out = torch.empty_like(batch.query)
+    out = batch.query.new_empty((*batch.query.shape[:2], batch.value.shape[-1]))
     with torch.no_grad():
         run_forward(batch, out, store_lse=False, split_kv=split_kv)
     return out
@@ -219,9 +219,13 @@ def paged_attention(
     )  # fmt: skip
     if sinks is not None:
         batch = dataclasses.replace(batch, sinks=check_sinks(sinks, batch.query))
+    out_shape = (*batch.query.shape[:2], batch.value.shape[-1])
     if out is None:
-        out = torch.empty_like(batch.query)
-    elif out.shape != batch.query.shape or out.dtype != query.dtype or out.device != query.device:
-        raise ValueError(f"out must match the query's shape, dtype and device, got {tuple(out.shape)} {out.dtype}")
+        out = batch.query.new_empty(out_shape)
+    elif out.shape != out_shape or out.dtype != query.dtype or out.device != query.device:
+        raise ValueError(
+            f"out must match the query: [num_tokens, num_heads, value head size] = {list(out_shape)}, its dtype and "
+            f"device, got {tuple(out.shape)} {out.dtype}"
+        )
     run_forward(batch, out, store_lse=False, split_kv=split_kv)
     return out

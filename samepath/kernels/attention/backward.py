@@ -16,7 +16,7 @@ import samepath.kernels.attention.plan as plan
 from samepath.kernels import grid, ub_fit
 from samepath.kernels.attention.backend import run_backward, run_forward
 from samepath.kernels.attention.batch import AttentionBatch, last_dim_contiguous
-from samepath.kernels.attention.forward import DOT_PRECISION, LOG2E, score_scales
+from samepath.kernels.attention.forward import DOT_PRECISION, LOG2E, score_scales, value_blocks
 from samepath.kernels.config import padded_head_size
 from samepath.kernels.dispatch import jit
 from samepath.kernels.reductions import row_sum
@@ -130,6 +130,10 @@ def _attention_bwd_kernel(
     DOT_PRECISION: tl.constexpr,
     softcap_scale,
     SOFTCAP: tl.constexpr,
+    HEAD_SIZE_V: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
+    NUM_COLS: tl.constexpr,
+    WIDE: tl.constexpr,
 ):
     """One pass of the backward. A work item is one KV tile (``BLOCK_N`` keys of one KV head of
     one sequence): it keeps dK and dV in registers while it visits the GQA-packed query tiles that
@@ -152,28 +156,57 @@ def _attention_bwd_kernel(
     The kernel trusts ``cu_seqlens`` and the program map built from it; the launcher hands it
     :func:`.plan.clamp_cu_seqlens` of the caller's metadata and the map of that, so every row it touches
     lies inside the tensors, query tiles of different sequences never share a counter, and every
-    KV tile a counter waits for is a work item, whatever unchecked metadata held."""
+    KV tile a counter waits for is a work item, whatever unchecked metadata held.
+
+    The value (``dO``, ``dV``) has ``HEAD_SIZE_V`` columns, padded to ``BLOCK_DV``. ``WIDE`` (a key head
+    above 256, MLA's latent): an item is a KV tile and one block ``col`` of ``BLOCK_DV`` columns, for which
+    it computes dK, dV and the dQ partials (``NUM_COLS`` blocks cover the wider of the two heads); ``S^T``
+    and ``dP^T`` are summed over the heads' ``BLOCK_D``-column chunks in ascending order, the same in
+    every column block; a query tile's dQ partials are summed per column block (their own counters)."""
     offs_r = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     d_valid = offs_d < HEAD_SIZE
-    num_work = tl.load(num_blocks) * num_kv_heads
+    offs_dv = tl.arange(0, BLOCK_DV)
+    num_work = tl.load(num_blocks) * num_kv_heads * NUM_COLS
     work = tl.atomic_add(Sync, 1)
     while work < num_work:
-        kv_head = work % num_kv_heads
-        seq = tl.load(program_seq + work // num_kv_heads)
-        block = tl.load(program_block + work // num_kv_heads)
+        col = work % NUM_COLS
+        item = work // NUM_COLS
+        kv_head = item % num_kv_heads
+        seq = tl.load(program_seq + item // num_kv_heads)
+        block = tl.load(program_block + item // num_kv_heads)
         start = tl.load(cu_seqlens + seq)
         seq_len = tl.load(cu_seqlens + seq + 1) - start
 
         offs_n = block * BLOCK_N + tl.arange(0, BLOCK_N)
         kv_rows = (start + offs_n).to(tl.int64)
-        kd_mask = (offs_n < seq_len)[:, None] & d_valid[None, :]
-        k = tl.load(
-            K + kv_rows[:, None] * stride_k_tok + kv_head * stride_k_head + offs_d[None, :], mask=kd_mask, other=0.0
-        )
-        v = tl.load(
-            V + kv_rows[:, None] * stride_v_tok + kv_head * stride_v_head + offs_d[None, :], mask=kd_mask, other=0.0
-        )
+        if WIDE:
+            # This item's columns: col * BLOCK_DV + offs_dv of dK / dQ (key head) and dV (value head).
+            cols = col * BLOCK_DV + offs_dv
+            key_cols = cols < HEAD_SIZE
+            dv_valid = cols < HEAD_SIZE_V
+            kd_mask = (offs_n < seq_len)[:, None] & key_cols[None, :]
+            vd_mask = (offs_n < seq_len)[:, None] & dv_valid[None, :]
+            k = tl.load(
+                K + kv_rows[:, None] * stride_k_tok + kv_head * stride_k_head + cols[None, :], mask=kd_mask, other=0.0
+            )
+            k_base = K + kv_rows[:, None] * stride_k_tok + kv_head * stride_k_head
+            v_base = V + kv_rows[:, None] * stride_v_tok + kv_head * stride_v_head
+            n_valid = (offs_n < seq_len)[:, None]
+        else:
+            cols = offs_dv
+            key_cols = d_valid
+            dv_valid = offs_dv < HEAD_SIZE_V
+            kd_mask = (offs_n < seq_len)[:, None] & d_valid[None, :]
+            vd_mask = (offs_n < seq_len)[:, None] & dv_valid[None, :]
+            k = tl.load(
+                K + kv_rows[:, None] * stride_k_tok + kv_head * stride_k_head + offs_d[None, :], mask=kd_mask, other=0.0
+            )
+            v = tl.load(
+                V + kv_rows[:, None] * stride_v_tok + kv_head * stride_v_head + offs_dv[None, :],
+                mask=vd_mask,
+                other=0.0,
+            )
 
         q_begin = 0
         if CAUSAL:
@@ -183,8 +216,11 @@ def _attention_bwd_kernel(
             q_end = tl.minimum(seq_len, (block + 1) * BLOCK_N + sliding_window - 1)
         last_tile = (seq_len - 1) // BLOCK_N
 
-        dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
-        dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+        if WIDE:
+            dk = tl.zeros([BLOCK_N, BLOCK_DV], dtype=tl.float32)
+        else:
+            dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+        dv = tl.zeros([BLOCK_N, BLOCK_DV], dtype=tl.float32)
         for chunk in range(NUM_CHUNKS):
             head_in_group = chunk * HEAD_CHUNK + offs_r % HEAD_CHUNK
             head = kv_head * GROUP + head_in_group
@@ -192,15 +228,22 @@ def _attention_bwd_kernel(
                 offs_m = q_block * BLOCK_Q + offs_r // HEAD_CHUNK
                 row_valid = (offs_r < BLOCK_Q * HEAD_CHUNK) & (head_in_group < GROUP) & (offs_m < seq_len)
                 rows = (start + offs_m).to(tl.int64)
-                qd_mask = row_valid[:, None] & d_valid[None, :]
-                q = tl.load(
-                    Q + rows[:, None] * stride_q_tok + head[:, None] * stride_q_head + offs_d[None, :],
-                    mask=qd_mask,
-                    other=0.0,
-                )
+                qd_mask = row_valid[:, None] & key_cols[None, :]
+                if WIDE:
+                    q = tl.load(
+                        Q + rows[:, None] * stride_q_tok + head[:, None] * stride_q_head + cols[None, :],
+                        mask=qd_mask,
+                        other=0.0,
+                    )
+                else:
+                    q = tl.load(
+                        Q + rows[:, None] * stride_q_tok + head[:, None] * stride_q_head + offs_d[None, :],
+                        mask=qd_mask,
+                        other=0.0,
+                    )
                 do = tl.load(
-                    dOut + rows[:, None] * stride_do_tok + head[:, None] * stride_do_head + offs_d[None, :],
-                    mask=qd_mask,
+                    dOut + rows[:, None] * stride_do_tok + head[:, None] * stride_do_head + cols[None, :],
+                    mask=row_valid[:, None] & dv_valid[None, :],
                     other=0.0,
                 )
                 lse = tl.load(Lse + rows * stride_lse_tok + head, mask=row_valid, other=0.0)
@@ -208,14 +251,29 @@ def _attention_bwd_kernel(
 
                 # Key-major: the KV tile's keys are the rows (the M of four of the five dots, the
                 # head that of the dQ partial's), the packed query rows the columns.
-                scores_t = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION)
+                if WIDE:  # S^T and dP^T over the whole heads, BLOCK_D columns at a time
+                    q_base = Q + rows[:, None] * stride_q_tok + head[:, None] * stride_q_head
+                    do_base = dOut + rows[:, None] * stride_do_tok + head[:, None] * stride_do_head
+                    scores_t = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+                    for d_start in range(0, HEAD_SIZE, BLOCK_D):
+                        k_c = tl.load(k_base + d_start + offs_d[None, :], mask=n_valid, other=0.0)
+                        q_c = tl.load(q_base + d_start + offs_d[None, :], mask=row_valid[:, None], other=0.0)
+                        scores_t = tl.dot(k_c, tl.trans(q_c), scores_t, input_precision=DOT_PRECISION)
+                    dp_t = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+                    for d_start in range(0, HEAD_SIZE_V, BLOCK_D):
+                        v_c = tl.load(v_base + d_start + offs_d[None, :], mask=n_valid, other=0.0)
+                        do_c = tl.load(do_base + d_start + offs_d[None, :], mask=row_valid[:, None], other=0.0)
+                        dp_t = tl.dot(v_c, tl.trans(do_c), dp_t, input_precision=DOT_PRECISION)
+                else:
+                    scores_t = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION)
                 if SOFTCAP:  # the forward's t = tanh(dot * scale / cap); d(score) / d(dot) is scale * (1 - t * t)
                     scores_t = tanh_fp32(scores_t * softcap_scale)
                 visible_t = _visible_mask_t(offs_m, offs_n, seq_len, sliding_window, CAUSAL, HAS_WINDOW)
                 visible_t = visible_t & row_valid[None, :]
                 p_t = tl.where(visible_t, tl.exp2(scores_t * qk_scale - lse[None, :]), 0.0)
                 dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=DOT_PRECISION)
-                dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
+                if not WIDE:
+                    dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
                 ds_t = p_t * (dp_t - delta[None, :])
                 if SOFTCAP:
                     ds_t = ds_t * (1.0 - scores_t * scores_t)
@@ -231,17 +289,21 @@ def _attention_bwd_kernel(
                 if CAUSAL:
                     last = tl.minimum(last_tile, ((q_block + 1) * BLOCK_Q - 1) // BLOCK_N)
                 q_tile = ((start + q_block * BLOCK_Q).to(tl.int64) * num_kv_heads + kv_head) * NUM_CHUNKS + chunk
-                sync = Sync + 1 + q_tile
+                sync = Sync + 1 + (q_tile * NUM_COLS + col)
                 while tl.atomic_add(sync, 0) != block - first:
                     pass
                 tl.debug_barrier()
-                acc_ptrs = DqAcc + rows[None, :] * stride_acc_tok + head[None, :] * stride_acc_head + offs_d[:, None]
-                dq_mask_t = d_valid[:, None] & row_valid[None, :]
+                if WIDE:
+                    dq_cols = cols
+                else:
+                    dq_cols = offs_d
+                acc_ptrs = DqAcc + rows[None, :] * stride_acc_tok + head[None, :] * stride_acc_head + dq_cols[:, None]
+                dq_mask_t = key_cols[:, None] & row_valid[None, :]
                 if block > first:
                     dq_t = tl.load(acc_ptrs, mask=dq_mask_t, other=0.0, cache_modifier=".cg") + dq_t
                 if block == last:
                     tl.store(
-                        dQ + rows[None, :] * stride_dq_tok + head[None, :] * stride_dq_head + offs_d[:, None],
+                        dQ + rows[None, :] * stride_dq_tok + head[None, :] * stride_dq_head + dq_cols[:, None],
                         (dq_t * sm_scale).to(dQ.dtype.element_ty),
                         mask=dq_mask_t,
                     )
@@ -251,15 +313,19 @@ def _attention_bwd_kernel(
                     tl.atomic_add(sync, 1)
 
         dk = dk * sm_scale
+        if WIDE:
+            dk_cols = cols
+        else:
+            dk_cols = offs_d
         tl.store(
-            dK + kv_rows[:, None] * stride_dk_tok + kv_head * stride_dk_head + offs_d[None, :],
+            dK + kv_rows[:, None] * stride_dk_tok + kv_head * stride_dk_head + dk_cols[None, :],
             dk.to(dK.dtype.element_ty),
             mask=kd_mask,
         )
         tl.store(
-            dV + kv_rows[:, None] * stride_dv_tok + kv_head * stride_dv_head + offs_d[None, :],
+            dV + kv_rows[:, None] * stride_dv_tok + kv_head * stride_dv_head + cols[None, :],
             dv.to(dV.dtype.element_ty),
-            mask=kd_mask,
+            mask=vd_mask,
         )
         work = tl.atomic_add(Sync, 1)
 
@@ -274,7 +340,11 @@ def backward_delta(out: torch.Tensor, grad_out: torch.Tensor, lse: torch.Tensor)
     rows = num_tokens * num_heads
     if rows == 0:
         return delta
-    programs = grid.num_programs(-(-rows // DELTA_ROWS), out.device)
+    block_d = padded_head_size(head_size)
+    # A wide value head (MLA's 512) takes fewer rows per step, so that fp32 tiles still fit an Ascend core's
+    # UB (ub_fit.attention_delta_buffers); a row's sum is over its own head only, so no bit depends on it.
+    block_r = DELTA_ROWS if block_d <= 256 else max(1, DELTA_ROWS * 256 // block_d)
+    programs = grid.num_programs(-(-rows // block_r), out.device)
     _attention_bwd_preprocess_kernel[(programs,)](
         out,
         grad_out,
@@ -287,8 +357,8 @@ def backward_delta(out: torch.Tensor, grad_out: torch.Tensor, lse: torch.Tensor)
         grad_out.stride(1),
         delta.stride(0),
         HEAD_SIZE=head_size,
-        BLOCK_D=padded_head_size(head_size),
-        BLOCK_R=DELTA_ROWS,
+        BLOCK_D=block_d,
+        BLOCK_R=block_r,
         num_warps=DELTA_NUM_WARPS,
     )
     return delta
@@ -324,13 +394,18 @@ def launch_backward(
         return dq.zero_(), dk.zero_(), dv.zero_()
     group = num_heads // num_kv_heads
     pack = plan.packing(group, config.bwd_block_m)
+    head_size_v = value.shape[-1]
+    block_d, block_dv, num_cols, wide = value_blocks(head_size, head_size_v, config)
+    if wide:  # the items' column blocks cover the wider head (dK and dQ: the key's, dV: the value's)
+        num_cols = -(-max(head_size, head_size_v) // block_dv)
     dq_acc = torch.empty((num_tokens, num_heads, head_size), dtype=torch.float32, device=query.device)
-    sync = torch.zeros(1 + num_tokens * num_kv_heads * pack.num_chunks, dtype=torch.int32, device=query.device)
+    sync_count = 1 + num_tokens * num_kv_heads * pack.num_chunks * num_cols
+    sync = torch.zeros(sync_count, dtype=torch.int32, device=query.device)
     if batch.plan is None:
         program_seq, program_block, num_blocks = plan.program_map(cu_seqlens, config.bwd_block_n, num_tokens)
     else:
         _, program_seq, program_block, num_blocks = batch.plan.clamped_program_map(config.bwd_block_n)
-    programs = grid.num_programs(program_seq.numel() * num_kv_heads, query.device, uses_dot=True)
+    programs = grid.num_programs(program_seq.numel() * num_kv_heads * num_cols, query.device, uses_dot=True)
     _attention_bwd_kernel[(programs,)](
         query,
         key,
@@ -369,7 +444,7 @@ def launch_backward(
         dq_acc.stride(1),
         lse.stride(0),
         HEAD_SIZE=head_size,
-        BLOCK_D=padded_head_size(head_size),
+        BLOCK_D=block_d,
         BLOCK_M=config.bwd_block_m,
         BLOCK_Q=pack.block_q,
         BLOCK_N=config.bwd_block_n,
@@ -381,6 +456,10 @@ def launch_backward(
         DOT_PRECISION=DOT_PRECISION,
         softcap_scale=score_scales(batch)[1],
         SOFTCAP=batch.softcap is not None,
+        HEAD_SIZE_V=head_size_v,
+        BLOCK_DV=block_dv,
+        NUM_COLS=num_cols,
+        WIDE=wide,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
     )
@@ -407,7 +486,7 @@ class VarlenAttentionFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, query, key, value, sinks, batch):  # type: ignore[override]
-        out = torch.empty_like(query)
+        out = query.new_empty((*query.shape[:2], value.shape[-1]))
         lse = run_forward(batch, out, store_lse=True)
         ctx.save_for_backward(query, key, value, out, lse, batch.query_start_loc, sinks)
         ctx.batch = batch  # its tensors are the saved ones; backward rebuilds it from those (version-checked)

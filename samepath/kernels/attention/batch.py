@@ -21,7 +21,14 @@ from typing import Any
 import torch
 
 from samepath.kernels.attention.plan import clamp_cu_seqlens, program_map, segment_work
-from samepath.kernels.config import AttentionConfig, attention_config, check_head_size, dtype_name
+from samepath.kernels.config import (
+    AttentionConfig,
+    WideAttentionConfig,
+    attention_config,
+    check_head_size,
+    dtype_name,
+    is_wide_head,
+)
 from samepath.kernels.dispatch import device_kind
 from samepath.kernels.softcap import check_softcap
 
@@ -60,13 +67,37 @@ def check_qkv_heads(query: torch.Tensor, key: torch.Tensor, key_name: str) -> in
     return num_heads // num_kv_heads
 
 
+def check_value_head(key: torch.Tensor, value: torch.Tensor, key_name: str = "key", value_name: str = "value") -> None:
+    """``value`` is shaped like ``key`` but for its head size, which may differ (MLA's value is the latent
+    alone): a supported head size, at most 256 unless the key's head is wide."""
+    if key.shape[:-1] != value.shape[:-1]:
+        raise ValueError(
+            f"{key_name} {tuple(key.shape)} and {value_name} {tuple(value.shape)} must have the same shape "
+            "but for the head size"
+        )
+    head_size, head_size_v = key.shape[-1], value.shape[-1]
+    if head_size_v != head_size:
+        check_head_size(head_size_v, f"{value_name}.shape[-1]")
+        if is_wide_head(head_size_v) and not is_wide_head(head_size):
+            raise ValueError(
+                f"{value_name}.shape[-1] = {head_size_v}: a value head above 256 needs a key head above 256, "
+                f"got {head_size}"
+            )
+
+
+def check_config(config: AttentionConfig | None, head_size: int) -> None:
+    """A wide key head runs with a :class:`WideAttentionConfig` (its value-column blocks and chunk)."""
+    if config is not None and is_wide_head(head_size) and not isinstance(config, WideAttentionConfig):
+        raise ValueError(f"config must be a WideAttentionConfig for head size {head_size}, got {type(config).__name__}")
+
+
 def check_packed_qkv(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
-    """Packed ``[tokens, heads, head_size]`` query/key/value of one dtype and device, GQA heads."""
+    """Packed ``[tokens, heads, head_size]`` query/key/value of one dtype and device, GQA heads (the
+    value's head size may differ: :func:`check_value_head`)."""
     for name, tensor in (("query", query), ("key", key), ("value", value)):
         if tensor.dim() != 3:
             raise ValueError(f"{name} must be [tokens, heads, head_size], got shape {tuple(tensor.shape)}")
-    if key.shape != value.shape:
-        raise ValueError(f"key {tuple(key.shape)} and value {tuple(value.shape)} must have the same shape")
+    check_value_head(key, value)
     dtype_name(query.dtype, "query.dtype")
     for name, tensor in (("key", key), ("value", value)):
         if tensor.dtype != query.dtype:
@@ -360,6 +391,7 @@ class AttentionBatch:
             check_cu_seqlens("cu_seqlens", cu_seqlens, query.shape[0])
         if plan is not None:
             plan.check(query.shape[0], cu_seqlens)
+        check_config(config, query.shape[-1])
         cfg = config or attention_config(query.shape[-1], query.dtype, query.device)
         query, key, value = (last_dim_contiguous(t) for t in (query, key, value))
         seq_lens = cu_seqlens[1:] - cu_seqlens[:-1] if plan is None else plan.kv_lens()
@@ -405,6 +437,7 @@ class AttentionBatch:
                 check_kv_start(kv_start, q_lens, kv_lens, sliding_window)
         if plan is not None:
             plan.check(query.shape[0], cu_seqlens_q, cu_seqlens_kv)
+        check_config(config, query.shape[-1])
         cfg = config or attention_config(query.shape[-1], query.dtype, query.device)
         query, key, value = (last_dim_contiguous(t) for t in (query, key, value))
         seq_lens = cu_seqlens_kv[1:] - cu_seqlens_kv[:-1] if plan is None else plan.kv_lens()
@@ -443,10 +476,7 @@ class AttentionBatch:
                 raise ValueError(f"{name} dtype {cache.dtype} differs from the query's {query.dtype}")
             if cache.stride(-1) != 1:
                 raise ValueError(f"{name} must be contiguous in its last (head_size) dimension")
-        if key_cache.shape != value_cache.shape:
-            raise ValueError(
-                f"key_cache {tuple(key_cache.shape)} and value_cache {tuple(value_cache.shape)} differ in shape"
-            )
+        check_value_head(key_cache, value_cache, "key_cache", "value_cache")
         dtype_name(query.dtype, "query.dtype")
         device_kind(query.device)
         check_same_device(
@@ -474,6 +504,7 @@ class AttentionBatch:
         if plan is not None:
             plan.check(query.shape[0], query_start_loc)
         query = last_dim_contiguous(query)
+        check_config(config, query.shape[-1])
         cfg = config or attention_config(query.shape[-1], query.dtype, query.device)
         return cls(
             query, key_cache, value_cache, query_start_loc, query_start_loc, seq_lens, block_table, scale, causal,
@@ -497,8 +528,7 @@ class AttentionBatch:
                 raise ValueError(f"{name} must be contiguous in its last (head_size) dimension")
             if tensor.device != query.device:
                 raise ValueError(f"{name} is on {tensor.device}, expected {query.device} (the query's device)")
-        if key.shape != value.shape:
-            raise ValueError(f"key {tuple(key.shape)} and value {tuple(value.shape)} must have the same shape")
+        check_value_head(key, value)
         if query.stride(-1) != 1:
             raise ValueError("query must be contiguous in its last (head_size) dimension")
         num_heads, head_size = query.shape[1:]

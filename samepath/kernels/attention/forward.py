@@ -23,7 +23,7 @@ import samepath.kernels.attention.plan as plan
 from samepath.kernels import grid
 from samepath.kernels.attention.batch import AttentionBatch
 from samepath.kernels.attention.merge import initial_state, launch_merge, merge_segment, store_rows
-from samepath.kernels.config import padded_head_size
+from samepath.kernels.config import is_wide_head, padded_head_size
 from samepath.kernels.dispatch import device_kind, jit
 from samepath.kernels.softcap import tanh_fp32
 
@@ -121,18 +121,23 @@ def _segment_state(
     DOT_PRECISION: tl.constexpr,
     softcap_scale,
     SOFTCAP: tl.constexpr,
+    HEAD_SIZE_V: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
 ):
     """The online-softmax state ``(m, l, acc)`` of one KV segment, from a fresh ``(-inf, 0, 0)``:
     the tiles starting at ``tile_begin, tile_begin + TILE_N, ... < tile_end``, in ascending order.
     Tiles and ``kv_len`` are in absolute positions; with ``KV_OFFSET`` the sequence's key ``j``
     sits at position ``kv_pos0 + j`` and the positions before ``kv_pos0`` (a tile may hold some)
     have no key: like a key whose address falls outside the caches (only with unchecked
-    metadata), they are neither read nor visible."""
+    metadata), they are neither read nor visible. The value has ``HEAD_SIZE_V`` columns (the key's
+    ``HEAD_SIZE`` unless decoupled), padded to ``BLOCK_DV``."""
     offs_d = tl.arange(0, BLOCK_D)
     d_valid = offs_d < HEAD_SIZE
+    offs_dv = tl.arange(0, BLOCK_DV)
+    dv_valid = offs_dv < HEAD_SIZE_V
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
     for tile_start in range(tile_begin, tile_end, TILE_N):
         offs_n = tile_start + tl.arange(0, TILE_N)
         key_index = offs_n
@@ -176,8 +181,117 @@ def _segment_state(
         l_i = l_i * alpha + tl.sum(p, 1)
 
         v = tl.load(
-            V + v_rows[:, None] + kv_head * stride_v_head + offs_d[None, :],
-            mask=kv_valid[:, None] & d_valid[None, :],
+            V + v_rows[:, None] + kv_head * stride_v_head + offs_dv[None, :],
+            mask=kv_valid[:, None] & dv_valid[None, :],
+            other=0.0,
+        )
+        acc = acc * alpha[:, None]
+        acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
+        m_i = m_new
+    return m_i, l_i, acc
+
+
+@jit
+def _segment_state_wide(
+    q_base,
+    row_valid,
+    pos_q,
+    tile_begin,
+    tile_end,
+    K,
+    V,
+    kv_head,
+    kv_len,
+    seq,
+    kv_row_start,
+    kv_pos0,
+    block_table,
+    kv_rows,
+    qk_scale,
+    sliding_window,
+    stride_table_seq,
+    stride_k_page,
+    stride_k_pos,
+    stride_k_head,
+    stride_v_page,
+    stride_v_pos,
+    stride_v_head,
+    v_cols,
+    HEAD_SIZE: tl.constexpr,
+    D_CHUNK: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    TILE_N: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    PAGED: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+    KV_OFFSET: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    softcap_scale,
+    SOFTCAP: tl.constexpr,
+):
+    """:func:`_segment_state` for a wide key head (``HEAD_SIZE`` above 256, a multiple of ``D_CHUNK``:
+    MLA's latent) and one block of ``BLOCK_DV`` value columns (``V`` points at the block's first
+    column, ``v_cols`` of its columns exist). The head is never held whole: each KV tile's scores are
+    ``tl.dot`` over the head's ``D_CHUNK``-column chunks in ascending order into one fp32 accumulator
+    (from 0), the query's chunks read from ``q_base`` (``[BLOCK_M, 1]`` row addresses; rows not
+    ``row_valid`` are 0) and the key's from the tile's rows. Every column block of a query tile computes
+    the same scores, so the same ``m`` and ``l``; the rest is :func:`_segment_state`'s formula."""
+    offs_c = tl.arange(0, D_CHUNK)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    dv_valid = offs_dv < v_cols
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
+    for tile_start in range(tile_begin, tile_end, TILE_N):
+        offs_n = tile_start + tl.arange(0, TILE_N)
+        key_index = offs_n
+        num_keys = kv_len
+        if KV_OFFSET:
+            key_index = offs_n - kv_pos0
+            num_keys = kv_len - kv_pos0
+        k_rows, v_rows, inside = _kv_tile_offsets(
+            key_index,
+            num_keys,
+            seq,
+            kv_row_start,
+            block_table,
+            stride_table_seq,
+            stride_k_page,
+            stride_k_pos,
+            stride_v_page,
+            stride_v_pos,
+            kv_rows,
+            PAGE_SIZE,
+            PAGED,
+        )
+        if KV_OFFSET:
+            inside = inside & (key_index >= 0)
+        kv_valid = (key_index < num_keys) & inside
+        scores = tl.zeros([BLOCK_M, TILE_N], dtype=tl.float32)
+        for d_start in range(0, HEAD_SIZE, D_CHUNK):
+            q = tl.load(q_base + d_start + offs_c[None, :], mask=row_valid[:, None], other=0.0)
+            k = tl.load(
+                K + k_rows[None, :] + kv_head * stride_k_head + d_start + offs_c[:, None],
+                mask=kv_valid[None, :],
+                other=0.0,
+            )
+            scores = tl.dot(q, k, scores, input_precision=DOT_PRECISION)
+        if SOFTCAP:
+            scores = tanh_fp32(scores * softcap_scale)
+        visible = visible_mask(pos_q, offs_n, kv_len, sliding_window, CAUSAL, HAS_WINDOW) & inside[None, :]
+        scores = tl.where(visible, scores * qk_scale, float("-inf"))
+
+        m_new = tl.maximum(m_i, tl.max(scores, 1))
+        m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_shift)
+        p = tl.exp2(scores - m_shift[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+
+        v = tl.load(
+            V + v_rows[:, None] + kv_head * stride_v_head + offs_dv[None, :],
+            mask=kv_valid[:, None] & dv_valid[None, :],
             other=0.0,
         )
         acc = acc * alpha[:, None]
@@ -249,9 +363,13 @@ def _attention_fwd_kernel(
     DOT_PRECISION: tl.constexpr,
     softcap_scale,
     SOFTCAP: tl.constexpr,
+    HEAD_SIZE_V: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
+    NUM_COLS: tl.constexpr,
+    WIDE: tl.constexpr,
 ):
-    """Work items ``(query block, KV head, head chunk[, KV segment])``, flattened with the last
-    fastest. A query block is ``BLOCK_Q`` consecutive queries of one sequence; its tile holds
+    """Work items ``(query block, KV head, head chunk, value-column block[, KV segment])``, flattened
+    with the last fastest. A query block is ``BLOCK_Q`` consecutive queries of one sequence; its tile holds
     ``HEAD_CHUNK`` query heads of one KV group per query (row ``r``: query ``r // HEAD_CHUNK``,
     head ``r % HEAD_CHUNK`` of the chunk), so each K/V tile is read once for the whole group.
 
@@ -278,9 +396,16 @@ def _attention_fwd_kernel(
     by ``num_seqs``, a KV length by ``max_kv_len`` (the block table's span, or the contiguous
     keys); query rows outside ``[0, num_q_rows)`` are neither read nor written, and keys outside
     the caches are masked (:func:`_segment_state`). For consistent metadata none of these bounds
-    binds, so they change no bit."""
+    binds, so they change no bit.
+
+    The value (and output) has ``HEAD_SIZE_V`` columns. ``WIDE`` (a key head above 256, MLA's latent):
+    the query and key are read in ``BLOCK_D``-column chunks (:func:`_segment_state_wide`) and an item
+    owns ``BLOCK_DV`` of the ``NUM_COLS * BLOCK_DV`` value columns (its ``col``); the items of one query
+    tile compute the same scores and statistics, the item of column block 0 stores the statistics (the
+    lse, or ``PartM`` / ``PartL`` and ``RowSegments``). Otherwise ``NUM_COLS`` is 1 and ``BLOCK_DV`` the
+    padded value head."""
     num_heads = num_kv_heads * GROUP
-    items_per_block = num_kv_heads * NUM_CHUNKS
+    items_per_block = num_kv_heads * NUM_CHUNKS * NUM_COLS
     if SPLIT:
         num_work = tl.load(segment_work + num_programs_mapped - 1) * items_per_block
     else:
@@ -309,6 +434,8 @@ def _attention_fwd_kernel(
         else:
             block_index = work // items_per_block
             rest = work % items_per_block
+        col = rest % NUM_COLS
+        rest = rest // NUM_COLS
         chunk = rest % NUM_CHUNKS
         kv_head = rest // NUM_CHUNKS
         seq = tl.minimum(tl.maximum(tl.load(program_seq + block_index), 0), num_seqs - 1)
@@ -333,11 +460,18 @@ def _attention_fwd_kernel(
         row_valid = row_valid & (q_rows >= 0) & (q_rows < num_q_rows)
         head = kv_head * GROUP + head_in_group
         pos_q = context + offs_m
-        q = tl.load(
-            Q + q_rows[:, None] * stride_q_tok + head[:, None] * stride_q_head + offs_d[None, :],
-            mask=row_valid[:, None] & (offs_d < HEAD_SIZE)[None, :],
-            other=0.0,
-        )
+        if WIDE:
+            q_base = Q + q_rows[:, None] * stride_q_tok + head[:, None] * stride_q_head
+            v_block = V + col * BLOCK_DV
+            v_cols = HEAD_SIZE_V - col * BLOCK_DV
+        else:
+            q = tl.load(
+                Q + q_rows[:, None] * stride_q_tok + head[:, None] * stride_q_head + offs_d[None, :],
+                mask=row_valid[:, None] & (offs_d < HEAD_SIZE)[None, :],
+                other=0.0,
+            )
+        offs_dv = tl.arange(0, BLOCK_DV)
+        stats = row_valid & (offs_r * 0 + col == 0)
 
         # The KV range that any row of this block can see; tiles (and segments) outside it are
         # fully masked for every row, which leaves a row's state bitwise unchanged.
@@ -357,38 +491,58 @@ def _attention_fwd_kernel(
                 seg_start += (tl.maximum(kv_pos0, 0) // SEG) * SEG
             tile_begin = tl.maximum(seg_start, first_tile_start)
             tile_end = tl.minimum(seg_start + SEG, kv_end)
-            m_i, l_i, acc = _segment_state(
-                q, pos_q, tile_begin, tile_end, K, V, kv_head, kv_len, seq, kv_row_start, kv_pos0, block_table,
-                kv_rows, qk_scale, sliding_window, stride_table_seq, stride_k_page, stride_k_pos, stride_k_head,
-                stride_v_page, stride_v_pos, stride_v_head, HEAD_SIZE, BLOCK_D, BLOCK_M, TILE_N,
-                PAGE_SIZE, PAGED, CAUSAL, HAS_WINDOW, KV_OFFSET, DOT_PRECISION, softcap_scale, SOFTCAP,
-            )  # fmt: skip
+            if WIDE:
+                m_i, l_i, acc = _segment_state_wide(
+                    q_base, row_valid, pos_q, tile_begin, tile_end, K, v_block, kv_head, kv_len, seq, kv_row_start,
+                    kv_pos0, block_table, kv_rows, qk_scale, sliding_window, stride_table_seq, stride_k_page,
+                    stride_k_pos, stride_k_head, stride_v_page, stride_v_pos, stride_v_head, v_cols, HEAD_SIZE,
+                    BLOCK_D, BLOCK_DV, BLOCK_M, TILE_N, PAGE_SIZE, PAGED, CAUSAL, HAS_WINDOW, KV_OFFSET,
+                    DOT_PRECISION, softcap_scale, SOFTCAP,
+                )  # fmt: skip
+            else:
+                m_i, l_i, acc = _segment_state(
+                    q, pos_q, tile_begin, tile_end, K, V, kv_head, kv_len, seq, kv_row_start, kv_pos0, block_table,
+                    kv_rows, qk_scale, sliding_window, stride_table_seq, stride_k_page, stride_k_pos, stride_k_head,
+                    stride_v_page, stride_v_pos, stride_v_head, HEAD_SIZE, BLOCK_D, BLOCK_M, TILE_N,
+                    PAGE_SIZE, PAGED, CAUSAL, HAS_WINDOW, KV_OFFSET, DOT_PRECISION, softcap_scale, SOFTCAP,
+                    HEAD_SIZE_V, BLOCK_DV,
+                )  # fmt: skip
             part = (q_rows * num_heads + head) * num_segments + segment
-            tl.store(PartM + part, m_i, mask=row_valid)
-            tl.store(PartL + part, l_i, mask=row_valid)
+            tl.store(PartM + part, m_i, mask=stats)
+            tl.store(PartL + part, l_i, mask=stats)
             tl.store(
-                PartAcc + part[:, None] * BLOCK_D + offs_d[None, :],
+                PartAcc + part[:, None] * (NUM_COLS * BLOCK_DV) + (col * BLOCK_DV + offs_dv)[None, :],
                 acc,
                 mask=(row_valid & (offs_r * 0 + tile_end > tile_begin))[:, None],
             )
             # The merge folds each row's segments 0 .. block_segments - 1 (its block's own count).
-            first = row_valid & (offs_r * 0 + segment == 0)
+            first = stats & (offs_r * 0 + segment == 0)
             tl.store(RowSegments + q_rows * num_heads + head, offs_r * 0 + block_segments, mask=first)
         else:
-            m_run, l_run, acc_run = initial_state(Sinks, head, row_valid, BLOCK_M, BLOCK_D, HAS_SINKS)
+            m_run, l_run, acc_run = initial_state(Sinks, head, row_valid, BLOCK_M, BLOCK_DV, HAS_SINKS)
             for seg_start in range((first_tile_start // SEG) * SEG, kv_end, SEG):
                 tile_begin = tl.maximum(seg_start, first_tile_start)
                 tile_end = tl.minimum(seg_start + SEG, kv_end)
-                m_i, l_i, acc = _segment_state(
-                    q, pos_q, tile_begin, tile_end, K, V, kv_head, kv_len, seq, kv_row_start, kv_pos0,
-                    block_table, kv_rows, qk_scale, sliding_window, stride_table_seq, stride_k_page, stride_k_pos,
-                    stride_k_head, stride_v_page, stride_v_pos, stride_v_head, HEAD_SIZE, BLOCK_D, BLOCK_M, TILE_N,
-                    PAGE_SIZE, PAGED, CAUSAL, HAS_WINDOW, KV_OFFSET, DOT_PRECISION, softcap_scale, SOFTCAP,
-                )  # fmt: skip
+                if WIDE:
+                    m_i, l_i, acc = _segment_state_wide(
+                        q_base, row_valid, pos_q, tile_begin, tile_end, K, v_block, kv_head, kv_len, seq,
+                        kv_row_start, kv_pos0, block_table, kv_rows, qk_scale, sliding_window, stride_table_seq,
+                        stride_k_page, stride_k_pos, stride_k_head, stride_v_page, stride_v_pos, stride_v_head, v_cols,
+                        HEAD_SIZE, BLOCK_D, BLOCK_DV, BLOCK_M, TILE_N, PAGE_SIZE, PAGED, CAUSAL, HAS_WINDOW,
+                        KV_OFFSET, DOT_PRECISION, softcap_scale, SOFTCAP,
+                    )  # fmt: skip
+                else:
+                    m_i, l_i, acc = _segment_state(
+                        q, pos_q, tile_begin, tile_end, K, V, kv_head, kv_len, seq, kv_row_start, kv_pos0,
+                        block_table, kv_rows, qk_scale, sliding_window, stride_table_seq, stride_k_page, stride_k_pos,
+                        stride_k_head, stride_v_page, stride_v_pos, stride_v_head, HEAD_SIZE, BLOCK_D, BLOCK_M,
+                        TILE_N, PAGE_SIZE, PAGED, CAUSAL, HAS_WINDOW, KV_OFFSET, DOT_PRECISION, softcap_scale,
+                        SOFTCAP, HEAD_SIZE_V, BLOCK_DV,
+                    )  # fmt: skip
                 m_run, l_run, acc_run = merge_segment(m_run, l_run, acc_run, m_i, l_i, acc)
             store_rows(
                 m_run, l_run, acc_run, Out, Lse, q_rows, head, row_valid, stride_o_tok, stride_o_head,
-                stride_lse_tok, HEAD_SIZE, BLOCK_D, STORE_LSE,
+                stride_lse_tok, col * BLOCK_DV, HEAD_SIZE_V, BLOCK_DV, STORE_LSE,
             )  # fmt: skip
 
 
@@ -417,7 +571,8 @@ def launch_forward(
     num_tokens, num_heads, head_size = query.shape
     num_kv_heads, paged, group = batch.num_kv_heads, batch.paged, batch.group
     pack = plan.packing(group, config.block_m)
-    block_d = padded_head_size(head_size)
+    block_d, block_dv, num_cols, wide = value_blocks(head_size, value.shape[-1], config)
+    acc_width = num_cols * block_dv
     lse = torch.empty((num_tokens, num_heads), dtype=torch.float32, device=query.device) if store_lse else None
     num_seqs = batch.num_seqs
     if num_tokens == 0 or num_seqs == 0:
@@ -444,7 +599,7 @@ def launch_forward(
     if split_kv is None:
         # Paged (decode): split whatever the table's width, so that neither the schedule nor the
         # grid follows it; contiguous KV: split only where there are several segments.
-        workspace = rows * (num_segments + kv_offset) * (block_d + _STATE_WORDS) * _FP32_BYTES
+        workspace = rows * (num_segments + kv_offset) * (acc_width + _STATE_WORDS) * _FP32_BYTES
         several = paged or num_segments > 1
         split_kv = not store_lse and several and workspace <= SPLIT_WORKSPACE_BYTES
     if kv_offset:  # keys at kv_first_pos .. kv_first_pos + max_kv_len may straddle one more segment
@@ -453,7 +608,7 @@ def launch_forward(
     if split_kv:
         part_m = torch.empty(rows * num_segments, dtype=torch.float32, device=query.device)
         part_l = torch.empty_like(part_m)
-        part_acc = torch.empty(rows * num_segments * block_d, dtype=torch.float32, device=query.device)
+        part_acc = torch.empty(rows * num_segments * acc_width, dtype=torch.float32, device=query.device)
         row_segments = torch.zeros(rows, dtype=torch.int32, device=query.device)
         work_args = (batch.seq_lens, first_pos, max_kv_len, config.seg, num_segments)
         if launch_plan is None:
@@ -465,7 +620,7 @@ def launch_forward(
     else:
         part_m = part_l = part_acc = out
         row_segments = segment_work = num_blocks
-        work = program_seq.numel() * num_kv_heads * pack.num_chunks
+        work = program_seq.numel() * num_kv_heads * pack.num_chunks * num_cols
         programs = grid.num_programs(work, query.device, uses_dot=True)
     _attention_fwd_kernel[(programs,)](
         query,
@@ -525,12 +680,28 @@ def launch_forward(
         DOT_PRECISION=DOT_PRECISION,
         softcap_scale=score_scales(batch)[1],
         SOFTCAP=batch.softcap is not None,
+        HEAD_SIZE_V=value.shape[-1],
+        BLOCK_DV=block_dv,
+        NUM_COLS=num_cols,
+        WIDE=wide,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
     )
     if split_kv:
-        launch_merge(part_m, part_l, part_acc, row_segments, out, lse, num_segments, block_d, batch.sinks)
+        launch_merge(part_m, part_l, part_acc, row_segments, out, lse, num_segments, acc_width, batch.sinks)
     return lse
+
+
+def value_blocks(head_size: int, head_size_v: int, config) -> tuple[int, int, int, bool]:
+    """``(BLOCK_D, BLOCK_DV, NUM_COLS, WIDE)`` of the attention kernels for a key head of ``head_size``
+    and a value head of ``head_size_v`` columns. A standard key head (at most 256): the padded heads and
+    one column block. A wide one (MLA's latent; ``config`` a :class:`~samepath.kernels.config.WideAttentionConfig`):
+    ``BLOCK_D`` is the chunk of the ``QK^T`` sums (``config.d_chunk``) and the value columns are cut into
+    ``NUM_COLS`` blocks of ``config.block_dv``."""
+    if not is_wide_head(head_size):
+        return padded_head_size(head_size), padded_head_size(head_size_v), 1, False
+    block_dv = min(config.block_dv, padded_head_size(head_size_v))
+    return config.d_chunk, block_dv, -(-head_size_v // block_dv), True
 
 
 def split_programs(device: torch.device) -> int:

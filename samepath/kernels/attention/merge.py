@@ -65,23 +65,25 @@ def store_rows(
     stride_o_tok,
     stride_o_head,
     stride_lse_tok,
+    col_start,
     HEAD_SIZE: tl.constexpr,
     BLOCK_D: tl.constexpr,
     STORE_LSE: tl.constexpr,
 ):
     """``acc / l`` cast once to the output dtype (and the base-2 log-sum-exp, ``+inf`` for a row
-    that saw nothing)."""
+    that saw nothing). ``acc`` holds the output columns ``col_start ..`` (a wide head's value-column
+    block; 0 otherwise) of the ``HEAD_SIZE`` columns; the block at column 0 stores the lse."""
     offs_d = tl.arange(0, BLOCK_D)
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
     out = acc / l_safe[:, None]
     tl.store(
-        Out + q_rows[:, None] * stride_o_tok + head[:, None] * stride_o_head + offs_d[None, :],
+        Out + q_rows[:, None] * stride_o_tok + head[:, None] * stride_o_head + (col_start + offs_d)[None, :],
         out.to(Out.dtype.element_ty),
-        mask=row_valid[:, None] & (offs_d < HEAD_SIZE)[None, :],
+        mask=row_valid[:, None] & (col_start + offs_d < HEAD_SIZE)[None, :],
     )
     if STORE_LSE:
         lse = tl.where(l_i == 0.0, float("inf"), m_i + tl.log2(l_safe))
-        tl.store(Lse + q_rows * stride_lse_tok + head, lse, mask=row_valid)
+        tl.store(Lse + q_rows * stride_lse_tok + head, lse, mask=row_valid & (q_rows * 0 + col_start == 0))
 
 
 @jit
@@ -130,7 +132,7 @@ def _attention_merge_kernel(
             m_run, l_run, acc_run = merge_segment(m_run, l_run, acc_run, m_seg, l_seg, acc_seg)
         store_rows(
             m_run, l_run, acc_run, Out, Lse, rows // num_heads, rows % num_heads, row_valid, stride_o_tok,
-            stride_o_head, stride_lse_tok, HEAD_SIZE, BLOCK_D, STORE_LSE,
+            stride_o_head, stride_lse_tok, 0, HEAD_SIZE, BLOCK_D, STORE_LSE,
         )  # fmt: skip
 
 

@@ -120,12 +120,26 @@ def attention_bwd(
     DOT_PRECISION,
     softcap_scale,
     SOFTCAP,
+    HEAD_SIZE_V,
+    BLOCK_DV,
+    NUM_COLS,
+    WIDE,
 ):
-    """Replay one launch of ``_attention_bwd_kernel`` (see the module docstring)."""
+    """Replay one launch of ``_attention_bwd_kernel`` (see the module docstring).
+
+    The value's head (``HEAD_SIZE_V``) may differ from the key's. ``WIDE``: the kernel's items are (KV
+    tile, column block); the replay computes every column block of an item at once — ``S^T`` and
+    ``dP^T`` once (every block computes them alike: the sum over the heads' ``BLOCK_D``-column chunks in
+    ascending order), dK, dV and the dQ partials block by block with the kernel's ``[.., BLOCK_DV]``
+    dots, laid side by side over ``NUM_COLS * BLOCK_DV`` columns (the dQ folds are elementwise, so a
+    block's sums are its own)."""
     del DOT_PRECISION  # fp32 dots are numpy's fp32 matmul under the interpreter whatever it says
-    H, BM, BQ, BN, BD, NC = num_kv_heads, BLOCK_M, BLOCK_Q, BLOCK_N, BLOCK_D, NUM_CHUNKS
+    H, BM, BQ, BN, NC = num_kv_heads, BLOCK_M, BLOCK_Q, BLOCK_N, NUM_CHUNKS
+    # Widths of the key-side (q, k, dq, dk) and value-side (do, v, dv) tiles as the replay holds them.
+    BD = NUM_COLS * BLOCK_DV if WIDE else BLOCK_D
+    BDV = NUM_COLS * BLOCK_DV if WIDE else BLOCK_DV
     sync = _flat(Sync)
-    num_work = int(num_blocks.reshape(-1)[0]) * H
+    num_work = int(num_blocks.reshape(-1)[0]) * H * NUM_COLS
     sync[0] += num_work + grid[0] * grid[1] * grid[2]
     if num_work == 0:
         return
@@ -134,25 +148,28 @@ def attention_bwd(
     cap_scale, one = np.float32(softcap_scale), np.float32(1)
     zero = np.float32(0)
     cu = cu_seqlens.detach().numpy().astype(np.int64)
-    items = np.arange(num_work // H)
+    items = np.arange(num_work // (H * NUM_COLS))
     seq = program_seq.detach().numpy()[items].astype(np.int64)
     block = program_block.detach().numpy()[items].astype(np.int64)
     start, seq_len = cu[seq], cu[seq + 1] - cu[seq]
 
     d = np.arange(BD)
     d_valid = d < HEAD_SIZE
+    dv_index = np.arange(BDV)
+    dv_valid = dv_index < HEAD_SIZE_V
     heads_kv = np.arange(H)
 
     # KV tiles of every work item: [items, kv heads, BLOCK_N, BLOCK_D].
     offs_n = block[:, None] * BN + np.arange(BN)
     kv_rows = start[:, None] + offs_n
     kd_mask = np.broadcast_to((offs_n < seq_len[:, None])[:, None, :, None] & d_valid, (items.size, H, BN, BD))
+    vd_mask = np.broadcast_to((offs_n < seq_len[:, None])[:, None, :, None] & dv_valid, (items.size, H, BN, BDV))
 
-    def kv_offsets(stride_tok: int, stride_head: int) -> np.ndarray:
-        return kv_rows[:, None, :, None] * stride_tok + heads_kv[None, :, None, None] * stride_head + d
+    def kv_offsets(stride_tok: int, stride_head: int, cols: np.ndarray = d) -> np.ndarray:
+        return kv_rows[:, None, :, None] * stride_tok + heads_kv[None, :, None, None] * stride_head + cols
 
     k_tiles = _dot_operand(_gather(_flat(K), kv_offsets(stride_k_tok, stride_k_head), kd_mask))
-    v_tiles = _dot_operand(_gather(_flat(V), kv_offsets(stride_v_tok, stride_v_head), kd_mask))
+    v_tiles = _dot_operand(_gather(_flat(V), kv_offsets(stride_v_tok, stride_v_head, dv_index), vd_mask))
 
     # Query blocks each work item visits: [q_lo, q_hi).
     q_lo = (block * BN if CAUSAL else np.zeros_like(block)) // BQ
@@ -174,12 +191,13 @@ def attention_bwd(
     )[:, None].repeat(H, 1)
     q_rows = (cu[tile_seq][:, None] + offs_m)[:, None, None, :]
     qd_mask = row_valid[..., None] & d_valid
+    qdv_mask = row_valid[..., None] & dv_valid
 
-    def q_offsets(stride_tok: int, stride_head: int) -> np.ndarray:
-        return (q_rows * stride_tok + heads[None] * stride_head)[..., None] + d
+    def q_offsets(stride_tok: int, stride_head: int, cols: np.ndarray = d) -> np.ndarray:
+        return (q_rows * stride_tok + heads[None] * stride_head)[..., None] + cols
 
     q_tiles = _dot_operand(_gather(_flat(Q), q_offsets(stride_q_tok, stride_q_head), qd_mask))
-    do_tiles = _dot_operand(_gather(_flat(dOut), q_offsets(stride_do_tok, stride_do_head), qd_mask))
+    do_tiles = _dot_operand(_gather(_flat(dOut), q_offsets(stride_do_tok, stride_do_head, dv_index), qdv_mask))
     lse_offsets = q_rows * stride_lse_tok + heads[None]
     lse_tiles = _gather(_flat(Lse), lse_offsets, row_valid)
     delta_tiles = _gather(_flat(Delta), lse_offsets, row_valid)
@@ -188,7 +206,18 @@ def attention_bwd(
     dq_flat, acc_flat = _flat(dQ), _flat(DqAcc)
 
     dk = np.zeros((items.size, H, BN, BD), np.float32)
-    dv = np.zeros((items.size, H, BN, BD), np.float32)
+    dv = np.zeros((items.size, H, BN, BDV), np.float32)
+    blocks = [slice(c * BLOCK_DV, (c + 1) * BLOCK_DV) for c in range(NUM_COLS)] if WIDE else [slice(None)]
+
+    def chunked_dot_t(a: np.ndarray, b: np.ndarray, width: int) -> np.ndarray:
+        """``a @ b^T`` (``[.., BLOCK_N, BLOCK_M]``) as the wide kernel sums it: ``BLOCK_D``-column chunks of
+        the ``width`` columns, ascending, into one fp32 accumulator from 0."""
+        acc = np.zeros((*a.shape[:-1], b.shape[-2]), np.float32)
+        for c in range(0, width, BLOCK_D):
+            a_c, b_c = (np.ascontiguousarray(x[..., c : c + BLOCK_D]) for x in (a, b))
+            acc = dot(a_c, _t(b_c), acc)
+        return acc
+
     last_tile = (seq_len - 1) // BN
     for chunk in range(NC):
         for qb in range(int(q_hi.max())):
@@ -208,18 +237,33 @@ def attention_bwd(
             visible_t = visible_t[:, None] & row_valid[tile, :, chunk][:, :, None, :]
 
             # Key-major, as the kernel: [items, kv heads, BLOCK_N, BLOCK_M] score and dP tiles.
-            scores_t = dot(k, _t(q), np.zeros((act.size, H, BN, BM), np.float32))
+            if WIDE:
+                scores_t = chunked_dot_t(k, q, HEAD_SIZE)
+            else:
+                scores_t = dot(k, _t(q), np.zeros((act.size, H, BN, BM), np.float32))
             if SOFTCAP:
                 scores_t = tanh_fp32(scores_t * cap_scale)
             p_t = np.where(visible_t, np.exp2(scores_t * qk - lse_tiles[tile, :, chunk][..., None, :]), zero)
-            dv[act] = dot(cast(p_t, dOut.dtype), do, dv[act])
-            dp_t = dot(v, _t(do), np.zeros((act.size, H, BN, BM), np.float32))
+            p_cast = cast(p_t, dOut.dtype)
+            dv_act = dv[act]
+            for cb in blocks:
+                dv_act[..., cb] = dot(p_cast, np.ascontiguousarray(do[..., cb]), dv_act[..., cb])
+            dv[act] = dv_act
+            if WIDE:
+                dp_t = chunked_dot_t(v, do, HEAD_SIZE_V)
+            else:
+                dp_t = dot(v, _t(do), np.zeros((act.size, H, BN, BM), np.float32))
             ds_t = p_t * (dp_t - delta_tiles[tile, :, chunk][..., None, :])
             if SOFTCAP:
                 ds_t = ds_t * (one - scores_t * scores_t)
             ds_t = cast(ds_t, q_dtype)
-            dk[act] = dot(ds_t, q, dk[act])
-            partials = _t(dot(_t(k), ds_t, np.zeros((act.size, H, BD, BM), np.float32)))
+            dk_act = dk[act]
+            partials = np.zeros((act.size, H, BM, BD), np.float32)
+            for cb in blocks:
+                dk_act[..., cb] = dot(ds_t, np.ascontiguousarray(q[..., cb]), dk_act[..., cb])
+                k_cb = np.ascontiguousarray(k[..., cb])
+                partials[..., cb] = _t(dot(_t(k_cb), ds_t, np.zeros((act.size, H, k_cb.shape[-1], BM), np.float32)))
+            dk[act] = dk_act
 
             first = np.maximum(0, qb * BQ - window + 1) // BN if HAS_WINDOW else np.zeros_like(act)
             first = np.broadcast_to(first, act.shape)
@@ -253,11 +297,14 @@ def attention_bwd(
                     qd_mask[tiles[kept], :, chunk],
                 )
             q_tile_ids = ((cu[tile_seq[tiles]] + qb * BQ)[:, None] * H + heads_kv) * NC + chunk
-            np.add.at(sync, 1 + q_tile_ids, np.broadcast_to(tile_width[:, None], q_tile_ids.shape).astype(sync.dtype))
+            q_tile_ids = q_tile_ids[..., None] * NUM_COLS + np.arange(NUM_COLS)
+            np.add.at(
+                sync, 1 + q_tile_ids, np.broadcast_to(tile_width[:, None, None], q_tile_ids.shape).astype(sync.dtype)
+            )
 
     kd_offsets = kv_offsets(stride_dk_tok, stride_dk_head)
     _scatter(_flat(dK), kd_offsets, cast(dk * sm, out_dtypes[1]), kd_mask)
-    _scatter(_flat(dV), kv_offsets(stride_dv_tok, stride_dv_head), cast(dv, out_dtypes[2]), kd_mask)
+    _scatter(_flat(dV), kv_offsets(stride_dv_tok, stride_dv_head, dv_index), cast(dv, out_dtypes[2]), vd_mask)
 
 
 @register_replay("samepath.kernels.attention.backward._attention_bwd_preprocess_kernel")

@@ -167,6 +167,9 @@ class _Forward:
     def __init__(self, grid: tuple, p: dict) -> None:
         self.p = p
         self.block_m, self.block_d, self.head_size = p["BLOCK_M"], p["BLOCK_D"], p["HEAD_SIZE"]
+        # The value head (decoupled from the key's for MLA) and, for a wide key head, its column blocks.
+        self.head_size_v, self.block_dv = p["HEAD_SIZE_V"], p["BLOCK_DV"]
+        self.num_cols, self.wide = p["NUM_COLS"], p["WIDE"]
         self.tile_n, self.seg = p["TILE_N"], p["SEG"]
         self.paged, self.causal, self.window = p["PAGED"], p["CAUSAL"], p["HAS_WINDOW"]
         self.kv_offset, self.split = p["KV_OFFSET"], p["SPLIT"]
@@ -174,11 +177,9 @@ class _Forward:
         self.v_dtype = self.v_flat.dtype
         if not self.paged:  # every key is read by many query blocks: widen the keys the kernel can reach once
             last_head = p["num_kv_heads"] - 1
-            for name in ("k", "v"):
+            for name, width in (("k", self.head_size), ("v", self.head_size_v)):
                 flat = getattr(self, f"{name}_flat")
-                reach = (
-                    (p["kv_rows"] - 1) * p[f"stride_{name}_pos"] + last_head * p[f"stride_{name}_head"] + self.head_size
-                )
+                reach = (p["kv_rows"] - 1) * p[f"stride_{name}_pos"] + last_head * p[f"stride_{name}_head"] + width
                 setattr(self, f"{name}_flat", _fp32(flat[: max(reach, 0)]))
         self.table_flat = _flat(p["block_table"]) if self.paged else None
         self.qk_scale = _F32(p["qk_scale"])
@@ -188,7 +189,7 @@ class _Forward:
 
         group, head_chunk, block_q = p["GROUP"], p["HEAD_CHUNK"], p["BLOCK_Q"]
         num_kv_heads, num_segments = p["num_kv_heads"], p["num_segments"]
-        items_per_block = num_kv_heads * p["NUM_CHUNKS"]
+        items_per_block = num_kv_heads * p["NUM_CHUNKS"] * self.num_cols
         mapped = p["num_programs_mapped"]
         if self.split:  # the work list: block b owns segment_work[b] - segment_work[b - 1] segments
             segment_work = _flat(p["segment_work"])[:mapped].astype(np.int64)
@@ -208,6 +209,8 @@ class _Forward:
         else:
             rest = work % np.int32(items_per_block)
             block_index = work // np.int32(items_per_block)
+        self.col = rest % np.int32(self.num_cols)
+        rest = rest // np.int32(self.num_cols)
         chunk = rest % np.int32(p["NUM_CHUNKS"])
         kv_head = rest // np.int32(p["NUM_CHUNKS"])
         seq = np.minimum(np.maximum(_flat(p["program_seq"])[block_index], 0), _int(p["num_seqs"] - 1))
@@ -250,11 +253,11 @@ class _Forward:
             tile_begin = np.maximum(seg_start, first_tile_start)
             tile_end = np.minimum(seg_start + self.seg, kv_end)
             self.part = (q_rows * (num_kv_heads * group) + head) * num_segments + segment[:, None]
+            self.first_segment = segment == 0
             self.tile_begin = tile_begin.astype(np.int64)
             self.tile_end = tile_end.astype(np.int64)
             self.has_acc = tile_end > tile_begin
             self.row_index = q_rows * (num_kv_heads * group) + head
-            self.first_segment = segment == 0
 
         self.seq, self.kv_head, self.kv_len, self.kv_pos0 = seq, kv_head, kv_len, kv_pos0
         self.kv_row_start, self.pos_q, self.q_rows, self.head = kv_row_start, pos_q, q_rows, head
@@ -263,12 +266,19 @@ class _Forward:
     # ------------------------------------------------------------------------------------------
 
     def load_q(self, items) -> np.ndarray:
+        """The items' query tiles, ``[items, BLOCK_M, BLOCK_D]`` (a wide head: the whole ``HEAD_SIZE``,
+        which the kernel loads chunk by chunk)."""
         p = self.p
         bases = self.q_rows[items] * p["stride_q_tok"] + self.head[items].astype(np.int64) * p["stride_q_head"]
         rows = _load_rows(_flat(p["Q"]), bases, self.row_valid[items], self.head_size)
-        q = np.zeros((*bases.shape, self.block_d), dtype=np.float32)
+        q = np.zeros((*bases.shape, self.head_size if self.wide else self.block_d), dtype=np.float32)
         q[..., : self.head_size] = _fp32(rows)
         return q
+
+    def value_columns(self, items) -> tuple[np.ndarray, np.ndarray]:
+        """Each item's first value column (``col * BLOCK_DV``) and how many of its ``BLOCK_DV`` exist."""
+        first = self.col[items].astype(np.int64) * self.block_dv
+        return first, np.minimum(self.head_size_v - first, self.block_dv)
 
     def tile(self, items, tile_start: np.ndarray, q, m, l_sum, acc):
         """One ``_segment_state`` iteration for ``items`` at their tiles ``tile_start`` (exact)."""
@@ -301,11 +311,19 @@ class _Forward:
         kv_valid = lane_ok & inside
         kv_head64 = kv_head.astype(np.int64)[:, None]
 
-        k = np.zeros((offs_n.shape[0], self.block_d, tile_n), dtype=np.float32)
-        k[:, :hs, :] = _fp32(_load_rows(self.k_flat, k_rows + kv_head64 * p["stride_k_head"], kv_valid, hs)).transpose(
-            0, 2, 1
-        )
-        scores = np.matmul(q, k, dtype=np.float32) + _F32(0.0)
+        if self.wide:  # the head in chunks of BLOCK_D columns, ascending, into one fp32 accumulator from 0
+            k = _fp32(_load_rows(self.k_flat, k_rows + kv_head64 * p["stride_k_head"], kv_valid, hs)).transpose(0, 2, 1)
+            scores = np.zeros((offs_n.shape[0], self.block_m, tile_n), dtype=np.float32)
+            for d in range(0, hs, self.block_d):
+                q_c = np.ascontiguousarray(q[:, :, d : d + self.block_d])
+                k_c = np.ascontiguousarray(k[:, d : d + self.block_d, :])
+                scores = np.matmul(q_c, k_c, dtype=np.float32) + scores
+        else:
+            k = np.zeros((offs_n.shape[0], self.block_d, tile_n), dtype=np.float32)
+            k[:, :hs, :] = _fp32(
+                _load_rows(self.k_flat, k_rows + kv_head64 * p["stride_k_head"], kv_valid, hs)
+            ).transpose(0, 2, 1)
+            scores = np.matmul(q, k, dtype=np.float32) + _F32(0.0)
         if self.softcap:
             scores = tanh_fp32(scores * self.softcap_scale)
 
@@ -325,12 +343,20 @@ class _Forward:
         prob = np.exp2(scores - m_shift[:, :, None])
         l_sum = l_sum * alpha + np.sum(prob, axis=2)
 
-        v_loaded = _load_rows(self.v_flat, v_rows + kv_head64 * p["stride_v_head"], kv_valid, hs)
-        if hs == self.block_d:
-            v = _fp32(v_loaded)
+        hv, bdv = self.head_size_v, self.block_dv
+        v_bases = v_rows + kv_head64 * p["stride_v_head"]
+        if self.wide:  # the item's block of value columns
+            first, width = self.value_columns(items)
+            v = np.zeros((offs_n.shape[0], tile_n, bdv), dtype=np.float32)
+            for w in np.unique(width):
+                sel = np.flatnonzero(width == w)
+                bases = v_bases[sel] + first[sel][:, None]
+                v[sel, :, :w] = _fp32(_load_rows(self.v_flat, bases, kv_valid[sel], int(w)))
+        elif hv == bdv:
+            v = _fp32(_load_rows(self.v_flat, v_bases, kv_valid, hv))
         else:
-            v = np.zeros((offs_n.shape[0], tile_n, self.block_d), dtype=np.float32)
-            v[:, :, :hs] = _fp32(v_loaded)
+            v = np.zeros((offs_n.shape[0], tile_n, bdv), dtype=np.float32)
+            v[:, :, :hv] = _fp32(_load_rows(self.v_flat, v_bases, kv_valid, hv))
         acc = acc * alpha[:, :, None]
         acc = np.matmul(_as_interpreted_cast(prob, self.v_dtype), v, dtype=np.float32) + acc
         return m_new, l_sum, acc
@@ -387,10 +413,12 @@ def attention_fwd_replay(grid: tuple, **p) -> None:
         return
     # Items write disjoint addresses (consistent metadata), so any order of them gives the
     # interpreter's bits; where two write one address, the items run in the interpreter's order.
+    col = fwd.col.astype(np.int64)[:, None]
     if fwd.split:
-        targets = fwd.part[fwd.row_valid]
+        targets = (fwd.part * fwd.num_cols + col)[fwd.row_valid]
     else:
-        targets = (fwd.q_rows * p["stride_o_tok"] + fwd.head.astype(np.int64) * p["stride_o_head"])[fwd.row_valid]
+        bases = fwd.q_rows * p["stride_o_tok"] + fwd.head.astype(np.int64) * p["stride_o_head"]
+        targets = (bases + col * fwd.block_dv)[fwd.row_valid]
     exact_order = np.unique(targets).shape[0] != targets.shape[0]
     if exact_order:
         order = np.arange(total)
@@ -398,7 +426,7 @@ def attention_fwd_replay(grid: tuple, **p) -> None:
         order = np.argsort(-(fwd.tile_end - fwd.tile_begin), kind="stable")
     else:
         order = np.lexsort((fwd.first_tile_start.astype(np.int64), -fwd.kv_end.astype(np.int64)))
-    batch = max(1, _BATCH_ELEMENTS // (fwd.block_m * fwd.block_d))
+    batch = max(1, _BATCH_ELEMENTS // (fwd.block_m * max(fwd.block_d, fwd.block_dv, fwd.head_size)))
     for start in range(0, total, batch):
         items = order[start : start + batch]
         if exact_order:
@@ -412,15 +440,17 @@ def attention_fwd_replay(grid: tuple, **p) -> None:
 
 def _split_batch(fwd: _Forward, items: np.ndarray, q: np.ndarray, exact_order: bool) -> None:
     p = fwd.p
-    state = _fresh(items.shape[0], fwd.block_m, fwd.block_d)
+    state = _fresh(items.shape[0], fwd.block_m, fwd.block_dv)
     m, l_sum, acc = _run_tiles(fwd, items, fwd.tile_begin[items], fwd.tile_end[items], q, state)
     valid, part = fwd.row_valid[items], fwd.part[items]
-    _store(_flat(p["PartM"]), part, m, valid, exact_order)
-    _store(_flat(p["PartL"]), part, l_sum, valid, exact_order)
+    stats = valid & (fwd.col[items] == 0)[:, None]  # the column blocks' statistics are the same: block 0 stores
+    _store(_flat(p["PartM"]), part, m, stats, exact_order)
+    _store(_flat(p["PartL"]), part, l_sum, stats, exact_order)
     acc_valid = valid & fwd.has_acc[items][:, None]
-    _store_rows_at(_flat(p["PartAcc"]), part * fwd.block_d, acc, acc_valid, exact_order)
+    acc_bases = part * (fwd.num_cols * fwd.block_dv) + fwd.col[items].astype(np.int64)[:, None] * fwd.block_dv
+    _store_rows_at(_flat(p["PartAcc"]), acc_bases, acc, acc_valid, exact_order)
     counts = np.broadcast_to(fwd.block_segments[items][:, None], valid.shape)
-    first = valid & fwd.first_segment[items][:, None]
+    first = stats & fwd.first_segment[items][:, None]
     _store(_flat(p["RowSegments"]), fwd.row_index[items], counts, first, exact_order)
 
 
@@ -429,7 +459,7 @@ def _serial_batch(fwd: _Forward, items: np.ndarray, q: np.ndarray, exact_order: 
     first = fwd.first_tile_start[items].astype(np.int64)
     kv_end = fwd.kv_end[items].astype(np.int64)
     seg_first = (first // seg) * seg
-    running = _initial(p, fwd.head[items].astype(np.int64), fwd.row_valid[items], fwd.block_d)
+    running = _initial(p, fwd.head[items].astype(np.int64), fwd.row_valid[items], fwd.block_dv)
     seg_start = int(seg_first.min())
     stop = int(kv_end.max())
     while seg_start < stop:
@@ -438,7 +468,7 @@ def _serial_batch(fwd: _Forward, items: np.ndarray, q: np.ndarray, exact_order: 
         has = (seg_first <= seg_start) & (seg_start < kv_end) & (tile_end > tile_begin)
         if has.any():
             sel = _selector(has)
-            state = _fresh(int(has.sum()), fwd.block_m, fwd.block_d)
+            state = _fresh(int(has.sum()), fwd.block_m, fwd.block_dv)
             m_seg, l_seg, acc_seg = _run_tiles(fwd, items[sel], tile_begin[sel], tile_end[sel], q[sel], state)
             m_run, l_run, acc_run = (s[sel] for s in running)
             merged = _merge(m_run, l_run, acc_run, m_seg, l_seg, acc_seg)
@@ -454,9 +484,17 @@ def _serial_batch(fwd: _Forward, items: np.ndarray, q: np.ndarray, exact_order: 
     q_rows, head = fwd.q_rows[items], fwd.head[items].astype(np.int64)
     out_flat = _flat(p["Out"])
     bases = q_rows * p["stride_o_tok"] + head * p["stride_o_head"]
-    _store_rows_at(out_flat, bases, cast(out[..., : fwd.head_size], p["Out"].dtype), valid, exact_order)
+    first, width = fwd.value_columns(items)
+    if not fwd.wide:
+        _store_rows_at(out_flat, bases, cast(out[..., : fwd.head_size_v], p["Out"].dtype), valid, exact_order)
+    else:
+        for w in np.unique(width):
+            sel = width == w
+            values = cast(out[sel][..., : int(w)], p["Out"].dtype)
+            _store_rows_at(out_flat, bases[sel] + first[sel][:, None], values, valid[sel], exact_order)
     if p["STORE_LSE"]:
-        _store(_flat(p["Lse"]), q_rows * p["stride_lse_tok"] + head, lse, valid, exact_order)
+        stats = valid & (fwd.col[items] == 0)[:, None]
+        _store(_flat(p["Lse"]), q_rows * p["stride_lse_tok"] + head, lse, stats, exact_order)
 
 
 # ----------------------------------------------------------------------------------------------
