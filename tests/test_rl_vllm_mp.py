@@ -130,7 +130,8 @@ def vllm_mp():
 
 @pytest.fixture(scope="module")
 def eos_model_dir(vllm_mp, tmp_path_factory):
-    """The embedded default model, untied (``lm_head`` pushed on its own), its EOS row scaled."""
+    """The embedded default model, untied (``lm_head`` pushed on its own), its EOS row scaled and its
+    config's ``eos_token_id`` set."""
     from samepath.check.harness import build_default_model, load_model
 
     directory = str(tmp_path_factory.mktemp("rl_mp_model"))
@@ -138,6 +139,7 @@ def eos_model_dir(vllm_mp, tmp_path_factory):
     model = load_model(directory, torch.float32).model
     with torch.no_grad():
         model.lm_head.weight[EOS].mul_(EOS_SCALE)
+    model.config.eos_token_id = EOS  # train-check's --eos-token-id auto
     model.save_pretrained(directory)
     return directory
 
@@ -160,19 +162,28 @@ def _assert_on_policy(history, steps):
     assert sum(m.tokens for m in history) < steps * batch * LOOP["new_tokens"]  # the completions' own tokens
 
 
-def test_grpo_five_steps_vllm_worker_processes_ratio_exactly_one(eos_model_dir):
-    """Five steps, the weights through shared memory and the RPC after every update: ratio 1 on
-    every token of every step, the weights changing."""
-    _assert_on_policy(_run(eos_model_dir, 5), 5)
+def test_train_check_rollout_vllm_worker_processes_five_steps(eos_model_dir, tmp_path, capsys):
+    """``samepath train-check --rollout vllm --model DIR``: five GRPO steps stock, then five with
+    samepath, vLLM in worker processes and the weights through its RPC (shared memory) after every
+    update, completions ending at the model's own EOS or capped. samepath: ratio exactly 1 on every
+    token of every step, EOS and capped completions in every batch, the weights changing; stock (no
+    samepath in the workers nor the trainer): the negative control, the ratio off 1."""
+    from samepath.check.cli import main
+    from samepath.rl import StepMetrics
 
-
-@pytest.mark.parametrize("steps", [2, pytest.param(5, marks=pytest.mark.slow)])
-def test_grpo_stock_vllm_worker_processes_drift(eos_model_dir, steps):
-    """The negative control: stock vLLM in the workers (no SAMEPATH_VLLM), the stock trainer."""
-    history = _run(eos_model_dir, steps, numerics="stock")
-    assert all(m.weight_change > 0 for m in history)
-    assert sum(m.eos_completions for m in history) > 0
-    assert any(not m.bitwise_equal and m.ratio_min < 1.0 < m.ratio_max for m in history), history
+    out = tmp_path / "train.json"
+    argv = ["train-check", "--rollout", "vllm", "--model", eos_model_dir, "--steps", "5", "--prompts", "2"]
+    argv += ["--group-size", "4", "--new-tokens", "4", "--temperature", str(TEMPERATURE), "--json", str(out)]
+    assert main(argv) == 0, capsys.readouterr()
+    report = json.loads(out.read_text())
+    assert report["settings"]["eos_token_id"] == EOS and report["bit_identical"] is True
+    runs = {name: [StepMetrics(**m) for m in report["runs"][name]["steps"]] for name in ("samepath", "stock")}
+    _assert_on_policy(runs["samepath"], 5)
+    stock = runs["stock"]
+    assert all(m.weight_change > 0 for m in stock) and sum(m.eos_completions for m in stock) > 0
+    assert any(not m.bitwise_equal and m.ratio_min < 1.0 < m.ratio_max for m in stock), stock
+    text = capsys.readouterr().out
+    assert "rollout vllm" in text and f"ended at EOS {EOS}" in text
 
 
 @pytest.mark.slow
