@@ -112,4 +112,5 @@ def vllm(session: nox.Session) -> None:
     session.run("pip", "uninstall", "-y", "torchvision", "torchaudio", "torchcodec")
     # With its vllm.general_plugins entry point, so the multiprocessing case can run (-m slow).
     session.install("--no-deps", "-e", ".")
-    session.run("python", "-m", "pytest", "tests/test_integration_vllm.py", *session.posargs)
+    tests = ["tests/test_integration_vllm.py", "tests/test_rl_vllm_mp.py"]
+    session.run("python", "-m", "pytest", *tests, *session.posargs)

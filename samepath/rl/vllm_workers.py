@@ -108,13 +108,13 @@ class SamepathWorkerExtension:
 
     def samepath_worker_info(self) -> dict:
         """This worker's process id, whether samepath is installed in it, and its fingerprint."""
-        import samepath
         from samepath.integrations.vllm.state import expected_fingerprint, installed
+        from samepath.kernels.config import fingerprint
 
         return dict(
             pid=os.getpid(),
             samepath=installed(),
-            fingerprint=samepath.fingerprint() if installed() else None,
+            fingerprint=fingerprint() if installed() else None,
             expected_fingerprint=expected_fingerprint(),
             model=type(self.model_runner.model).__name__,
         )
@@ -182,9 +182,9 @@ class VLLMWorkerRollout(VLLMRollout):
         self.transport = transport
         self.samepath = samepath
         if samepath and expect_fingerprint is None:
-            import samepath as sp
+            from samepath.kernels.config import fingerprint
 
-            expect_fingerprint = sp.fingerprint()
+            expect_fingerprint = fingerprint()
         env = {
             "VLLM_ENABLE_V1_MULTIPROCESSING": "1",
             "SAMEPATH_VLLM": "1" if samepath else "0",
