@@ -6,9 +6,11 @@ with ``save_pretrained`` and loaded back; or the model directory given) and runs
 :func:`samepath.rl.run_grpo` with the rollout engine and trainer precision asked for: "stock" with
 the frameworks' own kernels on both sides and the trainer's log-probs as verl computes them
 (:class:`StockTrainer`), "samepath" under ``patch_all()`` (and samepath's vLLM plugin). A vLLM run happens in a fresh
-child process (``python -m samepath.rl.train_check SPEC_JSON``), vLLM in-process there with the
-trainer, since vLLM keeps process-global state; the child prints one ``SAMEPATH_RESULT {json}``
-line with the per-step metrics.
+child process (``python -m samepath.rl.train_check SPEC_JSON``), since vLLM keeps process-global
+state: the trainer and vLLM's client there, vLLM's engine core and worker in processes of their own
+(``rollout="vllm"``, :mod:`samepath.rl.vllm_workers`) or in the child itself
+(``rollout="vllm-inprocess"``, :mod:`samepath.rl.vllm_engine`); the child prints one
+``SAMEPATH_RESULT {json}`` line with the per-step metrics.
 """
 
 from __future__ import annotations
