@@ -112,6 +112,7 @@ def ascend_ci(session: nox.Session) -> None:
 VLLM_TESTS = [
     "tests/test_integration_vllm.py",
     "tests/test_vllm_deepseek.py",
+    "tests/test_rl_vllm_mp.py",
 ]
 
 

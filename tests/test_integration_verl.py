@@ -13,6 +13,7 @@ pyarrow, orjson), then ``PYTHONPATH=. <venv>/bin/python -m pytest tests/test_int
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import os
 import subprocess
 import sys
@@ -367,9 +368,11 @@ def test_importing_with_samepath_verl_set_patches_every_process_that_imports_ver
 def test_verl_metrics_are_zero_at_every_rl_step_of_samepath_rl():
     """samepath.rl's GRPO loop (HF generate rollout synced by state-dict copy, fp32-master trainer):
     verl's own ``calculate_debug_metrics`` on each step's rollout and trainer log-probs reports
-    ``rollout_probs_diff_max/mean/std`` = 0 at every synced step; at the step after the pushes
-    stop (the negative control) its max is nonzero."""
+    ``rollout_probs_diff_max/mean/std`` = 0 at every synced step, and its rollout-correction
+    metrics ``rollout_corr/k3_kl`` and ``rollout_corr/kl`` = 0; at the step after the pushes stop
+    (the negative control) they are nonzero."""
     debug_metrics = _import_or_skip("verl.utils.debug.metrics")
+    rollout_corr = _import_or_skip("verl.trainer.ppo.rollout_corr_helper")
     transformers = _import_or_skip("transformers")
     from verl import DataProto
 
@@ -403,9 +406,45 @@ def test_verl_metrics_are_zero_at_every_rl_step_of_samepath_rl():
                 "response_mask": torch.ones_like(completions),
             }
         )
-        reports.append(debug_metrics.calculate_debug_metrics(batch))
+        report = debug_metrics.calculate_debug_metrics(batch)
+        # verl's rollout-correction metrics (the recipe's default rollout_correction block, no reweighting).
+        _, corr = rollout_corr.compute_rollout_correction_and_add_to_batch(batch, {"rollout_is": None})
+        report |= corr
+        reports.append(report)
     for step, report in enumerate(reports[:3]):
         assert report["training/rollout_probs_diff_valid"] == 1
         for stat in ("max", "mean", "std"):
             assert report[f"training/rollout_probs_diff_{stat}"] == 0.0, (step, report)
+        assert report["rollout_corr/k3_kl"] == 0.0 and report["rollout_corr/kl"] == 0.0, (step, report)
     assert reports[3]["training/rollout_probs_diff_max"] > 0, reports[3]
+    assert reports[3]["rollout_corr/k3_kl"] > 0, reports[3]
+
+
+def test_verl_grpo_samepath_recipe_keys_are_verls():
+    """recipes/verl_grpo_samepath: every override names a key of the installed verl's trainer config
+    (a key without ``+`` must exist there) and resolves to the value the recipe relies on; with Hydra
+    installed, verl's own ``validate_config`` and typed configs accept it. Negative control: a key
+    verl does not have is refused."""
+    _import_or_skip("verl.utils.config")
+    sys.path.insert(0, str(ROOT / "recipes" / "verl_grpo_samepath"))
+    try:
+        import check_config
+    finally:
+        sys.path.pop(0)
+    import samepath
+
+    overrides = check_config.read_overrides(samepath.fingerprint())
+    assert not any("${" in line for line in overrides)
+    config = check_config.compose(overrides)
+    from omegaconf import OmegaConf
+
+    for key, value in check_config.EXPECTED.items():
+        assert OmegaConf.select(config, key) == value, key
+    assert OmegaConf.select(config, "ray_kwargs.ray_init.runtime_env.env_vars.SAMEPATH_EXPECT_FINGERPRINT") == (
+        samepath.fingerprint()
+    )
+    with pytest.raises(KeyError, match="use_remove_paddings"):
+        check_config.compose([*overrides, "actor_rollout_ref.model.use_remove_paddings=True"])
+    if importlib.util.find_spec("hydra") is None:
+        pytest.skip("Hydra is not installed: verl's validate_config and typed configs not run")
+    assert check_config.main([]) == 0

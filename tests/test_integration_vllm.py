@@ -1684,6 +1684,7 @@ def _rl_eos_model(directory: str) -> str:
     return directory
 
 
+@pytest.mark.slow  # CI runs the loop with vLLM in worker processes: tests/test_rl_vllm_mp.py
 def test_rl_loop_vllm_weight_sync_stays_bit_identical(tmp_path):
     """samepath.rl's GRPO loop with vLLM in-process as the rollout (a child process holding the
     engine and the fp32-master trainer, tied embeddings): the weights go in through vLLM's
@@ -1696,7 +1697,7 @@ def test_rl_loop_vllm_weight_sync_stays_bit_identical(tmp_path):
 
     spec = TrainCheckSpec(
         steps=4,
-        rollout="vllm",
+        rollout="vllm-inprocess",
         prompts=1,
         group_size=4,
         new_tokens=4,

@@ -168,7 +168,8 @@ def _train_check_parser(sub) -> None:
         "--rollout",
         default="hf",
         help="rollout engine: hf (Hugging Face generate on a separate model, state-dict sync; the default) or vllm "
-        "(vLLM in-process with the trainer, in a child process per run; weights through vLLM's reload_weights)",
+        "(vLLM's engine core and worker in processes of their own, as RL stacks run it; the trainer's bf16 cast "
+        "pushed to the worker through vLLM's collective_rpc after every step; a child process per run)",
     )
     train.add_argument(
         "--precision",

@@ -58,8 +58,9 @@ trainer process on samepath.
 
 Recipe (verl + vLLM / vllm-ascend + FSDP): see docs/integrations.md. In short, through Ray's
 runtime environment (``+ray_kwargs.ray_init.runtime_env.env_vars.NAME=value``):
-``SAMEPATH_VERL=1``, ``VERL_USE_EXTERNAL_MODULES=samepath.integrations.verl``, ``SAMEPATH_VLLM=1``
-and ``SAMEPATH_EXPECT_FINGERPRINT`` = the trainer's ``samepath.fingerprint()``; and
+``SAMEPATH_VERL='1'``, ``VERL_USE_EXTERNAL_MODULES=samepath.integrations.verl``, ``SAMEPATH_VLLM='1'``
+(quoted: Ray takes only strings there) and ``SAMEPATH_EXPECT_FINGERPRINT`` = the trainer's
+``samepath.fingerprint()``; and
 ``actor_rollout_ref.actor.strategy=fsdp2``, ``actor_rollout_ref.model.use_fused_kernels=True`` (the
 fused lm_head above; ``False`` computes full logits, equally bit-identical),
 ``actor_rollout_ref.model.use_liger=False``, ``actor_rollout_ref.rollout.calculate_log_probs=True``,

@@ -1,6 +1,7 @@
 """True on-policy RL with samepath: a small GRPO loop (:mod:`samepath.rl.grpo`) whose rollout and
 trainer log-probs are bit-identical at every step, with pluggable rollout engines (Hugging Face
-``generate``; vLLM in-process, :mod:`samepath.rl.vllm_engine`)."""
+``generate``; vLLM in its own worker processes with the weights pushed through its RPC,
+:mod:`samepath.rl.vllm_workers`; vLLM in-process, :mod:`samepath.rl.vllm_engine`)."""
 
 from samepath.rl.grpo import (
     AUTOCAST_REFUSAL,

@@ -6,9 +6,11 @@ with ``save_pretrained`` and loaded back; or the model directory given) and runs
 :func:`samepath.rl.run_grpo` with the rollout engine and trainer precision asked for: "stock" with
 the frameworks' own kernels on both sides and the trainer's log-probs as verl computes them
 (:class:`StockTrainer`), "samepath" under ``patch_all()`` (and samepath's vLLM plugin). A vLLM run happens in a fresh
-child process (``python -m samepath.rl.train_check SPEC_JSON``), vLLM in-process there with the
-trainer, since vLLM keeps process-global state; the child prints one ``SAMEPATH_RESULT {json}``
-line with the per-step metrics.
+child process (``python -m samepath.rl.train_check SPEC_JSON``), since vLLM keeps process-global
+state: the trainer and vLLM's client there, vLLM's engine core and worker in processes of their own
+(``rollout="vllm"``, :mod:`samepath.rl.vllm_workers`) or in the child itself
+(``rollout="vllm-inprocess"``, :mod:`samepath.rl.vllm_engine`); the child prints one
+``SAMEPATH_RESULT {json}`` line with the per-step metrics.
 """
 
 from __future__ import annotations
@@ -32,7 +34,9 @@ RESULT_PREFIX = "SAMEPATH_RESULT "
 class TrainCheckSpec:
     """One run of the loop (``sync_steps``: see :func:`samepath.rl.run_grpo`; prompts of
     ``min_prompt_len`` to ``max_prompt_len`` tokens; ``reset_prefix_cache``: see
-    :class:`samepath.rl.vllm_engine.VLLMRollout`)."""
+    :class:`samepath.rl.vllm_engine.VLLMRollout`). ``rollout``: ``"hf"``, ``"vllm"`` (vLLM in its own
+    worker processes, the weights through its RPC: :class:`samepath.rl.vllm_workers.VLLMWorkerRollout`,
+    ``transport`` one of its transports) or ``"vllm-inprocess"`` (vLLM in the trainer's process)."""
 
     steps: int = 3
     rollout: str = "hf"
@@ -52,6 +56,15 @@ class TrainCheckSpec:
     device: str = "cpu"
     model: str | None = None  #: a Hugging Face model directory; None: the embedded default
     eos_token_id: int | None = None  #: completions end at this token or after new_tokens; None: all capped
+    transport: str = "shm"  #: how rollout "vllm" receives the weights: "shm" or "rpc"
+
+    def __post_init__(self) -> None:
+        if self.rollout not in ROLLOUTS:
+            raise ValueError(f"rollout must be one of {', '.join(ROLLOUTS)}, got {self.rollout!r}")
+
+
+#: The rollout engines of :class:`TrainCheckSpec`.
+ROLLOUTS = ("hf", "vllm", "vllm-inprocess")
 
 
 class StockTrainer(Trainer):
@@ -99,41 +112,52 @@ def run_in_process(spec: TrainCheckSpec, on_step: Callable[[StepMetrics], None] 
             task = CopyTask(vocab, spec.prompts, spec.min_prompt_len, spec.max_prompt_len, seed=spec.seed)
             trainer_class = Trainer if spec.numerics == "samepath" else StockTrainer
             trainer = trainer_class(model, spec.precision, lr=spec.lr, temperature=spec.temperature)
+            batch = spec.prompts * spec.group_size
+            engine = dict(
+                seed=spec.seed,
+                max_model_len=spec.max_prompt_len + spec.new_tokens + 32,
+                max_num_seqs=batch,
+                reset_prefix_cache=spec.reset_prefix_cache,
+            )
             if spec.rollout == "vllm":
+                from samepath.rl.vllm_workers import VLLMWorkerRollout
+
+                samepath = spec.numerics == "samepath"
+                rollout = VLLMWorkerRollout(
+                    directory, trainer.rollout_dtype, samepath=samepath, transport=spec.transport, **engine
+                )
+            elif spec.rollout == "vllm-inprocess":
                 from samepath.rl.vllm_engine import VLLMRollout
 
-                batch = spec.prompts * spec.group_size
-                rollout = VLLMRollout(
-                    directory,
-                    trainer.rollout_dtype,
-                    seed=spec.seed,
-                    max_model_len=spec.max_prompt_len + spec.new_tokens + 32,
-                    max_num_seqs=batch,
-                    reset_prefix_cache=spec.reset_prefix_cache,
-                )
+                rollout = VLLMRollout(directory, trainer.rollout_dtype, **engine)
             else:
                 rollout = HFRollout.for_trainer(trainer)
-            return run_grpo(
-                trainer,
-                rollout,
-                task,
-                spec.steps,
-                spec.group_size,
-                spec.new_tokens,
-                seed=spec.seed,
-                sync_steps=spec.sync_steps,
-                on_step=on_step,
-                eos_token_id=spec.eos_token_id,
-            )
+            try:
+                return run_grpo(
+                    trainer,
+                    rollout,
+                    task,
+                    spec.steps,
+                    spec.group_size,
+                    spec.new_tokens,
+                    seed=spec.seed,
+                    sync_steps=spec.sync_steps,
+                    on_step=on_step,
+                    eos_token_id=spec.eos_token_id,
+                )
+            finally:
+                if hasattr(rollout, "close"):
+                    rollout.close()
 
 
 def run_in_child(spec: TrainCheckSpec, timeout: float = 1800.0) -> list[StepMetrics]:
-    """Run ``spec`` in a fresh Python process (vLLM engine core in that process); raise
+    """Run ``spec`` in a fresh Python process (the trainer and vLLM's client there; vLLM's engine
+    core there too for ``"vllm-inprocess"``, in processes of its own for ``"vllm"``); raise
     ``RuntimeError`` with the child's stderr tail on failure."""
     env = dict(os.environ)
     env.update(
         SAMEPATH_VLLM="1" if spec.numerics == "samepath" else "0",
-        VLLM_ENABLE_V1_MULTIPROCESSING="0",
+        VLLM_ENABLE_V1_MULTIPROCESSING="1" if spec.rollout == "vllm" else "0",
         TOKENIZERS_PARALLELISM="false",
     )
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
@@ -156,7 +180,7 @@ def run_in_child(spec: TrainCheckSpec, timeout: float = 1800.0) -> list[StepMetr
 
 def run(spec: TrainCheckSpec, on_step: Callable[[StepMetrics], None] | None = None) -> list[StepMetrics]:
     """A vLLM run in a child process, a Hugging Face one here."""
-    return run_in_child(spec) if spec.rollout == "vllm" else run_in_process(spec, on_step)
+    return run_in_process(spec, on_step) if spec.rollout == "hf" else run_in_child(spec)
 
 
 def format_table(stock: list[StepMetrics], patched: list[StepMetrics]) -> str:
@@ -205,7 +229,7 @@ def plot(stock: list[StepMetrics], patched: list[StepMetrics], path: str) -> Non
 
 
 def _child(spec: TrainCheckSpec) -> list[dict]:
-    if spec.rollout == "vllm" and spec.numerics == "samepath":
+    if spec.rollout == "vllm-inprocess" and spec.numerics == "samepath":
         from samepath.integrations import vllm_plugin
 
         vllm_plugin.register()
@@ -223,6 +247,7 @@ if __name__ == "__main__":
 
 
 __all__ = [
+    "ROLLOUTS",
     "StockTrainer",
     "TrainCheckSpec",
     "format_table",
