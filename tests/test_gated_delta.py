@@ -203,3 +203,135 @@ def test_bad_inputs_raise_value_error_naming_the_argument():
     _, cache = gd.gated_delta_continue(q, k, v, g, beta, cu)
     with pytest.raises(ValueError, match="cache"):
         gd.gated_delta_continue(q, k, v, g, beta, torch.tensor([0, 5, 10]), cache)
+
+
+def _feed_slots(inputs, lengths, schedule, slots, slot_ids, initial=None):
+    """Feed sequence i its next ``schedule[step][i]`` tokens per step through the slot path (one call per
+    step, a mixed batch); returns the outputs in packed order."""
+    cu = [0, *torch.tensor(lengths).cumsum(0).tolist()]
+    per_seq = [_split(x, cu) for x in inputs]
+    outs, done = [[] for _ in lengths], [0] * len(lengths)
+    for step, counts in enumerate(schedule):
+        pieces = [[x[i][done[i] : done[i] + c] for i, c in enumerate(counts)] for x in per_seq]
+        step_cu = torch.tensor([0, *torch.tensor(counts).cumsum(0).tolist()])
+        out = gd.gated_delta_continue_slots(
+            *(torch.cat(p) for p in pieces), step_cu, slots, slot_ids, initial if step == 0 else None
+        )
+        for i, o in enumerate(_split(out, step_cu.tolist())):
+            outs[i].append(o)
+            done[i] += counts[i]
+    assert done == list(lengths)
+    return torch.cat([torch.cat(o) for o in outs])
+
+
+def _schedule(lengths, sizes, seed):
+    """Random per-step token counts (from ``sizes``, 0 included) until every sequence is fed."""
+    gen = torch.Generator().manual_seed(seed)
+    left, steps = list(lengths), []
+    while any(left):
+        counts = [min(n, sizes[int(torch.randint(len(sizes), (1,), generator=gen))]) for n in left]
+        steps.append(counts)
+        left = [n - c for n, c in zip(left, counts, strict=True)]
+    return steps
+
+
+@pytest.mark.parametrize(
+    ("dtype", "dk", "dv", "hk", "hv"),
+    [(torch.float32, 32, 40, 1, 2), (torch.bfloat16, 16, 32, 2, 6)],
+)
+def test_slots_mixed_prefill_decode_batch_equals_one_call(dtype, dk, dv, hk, hv):
+    """The slot path (vLLM's state cache): every split of every sequence, mixed in one batch with other
+    sequences' prefill chunks and decode steps, token-by-token decode across a chunk boundary, gives
+    the one-call prefill's outputs and states; other slots untouched; a dirty slot reused by a fresh
+    sequence (``initial`` False)."""
+    lengths = [1, C - 1, C, C + 1, 3 * C + 5]
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
+    inputs = _inputs(int(cu[-1]), hk, hv, dk, dv, dtype, seed=dv + hv)
+    packed, state = gd.chunk_gated_delta(*inputs, cu)
+    slot_ids = torch.tensor([6, 0, 3, 5, 1])
+    schedules = [
+        _schedule(lengths, [0, 1, 2, 5, C - 1, C, C + 1], seed=dk),
+        # prefill to C - 2, then token by token across the first boundary, then the rest in one piece
+        [[min(n, C - 2) for n in lengths]]
+        + [[1 if C - 2 + s < n else 0 for n in lengths] for s in range(4)]
+        + [[max(0, n - C - 2) for n in lengths]],
+    ]
+    for schedule in schedules:
+        slots = gd.GatedDeltaSlots.allocate(8, hk, hv, dk, dv, dtype)
+        for buf in (slots.state, slots.tail_k, slots.tail_v, slots.tail_g, slots.tail_beta):
+            buf.copy_(torch.randn(buf.shape))  # dirty slots: the fresh sequences must not read them
+        slots.tail_len.fill_(7)
+        before = [x.clone() for x in (slots.state, slots.tail_len)]
+        out = _feed_slots(inputs, lengths, schedule, slots, slot_ids, torch.zeros(5, dtype=torch.bool))
+        assert torch.equal(out, packed)
+        assert torch.equal(slots.state[slot_ids], state)
+        assert torch.equal(slots.tail_len[slot_ids], torch.tensor(lengths, dtype=torch.int32) % C)
+        for other in (2, 4, 7):
+            assert torch.equal(slots.state[other], before[0][other]) and slots.tail_len[other] == 7
+    # the slot path and the packed continuation agree on the boundary tails they keep
+    _, cache = gd.gated_delta_continue(*inputs, cu)
+    rows = [slots.tail_k[s, : n % C] for s, n in zip(slot_ids.tolist(), lengths, strict=True)]
+    assert torch.equal(torch.cat(rows), cache.k)
+
+
+def test_slots_negative_control_wrong_tail_length():
+    """The same harness with one slot's tail length off by one (a token dropped from the partial chunk)
+    gives other bits: the equality above can fail."""
+    lengths = [C + 9, 20]
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
+    inputs = _inputs(int(cu[-1]), 1, 2, 16, 32, torch.float32, seed=4)
+    packed, _ = gd.chunk_gated_delta(*inputs, cu)
+    slots = gd.GatedDeltaSlots.allocate(2, 1, 2, 16, 32, torch.float32)
+    slot_ids = torch.tensor([1, 0])
+    first = _feed_slots(inputs, [C + 5, 15], [[C + 5, 15]], slots, slot_ids)
+    slots.tail_len[1] -= 1  # the bug under test
+    rest = _feed_slots(_rest(inputs, cu, [C + 5, 15]), [4, 5], [[4, 5]], slots, slot_ids)
+    out = torch.cat([first[: C + 5], rest[:4], first[C + 5 :], rest[4:]])
+    torch.testing.assert_close(out, packed, atol=0.5, rtol=0.5)
+    assert torch.equal(out[: C + 5], packed[: C + 5])
+    assert not torch.equal(out, packed)
+
+
+def _rest(inputs, cu, done):
+    """The tokens after the first ``done[i]`` of each sequence, packed."""
+    return [
+        torch.cat([x[a + d : b] for (a, b), d in zip(itertools.pairwise(cu.tolist()), done, strict=True)])
+        for x in inputs
+    ]
+
+
+@_INTERPRETED
+def test_slots_verify_replay_matches_interpreter():
+    """Slot mode under ``verify``: the replay's outputs, slot states and tails equal the interpreter's
+    (a continuation into a partial chunk crossing a boundary, a fresh sequence, GQA)."""
+    slots = gd.GatedDeltaSlots.allocate(3, 1, 2, 24, 32, torch.bfloat16)
+    slots.tail_len[2] = C - 3
+    for buf in (slots.state, slots.tail_k, slots.tail_v, slots.tail_g, slots.tail_beta):
+        buf.copy_(torch.randn(buf.shape) * 0.1)
+    inputs = _inputs(9, 1, 2, 24, 32, torch.bfloat16, seed=8)
+    with cpu_executor("verify"):
+        gd.gated_delta_continue_slots(
+            *inputs, torch.tensor([0, 5, 9]), slots, torch.tensor([2, 0]), torch.tensor([True, False])
+        )
+
+
+def test_slots_bad_inputs_raise_value_error_naming_the_argument():
+    q, k, v, g, beta = _inputs(4, 1, 2, 16, 16, torch.float32, seed=1)
+    cu, ids = torch.tensor([0, 4]), torch.tensor([0])
+    slots = gd.GatedDeltaSlots.allocate(2, 1, 2, 16, 16, torch.float32)
+    with pytest.raises(ValueError, match="slots must be"):
+        gd.gated_delta_continue_slots(q, k, v, g, beta, cu, None, ids)
+    with pytest.raises(ValueError, match="slot_ids must be"):
+        gd.gated_delta_continue_slots(q, k, v, g, beta, cu, slots, torch.tensor([0, 1]))
+    with pytest.raises(ValueError, match="initial must be"):
+        gd.gated_delta_continue_slots(q, k, v, g, beta, cu, slots, ids, torch.tensor([1]))
+    bad = gd.GatedDeltaSlots.allocate(2, 1, 2, 16, 16, torch.bfloat16)
+    with pytest.raises(ValueError, match=r"slots\.tail_k must be"):
+        gd.gated_delta_continue_slots(q, k, v, g, beta, cu, bad, ids)
+    slots.tail_len = slots.tail_len.long()
+    with pytest.raises(ValueError, match=r"slots\.tail_len must be"):
+        gd.gated_delta_continue_slots(q, k, v, g, beta, cu, slots, ids)
+    slots = gd.GatedDeltaSlots.allocate(2, 1, 2, 16, 16, torch.float32)
+    slots.state = slots.state.transpose(2, 3)
+    with pytest.raises(ValueError, match=r"slots\.state must be contiguous"):
+        gd.gated_delta_continue_slots(q, k, v, g, beta, cu, slots, ids)

@@ -12,14 +12,20 @@ and the tokens of its chunk up to ``t``, by the chunk formula of
 :data:`samepath.kernels.config.GATED_DELTA_FORMULA` (UT transform by forward substitution, every
 cross-token term behind an exact lower-triangular mask, so a row's bits never depend on the tokens
 after it); a full chunk produces the next boundary state by the one update formula.
-A continuation (:func:`gated_delta_continue`, decode included) keeps the boundary state plus the
-``<= C - 1`` tokens since it (their keys, values, gates, betas), recomputes that partial chunk with
-the new tokens appended (query rows of the old tokens zero, their outputs discarded) and applies the
-update when the chunk fills: every output and state has the bits of the one-call prefill. A decode
-step therefore costs one chunk tile (``O(C^3 + C^2 (Dk + Dv) + C Dk Dv)``), not a per-token recurrence.
+A continuation (decode included) keeps the boundary state plus the ``<= C - 1`` tokens since it
+(their keys, values, gates, betas), recomputes that partial chunk with the new tokens appended (query
+rows of the old tokens zero, their outputs discarded) and applies the update when the chunk fills:
+every output and state has the bits of the one-call prefill. A decode step therefore costs one chunk
+tile (``O(C^3 + C^2 (Dk + Dv) + C Dk Dv)``), not a per-token recurrence. Two forms:
+:func:`gated_delta_continue` (a packed :class:`GatedDeltaCache`, host-side bookkeeping) and
+:func:`gated_delta_continue_slots` (per-slot buffers :class:`GatedDeltaSlots` updated in place on the
+device, no host sync: vLLM's state cache, ``generate``), the same kernel reading the tail from the
+slot.
 
 Programs: one per (sequence, value head, block of :data:`V_BLOCK` value columns), walking its
-chunks in order (the state slice stays in registers). Dots take fp32 operands at ieee precision with fp32 accumulation.
+chunks in order (the state slice stays in registers). Dots take fp32 operands with fp32
+accumulation: :data:`DOT_PRECISION` ``tf32x3`` on NVIDIA (three tf32 products, near-fp32), fp32
+products in the interpreter and the replay (which ignore ``input_precision``).
 
 Backward: :class:`_GatedDelta` recomputes the same chunk formula with torch fp32 ops per sequence
 and chunk (every head at once) and differentiates it by autograd: deterministic run to run (no
@@ -61,6 +67,13 @@ def _gated_delta_fwd_kernel(
     Out,
     SOut,
     CuSeqlens,
+    SlotIds,
+    TailLen,
+    Initial,
+    TailK,
+    TailV,
+    TailG,
+    TailB,
     HK,
     HV,
     DK,
@@ -68,6 +81,7 @@ def _gated_delta_fwd_kernel(
     SCALE: tl.constexpr,
     EPS: tl.constexpr,
     HAS_S0: tl.constexpr,
+    SLOTS: tl.constexpr,
     CHUNK_SIZE: tl.constexpr,
     BLOCK_K: tl.constexpr,
     BLOCK_V: tl.constexpr,
@@ -76,7 +90,13 @@ def _gated_delta_fwd_kernel(
     the state at its last chunk boundary, value columns ``vb * BLOCK_V ...`` (the chunk's UT transform,
     ``w`` and the intra-chunk scores are recomputed per value block, the same bits).
     Q, K ``[T, HK, DK]``, V / Out ``[T, HV, DV]``, G / Beta ``[T, HV]`` fp32,
-    S0 / SOut ``[N, HV, DK, DV]`` fp32, all contiguous."""
+    S0 / SOut ``[N, HV, DK, DV]`` fp32, all contiguous.
+
+    ``SLOTS``: sequence n continues slot ``SlotIds[n]``: its ``TailLen[n]`` (gathered per sequence, 0
+    for a fresh one) tail tokens ``TailK [S, C, HK, DK]``, ``TailV [S, C, HV, DV]``, ``TailG`` /
+    ``TailB [S, C, HV]`` come first (query rows zero, outputs not stored), then its new tokens; the
+    state is read (where ``Initial[n]``, else zeros) from and written back to ``S0 = SOut [S, HV, DK,
+    DV]`` at the slot (each program its own slice)."""
     n = tl.program_id(0)
     h = tl.program_id(1)
     vb = tl.program_id(2)
@@ -89,23 +109,64 @@ def _gated_delta_fwd_kernel(
     lower = rows[:, None] >= rows[None, :]
     strict = rows[:, None] > rows[None, :]
     eye = tl.where(rows[:, None] == rows[None, :], 1.0, 0.0)
-    state_offs = (n * HV + h).to(tl.int64) * DK * DV + kd[:, None] * DV + vd[None, :]
     state_mask = (kd[:, None] < DK) & (vd[None, :] < DV)
-    if HAS_S0:
+    if SLOTS:
+        slot = tl.load(SlotIds + n).to(tl.int64)
+        tail = tl.load(TailLen + n).to(tl.int32)
+        state_offs = (slot * HV + h) * DK * DV + kd[:, None] * DV + vd[None, :]
         S = tl.load(S0 + state_offs, mask=state_mask, other=0.0)
+        S = tl.where(tl.load(Initial + n) != 0, S, 0.0)
     else:
-        S = tl.zeros((BLOCK_K, BLOCK_V), dtype=tl.float32)
-    for c0 in range(0, length, CHUNK_SIZE):
-        valid = (c0 + rows) < length
-        tok = start + c0 + rows
-        qk_mask = valid[:, None] & (kd[None, :] < DK)
-        v_mask = valid[:, None] & (vd[None, :] < DV)
-        qk_offs = (tok[:, None] * HK + hk) * DK + kd[None, :]
-        q = tl.load(Q + qk_offs, mask=qk_mask, other=0.0).to(tl.float32)
-        k = tl.load(K + qk_offs, mask=qk_mask, other=0.0).to(tl.float32)
-        v = tl.load(V + (tok[:, None] * HV + h) * DV + vd[None, :], mask=v_mask, other=0.0).to(tl.float32)
-        g = tl.load(G + tok * HV + h, mask=valid, other=0.0)
-        b = tl.load(Beta + tok * HV + h, mask=valid, other=0.0)
+        tail = 0
+        state_offs = (n * HV + h).to(tl.int64) * DK * DV + kd[:, None] * DV + vd[None, :]
+        if HAS_S0:
+            S = tl.load(S0 + state_offs, mask=state_mask, other=0.0)
+        else:
+            S = tl.zeros((BLOCK_K, BLOCK_V), dtype=tl.float32)
+    for c0 in range(0, tail + length, CHUNK_SIZE):
+        if SLOTS:
+            valid = (c0 + rows) < tail + length
+            old = (c0 + rows) < tail
+            new = valid & (c0 + rows >= tail)
+            tok = start + c0 + rows - tail
+            trow = slot * CHUNK_SIZE + c0 + rows
+            qk_mask = new[:, None] & (kd[None, :] < DK)
+            v_mask = new[:, None] & (vd[None, :] < DV)
+            old_k = old[:, None] & (kd[None, :] < DK)
+            old_v = old[:, None] & (vd[None, :] < DV)
+            qk_offs = (tok[:, None] * HK + hk) * DK + kd[None, :]
+            tk_offs = (trow[:, None] * HK + hk) * DK + kd[None, :]
+            tv_offs = (trow[:, None] * HV + h) * DV + vd[None, :]
+            q = tl.load(Q + qk_offs, mask=qk_mask, other=0.0).to(tl.float32)
+            k = tl.where(
+                old_k,
+                tl.load(TailK + tk_offs, mask=old_k, other=0.0).to(tl.float32),
+                tl.load(K + qk_offs, mask=qk_mask, other=0.0).to(tl.float32),
+            )
+            v = tl.where(
+                old_v,
+                tl.load(TailV + tv_offs, mask=old_v, other=0.0).to(tl.float32),
+                tl.load(V + (tok[:, None] * HV + h) * DV + vd[None, :], mask=v_mask, other=0.0).to(tl.float32),
+            )
+            g = tl.where(
+                old, tl.load(TailG + trow * HV + h, mask=old, other=0.0), tl.load(G + tok * HV + h, mask=new, other=0.0)
+            )
+            b = tl.where(
+                old,
+                tl.load(TailB + trow * HV + h, mask=old, other=0.0),
+                tl.load(Beta + tok * HV + h, mask=new, other=0.0),
+            )
+        else:
+            valid = (c0 + rows) < length
+            tok = start + c0 + rows
+            qk_mask = valid[:, None] & (kd[None, :] < DK)
+            v_mask = valid[:, None] & (vd[None, :] < DV)
+            qk_offs = (tok[:, None] * HK + hk) * DK + kd[None, :]
+            q = tl.load(Q + qk_offs, mask=qk_mask, other=0.0).to(tl.float32)
+            k = tl.load(K + qk_offs, mask=qk_mask, other=0.0).to(tl.float32)
+            v = tl.load(V + (tok[:, None] * HV + h) * DV + vd[None, :], mask=v_mask, other=0.0).to(tl.float32)
+            g = tl.load(G + tok * HV + h, mask=valid, other=0.0)
+            b = tl.load(Beta + tok * HV + h, mask=valid, other=0.0)
         q = q * (1.0 / tl.sqrt(tl.sum(q * q, axis=1) + EPS))[:, None]
         q = q * SCALE
         k = k * (1.0 / tl.sqrt(tl.sum(k * k, axis=1) + EPS))[:, None]
@@ -129,11 +190,11 @@ def _gated_delta_fwd_kernel(
         tl.store(Out + (tok[:, None] * HV + h) * DV + vd[None, :], o.to(Out.dtype.element_ty), mask=v_mask)
         kdec = k * tl.exp(gc_last - gc)[:, None]
         updated = tl.dot(tl.trans(kdec), vnew, S * tl.exp(gc_last), input_precision=DOT_PRECISION)
-        S = tl.where(c0 + CHUNK_SIZE <= length, updated, S)
+        S = tl.where(c0 + CHUNK_SIZE <= tail + length, updated, S)
     tl.store(SOut + state_offs, S, mask=state_mask)
 
 
-def _check(q, k, v, g, beta, cu_seqlens, state) -> tuple[int, int, int, int, int]:
+def _check(q, k, v, g, beta, cu_seqlens, state, check_values: bool = True) -> tuple[int, int, int, int, int]:
     """Validate the packed operands; returns ``(N, HK, HV, DK, DV)``."""
     for name, t, dims in (("q", q, 3), ("k", k, 3), ("v", v, 3), ("g", g, 2), ("beta", beta, 2)):
         if not isinstance(t, torch.Tensor) or t.dim() != dims:
@@ -161,10 +222,11 @@ def _check(q, k, v, g, beta, cu_seqlens, state) -> tuple[int, int, int, int, int
         raise ValueError("cu_seqlens must be a 1-d integer tensor [N + 1]")
     if cu_seqlens.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"cu_seqlens must be int32 / int64, got {cu_seqlens.dtype}")
-    cu = cu_seqlens.tolist()
-    if cu[0] != 0 or cu[-1] != total or any(b < a for a, b in itertools.pairwise(cu)):
-        raise ValueError(f"cu_seqlens must rise from 0 to T = {total}, got {cu}")
-    n = len(cu) - 1
+    if check_values:  # a host sync: the slot path trusts the values instead
+        cu = cu_seqlens.tolist()
+        if cu[0] != 0 or cu[-1] != total or any(b < a for a, b in itertools.pairwise(cu)):
+            raise ValueError(f"cu_seqlens must rise from 0 to T = {total}, got {cu}")
+    n = cu_seqlens.numel() - 1
     if state is not None:
         if not isinstance(state, torch.Tensor) or state.dtype != torch.float32:
             raise ValueError("state must be a float32 tensor [N, HV, DK, DV]")
@@ -177,13 +239,24 @@ def _check(q, k, v, g, beta, cu_seqlens, state) -> tuple[int, int, int, int, int
 
 
 def _launch(q, k, v, g, beta, cu_seqlens, state) -> tuple[torch.Tensor, torch.Tensor]:
-    n, hk, hv, dk, dv = _check(q, k, v, g, beta, cu_seqlens, state)
+    n, _hk, hv, dk, dv = _check(q, k, v, g, beta, cu_seqlens, state)
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     g, beta = g.float().contiguous(), beta.float().contiguous()
     out = torch.empty(v.shape, dtype=v.dtype, device=v.device)
     s_out = torch.zeros((n, hv, dk, dv), dtype=torch.float32, device=v.device)
     s0 = state.contiguous() if state is not None else s_out
+    _run_forward(q, k, v, g, beta, cu_seqlens.contiguous(), s0, out, s_out, state is not None, None)
+    return out, s_out
+
+
+def _run_forward(q, k, v, g, beta, cu_seqlens, s0, out, s_out, has_s0: bool, slots) -> None:
+    """One launch of the forward kernel; ``slots``: ``None`` or ``(slot_ids, tail_len [N] int32,
+    initial [N] int32, tail_k, tail_v, tail_g, tail_beta)`` (then ``s0 is s_out``, the slot states)."""
+    n, hk, dk = cu_seqlens.shape[0] - 1, q.shape[1], q.shape[2]
+    hv, dv = v.shape[1], v.shape[2]
     block_k, block_v = max(16, triton.next_power_of_2(dk)), V_BLOCK
+    # without slots the slot pointers are unused (any tensor of the launch's device)
+    slot_args = slots if slots is not None else (cu_seqlens,) * 3 + (k, v, g, beta)
     _gated_delta_fwd_kernel[(n, hv, triton.cdiv(dv, block_v))](
         q,
         k,
@@ -193,20 +266,21 @@ def _launch(q, k, v, g, beta, cu_seqlens, state) -> tuple[torch.Tensor, torch.Te
         s0,
         out,
         s_out,
-        cu_seqlens.contiguous(),
+        cu_seqlens,
+        *slot_args,
         hk,
         hv,
         dk,
         dv,
         SCALE=dk**-0.5,
         EPS=L2_EPS,
-        HAS_S0=state is not None,
+        HAS_S0=has_s0,
+        SLOTS=slots is not None,
         CHUNK_SIZE=CHUNK,
         BLOCK_K=block_k,
         BLOCK_V=block_v,
         num_warps=4,
     )
-    return out, s_out
 
 
 def chunk_formula(q, k, v, g, beta, state, scale: float):
@@ -363,3 +437,131 @@ def gated_delta_continue(q, k, v, g, beta, cu_seqlens, cache: GatedDeltaCache | 
         torch.tensor(cu_tail, dtype=torch.int64, device=q.device),
     )
     return out, new_cache
+
+
+@dataclass
+class GatedDeltaSlots:
+    """One layer's Gated DeltaNet cache by slot (vLLM's state cache, a ``generate`` batch), updated in
+    place by :func:`gated_delta_continue_slots`. Slot ``s`` holds a sequence's fp32 state at its last
+    chunk boundary and the ``tail_len[s] < C`` tokens since it (rows ``0 .. tail_len[s] - 1``; rows
+    beyond are unused), every buffer contiguous:
+
+    - ``state [S, HV, DK, DV]`` float32;
+    - ``tail_k [S, C, HK, DK]`` and ``tail_v [S, C, HV, DV]`` in q's dtype (the raw keys and values);
+    - ``tail_g``, ``tail_beta [S, C, HV]`` float32;
+    - ``tail_len [S]`` int32.
+    """
+
+    state: torch.Tensor
+    tail_k: torch.Tensor
+    tail_v: torch.Tensor
+    tail_g: torch.Tensor
+    tail_beta: torch.Tensor
+    tail_len: torch.Tensor
+
+    @classmethod
+    def allocate(cls, num_slots: int, hk: int, hv: int, dk: int, dv: int, dtype, device=None) -> GatedDeltaSlots:
+        """Zeroed buffers (every slot empty) for ``num_slots`` sequences."""
+
+        def zeros(*shape, dt=torch.float32):
+            return torch.zeros(shape, dtype=dt, device=device)
+
+        return cls(
+            zeros(num_slots, hv, dk, dv),
+            zeros(num_slots, CHUNK, hk, dk, dt=dtype),
+            zeros(num_slots, CHUNK, hv, dv, dt=dtype),
+            zeros(num_slots, CHUNK, hv),
+            zeros(num_slots, CHUNK, hv),
+            zeros(num_slots, dt=torch.int32),
+        )
+
+
+def _check_slots(slots, q, v, n, slot_ids, initial) -> None:
+    """Shapes, dtypes, devices and contiguity (metadata only: no host sync) of the slot operands."""
+    if not isinstance(slots, GatedDeltaSlots):
+        raise ValueError(f"slots must be a GatedDeltaSlots, got {type(slots).__name__}")
+    hk, dk, hv, dv = q.shape[1], q.shape[2], v.shape[1], v.shape[2]
+    num = slots.state.shape[0] if isinstance(slots.state, torch.Tensor) and slots.state.dim() else -1
+    expected = {
+        "state": ((num, hv, dk, dv), torch.float32),
+        "tail_k": ((num, CHUNK, hk, dk), q.dtype),
+        "tail_v": ((num, CHUNK, hv, dv), q.dtype),
+        "tail_g": ((num, CHUNK, hv), torch.float32),
+        "tail_beta": ((num, CHUNK, hv), torch.float32),
+        "tail_len": ((num,), torch.int32),
+    }
+    for name, (shape, dtype) in expected.items():
+        t = getattr(slots, name)
+        if not isinstance(t, torch.Tensor) or tuple(t.shape) != shape or t.dtype != dtype:
+            raise ValueError(
+                f"slots.{name} must be {dtype} {list(shape)}, got {getattr(t, 'dtype', type(t))} "
+                f"{list(getattr(t, 'shape', []))}"
+            )
+        if not t.is_contiguous():
+            raise ValueError(f"slots.{name} must be contiguous (it is updated in place)")
+        if t.device != q.device:
+            raise ValueError(f"slots.{name} must be on q's device {q.device}, got {t.device}")
+    for name, t, dtypes in (
+        ("slot_ids", slot_ids, (torch.int32, torch.int64)),
+        ("initial", initial, (torch.bool,)),
+    ):
+        if t is None and name == "initial":
+            continue
+        if not isinstance(t, torch.Tensor) or tuple(t.shape) != (n,) or t.dtype not in dtypes:
+            raise ValueError(f"{name} must be a {' / '.join(map(str, dtypes))} tensor [N] = [{n}]")
+        if t.device != q.device:
+            raise ValueError(f"{name} must be on q's device {q.device}, got {t.device}")
+
+
+@torch.no_grad()
+def gated_delta_continue_slots(q, k, v, g, beta, cu_seqlens, slots: GatedDeltaSlots, slot_ids, initial=None):
+    """Prefill, chunked prefill and decode of a mixed batch against per-slot buffers, in place, on the
+    device: no host sync and no per-sequence Python (one kernel launch and a fixed number of torch
+    ops, so it can be captured in a CUDA graph). Not differentiable.
+
+    Args:
+        q, k, v, g, beta, cu_seqlens: the new tokens of ``N`` sequences, packed as for
+            :func:`chunk_gated_delta` (any number per sequence, 0 included).
+        slots: the :class:`GatedDeltaSlots` buffers; slot ``slot_ids[n]`` is sequence n's.
+        slot_ids: ``[N]`` int32 / int64, distinct, each in ``[0, S)``.
+        initial: optional ``[N]`` bool: where ``False`` the sequence starts here (its slot's state
+            and tail are ignored, as for a fresh slot); ``None``: every slot continues (an empty slot,
+            ``tail_len == 0`` and zero state, is a fresh sequence too).
+
+    Returns ``out [T, HV, DV]`` in q's dtype. Afterwards each slot holds the state at its sequence's
+    last chunk boundary and the tokens since it. Contract: every output and every slot state has the
+    bits of one :func:`chunk_gated_delta` call over the whole sequences (all tokens fed so far),
+    however the sequences were split into calls. The values of ``cu_seqlens`` and ``slot_ids`` are
+    not checked (that would be a host sync): ``cu_seqlens`` must rise from 0 to T and the slots must
+    be distinct and in range.
+    """
+    n, _hk, _hv, _dk, _dv = _check(q, k, v, g, beta, cu_seqlens, None, check_values=False)
+    _check_slots(slots, q, v, n, slot_ids, initial)
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    g, beta = g.float().contiguous(), beta.float().contiguous()
+    cu_seqlens, slot_ids = cu_seqlens.contiguous(), slot_ids.contiguous()
+    tail = slots.tail_len.index_select(0, slot_ids)
+    if initial is not None:
+        tail = torch.where(initial, tail, torch.zeros_like(tail))
+        init = initial.to(torch.int32)
+    else:
+        init = torch.ones_like(tail)
+    out = torch.empty(v.shape, dtype=v.dtype, device=v.device)
+    tails = (slots.tail_k, slots.tail_v, slots.tail_g, slots.tail_beta)
+    _run_forward(q, k, v, g, beta, cu_seqlens, slots.state, out, slots.state, True, (slot_ids, tail, init, *tails))
+    # the new tail: virtual positions first .. total - 1 (tail tokens, then the new ones), rows from 0
+    lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).to(torch.int64)
+    old = tail.to(torch.int64)
+    total = old + lengths
+    first = total // CHUNK * CHUNK
+    pos = first[:, None] + torch.arange(CHUNK, device=q.device)[None, :]
+    write = (pos >= old[:, None]) & (pos < total[:, None])
+    if q.shape[0]:
+        src = (cu_seqlens[:-1, None].to(torch.int64) + pos - old[:, None]).clamp(0, q.shape[0] - 1)
+        row = slot_ids.to(torch.int64)[:, None].expand(n, CHUNK)
+        col = torch.arange(CHUNK, device=q.device)[None, :].expand(n, CHUNK)
+        for buf, x in zip(tails, (k, v, g, beta), strict=True):
+            mask = write.view(n, CHUNK, *([1] * (x.dim() - 1)))
+            buf[row, col] = torch.where(mask, x[src], buf[row, col])
+    slots.tail_len.index_copy_(0, slot_ids.to(torch.int64), (total - first).to(torch.int32))
+    return out

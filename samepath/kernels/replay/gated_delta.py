@@ -59,6 +59,13 @@ def gated_delta_fwd(
     Out,
     SOut,
     CuSeqlens,
+    SlotIds,
+    TailLen,
+    Initial,
+    TailK,
+    TailV,
+    TailG,
+    TailB,
     HK,
     HV,
     DK,
@@ -66,16 +73,21 @@ def gated_delta_fwd(
     SCALE,
     EPS,
     HAS_S0,
+    SLOTS,
     CHUNK_SIZE,
     BLOCK_K,
     BLOCK_V,
 ) -> None:
-    """``_gated_delta_fwd_kernel``: every (sequence, value head) program's outputs and final boundary state."""
+    """``_gated_delta_fwd_kernel``: every (sequence, value head) program's outputs and final boundary state
+    (with ``SLOTS``, the slot's tail tokens first: the sources below are the virtual sequence)."""
     q_all, k_all = to_numpy(Q), to_numpy(K)
     v_all, g_all, b_all = to_numpy(V), to_numpy(G), to_numpy(Beta)
     out_all, s_out = to_numpy(Out), to_numpy(SOut)
     s0_all = to_numpy(S0) if HAS_S0 else None
     cu = CuSeqlens.tolist()
+    if SLOTS:
+        slots, tails, initial = SlotIds.tolist(), TailLen.tolist(), Initial.tolist()
+        tk_all, tv_all, tg_all, tb_all = to_numpy(TailK), to_numpy(TailV), to_numpy(TailG), to_numpy(TailB)
     scale, eps = np.float32(SCALE), np.float32(EPS)
     rows = np.arange(CHUNK_SIZE)
     lower = rows[:, None] >= rows[None, :]
@@ -85,21 +97,33 @@ def gated_delta_fwd(
     with np.errstate(all="ignore"):
         for n in range(grid[0]):
             start, length = cu[n], cu[n + 1] - cu[n]
+            tail = tails[n] if SLOTS else 0
+            slot = slots[n] if SLOTS else n
             for h in range(grid[1]):
                 hk = h // group
+                new = slice(start, start + length)
+                q_src, k_src = q_all[new, hk], k_all[new, hk]
+                v_src, g_src, b_src = v_all[new, h], g_all[new, h], b_all[new, h]
+                if SLOTS:  # the tail rows (query rows zero), then the new tokens
+                    q_src = np.concatenate([np.zeros((tail, DK), dtype=q_src.dtype), q_src])
+                    k_src = np.concatenate([tk_all[slot, :tail, hk], k_src])
+                    v_src = np.concatenate([tv_all[slot, :tail, h], v_src])
+                    g_src = np.concatenate([tg_all[slot, :tail, h], g_src])
+                    b_src = np.concatenate([tb_all[slot, :tail, h], b_src])
+                total = tail + length
                 S = np.zeros((BLOCK_K, grid[2] * BLOCK_V), dtype=np.float32)
-                if HAS_S0:
-                    S[:DK, :DV] = s0_all[n, h]
-                for c0 in range(0, length, CHUNK_SIZE):
-                    valid = (c0 + rows) < length
-                    tok = start + c0 + rows
-                    q = _tile(q_all[:, hk], tok, valid, BLOCK_K, DK)
-                    k = _tile(k_all[:, hk], tok, valid, BLOCK_K, DK)
-                    v = _tile(v_all[:, h], tok, valid, grid[2] * BLOCK_V, DV)
+                if HAS_S0 and (not SLOTS or initial[n]):
+                    S[:DK, :DV] = s0_all[slot, h]
+                for c0 in range(0, total, CHUNK_SIZE):
+                    valid = (c0 + rows) < total
+                    tok = c0 + rows
+                    q = _tile(q_src, tok, valid, BLOCK_K, DK)
+                    k = _tile(k_src, tok, valid, BLOCK_K, DK)
+                    v = _tile(v_src, tok, valid, grid[2] * BLOCK_V, DV)
                     g = np.zeros(CHUNK_SIZE, dtype=np.float32)
-                    g[valid] = g_all[tok[valid], h]
+                    g[valid] = g_src[tok[valid]]
                     b = np.zeros(CHUNK_SIZE, dtype=np.float32)
-                    b[valid] = b_all[tok[valid], h]
+                    b[valid] = b_src[tok[valid]]
                     q = q * (_ONE / np.sqrt(np.sum(q * q, axis=1) + eps))[:, None]
                     q = q * scale
                     k = k * (_ONE / np.sqrt(np.sum(k * k, axis=1) + eps))[:, None]
@@ -113,10 +137,11 @@ def gated_delta_fwd(
                     w = _dot(t, kb * egc[:, None])
                     attn = np.where(lower, _dot(q, k.T) * decay, _ZERO)
                     qg = q * egc[:, None]
-                    full = c0 + CHUNK_SIZE <= length
+                    full = c0 + CHUNK_SIZE <= total
                     if full:
                         kdec = k * np.exp(np.ascontiguousarray(gc_last - gc))[:, None]
                         chunk_decay = np.exp(np.asarray(gc_last))
+                    stored = valid & (tok >= tail)
                     for lo in range(0, grid[2] * BLOCK_V, BLOCK_V):
                         cols = slice(lo, lo + BLOCK_V)
                         s_blk = np.ascontiguousarray(S[:, cols])
@@ -125,7 +150,7 @@ def gated_delta_fwd(
                         o = _dot(qg, s_blk)
                         o = _dot(attn, vnew, o)
                         width = max(0, min(DV - lo, BLOCK_V))
-                        out_all[tok[valid], h, lo : lo + width] = cast(o[valid, :width], Out.dtype)
+                        out_all[start + tok[stored] - tail, h, lo : lo + width] = cast(o[stored, :width], Out.dtype)
                         if full:
                             S[:, cols] = _dot(kdec.T, vnew, s_blk * chunk_decay)
-                s_out[n, h] = S[:DK, :DV]
+                s_out[slot, h] = S[:DK, :DV]
