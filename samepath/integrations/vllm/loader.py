@@ -133,7 +133,8 @@ def vllm_moe_entry(name: str, module: torch.nn.Module, formulas: dict | None):
             return module_entry(name, module, "moe", UNCOVERED, detail)
         return module_entry(name, module, "moe", UNCOVERED, "experts left on vLLM's fused kernel")
     try:
-        check_plain_routing(module, getattr(experts, "samepath_routing", None))
+        shared = bool(getattr(experts, "samepath_shared", False))
+        check_plain_routing(module, getattr(experts, "samepath_routing", None), shared)
     except NotImplementedError as exc:
         return module_entry(name, module, "moe", UNCOVERED, str(exc))
     problem = moe_formula_problem(experts, formulas, module)
