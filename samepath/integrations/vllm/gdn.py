@@ -222,6 +222,38 @@ def gated_mlp_forward(self, x: torch.Tensor) -> torch.Tensor:
     return out
 
 
+#: Marks the children of an audited Gated DeltaNet layer with the part samepath's forward runs them as.
+GDN_PART_ATTR = "_samepath_gdn_part"
+
+
+def gdn_audit_entry(name: str, module: torch.nn.Module):
+    """The load audit's entry for a Gated DeltaNet layer and its children (``None`` for other modules):
+    the layer is covered when :func:`gdn_forward` runs it and :func:`layer_problems` finds nothing; its
+    conv1d, gated norm and vLLM's unused chunk op are marked then, and classified by that mark."""
+    from samepath.audit import COVERED, NEUTRAL, UNCOVERED, module_entry
+
+    part = getattr(module, GDN_PART_ATTR, None)
+    if part == "conv1d":
+        return module_entry(name, module, "causal_conv1d", COVERED, "samepath.kernels.causal_conv1d")
+    if part == "norm":
+        return module_entry(name, module, "gated_rms_norm", COVERED, "samepath.kernels.gated_ops.gated_rms_norm")
+    if part == "unused":
+        return module_entry(name, module, "gated_delta", NEUTRAL, "vLLM's own kernel, not called by samepath's layer")
+    gdn = optional_module(GDN_MODULE)
+    if gdn is None or type(module) is not gdn.QwenGatedDeltaNetAttention:
+        return None
+    if type(module).forward is not gdn_forward:
+        return module_entry(name, module, "gated_delta", UNCOVERED, "vLLM's own Gated DeltaNet forward")
+    problems = layer_problems(module)
+    if problems:
+        return module_entry(name, module, "gated_delta", UNCOVERED, "; ".join(problems))
+    for child, mark in (("conv1d", "conv1d"), ("norm", "norm"), ("chunk_gated_delta_rule", "unused")):
+        if getattr(module, child, None) is not None:
+            setattr(getattr(module, child), GDN_PART_ATTR, mark)
+    detail = "samepath.kernels.gated_delta (slot-indexed continuation; side buffer by state slot)"
+    return module_entry(name, module, "gated_delta", COVERED, detail)
+
+
 def patch_gated_delta_net(patcher: Patcher) -> bool:
     """``QwenGatedDeltaNetAttention.forward`` -> :func:`gdn_forward`; ``Qwen3NextAttention.forward`` ->
     :func:`gated_attention_forward`; ``Qwen2MoeMLP.forward`` -> :func:`gated_mlp_forward`."""
@@ -240,12 +272,14 @@ def patch_gated_delta_net(patcher: Patcher) -> bool:
 
 __all__ = [
     "GDN_MODULE",
+    "GDN_PART_ATTR",
     "UnsupportedGatedDeltaNetError",
     "check_layer",
     "conv_state_view",
     "conv_weight",
     "gated_attention_forward",
     "gated_mlp_forward",
+    "gdn_audit_entry",
     "gdn_core",
     "gdn_forward",
     "layer_problems",

@@ -32,6 +32,7 @@ from samepath.integrations.vllm.attention import ORIGINAL_FORWARD, check_support
 from samepath.integrations.vllm.attention import softcap as attention_softcap
 from samepath.integrations.vllm.common import has_dense_weight, optional_module
 from samepath.integrations.vllm.env import check_v1_model_runner
+from samepath.integrations.vllm.gdn import gdn_audit_entry
 from samepath.integrations.vllm.layers import (
     UnsupportedRopeError,
     check_plain_routing,
@@ -197,6 +198,9 @@ def classify_module(
     kind = type(module)
     if not rules.installed():
         return module_entry(name, module, "unknown", UNCOVERED, f"samepath's {rules.platform} is not installed")
+    entry = gdn_audit_entry(name, module)  # Qwen3-Next's Gated DeltaNet layer and its parts
+    if entry is not None:
+        return entry
     if kind in rules.lm_head or kind in rules.embedding:
         op = "lm_head" if kind in rules.lm_head else "embedding"
         if type(module.quant_method) is not UnquantizedEmbeddingMethod:
