@@ -81,11 +81,23 @@ def tiny_qwen3_next_config():
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory) -> str:
-    """A tiny random bf16 Qwen3-Next, weights spread out (the ``1 + w`` norms off zero) so the logits
-    are far from uniform; the Gated DeltaNet's ``A_log`` / ``dt_bias`` keep their initialisation."""
+def model_dirs(tmp_path_factory):
+    """dtype name -> a tiny random Qwen3-Next saved in it, weights spread out (the ``1 + w`` norms off
+    zero) so the logits are far from uniform; the Gated DeltaNet's ``A_log`` / ``dt_bias`` keep their
+    initialisation."""
+    dirs: dict[str, str] = {}
+
+    def get(dtype: str) -> str:
+        if dtype not in dirs:
+            dirs[dtype] = save_tiny_model(tmp_path_factory, dtype)
+        return dirs[dtype]
+
+    return get
+
+
+def save_tiny_model(tmp_path_factory, dtype: str) -> str:
     torch.manual_seed(0)
-    model = transformers.Qwen3NextForCausalLM(tiny_qwen3_next_config()).to(torch.bfloat16).eval()
+    model = transformers.Qwen3NextForCausalLM(tiny_qwen3_next_config()).to(getattr(torch, dtype)).eval()
     with torch.no_grad():
         for name, param in model.named_parameters():
             if name.endswith(("A_log", "dt_bias")):
@@ -94,7 +106,7 @@ def model_dir(tmp_path_factory) -> str:
                 param.copy_(0.5 * torch.randn(param.shape))
             else:
                 param.mul_(4.0 if param.dim() == 1 else 2.0)
-    path = tmp_path_factory.mktemp("qwen3_next_bf16")
+    path = tmp_path_factory.mktemp(f"qwen3_next_{dtype}")
     model.save_pretrained(path)
     return str(path)
 
@@ -109,10 +121,10 @@ def prompts() -> list[list[int]]:
     return [p for batch in prompt_batches() for p in batch]
 
 
-def rollout(model_dir: str, plugin: bool, temperature: float):
+def rollout(model_dir: str, plugin: bool, temperature: float, dtype: str = "bfloat16"):
     spec = VLLMRolloutSpec(
         model=model_dir,
-        dtype="bfloat16",
+        dtype=dtype,
         batches=prompt_batches(),
         new_tokens=NEW_TOKENS,
         temperature=temperature,
@@ -125,10 +137,10 @@ def rollout(model_dir: str, plugin: bool, temperature: float):
     return ROLLOUTS.run(spec).requests
 
 
-def trainer(model_dir: str, results, temperature: float):
+def trainer(model_dir: str, results, temperature: float, dtype: str = "bfloat16"):
     """The samepath HF trainer: each sequence alone, and one right-padded batch."""
     model = transformers.AutoModelForCausalLM.from_pretrained(
-        model_dir, dtype=torch.bfloat16, attn_implementation="samepath"
+        model_dir, dtype=getattr(torch, dtype), attn_implementation="samepath"
     ).eval()
     alone = []
     with torch.no_grad():
@@ -147,19 +159,28 @@ def hf_patched():
     integrations.unpatch_all()
 
 
-def test_vllm_qwen3_next_rollout_equals_trainer(model_dir, hf_patched):
-    results = rollout(model_dir, plugin=True, temperature=1.0)
+@pytest.mark.parametrize(
+    ("dtype", "temperature"),
+    [
+        pytest.param("bfloat16", 1.0, id="bf16-sampled"),
+        pytest.param("float32", 0.0, id="fp32-greedy", marks=pytest.mark.slow),
+    ],
+)
+def test_vllm_qwen3_next_rollout_equals_trainer(model_dirs, hf_patched, dtype, temperature):
+    model_dir = model_dirs(dtype)
+    results = rollout(model_dir, plugin=True, temperature=temperature, dtype=dtype)
     assert all(len(r.tokens) == NEW_TOKENS for r in results)
     rolled = [torch.tensor(r.logprobs, dtype=torch.float32) for r in results]
-    alone, padded = trainer(model_dir, results, 1.0)
+    alone, padded = trainer(model_dir, results, temperature or 1.0, dtype)
     for n, r, a, p in zip(PROMPT_LENGTHS + SECOND_LENGTHS, rolled, alone, padded, strict=True):
         assert torch.equal(r, a), (n, r, a)
         assert torch.equal(r, p), (n, r, p)
 
 
-def test_stock_vllm_qwen3_next_differs(model_dir, hf_patched):
+def test_stock_vllm_qwen3_next_differs(model_dirs, hf_patched):
     """Negative control: the same harness with the plugin off (vLLM's recurrent decode, its conv and
     gates) reports a difference."""
+    model_dir = model_dirs("bfloat16")
     results = rollout(model_dir, plugin=False, temperature=1.0)
     rolled = [torch.tensor(r.logprobs, dtype=torch.float32) for r in results]
     alone, _ = trainer(model_dir, results, 1.0)
@@ -204,6 +225,7 @@ def _gdn_layer(**overrides) -> torch.nn.Module:
         cache_config=SimpleNamespace(mamba_cache_mode="none", enable_prefix_caching=False),
         tp_size=1,
         activation="silu",
+        model_config=SimpleNamespace(enforce_eager=True),
     )
     for key, value in (attributes | overrides).items():
         setattr(layer, key, value)
@@ -211,6 +233,8 @@ def _gdn_layer(**overrides) -> torch.nn.Module:
 
 
 def test_vllm_gated_delta_net_refusals_are_named(plugin_installed):
+    from types import SimpleNamespace
+
     from samepath.audit import COVERED, UNCOVERED
     from samepath.integrations.vllm.gdn import UnsupportedGatedDeltaNetError, check_layer, gdn_core
 
@@ -228,6 +252,7 @@ def test_vllm_gated_delta_net_refusals_are_named(plugin_installed):
         (cache, "prefix caching"),
         ({"tp_size": 2}, "tensor parallelism"),
         ({"activation": "gelu"}, "conv activation 'gelu'"),
+        ({"model_config": SimpleNamespace(enforce_eager=False)}, "compiled mode"),
     ]:
         bad = _gdn_layer(**overrides)
         with pytest.raises(UnsupportedGatedDeltaNetError, match=words):
@@ -239,8 +264,6 @@ def test_vllm_gated_delta_net_refusals_are_named(plugin_installed):
     with pytest.raises(UnsupportedGatedDeltaNetError, match="gated norm"):
         check_layer(norm)
     # A step with speculative-decode metadata is refused before anything runs.
-    from types import SimpleNamespace
-
     spec = SimpleNamespace(spec_sequence_masks=torch.ones(1, dtype=torch.bool), num_spec_decodes=1)
     with pytest.raises(UnsupportedGatedDeltaNetError, match="speculative decoding"):
         gdn_core(layer, torch.zeros(1, 8), torch.zeros(1, 2), torch.zeros(1, 2), spec)

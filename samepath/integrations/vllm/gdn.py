@@ -93,6 +93,8 @@ def layer_problems(layer: Any) -> list[str]:
         problems.append(
             f"prefix caching of the Gated DeltaNet state (mamba_cache_mode={mode!r}; pass enable_prefix_caching=False)"
         )
+    if not getattr(getattr(layer, "model_config", None), "enforce_eager", True):
+        problems.append("compiled mode (enforce_eager=False; pass enforce_eager=True)")
     if getattr(layer, "tp_size", 1) != 1:
         problems.append(f"tensor parallelism (tp_size={layer.tp_size})")
     if getattr(layer, "activation", "silu") not in ("silu", "swish"):
