@@ -5,6 +5,7 @@ float64 autograd; replay == interpreter; bad inputs refused by name."""
 
 from __future__ import annotations
 
+import importlib.util
 import itertools
 
 import pytest
@@ -127,11 +128,14 @@ def test_backward_is_deterministic_and_close_to_float64(dtype):
     [(torch.float32, False, True, "silu"), (torch.bfloat16, True, True, "silu"), (torch.float16, True, False, None)],
 )
 def test_replay_equals_interpreter(dtype, bias, state, activation):
+    """The forward and the three backward kernels: the CPU replay equals Triton's interpreter bit for bit."""
     lengths = [3, 1, 21]
     x, w, b = _inputs(sum(lengths), 80, 4, dtype, seed=5, bias=bias)
     s = torch.randn(3, 80, 3).to(dtype) if state else None
-    with cpu_executor("verify"):
-        causal_conv1d(x, w, b, _cu(lengths), s, activation)
+    leaves = [t.requires_grad_() for t in (x, w, b) if t is not None]
+    with cpu_executor("verify"):  # forward, the pre-activation gradient, dx and the weight / bias sums
+        out, _ = causal_conv1d(x, w, b, _cu(lengths), s, activation)
+        torch.autograd.grad(out, leaves, torch.randn(out.shape).to(dtype))
 
 
 def test_bad_inputs_are_refused_by_name():
@@ -149,3 +153,25 @@ def test_bad_inputs_are_refused_by_name():
         causal_conv1d(x, w, None, cu.float())
     with pytest.raises(ValueError, match="bias"):
         causal_conv1d(x, w, torch.zeros(3), cu)
+
+
+@pytest.mark.interpreter
+@pytest.mark.skipif(
+    importlib.util.find_spec("triton.backends.ascend") is None, reason="Triton-Ascend is not installed (nox -s ascend)"
+)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_the_kernels_lower_for_ascend(dtype):
+    """The forward (both modes), dx and dw kernels, as launched, lower to Triton-Ascend's MLIR."""
+    from samepath.kernels.compile_check import lower_for_ascend, record_launches
+
+    x, w, b = _inputs(20, 80, 4, dtype, seed=7, bias=True)
+    leaves = [t.requires_grad_() for t in (x, w, b)]
+    with record_launches() as launches:
+        out, state = causal_conv1d(*leaves, _cu([7, 13]), None, "silu")
+        out.sum().backward()
+        causal_conv1d(x.detach()[:2], w.detach(), None, _cu([1, 1]), state, "silu")
+    results = {}
+    for launch in launches:
+        results.setdefault(launch.name, lower_for_ascend(launch))
+    assert set(results) == {"_causal_conv1d_kernel", "_causal_conv1d_dx_kernel", "_causal_conv1d_dw_kernel"}
+    assert set(results.values()) <= {"mlir", "binary"}

@@ -10,8 +10,8 @@ import samepath
 from samepath.check.harness import DEFAULT_MODEL_CONFIG
 
 PINNED = {
-    1: "sp5-0081c4cc91cf35fe",
-    2: "sp5-a14e9cbd4e4cff31",
+    1: "sp5-f42f6348d79d6ae5",
+    2: "sp5-4df570f5a8b32e56",
 }
 
 

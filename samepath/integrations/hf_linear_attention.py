@@ -9,7 +9,9 @@ Installed by :func:`samepath.integrations.hf.apply_to_model_type` from a family'
   (:func:`samepath.kernels.causal_conv1d.causal_conv1d`), the gates
   (:func:`samepath.kernels.gated_ops.gated_delta_gates`), the delta rule on samepath's one schedule
   (:func:`samepath.kernels.gated_delta.chunk_gated_delta` for the trainer,
-  :func:`~samepath.kernels.gated_delta.gated_delta_continue` with a cache) and the gated output norm
+  :func:`~samepath.kernels.gated_delta.gated_delta_continue` with a cache; a differentiable prefill that also
+  fills a cache — Hugging Face's default ``use_cache`` — runs both, the same bits; gradients through a
+  continuation are refused) and the gated output norm
   (:func:`samepath.kernels.gated_ops.gated_rms_norm`). Padding rows come back as zeros.
 * ``generate``'s cache: each Gated DeltaNet layer's entry of the model's hybrid cache (transformers'
   ``LinearAttentionLayer``) carries samepath's state as attributes: :data:`CONV_STATE_ATTR` (each row's last
@@ -24,9 +26,11 @@ Installed by :func:`samepath.integrations.hf.apply_to_model_type` from a family'
 
 from __future__ import annotations
 
+import collections
+import dataclasses
 import functools
-import itertools
 import sys
+import weakref
 from typing import Any
 
 import torch
@@ -40,6 +44,8 @@ from samepath.models.descriptor import ModelFamily
 #: The attributes of a cache layer that hold samepath's Gated DeltaNet state.
 CONV_STATE_ATTR = "samepath_conv_state"
 DELTA_CACHE_ATTR = "samepath_delta_cache"
+#: Set on a cache layer a forward over packed sequences filled: it cannot be continued.
+PACKED_ATTR = "samepath_packed"
 #: The attribute through which a decoder layer hands its ``position_ids`` to its Gated DeltaNet layer.
 POSITION_IDS_ATTR = "samepath_position_ids"
 
@@ -48,34 +54,80 @@ class LinearAttentionCacheError(ValueError):
     """A cache samepath cannot continue from with its own schedule (filled by the stock layer, reordered)."""
 
 
-def _sequences(real: torch.Tensor | None, position_ids: torch.Tensor | None, batch: int, length: int, split: bool):
-    """``(flat token indices, lengths, rows)``: the real tokens of ``[batch, length]`` in order, cut into
-    sequences (per row, the one contiguous run ``real`` marks; with ``split``, also wherever ``position_ids``
-    do not continue by +1), and each sequence's row."""
-    mask = torch.ones(batch, length, dtype=torch.bool) if real is None else real.to("cpu", torch.bool)
-    pos = None
+@dataclasses.dataclass(frozen=True)
+class Packing:
+    """Where a padded ``[batch, length]`` forward's Gated DeltaNet sequences lie: ``index`` (the flat positions of
+    the real tokens, in order), ``cu_seqlens`` ``[N + 1]`` over them, and whether there is exactly one sequence
+    per row (what a cache needs)."""
+
+    index: torch.Tensor
+    cu_seqlens: torch.Tensor
+    one_per_row: bool
+
+
+def packing(
+    real: torch.Tensor | None, position_ids: torch.Tensor | None, batch: int, length: int, device: torch.device,
+    split: bool,
+) -> Packing:  # fmt: skip
+    """The real tokens of ``[batch, length]`` (per row the one contiguous run ``real`` marks, all without a mask),
+    cut into sequences at each run's start and, with ``split``, wherever ``position_ids`` do not continue by +1
+    (packed sequences). Computed on the device with two host reads (the token and sequence counts, the checks);
+    ``ValueError`` for a row with holes."""
+    mask = torch.ones(batch, length, dtype=torch.bool, device=device) if real is None else real.to(device, torch.bool)
+    as_int = mask.to(torch.uint8)
+    present = mask.any(1)
+    first = torch.where(present, as_int.argmax(1), 0)
+    end = torch.where(present, length - as_int.flip(1).argmax(1), 0)
+    holes = present & (mask.sum(1) != end - first)
+    starts = mask.clone()
+    starts[:, 1:] &= ~mask[:, :-1]
     if split and position_ids is not None:
-        pos = position_ids.to("cpu").expand(batch, length) if position_ids.shape[0] == 1 else position_ids.to("cpu")
-    flat, lengths, rows = [], [], []
-    for row in range(batch):
-        cols = torch.nonzero(mask[row]).flatten().tolist()
-        if cols and cols[-1] - cols[0] + 1 != len(cols):
-            raise ValueError(
-                f"samepath's Gated DeltaNet layer: attention_mask row {row} has holes (its real tokens must be "
-                "one contiguous run, padding before or after it)"
-            )
-        if not cols:
-            continue
-        cuts = [0]
-        if pos is not None:
-            p = pos[row, cols[0] : cols[-1] + 1]
-            cuts += (torch.nonzero(p[1:] != p[:-1] + 1).flatten() + 1).tolist()
-        cuts.append(len(cols))
-        for a, b in itertools.pairwise(cuts):
-            flat.extend(row * length + c for c in cols[a:b])
-            lengths.append(b - a)
-            rows.append(row)
-    return flat, lengths, rows
+        pos = position_ids[0] if position_ids.dim() == 3 else position_ids
+        pos = pos.to(device).expand(batch, length)
+        starts[:, 1:] |= mask[:, 1:] & (pos[:, 1:] != pos[:, :-1] + 1)
+    index = torch.nonzero(mask.flatten()).flatten()
+    first_tokens = torch.nonzero(starts.flatten()[index]).flatten()
+    any_holes, all_present = torch.stack([holes.any(), present.all()]).tolist()
+    if any_holes:
+        row = int(torch.nonzero(holes)[0])
+        raise ValueError(
+            f"samepath's Gated DeltaNet layer: attention_mask row {row} has holes (its real tokens must be one "
+            "contiguous run, padding before or after it)"
+        )
+    cu = torch.cat([first_tokens, first_tokens.new_full((1,), index.numel())])
+    return Packing(index, cu, bool(all_present) and first_tokens.numel() == batch)
+
+
+_PACKING_CACHE: collections.OrderedDict[tuple, tuple[tuple, Packing]] = collections.OrderedDict()
+_PACKING_CACHE_SIZE = 8
+
+
+def _source(tensor: torch.Tensor | None) -> tuple:
+    return (None, -1) if tensor is None else (weakref.ref(tensor), tensor._version)
+
+
+def _same(saved: tuple, tensor: torch.Tensor | None) -> bool:
+    ref, version = saved
+    if tensor is None:
+        return ref is None
+    return ref is not None and ref() is tensor and tensor._version == version
+
+
+def cached_packing(real, position_ids, batch: int, length: int, device: torch.device, split: bool) -> Packing:
+    """:func:`packing`, computed once per forward: reused while the same (unmodified) mask and position ids come
+    back (every Gated DeltaNet layer of a forward gets the same tensors)."""
+    if not split:
+        position_ids = None
+    key = (id(real), id(position_ids), batch, length, device, split)
+    entry = _PACKING_CACHE.get(key)
+    if entry is not None and _same(entry[0][0], real) and _same(entry[0][1], position_ids):
+        _PACKING_CACHE.move_to_end(key)
+        return entry[1]
+    found = packing(real, position_ids, batch, length, device, split)
+    _PACKING_CACHE[key] = ((_source(real), _source(position_ids)), found)
+    while len(_PACKING_CACHE) > _PACKING_CACHE_SIZE:
+        _PACKING_CACHE.popitem(last=False)
+    return found
 
 
 def _projections(self: torch.nn.Module, hidden: torch.Tensor):
@@ -101,8 +153,8 @@ def gated_delta_net_forward(
     **kwargs: Any,
 ) -> torch.Tensor:
     """``{Prefix}GatedDeltaNet.forward`` on samepath's kernels (see the module docstring)."""
-    if kwargs.get("cache_params") is not None and cache is None:
-        cache = kwargs.pop("cache_params")
+    legacy = kwargs.pop("cache_params", None)  # transformers < 5.2x names the cache so
+    cache = legacy if cache is None else cache
     if self.activation not in ("silu", "swish"):
         raise ValueError(f"samepath's Gated DeltaNet layer fuses SiLU into the conv1d, got {self.activation!r}")
     batch, length, _ = hidden_states.shape
@@ -115,18 +167,23 @@ def gated_delta_net_forward(
             f"layer {self.layer_idx}: this cache was filled by Hugging Face's stock Gated DeltaNet layer (a fixed "
             "recurrent state); samepath continues only from its own boundary state and partial chunk"
         )
+    if layer is not None and getattr(layer, PACKED_ATTR, False):
+        raise LinearAttentionCacheError(
+            f"layer {self.layer_idx}: this cache was filled by a forward over packed sequences (several per row); "
+            "samepath's Gated DeltaNet cache continues one sequence per row"
+        )
     if attention_mask is not None and attention_mask.dim() != 2:
         raise ValueError(f"samepath's Gated DeltaNet layer takes a 2-D padding mask, got {attention_mask.dim()}-D")
     position_ids = getattr(self, POSITION_IDS_ATTR, None)
-    flat, lengths, rows = _sequences(attention_mask, position_ids, batch, length, split=not continuing)
-    if layer is not None and rows != list(range(batch)):
+    packed = cached_packing(attention_mask, position_ids, batch, length, hidden_states.device, not continuing)
+    if continuing and not packed.one_per_row:
         raise LinearAttentionCacheError(
-            "samepath's Gated DeltaNet cache keeps one sequence per row: every row needs real tokens and no "
-            "packed sequences with a cache"
+            "samepath's Gated DeltaNet cache continues one sequence per row: every row needs new real tokens"
         )
-    device = hidden_states.device
-    index = torch.tensor(flat, dtype=torch.int64, device=device)
-    cu = torch.tensor([0, *torch.tensor(lengths, dtype=torch.int64).cumsum(0).tolist()], device=device)
+    if layer is not None and not packed.one_per_row:  # a packed trainer forward with use_cache: no continuation
+        setattr(layer, PACKED_ATTR, True)
+        layer = None
+    index, cu = packed.index, packed.cu_seqlens
 
     mixed, z, b, a = _projections(self, hidden_states)
     x = mixed.reshape(batch * length, -1)[index]
@@ -139,13 +196,21 @@ def gated_delta_net_forward(
     g, beta = gated_delta_gates(
         a.reshape(batch * length, -1)[index], b.reshape(batch * length, -1)[index], self.A_log, self.dt_bias
     )
-    if layer is None:
+    differentiable = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, g, beta))
+    if continuing and differentiable:
+        raise LinearAttentionCacheError(
+            "gradients through a Gated DeltaNet cache continuation are not supported (the trainer's forward runs "
+            "whole sequences: pass use_cache=False, or run the continuation under torch.no_grad())"
+        )
+    if layer is None or differentiable:  # the trainer (a cache of its prefill too: HF's default use_cache)
         out, _ = chunk_gated_delta(q, k, v, g, beta, cu)
-    else:
-        out, new_cache = gated_delta_continue(q, k, v, g, beta, cu, delta_cache)
+    if layer is not None:
+        detached = [t.detach() for t in (q, k, v, g, beta)]
+        fresh, new_cache = gated_delta_continue(*detached, cu, delta_cache)
+        out = out if differentiable else fresh
         _store(layer, new_conv, new_cache, length)
     z = z.reshape(batch * length, self.num_v_heads, self.head_v_dim)[index]
-    out = gated_rms_norm(out, z, self.norm.weight, self.norm.variance_epsilon).reshape(len(flat), -1)
+    out = gated_rms_norm(out, z, self.norm.weight, self.norm.variance_epsilon).reshape(index.numel(), -1)
     full = out.new_zeros((batch * length, out.shape[-1])).index_copy(0, index, out)
     return self.out_proj(full.view(batch, length, -1))
 
@@ -156,8 +221,77 @@ def _store(layer: Any, conv_state: torch.Tensor, delta_cache: GatedDeltaCache, n
     setattr(layer, DELTA_CACHE_ATTR, delta_cache)
     if getattr(layer, "device", None) is None:
         layer.device, layer.dtype = conv_state.device, conv_state.dtype
-        layer.cumulative_length_linear = layer.cumulative_length_linear.to(conv_state.device)
-    layer.cumulative_length_linear.add_(new_tokens)
+    count = getattr(layer, "cumulative_length_linear", None)  # transformers >= 5.2x counts a linear layer's tokens
+    if count is not None:
+        layer.cumulative_length_linear = count.to(conv_state.device).add_(new_tokens)
+
+
+def reorder_delta_cache(cache: GatedDeltaCache, index: torch.Tensor) -> GatedDeltaCache:
+    """The rows ``index`` of a per-row :class:`GatedDeltaCache` (beam search's reordering): their boundary states
+    and their tail tokens, repacked."""
+    index = index.to(cache.state.device, torch.int64)
+    tail = cache.cu_tail.to(torch.int64)
+    lengths, starts = (tail[1:] - tail[:-1])[index], tail[:-1][index]
+    cu_tail = torch.cat([lengths.new_zeros(1), lengths.cumsum(0)])
+    rows = torch.repeat_interleave(starts - cu_tail[:-1], lengths) + torch.arange(int(cu_tail[-1]), device=tail.device)
+    return GatedDeltaCache(
+        cache.state.index_select(0, index), cache.k[rows], cache.v[rows], cache.g[rows], cache.beta[rows], cu_tail
+    )
+
+
+def _cache_layer_reset(original):
+    @functools.wraps(original)
+    def reset(self) -> None:
+        original(self)
+        for name in (CONV_STATE_ATTR, DELTA_CACHE_ATTR, PACKED_ATTR):
+            if hasattr(self, name):
+                delattr(self, name)
+
+    reset.samepath_cache_layer = True
+    return reset
+
+
+def _cache_layer_reorder(original):
+    @functools.wraps(original)
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        original(self, beam_idx)
+        if getattr(self, DELTA_CACHE_ATTR, None) is not None:
+            setattr(self, CONV_STATE_ATTR, getattr(self, CONV_STATE_ATTR).index_select(0, beam_idx.to(self.device)))
+            setattr(self, DELTA_CACHE_ATTR, reorder_delta_cache(getattr(self, DELTA_CACHE_ATTR), beam_idx))
+
+    reorder_cache.samepath_cache_layer = True
+    return reorder_cache
+
+
+def _cache_layer_crop(original):
+    @functools.wraps(original)
+    def crop(self, tokens_to_remove: int) -> None:
+        if getattr(self, DELTA_CACHE_ATTR, None) is not None:
+            raise LinearAttentionCacheError(
+                "cropping a Gated DeltaNet cache (assisted / speculative decoding) is not supported by samepath's "
+                "schedule: its boundary state cannot be rolled back"
+            )
+        original(self, tokens_to_remove)
+
+    crop.samepath_cache_layer = True
+    return crop
+
+
+def _patch_cache_layers(patcher: Patcher) -> None:
+    """transformers' linear-attention cache layer: ``reset`` drops samepath's state, ``reorder_cache`` (beam
+    search) reorders it, ``crop`` (assisted decoding) refuses it by name."""
+    from transformers import cache_utils
+
+    mixin = getattr(cache_utils, "LinearAttentionCacheLayerMixin", None)
+    if mixin is None or getattr(mixin.reset, "samepath_cache_layer", False):
+        return
+    for name, wrap in (
+        ("reset", _cache_layer_reset),
+        ("reorder_cache", _cache_layer_reorder),
+        ("crop", _cache_layer_crop),
+    ):
+        if hasattr(mixin, name):
+            patcher.set(mixin, name, wrap(getattr(mixin, name)))
 
 
 def rms_norm_gated_forward(self: torch.nn.Module, hidden_states: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
@@ -178,9 +312,8 @@ def gated_attention_forward(
     module's ``apply_rotary_pos_emb`` and attention interface, which samepath patches)."""
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-    passed = kwargs.pop("past_key_values", None)  # transformers 5.19 passes past_key_values=None too
-    if passed is not None and cache is None:
-        cache = passed
+    legacy = kwargs.pop("past_key_values", None)  # transformers < 5.2x names the cache so
+    cache = legacy if cache is None else cache
     modeling = sys.modules[type(self).__module__]
     input_shape = hidden_states.shape[:-1]
     hidden_shape = (*input_shape, -1, self.head_dim)
@@ -246,6 +379,7 @@ def apply_to_family(family: ModelFamily, patcher: Patcher) -> None:
         layer = getattr(modeling, f"{prefix}DecoderLayer")
         if not is_patched_decoder_layer(layer.forward):
             patcher.set(layer, "forward", _decoder_layer_forward(layer.forward))
+        _patch_cache_layers(patcher)
     if family.attention_output_gate:
         patcher.set(getattr(modeling, f"{prefix}Attention"), "forward", gated_attention_forward)
     if family.shared_expert_gate:
@@ -255,12 +389,17 @@ def apply_to_family(family: ModelFamily, patcher: Patcher) -> None:
 __all__ = [
     "CONV_STATE_ATTR",
     "DELTA_CACHE_ATTR",
+    "PACKED_ATTR",
     "POSITION_IDS_ATTR",
     "LinearAttentionCacheError",
+    "Packing",
     "apply_to_family",
+    "cached_packing",
     "gated_attention_forward",
     "gated_delta_net_forward",
     "is_patched_decoder_layer",
+    "packing",
+    "reorder_delta_cache",
     "rms_norm_gated_forward",
     "shared_expert_moe_forward",
 ]

@@ -3,6 +3,7 @@
 from samepath.kernels.attention import paged_attention, varlen_attention, write_kv_cache
 from samepath.kernels.causal_conv1d import causal_conv1d  # noqa: F401  (registers its formula)
 from samepath.kernels.config import AttentionConfig, MatmulConfig, attention_config, fingerprint, matmul_config
+from samepath.kernels.gated_ops import GATED_OPS_FORMULA  # noqa: F401  (registers its formula)
 from samepath.kernels.gelu_tanh_mul import geglu_tanh, gelu_tanh_mul
 from samepath.kernels.logprobs import log_softmax, token_logprobs
 from samepath.kernels.matmul import batch_invariant, linear, matmul, register_override

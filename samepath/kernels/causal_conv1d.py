@@ -13,8 +13,12 @@ dtype, then ``F.silu`` of it); every output depends only on its own ``W`` inputs
 prefill, packed sequences and decode give the same bits. The new state (the last ``W - 1`` inputs of
 each sequence, the old state's included where the call is shorter) is a copy, no arithmetic.
 
-Backward (:class:`_CausalConv1d`): torch fp32 ops of the same formula (deterministic, not a Triton
-kernel); the initial state is not differentiated.
+Backward (:class:`_CausalConv1d`), three Triton kernels, deterministic (no atomics): the pre-activation
+gradient ``da = dy * s * (1 + y * (1 - s))`` (``s = 1 / (1 + exp(-y))`` of the rounded ``y``; ``da = dy``
+without SiLU) by the forward kernel in its ``BACKWARD`` mode; ``dx[s] = sum_j w[d, j] * da[s + W - 1 - j]``
+over the taps (ascending) whose output is in s's sequence; ``dw[d, j] = sum_t da[t, d] * x_j[t, d]`` and
+``dbias = sum_t da`` as ``[BLOCK_T, BLOCK_D]`` fp32 tiles accumulated over the token blocks in order, then
+summed over the tile's rows. The initial state is not differentiated.
 
 API (what vLLM's and Hugging Face's layers call)::
 
@@ -31,7 +35,8 @@ import triton.language as tl
 from samepath.kernels.config import register_formula
 from samepath.kernels.dispatch import device_kind, jit
 
-#: Channels and tokens one program handles (elementwise: numerics-neutral).
+#: Channels and tokens one program handles: neutral for the forward and dx (elementwise), the tile of the
+#: weight gradient's sums (in the formula).
 BLOCK_D = 64
 BLOCK_T = 16
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16)
@@ -43,7 +48,9 @@ CAUSAL_CONV1D_FORMULA = {
     "rounding": "acc rounded to the input dtype (Hugging Face's conv1d output)",
     "silu": "fp32 y / (1 + exp(-y)) of the rounded y, rounded once to the input dtype",
     "state": "the last W - 1 inputs of each sequence (old state included), copied",
-    "backward": "torch fp32 ops of the same formula, deterministic",
+    "backward": "da = dy * s * (1 + y * (1 - s)), s = 1 / (1 + exp(-y)) of the rounded y (da = dy without silu); "
+    "dx = sum over taps j ascending (outputs in the sequence) of w[d, j] * da[s + W - 1 - j]; dw[d, j] and dbias: "
+    f"[{BLOCK_T}, {BLOCK_D}] fp32 tiles of da * x_j accumulated over token blocks in order, then a row sum",
 }
 register_formula("causal_conv1d", CAUSAL_CONV1D_FORMULA)
 
@@ -57,18 +64,21 @@ def _causal_conv1d_kernel(
     SeqId,
     Starts,
     Out,
+    DOut,
     T,
     D,
     WIDTH: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     HAS_STATE: tl.constexpr,
     SILU: tl.constexpr,
+    BACKWARD: tl.constexpr,
     BLOCK_T: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
-    """Program (token block, channel block): ``Out[t, d]`` by the module docstring's formula.
-    X / Out ``[T, D]``, W ``[D, WIDTH]``, Bias ``[D]``, State ``[N, D, WIDTH - 1]`` (contiguous),
-    SeqId / Starts ``[T]`` int32 (each token's sequence and its first token's row)."""
+    """Program (token block, channel block): ``Out[t, d]`` by the module docstring's formula; with
+    ``BACKWARD``, the gradient of the pre-activation instead, fp32 ``DOut * silu'(y)`` (``DOut`` without
+    SiLU) into ``Out``. X / Out / DOut ``[T, D]``, W ``[D, WIDTH]``, Bias ``[D]``, State ``[N, D, WIDTH - 1]``
+    (contiguous), SeqId / Starts ``[T]`` int32 (each token's sequence and its first token's row)."""
     rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     row_ok = rows < T
@@ -93,15 +103,121 @@ def _causal_conv1d_kernel(
             slot = (WIDTH - 1) + src - start
             sv = tl.load(
                 State + (seq.to(tl.int64) * D)[:, None] * (WIDTH - 1) + cols[None, :] * (WIDTH - 1) + slot[:, None],
-                mask=mask & (~inside)[:, None],
+                mask=mask & (src < start)[:, None],
                 other=0.0,
             ).to(tl.float32)
             xv = tl.where(inside[:, None], xv, sv)
         acc = acc + w[None, :] * xv
-    y = acc.to(Out.dtype.element_ty).to(tl.float32)
-    if SILU:
-        y = y / (1.0 + tl.exp(-y))
-    tl.store(Out + rows.to(tl.int64)[:, None] * D + cols[None, :], y.to(Out.dtype.element_ty), mask=mask)
+    offs = rows.to(tl.int64)[:, None] * D + cols[None, :]
+    if BACKWARD:
+        dy = tl.load(DOut + offs, mask=mask, other=0.0).to(tl.float32)
+        if SILU:
+            y = acc.to(X.dtype.element_ty).to(tl.float32)
+            sig = 1.0 / (1.0 + tl.exp(-y))
+            dy = dy * (sig * (1.0 + y * (1.0 - sig)))
+        tl.store(Out + offs, dy, mask=mask)
+    else:
+        y = acc.to(Out.dtype.element_ty).to(tl.float32)
+        if SILU:
+            y = y / (1.0 + tl.exp(-y))
+        tl.store(Out + offs, y.to(Out.dtype.element_ty), mask=mask)
+
+
+@jit
+def _causal_conv1d_dx_kernel(
+    DAcc, W, Ends, DX, T, D, WIDTH: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr
+):
+    """Program (token block, channel block): ``DX[s, d] = sum_j w[d, j] * DAcc[s + WIDTH - 1 - j, d]`` over the
+    taps j ascending whose output row is in s's sequence (``Ends [T]``: each token's sequence end), fp32,
+    rounded to DX's dtype. DAcc ``[T, D]`` fp32 (the pre-activation gradient)."""
+    rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    row_ok = rows < T
+    col_ok = cols < D
+    end = tl.load(Ends + rows, mask=row_ok, other=0)
+    acc = tl.zeros((BLOCK_T, BLOCK_D), dtype=tl.float32)
+    for j in tl.static_range(WIDTH):
+        target = rows + (WIDTH - 1) - j
+        ok = row_ok & (target < end)
+        w = tl.load(W + cols * WIDTH + j, mask=col_ok, other=0.0).to(tl.float32)
+        dv = tl.load(
+            DAcc + target.to(tl.int64)[:, None] * D + cols[None, :], mask=ok[:, None] & col_ok[None, :], other=0.0
+        )
+        acc = acc + w[None, :] * dv
+    mask = row_ok[:, None] & col_ok[None, :]
+    tl.store(DX + rows.to(tl.int64)[:, None] * D + cols[None, :], acc.to(DX.dtype.element_ty), mask=mask)
+
+
+@jit
+def _causal_conv1d_dw_kernel(
+    X,
+    State,
+    SeqId,
+    Starts,
+    DAcc,
+    DW,
+    T,
+    D,
+    WIDTH: tl.constexpr,
+    HAS_STATE: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    """Program (channel block, tap j; ``j == WIDTH``: the bias): ``DW[d, j] = sum_t DAcc[t, d] * x_j[t, d]``
+    (the tap's input as the forward reads it; 1 for the bias), a ``[BLOCK_T, BLOCK_D]`` fp32 tile accumulated
+    over the token blocks in order, then summed over its rows. Deterministic (no atomics); DW
+    ``[D, WIDTH + 1]`` fp32."""
+    cols = tl.program_id(0) * BLOCK_D + tl.arange(0, BLOCK_D)
+    j = tl.program_id(1)
+    col_ok = cols < D
+    acc = tl.zeros((BLOCK_T, BLOCK_D), dtype=tl.float32)
+    for t0 in range(0, T, BLOCK_T):
+        rows = t0 + tl.arange(0, BLOCK_T)
+        row_ok = rows < T
+        mask = row_ok[:, None] & col_ok[None, :]
+        dv = tl.load(DAcc + rows.to(tl.int64)[:, None] * D + cols[None, :], mask=mask, other=0.0)
+        if j < WIDTH:
+            seq = tl.load(SeqId + rows, mask=row_ok, other=0)
+            start = tl.load(Starts + rows, mask=row_ok, other=0)
+            src = rows - (WIDTH - 1) + j
+            inside = src >= start
+            xv = tl.load(X + src.to(tl.int64)[:, None] * D + cols[None, :], mask=mask & inside[:, None], other=0.0).to(
+                tl.float32
+            )
+            if HAS_STATE:
+                slot = (WIDTH - 1) + src - start
+                sv = tl.load(
+                    State + (seq.to(tl.int64) * D)[:, None] * (WIDTH - 1) + cols[None, :] * (WIDTH - 1) + slot[:, None],
+                    mask=mask & (src < start)[:, None],
+                    other=0.0,
+                ).to(tl.float32)
+                xv = tl.where(inside[:, None], xv, sv)
+            acc = acc + dv * xv
+        else:
+            acc = acc + dv
+    tl.store(DW + cols * (WIDTH + 1) + j, tl.sum(acc, axis=0), mask=col_ok)
+
+
+def _backward(x, weight, bias, cu_seqlens, state, activation, d_out):
+    """``(dx, dweight, dbias)`` by the three kernels: the pre-activation gradient, then dx and the weight / bias
+    sums (each in a fixed order)."""
+    total, d = x.shape
+    width = weight.shape[1]
+    dacc = _launch(x, weight, bias, cu_seqlens, state, activation, d_out)
+    dx = torch.empty_like(x, memory_format=torch.contiguous_format)
+    dw = torch.zeros((d, width + 1), dtype=torch.float32, device=x.device)
+    if total and d:
+        seq, starts = _token_maps(cu_seqlens, total)
+        ends = cu_seqlens.to(torch.int64)[1:][seq.to(torch.int64)].to(torch.int32)
+        _causal_conv1d_dx_kernel[(triton.cdiv(total, BLOCK_T), triton.cdiv(d, BLOCK_D))](
+            dacc, weight.contiguous(), ends, dx, total, d, WIDTH=width, BLOCK_T=BLOCK_T, BLOCK_D=BLOCK_D
+        )
+        _causal_conv1d_dw_kernel[(triton.cdiv(d, BLOCK_D), width + (bias is not None))](
+            x.contiguous(), state.contiguous() if state is not None else x, seq, starts, dacc, dw, total, d,
+            WIDTH=width, HAS_STATE=state is not None and width > 1, BLOCK_T=BLOCK_T, BLOCK_D=BLOCK_D,
+        )  # fmt: skip
+    dbias = dw[:, width].to(bias.dtype) if bias is not None else None
+    return dx, dw[:, :width].to(weight.dtype), dbias
 
 
 def _check(x, weight, bias, cu_seqlens, state, activation) -> tuple[int, int, int]:
@@ -147,10 +263,12 @@ def _token_maps(cu_seqlens: torch.Tensor, total: int) -> tuple[torch.Tensor, tor
     return seq.to(torch.int32), cu[seq].to(torch.int32)
 
 
-def _launch(x, weight, bias, cu_seqlens, state, activation) -> torch.Tensor:
+def _launch(x, weight, bias, cu_seqlens, state, activation, d_out=None) -> torch.Tensor:
+    """The forward (``out`` in x's dtype), or with ``d_out`` the pre-activation gradient (fp32)."""
     total, d = x.shape
     width = weight.shape[1]
-    out = torch.empty_like(x, memory_format=torch.contiguous_format)
+    dtype = x.dtype if d_out is None else torch.float32
+    out = torch.empty((total, d), dtype=dtype, device=x.device)
     if total == 0 or d == 0:
         return out
     seq, starts = _token_maps(cu_seqlens, total)
@@ -163,12 +281,14 @@ def _launch(x, weight, bias, cu_seqlens, state, activation) -> torch.Tensor:
         seq,
         starts,
         out,
+        d_out.contiguous() if d_out is not None else x,
         total,
         d,
         WIDTH=width,
         HAS_BIAS=bias is not None,
         HAS_STATE=state is not None and width > 1,
         SILU=activation == "silu",
+        BACKWARD=d_out is not None,
         BLOCK_T=BLOCK_T,
         BLOCK_D=BLOCK_D,
     )
@@ -193,29 +313,6 @@ def next_state(x: torch.Tensor, cu_seqlens: torch.Tensor, state: torch.Tensor | 
     return torch.where(from_x[:, None, :], x_part, s_part).contiguous()
 
 
-def _reference(x, weight, bias, cu_seqlens, state, activation) -> torch.Tensor:
-    """The formula in torch (fp32 taps, the kernel's rounding points): what the backward differentiates.
-    Differentiable in x, weight and bias."""
-    total, d = x.shape
-    width = weight.shape[1]
-    seq, starts = _token_maps(cu_seqlens, total)
-    rows = torch.arange(total, device=x.device)
-    acc = bias.float()[None, :].expand(total, d) if bias is not None else x.new_zeros((total, d), dtype=torch.float32)
-    xf, wf = x.float(), weight.float()
-    for j in range(width):
-        src = rows - (width - 1) + j
-        inside = src >= starts.to(torch.int64)
-        xv = xf[src.clamp(min=0)] * inside[:, None]
-        if state is not None and width > 1:
-            slot = ((width - 1) + src - starts.to(torch.int64)).clamp(min=0, max=width - 2)
-            sv = state.float()[seq.to(torch.int64), :, slot]
-            xv = torch.where(inside[:, None], xv, sv)
-        acc = acc + wf[:, j][None, :] * xv
-    if activation == "silu":
-        acc = acc * torch.sigmoid(acc)
-    return acc
-
-
 class _CausalConv1d(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, cu_seqlens, state, activation):  # type: ignore[override]
@@ -227,12 +324,7 @@ class _CausalConv1d(torch.autograd.Function):
     @staticmethod
     def backward(ctx, d_out):  # type: ignore[override]
         x, weight, bias, cu_seqlens, state = ctx.saved_tensors
-        with torch.enable_grad():
-            leaves = [t.detach().requires_grad_() if t is not None else None for t in (x, weight, bias)]
-            y = _reference(leaves[0], leaves[1], leaves[2], cu_seqlens, state, ctx.activation)
-            wanted = [t for t in leaves if t is not None]
-            grads = iter(torch.autograd.grad(y, wanted, d_out.float()))
-        dx, dw, db = (next(grads).to(t.dtype) if t is not None else None for t in (x, weight, bias))
+        dx, dw, db = _backward(x, weight, bias, cu_seqlens, state, ctx.activation, d_out)
         return dx, dw, db, None, None, None
 
 

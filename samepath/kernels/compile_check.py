@@ -432,6 +432,23 @@ def _gated_delta(lengths: list[int], tail: int) -> Callable[[], None]:
     return run
 
 
+def _causal_conv1d(lengths: list[int], with_state: bool) -> Callable[[], None]:
+    """The Gated DeltaNet layer's conv1d at Qwen3-Next's shapes (conv dim 2 * 16 * 128 + 32 * 128, 4 taps), bf16."""
+
+    def run() -> None:
+        from samepath.kernels.causal_conv1d import causal_conv1d
+
+        total, n, dim = sum(lengths), len(lengths), 8192
+        cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+        state = _empty(n, dim, 3) if with_state else None
+        x, weight = _empty(total, dim, grad=not with_state), _empty(dim, 4, grad=not with_state)
+        out, _ = causal_conv1d(x, weight, None, cu, state, "silu")
+        if not with_state:  # training: forward and backward
+            _backward((out,), (x, weight))
+
+    return run
+
+
 #: The report's workloads: a Qwen3-8B-like layer (hidden 4096, 32 query / 8 KV heads of 128,
 #: intermediate 12288, vocabulary 151936) in bf16, training and rollout.
 REPORT_CASES: tuple[ReportCase, ...] = (
@@ -481,6 +498,11 @@ REPORT_CASES: tuple[ReportCase, ...] = (
         "gated-delta-decode",
         "Gated DeltaNet decode, 64 sequences x 1 new token after 40 cached tokens of the chunk",
         _gated_delta([1] * 64, 40),
+    ),
+    ReportCase(
+        "causal-conv1d",
+        "Gated DeltaNet conv1d + SiLU fwd+bwd, 2 x 2048 tokens; 64 x 1 decode with the state; 8192 channels, 4 taps",
+        lambda: (_causal_conv1d([2048, 2048], False)(), _causal_conv1d([1] * 64, True)()),
     ),
     ReportCase(
         "reductions",
