@@ -68,6 +68,7 @@ ASCEND_TESTS = [
     "tests/test_rms_norm.py",
     "tests/test_swiglu.py",
     "tests/test_rotary.py",
+    "tests/test_gated_delta.py",
 ]
 
 
@@ -82,6 +83,8 @@ ASCEND_CI_TESTS = [
     "tests/test_attention_consistency.py::test_decode_every_token_one_at_a_time[torch.bfloat16]",
     "tests/test_attention_consistency.py::test_negative_control_shifted_tile_boundary",
     "tests/test_logprobs.py::test_rows_do_not_depend_on_the_batch[torch.bfloat16-4097-0.7]",
+    "tests/test_gated_delta.py::test_verify_replay_matches_interpreter_and_negative_control",
+    "tests/test_gated_delta.py::test_slots_verify_replay_matches_interpreter",
 ]
 
 

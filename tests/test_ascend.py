@@ -65,6 +65,14 @@ def _exercise_every_kernel(dtype: torch.dtype) -> None:
     cos, sin = samepath.rotary_cos_sin(positions, 32, 10000.0, dtype)
     qr, kr = samepath.apply_rotary(rand(1, 4, 6, 32), rand(1, 2, 6, 32), cos, sin)
     (qr.sum() + kr.sum()).backward()
+    from samepath.kernels import gated_delta as gd  # Gated DeltaNet: forward, backward, the slot path
+
+    qg, kg, vg = rand(5, 1, 16), rand(5, 1, 16), rand(5, 2, 16)
+    gates, betas = (-torch.rand(5, 2, generator=gen)).requires_grad_(), torch.rand(5, 2, generator=gen)
+    gd.chunk_gated_delta(qg, kg, vg, gates, betas, cu // 4)[0].float().sum().backward()
+    slots = gd.GatedDeltaSlots.allocate(2, 1, 2, 16, 16, dtype)
+    ids = torch.tensor([1, 0])
+    gd.gated_delta_continue_slots(qg.detach(), kg.detach(), vg.detach(), gates.detach(), betas, cu // 4, slots, ids)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
@@ -87,6 +95,7 @@ def test_every_kernel_lowers_for_ascend(dtype: torch.dtype) -> None:
         "_grouped_matmul_kernel",
         "_grouped_weight_grad_kernel",
     } <= set(results)
+    assert {"_gated_delta_fwd_kernel", "_gated_delta_bwd_state_kernel", "_gated_delta_bwd_qkg_kernel"} <= set(results)
 
 
 def test_chunked_rms_norm_lowers_for_ascend(monkeypatch) -> None:

@@ -10,8 +10,8 @@ import samepath
 from samepath.check.harness import DEFAULT_MODEL_CONFIG
 
 PINNED = {
-    1: "sp5-f42f6348d79d6ae5",
-    2: "sp5-4df570f5a8b32e56",
+    1: "sp5-6cb9a873f2dd8b9e",
+    2: "sp5-d98a606b0cd0dba9",
 }
 
 

@@ -407,27 +407,28 @@ def _reductions() -> None:
 
 def _gated_delta(lengths: list[int], tail: int) -> Callable[[], None]:
     """Gated DeltaNet at Qwen3-Next's shapes (16 q/k heads, 32 value heads, head 128), bf16: a prefill
-    (``tail`` 0) or a continuation of ``tail`` cached tokens (the kernel's backward is torch's)."""
+    with its backward (``tail`` 0) or a continuation through the slot buffers of ``tail`` cached
+    tokens per sequence (vLLM's decode)."""
 
     def run() -> None:
-        from samepath.kernels.gated_delta import GatedDeltaCache, chunk_gated_delta, gated_delta_continue
+        from samepath.kernels.gated_delta import GatedDeltaSlots, chunk_gated_delta, gated_delta_continue_slots
 
         total, n = sum(lengths), len(lengths)
         cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
-        q, k, v = _empty(total, 16, 128), _empty(total, 16, 128), _empty(total, 32, 128)
-        g, beta = _empty(total, 32, dtype=torch.float32), _empty(total, 32, dtype=torch.float32)
-        if not tail:
-            chunk_gated_delta(q, k, v, g, beta, cu)
-            return
-        cache = GatedDeltaCache(
-            _empty(n, 32, 128, 128, dtype=torch.float32),
-            _empty(n * tail, 16, 128),
-            _empty(n * tail, 32, 128),
-            _empty(n * tail, 32, dtype=torch.float32),
-            _empty(n * tail, 32, dtype=torch.float32),
-            torch.arange(0, n * tail + 1, tail),
+        grad = not tail
+        q, k, v = (
+            _empty(total, 16, 128, grad=grad),
+            _empty(total, 16, 128, grad=grad),
+            _empty(total, 32, 128, grad=grad),
         )
-        gated_delta_continue(q, k, v, g, beta, cu, cache)
+        g = _empty(total, 32, dtype=torch.float32, grad=grad)
+        beta = _empty(total, 32, dtype=torch.float32, grad=grad)
+        if not tail:
+            _backward((chunk_gated_delta(q, k, v, g, beta, cu)[0],), (q, k, v, g, beta))
+            return
+        slots = GatedDeltaSlots.allocate(n, 16, 32, 128, 128, torch.bfloat16)
+        slots.tail_len.fill_(tail)
+        gated_delta_continue_slots(q, k, v, g, beta, cu, slots, torch.arange(n, dtype=torch.int32))
 
     return run
 
@@ -491,12 +492,12 @@ REPORT_CASES: tuple[ReportCase, ...] = (
     ),
     ReportCase(
         "gated-delta-prefill",
-        "Gated DeltaNet forward, 2 x 2048 tokens, 16 q/k / 32 value heads, head 128",
+        "Gated DeltaNet fwd+bwd, 2 x 2048 tokens, 16 q/k / 32 value heads, head 128",
         _gated_delta([2048, 2048], 0),
     ),
     ReportCase(
         "gated-delta-decode",
-        "Gated DeltaNet decode, 64 sequences x 1 new token after 40 cached tokens of the chunk",
+        "Gated DeltaNet decode (slot buffers), 64 sequences x 1 new token after 40 cached tokens of the chunk",
         _gated_delta([1] * 64, 40),
     ),
     ReportCase(
@@ -513,7 +514,7 @@ REPORT_CASES: tuple[ReportCase, ...] = (
 
 #: Constexpr arguments shown per kernel in the report (the ones that pick a variant or a tile).
 _SHOWN_CONSTEXPRS = re.compile(
-    r"^(BLOCK|TILE|K_|PAGED|HAS_|PARTIALS|GROUP|BACKWARD|NUM_|ROWS|CHUNK|ENTROPY|SEG|GQA|A_T$|B_T$|SCALED|BATCH)"
+    r"^(BLOCK|TILE|K_|PAGED|HAS_|SLOTS|STORE_|PARTIALS|GROUP|BACKWARD|NUM_|ROWS|CHUNK|ENTROPY|SEG|GQA|A_T$|B_T$|SCALED|BATCH)"
 )
 
 

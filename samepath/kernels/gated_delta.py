@@ -24,13 +24,12 @@ slot.
 
 Programs: one per (sequence, value head, block of :data:`V_BLOCK` value columns), walking its
 chunks in order (the state slice stays in registers). Dots take fp32 operands with fp32
-accumulation: :data:`DOT_PRECISION` ``tf32x3`` on NVIDIA (three tf32 products, near-fp32), fp32
-products in the interpreter and the replay (which ignore ``input_precision``).
+accumulation: :data:`DOT_PRECISION` ``tf32x3`` on NVIDIA (three tf32 products, near-fp32), ``ieee`` on
+Ascend, fp32 products in the interpreter and the replay (which ignore ``input_precision``).
 
-Backward: :class:`_GatedDelta` recomputes the same chunk formula with torch fp32 ops per sequence
-and chunk (every head at once) and differentiates it by autograd: deterministic run to run (no
-atomics, a fixed order) and close to autograd of the float64 recurrence, but not a Triton kernel
-and not bit-identical to the kernel's forward (the gradient is of the same formula).
+Backward: the Triton kernel of :mod:`samepath.kernels.gated_delta_bwd`, deterministic (no atomics,
+fixed orders): the forward rerun with ``STORE_STATES`` stores the state at every chunk start, then the
+chunks are walked in reverse recomputing the chunk quantities (the formula row ``backward``).
 """
 
 from __future__ import annotations
@@ -42,8 +41,10 @@ import torch
 import triton
 import triton.language as tl
 
+from samepath.kernels import config
 from samepath.kernels.config import GATED_DELTA_CHUNK
 from samepath.kernels.dispatch import jit
+from samepath.kernels.gated_delta_bwd import gated_delta_backward
 
 #: The frozen chunk size (tokens); part of the fingerprint through ``GATED_DELTA_FORMULA``.
 CHUNK = GATED_DELTA_CHUNK
@@ -51,8 +52,17 @@ CHUNK = GATED_DELTA_CHUNK
 L2_EPS = 1e-6
 #: Value columns per program (frozen): the state tile is ``[BLOCK_K, V_BLOCK]``.
 V_BLOCK = 32
-#: ``tl.dot`` precision of the fp32 operands (the interpreter and the replay compute fp32 products).
-DOT_PRECISION: tl.constexpr = tl.constexpr("tf32x3")
+#: ``tl.dot`` precision of the fp32 operands by device kind: three tf32 products on NVIDIA (near-fp32, on
+#: the tensor cores); ieee on Ascend (Triton-Ascend refuses tf32). The interpreter and the replay compute
+#: fp32 products whatever it says.
+DOT_PRECISION = {"cuda": "tf32x3", "npu": "ieee", "cpu": "ieee"}
+
+
+def dot_precision(device: torch.device) -> str:
+    """:data:`DOT_PRECISION` of ``device``'s kind."""
+    return DOT_PRECISION[config.device_kind(device)]
+
+
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 
 
@@ -74,6 +84,8 @@ def _gated_delta_fwd_kernel(
     TailV,
     TailG,
     TailB,
+    States,
+    ChunkBase,
     HK,
     HV,
     DK,
@@ -82,6 +94,8 @@ def _gated_delta_fwd_kernel(
     EPS: tl.constexpr,
     HAS_S0: tl.constexpr,
     SLOTS: tl.constexpr,
+    STORE_STATES: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
     CHUNK_SIZE: tl.constexpr,
     BLOCK_K: tl.constexpr,
     BLOCK_V: tl.constexpr,
@@ -96,7 +110,10 @@ def _gated_delta_fwd_kernel(
     for a fresh one) tail tokens ``TailK [S, C, HK, DK]``, ``TailV [S, C, HV, DV]``, ``TailG`` /
     ``TailB [S, C, HV]`` come first (query rows zero, outputs not stored), then its new tokens; the
     state is read (where ``Initial[n]``, else zeros) from and written back to ``S0 = SOut [S, HV, DK,
-    DV]`` at the slot (each program its own slice)."""
+    DV]`` at the slot (each program its own slice).
+
+    ``STORE_STATES`` (the backward's recompute): the state at the start of chunk ``c`` of sequence n is
+    also stored to ``States [ChunkBase[n] + c, HV, DK, DV]``."""
     n = tl.program_id(0)
     h = tl.program_id(1)
     vb = tl.program_id(2)
@@ -124,6 +141,9 @@ def _gated_delta_fwd_kernel(
         else:
             S = tl.zeros((BLOCK_K, BLOCK_V), dtype=tl.float32)
     for c0 in range(0, tail + length, CHUNK_SIZE):
+        if STORE_STATES:
+            chunk = (tl.load(ChunkBase + n) + c0 // CHUNK_SIZE).to(tl.int64)
+            tl.store(States + (chunk * HV + h) * DK * DV + kd[:, None] * DV + vd[None, :], S, mask=state_mask)
         if SLOTS:
             valid = (c0 + rows) < tail + length
             old = (c0 + rows) < tail
@@ -175,20 +195,24 @@ def _gated_delta_fwd_kernel(
         decay = tl.exp(tl.where(lower, gc[:, None] - gc[None, :], 0.0))
         kb = k * b[:, None]
         a = tl.where(strict, tl.dot(kb, tl.trans(k), input_precision=DOT_PRECISION) * decay, 0.0)
+        # what needs q, k or the decays before the forward substitution (the same operations as after
+        # it, fewer tiles live through it: sm_90 spills 6.2 KB instead of 7.5 KB)
+        egc = tl.exp(gc)
+        attn = tl.where(lower, tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * decay, 0.0)
+        o = tl.dot(q * egc[:, None], S, input_precision=DOT_PRECISION)
+        kbg = kb * egc[:, None]
+        vbeta = v * b[:, None]
+        kdec = k * tl.exp(gc_last - gc)[:, None]
         t = eye
         for i in range(1, CHUNK_SIZE):
             a_i = tl.sum(tl.where(rows[:, None] == i, a, 0.0), axis=0)
             row = tl.where(rows == i, 1.0, 0.0) - tl.sum(a_i[:, None] * t, axis=0)
             t = tl.where(rows[:, None] == i, row[None, :], t)
-        egc = tl.exp(gc)
-        u = tl.dot(t, v * b[:, None], input_precision=DOT_PRECISION)
-        w = tl.dot(t, kb * egc[:, None], input_precision=DOT_PRECISION)
+        u = tl.dot(t, vbeta, input_precision=DOT_PRECISION)
+        w = tl.dot(t, kbg, input_precision=DOT_PRECISION)
         vnew = u - tl.dot(w, S, input_precision=DOT_PRECISION)
-        attn = tl.where(lower, tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * decay, 0.0)
-        o = tl.dot(q * egc[:, None], S, input_precision=DOT_PRECISION)
         o = tl.dot(attn, vnew, o, input_precision=DOT_PRECISION)
         tl.store(Out + (tok[:, None] * HV + h) * DV + vd[None, :], o.to(Out.dtype.element_ty), mask=v_mask)
-        kdec = k * tl.exp(gc_last - gc)[:, None]
         updated = tl.dot(tl.trans(kdec), vnew, S * tl.exp(gc_last), input_precision=DOT_PRECISION)
         S = tl.where(c0 + CHUNK_SIZE <= tail + length, updated, S)
     tl.store(SOut + state_offs, S, mask=state_mask)
@@ -249,9 +273,10 @@ def _launch(q, k, v, g, beta, cu_seqlens, state) -> tuple[torch.Tensor, torch.Te
     return out, s_out
 
 
-def _run_forward(q, k, v, g, beta, cu_seqlens, s0, out, s_out, has_s0: bool, slots) -> None:
+def _run_forward(q, k, v, g, beta, cu_seqlens, s0, out, s_out, has_s0: bool, slots, states=None) -> None:
     """One launch of the forward kernel; ``slots``: ``None`` or ``(slot_ids, tail_len [N] int32,
-    initial [N] int32, tail_k, tail_v, tail_g, tail_beta)`` (then ``s0 is s_out``, the slot states)."""
+    initial [N] int32, tail_k, tail_v, tail_g, tail_beta)`` (then ``s0 is s_out``, the slot states);
+    ``states``: ``None`` or ``(states [chunks, HV, DK, DV] fp32, chunk_base [N] int32)``."""
     n, hk, dk = cu_seqlens.shape[0] - 1, q.shape[1], q.shape[2]
     hv, dv = v.shape[1], v.shape[2]
     block_k, block_v = max(16, triton.next_power_of_2(dk)), V_BLOCK
@@ -268,6 +293,7 @@ def _run_forward(q, k, v, g, beta, cu_seqlens, s0, out, s_out, has_s0: bool, slo
         s_out,
         cu_seqlens,
         *slot_args,
+        *(states if states is not None else (s_out, cu_seqlens)),
         hk,
         hv,
         dk,
@@ -276,6 +302,8 @@ def _run_forward(q, k, v, g, beta, cu_seqlens, s0, out, s_out, has_s0: bool, slo
         EPS=L2_EPS,
         HAS_S0=has_s0,
         SLOTS=slots is not None,
+        STORE_STATES=states is not None,
+        DOT_PRECISION=dot_precision(q.device),
         CHUNK_SIZE=CHUNK,
         BLOCK_K=block_k,
         BLOCK_V=block_v,
@@ -283,76 +311,56 @@ def _run_forward(q, k, v, g, beta, cu_seqlens, s0, out, s_out, has_s0: bool, slo
     )
 
 
-def chunk_formula(q, k, v, g, beta, state, scale: float):
-    """One chunk of the schedule in torch (fp32, every head at once): ``q, k [C, H, DK]``, ``v [C, H,
-    DV]``, ``g, beta [C, H]``, ``state [H, DK, DV]``; returns ``(o [C, H, DV], next_state)``, the update
-    applied as for a full chunk. Differentiable; what the backward recomputes."""
-    c = q.shape[0]
-    q, k, v = (x.float().transpose(0, 1) for x in (q, k, v))
-    g, beta = g.float().transpose(0, 1), beta.float().transpose(0, 1)
-    q = q * (1.0 / torch.sqrt((q * q).sum(-1, keepdim=True) + L2_EPS)) * scale
-    k = k * (1.0 / torch.sqrt((k * k).sum(-1, keepdim=True) + L2_EPS))
-    gc = torch.cumsum(g, dim=-1)
-    rows = torch.arange(c, device=q.device)
-    lower, strict = rows[:, None] >= rows[None, :], rows[:, None] > rows[None, :]
-    zero = torch.zeros((), dtype=torch.float32, device=q.device)
-    decay = torch.exp(torch.where(lower, gc[..., :, None] - gc[..., None, :], zero))
-    kb = k * beta[..., None]
-    a = torch.where(strict, (kb @ k.transpose(-1, -2)) * decay, zero)
-    eye = torch.eye(c, device=q.device).expand_as(a)
-    t = torch.linalg.solve_triangular(eye + a, eye, upper=False, unitriangular=True)
-    egc = torch.exp(gc)
-    u = t @ (v * beta[..., None])
-    w = t @ (kb * egc[..., None])
-    vnew = u - w @ state
-    attn = torch.where(lower, (q @ k.transpose(-1, -2)) * decay, zero)
-    o = (q * egc[..., None]) @ state + attn @ vnew
-    gl = gc[..., -1:]
-    kdec = k * torch.exp(gl - gc)[..., None]
-    nxt = state * torch.exp(gl)[..., None] + kdec.transpose(-1, -2) @ vnew
-    return o.transpose(0, 1), nxt
-
-
-def _reference_forward(q, k, v, g, beta, cu_seqlens, scale: float):
-    """The chunk formula over packed sequences in torch: outputs (fp32) and boundary states."""
-    hk, hv = q.shape[1], v.shape[1]
-    if hv != hk:
-        q, k = (x.repeat_interleave(hv // hk, dim=1) for x in (q, k))
-    outs, states = [], []
-    cu = cu_seqlens.tolist()
-    for a, b in itertools.pairwise(cu):
-        s = torch.zeros((hv, q.shape[2], v.shape[2]), dtype=torch.float32, device=q.device)
-        for c0 in range(a, b, CHUNK):
-            c1 = min(c0 + CHUNK, b)
-            o, nxt = chunk_formula(q[c0:c1], k[c0:c1], v[c0:c1], g[c0:c1], beta[c0:c1], s, scale)
-            outs.append(o)
-            if c1 - c0 == CHUNK:
-                s = nxt
-        states.append(s)
-    out = torch.cat(outs) if outs else v.new_zeros(v.shape, dtype=torch.float32)
-    return out, torch.stack(states)
-
-
 class _GatedDelta(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, g, beta, cu_seqlens, state):
         out, s_out = _launch(q, k, v, g, beta, cu_seqlens, state)
-        ctx.save_for_backward(q, k, v, g, beta, cu_seqlens)
+        ctx.save_for_backward(q, k, v, g, beta, cu_seqlens, state)
         ctx.mark_non_differentiable(s_out)
         return out, s_out
 
     @staticmethod
     def backward(ctx, d_out, d_state):
-        q, k, v, g, beta, cu_seqlens = ctx.saved_tensors
-        with torch.enable_grad():
-            leaves = [x.detach().requires_grad_() for x in (q, k, v, g, beta)]
-            out, _ = _reference_forward(*leaves, cu_seqlens, q.shape[2] ** -0.5)
-            grads = torch.autograd.grad(out, leaves, d_out.float(), allow_unused=True)
-        grads = [
-            torch.zeros_like(x) if gr is None else gr.to(x.dtype)
-            for gr, x in zip(grads, (q, k, v, g, beta), strict=True)
-        ]
-        return (*grads, None, None)
+        q, k, v, g, beta, cu_seqlens, state = ctx.saved_tensors
+        grads = _backward(q, k, v, g, beta, cu_seqlens, state, d_out)
+        return (
+            *(gr.to(x.dtype) for gr, x in zip(grads[:5], (q, k, v, g, beta), strict=True)),
+            None,
+            grads[5] if state is not None else None,
+        )
+
+
+def _backward(q, k, v, g, beta, cu_seqlens, state, d_out):
+    """The Triton backward: the forward rerun storing the state at every chunk start, then one
+    program per (sequence, value head) walking the chunks in reverse
+    (:func:`samepath.kernels.gated_delta_bwd.gated_delta_backward`). fp32 gradients."""
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    g, beta, cu = g.float().contiguous(), beta.float().contiguous(), cu_seqlens.contiguous()
+    n, hv, dk, dv = cu.shape[0] - 1, v.shape[1], q.shape[2], v.shape[2]
+    chunks = torch.div(cu[1:] - cu[:-1] + CHUNK - 1, CHUNK, rounding_mode="floor")
+    chunk_base = (torch.cumsum(chunks, 0) - chunks).to(torch.int32)
+    # sum(ceil(L / C)) <= T // C + N: a bound known on the host, no sync
+    states = torch.empty((q.shape[0] // CHUNK + n, hv, dk, dv), dtype=torch.float32, device=q.device)
+    out = torch.empty(v.shape, dtype=v.dtype, device=v.device)
+    s_out = torch.empty((n, hv, dk, dv), dtype=torch.float32, device=v.device)
+    s0 = state.contiguous() if state is not None else s_out
+    _run_forward(q, k, v, g, beta, cu, s0, out, s_out, state is not None, None, (states, chunk_base))
+    return gated_delta_backward(
+        q,
+        k,
+        v,
+        g,
+        beta,
+        d_out,
+        cu,
+        states,
+        chunk_base,
+        scale=dk**-0.5,
+        eps=L2_EPS,
+        chunk=CHUNK,
+        block_v=V_BLOCK,
+        dot_precision=dot_precision(q.device),
+    )
 
 
 def chunk_gated_delta(q, k, v, g, beta, cu_seqlens, state=None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -364,15 +372,14 @@ def chunk_gated_delta(q, k, v, g, beta, cu_seqlens, state=None) -> tuple[torch.T
             consecutive value heads).
         g: ``[T, HV]`` log decays (<= 0), beta ``[T, HV]``; taken in fp32.
         cu_seqlens: ``[N + 1]`` int32 / int64 sequence starts.
-        state: optional fp32 ``[N, HV, DK, DV]`` boundary states the sequences continue from (not
-            differentiated: refused while it requires grad).
+        state: optional fp32 ``[N, HV, DK, DV]`` boundary states the sequences continue from
+            (differentiable).
 
     Returns:
         ``(out [T, HV, DV] in q's dtype, boundary_state [N, HV, DK, DV] fp32)``: the state after each
-        sequence's last full chunk. Differentiable in q, k, v, g, beta (see the module docstring).
+        sequence's last full chunk (not differentiated). Differentiable in q, k, v, g, beta and
+        ``state`` by the deterministic Triton backward (see the module docstring).
     """
-    if state is not None and state.requires_grad and torch.is_grad_enabled():
-        raise ValueError("state: gradients into the initial state are not supported (detach it)")
     return _GatedDelta.apply(q, k, v, g, beta, cu_seqlens, state)
 
 
