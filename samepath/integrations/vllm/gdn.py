@@ -204,7 +204,10 @@ def gdn_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
 
 def gated_attention_forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
     """``Qwen3NextAttention.forward`` with the output gate on :func:`~samepath.kernels.gated_ops.sigmoid_gate`
-    (vLLM's own projections, q/k norms, rotary and attention, which the plugin patches)."""
+    (vLLM's own projections, q/k norms, rotary and attention, which the plugin patches). vLLM's fused
+    q/k-norm + rope + gate kernel (CUDA / XPU) is turned off: its split path runs the patched norms and
+    rotary."""
+    self.use_fused_qk_norm_rope_gate = False
     qkv, _ = self.qkv_proj(hidden_states)
     q, k, v, gate = self._project_qkv_gate(qkv, positions)
     out = self.attn(q, k, v)
