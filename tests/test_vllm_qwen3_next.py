@@ -278,3 +278,19 @@ def test_vllm_gated_delta_net_left_unpatched_is_uncovered(plugin_installed, monk
     monkeypatch.setattr(QwenGatedDeltaNetAttention, "forward", lambda self, hidden_states: hidden_states)
     entry = plugin_installed.classify_module("model.layers.0.linear_attn", layer, None, None)
     assert entry.status == UNCOVERED and "own Gated DeltaNet forward" in entry.detail
+
+
+@pytest.mark.slow
+def test_vllm_qwen3_next_with_prefix_caching_is_refused_at_load(model_dirs):
+    """The real engine with vLLM's default prefix caching (mamba ``align`` mode): the load audit refuses
+    the Gated DeltaNet layers by name instead of rolling out on states the side buffer does not follow."""
+    spec = VLLMRolloutSpec(
+        model=model_dirs("bfloat16"),
+        dtype="bfloat16",
+        batches=[[[1, 2, 3]]],
+        new_tokens=2,
+        expect_fingerprint=samepath.fingerprint(1),
+        engine_args={"enforce_eager": True, "enable_prefix_caching": True},
+    )
+    with pytest.raises(RuntimeError, match="prefix caching of the Gated DeltaNet state"):
+        ROLLOUTS.run(spec)
