@@ -294,3 +294,145 @@ def test_vllm_qwen3_next_with_prefix_caching_is_refused_at_load(model_dirs):
     )
     with pytest.raises(RuntimeError, match="prefix caching of the Gated DeltaNet state"):
         ROLLOUTS.run(spec)
+
+
+# ----------------------------------------------------------------------------------------------
+# The layer's core against vLLM-shaped metadata (no engine)
+# ----------------------------------------------------------------------------------------------
+
+HK, HV, DK, DV, WIDTH, SLOTS = 1, 2, 16, 16, 4, 6
+CONV_DIM = 2 * HK * DK + HV * DV
+
+
+def _core_layer(gen: torch.Generator) -> torch.nn.Module:
+    """A bare ``QwenGatedDeltaNetAttention`` with random conv / gate parameters and a vLLM-shaped state
+    cache (conv ``[slots, K - 1, dim]``, vLLM's default layout; ssm ``[slots, HV, DV, DK]``)."""
+    layer = _gdn_layer(num_k_heads=HK, num_v_heads=HV, head_k_dim=DK, head_v_dim=DV, conv_kernel_size=WIDTH)
+    layer.conv1d.weight = torch.randn(CONV_DIM, 1, WIDTH, generator=gen).to(torch.bfloat16)
+    layer.A_log = torch.log(torch.rand(HV, generator=gen) * 8 + 0.5)
+    layer.dt_bias = torch.randn(HV, generator=gen)
+    conv = torch.full((SLOTS, WIDTH - 1, CONV_DIM), 7.0, dtype=torch.bfloat16)  # stale values: must be ignored
+    layer.kv_cache = (conv, torch.zeros(SLOTS, HV, DV, DK, dtype=torch.bfloat16))
+    return layer
+
+
+def _step(layer, parts):
+    """One vLLM step: ``parts`` = ``(slot, x, b, a, continuing)`` per request, single-token continuing
+    requests first (vLLM's decodes), then the rest (prefills); returns each request's output."""
+    from types import SimpleNamespace
+
+    from samepath.integrations.vllm.gdn import gdn_core
+
+    decodes = [p for p in parts if p[4] and p[1].shape[0] == 1]
+    order = decodes + [p for p in parts if p not in decodes]
+    lengths = [p[1].shape[0] for p in order]
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+    metadata = SimpleNamespace(
+        spec_sequence_masks=None,
+        num_spec_decodes=0,
+        num_decodes=len(decodes),
+        num_prefills=len(order) - len(decodes),
+        non_spec_query_start_loc=cu,
+        non_spec_state_indices_tensor=torch.tensor([p[0] for p in order], dtype=torch.int32),
+        has_initial_state=torch.tensor([p[4] for p in order]),
+    )
+    cat = [torch.cat([p[i] for p in order]) for i in (1, 2, 3)]
+    out = gdn_core(layer, *cat, metadata)
+    pieces = dict(zip([p[0] for p in order], out.split(lengths), strict=True))
+    return [pieces[p[0]] for p in parts]
+
+
+def _one_call(layer, x, b, a):
+    """The trainer's composition over a whole sequence: conv, gates, one chunked delta-rule call."""
+    from samepath.integrations.vllm.gdn import conv_weight
+    from samepath.kernels.causal_conv1d import causal_conv1d
+    from samepath.kernels.gated_delta import chunk_gated_delta
+    from samepath.kernels.gated_ops import gated_delta_gates
+
+    cu = torch.tensor([0, x.shape[0]], dtype=torch.int32)
+    y, _ = causal_conv1d(x, conv_weight(layer), None, cu, None, "silu")
+    q, k, v = torch.split(y, [HK * DK, HK * DK, HV * DV], dim=-1)
+    g, beta = gated_delta_gates(a, b, layer.A_log, layer.dt_bias)
+    out, _ = chunk_gated_delta(q.reshape(-1, HK, DK), k.reshape(-1, HK, DK), v.reshape(-1, HV, DV), g, beta, cu)
+    return out
+
+
+def test_vllm_gdn_core_steps_equal_one_chunked_call(plugin_installed):
+    """Chunked prefill cut inside a chunk, decode steps across the C boundary, a second request in another
+    slot starting mid-way and a third reusing a finished request's slot: every output equals the
+    trainer's one call over the whole sequence. Negative control: a decode that ignores the slot's
+    state (as if the request started there) differs."""
+    gen = torch.Generator().manual_seed(5)
+    layer = _core_layer(gen)
+
+    def sequence(n):
+        return (
+            torch.randn(n, CONV_DIM, generator=gen).to(torch.bfloat16),
+            torch.randn(n, HV, generator=gen).to(torch.bfloat16),
+            torch.randn(n, HV, generator=gen).to(torch.bfloat16),
+        )
+
+    seq_a, seq_b, seq_c = sequence(CHUNK + 6), sequence(12), sequence(9)
+    got = {"a": [], "b": [], "c": []}
+
+    def part(slot, seq, lo, hi, continuing):
+        return (slot, *(t[lo:hi] for t in seq), continuing)
+
+    # step 1: a's first 40 tokens; step 2: a's next 20 (chunked prefill, continuing) and b's first 10
+    (o,) = _step(layer, [part(3, seq_a, 0, 40, False)])
+    got["a"].append(o)
+    oa, ob = _step(layer, [part(3, seq_a, 40, CHUNK - 4, True), part(0, seq_b, 0, 10, False)])
+    got["a"].append(oa)
+    got["b"].append(ob)
+    # decode steps: a across the chunk boundary, b to its end
+    for t in range(CHUNK - 4, CHUNK + 6):
+        parts = [part(3, seq_a, t, t + 1, True)]
+        if 10 + (t - CHUNK + 4) < 12:
+            parts.append(part(0, seq_b, 10 + t - CHUNK + 4, 11 + t - CHUNK + 4, True))
+        outs = _step(layer, parts)
+        got["a"].append(outs[0])
+        if len(outs) > 1:
+            got["b"].append(outs[1])
+    # c reuses b's slot (a new request: vLLM says it has no initial state)
+    (o,) = _step(layer, [part(0, seq_c, 0, 9, False)])
+    got["c"].append(o)
+    for key, seq in (("a", seq_a), ("b", seq_b), ("c", seq_c)):
+        assert torch.equal(torch.cat(got[key]), _one_call(layer, *seq)), key
+
+    # Negative control: a's slot continued as if new at its last decode step.
+    fresh = _core_layer(torch.Generator().manual_seed(5))
+    (o,) = _step(fresh, [part(3, seq_a, 0, CHUNK + 5, False)])
+    (last,) = _step(fresh, [part(3, seq_a, CHUNK + 5, CHUNK + 6, False)])
+    assert torch.equal(o, _one_call(fresh, *(t[: CHUNK + 5] for t in seq_a)))
+    assert not torch.equal(last, _one_call(fresh, *seq_a)[-1:])
+
+
+def test_vllm_gdn_core_step_reads_nothing_back(plugin_installed, monkeypatch):
+    """A mixed decode + prefill step of the layer's core makes no host read of a device value (the
+    metadata's counts are host ints; lengths, slots and tail lengths stay on the device)."""
+    from tests.host_counts import counting
+
+    gen = torch.Generator().manual_seed(6)
+    layer = _core_layer(gen)
+    x = torch.randn(70, CONV_DIM, generator=gen).to(torch.bfloat16)
+    ab = torch.randn(70, HV, generator=gen).to(torch.bfloat16)
+    _step(layer, [(1, x[:60], ab[:60], ab[:60], False), (4, x[60:65], ab[60:65], ab[60:65], False)])
+    counter_cls = counting(monkeypatch)
+    parts = [(1, x[65:66], ab[65:66], ab[65:66], True), (4, x[66:70], ab[66:70], ab[66:70], True)]
+    from types import SimpleNamespace
+
+    from samepath.integrations.vllm.gdn import gdn_core
+
+    metadata = SimpleNamespace(
+        spec_sequence_masks=None,
+        num_spec_decodes=0,
+        num_decodes=1,
+        num_prefills=1,
+        non_spec_query_start_loc=torch.tensor([0, 1, 5], dtype=torch.int32),
+        non_spec_state_indices_tensor=torch.tensor([1, 4], dtype=torch.int32),
+        has_initial_state=torch.tensor([True, True]),
+    )
+    cat = [torch.cat([p[i] for p in parts]) for i in (1, 2, 3)]
+    with counter_cls() as counter:
+        gdn_core(layer, *cat, metadata)
+    assert counter.reads == 0, counter.ops
