@@ -115,4 +115,5 @@ def vllm(session: nox.Session) -> None:
     session.run("pip", "uninstall", "-y", "torchvision", "torchaudio", "torchcodec")
     # With its vllm.general_plugins entry point, so the multiprocessing case can run (-m slow).
     session.install("--no-deps", "-e", ".")
-    session.run("python", "-m", "pytest", "tests/test_integration_vllm.py", *session.posargs)
+    tests = ["tests/test_integration_vllm.py", "tests/test_vllm_qwen3_next.py"]
+    session.run("python", "-m", "pytest", *tests, *session.posargs)
