@@ -35,7 +35,7 @@ audit and again at the first step), never run on another schedule: speculative d
 state slots), vLLM's mamba prefix caching (``enable_prefix_caching`` / ``mamba_cache_mode`` other than
 ``"none"``: vLLM copies states between slots, which the side buffer would not follow), tensor
 parallelism (untested), a compiled region (pass ``enforce_eager=True``), a conv activation or gated norm
-other than SiLU / norm-before-gate without groups, a conv bias.
+other than SiLU / norm-before-gate without groups.
 """
 
 from __future__ import annotations
@@ -106,8 +106,6 @@ def layer_problems(layer: Any) -> list[str]:
         or getattr(norm, "group_size", None) is not None
     ):
         problems.append("a gated norm other than norm-before-gate with a SiLU gate and no groups")
-    if getattr(layer, "conv1d", None) is not None and getattr(layer.conv1d, "bias", None) is not None:
-        problems.append("a conv1d bias")
     return problems
 
 
