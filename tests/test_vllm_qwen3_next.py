@@ -281,18 +281,27 @@ def test_vllm_gated_delta_net_left_unpatched_is_uncovered(plugin_installed, monk
 
 
 @pytest.mark.slow
-def test_vllm_qwen3_next_with_prefix_caching_is_refused_at_load(model_dirs):
-    """The real engine with vLLM's default prefix caching (mamba ``align`` mode): the load audit refuses
-    the Gated DeltaNet layers by name instead of rolling out on states the side buffer does not follow."""
+@pytest.mark.parametrize(
+    ("engine_args", "words"),
+    [
+        ({"enforce_eager": True, "enable_prefix_caching": True}, "prefix caching of the Gated DeltaNet state"),
+        ({"enforce_eager": False, "enable_prefix_caching": False}, "compiled mode"),
+    ],
+    ids=["prefix-caching", "compiled"],
+)
+def test_vllm_qwen3_next_unsupported_engines_are_refused_at_load(model_dirs, engine_args, words):
+    """The real engine with vLLM's default prefix caching (mamba ``align`` mode) or compiled: the load
+    audit refuses the Gated DeltaNet layers by name instead of rolling out on states the side buffer
+    does not follow, or on a forward Dynamo traced."""
     spec = VLLMRolloutSpec(
         model=model_dirs("bfloat16"),
         dtype="bfloat16",
         batches=[[[1, 2, 3]]],
         new_tokens=2,
         expect_fingerprint=samepath.fingerprint(1),
-        engine_args={"enforce_eager": True, "enable_prefix_caching": True},
+        engine_args=engine_args,
     )
-    with pytest.raises(RuntimeError, match="prefix caching of the Gated DeltaNet state"):
+    with pytest.raises(RuntimeError, match=words):
         ROLLOUTS.run(spec)
 
 
