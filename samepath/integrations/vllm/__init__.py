@@ -66,8 +66,8 @@ What :func:`install` replaces (every original recorded; :func:`uninstall` restor
 * **Qwen3-Next** — ``QwenGatedDeltaNetAttention.forward`` (the Gated DeltaNet layer) on samepath's
   conv1d, gates, delta-rule schedule and gated norm, with a side buffer by vLLM state slot;
   ``Qwen3NextAttention``'s output gate and ``Qwen2MoeMLP``'s shared-expert gate on
-  ``sigmoid_gate`` (:mod:`~samepath.integrations.vllm.gdn`; prefix caching, speculative decoding,
-  TP and compiled mode refused by name).
+  ``sigmoid_gate`` (:mod:`~samepath.integrations.vllm.gdn`; prefix caching, speculative decoding
+  and TP refused by name; opaque ops ``samepath_vllm::qwen_gdn`` / ``sigmoid_gate`` when compiled).
 * **Sampler log-probs** — ``Sampler.compute_logprobs`` (the ``raw_logprobs`` mode, vLLM's default):
   :func:`samepath.log_softmax` of the raw logits in fp32, temperature 1, before any logits
   processor: the trainer's equal is ``samepath.logprobs(logits, tokens)``. With

@@ -34,7 +34,7 @@ Refused by name (:class:`UnsupportedGatedDeltaNetError`, a ``NotImplementedError
 audit and again at the first step), never run on another schedule: speculative decoding (multi-token
 state slots), vLLM's mamba prefix caching (``enable_prefix_caching`` / ``mamba_cache_mode`` other than
 ``"none"``: vLLM copies states between slots, which the side buffer would not follow), tensor
-parallelism (untested), a compiled region (pass ``enforce_eager=True``), a conv activation or gated norm
+parallelism (untested), a conv activation or gated norm
 other than SiLU / norm-before-gate without groups.
 """
 
@@ -93,8 +93,6 @@ def layer_problems(layer: Any) -> list[str]:
         problems.append(
             f"prefix caching of the Gated DeltaNet state (mamba_cache_mode={mode!r}; pass enable_prefix_caching=False)"
         )
-    if not getattr(getattr(layer, "model_config", None), "enforce_eager", True):
-        problems.append("compiled mode (enforce_eager=False; pass enforce_eager=True)")
     if getattr(layer, "tp_size", 1) != 1:
         problems.append(f"tensor parallelism (tp_size={layer.tp_size})")
     if getattr(layer, "activation", "silu") not in ("silu", "swish"):
@@ -176,26 +174,66 @@ def split_projections(layer: Any, mixed_qkvz: torch.Tensor, ba: torch.Tensor):
     return mixed_qkv, z.reshape(z.size(0), -1, layer.head_v_dim), b, a
 
 
-def gdn_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-    """``QwenGatedDeltaNetAttention.forward`` on samepath (see the module docstring)."""
+def gated_output(
+    layer: Any, mixed_qkv: torch.Tensor, b: torch.Tensor, a: torch.Tensor, z: torch.Tensor
+) -> torch.Tensor:
+    """The step's core (:func:`gdn_core` on this layer's GDN metadata; zeros for a step without it: vLLM's
+    profile run) through the gated norm: ``[T, HV, DV]`` in the model dtype, before ``out_proj``."""
     from vllm.forward_context import get_forward_context
 
-    check_layer(self)
+    core = torch.zeros(z.shape, dtype=z.dtype, device=z.device)
+    metadata = get_forward_context().attn_metadata
+    metadata = metadata.get(layer.prefix) if isinstance(metadata, dict) else None
+    if metadata is not None and metadata.num_actual_tokens:
+        t = metadata.num_actual_tokens
+        core[:t] = gdn_core(layer, mixed_qkv[:t], b[:t].contiguous(), a[:t].contiguous(), metadata)
+    return gated_rms_norm(core, z, layer.norm.weight, layer.norm.eps)
+
+
+@torch.library.custom_op("samepath_vllm::qwen_gdn", mutates_args=())
+def _gated_output_op(
+    mixed_qkv: torch.Tensor, b: torch.Tensor, a: torch.Tensor, z: torch.Tensor, layer: str
+) -> torch.Tensor:
+    # Inside a compiled region: the layer by name from vLLM's forward context (as vLLM's own GDN op finds
+    # it); its conv state and slot buffer are updated in place, outside the graph's view.
+    from vllm.forward_context import get_forward_context
+
+    return gated_output(get_forward_context().no_compile_layers[layer], mixed_qkv, b, a, z.contiguous())
+
+
+@_gated_output_op.register_fake
+def _(mixed_qkv, b, a, z, layer):
+    return z.new_empty(z.shape)
+
+
+@torch.library.custom_op("samepath_vllm::sigmoid_gate", mutates_args=())
+def _sigmoid_gate_op(x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    return sigmoid_gate(x, gate.contiguous())
+
+
+@_sigmoid_gate_op.register_fake
+def _(x, gate):
+    return torch.empty_like(x)
+
+
+def apply_sigmoid_gate(x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    """:func:`samepath.kernels.gated_ops.sigmoid_gate`, an opaque op inside a compiled region."""
     if torch.compiler.is_compiling():
-        raise UnsupportedGatedDeltaNetError(
-            f"samepath's vLLM Gated DeltaNet ({self.prefix}) in a compiled region: pass enforce_eager=True"
-        )
+        return _sigmoid_gate_op(x, gate)
+    return sigmoid_gate(x, gate)
+
+
+def gdn_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+    """``QwenGatedDeltaNetAttention.forward`` on samepath (see the module docstring); inside a compiled
+    region the conv, gates, delta rule and gated norm are one opaque op (``samepath_vllm::qwen_gdn``)."""
+    check_layer(self)
     mixed_qkvz, _ = self.in_proj_qkvz(hidden_states)
     ba, _ = self.in_proj_ba(hidden_states)
     mixed_qkv, z, b, a = split_projections(self, mixed_qkvz, ba)
-    hv = self.num_v_heads // self.tp_size
-    core = torch.zeros((hidden_states.shape[0], hv, self.head_v_dim), dtype=hidden_states.dtype, device=z.device)
-    metadata = get_forward_context().attn_metadata
-    metadata = metadata.get(self.prefix) if isinstance(metadata, dict) else None
-    if metadata is not None and metadata.num_actual_tokens:
-        t = metadata.num_actual_tokens
-        core[:t] = gdn_core(self, mixed_qkv[:t], b[:t].contiguous(), a[:t].contiguous(), metadata)
-    out = gated_rms_norm(core, z, self.norm.weight, self.norm.eps)
+    if torch.compiler.is_compiling():
+        out = _gated_output_op(mixed_qkv, b, a, z, self.prefix)
+    else:
+        out = gated_output(self, mixed_qkv, b, a, z)
     output, _ = self.out_proj(out.flatten(-2))
     return output
 
@@ -210,7 +248,7 @@ def gated_attention_forward(self, positions: torch.Tensor, hidden_states: torch.
     q, k, v, gate = self._project_qkv_gate(qkv, positions)
     out = self.attn(q, k, v)
     if gate is not None:
-        out = sigmoid_gate(out, gate.reshape(out.shape))
+        out = apply_sigmoid_gate(out, gate.reshape(out.shape))
     output, _ = self.o_proj(out)
     return output
 
@@ -221,7 +259,7 @@ def gated_mlp_forward(self, x: torch.Tensor) -> torch.Tensor:
     gate_up, _ = self.gate_up_proj(x)
     out, _ = self.down_proj(self.act_fn(gate_up))
     if self.expert_gate is not None:
-        out = sigmoid_gate(out, self.expert_gate(x)[0].expand_as(out))
+        out = apply_sigmoid_gate(out, self.expert_gate(x)[0].expand_as(out))
     return out
 
 
@@ -277,11 +315,13 @@ __all__ = [
     "GDN_MODULE",
     "GDN_PART_ATTR",
     "UnsupportedGatedDeltaNetError",
+    "apply_sigmoid_gate",
     "check_layer",
     "conv_state_view",
     "conv_weight",
     "gated_attention_forward",
     "gated_mlp_forward",
+    "gated_output",
     "gdn_audit_entry",
     "gdn_core",
     "gdn_forward",
