@@ -10,8 +10,8 @@ import samepath
 from samepath.check.harness import DEFAULT_MODEL_CONFIG
 
 PINNED = {
-    1: "sp5-6cb9a873f2dd8b9e",
-    2: "sp5-d98a606b0cd0dba9",
+    1: "sp5-79304010862bf1f2",
+    2: "sp5-774030566ac9b08c",
 }
 
 

@@ -373,8 +373,9 @@ GATED_DELTA_FORMULA = {
     "update": "on a full chunk S = (k*exp(gc_C - gc))^T @ vnew + S * exp(gc_C)",
     "dot": "fp32 operands, tf32x3 on NVIDIA, ieee on Ascend (fp32 products in the interpreter and the replay), "
     "fp32 accumulation; one cast of o to the input dtype",
-    "backward": "Triton, no atomics: the forward rerun stores the state at each chunk start; chunk quantities "
-    "recomputed by the forward's ops; kernel 1 per (sequence, value head, 32 value columns), chunks in reverse: "
+    "backward": "Triton, no atomics: the forward rerun stores the state at each chunk start and each chunk's T; "
+    "the other chunk quantities recomputed by the forward's ops; kernel 1 per (sequence, value head, 32 value "
+    "columns), chunks in reverse: "
     "vnew = T (v*beta) - w S, dvnew = attn^T dO + kdec dS', dS = (q*exp(gc))^T dO + dS' * exp(gc_C) - w^T dvnew "
     "(fp32 in registers), dv = (T^T dvnew) * beta, row sums of (T^T dvnew) * v per block; kernel 2 per (sequence, "
     "value head): partials dO S^T, dO vnew^T, vnew dS'^T, dvnew S^T, dvnew (v*beta)^T over the value blocks "

@@ -28,8 +28,9 @@ accumulation: :data:`DOT_PRECISION` ``tf32x3`` on NVIDIA (three tf32 products, n
 Ascend, fp32 products in the interpreter and the replay (which ignore ``input_precision``).
 
 Backward: the Triton kernel of :mod:`samepath.kernels.gated_delta_bwd`, deterministic (no atomics,
-fixed orders): the forward rerun with ``STORE_STATES`` stores the state at every chunk start, then the
-chunks are walked in reverse recomputing the chunk quantities (the formula row ``backward``).
+fixed orders): the forward rerun with ``STORE_STATES`` stores the state at every chunk start and the
+chunk's UT transform, then the chunks are walked in reverse recomputing the other chunk quantities
+(the formula row ``backward``).
 """
 
 from __future__ import annotations
@@ -85,6 +86,7 @@ def _gated_delta_fwd_kernel(
     TailG,
     TailB,
     States,
+    TMat,
     ChunkBase,
     HK,
     HV,
@@ -113,7 +115,8 @@ def _gated_delta_fwd_kernel(
     DV]`` at the slot (each program its own slice).
 
     ``STORE_STATES`` (the backward's recompute): the state at the start of chunk ``c`` of sequence n is
-    also stored to ``States [ChunkBase[n] + c, HV, DK, DV]``."""
+    also stored to ``States [ChunkBase[n] + c, HV, DK, DV]``, the chunk's UT transform to ``TMat
+    [ChunkBase[n] + c, HV, CHUNK, CHUNK]`` (by the value block 0's program)."""
     n = tl.program_id(0)
     h = tl.program_id(1)
     vb = tl.program_id(2)
@@ -208,6 +211,10 @@ def _gated_delta_fwd_kernel(
             a_i = tl.sum(tl.where(rows[:, None] == i, a, 0.0), axis=0)
             row = tl.where(rows == i, 1.0, 0.0) - tl.sum(a_i[:, None] * t, axis=0)
             t = tl.where(rows[:, None] == i, row[None, :], t)
+        if STORE_STATES:
+            if vb == 0:
+                chunk = (tl.load(ChunkBase + n) + c0 // CHUNK_SIZE).to(tl.int64)
+                tl.store(TMat + ((chunk * HV + h) * CHUNK_SIZE + rows[:, None]) * CHUNK_SIZE + rows[None, :], t)
         u = tl.dot(t, vbeta, input_precision=DOT_PRECISION)
         w = tl.dot(t, kbg, input_precision=DOT_PRECISION)
         vnew = u - tl.dot(w, S, input_precision=DOT_PRECISION)
@@ -276,7 +283,8 @@ def _launch(q, k, v, g, beta, cu_seqlens, state) -> tuple[torch.Tensor, torch.Te
 def _run_forward(q, k, v, g, beta, cu_seqlens, s0, out, s_out, has_s0: bool, slots, states=None) -> None:
     """One launch of the forward kernel; ``slots``: ``None`` or ``(slot_ids, tail_len [N] int32,
     initial [N] int32, tail_k, tail_v, tail_g, tail_beta)`` (then ``s0 is s_out``, the slot states);
-    ``states``: ``None`` or ``(states [chunks, HV, DK, DV] fp32, chunk_base [N] int32)``."""
+    ``states``: ``None`` or ``(states [chunks, HV, DK, DV] fp32, t [chunks, HV, C, C] fp32, chunk_base
+    [N] int32)``."""
     n, hk, dk = cu_seqlens.shape[0] - 1, q.shape[1], q.shape[2]
     hv, dv = v.shape[1], v.shape[2]
     block_k, block_v = max(16, triton.next_power_of_2(dk)), V_BLOCK
@@ -293,7 +301,7 @@ def _run_forward(q, k, v, g, beta, cu_seqlens, s0, out, s_out, has_s0: bool, slo
         s_out,
         cu_seqlens,
         *slot_args,
-        *(states if states is not None else (s_out, cu_seqlens)),
+        *(states if states is not None else (s_out, s_out, cu_seqlens)),
         hk,
         hv,
         dk,
@@ -341,10 +349,11 @@ def _backward(q, k, v, g, beta, cu_seqlens, state, d_out):
     chunk_base = (torch.cumsum(chunks, 0) - chunks).to(torch.int32)
     # sum(ceil(L / C)) <= T // C + N: a bound known on the host, no sync
     states = torch.empty((q.shape[0] // CHUNK + n, hv, dk, dv), dtype=torch.float32, device=q.device)
+    t_mat = torch.empty((states.shape[0], hv, CHUNK, CHUNK), dtype=torch.float32, device=q.device)
     out = torch.empty(v.shape, dtype=v.dtype, device=v.device)
     s_out = torch.empty((n, hv, dk, dv), dtype=torch.float32, device=v.device)
     s0 = state.contiguous() if state is not None else s_out
-    _run_forward(q, k, v, g, beta, cu, s0, out, s_out, state is not None, None, (states, chunk_base))
+    _run_forward(q, k, v, g, beta, cu, s0, out, s_out, state is not None, None, (states, t_mat, chunk_base))
     return gated_delta_backward(
         q,
         k,
@@ -354,6 +363,7 @@ def _backward(q, k, v, g, beta, cu_seqlens, state, d_out):
         d_out,
         cu,
         states,
+        t_mat,
         chunk_base,
         scale=dk**-0.5,
         eps=L2_EPS,

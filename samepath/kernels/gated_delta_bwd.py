@@ -1,9 +1,10 @@
 """Gated DeltaNet backward in Triton (:mod:`samepath.kernels.gated_delta`'s chunk formula), deterministic.
 
-The forward is rerun storing the state at every chunk start (``States``, the forward's bits). Every
-chunk's quantities are recomputed with the forward's operations (:func:`_chunk_recompute`: the
-normalised q, k, the cumulative gates, the decays, the UT transform ``T`` by the same forward
-substitution), and the chunk formula is differentiated by hand in two kernels:
+The forward is rerun storing the state at every chunk start (``States``) and every chunk's UT
+transform ``T`` (``TMat``): the forward's bits, and no forward substitution in the backward. The
+other chunk quantities are recomputed with the forward's operations (:func:`_chunk_recompute`: the
+normalised q, k, the cumulative gates, the decays, the scores), and the chunk formula is
+differentiated by hand in two kernels:
 
 1. :func:`_gated_delta_bwd_state_kernel`, one program per (sequence, value head, block of
    :data:`~samepath.kernels.gated_delta.V_BLOCK` value columns), chunks in reverse: the state
@@ -40,6 +41,8 @@ def _chunk_recompute(
     K,
     G,
     Beta,
+    TMat,
+    chunk,
     tok,
     valid,
     hk,
@@ -52,12 +55,14 @@ def _chunk_recompute(
     CHUNK_SIZE: tl.constexpr,
     BLOCK_K: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    LOAD_T: tl.constexpr,
 ):
-    """The forward's chunk quantities, by the forward's operations (the same bits)."""
+    """The forward's chunk quantities by the forward's operations (the same bits); the UT transform
+    ``T`` as the forward rerun stored it (``LOAD_T``: ``TMat [chunks, HV, CHUNK, CHUNK]``, row
+    ``chunk``) or by the forward's substitution."""
     rows = tl.arange(0, CHUNK_SIZE)
     kd = tl.arange(0, BLOCK_K)
     lower = rows[:, None] >= rows[None, :]
-    strict = rows[:, None] > rows[None, :]
     qk_mask = valid[:, None] & (kd[None, :] < DK)
     qk_offs = (tok[:, None] * HK + hk) * DK + kd[None, :]
     q0 = tl.load(Q + qk_offs, mask=qk_mask, other=0.0).to(tl.float32)
@@ -74,12 +79,15 @@ def _chunk_recompute(
     decay = tl.exp(tl.where(lower, gc[:, None] - gc[None, :], 0.0))
     kb = k * b[:, None]
     m = tl.dot(kb, tl.trans(k), input_precision=DOT_PRECISION)
-    a = tl.where(strict, m * decay, 0.0)
-    t = tl.where(rows[:, None] == rows[None, :], 1.0, 0.0)
-    for i in range(1, CHUNK_SIZE):
-        a_i = tl.sum(tl.where(rows[:, None] == i, a, 0.0), axis=0)
-        row = tl.where(rows == i, 1.0, 0.0) - tl.sum(a_i[:, None] * t, axis=0)
-        t = tl.where(rows[:, None] == i, row[None, :], t)
+    if LOAD_T:
+        t = tl.load(TMat + ((chunk * HV + h) * CHUNK_SIZE + rows[:, None]) * CHUNK_SIZE + rows[None, :])
+    else:
+        a = tl.where(rows[:, None] > rows[None, :], m * decay, 0.0)
+        t = tl.where(rows[:, None] == rows[None, :], 1.0, 0.0)
+        for i in range(1, CHUNK_SIZE):
+            a_i = tl.sum(tl.where(rows[:, None] == i, a, 0.0), axis=0)
+            row = tl.where(rows == i, 1.0, 0.0) - tl.sum(a_i[:, None] * t, axis=0)
+            t = tl.where(rows[:, None] == i, row[None, :], t)
     egc = tl.exp(gc)
     qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
     edec = tl.exp(gc_last - gc)
@@ -95,6 +103,7 @@ def _gated_delta_bwd_state_kernel(
     Beta,
     DOut,
     States,
+    TMat,
     ChunkBase,
     DStates,
     DState0,
@@ -139,15 +148,34 @@ def _gated_delta_bwd_state_kernel(
         c0 = (n_chunks - 1 - j) * CHUNK_SIZE
         valid = (c0 + rows) < length
         tok = start + c0 + rows
+        chunk = base + c0 // CHUNK_SIZE
         _q0, _rq, q, _rk, k, b, gc_last, decay, kb, _m, t, egc, qk, edec = _chunk_recompute(
-            Q, K, G, Beta, tok, valid, hk, h, HK, HV, DK, SCALE, EPS, CHUNK_SIZE, BLOCK_K, DOT_PRECISION
+            Q,
+            K,
+            G,
+            Beta,
+            TMat,
+            chunk,
+            tok,
+            valid,
+            hk,
+            h,
+            HK,
+            HV,
+            DK,
+            SCALE,
+            EPS,
+            CHUNK_SIZE,
+            BLOCK_K,
+            DOT_PRECISION,
+            True,
         )
         w = tl.dot(t, kb * egc[:, None], input_precision=DOT_PRECISION)
         attn = tl.where(lower, qk * decay, 0.0)
         qg = q * egc[:, None]
         kdec = k * edec[:, None]
         egl = tl.exp(gc_last)
-        s_offs = ((base + c0 // CHUNK_SIZE) * HV + h) * DK * DV + st_offs
+        s_offs = (chunk * HV + h) * DK * DV + st_offs
         s = tl.load(States + s_offs, mask=st_mask, other=0.0)
         tl.store(DStates + s_offs, ds1, mask=st_mask)
         v_mask = valid[:, None] & (vd[None, :] < DV)
@@ -218,13 +246,32 @@ def _gated_delta_bwd_qkg_kernel(
     for c0 in range(0, length, CHUNK_SIZE):
         valid = (c0 + rows) < length
         tok = start + c0 + rows
+        chunk = base + c0 // CHUNK_SIZE
         q0, rq, q, rk, k, b, gc_last, decay, kb, m, t, egc, qk, edec = _chunk_recompute(
-            Q, K, G, Beta, tok, valid, hk, h, HK, HV, DK, SCALE, EPS, CHUNK_SIZE, BLOCK_K, DOT_PRECISION
+            Q,
+            K,
+            G,
+            Beta,
+            G,
+            chunk,
+            tok,
+            valid,
+            hk,
+            h,
+            HK,
+            HV,
+            DK,
+            SCALE,
+            EPS,
+            CHUNK_SIZE,
+            BLOCK_K,
+            DOT_PRECISION,
+            False,
         )
         kbg = kb * egc[:, None]
         kdec = k * edec[:, None]
         egl = tl.exp(gc_last)
-        s_base = ((base + c0 // CHUNK_SIZE) * HV + h) * DK * DV
+        s_base = (chunk * HV + h) * DK * DV
         dqg = tl.zeros((CHUNK_SIZE, BLOCK_K), dtype=tl.float32)
         dkdec = tl.zeros((CHUNK_SIZE, BLOCK_K), dtype=tl.float32)
         dw = tl.zeros((CHUNK_SIZE, BLOCK_K), dtype=tl.float32)
@@ -288,10 +335,11 @@ def _gated_delta_bwd_qkg_kernel(
 
 
 def gated_delta_backward(
-    q, k, v, g, beta, d_out, cu_seqlens, states, chunk_base, *, scale, eps, chunk, block_v, dot_precision
+    q, k, v, g, beta, d_out, cu_seqlens, states, t_mat, chunk_base, *, scale, eps, chunk, block_v, dot_precision
 ):
     """Launch the backward: operands as the forward took them (contiguous; ``g``, ``beta`` fp32),
-    ``d_out`` ``[T, HV, DV]``, ``states`` / ``chunk_base`` from the forward's ``STORE_STATES`` rerun,
+    ``d_out`` ``[T, HV, DV]``, ``states`` / ``t_mat`` / ``chunk_base`` from the forward's
+    ``STORE_STATES`` rerun,
     ``dot_precision`` the forward's ``tl.dot`` precision.
     Returns ``(dq, dk [T, HK, DK], dv [T, HV, DV], dg, dbeta [T, HV], d_state0 [N, HV, DK, DV])``, fp32
     (dq / dk summed over each q/k head's value heads, ascending)."""
@@ -315,6 +363,7 @@ def gated_delta_backward(
         beta,
         d_out,
         states,
+        t_mat,
         chunk_base,
         d_states,
         d_state0,
@@ -329,6 +378,7 @@ def gated_delta_backward(
         dk,
         dv,
         **common,
+        num_stages=1,  # pipelined loads of T would take 240 KB of shared memory on sm_90 (128 KB at 1)
     )
     dq_h, dk_h = torch.empty((total, hv, dk), **f32), torch.empty((total, hv, dk), **f32)
     d_g, d_b = torch.empty((total, hv), **f32), torch.empty((total, hv), **f32)

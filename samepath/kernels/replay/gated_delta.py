@@ -69,6 +69,7 @@ def gated_delta_fwd(
     TailG,
     TailB,
     States,
+    TMat,
     ChunkBase,
     HK,
     HV,
@@ -95,7 +96,7 @@ def gated_delta_fwd(
         slots, tails, initial = SlotIds.tolist(), TailLen.tolist(), Initial.tolist()
         tk_all, tv_all, tg_all, tb_all = to_numpy(TailK), to_numpy(TailV), to_numpy(TailG), to_numpy(TailB)
     if STORE_STATES:
-        states, chunk_base = to_numpy(States), ChunkBase.tolist()
+        states, t_mat, chunk_base = to_numpy(States), to_numpy(TMat), ChunkBase.tolist()
     scale, eps = np.float32(SCALE), np.float32(EPS)
     rows = np.arange(CHUNK_SIZE)
     lower = rows[:, None] >= rows[None, :]
@@ -143,6 +144,8 @@ def gated_delta_fwd(
                     kb = k * b[:, None]
                     a = np.where(strict, _dot(kb, k.T) * decay, _ZERO)
                     t = _ut_inverse(a, eye)
+                    if STORE_STATES:
+                        t_mat[chunk_base[n] + c0 // CHUNK_SIZE, h] = t
                     egc = np.exp(gc)
                     w = _dot(t, kb * egc[:, None])
                     attn = np.where(lower, _dot(q, k.T) * decay, _ZERO)
@@ -166,8 +169,9 @@ def gated_delta_fwd(
                 s_out[slot, h] = S[:DK, :DV]
 
 
-def _recompute(q_all, k_all, g_all, b_all, tok, valid, hk, h, DK, scale, eps, block_k, masks):
-    """``_chunk_recompute``: the forward's chunk quantities of program (sequence, value head h)."""
+def _recompute(q_all, k_all, g_all, b_all, t_mat, chunk, tok, valid, hk, h, DK, scale, eps, block_k, masks):
+    """``_chunk_recompute``: the forward's chunk quantities of program (sequence, value head h), ``T``
+    as the forward rerun stored it (``t_mat``) or, with ``t_mat`` None, by the forward substitution."""
     rows, lower, strict, eye = masks
     q0 = _tile(q_all[:, hk], tok, valid, block_k, DK)
     k0 = _tile(k_all[:, hk], tok, valid, block_k, DK)
@@ -185,8 +189,7 @@ def _recompute(q_all, k_all, g_all, b_all, tok, valid, hk, h, DK, scale, eps, bl
     decay = np.exp(np.where(lower, gc[:, None] - gc[None, :], _ZERO))
     kb = k * b[:, None]
     m = _dot(kb, k.T)
-    a = np.where(strict, m * decay, _ZERO)
-    t = _ut_inverse(a, eye)
+    t = t_mat[chunk, h].copy() if t_mat is not None else _ut_inverse(np.where(strict, m * decay, _ZERO), eye)
     egc = np.exp(gc)
     qk = _dot(q, k.T)
     edec = np.exp(np.ascontiguousarray(gc_last - gc))
@@ -210,6 +213,7 @@ def gated_delta_bwd_state(
     Beta,
     DOut,
     States,
+    TMat,
     ChunkBase,
     DStates,
     DState0,
@@ -234,6 +238,7 @@ def gated_delta_bwd_state(
     of a chunk after its shared recompute (every value block's program computes it with the same bits)."""
     q_all, k_all, v_all, do_all = to_numpy(Q), to_numpy(K), to_numpy(V), to_numpy(DOut)
     g_all, b_all, states, d_states = to_numpy(G), to_numpy(Beta), to_numpy(States), to_numpy(DStates)
+    t_mat = to_numpy(TMat)
     d_state0, vnew_all, dvnew_all = to_numpy(DState0), to_numpy(VNew), to_numpy(DVNew)
     dv_all, db_part = to_numpy(DVal), to_numpy(DBPart)
     cu, chunk_base = CuSeqlens.tolist(), ChunkBase.tolist()
@@ -251,15 +256,15 @@ def gated_delta_bwd_state(
                 for c0 in reversed(range(0, length, CHUNK_SIZE)):
                     valid = (c0 + rows) < length
                     tok = start + c0 + rows
+                    chunk = chunk_base[n] + c0 // CHUNK_SIZE
                     _q0, _rq, q, _rk, k, b, gc_last, decay, kb, _m, t, egc, qk, edec = _recompute(
-                        q_all, k_all, g_all, b_all, tok, valid, hk, h, DK, scale, eps, BLOCK_K, masks
+                        q_all, k_all, g_all, b_all, t_mat, chunk, tok, valid, hk, h, DK, scale, eps, BLOCK_K, masks
                     )
                     w = _dot(t, kb * egc[:, None])
                     attn = np.where(lower, qk * decay, _ZERO)
                     qg = q * egc[:, None]
                     kdec = k * edec[:, None]
                     egl = np.exp(np.asarray(gc_last))
-                    chunk = chunk_base[n] + c0 // CHUNK_SIZE
                     s_full = np.zeros((BLOCK_K, width_v), dtype=np.float32)
                     s_full[:DK, :DV] = states[chunk, h]
                     d_states[chunk, h] = ds1_full[:DK, :DV]
@@ -341,13 +346,13 @@ def gated_delta_bwd_qkg(
                 for c0 in range(0, length, CHUNK_SIZE):
                     valid = (c0 + rows) < length
                     tok = start + c0 + rows
+                    chunk = chunk_base[n] + c0 // CHUNK_SIZE
                     q0, rq, q, rk, k, b, gc_last, decay, kb, m, t, egc, qk, edec = _recompute(
-                        q_all, k_all, g_all, b_all, tok, valid, hk, h, DK, scale, eps, BLOCK_K, masks
+                        q_all, k_all, g_all, b_all, None, chunk, tok, valid, hk, h, DK, scale, eps, BLOCK_K, masks
                     )
                     kbg = kb * egc[:, None]
                     kdec = k * edec[:, None]
                     egl = np.exp(np.asarray(gc_last))
-                    chunk = chunk_base[n] + c0 // CHUNK_SIZE
                     s_full = np.zeros((BLOCK_K, width_v), dtype=np.float32)
                     s_full[:DK, :DV] = states[chunk, h]
                     ds_full = np.zeros((BLOCK_K, width_v), dtype=np.float32)
