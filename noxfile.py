@@ -113,6 +113,7 @@ VLLM_TESTS = [
     "tests/test_integration_vllm.py",
     "tests/test_vllm_deepseek.py",
     "tests/test_rl_vllm_mp.py",
+    "tests/test_vllm_qwen3_next.py",
 ]
 
 

