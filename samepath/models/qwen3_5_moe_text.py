@@ -1,7 +1,7 @@
 """Qwen3.5's MoE text decoder (``model_type="qwen3_5_moe_text"``, ``Qwen3_5MoeForCausalLM``): Qwen3.5's
 hybrid Gated DeltaNet / gated full attention layers (:mod:`samepath.models.qwen3_5_text`) with Qwen3-Next's MoE
 blocks: fp32 softmax top-k (Qwen3-MoE's router), samepath's experts and a shared expert scaled by
-``sigmoid(shared_expert_gate(x))``. Hugging Face only (no text-only vLLM architecture)."""
+``sigmoid(shared_expert_gate(x))``. Verified on the Hugging Face side only (see :mod:`samepath.models.qwen3_5_text`)."""
 
 from __future__ import annotations
 
