@@ -209,6 +209,7 @@ def _cli(argv):
         (["--rollout", "sglang"], "rollout"),
         (["--eos-token-id", "320"], "--eos-token-id"),
         (["--eos-token-id", "end"], "--eos-token-id"),
+        (["--transport", "rpc"], "--transport"),
     ],
 )
 def test_train_check_bad_input(argv, fragment, capsys):

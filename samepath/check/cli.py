@@ -172,6 +172,13 @@ def _train_check_parser(sub) -> None:
         "pushed to the worker through vLLM's collective_rpc after every step; a child process per run)",
     )
     train.add_argument(
+        "--transport",
+        choices=("shm", "rpc"),
+        default="shm",
+        help="how --rollout vllm's worker receives the weights: shm (one file on /dev/shm, its path and a SHA-256 in "
+        "the RPC; the default) or rpc (the bytes inside the RPC message)",
+    )
+    train.add_argument(
         "--precision",
         default="fp32_master",
         help="trainer precision: fp32_master (fp32 master weights, forward on their bf16 cast under autocast; the "
@@ -238,6 +245,8 @@ def run_train_check(args: argparse.Namespace) -> int:
     args.batch, args.dtype = 1, "bfloat16"  # for _validate
     if args.rollout == "vllm" and args.device not in (None, "cpu"):
         raise CheckInputError("--rollout vllm runs vLLM's own device; leave --device unset")
+    if args.transport != "shm" and args.rollout != "vllm":
+        raise CheckInputError("--transport applies to --rollout vllm (the worker-process engine) only")
     if args.model and args.tie_embeddings:
         raise CheckInputError("--tie-embeddings applies to the embedded default model, not to --model DIR")
     _, device = _validate(args)
@@ -264,6 +273,7 @@ def run_train_check(args: argparse.Namespace) -> int:
     spec = dict(
         steps=args.steps,
         rollout=args.rollout,
+        transport=args.transport,
         precision=args.precision,
         prompts=args.prompts,
         group_size=args.group_size,
