@@ -42,7 +42,8 @@ def _builder(max_num_seqs: int = 6, max_blocks: int = 32, mode: str = "NONE", cu
 
 def _decode_step(context: int, seed: int = 0):
     """Two sequences (``context`` and ``context - 5`` cached tokens, one new each), vllm-ascend's dummy
-    padding request after them (2 tokens, seq_lens 1, block-table row 0), a shuffled paged cache.
+    padding request after them (2 tokens, seq_lens 1, block-table row 0; its query rows NaN, standing for
+    whatever the padded batch holds: no real row may read them), a shuffled paged cache.
     Returns ``(metadata, query, key_cache, value_cache, full (q, k, v) per sequence)``."""
     gen = torch.Generator().manual_seed(seed + context)
     lens = [context + 1, context - 4]
@@ -58,7 +59,8 @@ def _decode_step(context: int, seed: int = 0):
         for p in range(n):
             kc[table[s, p // BLOCK], p % BLOCK], vc[table[s, p // BLOCK], p % BLOCK] = k[p], v[p]
         full.append((q, k, v))
-    query = torch.cat([full[0][0][-1:], full[1][0][-1:], torch.zeros(2, HEADS, HEAD_SIZE, dtype=torch.bfloat16)])
+    padding = torch.full((2, HEADS, HEAD_SIZE), float("nan"), dtype=torch.bfloat16)
+    query = torch.cat([full[0][0][-1:], full[1][0][-1:], padding])
     metadata = types.SimpleNamespace(
         num_actual_tokens=2,
         actual_seq_lengths_q=[1, 2, CAPTURE_SIZE],
@@ -76,11 +78,12 @@ def _decode_step(context: int, seed: int = 0):
     return metadata, query, kc, vc, full
 
 
-def _graph_step(counter_cls, context: int, layers: int, builder=None):
-    """One graph-mode step: the builder hook, then ``layers`` layers' attention as captured. Returns the
-    hook's counter, the layers' counter, the output and the metadata."""
+def _graph_step(counter_cls, context: int, layers: int, builder=None, width: int = 32):
+    """One graph-mode step: the builder hook, then ``layers`` layers' attention as captured (the block table
+    ``width`` columns wide). Returns the hook's counter, the layers' counter, the output and the metadata."""
     builder = builder or _builder()
     metadata, query, kc, vc, full = _decode_step(context)
+    metadata.block_tables = metadata.block_tables[:, :width]
     warm = types.SimpleNamespace(**vars(metadata))  # a warm-up step of the same layout (Triton's caches)
     graph.attach(builder, warm, None)
     graph.graph_paged_attention(query, kc, vc, warm, HEAD_SIZE**-0.5, torch.zeros_like(query))
@@ -137,24 +140,31 @@ def test_negative_control_the_eager_path_without_host_lists_reads_the_device(mon
 
 
 def test_graph_rows_equal_the_eager_path_and_the_trainer_and_buffers_keep_their_addresses(monkeypatch) -> None:
+    """Three steps of one builder through the same buffers — different lengths, a narrower block table — and
+    the rows of the real requests equal the eager path's and the trainer's (the padding request's NaN query
+    rows reach none of them; the rows of no request carry no contract: vllm-ascend drops them)."""
     from host_counts import counting
 
     counter_cls = counting(monkeypatch)
+    builder = _builder()
     addresses = []
-    for context in (80, 37):  # two steps of different lengths through the same buffers
-        _, _, output, metadata, (query, kc, vc, full) = _graph_step(counter_cls, context=context, layers=1)
+    for context, width in ((80, 32), (37, 32), (37, 4)):
+        _, _, output, metadata, (query, kc, vc, full) = _graph_step(counter_cls, context, 1, builder, width)
         buffers = getattr(metadata, graph.ATTRIBUTE)
-        addresses.append((buffers.packed.data_ptr(), buffers.block_table.data_ptr()))
+        assert buffers is getattr(builder, graph.BUFFERS)
+        addresses.append((buffers.packed.data_ptr(), buffers.block_table.data_ptr(), buffers.block_table.shape))
         assert buffers.query_start_loc.tolist()[:4] == [0, 1, 2, 2]  # the padding request: no tokens, no keys
         assert buffers.seq_lens.tolist()[:3] == [context + 1, context - 4, 0]
         eager = torch.zeros_like(output)
         attention.paged_attention_from_metadata(query, kc, vc, metadata, HEAD_SIZE**-0.5, eager)
         assert torch.equal(output[:2], eager[:2])
-        assert torch.isfinite(output[2:].float()).all()  # rows of no request: finite (vllm-ascend drops them)
         for s, (q, k, v) in enumerate(full):
             cu = torch.tensor([0, q.shape[0]], dtype=torch.int32)
             assert torch.equal(output[s], varlen_attention(q, k, v, cu, HEAD_SIZE**-0.5)[-1])
-    assert addresses[0] == addresses[1]
+    assert addresses[0] == addresses[1] == addresses[2] == (*addresses[0][:2], (6 + graph.EXTRA_ROWS, 32))
+    other = _builder()  # another KV-cache group's builder: its own buffers, not this one's block table
+    graph.attach(other, _decode_step(37)[0], None)
+    assert getattr(other, graph.BUFFERS).block_table.data_ptr() != addresses[0][1]
 
 
 def test_graph_inputs_refuse_what_does_not_fit() -> None:
@@ -169,8 +179,53 @@ def test_graph_inputs_refuse_what_does_not_fit() -> None:
     bad.seq_lens_list = [0, 1, 1]
     with pytest.raises(ValueError, match="seq_lens"):
         graph.attach(_builder(), bad, None)
+    # The buffers are sized from the engine's limits, never from a step: a limit missing, or a step past them.
+    with pytest.raises(ValueError, match="2 requests exceed the graph buffers' max_num_seqs = 1"):
+        graph.attach(_builder(max_num_seqs=1), types.SimpleNamespace(**vars(metadata)), None)
+    no_blocks = _builder()
+    del no_blocks.max_num_blocks_per_req
+    with pytest.raises(ValueError, match="max_num_blocks_per_req"):
+        graph.attach(no_blocks, types.SimpleNamespace(**vars(metadata)), None)
+    no_seqs = _builder()
+    del no_seqs.vllm_config.scheduler_config.max_num_seqs
+    with pytest.raises(ValueError, match="max_num_seqs"):
+        graph.attach(no_seqs, types.SimpleNamespace(**vars(metadata)), None)
+    with pytest.raises(ValueError, match="block_tables"):  # wider than max_num_blocks_per_req
+        graph.attach(_builder(max_blocks=8), types.SimpleNamespace(**vars(metadata)), None)
+    builder = _builder()
+    buffers = graph.attach(builder, types.SimpleNamespace(**vars(metadata)), None)
+    wide = types.SimpleNamespace(**vars(metadata))
+    wide.block_tables = metadata.block_tables.long()
+    with pytest.raises(ValueError, match="never reallocated"):
+        graph.attach(builder, wide, None)
+    assert getattr(builder, graph.BUFFERS) is buffers
     with pytest.raises(RuntimeError, match="carries no graph inputs"):
         graph.graph_paged_attention(query, kc, vc, metadata, 0.125, torch.zeros(CAPTURE_SIZE, HEADS, HEAD_SIZE))
+
+
+def test_graph_mode_takes_host_copies_and_refuses_device_tensors_by_name() -> None:
+    """The graph hook reads host values only: ``seq_lens_cpu`` (vllm-ascend's host copy) when there is no
+    ``seq_lens_list``; a device tensor (here on ``meta``) in place of a host value is refused by name, not read
+    back (a sync per step). The eager path's device read is the negative control of the counting test above."""
+    metadata, _, _, _, _ = _decode_step(40)
+    host = types.SimpleNamespace(**vars(metadata))
+    host.seq_lens_list = None
+    host.seq_lens_cpu = metadata.seq_lens.clone()
+    host.seq_lens = metadata.seq_lens.to("meta")
+    buffers = graph.attach(_builder(), host, None)
+    assert buffers.seq_lens.tolist()[:3] == [41, 36, 0]
+    device_lens = types.SimpleNamespace(**vars(host))
+    device_lens.seq_lens_cpu = None
+    with pytest.raises(ValueError, match=r"attn_metadata.seq_lens is on meta.*host values only"):
+        graph.attach(_builder(), device_lens, None)
+    device_ends = types.SimpleNamespace(**vars(metadata))
+    device_ends.actual_seq_lengths_q = torch.tensor(metadata.actual_seq_lengths_q, device="meta")
+    with pytest.raises(ValueError, match=r"attn_metadata.actual_seq_lengths_q is on meta"):
+        graph.attach(_builder(), device_ends, None)
+    common = types.SimpleNamespace(num_reqs=3, query_start_loc_cpu=metadata.query_start_loc.to("meta"))
+    device_ends.actual_seq_lengths_q = None
+    with pytest.raises(ValueError, match=r"query_start_loc_cpu is on meta"):
+        graph.attach(_builder(), device_ends, common)
 
 
 @pytest.fixture

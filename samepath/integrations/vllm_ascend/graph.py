@@ -11,10 +11,12 @@ vllm-ascend captures the model's forward in an ACL graph per padded batch size
   ``query_start_loc`` on the device every step and keeps ``seq_lens`` on the host, and re-points its own
   fused-attention tasks after each replay (``update_graph_params``: ``graph_task_update`` with the new host
   lengths). samepath's kernels take their metadata from the device instead, so :class:`GraphInputs` holds
-  persistent buffers, one set per device and size for the whole process: ``query_start_loc``
+  persistent buffers, one set per metadata builder (per KV-cache group) for the whole engine: ``query_start_loc``
   ``[rows + 1]``, ``seq_lens`` ``[rows]`` (int32, one allocation) and ``block_table``
-  ``[rows, max_blocks_per_req]``, with ``rows = max_num_seqs + 2`` (vllm-ascend's ``query_start_loc`` buffer
-  size, which holds its dummy padding request).
+  ``[rows, max_num_blocks_per_req]``, with ``rows = max_num_seqs + 2`` (vllm-ascend's ``query_start_loc`` buffer
+  size, which holds its dummy padding request). They are sized once from the engine's limits (the scheduler's
+  ``max_num_seqs``, the builder's ``max_num_blocks_per_req``; either missing is refused by name) and never
+  reallocated: a step with more requests, or a wider block table, is refused by name.
 * **The new values arrive before the replay, outside the graph.** :func:`make_build` wraps the builder's
   ``build`` (which ``build_for_graph_capture`` also calls): after vllm-ascend's own build it writes the
   step's host-side lengths (``actual_seq_lengths_q`` / ``seq_lens_list``, or the common metadata's CPU
@@ -52,7 +54,7 @@ from typing import Any
 
 import torch
 
-from samepath.integrations.vllm_ascend.metadata import host_layout
+from samepath.integrations.vllm_ascend.metadata import host_ints, host_layout
 from samepath.kernels.attention import LaunchPlan, paged_attention
 
 #: Rows of vllm-ascend's ``query_start_loc`` buffer beyond ``max_num_seqs`` (its dummy padding request).
@@ -119,18 +121,36 @@ class GraphInputs:
             self.block_table[:num_seqs, : block_tables.shape[1]].copy_(block_tables[:num_seqs], non_blocking=True)
 
 
-_buffers: dict[tuple, GraphInputs] = {}
+#: The builders whose graph buffers this process allocated (:func:`reset` forgets them).
+_owners: list[Any] = []
 _lock = threading.Lock()
+#: The attribute of a metadata builder that holds its :class:`GraphInputs`.
+BUFFERS = "_samepath_graph_buffers"
 
 
-def graph_buffers(device: torch.device, rows: int, max_blocks: int, block_dtype: torch.dtype) -> GraphInputs:
-    """The process's :class:`GraphInputs` for this device and size (allocated once: captured graphs keep
-    their addresses)."""
-    key = (str(device), rows, max_blocks, block_dtype)
+def graph_buffers(builder: Any, device: torch.device, block_dtype: torch.dtype) -> GraphInputs:
+    """The builder's :class:`GraphInputs`, allocated at its first step from the engine's limits
+    (``max_num_seqs + 2`` rows, ``max_num_blocks_per_req`` blocks) and never reallocated: captured graphs
+    keep reading these addresses. One set per builder (per KV-cache group), so two groups' block tables do
+    not share a buffer.
+
+    Raises:
+        ValueError: a limit is missing (named), or a later step's block table has another device or dtype.
+    """
     with _lock:
-        if key not in _buffers:
-            _buffers[key] = GraphInputs.allocate(rows, max_blocks, torch.device(device), block_dtype)
-        return _buffers[key]
+        buffers = getattr(builder, BUFFERS, None)
+        if buffers is None:
+            rows, max_blocks = _limits(builder)
+            buffers = GraphInputs.allocate(rows, max_blocks, torch.device(device), block_dtype)
+            setattr(builder, BUFFERS, buffers)
+            _owners.append(builder)
+        elif buffers.block_table.device != torch.device(device) or buffers.block_table.dtype != block_dtype:
+            raise ValueError(
+                f"attn_metadata.block_tables is {block_dtype} on {device}, but the graph buffers (never "
+                f"reallocated: captured graphs read them) hold {buffers.block_table.dtype} on "
+                f"{buffers.block_table.device}"
+            )
+        return buffers
 
 
 def graph_mode(vllm_config: Any) -> bool:
@@ -154,33 +174,56 @@ def compiled_mode(vllm_config: Any) -> str | None:
 def _host_starts(attn_metadata: Any, common: Any) -> list[int] | None:
     ends = getattr(attn_metadata, "actual_seq_lengths_q", None)
     if ends is not None:
-        return [0, *(int(e) for e in ends)]
+        return [0, *host_ints(ends, "actual_seq_lengths_q", host_only=True)]
     cpu = getattr(common, "query_start_loc_cpu", None)
     if cpu is not None:
-        return [int(v) for v in cpu[: int(common.num_reqs) + 1].tolist()]
+        return host_ints(cpu[: int(common.num_reqs) + 1], "query_start_loc_cpu", host_only=True)
     return None
 
 
-def attach(builder: Any, attn_metadata: Any, common: Any) -> GraphInputs:
-    """Fill the process's buffers from one step's metadata and attach them (``ATTRIBUTE``).
+def _limits(builder: Any) -> tuple[int, int]:
+    """``(rows, max_blocks)`` of the graph buffers, from the engine's limits (never from one step's metadata)."""
+    scheduler = getattr(getattr(builder, "vllm_config", None), "scheduler_config", None)
+    max_seqs = getattr(scheduler, "max_num_seqs", None)
+    if not isinstance(max_seqs, int) or max_seqs <= 0:
+        raise ValueError(
+            f"ACL graph mode needs the builder's vllm_config.scheduler_config.max_num_seqs (got {max_seqs!r}) "
+            "to size samepath's graph buffers"
+        )
+    max_blocks = getattr(builder, "max_num_blocks_per_req", None)
+    if not isinstance(max_blocks, int) or max_blocks <= 0:
+        raise ValueError(
+            f"ACL graph mode needs the builder's max_num_blocks_per_req (got {max_blocks!r}) to size samepath's "
+            "graph block table"
+        )
+    return max_seqs + EXTRA_ROWS, max_blocks
 
-    The real requests and their lengths come from :func:`.metadata.host_layout` (the eager path's checks,
-    on host values only: ``actual_seq_lengths_q`` or the common metadata's ``query_start_loc_cpu``, and
-    ``seq_lens_list``).
+
+def attach(builder: Any, attn_metadata: Any, common: Any) -> GraphInputs:
+    """Fill the builder's buffers (:func:`graph_buffers`) from one step's metadata and attach them
+    (``ATTRIBUTE``).
+
+    The buffers are sized once from the engine's limits (``max_num_seqs + 2`` rows,
+    ``max_num_blocks_per_req`` blocks) and never reallocated: a step that does not fit is refused. The real
+    requests and their lengths come from :func:`.metadata.host_layout` (the eager path's checks) on host
+    values only: ``actual_seq_lengths_q`` or the common metadata's ``query_start_loc_cpu``, and
+    ``seq_lens_list`` / ``seq_lens_cpu``; a device tensor in their place is refused by name.
 
     Raises:
-        ValueError: inconsistent metadata (named), or no host-side query starts.
+        ValueError: inconsistent metadata, a missing limit, more requests than the buffers' rows or a device
+            tensor where a host value is needed (named), or no host-side query starts.
     """
     starts = _host_starts(attn_metadata, common)
     if starts is None:
         raise ValueError("graph inputs need host-side query starts (actual_seq_lengths_q or query_start_loc_cpu)")
-    layout = host_layout(attn_metadata, starts=starts)
+    layout = host_layout(attn_metadata, starts=starts, host_only=True)
     block_tables = attn_metadata.block_tables
-    scheduler = getattr(getattr(builder, "vllm_config", None), "scheduler_config", None)
-    max_seqs = int(getattr(scheduler, "max_num_seqs", 0) or 0)
-    rows = max(max_seqs + EXTRA_ROWS, layout.num_seqs)
-    max_blocks = int(getattr(builder, "max_num_blocks_per_req", 0) or block_tables.shape[1])
-    buffers = graph_buffers(block_tables.device, rows, max_blocks, block_tables.dtype)
+    buffers = graph_buffers(builder, block_tables.device, block_tables.dtype)
+    if layout.num_seqs > buffers.rows - EXTRA_ROWS:
+        raise ValueError(
+            f"attn_metadata: {layout.num_seqs} requests exceed the graph buffers' max_num_seqs = "
+            f"{buffers.rows - EXTRA_ROWS}"
+        )
     buffers.fill(layout.starts[: layout.num_seqs + 1], layout.seq_lens, block_tables)
     setattr(attn_metadata, ATTRIBUTE, buffers)
     attn_metadata._samepath_graph_causal = layout.causal
@@ -272,12 +315,15 @@ def graph_paged_attention(
 def reset() -> None:
     """Forget the buffers and plans (tests; a process that captured graphs must not call it)."""
     with _lock:
-        _buffers.clear()
+        for owner in _owners:
+            delattr(owner, BUFFERS)
+        _owners.clear()
         _plans.clear()
 
 
 __all__ = [
     "ATTRIBUTE",
+    "BUFFERS",
     "EXTRA_ROWS",
     "GraphInputs",
     "attach",

@@ -1,6 +1,9 @@
-"""The request layout of a vllm-ascend step, from the ``AscendMetadata``'s host-side values only: the checks
-and the real (unpadded) requests that both the eager attention path (:mod:`.attention`) and the ACL graph
-buffers (:mod:`.graph`) use."""
+"""The request layout of a vllm-ascend step: the checks and the real (unpadded) requests that both the eager
+attention path (:mod:`.attention`) and the ACL graph buffers (:mod:`.graph`) use, read from the
+``AscendMetadata``'s host-side values (``actual_seq_lengths_q``, ``seq_lens_list``, ``seq_lens_cpu``).
+
+Where the metadata has no host copy of a field, the eager path reads the device tensor (one host sync);
+the graph path (``host_only=True``) refuses a tensor that is not on the host, naming the field."""
 
 from __future__ import annotations
 
@@ -12,12 +15,17 @@ from typing import Any
 import torch
 
 
-def _host_ints(value: Any, name: str) -> list[int]:
+def host_ints(value: Any, name: str, host_only: bool = False) -> list[int]:
     if value is None:
         raise ValueError(f"attn_metadata.{name} is None")
     if isinstance(value, torch.Tensor):
         if value.dim() != 1 or value.is_floating_point():
             raise ValueError(f"attn_metadata.{name} must be a 1-D int tensor, got {value.dtype} {tuple(value.shape)}")
+        if host_only and value.device.type != "cpu":
+            raise ValueError(
+                f"attn_metadata.{name} is on {value.device}: in ACL graph mode samepath reads host values only "
+                "(reading it would sync with the device every step)"
+            )
         return [int(v) for v in value.detach().cpu().tolist()]
     if isinstance(value, Sequence):
         return [int(v) for v in value]
@@ -30,7 +38,7 @@ def _state_name(state: Any) -> str:
 
 @dataclasses.dataclass(frozen=True)
 class HostLayout:
-    """The real requests of a step, from host values only (:func:`host_layout`)."""
+    """The real requests of a step (:func:`host_layout`)."""
 
     starts: list[int]
     seq_lens: list[int]
@@ -39,10 +47,11 @@ class HostLayout:
     causal: bool
 
 
-def host_layout(attn_metadata: Any, *, starts: list[int] | None = None) -> HostLayout:
-    """The checks and the request layout of :func:`paged_inputs`, from host values only: ``starts`` (the
-    cumulative query starts) when given, else ``actual_seq_lengths_q`` / ``query_start_loc``; the KV
-    lengths from ``seq_lens_list`` / ``seq_lens``. Raises ``ValueError`` naming the field."""
+def host_layout(attn_metadata: Any, *, starts: list[int] | None = None, host_only: bool = False) -> HostLayout:
+    """The checks and the request layout of :func:`paged_inputs`: ``starts`` (the cumulative query starts)
+    when given, else ``actual_seq_lengths_q`` / ``query_start_loc``; the KV lengths from the first of
+    ``seq_lens_list`` / ``seq_lens_cpu`` / ``seq_lens`` that is set. A device tensor among them is read to the
+    host (a sync), or with ``host_only`` (ACL graph mode) refused. Raises ``ValueError`` naming the field."""
     for name in ("num_actual_tokens", "block_tables"):
         if getattr(attn_metadata, name, None) is None:
             raise ValueError(f"attn_metadata.{name} is missing")
@@ -51,17 +60,17 @@ def host_layout(attn_metadata: Any, *, starts: list[int] | None = None) -> HostL
     if starts is not None:
         starts = [int(v) for v in starts]
     elif ends_source is not None:
-        starts = [0, *_host_ints(ends_source, "actual_seq_lengths_q")]
+        starts = [0, *host_ints(ends_source, "actual_seq_lengths_q", host_only)]
     else:
-        starts = _host_ints(getattr(attn_metadata, "query_start_loc", None), "query_start_loc")
+        starts = host_ints(getattr(attn_metadata, "query_start_loc", None), "query_start_loc", host_only)
     if not starts or starts[0] != 0:
         raise ValueError("attn_metadata.query_start_loc must start at 0")
     if any(b < a for a, b in itertools.pairwise(starts)):
         raise ValueError("attn_metadata.actual_seq_lengths_q / query_start_loc must be non-decreasing")
-    lens_source = getattr(attn_metadata, "seq_lens_list", None)
-    seq_lens_all = _host_ints(
-        lens_source if lens_source is not None else getattr(attn_metadata, "seq_lens", None), "seq_lens"
+    lens_name = next(
+        (n for n in ("seq_lens_list", "seq_lens_cpu") if getattr(attn_metadata, n, None) is not None), "seq_lens"
     )
+    seq_lens_all = host_ints(getattr(attn_metadata, lens_name, None), lens_name, host_only)
 
     num_seqs = len(starts) - 1
     while num_seqs > 0 and starts[num_seqs] > num_tokens:
@@ -106,4 +115,4 @@ def host_layout(attn_metadata: Any, *, starts: list[int] | None = None) -> HostL
     return HostLayout(starts, seq_lens, num_tokens, num_seqs, bool(causal))
 
 
-__all__ = ["HostLayout", "host_layout"]
+__all__ = ["HostLayout", "host_ints", "host_layout"]
