@@ -389,7 +389,8 @@ def _causal_conv1d_backward_op(
     d_out: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     dx, dw, db = _backward(x, weight, bias, cu_seqlens, state, activation, d_out)
-    return dx, dw, db if db is not None else x.new_empty((0,))
+    # fp32: dw and db are views of one buffer (an op's outputs may not alias): copies, the same bits
+    return dx, dw.clone(), db.clone() if db is not None else x.new_empty((0,))
 
 
 @_causal_conv1d_backward_op.register_fake
