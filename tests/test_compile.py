@@ -711,6 +711,18 @@ def test_hybrid_and_mla_custom_ops_pass_torch_library_opcheck() -> None:
             (d["q"], d["k"], d["v"], g.detach(), beta.detach(), cu, *fields, torch.tensor([2, 0]), None),
         ),
     ]
+    # MLA's attention: a value head (the latent, 32) narrower than the key head (latent + rope, 48)
+    mla_q, mla_kv = t["latent"][:, :, :48].detach().clone(), t["latent"][:, :1, :48].detach().clone()
+    mla_q.requires_grad_()
+    mla_args = (mla_q, mla_kv, mla_kv[..., :32], cu, None, 0.2, True, None, None, True)
+    cases.append((torch.ops.samepath.varlen_attention.default, mla_args))
+    eager_mla = samepath.varlen_attention(mla_q.detach(), mla_kv, mla_kv[..., :32], cu, 0.2)
+    assert eager_mla.shape == (75, 2, 32)
+    assert torch.equal(torch.ops.samepath.varlen_attention(*mla_args)[0].detach(), eager_mla)
+    cu_q = torch.tensor([0, 1, 2], dtype=torch.int32)
+    packed_args = (mla_q.detach()[[4, 74]], mla_kv, mla_kv[..., :32], cu_q, cu, None, None, 0.2, True, None, None)
+    cases.append((torch.ops.samepath.packed_attention.default, (*packed_args, True, None)))
+    assert torch.equal(torch.ops.samepath.packed_attention(*packed_args, True, None), eager_mla[[4, 74]])
     for op, args in cases:
         torch.library.opcheck(op, args, test_utils=("test_schema", "test_autograd_registration", "test_faketensor"))
     assert {str(op).split(".")[1] for op, _ in cases} <= {name.split("::")[1] for name in CUSTOM_OPS}
