@@ -160,12 +160,16 @@ def test_torch_compile_of_a_gated_deltanet_layer_gives_the_eager_bits(backend: s
 
 
 @pytest.mark.slow  # about 30 s of Dynamo tracing each on the CPU
-@pytest.mark.parametrize("model_type", ["qwen3_next", "qwen3_5_text"])
-def test_torch_compile_of_a_tiny_hybrid_model_gives_the_eager_bits(model_type: str) -> None:
-    """``torch.compile(model, backend="aot_eager")`` of a tiny Qwen3-Next / Qwen3.5: the padded trainer forward
-    equals eager bit for bit; Qwen3.5's gradients too. (Qwen3-Next's are not compared: the MoE block's input
-    feeds four consumers, the router, the experts, the shared expert and its gate, and AOT autograd sums their
-    gradients in another order than eager autograd does, Hugging Face's glue, not samepath's kernels.)
+@pytest.mark.parametrize(
+    ("model_type", "backend"),
+    [("qwen3_next", "aot_eager"), ("qwen3_5_text", "aot_eager"), ("qwen3_5_text", "inductor")],
+)
+def test_torch_compile_of_a_tiny_hybrid_model_gives_the_eager_bits(model_type: str, backend: str) -> None:
+    """``torch.compile(model, backend=backend)`` of a tiny Qwen3-Next / Qwen3.5 (Qwen3.5 under Inductor too): the
+    padded trainer forward equals eager bit for bit; Qwen3.5's gradients too. (Qwen3-Next's are not compared: the
+    MoE block's input feeds four consumers, the router, the experts, the shared expert and its gate, and AOT
+    autograd sums their gradients in another order than eager autograd does, Hugging Face's glue, not samepath's
+    kernels.)
     Negative control: the stock model's logits differ."""
     model = tiny_hybrid(model_type, torch.float32)
     inputs = left_padded([5, C + 3], seed=11)
@@ -173,7 +177,7 @@ def test_torch_compile_of_a_tiny_hybrid_model_gives_the_eager_bits(model_type: s
         stock = model(**inputs, use_cache=False).logits
     grads = model_type == "qwen3_5_text"
     with integrations.patched(model):
-        eager, compiled = _compiled_and_eager(model, lambda m: m(**inputs, use_cache=False).logits, grads=grads)
+        eager, compiled = _compiled_and_eager(model, lambda m: m(**inputs, use_cache=False).logits, grads, backend)
     assert len(eager) == len(compiled) > (10 if grads else 0)
     assert all(torch.equal(a, b) for a, b in zip(compiled, eager, strict=True))
     assert not torch.equal(stock, eager[0])
