@@ -367,7 +367,7 @@ def shared_expert_moe_forward(self: torch.nn.Module, hidden_states: torch.Tensor
     shared = self.shared_expert(flat)
     _, weights, experts = self.gate(flat)
     out = self.experts(flat, experts, weights)
-    shared = sigmoid_gate(shared, self.shared_expert_gate(flat))  # broadcast inside the op
+    shared = sigmoid_gate(shared, self.shared_expert_gate(flat).expand_as(shared))
     return (out + shared).reshape(batch, length, hidden)
 
 

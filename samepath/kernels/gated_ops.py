@@ -53,9 +53,11 @@ def sigmoid(x: torch.Tensor) -> torch.Tensor:
 
 
 def sigmoid_gate(x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-    """``x * sigmoid(gate)`` rounded as Hugging Face's ``x * torch.sigmoid(gate)`` (gate broadcast to x; pass
-    it unexpanded: its gradient's sum over the broadcast dimensions is then inside the op under
-    ``torch.compile``, the eager bits)."""
+    """``x * sigmoid(gate)`` rounded as Hugging Face's ``x * torch.sigmoid(gate)`` (gate broadcast to x). An
+    expanded gate (``gate.expand_as(x)``, Hugging Face's shared expert) and a broadcast one give the same output
+    but other gate gradients (the sum over the broadcast dimension comes after the sigmoid's backward, in the
+    dtype, or before it); under ``torch.compile`` the expand's sum is the compiled graph's (Inductor's own
+    reduction for fp32)."""
     if not isinstance(x, torch.Tensor) or not isinstance(gate, torch.Tensor):
         raise ValueError("x and gate must be tensors")
     if gate.dtype != x.dtype:
