@@ -551,3 +551,178 @@ def test_rms_norm_custom_op_compiles_in_one_graph_with_eager_bits(backend: str) 
     torch.library.opcheck(torch.ops.samepath.rms_norm.default, (x.detach().view(15, 200), w.detach(), 1e-6, 0))
     stock = F.rms_norm(x.detach(), (200,), w.detach(), 1e-6) * 2
     assert not torch.equal(stock, eager[0])
+
+
+# ----------------------------------------------------------------------------------------------
+# The hybrid linear-attention (Gated DeltaNet) and MLA ops
+# ----------------------------------------------------------------------------------------------
+
+
+def _hybrid_tensors(dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """Two packed sequences (5 and 70 tokens: one partial, one over a 64-token chunk), GQA value heads."""
+    T, HK, HV, DK, DV, D, W = 75, 2, 4, 16, 16, 48, 4
+    g = torch.Generator().manual_seed(41)
+
+    def rand(*shape, scale=1.0, dt=dtype, grad=True):
+        return (scale * torch.randn(*shape, generator=g)).to(dt).requires_grad_(grad)
+
+    return {
+        "x": rand(T, D),
+        "conv_w": rand(D, W, scale=0.5),
+        "conv_b": rand(D, scale=0.1),
+        "conv_state": rand(2, D, W - 1, grad=False),
+        "cu": torch.tensor([0, 5, T], dtype=torch.int32),
+        "q": rand(T, HK, DK),
+        "k": rand(T, HK, DK),
+        "v": rand(T, HV, DV),
+        "a": rand(T, HV),
+        "b": rand(T, HV),
+        "a_log": rand(HV, scale=0.5, dt=torch.float32),
+        "dt_bias": rand(HV, scale=0.5, dt=torch.float32),
+        "state": rand(2, HV, DK, DV, scale=0.1, dt=torch.float32),
+        "z": rand(T, HV, DV),
+        "norm_w": rand(DV, scale=0.3),
+        "shared": rand(T, D),
+        "shared_gate": rand(T, 1),
+        "q_nope": rand(T, HK, 24),
+        "q_pe": rand(T, HK, 8),
+        "w_uk": rand(HK, 24, 32, scale=0.2),
+        "w_uv": rand(HK, 16, 32, scale=0.2),
+        "latent": rand(T, HK, 40),
+    }
+
+
+def _hybrid_ops(t: dict[str, torch.Tensor]) -> tuple[torch.Tensor, ...]:
+    """One call of each Gated DeltaNet / gated / MLA op a patched Qwen3-Next, Qwen3.5 or DeepSeek-V3 makes,
+    and a slot continuation (no grad, in place) whose output ends the tuple."""
+    from samepath.kernels.causal_conv1d import causal_conv1d
+    from samepath.kernels.gated_delta import GatedDeltaSlots, chunk_gated_delta, gated_delta_continue_slots
+    from samepath.kernels.gated_ops import gated_delta_gates, gated_rms_norm, sigmoid_gate
+    from samepath.kernels.mla import mla_output, mla_query
+
+    conv, new_state = causal_conv1d(t["x"], t["conv_w"], t["conv_b"], t["cu"], t["conv_state"], "silu")
+    g, beta = gated_delta_gates(t["a"], t["b"], t["a_log"], t["dt_bias"])
+    out, boundary = chunk_gated_delta(t["q"], t["k"], t["v"], g, beta, t["cu"], t["state"], validate=False)
+    normed = gated_rms_norm(out, t["z"], t["norm_w"], 1e-6)
+    with torch.no_grad():
+        slots = GatedDeltaSlots.allocate(3, 2, 4, 16, 16, t["q"].dtype)
+        ids = torch.tensor([2, 0])
+        first = gated_delta_continue_slots(t["q"], t["k"], t["v"], g, beta, t["cu"], slots, ids)
+        one_each = torch.tensor([0, 1, 2], dtype=torch.int32)  # a decode step of both sequences
+        step = gated_delta_continue_slots(t["q"][:2], t["k"][:2], t["v"][:2], g[:2], beta[:2], one_each, slots, ids)
+    return (
+        conv,
+        normed,
+        sigmoid_gate(t["shared"], t["shared_gate"]),
+        mla_query(t["q_nope"], t["q_pe"], t["w_uk"]),
+        mla_output(t["latent"], t["w_uv"]),
+        new_state,
+        boundary,
+        first,
+        step,
+        slots.state,
+        slots.tail_k,
+        slots.tail_len,
+    )
+
+
+def _hybrid_run(fn, tensors):
+    outs = fn(tensors)
+    leaves = [v for v in tensors.values() if v.requires_grad]
+    gen = torch.Generator().manual_seed(6)
+    seeds = [torch.randn(o.shape, generator=gen).to(o.dtype) for o in outs[:5]]
+    grads = torch.autograd.grad(outs[:5], leaves, seeds)
+    return tuple(o.detach() for o in outs), grads
+
+
+HYBRID_OPS = {
+    "causal_conv1d", "gated_delta_gates", "chunk_gated_delta", "gated_rms_norm", "sigmoid_gate", "batched_matmul",
+    "gated_delta_continue_slots",
+}  # fmt: skip
+
+
+@pytest.mark.parametrize(("backend", "dtype"), [("inductor", torch.bfloat16), ("aot_eager", torch.float32)])
+def test_gated_deltanet_and_mla_ops_compile_in_one_graph_with_eager_bits(backend: str, dtype: torch.dtype) -> None:
+    """The causal conv1d (state, bias), the gates, the chunked delta rule (an initial state), the gated
+    norm, the sigmoid gate (broadcast), MLA's query / output products and the slot continuation (in place)
+    under ``fullgraph=True``: one graph, each a ``samepath::`` node; outputs, slot buffers and every input's
+    gradient equal eager's bit for bit."""
+    tensors = _hybrid_tensors(dtype)
+    recording = Recording(backend)
+    torch._dynamo.reset()
+    try:
+        with samepath.batch_invariant():  # as patch_all, for both runs (the gates' gradient sums are routed)
+            eager = _hybrid_run(_hybrid_ops, tensors)
+            compiled = _hybrid_run(
+                torch.compile(_hybrid_ops, backend=recording, fullgraph=True, dynamic=False), tensors
+            )
+    finally:
+        torch._dynamo.reset()
+    assert set(recording.ops) >= HYBRID_OPS, recording.ops
+    assert len(compiled[1]) == len(eager[1]) == 20
+    for got, want in zip(compiled[0] + compiled[1], eager[0] + eager[1], strict=True):
+        assert torch.equal(got, want)
+
+
+def test_stock_gate_formulas_compiled_by_inductor_differ() -> None:
+    """Negative control for the test above: the gates' and the gated norm's own torch formulas compiled by
+    Inductor without samepath's ops (its fused ``exp`` / ``log1p``) differ from their eager bits."""
+    from samepath.kernels.gated_ops import sigmoid
+
+    x = _randn(4096, dtype=torch.float32, seed=42) * 4
+
+    def formula(a):
+        return (a * (a / (1.0 + torch.exp(-a)))) + sigmoid(a) * torch.log1p(torch.exp(a))
+
+    torch._dynamo.reset()
+    try:
+        compiled = torch.compile(formula, backend="inductor", fullgraph=True)(x)
+    finally:
+        torch._dynamo.reset()
+    assert not torch.equal(compiled, formula(x))
+
+
+def test_hybrid_and_mla_custom_ops_pass_torch_library_opcheck() -> None:
+    """``torch.library.opcheck`` (schema, fake against real, autograd registration) on the Gated DeltaNet,
+    gated and MLA ops, the in-place slot continuation included."""
+    from samepath.kernels.gated_delta import GatedDeltaSlots
+
+    t = _hybrid_tensors(torch.float32)
+    x, w, bias, state, cu = t["x"], t["conv_w"], t["conv_b"], t["conv_state"], t["cu"]
+    detached = {k: v.detach() for k, v in t.items()}
+    g, beta = torch.ops.samepath.gated_delta_gates(detached["a"], detached["b"], t["a_log"], t["dt_bias"])
+    slots = GatedDeltaSlots.allocate(3, 2, 4, 16, 16, torch.float32)
+    fields = [slots.state, slots.tail_k, slots.tail_v, slots.tail_g, slots.tail_beta, slots.tail_len]
+    d = detached
+    cases = [
+        (torch.ops.samepath.causal_conv1d.default, (x, w, bias, cu, state, "silu")),
+        (torch.ops.samepath.causal_conv1d.default, (x, w, None, cu, None, None)),
+        (torch.ops.samepath.gated_delta_gates.default, (t["a"], t["b"], t["a_log"], t["dt_bias"])),
+        (
+            torch.ops.samepath.chunk_gated_delta.default,
+            (t["q"], t["k"], t["v"], g.requires_grad_(), beta.requires_grad_(), cu, t["state"], True),
+        ),
+        (torch.ops.samepath.chunk_gated_delta.default, (t["q"], t["k"], t["v"], g, beta, cu, None, False)),
+        (torch.ops.samepath.gated_rms_norm.default, (d["v"].requires_grad_(), t["z"], t["norm_w"], 1e-6)),
+        (torch.ops.samepath.sigmoid_gate.default, (t["shared"], t["shared_gate"])),
+        (torch.ops.samepath.batched_matmul.default, (t["q_nope"].transpose(0, 1), t["w_uk"])),
+        (
+            torch.ops.samepath.gated_delta_continue_slots.default,
+            (d["q"], d["k"], d["v"], g.detach(), beta.detach(), cu, *fields, torch.tensor([2, 0]), None),
+        ),
+    ]
+    # MLA's attention: a value head (the latent, 32) narrower than the key head (latent + rope, 48)
+    mla_q, mla_kv = t["latent"][:, :, :48].detach().clone(), t["latent"][:, :1, :48].detach().clone()
+    mla_q.requires_grad_()
+    mla_args = (mla_q, mla_kv, mla_kv[..., :32], cu, None, 0.2, True, None, None, True)
+    cases.append((torch.ops.samepath.varlen_attention.default, mla_args))
+    eager_mla = samepath.varlen_attention(mla_q.detach(), mla_kv, mla_kv[..., :32], cu, 0.2)
+    assert eager_mla.shape == (75, 2, 32)
+    assert torch.equal(torch.ops.samepath.varlen_attention(*mla_args)[0].detach(), eager_mla)
+    cu_q = torch.tensor([0, 1, 2], dtype=torch.int32)
+    packed_args = (mla_q.detach()[[4, 74]], mla_kv, mla_kv[..., :32], cu_q, cu, None, None, 0.2, True, None, None)
+    cases.append((torch.ops.samepath.packed_attention.default, (*packed_args, True, None)))
+    assert torch.equal(torch.ops.samepath.packed_attention(*packed_args, True, None), eager_mla[[4, 74]])
+    for op, args in cases:
+        torch.library.opcheck(op, args, test_utils=("test_schema", "test_autograd_registration", "test_faketensor"))
+    assert {str(op).split(".")[1] for op, _ in cases} <= {name.split("::")[1] for name in CUSTOM_OPS}

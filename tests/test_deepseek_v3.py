@@ -202,10 +202,26 @@ def test_deepseek_v3_rl_steps_stay_on_policy():
 @pytest.mark.slow  # about 25 s of Dynamo tracing on the CPU
 def test_deepseek_v3_under_torch_compile_is_the_eager_bits():
     """torch.compile (aot_eager: the MoE's routing glue stays on torch's ops, as for GLM-4.5) of the patched
-    model computes the eager logits: the MLA pieces run as opaque calls (samepath.kernels.opaque)."""
+    model computes the eager logits: the MLA pieces are samepath's custom ops in the graphs (rope, the absorbed
+    query / output products on ``samepath::batched_matmul``, the attention over the latent, its value head
+    narrower than its key head). Negative control: the stock model's logits differ."""
+    from torch._dynamo.backends.registry import lookup_backend
+
     model = tiny_deepseek(torch.bfloat16)
     ids = torch.randint(1, 320, (2, 9), generator=torch.Generator().manual_seed(0))
+    ops: set[str] = set()
+
+    def recording(gm, example_inputs):
+        ops.update(str(n.target).split(".")[1] for n in gm.graph.nodes if str(n.target).startswith("samepath."))
+        return lookup_backend("aot_eager")(gm, example_inputs)
+
+    with torch.no_grad():
+        stock = model(input_ids=ids, use_cache=False).logits
+    torch._dynamo.reset()
     with integrations.patched(model), torch.no_grad():
         eager = model(input_ids=ids, use_cache=False).logits
-        compiled = torch.compile(model, backend="aot_eager")(input_ids=ids, use_cache=False).logits
+        compiled = torch.compile(model, backend=recording)(input_ids=ids, use_cache=False).logits
+    torch._dynamo.reset()
+    assert {"rotary", "batched_matmul", "varlen_attention"} <= ops, ops
     assert torch.equal(compiled, eager)
+    assert not torch.equal(stock, eager)

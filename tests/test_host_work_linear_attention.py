@@ -124,15 +124,15 @@ def test_the_counter_sees_the_list_based_continuation(monkeypatch) -> None:
     assert c.reads >= 2, c.ops
 
 
-def _compiled_and_eager(model: torch.nn.Module, runner, grads: bool):
+def _compiled_and_eager(model: torch.nn.Module, runner, grads: bool, backend: str = "aot_eager"):
     """``runner(module)``'s output (and the gradients of its square's mean) eagerly, then under
-    ``torch.compile(module, backend="aot_eager")``."""
+    ``torch.compile(module, backend=backend)``."""
     results = []
     for compiled in (False, True):
         model.zero_grad(set_to_none=True)
         torch._dynamo.reset()
         with torch.set_grad_enabled(grads):
-            out = runner(torch.compile(model, backend="aot_eager") if compiled else model)
+            out = runner(torch.compile(model, backend=backend) if compiled else model)
             if grads:
                 out.float().square().mean().backward()
         results.append([out.detach(), *(p.grad for p in model.parameters() if grads and p.grad is not None)])
@@ -140,11 +140,12 @@ def _compiled_and_eager(model: torch.nn.Module, runner, grads: bool):
     return results
 
 
-def test_torch_compile_of_a_gated_deltanet_layer_gives_the_eager_bits() -> None:
-    """The patched Gated DeltaNet layer under ``torch.compile(backend="aot_eager")``: samepath's conv1d, gates,
-    chunked delta rule and gated norm run as opaque calls (Dynamo never traces their launchers) and the packing's
-    host read runs eagerly; output and gradients equal eager bit for bit, padding included. Negative control: the
-    stock layer differs."""
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_torch_compile_of_a_gated_deltanet_layer_gives_the_eager_bits(backend: str) -> None:
+    """The patched Gated DeltaNet layer under ``torch.compile(backend=backend)``: samepath's conv1d, gates,
+    chunked delta rule and gated norm are ``torch.library`` custom ops (Dynamo never traces their launchers;
+    Inductor calls them as extern kernels) and the packing's host read runs eagerly (a planning call); output and
+    gradients equal eager bit for bit, padding included. Negative control: the stock layer differs."""
     model = tiny_hybrid("qwen3_5_text", torch.float32)
     layer = model.model.layers[0].linear_attn
     hidden = torch.randn(2, C + 3, 64, generator=torch.Generator().manual_seed(2))
@@ -152,19 +153,23 @@ def test_torch_compile_of_a_gated_deltanet_layer_gives_the_eager_bits() -> None:
     mask[0, :5] = 0
     stock = layer(hidden, attention_mask=mask).detach()
     with integrations.patched(model):
-        eager, compiled = _compiled_and_eager(layer, lambda m: m(hidden, attention_mask=mask), grads=True)
+        eager, compiled = _compiled_and_eager(layer, lambda m: m(hidden, attention_mask=mask), True, backend)
     assert len(eager) == len(compiled) == 1 + len(list(layer.parameters()))
     assert all(torch.equal(a, b) for a, b in zip(compiled, eager, strict=True))
     assert not torch.equal(stock[1], eager[0][1])
 
 
 @pytest.mark.slow  # about 30 s of Dynamo tracing each on the CPU
-@pytest.mark.parametrize("model_type", ["qwen3_next", "qwen3_5_text"])
-def test_torch_compile_of_a_tiny_hybrid_model_gives_the_eager_bits(model_type: str) -> None:
-    """``torch.compile(model, backend="aot_eager")`` of a tiny Qwen3-Next / Qwen3.5: the padded trainer forward
-    equals eager bit for bit; Qwen3.5's gradients too. (Qwen3-Next's are not compared: the MoE block's input
-    feeds four consumers, the router, the experts, the shared expert and its gate, and AOT autograd sums their
-    gradients in another order than eager autograd does, Hugging Face's glue, not samepath's kernels.)
+@pytest.mark.parametrize(
+    ("model_type", "backend"),
+    [("qwen3_next", "aot_eager"), ("qwen3_5_text", "aot_eager"), ("qwen3_5_text", "inductor")],
+)
+def test_torch_compile_of_a_tiny_hybrid_model_gives_the_eager_bits(model_type: str, backend: str) -> None:
+    """``torch.compile(model, backend=backend)`` of a tiny Qwen3-Next / Qwen3.5 (Qwen3.5 under Inductor too): the
+    padded trainer forward equals eager bit for bit; Qwen3.5's gradients too. (Qwen3-Next's are not compared: the
+    MoE block's input feeds four consumers, the router, the experts, the shared expert and its gate, and AOT
+    autograd sums their gradients in another order than eager autograd does, Hugging Face's glue, not samepath's
+    kernels.)
     Negative control: the stock model's logits differ."""
     model = tiny_hybrid(model_type, torch.float32)
     inputs = left_padded([5, C + 3], seed=11)
@@ -172,7 +177,7 @@ def test_torch_compile_of_a_tiny_hybrid_model_gives_the_eager_bits(model_type: s
         stock = model(**inputs, use_cache=False).logits
     grads = model_type == "qwen3_5_text"
     with integrations.patched(model):
-        eager, compiled = _compiled_and_eager(model, lambda m: m(**inputs, use_cache=False).logits, grads=grads)
+        eager, compiled = _compiled_and_eager(model, lambda m: m(**inputs, use_cache=False).logits, grads, backend)
     assert len(eager) == len(compiled) > (10 if grads else 0)
     assert all(torch.equal(a, b) for a, b in zip(compiled, eager, strict=True))
     assert not torch.equal(stock, eager[0])

@@ -45,11 +45,8 @@ from samepath.kernels.gated_ops import gated_delta_gates, gated_rms_norm, sigmoi
 from samepath.kernels.opaque import compile_opaque
 from samepath.models.descriptor import ModelFamily
 
-# samepath's kernels are opaque calls under torch.compile (Dynamo never traces their launchers): eager bits
-causal_conv1d, chunk_gated_delta, gated_delta_continue_slots = map(
-    compile_opaque, (causal_conv1d, chunk_gated_delta, gated_delta_continue_slots)
-)
-gated_delta_gates, gated_rms_norm, sigmoid_gate = map(compile_opaque, (gated_delta_gates, gated_rms_norm, sigmoid_gate))
+# Under torch.compile samepath's kernels are torch.library custom ops (samepath.kernels.opaque: Dynamo records one
+# node each, never traces a launcher; eager bits); the packing, with its host read, is an opaque planning call.
 
 #: The attributes of a cache layer that hold samepath's Gated DeltaNet state.
 CONV_STATE_ATTR = "samepath_conv_state"
@@ -129,8 +126,7 @@ def _same(saved: tuple, tensor: torch.Tensor | None) -> bool:
     return ref is not None and ref() is tensor and tensor._version == version
 
 
-@compile_opaque  # its host read and cache run eagerly under torch.compile
-def cached_packing(real, position_ids, batch: int, length: int, device: torch.device, split: bool) -> Packing:
+def _cached_packing(real, position_ids, batch: int, length: int, device: torch.device, split: bool) -> Packing:
     """:func:`packing`, computed once per forward: reused while the same (unmodified) mask and position ids come
     back (every Gated DeltaNet layer of a forward gets the same tensors), so its host read (with a mask or packed
     sequences) is one per forward, not one per layer."""
@@ -148,6 +144,9 @@ def cached_packing(real, position_ids, batch: int, length: int, device: torch.de
     while len(_PACKING_CACHE) > _PACKING_CACHE_SIZE:
         _PACKING_CACHE.popitem(last=False)
     return found
+
+
+cached_packing = compile_opaque(_cached_packing, planning=True)  # its host read and cache run eagerly when compiled
 
 
 def _projections(self: torch.nn.Module, hidden: torch.Tensor):

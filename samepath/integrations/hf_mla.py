@@ -20,12 +20,11 @@ from typing import Any
 import torch
 
 from samepath.kernels.mla import mla_output, mla_query, split_kv_b
-from samepath.kernels.opaque import compile_opaque
 from samepath.kernels.rotary import apply_rotary
 from samepath.models.deepseek_v3 import mla_softmax_scale
 
-# Under torch.compile samepath's ops run as opaque eager calls (samepath.kernels.opaque), as in hf.py.
-apply_rotary, mla_query, mla_output = map(compile_opaque, (apply_rotary, mla_query, mla_output))
+# Under torch.compile apply_rotary and mla_query / mla_output's batched matmul are samepath's custom ops
+# (samepath.kernels.opaque): one graph, the eager bits.
 
 
 def mla_rope(q_pe: torch.Tensor, k_pe: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool):

@@ -34,6 +34,7 @@ import triton.language as tl
 
 from samepath.kernels.config import register_formula
 from samepath.kernels.dispatch import device_kind, jit
+from samepath.kernels.opaque import register
 
 #: Channels and tokens one program handles: neutral for the forward and dx (elementwise), the tile of the
 #: weight gradient's sums (in the formula).
@@ -352,8 +353,68 @@ def causal_conv1d(
     width = _check(x, weight, bias, cu_seqlens, state, activation)[2]
     if state is not None and state.requires_grad and torch.is_grad_enabled():
         raise ValueError("state: gradients into the conv state are not supported (detach it)")
-    out = _CausalConv1d.apply(x, weight, bias, cu_seqlens, state, activation)
+    if torch.compiler.is_compiling():
+        out = torch.ops.samepath.causal_conv1d(x, weight, bias, cu_seqlens, state, activation)
+    else:
+        out = _CausalConv1d.apply(x, weight, bias, cu_seqlens, state, activation)
     return out, next_state(x.detach(), cu_seqlens, None if state is None else state.detach(), width)
+
+
+# ``torch.compile``: ``samepath::causal_conv1d`` and its backward op (the same launches as _CausalConv1d).
+@torch.library.custom_op(register("causal_conv1d"), mutates_args=())
+def _causal_conv1d_op(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    cu_seqlens: torch.Tensor,
+    state: torch.Tensor | None,
+    activation: str | None,
+) -> torch.Tensor:
+    return _launch(x, weight, bias, cu_seqlens, state, activation)
+
+
+@_causal_conv1d_op.register_fake
+def _(x, weight, bias, cu_seqlens, state, activation):
+    return x.new_empty(x.shape)
+
+
+@torch.library.custom_op(register("causal_conv1d_backward"), mutates_args=())
+def _causal_conv1d_backward_op(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    cu_seqlens: torch.Tensor,
+    state: torch.Tensor | None,
+    activation: str | None,
+    d_out: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    dx, dw, db = _backward(x, weight, bias, cu_seqlens, state, activation, d_out)
+    # fp32: dw and db are views of one buffer (an op's outputs may not alias): copies, the same bits
+    return dx, dw.clone(), db.clone() if db is not None else x.new_empty((0,))
+
+
+@_causal_conv1d_backward_op.register_fake
+def _(x, weight, bias, cu_seqlens, state, activation, d_out):
+    return (
+        x.new_empty(x.shape),
+        weight.new_empty(weight.shape),
+        (bias if bias is not None else x).new_empty(bias.shape if bias is not None else (0,)),
+    )
+
+
+def _causal_conv1d_setup(ctx, inputs, output):
+    x, weight, bias, cu_seqlens, state, ctx.activation = inputs
+    ctx.has_bias = bias is not None
+    ctx.save_for_backward(x, weight, bias, cu_seqlens, state)
+
+
+def _causal_conv1d_grad(ctx, d_out):
+    x, weight, bias, cu_seqlens, state = ctx.saved_tensors
+    dx, dw, db = torch.ops.samepath.causal_conv1d_backward(x, weight, bias, cu_seqlens, state, ctx.activation, d_out)
+    return dx, dw, db if ctx.has_bias else None, None, None, None
+
+
+_causal_conv1d_op.register_autograd(_causal_conv1d_grad, setup_context=_causal_conv1d_setup)
 
 
 __all__ = ["ACTIVATIONS", "CAUSAL_CONV1D_FORMULA", "causal_conv1d", "next_state"]

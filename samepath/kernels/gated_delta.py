@@ -46,6 +46,7 @@ from samepath.kernels import config
 from samepath.kernels.config import GATED_DELTA_CHUNK
 from samepath.kernels.dispatch import jit
 from samepath.kernels.gated_delta_bwd import gated_delta_backward
+from samepath.kernels.opaque import register
 
 #: The frozen chunk size (tokens); part of the fingerprint through ``GATED_DELTA_FORMULA``.
 CHUNK = GATED_DELTA_CHUNK
@@ -393,7 +394,70 @@ def chunk_gated_delta(q, k, v, g, beta, cu_seqlens, state=None, validate=True) -
         sequence's last full chunk (not differentiated). Differentiable in q, k, v, g, beta and
         ``state`` by the deterministic Triton backward (see the module docstring).
     """
+    if torch.compiler.is_compiling():  # the values of cu_seqlens are checked by the op (on real tensors)
+        _check(q, k, v, g, beta, cu_seqlens, state, check_values=False)
+        return tuple(torch.ops.samepath.chunk_gated_delta(q, k, v, g, beta, cu_seqlens, state, bool(validate)))
     return _GatedDelta.apply(q, k, v, g, beta, cu_seqlens, state, validate)
+
+
+# ``torch.compile``: ``samepath::chunk_gated_delta`` and its backward op (the launches of _GatedDelta).
+@torch.library.custom_op(register("chunk_gated_delta"), mutates_args=())
+def _chunk_gated_delta_op(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    state: torch.Tensor | None,
+    validate: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return _launch(q, k, v, g, beta, cu_seqlens, state, validate)
+
+
+def _state_shape(q, v, cu_seqlens) -> tuple[int, int, int, int]:
+    return cu_seqlens.shape[0] - 1, v.shape[1], q.shape[2], v.shape[2]
+
+
+@_chunk_gated_delta_op.register_fake
+def _(q, k, v, g, beta, cu_seqlens, state, validate):
+    return v.new_empty(v.shape), v.new_empty(_state_shape(q, v, cu_seqlens), dtype=torch.float32)
+
+
+@torch.library.custom_op(register("chunk_gated_delta_backward"), mutates_args=())
+def _chunk_gated_delta_backward_op(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    state: torch.Tensor | None,
+    d_out: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    grads = _backward(q, k, v, g, beta, cu_seqlens, state, d_out)
+    cast = [gr.to(x.dtype) for gr, x in zip(grads[:5], (q, k, v, g, beta), strict=True)]
+    return (*tuple(t.clone() if any(t is c for c in cast[:i]) else t for i, t in enumerate(cast)), grads[5])
+
+
+@_chunk_gated_delta_backward_op.register_fake
+def _(q, k, v, g, beta, cu_seqlens, state, d_out):
+    grads = tuple(x.new_empty(x.shape) for x in (q, k, v, g, beta))
+    return (*grads, v.new_empty(_state_shape(q, v, cu_seqlens), dtype=torch.float32))
+
+
+def _chunk_gated_delta_setup(ctx, inputs, output):
+    *tensors, ctx.validate = inputs
+    ctx.has_state = tensors[6] is not None
+    ctx.save_for_backward(*tensors)
+
+
+def _chunk_gated_delta_grad(ctx, d_out, d_state):
+    grads = torch.ops.samepath.chunk_gated_delta_backward(*ctx.saved_tensors, d_out)
+    return *grads[:5], None, grads[5] if ctx.has_state else None, None
+
+
+_chunk_gated_delta_op.register_autograd(_chunk_gated_delta_grad, setup_context=_chunk_gated_delta_setup)
 
 
 @dataclass
@@ -557,6 +621,14 @@ def gated_delta_continue_slots(q, k, v, g, beta, cu_seqlens, slots: GatedDeltaSl
     """
     n, _hk, _hv, _dk, _dv = _check(q, k, v, g, beta, cu_seqlens, None, check_values=False)
     _check_slots(slots, q, v, n, slot_ids, initial)
+    if torch.compiler.is_compiling():  # the slot buffers are updated in place by the op
+        fields = (slots.state, slots.tail_k, slots.tail_v, slots.tail_g, slots.tail_beta, slots.tail_len)
+        return torch.ops.samepath.gated_delta_continue_slots(q, k, v, g, beta, cu_seqlens, *fields, slot_ids, initial)
+    return _continue_slots(q, k, v, g, beta, cu_seqlens, slots, slot_ids, initial)
+
+
+def _continue_slots(q, k, v, g, beta, cu_seqlens, slots: GatedDeltaSlots, slot_ids, initial):
+    n = cu_seqlens.shape[0] - 1
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     g, beta = g.float().contiguous(), beta.float().contiguous()
     cu_seqlens, slot_ids = cu_seqlens.contiguous(), slot_ids.contiguous()
@@ -585,3 +657,33 @@ def gated_delta_continue_slots(q, k, v, g, beta, cu_seqlens, slots: GatedDeltaSl
             buf[row, col] = torch.where(mask, x[src], buf[row, col])
     slots.tail_len.index_copy_(0, slot_ids.to(torch.int64), (total - first).to(torch.int32))
     return out
+
+
+@torch.library.custom_op(
+    register("gated_delta_continue_slots"),
+    mutates_args=("state", "tail_k", "tail_v", "tail_g", "tail_beta", "tail_len"),
+)
+def _continue_slots_op(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    state: torch.Tensor,
+    tail_k: torch.Tensor,
+    tail_v: torch.Tensor,
+    tail_g: torch.Tensor,
+    tail_beta: torch.Tensor,
+    tail_len: torch.Tensor,
+    slot_ids: torch.Tensor,
+    initial: torch.Tensor | None,
+) -> torch.Tensor:
+    slots = GatedDeltaSlots(state, tail_k, tail_v, tail_g, tail_beta, tail_len)
+    with torch.no_grad():
+        return _continue_slots(q, k, v, g, beta, cu_seqlens, slots, slot_ids, initial)
+
+
+@_continue_slots_op.register_fake
+def _(q, k, v, g, beta, cu_seqlens, state, tail_k, tail_v, tail_g, tail_beta, tail_len, slot_ids, initial):
+    return v.new_empty(v.shape)

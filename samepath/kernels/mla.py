@@ -54,6 +54,7 @@ from samepath.kernels.attention.batch import LaunchPlan
 from samepath.kernels.checks import check_operands
 from samepath.kernels.config import check_head_size, is_wide_head, register_formula
 from samepath.kernels.matmul import launch
+from samepath.kernels.opaque import register
 
 MLA_FORMULA = {
     "form": "absorbed for every caller: q_lat = q_nope @ W_UK per head (batched batch-invariant matmul), "
@@ -97,7 +98,52 @@ def batched_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     if a.shape[0] != b.shape[0] or a.shape[2] != b.shape[1]:
         raise ValueError(f"a {tuple(a.shape)} and b {tuple(b.shape)} cannot be batch-multiplied")
     check_operands(a=a, b=b)
+    if torch.compiler.is_compiling():
+        return torch.ops.samepath.batched_matmul(a, b)
     return BatchedMatmulFunction.apply(a, b)
+
+
+# ``torch.compile``: ``samepath::batched_matmul`` (the same launches as BatchedMatmulFunction, forward and backward).
+@torch.library.custom_op(register("batched_matmul"), mutates_args=())
+def _batched_matmul_op(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    out = torch.empty((a.shape[0], a.shape[1], b.shape[2]), dtype=a.dtype, device=a.device)
+    return launch(a, b, None, out)
+
+
+@_batched_matmul_op.register_fake
+def _(a, b):
+    return a.new_empty((a.shape[0], a.shape[1], b.shape[2]))
+
+
+@torch.library.custom_op(register("batched_matmul_backward"), mutates_args=())
+def _batched_matmul_backward_op(
+    a: torch.Tensor, b: torch.Tensor, grad: torch.Tensor, need_a: bool, need_b: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    grad_a = torch.empty(a.shape if need_a else (0,), dtype=a.dtype, device=a.device)
+    grad_b = torch.empty(b.shape if need_b else (0,), dtype=b.dtype, device=b.device)
+    if need_a:
+        launch(grad, b.transpose(1, 2), None, grad_a)
+    if need_b:
+        launch(a.transpose(1, 2), grad, None, grad_b)
+    return grad_a, grad_b
+
+
+@_batched_matmul_backward_op.register_fake
+def _(a, b, grad, need_a, need_b):
+    return a.new_empty(a.shape if need_a else (0,)), b.new_empty(b.shape if need_b else (0,))
+
+
+def _batched_matmul_setup(ctx, inputs, output):
+    ctx.save_for_backward(*inputs)
+
+
+def _batched_matmul_grad(ctx, grad):
+    need_a, need_b = ctx.needs_input_grad[:2]
+    grad_a, grad_b = torch.ops.samepath.batched_matmul_backward(*ctx.saved_tensors, grad, need_a, need_b)
+    return grad_a if need_a else None, grad_b if need_b else None
+
+
+_batched_matmul_op.register_autograd(_batched_matmul_grad, setup_context=_batched_matmul_setup)
 
 
 def split_kv_b(kv_b_weight: torch.Tensor, num_heads: int, qk_nope_head_dim: int, v_head_dim: int):

@@ -136,6 +136,47 @@ class ReplayContext:
         pass
 
 
+def autograd_inside():
+    """A context in which torch's autograd records again inside a custom op's implementation (the
+    dispatcher excludes the autograd keys below an op's autograd registration): a backward op that
+    reruns the eager function's torch ops and ``torch.autograd.grad`` gets eager autograd's bits."""
+    from torch._C import DispatchKey
+
+    exclude = torch._C._dispatch_tls_local_exclude_set()
+    for key in (DispatchKey.AutogradOther, DispatchKey.AutogradNestedTensor, DispatchKey.AutogradFunctionality):
+        exclude = exclude.remove(key)
+    return torch._C._ForceDispatchKeyGuard(torch._C._dispatch_tls_local_include_set(), exclude)
+
+
+def eager_vjp(fn: Callable, inputs: list, grads: list) -> list[torch.Tensor]:
+    """The gradients of ``fn(*inputs)`` (a tensor or a tuple of tensors) for ``grads`` (``None`` for an
+    output not differentiated) by eager autograd through ``fn``'s own ops, one per input (zeros for an
+    input the outputs do not depend on; ``new_empty(0)`` for a ``None`` or non-float input). For a
+    custom op's backward: the bits of the eager function's autograd."""
+    with autograd_inside(), torch.enable_grad():
+        leaves = [
+            t.detach().requires_grad_(t.is_floating_point()) if isinstance(t, torch.Tensor) else t for t in inputs
+        ]
+        outs = fn(*leaves)
+        outs = outs if isinstance(outs, tuple | list) else (outs,)
+        pairs = [(o, g) for o, g in zip(outs, grads, strict=True) if g is not None and o.requires_grad]
+        wanted = [t for t in leaves if isinstance(t, torch.Tensor) and t.requires_grad]
+        found = iter(
+            torch.autograd.grad([o for o, _ in pairs], wanted, [g for _, g in pairs], allow_unused=True)
+            if pairs and wanted
+            else [None] * len(wanted)
+        )
+    device = next(t.device for t in leaves if isinstance(t, torch.Tensor))
+    result = []
+    for t in leaves:
+        if isinstance(t, torch.Tensor) and t.requires_grad:
+            grad = next(found)
+            result.append(torch.zeros_like(t) if grad is None else grad.detach())
+        else:
+            result.append(torch.empty(0, device=device))
+    return result
+
+
 def register(name: str) -> str:
     """Records ``samepath::<name>`` in :data:`CUSTOM_OPS`; returns the qualified name."""
     qualified = f"samepath::{name}"
@@ -149,7 +190,9 @@ __all__ = [
     "CUSTOM_OPS",
     "CompiledOpError",
     "ReplayContext",
+    "autograd_inside",
     "compile_opaque",
     "compiled_by",
+    "eager_vjp",
     "register",
 ]

@@ -30,9 +30,10 @@ def refuse_config(config: object, name: str) -> None:
         )
 
 
-def _contiguous_like(tensor: torch.Tensor) -> torch.Tensor:
-    """The ops' outputs are contiguous (the fake implementations say so; Inductor checks strides)."""
-    return torch.empty(tensor.shape, dtype=tensor.dtype, device=tensor.device)
+def _output_like(query: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+    """The ops' outputs ``[tokens, heads, value head size]`` (the value head may differ from the query's: MLA's
+    latent value), contiguous (the fake implementations say so; Inductor checks strides)."""
+    return torch.empty((*query.shape[:2], value.shape[-1]), dtype=query.dtype, device=query.device)
 
 
 def _varlen_batch(query, key, value, cu_seqlens, sinks, scale, causal, sliding_window, softcap, validate):
@@ -56,7 +57,7 @@ def _varlen_op(
     validate: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     batch = _varlen_batch(query, key, value, cu_seqlens, sinks, scale, causal, sliding_window, softcap, validate)
-    out = _contiguous_like(batch.query)
+    out = _output_like(batch.query, batch.value)
     lse = run_forward(batch, out, store_lse=True)
     return out, lse
 
@@ -64,7 +65,7 @@ def _varlen_op(
 @_varlen_op.register_fake
 def _(query, key, value, cu_seqlens, sinks, scale, causal, sliding_window, softcap, validate):
     lse = query.new_empty((query.shape[0], query.shape[1]), dtype=torch.float32)
-    return torch.empty_like(query, memory_format=torch.contiguous_format), lse
+    return _output_like(query, value), lse
 
 
 @torch.library.custom_op(register("varlen_attention_backward"), mutates_args=())
@@ -145,14 +146,14 @@ def _packed_op(
     )  # fmt: skip
     if sinks is not None:
         batch = dataclasses.replace(batch, sinks=check_sinks(sinks, batch.query))
-    out = _contiguous_like(batch.query)
+    out = _output_like(batch.query, batch.value)
     run_forward(batch, out, store_lse=False, split_kv=split_kv)
     return out
 
 
 @_packed_op.register_fake
 def _(query, key, value, cu_seqlens_q, cu_seqlens_kv, kv_start, sinks, scale, causal, sliding_window, *rest):
-    return torch.empty_like(query, memory_format=torch.contiguous_format)
+    return _output_like(query, value)
 
 
 @torch.library.custom_op(register("paged_attention"), mutates_args=())
@@ -177,14 +178,14 @@ def _paged_op(
     )  # fmt: skip
     if sinks is not None:
         batch = dataclasses.replace(batch, sinks=check_sinks(sinks, batch.query))
-    out = _contiguous_like(batch.query)
+    out = _output_like(batch.query, batch.value)
     run_forward(batch, out, store_lse=False, split_kv=split_kv)
     return out
 
 
 @_paged_op.register_fake
-def _(query, *rest):
-    return torch.empty_like(query, memory_format=torch.contiguous_format)
+def _(query, key_cache, value_cache, *rest):
+    return _output_like(query, value_cache)
 
 
 def _no_grad_op(name: str):
