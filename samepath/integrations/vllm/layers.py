@@ -138,33 +138,12 @@ def vllm_rope(layer: Any) -> tuple[int, float, dict[str, Any]]:
             )
         scaling = {"rope_type": "dynamic", "factor": layer.scaling_factor}
         return layer.rotary_dim, base, {**scaling, "max_position_embeddings": layer.max_position_embeddings}
-    if kind == "YaRNScalingRotaryEmbedding":
-        return (
-            layer.rotary_dim,
-            base,
-            {
-                "rope_type": "yarn",
-                "factor": layer.scaling_factor,
-                "original_max_position_embeddings": layer.max_position_embeddings,
-                "beta_fast": layer.beta_fast,
-                "beta_slow": layer.beta_slow,
-                "truncate": layer.truncate,
-                "attention_factor": layer.mscale,
-            },
-        )
-    if kind == "DeepseekScalingRotaryEmbedding":  # DeepSeek-V3's YaRN: mscale / mscale_all_dim as one ratio
-        return (
-            layer.rotary_dim,
-            base,
-            {
-                "rope_type": "yarn",
-                "factor": layer.scaling_factor,
-                "original_max_position_embeddings": layer.max_position_embeddings,
-                "beta_fast": layer.beta_fast,
-                "beta_slow": layer.beta_slow,
-                "attention_factor": layer.mscale,
-            },
-        )
+    if kind in ("YaRNScalingRotaryEmbedding", "DeepseekScalingRotaryEmbedding"):
+        # DeepSeek-V3's YaRN keeps mscale / mscale_all_dim as one ratio in ``mscale`` and always truncates.
+        scaling = {"rope_type": "yarn", "factor": layer.scaling_factor, "beta_fast": layer.beta_fast}
+        scaling |= {"beta_slow": layer.beta_slow, "truncate": getattr(layer, "truncate", True)}
+        scaling |= {"original_max_position_embeddings": layer.max_position_embeddings, "attention_factor": layer.mscale}
+        return layer.rotary_dim, base, scaling
     if kind == "Llama3RotaryEmbedding":
         return (
             layer.rotary_dim,
