@@ -34,8 +34,10 @@ Refused by name (:class:`UnsupportedGatedDeltaNetError`, a ``NotImplementedError
 audit and again at the first step), never run on another schedule: speculative decoding (multi-token
 state slots), vLLM's mamba prefix caching (``enable_prefix_caching`` / ``mamba_cache_mode`` other than
 ``"none"``: vLLM copies states between slots, which the side buffer would not follow), tensor
-parallelism (untested), a conv activation or gated norm
-other than SiLU / norm-before-gate without groups.
+parallelism (untested), a conv activation or gated norm other than SiLU / norm-before-gate without
+groups, a conv-state cache narrower than the model dtype (:func:`conv_cache_problem`). Refused at a
+step: attention metadata without the layer's entry, a side buffer whose slot count or dtype no longer
+matches (:func:`slot_buffer`: never re-made mid-run), a CUDA-graph capture before it exists.
 """
 
 from __future__ import annotations
