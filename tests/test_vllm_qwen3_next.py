@@ -534,7 +534,7 @@ def test_vllm_gdn_side_buffer_is_allocated_at_bind_and_never_remade(plugin_insta
     layer.kv_cache = (layer.kv_cache[0][:4], layer.kv_cache[1][:4])
     with pytest.raises(UnsupportedGatedDeltaNetError, match=r"holds 6 slots.*4 state slots.*drop every slot's state"):
         _step(layer, [(2, x, ab, ab, True)])
-    del layer._samepath_gdn_slots
+    delattr(layer, SLOTS_ATTR)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
     with pytest.raises(UnsupportedGatedDeltaNetError, match="CUDA-graph capture before the side buffer"):
