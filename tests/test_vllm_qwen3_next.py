@@ -535,7 +535,8 @@ def test_vllm_gdn_side_buffer_is_allocated_at_bind_and_never_remade(plugin_insta
     with pytest.raises(UnsupportedGatedDeltaNetError, match=r"holds 6 slots.*4 state slots.*drop every slot's state"):
         _step(layer, [(2, x, ab, ab, True)])
     delattr(layer, SLOTS_ATTR)
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
-    with pytest.raises(UnsupportedGatedDeltaNetError, match="CUDA-graph capture before the side buffer"):
+    with monkeypatch.context() as patch, pytest.raises(UnsupportedGatedDeltaNetError, match="CUDA-graph capture"):
+        patch.setattr(torch.cuda, "is_available", lambda: True)
+        patch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
         slot_buffer(layer, torch.bfloat16)
+    assert slot_buffer(layer, torch.bfloat16) is vars(layer)[SLOTS_ATTR]  # outside a capture: made on the step
