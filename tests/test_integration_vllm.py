@@ -1007,6 +1007,49 @@ def test_vllm_moe_layouts_samepath_cannot_reproduce_are_refused_by_name():
         assert "model.layers.0.mlp.experts" in str(refused.value)
 
 
+def test_vllm_grouped_moe_refuses_narrow_router_logits_without_a_gate():
+    """GLM-4.5 / DeepSeek-V3's grouped router runs on fp32 logits (Hugging Face's): bf16 logits are
+    taken again in fp32 from the runner's gate, and refused by name where the runner has none — never
+    routed on the bf16 logits."""
+    pytest.importorskip("vllm")
+    from samepath.integrations.vllm.common import grouped_moe, linear
+    from samepath.integrations.vllm.layers import grouped_apply
+
+    torch.manual_seed(0)
+    experts, hidden, inter = 8, 16, 8
+    x = torch.randn(5, hidden, dtype=torch.bfloat16)
+    gate = types.SimpleNamespace(weight=torch.randn(experts, hidden, dtype=torch.bfloat16))
+    router = types.SimpleNamespace(
+        e_score_correction_bias=None, top_k=2, num_expert_group=2, topk_group=1, renormalize=True
+    )
+    routed = types.SimpleNamespace(
+        layer_name="model.layers.1.mlp.experts",
+        w13_weight=torch.randn(experts, 2 * inter, hidden, dtype=torch.bfloat16) / 4,
+        w2_weight=torch.randn(experts, hidden, inter, dtype=torch.bfloat16) / 4,
+    )
+
+    def runner(gate):
+        return types.SimpleNamespace(
+            router=router,
+            routed_experts=routed,
+            gate=gate,
+            routed_scaling_factor=1.0,
+            _shared_experts=None,
+            _maybe_apply_shared_experts=lambda *args: None,
+        )
+
+    fp32_logits = linear(x.float(), gate.weight.float())
+    expected = grouped_moe(x, fp32_logits, None, routed.w13_weight, routed.w2_weight, 2, 2, 1, True, 1.0)
+    assert torch.equal(grouped_apply(runner(None), x, fp32_logits, x)[1], expected)
+    assert torch.equal(grouped_apply(runner(gate), x, fp32_logits.bfloat16(), x)[1], expected)
+    narrow = grouped_moe(x, fp32_logits.bfloat16(), None, routed.w13_weight, routed.w2_weight, 2, 2, 1, True, 1.0)
+    assert not torch.equal(narrow, expected)  # negative control: the bf16 logits route differently
+    with pytest.raises(
+        NotImplementedError, match=r"model.layers.1.mlp.experts.*torch.bfloat16 router logits and no gate"
+    ):
+        grouped_apply(runner(None), x, fp32_logits.bfloat16(), x)
+
+
 def test_load_audit_names_a_quantised_moe(plugin_installed):
     """A MoE layer whose experts vLLM quantised (its quant method is not the unquantised one
     samepath replaces) is refused at load as a quantised MoE, by its method's name."""

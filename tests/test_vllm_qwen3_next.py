@@ -17,6 +17,7 @@ time (on a shared machine run the file under ``flock /tmp/vllm.lock``). Skipped 
 from __future__ import annotations
 
 import importlib.util
+import re
 
 import pytest
 import torch
@@ -455,3 +456,87 @@ def test_vllm_gdn_core_step_reads_nothing_back(plugin_installed, monkeypatch):
     with counter_cls() as counter:
         gdn_core(layer, *cat, metadata)
     assert counter.reads == 0, counter.ops
+
+
+def test_vllm_gdn_conv_cache_narrower_than_the_model_is_refused(plugin_installed):
+    """The conv state is the last ``K - 1`` inputs in the model dtype (Hugging Face's): a conv cache of that
+    dtype or fp32 holds them exactly; a bf16 cache for an fp32 model or fp16 for bf16 is refused at load."""
+    from types import SimpleNamespace
+
+    from samepath.audit import UNCOVERED
+    from samepath.integrations.vllm.gdn import UnsupportedGatedDeltaNetError, check_layer
+
+    def layer(model, conv):
+        bad = _gdn_layer(model_config=SimpleNamespace(dtype=model))
+        bad.get_state_dtype = lambda: (conv, torch.float32)
+        return bad
+
+    for model, conv in (
+        (torch.bfloat16, torch.bfloat16),
+        (torch.bfloat16, torch.float32),
+        (torch.float16, torch.float32),
+    ):
+        check_layer(layer(model, conv))
+    for model, conv in ((torch.float32, torch.bfloat16), (torch.bfloat16, torch.float16)):
+        words = f"a {conv} conv-state cache for a {model} model"
+        with pytest.raises(UnsupportedGatedDeltaNetError, match=re.escape(words)):
+            check_layer(layer(model, conv))
+        entry = plugin_installed.classify_module("model.layers.0.linear_attn", layer(model, conv), None, None)
+        assert entry.status == UNCOVERED and words in entry.detail, entry
+
+
+def test_vllm_gdn_metadata_without_the_layer_is_refused(plugin_installed, monkeypatch):
+    """No attention metadata (vLLM's profile run): the core is zeros. A step's metadata without this layer's
+    entry is refused by name, never run as zeros."""
+    from types import SimpleNamespace
+
+    import vllm.forward_context
+
+    from samepath.integrations.vllm.gdn import UnsupportedGatedDeltaNetError, gated_output
+
+    layer = _gdn_layer()
+    layer.norm.weight, layer.norm.eps = torch.ones(DV), 1e-6
+    z = torch.randn(3, HV, DV)
+    args = (torch.randn(3, CONV_DIM), torch.randn(3, HV), torch.randn(3, HV), z)
+    context = SimpleNamespace(attn_metadata=None)
+    monkeypatch.setattr(vllm.forward_context, "get_forward_context", lambda: context)
+    assert torch.equal(gated_output(layer, *args), torch.zeros_like(z))
+    context.attn_metadata = {"model.layers.3.linear_attn": SimpleNamespace(num_actual_tokens=3)}
+    with pytest.raises(UnsupportedGatedDeltaNetError, match=r"model.layers.0.linear_attn.*no entry for this layer"):
+        gated_output(layer, *args)
+
+
+def test_vllm_gdn_side_buffer_is_allocated_at_bind_and_never_remade(plugin_installed, monkeypatch):
+    """vLLM binding the layer's cache allocates its side buffer (one slot per state slot, the model dtype);
+    a step whose slot count or dtype differs is refused, never run on a fresh (zero) buffer; a CUDA-graph
+    capture before the buffer exists is refused."""
+    from types import SimpleNamespace
+
+    from samepath.integrations.vllm.gdn import SLOTS_ATTR, UnsupportedGatedDeltaNetError, slot_buffer
+
+    gen = torch.Generator().manual_seed(7)
+    layer = _core_layer(gen)
+    layer.model_config = SimpleNamespace(dtype=torch.bfloat16)
+    shapes = ((WIDTH - 1, CONV_DIM), (HV, DV, DK))
+    layer.get_state_shape, layer.get_state_dtype = (lambda: shapes), (lambda: (torch.bfloat16, torch.bfloat16))
+    page = 2 * ((WIDTH - 1) * CONV_DIM + HV * DV * DK)
+    layer.bind_kv_cache(torch.zeros(SLOTS, 1, 1, page, dtype=torch.int8))
+    buf = vars(layer)[SLOTS_ATTR]
+    assert buf.state.shape[0] == SLOTS and buf.tail_k.dtype == torch.bfloat16
+    x = torch.randn(5, CONV_DIM, generator=gen).to(torch.bfloat16)
+    ab = torch.randn(5, HV, generator=gen).to(torch.bfloat16)
+    _step(layer, [(2, x, ab, ab, False)])
+    assert vars(layer)[SLOTS_ATTR] is buf and int(buf.tail_len[2]) == 5  # the step used the bound buffer
+    with pytest.raises(
+        UnsupportedGatedDeltaNetError, match=r"in torch\.bfloat16, but this step has 6 state slots and torch\.float32"
+    ):
+        slot_buffer(layer, torch.float32)
+    layer.kv_cache = (layer.kv_cache[0][:4], layer.kv_cache[1][:4])
+    with pytest.raises(UnsupportedGatedDeltaNetError, match=r"holds 6 slots.*4 state slots.*drop every slot's state"):
+        _step(layer, [(2, x, ab, ab, True)])
+    delattr(layer, SLOTS_ATTR)
+    with monkeypatch.context() as patch, pytest.raises(UnsupportedGatedDeltaNetError, match="CUDA-graph capture"):
+        patch.setattr(torch.cuda, "is_available", lambda: True)
+        patch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+        slot_buffer(layer, torch.bfloat16)
+    assert slot_buffer(layer, torch.bfloat16) is vars(layer)[SLOTS_ATTR]  # outside a capture: made on the step

@@ -23,7 +23,7 @@ and the shared expert's gate (``Qwen2MoeMLP.forward``'s ``F.sigmoid(expert_gate(
 **Cache layout: a side buffer.** vLLM's GDN state cache holds one fixed recurrent state per slot
 (``kv_cache[1]``, ``[slots, HV, DV, DK]`` in the model's dtype by default), which cannot hold samepath's
 fp32 boundary state plus the tokens since it. They live in a samepath side buffer per layer
-(:class:`~samepath.kernels.gated_delta.GatedDeltaSlots`, allocated on the layer's first step), indexed
+(:class:`~samepath.kernels.gated_delta.GatedDeltaSlots`, allocated when vLLM binds the layer's KV cache), indexed
 by vLLM's state slot (``non_spec_state_indices_tensor``) and sized from the number of slots of the
 layer's mamba cache: the fp32 state ``[slots, HV, DK, DV]``, the tail ``[slots, C, ...]`` and its
 length per slot. vLLM's ``kv_cache[1]`` is left unused. The side buffer is outside vLLM's KV-cache
@@ -34,8 +34,10 @@ Refused by name (:class:`UnsupportedGatedDeltaNetError`, a ``NotImplementedError
 audit and again at the first step), never run on another schedule: speculative decoding (multi-token
 state slots), vLLM's mamba prefix caching (``enable_prefix_caching`` / ``mamba_cache_mode`` other than
 ``"none"``: vLLM copies states between slots, which the side buffer would not follow), tensor
-parallelism (untested), a conv activation or gated norm
-other than SiLU / norm-before-gate without groups.
+parallelism (untested), a conv activation or gated norm other than SiLU / norm-before-gate without
+groups, a conv-state cache narrower than the model dtype (:func:`conv_cache_problem`). Refused at a
+step: attention metadata without the layer's entry, a side buffer whose slot count or dtype no longer
+matches (:func:`slot_buffer`: never re-made mid-run), a CUDA-graph capture before it exists.
 """
 
 from __future__ import annotations
@@ -64,17 +66,56 @@ class UnsupportedGatedDeltaNetError(NotImplementedError):
 # ----------------------------------------------------------------------------------------------
 
 
-def slot_buffer(layer: Any, dtype: torch.dtype) -> GatedDeltaSlots:
-    """The layer's :class:`~samepath.kernels.gated_delta.GatedDeltaSlots`, one slot per slot of its vLLM
-    mamba cache (re-made if vLLM binds a cache of another size)."""
-    slots = layer.kv_cache[1].shape[0]
-    buf = vars(layer).get("_samepath_gdn_slots")
-    if buf is None or buf.state.shape[0] != slots or buf.tail_k.dtype != dtype:
-        hk, hv = layer.num_k_heads // layer.tp_size, layer.num_v_heads // layer.tp_size
-        device = layer.kv_cache[1].device
-        buf = GatedDeltaSlots.allocate(slots, hk, hv, layer.head_k_dim, layer.head_v_dim, dtype, device)
-        layer._samepath_gdn_slots = buf
+SLOTS_ATTR = "_samepath_gdn_slots"
+
+
+def allocate_slot_buffer(layer: Any) -> GatedDeltaSlots:
+    """A fresh :class:`~samepath.kernels.gated_delta.GatedDeltaSlots` for the layer, one slot per slot of
+    its vLLM mamba cache, in the model's dtype, on the cache's device. Called when vLLM binds the layer's
+    KV cache (:func:`bind_kv_cache`): outside any CUDA-graph capture, and a re-bind (vLLM's profile run,
+    then the real cache) holds no running sequence whose state a new buffer would drop."""
+    model_config = getattr(layer, "model_config", None)
+    dtype = model_config.dtype if model_config is not None else layer.kv_cache[0].dtype
+    hk, hv = layer.num_k_heads // layer.tp_size, layer.num_v_heads // layer.tp_size
+    slots, device = layer.kv_cache[1].shape[0], layer.kv_cache[1].device
+    buf = GatedDeltaSlots.allocate(slots, hk, hv, layer.head_k_dim, layer.head_v_dim, dtype, device)
+    setattr(layer, SLOTS_ATTR, buf)
     return buf
+
+
+def slot_buffer(layer: Any, dtype: torch.dtype) -> GatedDeltaSlots:
+    """The layer's side buffer (:func:`allocate_slot_buffer`), checked against this step: refused
+    (:class:`UnsupportedGatedDeltaNetError`) if its slot count or dtype no longer matches the mamba cache /
+    the step's inputs (re-made it would drop every slot's state), or if it is still missing inside a
+    CUDA-graph capture (it would live in the graph's memory pool). A layer whose cache vLLM bound without
+    :func:`bind_kv_cache` (none in vLLM 0.32) gets it on its first eager step."""
+    buf = vars(layer).get(SLOTS_ATTR)
+    where = f"samepath's vLLM Gated DeltaNet ({getattr(layer, 'prefix', type(layer).__name__)})"
+    if buf is None:
+        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+            raise UnsupportedGatedDeltaNetError(
+                f"{where}: a CUDA-graph capture before the side buffer was allocated (it is allocated when "
+                "vLLM binds the KV cache); pass enforce_eager=True"
+            )
+        buf = allocate_slot_buffer(layer)
+    slots = layer.kv_cache[1].shape[0]
+    if buf.state.shape[0] != slots or buf.tail_k.dtype != dtype:
+        raise UnsupportedGatedDeltaNetError(
+            f"{where}: the side buffer holds {buf.state.shape[0]} slots in {buf.tail_k.dtype}, but this step has "
+            f"{slots} state slots and {dtype} inputs; re-made it would drop every slot's state"
+        )
+    return buf
+
+
+def bind_kv_cache(self, kv_cache: torch.Tensor) -> None:
+    """``QwenGatedDeltaNetAttention.bind_kv_cache`` (vLLM's ``MambaBase``'s, unpacking the cache pages into
+    ``self.kv_cache``), then the layer's side buffer for that cache (:func:`allocate_slot_buffer`)."""
+    ORIGINAL_BIND[0](self, kv_cache)
+    allocate_slot_buffer(self)
+
+
+#: vLLM's own ``bind_kv_cache`` of the Gated DeltaNet layer while the plugin is installed.
+ORIGINAL_BIND: list[Any] = [None]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -95,6 +136,9 @@ def layer_problems(layer: Any) -> list[str]:
         )
     if getattr(layer, "tp_size", 1) != 1:
         problems.append(f"tensor parallelism (tp_size={layer.tp_size})")
+    conv_problem = conv_cache_problem(layer)
+    if conv_problem:
+        problems.append(conv_problem)
     if getattr(layer, "activation", "silu") not in ("silu", "swish"):
         problems.append(f"conv activation {layer.activation!r} (samepath implements SiLU)")
     norm = getattr(layer, "norm", None)
@@ -105,6 +149,26 @@ def layer_problems(layer: Any) -> list[str]:
     ):
         problems.append("a gated norm other than norm-before-gate with a SiLU gate and no groups")
     return problems
+
+
+def conv_cache_problem(layer: Any) -> str | None:
+    """Why vLLM's conv-state cache cannot hold the trainer's conv state (``None``: it can). Hugging
+    Face's layer keeps the last ``K - 1`` conv inputs in the model dtype; a cache of that dtype, or of a
+    wider float that holds each of its values exactly (fp32 for bf16 / fp16), gives them back bit for
+    bit; a narrower or other one (``mamba_cache_dtype``) would round them."""
+    model_config = getattr(layer, "model_config", None)
+    if model_config is None or not hasattr(layer, "get_state_dtype"):
+        return None
+    model, conv = model_config.dtype, layer.get_state_dtype()[0]
+    wider = (torch.float32, torch.float64)  # hold every bf16 / fp16 (fp64: every fp32) value exactly
+    exact = conv == model or (
+        conv in wider and model.is_floating_point and torch.finfo(conv).bits > torch.finfo(model).bits
+    )
+    if exact:
+        return None
+    return (
+        f"a {conv} conv-state cache for a {model} model (mamba_cache_dtype; the conv state must hold {model} exactly)"
+    )
 
 
 def check_layer(layer: Any) -> None:
@@ -141,6 +205,7 @@ def gdn_core(layer: Any, mixed_qkv: torch.Tensor, b: torch.Tensor, a: torch.Tens
     model dtype and updates vLLM's conv state and the layer's slot buffer."""
     if metadata.spec_sequence_masks is not None or metadata.num_spec_decodes:
         raise UnsupportedGatedDeltaNetError(f"samepath's vLLM Gated DeltaNet ({layer.prefix}): speculative decoding")
+    buf = slot_buffer(layer, mixed_qkv.dtype)  # checked before any cache is written
     n_dec, n = metadata.num_decodes, metadata.num_decodes + metadata.num_prefills
     cu = metadata.non_spec_query_start_loc[: n + 1]
     slot_ids = metadata.non_spec_state_indices_tensor[:n].to(torch.int64)
@@ -157,7 +222,6 @@ def gdn_core(layer: Any, mixed_qkv: torch.Tensor, b: torch.Tensor, a: torch.Tens
     q, k, v = torch.split(x, [hk * dk, hk * dk, hv * dv], dim=-1)
     q, k, v = q.reshape(-1, hk, dk), k.reshape(-1, hk, dk), v.reshape(-1, hv, dv)
     g, beta = gated_delta_gates(a, b, layer.A_log, layer.dt_bias)
-    buf = slot_buffer(layer, mixed_qkv.dtype)
     return gated_delta_continue_slots(q, k, v, g, beta, cu, buf, slot_ids, initial)
 
 
@@ -177,14 +241,22 @@ def split_projections(layer: Any, mixed_qkvz: torch.Tensor, ba: torch.Tensor):
 def gated_output(
     layer: Any, mixed_qkv: torch.Tensor, b: torch.Tensor, a: torch.Tensor, z: torch.Tensor
 ) -> torch.Tensor:
-    """The step's core (:func:`gdn_core` on this layer's GDN metadata; zeros for a step without it: vLLM's
-    profile run) through the gated norm: ``[T, HV, DV]`` in the model dtype, before ``out_proj``."""
+    """The step's core (:func:`gdn_core` on this layer's GDN metadata; zeros for a step without metadata:
+    vLLM's profile run; refused if the metadata has no entry for the layer) through the gated norm:
+    ``[T, HV, DV]`` in the model dtype, before ``out_proj``."""
     from vllm.forward_context import get_forward_context
 
     core = torch.zeros(z.shape, dtype=z.dtype, device=z.device)
     metadata = get_forward_context().attn_metadata
-    metadata = metadata.get(layer.prefix) if isinstance(metadata, dict) else None
-    if metadata is not None and metadata.num_actual_tokens:
+    if metadata is None:  # vLLM's profile / dummy run: no cache to read or write
+        return gated_rms_norm(core, z, layer.norm.weight, layer.norm.eps)
+    if not isinstance(metadata, dict) or layer.prefix not in metadata:
+        raise UnsupportedGatedDeltaNetError(
+            f"samepath's vLLM Gated DeltaNet ({layer.prefix}): the step's attention metadata has no entry for "
+            "this layer (a per-layer dict was expected); its state would not advance"
+        )
+    metadata = metadata[layer.prefix]
+    if metadata.num_actual_tokens:
         t = metadata.num_actual_tokens
         core[:t] = gdn_core(layer, mixed_qkv[:t], b[:t].contiguous(), a[:t].contiguous(), metadata)
     return gated_rms_norm(core, z, layer.norm.weight, layer.norm.eps)
@@ -194,8 +266,15 @@ def gated_output(
 def _gated_output_op(
     mixed_qkv: torch.Tensor, b: torch.Tensor, a: torch.Tensor, z: torch.Tensor, layer: str
 ) -> torch.Tensor:
-    # Inside a compiled region: the layer by name from vLLM's forward context (as vLLM's own GDN op finds
-    # it); its conv state and slot buffer are updated in place, outside the graph's view.
+    """:func:`gated_output` inside a compiled region, the layer found by name in vLLM's forward context (as
+    vLLM's own ``qwen_gdn_attention_core`` finds it).
+
+    ``mutates_args=()`` is exact for what torch.library tracks, the op's arguments: it writes none of
+    them and returns a fresh tensor. It does write state outside its arguments — the layer's conv-state
+    cache (``kv_cache[0]``) and its side buffer — which the graph cannot see because they are not
+    inputs: vLLM binds the caches after compiling, and its own GDN op reaches them the same way and
+    declares only its output buffers mutated. Inductor neither drops nor reorders the call: its
+    output feeds ``out_proj``, and each layer's call depends on the previous layer's output."""
     from vllm.forward_context import get_forward_context
 
     return gated_output(get_forward_context().no_compile_layers[layer], mixed_qkv, b, a, z.contiguous())
@@ -296,12 +375,14 @@ def gdn_audit_entry(name: str, module: torch.nn.Module):
 
 
 def patch_gated_delta_net(patcher: Patcher) -> bool:
-    """``QwenGatedDeltaNetAttention.forward`` -> :func:`gdn_forward`; ``Qwen3NextAttention.forward`` ->
+    """``QwenGatedDeltaNetAttention.forward`` -> :func:`gdn_forward` (and its ``bind_kv_cache`` ->
+    :func:`bind_kv_cache`); ``Qwen3NextAttention.forward`` ->
     :func:`gated_attention_forward`; ``Qwen2MoeMLP.forward`` -> :func:`gated_mlp_forward`."""
     module = optional_module(GDN_MODULE)
     if module is None:
         return False
     patcher.set(module.QwenGatedDeltaNetAttention, "forward", gdn_forward)
+    ORIGINAL_BIND[0] = patcher.set(module.QwenGatedDeltaNetAttention, "bind_kv_cache", bind_kv_cache)
     model = optional_module("vllm.model_executor.models.qwen3_next")
     if model is not None:
         patcher.set(model.Qwen3NextAttention, "forward", gated_attention_forward)
@@ -314,9 +395,14 @@ def patch_gated_delta_net(patcher: Patcher) -> bool:
 __all__ = [
     "GDN_MODULE",
     "GDN_PART_ATTR",
+    "ORIGINAL_BIND",
+    "SLOTS_ATTR",
     "UnsupportedGatedDeltaNetError",
+    "allocate_slot_buffer",
     "apply_sigmoid_gate",
+    "bind_kv_cache",
     "check_layer",
+    "conv_cache_problem",
     "conv_state_view",
     "conv_weight",
     "gated_attention_forward",
