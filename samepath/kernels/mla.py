@@ -208,6 +208,17 @@ def _check_latent(query: torch.Tensor, kv_head_size: int, latent: int) -> None:
         raise ValueError(f"kv_lora_rank = {latent} must be below the latent head size {kv_head_size}")
 
 
+def _absorbed(
+    q_nope: torch.Tensor, q_pe: torch.Tensor, c_kv: torch.Tensor, k_pe: torch.Tensor, w_uk: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The absorbed query, the latent key ``[c_kv, k_pe]`` and its value view ``c_kv`` (checked)."""
+    query = mla_query(q_nope, q_pe, w_uk)
+    kv = mla_latent_kv(c_kv, k_pe)
+    latent = w_uk.shape[2]
+    _check_latent(query, kv.shape[-1], latent)
+    return query, kv, kv[..., :latent]
+
+
 def mla_attention(
     q_nope: torch.Tensor,
     q_pe: torch.Tensor,
@@ -233,11 +244,8 @@ def mla_attention(
 
     Each row is bit-identical to :func:`mla_packed_attention` and :func:`mla_paged_attention` for the
     same token however the rollout batched, chunked or paged it."""
-    query = mla_query(q_nope, q_pe, w_uk)
-    kv = mla_latent_kv(c_kv, k_pe)
-    latent = w_uk.shape[2]
-    _check_latent(query, kv.shape[-1], latent)
-    out = varlen_attention(query, kv, kv[..., :latent], cu_seqlens, scale, True, validate=validate, plan=plan)
+    query, kv, value = _absorbed(q_nope, q_pe, c_kv, k_pe, w_uk)
+    out = varlen_attention(query, kv, value, cu_seqlens, scale, True, validate=validate, plan=plan)
     return mla_output(out, w_uv)
 
 
@@ -258,11 +266,7 @@ def mla_packed_attention(
     """MLA of each sequence's newest queries over its contiguous latent cache (Hugging Face
     ``generate``; no grad): ``c_kv [total_kv, L]``, ``k_pe [total_kv, R]`` hold every cached token,
     ``cu_seqlens_*`` as in :func:`samepath.kernels.attention.api.packed_attention`."""
-    query = mla_query(q_nope, q_pe, w_uk)
-    kv = mla_latent_kv(c_kv, k_pe)
-    latent = w_uk.shape[2]
-    _check_latent(query, kv.shape[-1], latent)
-    value = kv[..., :latent]
+    query, kv, value = _absorbed(q_nope, q_pe, c_kv, k_pe, w_uk)
     out = packed_attention(query, kv, value, cu_seqlens_q, cu_seqlens_kv, scale, validate=validate, plan=plan)
     return mla_output(out, w_uv)
 
