@@ -207,7 +207,7 @@ def gated_delta_net_forward(
     mixed, z, b, a = _projections(self, hidden_states)
     x = mixed.reshape(batch * length, -1)[index]
     weight = self.conv1d.weight[:, 0]
-    x, new_conv = causal_conv1d(x, weight, self.conv1d.bias, cu, conv_state, "silu")
+    x, new_conv = causal_conv1d(x, weight, self.conv1d.bias, cu, conv_state, "silu", validate=False)  # our packing
     q, k, v = torch.split(x, [self.key_dim, self.key_dim, self.value_dim], dim=-1)
     q = q.reshape(-1, self.num_k_heads, self.head_k_dim)
     k = k.reshape(-1, self.num_k_heads, self.head_k_dim)
