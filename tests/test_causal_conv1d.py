@@ -153,6 +153,15 @@ def test_bad_inputs_are_refused_by_name():
         causal_conv1d(x, w, None, cu.float())
     with pytest.raises(ValueError, match="bias"):
         causal_conv1d(x, w, torch.zeros(3), cu)
+    with pytest.raises(ValueError, match="weight must have x's dtype"):
+        causal_conv1d(x, w.double(), None, cu)
+    with pytest.raises(ValueError, match="bias must have x's dtype"):
+        causal_conv1d(x, w, torch.zeros(8, dtype=torch.bfloat16), cu)
+    for bad in ([0, 7], [0, 5], [1, 6], [0, 4, 2, 6]):  # past T, short of T, not from 0, falling
+        with pytest.raises(ValueError, match="cu_seqlens must rise from 0 to T = 6"):
+            causal_conv1d(x, w, None, torch.tensor(bad))
+    out, _ = causal_conv1d(x, w, None, cu, validate=False)  # trusted values: the same bits
+    assert torch.equal(out, causal_conv1d(x, w, None, cu)[0])
 
 
 @pytest.mark.interpreter

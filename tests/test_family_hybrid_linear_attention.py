@@ -204,6 +204,19 @@ def test_a_packed_forward_with_a_cache_runs_and_cannot_be_continued():
             model(input_ids=ids[:, -1:], position_ids=positions[:, -1:] + 1, cache=out.past_key_values)
 
 
+def test_position_ids_passed_positionally_split_packed_sequences():
+    """The decoder layer hands its Gated DeltaNet layer ``position_ids`` given by position as by keyword (packed
+    sequences split where they restart); negative control: without them the row runs as one sequence."""
+    model = tiny_hybrid("qwen3_5_text", torch.float32)
+    layer = model.model.layers[0]
+    hidden = torch.randn(1, 13, model.config.hidden_size)
+    positions = torch.cat([torch.arange(4), torch.arange(9)])[None]
+    with integrations.patched(model), torch.no_grad():
+        by_name = layer(hidden, None, None, position_ids=positions)
+        assert torch.equal(layer(hidden, None, None, positions), by_name)
+        assert not torch.equal(layer(hidden, None, None, None), by_name)
+
+
 def test_a_cache_filled_by_the_stock_layer_is_refused():
     """samepath never continues from Hugging Face's fixed recurrent state (its bits are the stock recurrence's)."""
     model = tiny_hybrid("qwen3_5_text", torch.float32)

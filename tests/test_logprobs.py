@@ -403,6 +403,30 @@ def test_bad_input_raises_value_error_naming_the_argument() -> None:
     assert lp[2].isnan() and torch.isfinite(lp[[0, 1, 3]]).all()
 
 
+def test_linear_logprobs_arguments_are_checked_alike_eager_compiled_and_in_hf() -> None:
+    """One checker (:func:`check_linear_logprobs_args`) for the eager call, the compiled route and the HF
+    entry: each refuses a bad dtype, an empty vocabulary, a mismatch and a bad token_chunk by name."""
+    from samepath.integrations.hf import fused_lm_head_logprobs
+    from samepath.kernels.lm_head_op import compiled_linear_token_logprobs
+    from samepath.kernels.logprobs import check_linear_logprobs_args, linear_token_logprobs
+
+    hidden, weight, labels = torch.randn(3, 16), torch.randn(40, 16), torch.tensor([1, 2, 3])
+    bad = [
+        ((hidden.double(), weight.double(), labels), {}, r"hidden\.dtype must be one of"),
+        ((hidden, weight[:0], labels), {}, r"weight.shape\[-1\] \(the vocabulary\) must be at least 1"),
+        ((hidden, weight.half(), labels), {}, "must match hidden"),
+        ((hidden, weight[:, :8], labels), {}, r"weight must be \[V, H\]"),
+        ((hidden, weight, labels), {"token_chunk": 0}, "token_chunk must be a positive int"),
+    ]
+    for fn in (linear_token_logprobs, compiled_linear_token_logprobs, fused_lm_head_logprobs):
+        for args, kwargs, match in bad:
+            with pytest.raises(ValueError, match=match):
+                fn(*args, **kwargs)
+    check_linear_logprobs_args(hidden, weight.bfloat16(), 4, same_dtype=False)  # autocast casts both next
+    with pytest.raises(ValueError, match="hidden must be a tensor"):
+        check_linear_logprobs_args(hidden[0, 0], weight, 4, same_dtype=False)
+
+
 def test_formula_is_registered_in_the_fingerprint() -> None:
     formula = config_module.OP_FORMULAS["logprobs"]
     assert formula["exp"].startswith("exp (natural)") and "division" in formula["temperature"]

@@ -151,5 +151,13 @@ def test_mla_refusals():
         mla_attention(x["q_nope"], torch.zeros(3, H, 64), big, torch.zeros(3, 64), w_big, w_uv, _cu([3]), SCALE)
     with pytest.raises(ValueError, match="latent_cache"):
         write_mla_cache(x["c_kv"], x["k_pe"], torch.zeros(2, 4, 2, LATENT + ROPE), torch.arange(3))
+    with pytest.raises(ValueError, match="latent_cache dtype"):  # never a silent cast
+        write_mla_cache(x["c_kv"], x["k_pe"], torch.zeros(2, 4, 1, LATENT + ROPE, dtype=torch.float64), torch.arange(3))
+    cache = torch.zeros(2, 4, LATENT + ROPE)
+    with pytest.raises(ValueError, match="slot_mapping holds slot 8"):
+        write_mla_cache(x["c_kv"], x["k_pe"], cache, torch.tensor([0, 8, -1]))
+    write_mla_cache(x["c_kv"], x["k_pe"], cache, torch.tensor([0, 8, -1]), validate=False)  # past the cache: skipped
+    assert torch.equal(cache[0, 0], torch.cat((x["c_kv"][0], x["k_pe"][0])))
+    assert torch.count_nonzero(cache.flatten(0, 1)[1:]) == 0
     with pytest.raises(ValueError, match="a 3-D tensor"):
         batched_matmul(torch.zeros(2, 3), torch.zeros(2, 3, 4))

@@ -161,6 +161,12 @@ def test_pairing_and_arguments_are_checked():
         rollout.load_weights({k: v.float() for k, v in trainer.rollout_state_dict().items()})
     with pytest.raises(ValueError, match="min_len"):
         CopyTask(10, min_len=4, max_len=2)
+    from samepath.rl.train_check import TrainCheckSpec
+
+    with pytest.raises(ValueError, match="rollout must be one of"):
+        TrainCheckSpec(rollout="sglang")
+    with pytest.raises(ValueError, match="transport must be one of shm, rpc, got 'nccl'"):  # at once, not in the child
+        TrainCheckSpec(rollout="vllm", transport="nccl")
 
 
 def test_group_advantages_and_reward():

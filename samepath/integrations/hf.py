@@ -49,7 +49,12 @@ from samepath.integrations.patcher import Patcher
 from samepath.kernels.attention import LaunchPlan, packed_attention, varlen_attention
 from samepath.kernels.attention.backend import attention_backend
 from samepath.kernels.gelu_tanh_mul import gelu_tanh_mul
-from samepath.kernels.logprobs import IGNORE_INDEX, LM_HEAD_TOKEN_CHUNK, linear_token_logprobs
+from samepath.kernels.logprobs import (
+    IGNORE_INDEX,
+    LM_HEAD_TOKEN_CHUNK,
+    check_linear_logprobs_args,
+    linear_token_logprobs,
+)
 from samepath.kernels.moe_routing import sigmoid_grouped_topk_routing
 from samepath.kernels.opaque import compile_opaque
 from samepath.kernels.rotary import apply_rotary, mrope_cos_sin, rotary_cos_sin
@@ -655,6 +660,7 @@ def fused_lm_head_logprobs(
     ``samepath.logprobs(F.linear(hidden, weight), labels, temperature)`` computed with samepath's
     matmul — the rollout's logits — without ever holding more than ``token_chunk`` rows of logits.
     """
+    check_linear_logprobs_args(hidden, weight, token_chunk, same_dtype=False)  # the dtypes: after autocast's casts
     device_type = hidden.device.type
     if torch.is_autocast_enabled(device_type):
         dtype = torch.get_autocast_dtype(device_type)

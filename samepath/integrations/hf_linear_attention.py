@@ -13,8 +13,9 @@ Installed by :func:`samepath.integrations.hf.apply_to_model_type` from a family'
   also fills a cache — Hugging Face's default ``use_cache`` — runs both, the same bits; gradients through a
   continuation are refused) and the gated output norm
   (:func:`samepath.kernels.gated_ops.gated_rms_norm`). Padding rows come back as zeros. Host reads: none for a
-  decode step or a batch without a mask; one per forward (not per layer) with a padding mask or packed
-  sequences (the token and sequence counts size the launches).
+  decode step (or a forward given neither a mask nor ``position_ids``); one per forward (not per layer) with
+  a padding mask or ``position_ids`` to split at (Hugging Face passes them on every forward; the token and
+  sequence counts size the launches).
 * ``generate``'s cache: each Gated DeltaNet layer's entry of the model's hybrid cache (transformers'
   ``LinearAttentionLayer``) carries samepath's state as attributes: :data:`CONV_STATE_ATTR` (each row's last
   ``W - 1`` conv inputs) and :data:`DELTA_CACHE_ATTR` (a :class:`~samepath.kernels.gated_delta.GatedDeltaSlots`,
@@ -32,6 +33,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
+import inspect
 import sys
 import weakref
 from typing import Any
@@ -78,9 +80,10 @@ def packing(
 ) -> Packing:  # fmt: skip
     """The real tokens of ``[batch, length]`` (per row the one contiguous run ``real`` marks, all without a mask),
     cut into sequences at each run's start and, with ``split``, wherever ``position_ids`` do not continue by +1
-    (packed sequences). Without a mask and without a split (a decode step, an unpadded batch) every row is one
-    sequence: no host read. Otherwise computed on the device with one host read (the checks and the token and
-    sequence counts, which size the kernel launches); ``ValueError`` for a row with holes."""
+    (packed sequences). Without a mask and with nothing to split at (``split`` off, as for a decode step, or
+    no ``position_ids``) every row is one sequence: no host read. Otherwise computed on the device with one
+    host read (the checks and the token and sequence counts, which size the kernel launches); ``ValueError``
+    for a row with holes."""
     if real is None and (not split or position_ids is None):
         index = torch.arange(batch * length, device=device)
         cu = torch.arange(batch + 1, device=device) * length
@@ -207,7 +210,7 @@ def gated_delta_net_forward(
     mixed, z, b, a = _projections(self, hidden_states)
     x = mixed.reshape(batch * length, -1)[index]
     weight = self.conv1d.weight[:, 0]
-    x, new_conv = causal_conv1d(x, weight, self.conv1d.bias, cu, conv_state, "silu")
+    x, new_conv = causal_conv1d(x, weight, self.conv1d.bias, cu, conv_state, "silu", validate=False)  # our packing
     q, k, v = torch.split(x, [self.key_dim, self.key_dim, self.value_dim], dim=-1)
     q = q.reshape(-1, self.num_k_heads, self.head_k_dim)
     k = k.reshape(-1, self.num_k_heads, self.head_k_dim)
@@ -372,12 +375,16 @@ def shared_expert_moe_forward(self: torch.nn.Module, hidden_states: torch.Tensor
 
 
 def _decoder_layer_forward(original):
+    params = [p.name for p in inspect.signature(original).parameters.values() if p.kind == p.POSITIONAL_OR_KEYWORD]
+    at = params.index("position_ids") - 1 if "position_ids" in params else None  # after self
+
     @functools.wraps(original)
     def forward(self: torch.nn.Module, *args: Any, **kwargs: Any):
         linear = getattr(self, "linear_attn", None)
         if linear is None:
             return original(self, *args, **kwargs)
-        setattr(linear, POSITION_IDS_ATTR, kwargs.get("position_ids"))
+        position_ids = args[at] if at is not None and at < len(args) else kwargs.get("position_ids")
+        setattr(linear, POSITION_IDS_ATTR, position_ids)
         try:
             return original(self, *args, **kwargs)
         finally:

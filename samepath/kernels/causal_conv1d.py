@@ -28,6 +28,8 @@ API (what vLLM's and Hugging Face's layers call)::
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 import triton
 import triton.language as tl
@@ -232,10 +234,12 @@ def _check(x, weight, bias, cu_seqlens, state, activation) -> tuple[int, int, in
     width = weight.shape[1]
     if not 1 <= width <= 8:
         raise ValueError(f"weight's width W must be in [1, 8], got {width}")
-    if weight.dtype not in _FLOATS:
-        raise ValueError(f"weight must be float32 / bfloat16 / float16, got {weight.dtype}")
+    if weight.dtype != x.dtype:
+        raise ValueError(f"weight must have x's dtype {x.dtype}, got {weight.dtype}")
     if bias is not None and (not isinstance(bias, torch.Tensor) or tuple(bias.shape) != (d,)):
         raise ValueError(f"bias must be None or [D] = [{d}], got {getattr(bias, 'shape', bias)}")
+    if bias is not None and bias.dtype != x.dtype:
+        raise ValueError(f"bias must have x's dtype {x.dtype}, got {bias.dtype}")
     if activation not in ACTIVATIONS:
         raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
     if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
@@ -254,6 +258,13 @@ def _check(x, weight, bias, cu_seqlens, state, activation) -> tuple[int, int, in
         if t is not None and t.device != x.device:
             raise ValueError(f"{name} must be on x's device {x.device}, got {t.device}")
     return n, d, width
+
+
+def _check_cu_values(cu_seqlens: torch.Tensor, total: int) -> None:
+    """``cu_seqlens`` rises from 0 to ``total`` (a host read)."""
+    cu = cu_seqlens.tolist()
+    if cu[0] != 0 or cu[-1] != total or any(b < a for a, b in itertools.pairwise(cu)):
+        raise ValueError(f"cu_seqlens must rise from 0 to T = {total}, got {cu}")
 
 
 def _token_maps(cu_seqlens: torch.Tensor, total: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -336,6 +347,7 @@ def causal_conv1d(
     cu_seqlens: torch.Tensor,
     state: torch.Tensor | None = None,
     activation: str | None = "silu",
+    validate: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The causal depthwise conv1d over packed sequences (see the module docstring).
 
@@ -346,6 +358,8 @@ def causal_conv1d(
         state: ``[N, D, W - 1]`` in x's dtype, each sequence's last ``W - 1`` inputs before this call
             (``None``: the sequences start here). Not differentiated.
         activation: ``"silu"`` (fused, Hugging Face's rounding points) or ``None``.
+        validate: ``False`` trusts the values of ``cu_seqlens`` (rising from 0 to T) instead of reading
+            them on the host (one sync); callers that build them (the layers' decode and prefill) pass it.
 
     Returns:
         ``(out [T, D] in x's dtype, new_state [N, D, W - 1])``; ``out`` differentiable in x, weight, bias.
@@ -353,9 +367,11 @@ def causal_conv1d(
     width = _check(x, weight, bias, cu_seqlens, state, activation)[2]
     if state is not None and state.requires_grad and torch.is_grad_enabled():
         raise ValueError("state: gradients into the conv state are not supported (detach it)")
-    if torch.compiler.is_compiling():
-        out = torch.ops.samepath.causal_conv1d(x, weight, bias, cu_seqlens, state, activation)
+    if torch.compiler.is_compiling():  # the values of cu_seqlens are checked by the op (on real tensors)
+        out = torch.ops.samepath.causal_conv1d(x, weight, bias, cu_seqlens, state, activation, bool(validate))
     else:
+        if validate:
+            _check_cu_values(cu_seqlens, x.shape[0])
         out = _CausalConv1d.apply(x, weight, bias, cu_seqlens, state, activation)
     return out, next_state(x.detach(), cu_seqlens, None if state is None else state.detach(), width)
 
@@ -369,12 +385,15 @@ def _causal_conv1d_op(
     cu_seqlens: torch.Tensor,
     state: torch.Tensor | None,
     activation: str | None,
+    validate: bool = True,
 ) -> torch.Tensor:
+    if validate:
+        _check_cu_values(cu_seqlens, x.shape[0])
     return _launch(x, weight, bias, cu_seqlens, state, activation)
 
 
 @_causal_conv1d_op.register_fake
-def _(x, weight, bias, cu_seqlens, state, activation):
+def _(x, weight, bias, cu_seqlens, state, activation, validate=True):
     return x.new_empty(x.shape)
 
 
@@ -403,7 +422,7 @@ def _(x, weight, bias, cu_seqlens, state, activation, d_out):
 
 
 def _causal_conv1d_setup(ctx, inputs, output):
-    x, weight, bias, cu_seqlens, state, ctx.activation = inputs
+    x, weight, bias, cu_seqlens, state, ctx.activation, _validate = inputs
     ctx.has_bias = bias is not None
     ctx.save_for_backward(x, weight, bias, cu_seqlens, state)
 
@@ -411,7 +430,7 @@ def _causal_conv1d_setup(ctx, inputs, output):
 def _causal_conv1d_grad(ctx, d_out):
     x, weight, bias, cu_seqlens, state = ctx.saved_tensors
     dx, dw, db = torch.ops.samepath.causal_conv1d_backward(x, weight, bias, cu_seqlens, state, ctx.activation, d_out)
-    return dx, dw, db if ctx.has_bias else None, None, None, None
+    return dx, dw, db if ctx.has_bias else None, None, None, None, None
 
 
 _causal_conv1d_op.register_autograd(_causal_conv1d_grad, setup_context=_causal_conv1d_setup)

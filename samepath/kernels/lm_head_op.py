@@ -18,6 +18,7 @@ from samepath.kernels.logprobs import (
     LM_HEAD_TOKEN_CHUNK,
     LinearTokenLogprobsFunction,
     check_labels,
+    check_linear_logprobs_args,
     check_temperature,
     resolve_config,
 )
@@ -131,16 +132,7 @@ def compiled_linear_token_logprobs(
             "samepath.linear_token_logprobs(config=...) under torch.compile: a row-reduce config is for tuning and "
             "tests and is not an argument of torch.ops.samepath.linear_token_logprobs; call it eagerly"
         )
-    if not isinstance(hidden, torch.Tensor) or hidden.dim() < 1:
-        raise ValueError("hidden must be a tensor [..., H] with at least one dimension")
-    if not isinstance(weight, torch.Tensor) or weight.dim() != 2 or weight.shape[1] != hidden.shape[-1]:
-        raise ValueError(f"weight must be [V, H] with H = hidden.shape[-1] = {hidden.shape[-1]}")
-    if weight.dtype != hidden.dtype or weight.device != hidden.device:
-        raise ValueError(
-            f"weight ({weight.dtype}, {weight.device}) must match hidden ({hidden.dtype}, {hidden.device})"
-        )
-    if isinstance(token_chunk, bool) or not isinstance(token_chunk, int) or token_chunk < 1:
-        raise ValueError(f"token_chunk must be a positive int, got {token_chunk!r}")
+    check_linear_logprobs_args(hidden, weight, token_chunk)
     if not isinstance(save_logits, bool):
         raise ValueError(f"save_logits must be a bool, got {save_logits!r}")
     lead = hidden.shape[:-1]

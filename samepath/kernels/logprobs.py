@@ -633,6 +633,28 @@ def _streamed_backward(ctx, hidden2d, weight, labels_flat, lse, ent, grad_lp, gr
     return grad_hidden, grad_weight.to(weight.dtype) if want_weight else None
 
 
+def check_linear_logprobs_args(
+    hidden: torch.Tensor, weight: torch.Tensor, token_chunk: int, *, same_dtype: bool = True
+) -> None:
+    """``ValueError`` naming the argument unless :func:`linear_token_logprobs` takes ``hidden [..., H]``,
+    ``weight [V, H]`` (a supported dtype, ``hidden``'s dtype and device) and ``token_chunk`` (a positive
+    int). ``same_dtype=False`` leaves the dtypes to a caller that casts both next (autocast)."""
+    if not isinstance(hidden, torch.Tensor) or hidden.dim() < 1:
+        raise ValueError("hidden must be a tensor [..., H] with at least one dimension")
+    if not isinstance(weight, torch.Tensor) or weight.dim() != 2 or weight.shape[1] != hidden.shape[-1]:
+        got = tuple(weight.shape) if isinstance(weight, torch.Tensor) else type(weight).__name__
+        raise ValueError(f"weight must be [V, H] with H = hidden.shape[-1] = {hidden.shape[-1]}, got {got}")
+    if same_dtype:
+        dtype_name(hidden.dtype, "hidden.dtype")
+        check_logits(weight.t(), "weight")
+    if (same_dtype and weight.dtype != hidden.dtype) or weight.device != hidden.device:
+        raise ValueError(
+            f"weight ({weight.dtype}, {weight.device}) must match hidden ({hidden.dtype}, {hidden.device})"
+        )
+    if isinstance(token_chunk, bool) or not isinstance(token_chunk, int) or token_chunk < 1:
+        raise ValueError(f"token_chunk must be a positive int, got {token_chunk!r}")
+
+
 @compiled_by("linear_token_logprobs")  # torch.compile: samepath::linear_token_logprobs (lm_head_op.py)
 def linear_token_logprobs(
     hidden: torch.Tensor,
@@ -679,19 +701,7 @@ def linear_token_logprobs(
         four, and half the memory of the fp32 upcast a stock loss holds; without one (or with
         ``save_logits=False``), only ``[token_chunk, vocab]`` logits exist at a time.
     """
-    if not isinstance(hidden, torch.Tensor) or hidden.dim() < 1:
-        raise ValueError("hidden must be a tensor [..., H] with at least one dimension")
-    if not isinstance(weight, torch.Tensor) or weight.dim() != 2 or weight.shape[1] != hidden.shape[-1]:
-        got = tuple(weight.shape) if isinstance(weight, torch.Tensor) else type(weight).__name__
-        raise ValueError(f"weight must be [V, H] with H = hidden.shape[-1] = {hidden.shape[-1]}, got {got}")
-    dtype_name(hidden.dtype, "hidden.dtype")
-    check_logits(weight.t(), "weight")
-    if weight.dtype != hidden.dtype or weight.device != hidden.device:
-        raise ValueError(
-            f"weight ({weight.dtype}, {weight.device}) must match hidden ({hidden.dtype}, {hidden.device})"
-        )
-    if isinstance(token_chunk, bool) or not isinstance(token_chunk, int) or token_chunk < 1:
-        raise ValueError(f"token_chunk must be a positive int, got {token_chunk!r}")
+    check_linear_logprobs_args(hidden, weight, token_chunk)
     temperature = check_temperature(temperature)
     softcap = check_softcap(softcap)
     check_labels(labels, hidden, weight.shape[0], ignore_index, validate=validate)
@@ -773,6 +783,7 @@ __all__ = [
     "LM_HEAD_TOKEN_CHUNK",
     "LOGPROBS_FORMULA",
     "check_labels",
+    "check_linear_logprobs_args",
     "check_logits",
     "check_temperature",
     "linear_token_logprobs",

@@ -51,6 +51,7 @@ import torch
 
 from samepath.kernels.attention.api import packed_attention, paged_attention, varlen_attention
 from samepath.kernels.attention.batch import LaunchPlan
+from samepath.kernels.attention.kv_cache import write_kv_cache
 from samepath.kernels.checks import check_operands
 from samepath.kernels.config import check_head_size, is_wide_head, register_formula
 from samepath.kernels.matmul import launch
@@ -207,6 +208,17 @@ def _check_latent(query: torch.Tensor, kv_head_size: int, latent: int) -> None:
         raise ValueError(f"kv_lora_rank = {latent} must be below the latent head size {kv_head_size}")
 
 
+def _absorbed(
+    q_nope: torch.Tensor, q_pe: torch.Tensor, c_kv: torch.Tensor, k_pe: torch.Tensor, w_uk: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The absorbed query, the latent key ``[c_kv, k_pe]`` and its value view ``c_kv`` (checked)."""
+    query = mla_query(q_nope, q_pe, w_uk)
+    kv = mla_latent_kv(c_kv, k_pe)
+    latent = w_uk.shape[2]
+    _check_latent(query, kv.shape[-1], latent)
+    return query, kv, kv[..., :latent]
+
+
 def mla_attention(
     q_nope: torch.Tensor,
     q_pe: torch.Tensor,
@@ -232,11 +244,8 @@ def mla_attention(
 
     Each row is bit-identical to :func:`mla_packed_attention` and :func:`mla_paged_attention` for the
     same token however the rollout batched, chunked or paged it."""
-    query = mla_query(q_nope, q_pe, w_uk)
-    kv = mla_latent_kv(c_kv, k_pe)
-    latent = w_uk.shape[2]
-    _check_latent(query, kv.shape[-1], latent)
-    out = varlen_attention(query, kv, kv[..., :latent], cu_seqlens, scale, True, validate=validate, plan=plan)
+    query, kv, value = _absorbed(q_nope, q_pe, c_kv, k_pe, w_uk)
+    out = varlen_attention(query, kv, value, cu_seqlens, scale, True, validate=validate, plan=plan)
     return mla_output(out, w_uv)
 
 
@@ -257,11 +266,7 @@ def mla_packed_attention(
     """MLA of each sequence's newest queries over its contiguous latent cache (Hugging Face
     ``generate``; no grad): ``c_kv [total_kv, L]``, ``k_pe [total_kv, R]`` hold every cached token,
     ``cu_seqlens_*`` as in :func:`samepath.kernels.attention.api.packed_attention`."""
-    query = mla_query(q_nope, q_pe, w_uk)
-    kv = mla_latent_kv(c_kv, k_pe)
-    latent = w_uk.shape[2]
-    _check_latent(query, kv.shape[-1], latent)
-    value = kv[..., :latent]
+    query, kv, value = _absorbed(q_nope, q_pe, c_kv, k_pe, w_uk)
     out = packed_attention(query, kv, value, cu_seqlens_q, cu_seqlens_kv, scale, validate=validate, plan=plan)
     return mla_output(out, w_uv)
 
@@ -279,20 +284,28 @@ def _four_d(latent_cache: torch.Tensor) -> torch.Tensor:
 
 
 def write_mla_cache(
-    c_kv: torch.Tensor, k_pe: torch.Tensor, latent_cache: torch.Tensor, slot_mapping: torch.Tensor
+    c_kv: torch.Tensor,
+    k_pe: torch.Tensor,
+    latent_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    *,
+    validate: bool = True,
 ) -> None:
     """Copy each token's ``[c_kv, k_pe]`` row into ``latent_cache [num_blocks, block_size, 1, L + R]``
     (or vLLM's ``[num_blocks, block_size, L + R]``) at ``slot_mapping`` (page ``slot // block_size``, row
-    ``slot % block_size``; negative slots are skipped). An exact copy."""
+    ``slot % block_size``; negative slots are skipped). An exact copy, on
+    :func:`samepath.kernels.attention.write_kv_cache` (the latent row as the key and the value of one KV
+    head, the cache as both caches): ``validate`` as there (one host read; off where the caller built
+    ``slot_mapping``: a slot past the cache is then skipped, never written)."""
     latent_cache = _four_d(latent_cache)
-    kv = mla_latent_kv(c_kv, k_pe).to(latent_cache.dtype)
+    kv = mla_latent_kv(c_kv, k_pe)
+    if kv.dtype != latent_cache.dtype:
+        raise ValueError(
+            f"latent_cache dtype {latent_cache.dtype} differs from the latent row's (c_kv, k_pe) {kv.dtype}"
+        )
     if kv.shape[-1] != latent_cache.shape[-1]:
         raise ValueError(f"latent row size {kv.shape[-1]} differs from latent_cache's {latent_cache.shape[-1]}")
-    if slot_mapping.dim() != 1 or slot_mapping.shape[0] != kv.shape[0]:
-        raise ValueError(f"slot_mapping must be [num_tokens] = [{kv.shape[0]}], got {tuple(slot_mapping.shape)}")
-    keep = slot_mapping >= 0
-    flat = latent_cache.view(-1, latent_cache.shape[-1])
-    flat[slot_mapping[keep].long()] = kv[keep, 0]
+    write_kv_cache(kv, kv, latent_cache, latent_cache, slot_mapping, validate=validate)
 
 
 def mla_paged_attention(

@@ -59,8 +59,12 @@ class TrainCheckSpec:
     transport: str = "shm"  #: how rollout "vllm" receives the weights: "shm" or "rpc"
 
     def __post_init__(self) -> None:
+        from samepath.rl.vllm_workers import TRANSPORTS
+
         if self.rollout not in ROLLOUTS:
             raise ValueError(f"rollout must be one of {', '.join(ROLLOUTS)}, got {self.rollout!r}")
+        if self.transport not in TRANSPORTS:
+            raise ValueError(f"transport must be one of {', '.join(TRANSPORTS)}, got {self.transport!r}")
 
 
 #: The rollout engines of :class:`TrainCheckSpec`.

@@ -26,6 +26,9 @@ from collections.abc import Iterator
 
 import torch
 
+#: The weight dtypes the vLLM rollouts serve (and the weight transports send), by vLLM's name.
+WEIGHT_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
 
 class VLLMRollout:
     """A ``vllm.LLM`` on ``model_dir`` (Hugging Face layout, token ids in, no tokenizer) serving
@@ -47,7 +50,7 @@ class VLLMRollout:
     ) -> None:
         from vllm import LLM
 
-        names = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
+        names = {dtype: name for name, dtype in WEIGHT_DTYPES.items()}
         if weight_dtype not in names:
             raise ValueError(f"weight_dtype must be one of {', '.join(map(str, names))}, got {weight_dtype}")
         self.weight_dtype = weight_dtype
@@ -132,4 +135,4 @@ class VLLMRollout:
         return tokens, logprobs
 
 
-__all__ = ["VLLMRollout"]
+__all__ = ["WEIGHT_DTYPES", "VLLMRollout"]

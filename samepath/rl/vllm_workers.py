@@ -50,7 +50,7 @@ from contextlib import contextmanager
 
 import torch
 
-from samepath.rl.vllm_engine import VLLMRollout
+from samepath.rl.vllm_engine import WEIGHT_DTYPES, VLLMRollout
 
 #: ``worker_extension_cls`` for ``vllm.LLM``.
 EXTENSION = "samepath.rl.vllm_workers.SamepathWorkerExtension"
@@ -59,8 +59,6 @@ TRANSPORTS = ("shm", "rpc")
 #: Every weight's bytes start at a multiple of this in the buffer.
 ALIGN = 64
 
-_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
-
 
 def pack_weights(weights: dict[str, torch.Tensor]) -> tuple[list[list], bytearray]:
     """Every tensor's bytes, each at an offset aligned to :data:`ALIGN`, in one buffer; and per
@@ -68,8 +66,8 @@ def pack_weights(weights: dict[str, torch.Tensor]) -> tuple[list[list], bytearra
     layout, offset = [], 0
     for name, tensor in weights.items():
         dtype = str(tensor.dtype).removeprefix("torch.")
-        if dtype not in _DTYPES:
-            raise ValueError(f"weight {name} is {tensor.dtype}; samepath sends {', '.join(_DTYPES)} weights")
+        if dtype not in WEIGHT_DTYPES:
+            raise ValueError(f"weight {name} is {tensor.dtype}; samepath sends {', '.join(WEIGHT_DTYPES)} weights")
         layout.append([name, dtype, list(tensor.shape), offset])
         offset += -(-tensor.numel() * tensor.element_size() // ALIGN) * ALIGN
     buffer = bytearray(offset)
@@ -84,7 +82,7 @@ def unpack_weights(layout: list[list], flat: torch.Tensor) -> list[tuple[str, to
     """The tensors of :func:`pack_weights`' ``layout``, views of the ``uint8`` tensor ``flat``."""
     out = []
     for name, dtype, shape, offset in layout:
-        dt = _DTYPES[dtype]
+        dt = WEIGHT_DTYPES[dtype]
         count = 1
         for size in shape:
             count *= size

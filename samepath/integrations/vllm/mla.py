@@ -127,7 +127,7 @@ def update_kv_cache(
         return
     n = slot_mapping.shape[0]
     # vLLM's [num_blocks, block_size, L + R] latent cache is samepath's with the one KV head squeezed.
-    write_mla_cache(kv_c_normed[:n], k_pe[:n], kv_cache, slot_mapping.flatten())
+    write_mla_cache(kv_c_normed[:n], k_pe[:n], kv_cache, slot_mapping.flatten(), validate=False)  # vLLM's own slots
 
 
 def forward_impl(

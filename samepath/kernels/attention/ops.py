@@ -124,6 +124,15 @@ def compiled_varlen_attention(
     return torch.ops.samepath.varlen_attention(query, key, value, cu_seqlens, sinks, *args)[0]
 
 
+def _run_inference(batch: AttentionBatch, sinks: torch.Tensor | None, split_kv: bool | None) -> torch.Tensor:
+    """The packed and paged ops' forward of a built batch (with its sinks, if any)."""
+    if sinks is not None:
+        batch = dataclasses.replace(batch, sinks=check_sinks(sinks, batch.query))
+    out = _output_like(batch.query, batch.value)
+    run_forward(batch, out, store_lse=False, split_kv=split_kv)
+    return out
+
+
 @torch.library.custom_op(register("packed_attention"), mutates_args=())
 def _packed_op(
     query: torch.Tensor,
@@ -144,11 +153,7 @@ def _packed_op(
         query, key, value, cu_seqlens_q, cu_seqlens_kv, scale, causal, sliding_window, None, validate, None,
         kv_start, softcap,
     )  # fmt: skip
-    if sinks is not None:
-        batch = dataclasses.replace(batch, sinks=check_sinks(sinks, batch.query))
-    out = _output_like(batch.query, batch.value)
-    run_forward(batch, out, store_lse=False, split_kv=split_kv)
-    return out
+    return _run_inference(batch, sinks, split_kv)
 
 
 @_packed_op.register_fake
@@ -176,11 +181,7 @@ def _paged_op(
         query, key_cache, value_cache, block_table, query_start_loc, seq_lens, scale, causal, sliding_window,
         None, validate, None, softcap,
     )  # fmt: skip
-    if sinks is not None:
-        batch = dataclasses.replace(batch, sinks=check_sinks(sinks, batch.query))
-    out = _output_like(batch.query, batch.value)
-    run_forward(batch, out, store_lse=False, split_kv=split_kv)
-    return out
+    return _run_inference(batch, sinks, split_kv)
 
 
 @_paged_op.register_fake
@@ -203,7 +204,7 @@ _packed_op.register_autograd(_no_grad_op("packed_attention"), setup_context=_no_
 _paged_op.register_autograd(_no_grad_op("paged_attention"), setup_context=_no_setup)
 
 
-def _scalars(query, scale, causal, sliding_window, softcap, validate, split_kv) -> tuple:
+def _scalars(scale, causal, sliding_window, softcap, validate, split_kv) -> tuple:
     softcap = None if softcap is None else float(softcap)
     return float(scale), bool(causal), sliding_window, softcap, bool(validate), split_kv
 
@@ -214,7 +215,7 @@ def compiled_packed_attention(
 ) -> torch.Tensor:  # fmt: skip
     """:func:`~samepath.kernels.attention.packed_attention` while Dynamo traces."""
     refuse_config(config, "packed_attention")
-    scalars = _scalars(query, scale, causal, sliding_window, softcap, validate, split_kv)
+    scalars = _scalars(scale, causal, sliding_window, softcap, validate, split_kv)
     return torch.ops.samepath.packed_attention(
         query, key, value, cu_seqlens_q, cu_seqlens_kv, kv_start, sinks, *scalars
     )
@@ -226,7 +227,7 @@ def compiled_paged_attention(
 ) -> torch.Tensor:  # fmt: skip
     """:func:`~samepath.kernels.attention.paged_attention` while Dynamo traces (``out`` is written by a copy)."""
     refuse_config(config, "paged_attention")
-    scalars = _scalars(query, scale, causal, sliding_window, softcap, validate, split_kv)
+    scalars = _scalars(scale, causal, sliding_window, softcap, validate, split_kv)
     result = torch.ops.samepath.paged_attention(
         query, key_cache, value_cache, block_table, query_start_loc, seq_lens, sinks, *scalars
     )
