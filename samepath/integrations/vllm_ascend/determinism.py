@@ -124,9 +124,10 @@ def check_nz_mode(ascend_config: Any) -> None:
         )
 
 
-def patch_nz_config(patcher: Patcher) -> bool:
-    """``AscendConfig.__init__`` followed by :func:`check_nz_mode` (the class is patched, not the
-    ``init_ascend_config`` function, which the worker and platform modules import by name)."""
+def check_after_ascend_config_init(patcher: Patcher, check: Callable[[Any], None]) -> bool:
+    """``AscendConfig.__init__`` followed by ``check(config)`` (the class is patched, not the
+    ``init_ascend_config`` function, which the worker and platform modules import by name); False
+    where the installed tree has no ``AscendConfig``."""
     owner = getattr(optional_module("vllm_ascend.ascend_config"), "AscendConfig", None)
     if owner is None:
         return False
@@ -134,15 +135,21 @@ def patch_nz_config(patcher: Patcher) -> bool:
 
     def __init__(self, *args, **kwargs):
         original_init(self, *args, **kwargs)
-        check_nz_mode(self)
+        check(self)
 
     patcher.set(owner, "__init__", __init__)
     return True
 
 
+def patch_nz_config(patcher: Patcher) -> bool:
+    """``AscendConfig.__init__`` followed by :func:`check_nz_mode`."""
+    return check_after_ascend_config_init(patcher, check_nz_mode)
+
+
 __all__ = [
     "DETERMINISM_ENV",
     "DeterminismEnvError",
+    "check_after_ascend_config_init",
     "check_nz_mode",
     "communicator_initialized",
     "ensure_environment",

@@ -37,6 +37,7 @@ from samepath.integrations.vllm.sampler import (
     penalties,
     top_k_top_p,
 )
+from samepath.integrations.vllm_ascend.determinism import check_after_ascend_config_init
 from samepath.integrations.vllm_ascend.state import INSTALLED, set_original
 
 ASCEND_SAMPLER_MODULE = "vllm_ascend.sample.sampler"
@@ -109,17 +110,7 @@ def check_reduce_sample(ascend_config: Any) -> None:
 
 def patch_reduce_sample_refusal(patcher: Patcher) -> bool:
     """``AscendConfig.__init__`` followed by :func:`check_reduce_sample`, where the tree has it."""
-    owner = getattr(optional_module("vllm_ascend.ascend_config"), "AscendConfig", None)
-    if owner is None:
-        return False
-    original_init = owner.__init__
-
-    def __init__(self, *args, **kwargs):
-        original_init(self, *args, **kwargs)
-        check_reduce_sample(self)
-
-    patcher.set(owner, "__init__", __init__)
-    return True
+    return check_after_ascend_config_init(patcher, check_reduce_sample)
 
 
 def patch_sampling_refusals(patcher: Patcher) -> bool:
