@@ -59,6 +59,27 @@ register_formula("causal_conv1d", CAUSAL_CONV1D_FORMULA)
 
 
 @jit
+def _tap_input(X, State, rows, cols, seq, start, mask, j, D, WIDTH: tl.constexpr, HAS_STATE: tl.constexpr):
+    """Tap ``j``'s fp32 input ``[BLOCK_T, BLOCK_D]`` for output rows ``rows``: ``X[rows - (WIDTH - 1) + j]``
+    inside the row's sequence (first row ``start``), before it the sequence's conv state ``State[seq]``
+    (with ``HAS_STATE``; else 0). The forward and the weight gradient read their taps through it."""
+    src = rows - (WIDTH - 1) + j
+    inside = src >= start
+    xv = tl.load(X + src.to(tl.int64)[:, None] * D + cols[None, :], mask=mask & inside[:, None], other=0.0).to(
+        tl.float32
+    )
+    if HAS_STATE:
+        slot = (WIDTH - 1) + src - start
+        sv = tl.load(
+            State + (seq.to(tl.int64) * D)[:, None] * (WIDTH - 1) + cols[None, :] * (WIDTH - 1) + slot[:, None],
+            mask=mask & (src < start)[:, None],
+            other=0.0,
+        ).to(tl.float32)
+        xv = tl.where(inside[:, None], xv, sv)
+    return xv
+
+
+@jit
 def _causal_conv1d_kernel(
     X,
     W,
@@ -96,20 +117,8 @@ def _causal_conv1d_kernel(
     else:
         acc = tl.zeros((BLOCK_T, BLOCK_D), dtype=tl.float32)
     for j in tl.static_range(WIDTH):
-        src = rows - (WIDTH - 1) + j
-        inside = src >= start
         w = tl.load(W + cols * WIDTH + j, mask=col_ok, other=0.0).to(tl.float32)
-        xv = tl.load(X + src.to(tl.int64)[:, None] * D + cols[None, :], mask=mask & inside[:, None], other=0.0).to(
-            tl.float32
-        )
-        if HAS_STATE:
-            slot = (WIDTH - 1) + src - start
-            sv = tl.load(
-                State + (seq.to(tl.int64) * D)[:, None] * (WIDTH - 1) + cols[None, :] * (WIDTH - 1) + slot[:, None],
-                mask=mask & (src < start)[:, None],
-                other=0.0,
-            ).to(tl.float32)
-            xv = tl.where(inside[:, None], xv, sv)
+        xv = _tap_input(X, State, rows, cols, seq, start, mask, j, D, WIDTH, HAS_STATE)
         acc = acc + w[None, :] * xv
     offs = rows.to(tl.int64)[:, None] * D + cols[None, :]
     if BACKWARD:
@@ -182,19 +191,7 @@ def _causal_conv1d_dw_kernel(
         if j < WIDTH:
             seq = tl.load(SeqId + rows, mask=row_ok, other=0)
             start = tl.load(Starts + rows, mask=row_ok, other=0)
-            src = rows - (WIDTH - 1) + j
-            inside = src >= start
-            xv = tl.load(X + src.to(tl.int64)[:, None] * D + cols[None, :], mask=mask & inside[:, None], other=0.0).to(
-                tl.float32
-            )
-            if HAS_STATE:
-                slot = (WIDTH - 1) + src - start
-                sv = tl.load(
-                    State + (seq.to(tl.int64) * D)[:, None] * (WIDTH - 1) + cols[None, :] * (WIDTH - 1) + slot[:, None],
-                    mask=mask & (src < start)[:, None],
-                    other=0.0,
-                ).to(tl.float32)
-                xv = tl.where(inside[:, None], xv, sv)
+            xv = _tap_input(X, State, rows, cols, seq, start, mask, j, D, WIDTH, HAS_STATE)
             acc = acc + dv * xv
         else:
             acc = acc + dv
