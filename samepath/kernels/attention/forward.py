@@ -86,6 +86,76 @@ def _kv_tile_offsets(
 
 
 @jit
+def _kv_tile(
+    offs_n,
+    kv_len,
+    kv_pos0,
+    seq,
+    kv_row_start,
+    block_table,
+    stride_table_seq,
+    stride_k_page,
+    stride_k_pos,
+    stride_v_page,
+    stride_v_pos,
+    kv_rows,
+    PAGE_SIZE: tl.constexpr,
+    PAGED: tl.constexpr,
+    KV_OFFSET: tl.constexpr,
+):
+    """The KV tile at absolute positions ``offs_n``: :func:`_kv_tile_offsets` of its keys (with
+    ``KV_OFFSET`` key ``j`` sits at position ``kv_pos0 + j``; positions before it have no key), whether
+    each lies inside the caches, and ``kv_valid``: inside and one of the sequence's keys."""
+    key_index = offs_n
+    num_keys = kv_len
+    if KV_OFFSET:
+        key_index = offs_n - kv_pos0
+        num_keys = kv_len - kv_pos0
+    k_rows, v_rows, inside = _kv_tile_offsets(
+        key_index,
+        num_keys,
+        seq,
+        kv_row_start,
+        block_table,
+        stride_table_seq,
+        stride_k_page,
+        stride_k_pos,
+        stride_v_page,
+        stride_v_pos,
+        kv_rows,
+        PAGE_SIZE,
+        PAGED,
+    )
+    if KV_OFFSET:
+        inside = inside & (key_index >= 0)
+    kv_valid = (key_index < num_keys) & inside
+    return k_rows, v_rows, inside, kv_valid
+
+
+@jit
+def _online_softmax_step(
+    scores, m_i, l_i, acc, V, v_rows, kv_head, stride_v_head, offs_dv, kv_valid, dv_valid, DOT_PRECISION: tl.constexpr
+):
+    """One KV tile's online-softmax update of ``(m, l, acc)`` from its masked, scaled ``scores``
+    (base 2) and its value rows (``v_rows`` of ``V`` at head ``kv_head``; ``offs_dv`` of its columns,
+    ``dv_valid`` of them real)."""
+    m_new = tl.maximum(m_i, tl.max(scores, 1))
+    m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_shift)
+    p = tl.exp2(scores - m_shift[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+
+    v = tl.load(
+        V + v_rows[:, None] + kv_head * stride_v_head + offs_dv[None, :],
+        mask=kv_valid[:, None] & dv_valid[None, :],
+        other=0.0,
+    )
+    acc = acc * alpha[:, None]
+    acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
+    return m_new, l_i, acc
+
+
+@jit
 def _segment_state(
     q,
     pos_q,
@@ -140,14 +210,10 @@ def _segment_state(
     acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
     for tile_start in range(tile_begin, tile_end, TILE_N):
         offs_n = tile_start + tl.arange(0, TILE_N)
-        key_index = offs_n
-        num_keys = kv_len
-        if KV_OFFSET:
-            key_index = offs_n - kv_pos0
-            num_keys = kv_len - kv_pos0
-        k_rows, v_rows, inside = _kv_tile_offsets(
-            key_index,
-            num_keys,
+        k_rows, v_rows, inside, kv_valid = _kv_tile(
+            offs_n,
+            kv_len,
+            kv_pos0,
             seq,
             kv_row_start,
             block_table,
@@ -159,10 +225,8 @@ def _segment_state(
             kv_rows,
             PAGE_SIZE,
             PAGED,
+            KV_OFFSET,
         )
-        if KV_OFFSET:
-            inside = inside & (key_index >= 0)
-        kv_valid = (key_index < num_keys) & inside
         k = tl.load(
             K + k_rows[None, :] + kv_head * stride_k_head + offs_d[:, None],
             mask=kv_valid[None, :] & d_valid[:, None],
@@ -174,20 +238,9 @@ def _segment_state(
         visible = visible_mask(pos_q, offs_n, kv_len, sliding_window, CAUSAL, HAS_WINDOW) & inside[None, :]
         scores = tl.where(visible, scores * qk_scale, float("-inf"))
 
-        m_new = tl.maximum(m_i, tl.max(scores, 1))
-        m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_i - m_shift)
-        p = tl.exp2(scores - m_shift[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-
-        v = tl.load(
-            V + v_rows[:, None] + kv_head * stride_v_head + offs_dv[None, :],
-            mask=kv_valid[:, None] & dv_valid[None, :],
-            other=0.0,
+        m_i, l_i, acc = _online_softmax_step(
+            scores, m_i, l_i, acc, V, v_rows, kv_head, stride_v_head, offs_dv, kv_valid, dv_valid, DOT_PRECISION
         )
-        acc = acc * alpha[:, None]
-        acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
-        m_i = m_new
     return m_i, l_i, acc
 
 
@@ -246,14 +299,10 @@ def _segment_state_wide(
     acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
     for tile_start in range(tile_begin, tile_end, TILE_N):
         offs_n = tile_start + tl.arange(0, TILE_N)
-        key_index = offs_n
-        num_keys = kv_len
-        if KV_OFFSET:
-            key_index = offs_n - kv_pos0
-            num_keys = kv_len - kv_pos0
-        k_rows, v_rows, inside = _kv_tile_offsets(
-            key_index,
-            num_keys,
+        k_rows, v_rows, inside, kv_valid = _kv_tile(
+            offs_n,
+            kv_len,
+            kv_pos0,
             seq,
             kv_row_start,
             block_table,
@@ -265,10 +314,8 @@ def _segment_state_wide(
             kv_rows,
             PAGE_SIZE,
             PAGED,
+            KV_OFFSET,
         )
-        if KV_OFFSET:
-            inside = inside & (key_index >= 0)
-        kv_valid = (key_index < num_keys) & inside
         scores = tl.zeros([BLOCK_M, TILE_N], dtype=tl.float32)
         for d_start in range(0, HEAD_SIZE, D_CHUNK):
             q = tl.load(q_base + d_start + offs_c[None, :], mask=row_valid[:, None], other=0.0)
@@ -283,20 +330,9 @@ def _segment_state_wide(
         visible = visible_mask(pos_q, offs_n, kv_len, sliding_window, CAUSAL, HAS_WINDOW) & inside[None, :]
         scores = tl.where(visible, scores * qk_scale, float("-inf"))
 
-        m_new = tl.maximum(m_i, tl.max(scores, 1))
-        m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_i - m_shift)
-        p = tl.exp2(scores - m_shift[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-
-        v = tl.load(
-            V + v_rows[:, None] + kv_head * stride_v_head + offs_dv[None, :],
-            mask=kv_valid[:, None] & dv_valid[None, :],
-            other=0.0,
+        m_i, l_i, acc = _online_softmax_step(
+            scores, m_i, l_i, acc, V, v_rows, kv_head, stride_v_head, offs_dv, kv_valid, dv_valid, DOT_PRECISION
         )
-        acc = acc * alpha[:, None]
-        acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
-        m_i = m_new
     return m_i, l_i, acc
 
 
